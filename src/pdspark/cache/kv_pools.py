@@ -1,0 +1,130 @@
+"""`KVPools`: every tensor of the DSV4 cache, laid out as in the seed design.
+
+| pool         | rows addressed by                                   | row content                         |
+|--------------|-----------------------------------------------------|-------------------------------------|
+| swa_kv       | SWA slot (`swa_page * page_size + pos % page_size`) | raw K=V latent, every layer         |
+| c4_kv        | `full_slot // csa_ratio`                            | compressed KV, CSA layers           |
+| c4_index     | `full_slot // csa_ratio`                            | compressed indexer key, CSA layers  |
+| c128_kv      | `c128_page * c128_page_size + g % c128_page_size`   | compressed KV, HCA layers           |
+| c4_state     | `swa_page * csa_ring + pos % csa_ring`              | fp32 `[kv | score]`, page-scoped    |
+| c4_index_state | same as c4_state                                  | indexer compressor state            |
+| c128_state   | `req_slot * hca_ring + pos % hca_ring`              | fp32 `[kv | score]`, request-scoped |
+
+Every pool ends with a dummy row (the SWA pool with a dummy page) that padded or invalid positions map to, so
+gathers never see a negative index. State dummy rows hold `kv = 0, score = -inf`, which gives them zero weight in
+the compressor softmax.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pdspark.config import PoolSizes
+from pdspark.model.model_config import ModelConfig
+
+
+class LayerCache(NamedTuple):
+    """Views of one layer's pools (None where the layer type has no such pool)."""
+
+    swa_kv: torch.Tensor  # [swa_rows + page, head_dim]
+    comp_kv: torch.Tensor | None  # c4_kv or c128_kv layer view
+    comp_state: torch.Tensor | None  # [rows + 1, 2 * coff * head_dim] fp32
+    index_kv: torch.Tensor | None  # [c4 rows + 1, index_head_dim]
+    index_state: torch.Tensor | None
+
+
+class KVPools:
+    def __init__(self, model: ModelConfig, sizes: PoolSizes, dtype: torch.dtype, device: torch.device | str):
+        self.model = model
+        self.sizes = sizes
+        P = sizes.page_size
+        d, di = model.head_dim, model.index_head_dim
+        n_csa, n_hca = len(model.csa_layers), len(model.hca_layers)
+        c4_rows = sizes.num_full_slots // model.csa_ratio
+        c128_rows = sizes.num_c128_pages * sizes.c128_page_size
+        # [layers, (num_swa_pages + 1 dummy page) * page_size, head_dim]
+        self.swa_kv = torch.zeros(model.num_hidden_layers, (sizes.num_swa_pages + 1) * P, d, dtype=dtype, device=device)
+        # [csa layers, c4 rows + 1, head_dim] and [csa layers, c4 rows + 1, index_head_dim]
+        self.c4_kv = torch.zeros(n_csa, c4_rows + 1, d, dtype=dtype, device=device)
+        self.c4_index = torch.zeros(n_csa, c4_rows + 1, di, dtype=dtype, device=device)
+        # [hca layers, c128 rows + 1, head_dim]
+        self.c128_kv = torch.zeros(n_hca, c128_rows + 1, d, dtype=dtype, device=device)
+        # Compressor states: [layers, rows + 1, 2 * coff * dim]; CSA overlaps (coff 2), HCA does not (coff 1).
+        self.c4_state = _state(n_csa, sizes.num_swa_pages * sizes.csa_ring, 2 * d, device)
+        self.c4_index_state = _state(n_csa, sizes.num_swa_pages * sizes.csa_ring, 2 * di, device)
+        self.c128_state = _state(n_hca, sizes.num_req_slots * sizes.hca_ring, d, device)
+        self._csa_pos = {layer: i for i, layer in enumerate(model.csa_layers)}
+        self._hca_pos = {layer: i for i, layer in enumerate(model.hca_layers)}
+
+    # ---- dummy rows -----------------------------------------------------------------------------------------------
+    @property
+    def swa_dummy_page(self) -> int:
+        return self.sizes.num_swa_pages
+
+    @property
+    def swa_dummy_slot(self) -> int:
+        return self.sizes.num_swa_pages * self.sizes.page_size
+
+    @property
+    def c4_dummy_row(self) -> int:
+        return self.c4_kv.shape[1] - 1
+
+    @property
+    def c128_dummy_row(self) -> int:
+        return self.c128_kv.shape[1] - 1
+
+    @property
+    def c4_state_dummy_row(self) -> int:
+        return self.c4_state.shape[1] - 1
+
+    @property
+    def c128_state_dummy_row(self) -> int:
+        return self.c128_state.shape[1] - 1
+
+    def layer(self, layer_id: int) -> LayerCache:
+        swa = self.swa_kv[layer_id]
+        if layer_id in self._csa_pos:
+            i = self._csa_pos[layer_id]
+            return LayerCache(swa, self.c4_kv[i], self.c4_state[i], self.c4_index[i], self.c4_index_state[i])
+        if layer_id in self._hca_pos:
+            i = self._hca_pos[layer_id]
+            return LayerCache(swa, self.c128_kv[i], self.c128_state[i], None, None)
+        return LayerCache(swa, None, None, None, None)
+
+    def clear_c128_state_rows(self, rows: torch.Tensor) -> None:
+        """Reset request-ring rows to the empty state (kv = 0, score = -inf)."""
+        if self.c128_state.shape[0] and rows.numel():
+            self.c128_state[:, rows] = _cleared_like(self.c128_state[:, rows])
+
+    def check_dummy_rows(self) -> None:
+        """The dummy rows must never be written; a non-empty dummy row means an index escaped its mask."""
+        P = self.sizes.page_size
+        assert not self.swa_kv[:, self.swa_dummy_slot : self.swa_dummy_slot + P].any(), "SWA dummy page written"
+        assert not self.c4_kv[:, -1].any() and not self.c4_index[:, -1].any(), "C4 dummy row written"
+        assert not self.c128_kv[:, -1].any(), "C128 dummy row written"
+        for state in (self.c4_state, self.c4_index_state, self.c128_state):
+            if state.shape[0]:
+                half = state.shape[-1] // 2
+                assert not state[:, -1, :half].any(), "state dummy row kv written"
+                assert torch.isneginf(state[:, -1, half:]).all(), "state dummy row score written"
+
+
+def _state(n_layers: int, rows: int, kv_width: int, device) -> torch.Tensor:
+    # [layers, rows + 1 dummy, kv_width (kv) + kv_width (score)], fp32 as DSV4 keeps compressor state.
+    state = torch.zeros(n_layers, rows + 1, 2 * kv_width, dtype=torch.float32, device=device)
+    _clear(state)
+    return state
+
+
+def _clear(state: torch.Tensor) -> None:
+    half = state.shape[-1] // 2
+    state[..., :half] = 0.0
+    state[..., half:] = float("-inf")
+
+
+def _cleared_like(rows: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(rows)
+    _clear(out)
+    return out

@@ -1,0 +1,89 @@
+"""`PageAllocator`: hands out integer page ids from a fixed range; `RefCountedPageAllocator` adds sharing.
+
+Pure Python bookkeeping (no tensors): the pools that hold data are addressed by the ids handed out here.
+"""
+
+from __future__ import annotations
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, name: str = "pages"):
+        assert num_pages >= 0
+        self.name = name
+        self.num_pages = num_pages
+        # Free pages are popped from the end; reversed so that fresh allocations come out in ascending order,
+        # which keeps one request's pages contiguous (the transfer engine merges contiguous runs).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` pages. The caller checks `can_allocate` first; running short is a bug here."""
+        assert n <= len(self._free), f"{self.name}: asked for {n} pages, {len(self._free)} free"
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            assert p in self._used, f"{self.name}: double free of page {p}"
+            self._used.remove(p)
+            self._free.append(p)
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        assert len(free) == len(self._free), f"{self.name}: a page is on the free list twice"
+        assert not (free & self._used), f"{self.name}: a page is both free and used"
+        assert len(free) + len(self._used) == self.num_pages, f"{self.name}: free + used != total"
+        assert all(0 <= p < self.num_pages for p in free | self._used), f"{self.name}: page id out of range"
+
+
+class RefCountedPageAllocator(PageAllocator):
+    """Pages with several holders (request rows and radix nodes). A page returns to the free list at refcount 0."""
+
+    def __init__(self, num_pages: int, name: str = "pages"):
+        super().__init__(num_pages, name)
+        self.refcount: dict[int, int] = {}
+
+    def allocate(self, n: int) -> list[int]:
+        pages = super().allocate(n)
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def retain(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcount.get(p, 0) > 0, f"{self.name}: retain of free page {p}"
+            self.refcount[p] += 1
+
+    def release(self, pages: list[int]) -> list[int]:
+        """Drop one reference from each page; returns the pages that became free."""
+        freed = []
+        for p in pages:
+            count = self.refcount.get(p, 0)
+            assert count > 0, f"{self.name}: release of free page {p}"
+            if count == 1:
+                del self.refcount[p]
+                freed.append(p)
+            else:
+                self.refcount[p] = count - 1
+        super().free(freed)
+        return freed
+
+    def free(self, pages: list[int]) -> None:
+        raise AssertionError("refcounted pages are released, not freed")
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        assert set(self.refcount) == self._used, f"{self.name}: refcount keys differ from used pages"
+        assert all(c > 0 for c in self.refcount.values()), f"{self.name}: non-positive refcount"

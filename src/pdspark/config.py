@@ -1,0 +1,139 @@
+"""Engine configuration: frozen dataclasses, validated once, composed by `EngineConfig`.
+
+The model architecture (`ModelConfig`) comes from the checkpoint; these are the serving knobs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pdspark.errors import ConfigError, check_choice
+from pdspark.model.model_config import ModelConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged memory. Unset pool sizes are derived from the scheduler limits (see `PoolSizes.derive`)."""
+
+    page_size: int = 64
+    # C128 compressed entries per C128 page; one page covers `hca_ratio * c128_page_size` tokens. 0 = smallest
+    # value whose token span is a multiple of `page_size`.
+    c128_page_size: int = 0
+    num_full_pages: int | None = None
+    num_swa_pages: int | None = None
+    num_c128_pages: int | None = None
+    # Draft tokens a verify step may write past the committed length (sizes the compressor-state rings).
+    max_draft_tokens: int = 0
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise ConfigError("`page_size` must be positive")
+        if self.max_draft_tokens < 0:
+            raise ConfigError("`max_draft_tokens` must be >= 0")
+        for name in ("num_full_pages", "num_swa_pages", "num_c128_pages"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"`{name}` must be positive when set")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    # Token budget of one step (prefill chunks + decode tokens).
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"`{name}` must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running request must be able to decode in the same step.
+            raise ConfigError("`max_num_batched_tokens` must be >= `max_num_seqs`")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("dtype", self.dtype, DTYPES)
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """Concrete pool geometry for one model + engine config. All counts exclude the dummy rows."""
+
+    page_size: int
+    num_full_pages: int
+    num_swa_pages: int
+    c128_page_size: int
+    num_c128_pages: int
+    num_req_slots: int
+    max_model_len: int
+    # Compressor-state ring rows: per SWA page for CSA (page-scoped), per request slot for HCA.
+    csa_ring: int
+    hca_ring: int
+
+    @property
+    def num_full_slots(self) -> int:
+        return self.num_full_pages * self.page_size
+
+    @property
+    def max_pages_per_req(self) -> int:
+        return math.ceil(self.max_model_len / self.page_size)
+
+    @staticmethod
+    def derive(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> PoolSizes:
+        P = cache.page_size
+        if model.csa_layers and P % model.csa_ratio:
+            raise ConfigError(f"`page_size` ({P}) must be a multiple of the CSA ratio ({model.csa_ratio})")
+        if sched.max_model_len > model.max_position_embeddings:
+            raise ConfigError(
+                f"`max_model_len` ({sched.max_model_len}) exceeds the model's "
+                f"`max_position_embeddings` ({model.max_position_embeddings})"
+            )
+        # Rings keep the open group, the previous group (CSA overlap) and room for draft writes ahead.
+        csa_ring = _pow2_at_least(2 * model.csa_ratio + cache.max_draft_tokens)
+        hca_ring = model.hca_ratio + cache.max_draft_tokens
+        if model.csa_layers and P % csa_ring:
+            raise ConfigError(f"`page_size` ({P}) must be a multiple of the CSA state ring ({csa_ring} rows)")
+        c128_page = cache.c128_page_size or max(1, math.ceil(P / model.hca_ratio))
+        group_tokens = model.hca_ratio * c128_page
+        if model.hca_layers and group_tokens % P:
+            raise ConfigError(
+                f"a C128 page covers {group_tokens} tokens (hca ratio {model.hca_ratio} x c128_page_size "
+                f"{c128_page}); it must be a multiple of `page_size` ({P})"
+            )
+        pages_per_req = math.ceil(sched.max_model_len / P)
+        num_full = cache.num_full_pages or sched.max_num_seqs * pages_per_req
+        # A running request holds the window plus one step's chunk, rounded out to pages, plus the page the CSA
+        # overlap rows may still live on.
+        swa_per_req = math.ceil(model.sliding_window / P) + 2
+        chunk_pages = math.ceil(sched.max_num_batched_tokens / P) + 1
+        num_swa = cache.num_swa_pages or sched.max_num_seqs * swa_per_req + chunk_pages
+        c128_per_req = math.ceil(sched.max_model_len / group_tokens)
+        num_c128 = cache.num_c128_pages or max(1, sched.max_num_seqs * c128_per_req)
+        return PoolSizes(
+            page_size=P,
+            num_full_pages=num_full,
+            num_swa_pages=num_swa,
+            c128_page_size=c128_page,
+            num_c128_pages=num_c128,
+            num_req_slots=sched.max_num_seqs,
+            max_model_len=sched.max_model_len,
+            csa_ring=csa_ring,
+            hca_ring=hca_ring,
+        )
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,200 @@
+"""`ForwardBatch`: one step's tokens, flattened, with every index the DSV4 layers gather through.
+
+Tokens of one request are contiguous and in position order. Each request contributes a chunk
+`[start, start + n)`; a decode step is a chunk of one token (a verify step, of several).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdspark.cache.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One request's part of a step."""
+
+    slot: int
+    start: int
+    token_ids: list[int]
+    # Return logits for these trailing rows of the chunk (1 to sample the next token, 0 mid-prefill).
+    num_logits: int = 1
+
+
+@dataclass(frozen=True)
+class WindowIndex:
+    rows: torch.Tensor  # [T, W] SWA slots of positions pos-W+1 .. pos (oldest first; dummy slot where invalid)
+    valid: torch.Tensor  # [T, W] bool
+
+
+@dataclass(frozen=True)
+class CompressedIndex:
+    rows: torch.Tensor  # [T, V] pool rows of compressed entries g = 0 .. V-1 (dummy row where g >= visible)
+    valid: torch.Tensor  # [T, V] bool: g < (pos + 1) // ratio
+    max_visible: int  # V
+
+
+@dataclass(frozen=True)
+class CompressPlan:
+    """The explicit state block table of one compressor kind for this step.
+
+    Each closing group pools `span` source rows (CSA: the previous group's rows then its own, HCA: its own). A
+    source row comes from this step's tokens ("current input columns") or from the state pool ("history columns");
+    columns that are neither (before position 0) read the dummy state row.
+    """
+
+    out_rows: torch.Tensor  # [G] compressed-pool row of each closing group
+    positions: torch.Tensor  # [G] first position of each group (RoPE position of the entry)
+    use_cur: torch.Tensor  # [G, span] bool
+    cur_rows: torch.Tensor  # [G, span] token row in this step (clamped to 0 where unused)
+    hist_rows: torch.Tensor  # [G, span] state row (dummy where unused)
+    write_tokens: torch.Tensor  # [N] token rows whose [kv | score] must persist in the state pool
+    write_rows: torch.Tensor  # [N] their state rows
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.out_rows.shape[0])
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    swa_slots: torch.Tensor  # [T] where each token's raw KV is written
+    window: WindowIndex
+    csa: CompressedIndex | None
+    hca: CompressedIndex | None
+    csa_plan: CompressPlan | None
+    hca_plan: CompressPlan | None
+    logits_rows: torch.Tensor  # [num logits rows] token rows to compute logits for
+    chunk_lens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:
+    """Flatten `chunks` and derive every gather index from `kv`'s tables. Pages must already be grown."""
+    model = kv.model
+    lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.long)
+    starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
+    slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
+    ends = starts + lens
+    offsets = torch.cumsum(lens, 0) - lens  # first token row of each chunk
+    T = int(lens.sum())
+    token_slot = torch.repeat_interleave(slots, lens)
+    token_start = torch.repeat_interleave(starts, lens)
+    token_end = torch.repeat_interleave(ends, lens)
+    positions = token_start + torch.arange(T) - torch.repeat_interleave(offsets, lens)
+    input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+    full_slots = kv.req_to_token[token_slot, positions]
+
+    csa = hca = csa_plan = hca_plan = None
+    if model.csa_layers:
+        csa = _csa_index(kv, token_slot, positions)
+        csa_plan = _csa_plan(kv, token_slot, token_start, token_end, positions)
+    if model.hca_layers:
+        hca = _hca_index(kv, token_slot, positions)
+        hca_plan = _hca_plan(kv, token_slot, token_start, token_end, positions)
+
+    logits_rows = torch.cat(
+        [torch.arange(int(o + n) - c.num_logits, int(o + n)) for o, n, c in zip(offsets, lens, chunks)]
+    )
+    return ForwardBatch(
+        input_ids=input_ids,
+        positions=positions,
+        swa_slots=kv.full_to_swa(full_slots),
+        window=_window_index(kv, token_slot, positions),
+        csa=csa,
+        hca=hca,
+        csa_plan=csa_plan,
+        hca_plan=hca_plan,
+        logits_rows=logits_rows.long(),
+        chunk_lens=lens.tolist(),
+    )
+
+
+def _window_index(kv: KVCache, token_slot: torch.Tensor, positions: torch.Tensor) -> WindowIndex:
+    W = kv.model.sliding_window
+    pos = positions[:, None] + torch.arange(-(W - 1), 1)[None, :]  # [T, W]
+    valid = pos >= 0
+    full = kv.req_to_token[token_slot[:, None], pos.clamp(min=0)]
+    rows = torch.where(valid, kv.full_to_swa(full), kv.pools.swa_dummy_slot)
+    return WindowIndex(rows, valid)
+
+
+def _visible(positions: torch.Tensor, ratio: int) -> tuple[torch.Tensor, int]:
+    visible = (positions + 1) // ratio
+    return visible, int(visible.max()) if visible.numel() else 0
+
+
+def _csa_index(kv: KVCache, token_slot: torch.Tensor, positions: torch.Tensor) -> CompressedIndex:
+    R = kv.model.csa_ratio
+    visible, V = _visible(positions, R)
+    g = torch.arange(V)
+    valid = g[None, :] < visible[:, None]
+    # An entry's C4 row derives from the full slot of its group (pages are multiples of R, so any position of
+    # the group gives the same row).
+    full = kv.req_to_token[token_slot[:, None], (g * R)[None, :]]
+    rows = torch.where(valid, full // R, kv.pools.c4_dummy_row)
+    return CompressedIndex(rows, valid, V)
+
+
+def _hca_index(kv: KVCache, token_slot: torch.Tensor, positions: torch.Tensor) -> CompressedIndex:
+    visible, V = _visible(positions, kv.model.hca_ratio)
+    cps = kv.sizes.c128_page_size
+    g = torch.arange(V)
+    valid = g[None, :] < visible[:, None]
+    pages = kv.req_to_c128[token_slot[:, None], (g // cps)[None, :]]
+    rows = torch.where(valid, pages * cps + (g % cps)[None, :], kv.pools.c128_dummy_row)
+    return CompressedIndex(rows, valid, V)
+
+
+def _plan_columns(
+    ratio: int, overlap: bool, positions: torch.Tensor, token_start: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Closing tokens and the source positions of their groups.
+
+    Returns `(tok [G], group_start [G], src_pos [G, span], use_cur [G, span], cur_rows [G, span])`.
+    """
+    tok = torch.nonzero((positions + 1) % ratio == 0).squeeze(1)
+    group_start = (positions[tok] // ratio) * ratio
+    span = 2 * ratio if overlap else ratio
+    first = group_start - ratio if overlap else group_start
+    src_pos = first[:, None] + torch.arange(span)[None, :]
+    use_cur = src_pos >= token_start[tok][:, None]
+    cur_rows = tok[:, None] - (positions[tok][:, None] - src_pos)
+    cur_rows = torch.where(use_cur, cur_rows, 0)
+    return tok, group_start, src_pos, use_cur, cur_rows
+
+
+def _csa_plan(kv, token_slot, token_start, token_end, positions) -> CompressPlan:
+    R = kv.model.csa_ratio
+    tok, group_start, src_pos, use_cur, cur_rows = _plan_columns(R, True, positions, token_start)
+    slot = token_slot[tok][:, None].expand_as(src_pos)
+    hist_pos = src_pos.clamp(min=0)
+    hist_rows = kv.c4_state_rows(kv.req_to_token[slot, hist_pos], hist_pos)
+    hist_rows = torch.where((src_pos >= 0) & ~use_cur, hist_rows, kv.pools.c4_state_dummy_row)
+    out_rows = kv.req_to_token[token_slot[tok], group_start] // R
+    # Persist the open group and the previous (overlap) group: positions >= floor(end / R) * R - R.
+    write = torch.nonzero(positions >= (token_end // R) * R - R).squeeze(1)
+    wpos = positions[write]
+    write_rows = kv.c4_state_rows(kv.req_to_token[token_slot[write], wpos], wpos)
+    return CompressPlan(out_rows, group_start, use_cur, cur_rows, hist_rows, write, write_rows)
+
+
+def _hca_plan(kv, token_slot, token_start, token_end, positions) -> CompressPlan:
+    R = kv.model.hca_ratio
+    cps = kv.sizes.c128_page_size
+    tok, group_start, src_pos, use_cur, cur_rows = _plan_columns(R, False, positions, token_start)
+    slot = token_slot[tok][:, None].expand_as(src_pos)
+    hist_rows = torch.where(~use_cur, kv.c128_state_rows(slot, src_pos), kv.pools.c128_state_dummy_row)
+    g = group_start // R
+    out_rows = kv.req_to_c128[token_slot[tok], g // cps] * cps + g % cps
+    write = torch.nonzero(positions >= (token_end // R) * R).squeeze(1)
+    write_rows = kv.c128_state_rows(token_slot[write], positions[write])
+    return CompressPlan(out_rows, group_start, use_cur, cur_rows, hist_rows, write, write_rows)

@@ -1,0 +1,63 @@
+"""`Request`: one generation's state inside the engine.
+
+Token accounting: `all_token_ids = prompt + output`; the engine computes positions `[num_computed_tokens,
+num_tokens)`; when a step reaches `num_tokens`, the last row's logits sample the next token. Prefill, chunked
+prefill, decode and recompute after preemption are all this one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from pdspark.cache.kv_cache import ReqPages
+from pdspark.types import SamplingParams, TokenLogprobs
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    pages: ReqPages | None = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,147 @@
+"""`Scheduler`: continuous batching with chunked prefill under a per-step token budget.
+
+NOTE: token accounting, not phases. A request computes positions `[num_computed_tokens, num_tokens)`; prefill,
+a prefill chunk, a decode token and the recompute after preemption differ only in how many of those positions fit
+this step. Running requests go first (oldest first), then waiting requests are admitted FIFO while the budget,
+`max_num_seqs`, request slots and pages allow. Pages are grown lazily, step by step. When a running request cannot
+grow, the most recently admitted request is preempted (its pages freed, recomputed later from its tokens so far);
+a waiting request that does not fit simply waits.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from pdspark.cache.kv_cache import KVCache, ReqPages
+from pdspark.config import SchedulerConfig
+from pdspark.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last known token (so its last row picks the next one)."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class ScheduleOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCache):
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> ScheduleOutput:
+        budget = self.cfg.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            chunk = self._grow_running(req, budget, preempted)
+            if chunk is None:  # req itself was preempted; everything after it already was
+                break
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return ScheduleOutput(chunks, preempted)
+
+    def _grow_running(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledChunk | None:
+        assert req.pages is not None
+        start = req.num_computed_tokens
+        while True:
+            n = self._fit(req.pages, start, min(req.num_pending_tokens, budget))
+            if n > 0:
+                break
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return None
+        self.kv.grow(req.pages, start + n)
+        return ScheduledChunk(req, start, n)
+
+    def _admit(self, req: Request, budget: int) -> ScheduledChunk | None:
+        pages = self.kv.open()
+        if pages is None:
+            return None
+        n = self._fit(pages, 0, min(req.num_pending_tokens, budget))
+        if n <= 0:
+            self.kv.close(pages)
+            return None
+        self.kv.grow(pages, n)
+        req.pages = pages
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return ScheduledChunk(req, 0, n)
+
+    def _fit(self, pages: ReqPages, start: int, want: int) -> int:
+        """The most tokens (up to `want`) the request can grow by now, shrinking a chunk to whole free pages."""
+        if self.kv.can_grow(pages, start + want):
+            return want
+        P = self.kv.sizes.page_size
+        spare = min(self.kv.full.num_free, self.kv.swa.num_free)
+        n = min(want, (len(pages.full_pages) + spare) * P - start)
+        while n > 0 and not self.kv.can_grow(pages, start + n):
+            n -= P  # the C128 pool is the short one: back off page by page
+        return max(n, 0)
+
+    def update(self, chunks: list[ScheduledChunk]) -> None:
+        """Account for a finished forward pass: positions computed, window pages released."""
+        for c in chunks:
+            req = c.request
+            req.num_computed_tokens = c.start + c.num_tokens
+            assert req.pages is not None
+            self.kv.release_window(req.pages, req.num_computed_tokens)
+
+    def preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Free everything the request holds (running or waiting)."""
+        if req.status == RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        if req.pages is not None:
+            self._release(req)
+        req.status = RequestStatus.FINISHED
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req.pages is not None:
+            self.kv.close(req.pages)
+            req.pages = None

@@ -1,0 +1,40 @@
+"""`StopChecker`: decides, after each new token, whether a request is done and why; keeps its text current."""
+
+from __future__ import annotations
+
+from pdspark.engine.request import Request
+from pdspark.model.tokenizer import Tokenizer
+from pdspark.types import FINISH_LENGTH, FINISH_STOP
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def check(self, req: Request) -> bool:
+        """Update `req.text` and set `finish_reason`/`stop_reason` when the last token ends the request."""
+        token = req.output_token_ids[-1]
+        p = req.params
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output_token_ids)
+            for s in p.stop_strings:
+                # A new token can only complete a stop string that ends in the text's tail.
+                idx = req.text.find(s, max(0, len(req.text) - len(s) - 64))
+                if idx != -1:
+                    req.text = req.text[:idx]
+                    return _finish(req, FINISH_STOP, s)
+        if token in p.stop_token_ids:
+            return _finish(req, FINISH_STOP, token)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return _finish(req, FINISH_STOP, token)
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return _finish(req, FINISH_LENGTH, None)
+        return False
+
+
+def _finish(req: Request, reason: str, stop_reason: str | int | None) -> bool:
+    req.finish_reason = reason
+    req.stop_reason = stop_reason
+    return True

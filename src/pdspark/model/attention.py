@@ -1,0 +1,100 @@
+"""`Attention`: DSV4 multi-query attention on one shared K=V latent, over the paged cache.
+
+A query at position p attends to the raw latents of its window `[p - W + 1, p]` and, on compressed layers, to
+compressed entries (HCA: every visible one; CSA: the indexer's pick), with a per-head sink logit that takes
+probability mass but adds no value. The output's rope channels are rotated back by `-p` before the grouped
+low-rank output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdspark.cache.kv_pools import LayerCache
+from pdspark.engine.forward_batch import CompressedIndex, ForwardBatch
+from pdspark.model.compressor import Compressor
+from pdspark.model.indexer import Indexer
+from pdspark.model.model_config import CSA, HCA, ModelConfig
+from pdspark.model.norm import RMSNorm, rms_norm
+from pdspark.model.rope import RotaryTable
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, rope: RotaryTable):
+        super().__init__()
+        D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.n_heads, self.head_dim, self.o_groups = H, d, cfg.o_groups
+        self.eps = cfg.rms_norm_eps
+        self.scale = d**-0.5
+        self.layer_type = layer_type
+        self.rope = rope
+        self.wq_a = nn.Parameter(torch.zeros(cfg.q_lora_rank, D))
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Parameter(torch.zeros(H * d, cfg.q_lora_rank))
+        self.wkv = nn.Parameter(torch.zeros(d, D))
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # Grouped output projection: each of `o_groups` head groups maps `H*d/G -> o_lora_rank` on its own.
+        self.wo_a = nn.Parameter(torch.zeros(cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups))
+        self.wo_b = nn.Parameter(torch.zeros(D, cfg.o_groups * cfg.o_lora_rank))
+        self.attn_sink = nn.Parameter(torch.zeros(H))
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if layer_type == CSA:
+            self.compressor = Compressor(D, d, cfg.csa_ratio, True, cfg.rms_norm_eps, rope)
+            self.indexer = Indexer(cfg, rope)
+        elif layer_type == HCA:
+            self.compressor = Compressor(D, d, cfg.hca_ratio, False, cfg.rms_norm_eps, rope)
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The raw K=V latent `[T, d]` of each token (normalised and rotated), as written to the SWA pool."""
+        return self.rope.apply(self.kv_norm(F.linear(x, self.wkv)), positions)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        T, pos = x.shape[0], batch.positions
+        qr = self.q_norm(F.linear(x, self.wq_a))  # [T, q_lora]
+        q = rms_norm(F.linear(qr, self.wq_b).view(T, self.n_heads, self.head_dim), None, self.eps)
+        q = self.rope.apply(q, pos)  # [T, H, d]
+        cache.swa_kv[batch.swa_slots] = self.project_kv(x, pos)
+
+        compressed = self._update_compressed(x, qr, batch, cache)
+        o = self.attend(q, cache, batch, compressed)
+        o = self.rope.apply(o, pos, inverse=True)
+        # [T, H, d] -> [G, T, H*d/G] @ [G, H*d/G, o_lora] -> [T, G * o_lora]
+        grouped = o.reshape(T, self.o_groups, -1).transpose(0, 1)
+        w = self.wo_a.view(self.o_groups, -1, grouped.shape[-1]).transpose(1, 2)
+        o = torch.bmm(grouped, w).transpose(0, 1).reshape(T, -1)
+        return F.linear(o, self.wo_b)
+
+    def _update_compressed(
+        self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, cache: LayerCache
+    ) -> CompressedIndex | None:
+        """Write this step's closed groups and return the compressed entries each query attends to."""
+        if self.compressor is None:
+            return None
+        if self.indexer is not None:
+            assert batch.csa_plan is not None
+            self.compressor.run(x, batch.positions, batch.csa_plan, cache.comp_state, cache.comp_kv)
+            self.indexer.compressor.run(x, batch.positions, batch.csa_plan, cache.index_state, cache.index_kv)
+            return self.indexer.select(x, qr, batch, cache.index_kv)
+        assert batch.hca_plan is not None
+        self.compressor.run(x, batch.positions, batch.hca_plan, cache.comp_state, cache.comp_kv)
+        return batch.hca
+
+    def attend(
+        self, q: torch.Tensor, cache: LayerCache, batch: ForwardBatch, compressed: CompressedIndex | None
+    ) -> torch.Tensor:
+        """Sparse attention with a sink: `q [T, H, d]` -> `[T, H, d]`."""
+        kv = cache.swa_kv[batch.window.rows]  # [T, W, d]
+        valid = batch.window.valid
+        if compressed is not None and compressed.max_visible:
+            kv = torch.cat([kv, cache.comp_kv[compressed.rows]], dim=1)  # [T, W + K, d]
+            valid = torch.cat([valid, compressed.valid], dim=1)
+        scores = torch.bmm(q, kv.transpose(1, 2)) * self.scale  # [T, H, W + K]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        sink = self.attn_sink.to(scores.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        return torch.bmm(probs.to(kv.dtype), kv)

@@ -1,0 +1,64 @@
+"""`Compressor`: DSV4's gated pooling of `ratio` tokens into one compressed KV entry.
+
+Per token the compressor projects `kv` and a gate `score = wgate(x) + ape[pos % ratio]`, both `[coff * dim]`. A
+closing group pools its source rows with a per-channel softmax over the rows:
+- no overlap (HCA, coff 1): the group's own `ratio` rows;
+- overlap (CSA, coff 2): the previous group's rows through channels `[:dim]` and its own through `[dim:]`
+  (`2 * ratio` rows; the previous group of group 0 is the empty dummy row).
+The pooled entry is RMS-normalised and rotated at the group's first position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdspark.engine.forward_batch import CompressPlan
+from pdspark.model.norm import RMSNorm
+from pdspark.model.rope import RotaryTable
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, rope: RotaryTable):
+        super().__init__()
+        coff = 2 if overlap else 1
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.width = coff * dim
+        self.wkv = nn.Parameter(torch.zeros(self.width, hidden))
+        self.wgate = nn.Parameter(torch.zeros(self.width, hidden))
+        self.ape = nn.Parameter(torch.zeros(ratio, self.width))  # learned position bias per slot in the group
+        self.norm = RMSNorm(dim, eps)
+        self.rope = rope
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`x [T, D]` -> state rows `[T, 2 * width]` fp32: `[kv | score]`."""
+        kv = F.linear(x, self.wkv)
+        score = F.linear(x, self.wgate) + self.ape[positions % self.ratio]
+        return torch.cat([kv.float(), score.float()], dim=-1)
+
+    def compress(self, rows: torch.Tensor, plan: CompressPlan, state: torch.Tensor) -> torch.Tensor:
+        """Pool every group closing this step. `rows [T, 2w]`, `state [rows, 2w]` -> entries `[G, dim]`."""
+        src = torch.where(plan.use_cur[..., None], rows[plan.cur_rows], state[plan.hist_rows])  # [G, span, 2w]
+        kv, score = src[..., : self.width], src[..., self.width :]
+        if self.overlap:
+            R, d = self.ratio, self.dim
+            kv = torch.cat([kv[:, :R, :d], kv[:, R:, d:]], dim=1)  # [G, 2R, d]
+            score = torch.cat([score[:, :R, :d], score[:, R:, d:]], dim=1)
+        pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [G, d]
+        pooled = self.norm(pooled.to(self.wkv.dtype))
+        return self.rope.apply(pooled, plan.positions)
+
+    @staticmethod
+    def store(rows: torch.Tensor, plan: CompressPlan, state: torch.Tensor) -> None:
+        """Persist the rows later groups will read (call after `compress`: writes may reuse ring rows)."""
+        if plan.write_tokens.numel():
+            state[plan.write_rows] = rows[plan.write_tokens]
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, state: torch.Tensor,
+            pool: torch.Tensor) -> None:
+        """Project, pool closing groups into `pool`, and update `state`."""
+        rows = self.project(x, positions)
+        if plan.num_groups:
+            pool[plan.out_rows] = self.compress(rows, plan, state).to(pool.dtype)
+        self.store(rows, plan, state)

@@ -1,0 +1,34 @@
+"""`DecoderLayer`: attention then MoE, each read from and written back to the mHC streams."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdspark.cache.kv_pools import LayerCache
+from pdspark.engine.forward_batch import ForwardBatch
+from pdspark.model.attention import Attention
+from pdspark.model.hyper_connection import HyperConnection
+from pdspark.model.model_config import ModelConfig
+from pdspark.model.moe import MoE
+from pdspark.model.norm import RMSNorm
+from pdspark.model.rope import RotaryTable
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, is_hash: bool, rope: RotaryTable):
+        super().__init__()
+        D = cfg.hidden_size
+        self.attn_hc = HyperConnection(cfg.hc_mult, D, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.ffn_hc = HyperConnection(cfg.hc_mult, D, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_type, rope)
+        self.ffn = MoE(cfg, is_hash)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        """`h [T, hc, D]` -> `[T, hc, D]`."""
+        x, post, comb = self.attn_hc.collapse(h)
+        h = HyperConnection.expand(self.attn(self.attn_norm(x), batch, cache), h, post, comb)
+        x, post, comb = self.ffn_hc.collapse(h)
+        return HyperConnection.expand(self.ffn(self.ffn_norm(x), batch.input_ids), h, post, comb)

@@ -1,0 +1,46 @@
+"""`DSV4Model`: the DeepSeek-V4 backbone and LM head over the paged cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdspark.cache.kv_pools import KVPools
+from pdspark.engine.forward_batch import ForwardBatch
+from pdspark.model.decoder_layer import DecoderLayer
+from pdspark.model.hyper_connection import HyperHead
+from pdspark.model.model_config import SLIDING, ModelConfig
+from pdspark.model.norm import RMSNorm
+from pdspark.model.rope import RotaryTable
+
+
+class DSV4Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        # Sliding-only layers rotate with the plain `rope_theta` table; compressed layers (their window branch
+        # included) with the `compress_rope_theta` table (YaRN when configured).
+        self.rope_main = RotaryTable(cfg.main_rope, cfg.rope_dim, max_len)
+        self.rope_compress = RotaryTable(cfg.compress_rope, cfg.rope_dim, max_len)
+        self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, D))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, t, cfg.hash_layers[i], self.rope_main if t == SLIDING else self.rope_compress)
+            for i, t in enumerate(cfg.layer_types)
+        )
+        self.hc_head = HyperHead(cfg.hc_mult, D, cfg.hc_eps, cfg.rms_norm_eps)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.head = nn.Parameter(torch.zeros(cfg.vocab_size, D))
+
+    def forward(self, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
+        """Run every layer over the step's tokens; returns the streams `[T, hc, D]`."""
+        x = F.embedding(batch.input_ids, self.embed)
+        h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, batch, pools.layer(i))
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Streams `[N, hc, D]` -> fp32 logits `[N, vocab]`."""
+        return F.linear(self.norm(self.hc_head(h)), self.head).float()

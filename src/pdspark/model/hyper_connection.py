@@ -1,0 +1,68 @@
+"""Manifold-constrained hyper-connections (mHC): `hc_mult` residual streams per token.
+
+A sublayer reads one collapsed stream (`pre`-weighted sum) and writes back through `post` (expand) and `comb`
+(a Sinkhorn-normalised, doubly stochastic `[hc, hc]` mix of the residual streams).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdspark.model.norm import rms_norm
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.hc = hc_mult
+        self.sinkhorn_iters = sinkhorn_iters
+        self.hc_eps = hc_eps
+        self.norm_eps = norm_eps
+        mix = (2 + hc_mult) * hc_mult
+        self.fn = nn.Parameter(torch.zeros(mix, hc_mult * hidden_size))  # [(2+hc)*hc, hc*D]
+        self.base = nn.Parameter(torch.zeros(mix))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def collapse(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])` (post/comb in fp32)."""
+        hc = self.hc
+        flat = rms_norm(h.flatten(1).float(), None, self.norm_eps)
+        mixes = F.linear(flat, self.fn.float())  # [T, (2+hc)*hc]
+        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * comb_s + comb_b.view(hc, hc), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        x = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+        return x, post, comb
+
+    @staticmethod
+    def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """`h'[i] = post[i] * y + sum_j comb[j, i] * residual[j]`; `y [T, D]`, `residual [T, hc, D]`."""
+        dtype = residual.dtype
+        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the streams (no Sinkhorn): `y = sum_i (sigmoid(mix_i) + eps) * h_i`."""
+
+    def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.hc_eps = hc_eps
+        self.norm_eps = norm_eps
+        self.fn = nn.Parameter(torch.zeros(hc_mult, hc_mult * hidden_size))
+        self.base = nn.Parameter(torch.zeros(hc_mult))
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        flat = rms_norm(h.flatten(1).float(), None, self.norm_eps)
+        mixes = F.linear(flat, self.fn.float())
+        pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)

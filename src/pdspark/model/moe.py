@@ -1,0 +1,82 @@
+"""DSV4 mixture of experts: hash-routed (`tid2eid`) or score-routed top-k experts plus one shared expert.
+
+Routing weights are the router scores of the chosen experts, renormalised and multiplied by
+`routed_scaling_factor`; a score-routed layer picks experts by `score + e_score_correction_bias`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdspark.model.model_config import ModelConfig
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU-gated unit with DSV4's clamps: gate clipped from above, up clipped on both sides."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(inter, hidden))  # gate
+        self.w3 = nn.Parameter(torch.zeros(inter, hidden))  # up
+        self.w2 = nn.Parameter(torch.zeros(hidden, inter))  # down
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(swiglu(F.linear(x, self.w1), F.linear(x, self.w3), self.limit), self.w2)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, is_hash: bool):
+        super().__init__()
+        d, inter, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+        self.is_hash = is_hash
+        self.top_k = cfg.num_experts_per_tok
+        self.n_experts = n_exp
+        self.scaling = cfg.routed_scaling_factor
+        self.limit = cfg.swiglu_limit
+        self.scoring_func = cfg.scoring_func
+        self.gate = nn.Parameter(torch.zeros(n_exp, d))  # router weight
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(n_exp))  # e_score_correction_bias (selection only)
+        # Experts stored stacked: one gate+up matmul and one down matmul per expert.
+        self.w13 = nn.Parameter(torch.zeros(n_exp, 2 * inter, d))  # [E, gate rows ; up rows, D]
+        self.w2 = nn.Parameter(torch.zeros(n_exp, d, inter))  # [E, D, I]
+        self.shared = SharedExpert(d, inter, cfg.swiglu_limit)
+
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x [T, D]` -> `(expert ids [T, k], weights [T, k])`."""
+        logits = F.linear(x, self.gate)
+        scores = F.softplus(logits).sqrt() if self.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
+        if self.is_hash:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x, input_ids)
+        out = torch.zeros_like(x)
+        flat_ids = ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)  # group (token, slot) pairs by expert
+        counts = torch.bincount(flat_ids, minlength=self.n_experts).tolist()
+        token_of = order // self.top_k
+        weight_of = weights.flatten()[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of[start : start + n]
+            gate, up = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
+            y = F.linear(swiglu(gate, up, self.limit), self.w2[e]) * weight_of[start : start + n, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+            start += n
+        return out + self.shared(x)
