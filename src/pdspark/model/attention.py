@@ -18,7 +18,7 @@ from pdspark.model.compressor import Compressor
 from pdspark.model.indexer import Indexer
 from pdspark.model.model_config import CSA, HCA, ModelConfig
 from pdspark.model.norm import RMSNorm, rms_norm
-from pdspark.model.rope import RotaryTable
+from pdspark.model.rope import RopeAt, RotaryTable
 
 
 class Attention(nn.Module):
@@ -29,7 +29,6 @@ class Attention(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.scale = d**-0.5
         self.layer_type = layer_type
-        self.rope = rope
         self.wq_a = nn.Parameter(torch.zeros(cfg.q_lora_rank, D))
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = nn.Parameter(torch.zeros(H * d, cfg.q_lora_rank))
@@ -47,20 +46,21 @@ class Attention(nn.Module):
         elif layer_type == HCA:
             self.compressor = Compressor(D, d, cfg.hca_ratio, False, cfg.rms_norm_eps, rope)
 
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def project_kv(self, x: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """The raw K=V latent `[T, d]` of each token (normalised and rotated), as written to the SWA pool."""
-        return self.rope.apply(self.kv_norm(F.linear(x, self.wkv)), positions)
+        return rope_at.apply(self.kv_norm(F.linear(x, self.wkv)))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        T, pos = x.shape[0], batch.positions
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
+        """`x [T, D]` -> `[T, D]`. `rope_at` holds this layer's rotation factors at the batch positions."""
+        T = x.shape[0]
         qr = self.q_norm(F.linear(x, self.wq_a))  # [T, q_lora]
         q = rms_norm(F.linear(qr, self.wq_b).view(T, self.n_heads, self.head_dim), None, self.eps)
-        q = self.rope.apply(q, pos)  # [T, H, d]
-        cache.swa_kv[batch.swa_slots] = self.project_kv(x, pos)
+        q = rope_at.apply(q)  # [T, H, d]
+        cache.swa_kv[batch.swa_slots] = self.project_kv(x, rope_at)
 
-        compressed = self._update_compressed(x, qr, batch, cache)
+        compressed = self._update_compressed(x, qr, batch, cache, rope_at)
         o = self.attend(q, cache, batch, compressed)
-        o = self.rope.apply(o, pos, inverse=True)
+        o = rope_at.apply(o, inverse=True)
         # [T, H, d] -> [G, T, H*d/G] @ [G, H*d/G, o_lora] -> [T, G * o_lora]
         grouped = o.reshape(T, self.o_groups, -1).transpose(0, 1)
         w = self.wo_a.view(self.o_groups, -1, grouped.shape[-1]).transpose(1, 2)
@@ -68,7 +68,7 @@ class Attention(nn.Module):
         return F.linear(o, self.wo_b)
 
     def _update_compressed(
-        self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, cache: LayerCache
+        self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt
     ) -> CompressedIndex | None:
         """Write this step's closed groups and return the compressed entries each query attends to."""
         if self.compressor is None:
@@ -77,7 +77,7 @@ class Attention(nn.Module):
             assert batch.csa_plan is not None
             self.compressor.run(x, batch.positions, batch.csa_plan, cache.comp_state, cache.comp_kv)
             self.indexer.compressor.run(x, batch.positions, batch.csa_plan, cache.index_state, cache.index_kv)
-            return self.indexer.select(x, qr, batch, cache.index_kv)
+            return self.indexer.select(x, qr, batch, cache.index_kv, rope_at)
         assert batch.hca_plan is not None
         self.compressor.run(x, batch.positions, batch.hca_plan, cache.comp_state, cache.comp_kv)
         return batch.hca

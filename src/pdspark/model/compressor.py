@@ -25,17 +25,17 @@ class Compressor(nn.Module):
         coff = 2 if overlap else 1
         self.dim, self.ratio, self.overlap = dim, ratio, overlap
         self.width = coff * dim
-        self.wkv = nn.Parameter(torch.zeros(self.width, hidden))
-        self.wgate = nn.Parameter(torch.zeros(self.width, hidden))
+        # wkv rows then wgate rows: one matmul projects both.
+        self.wkv_gate = nn.Parameter(torch.zeros(2 * self.width, hidden))
         self.ape = nn.Parameter(torch.zeros(ratio, self.width))  # learned position bias per slot in the group
         self.norm = RMSNorm(dim, eps)
         self.rope = rope
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`x [T, D]` -> state rows `[T, 2 * width]` fp32: `[kv | score]`."""
-        kv = F.linear(x, self.wkv)
-        score = F.linear(x, self.wgate) + self.ape[positions % self.ratio]
-        return torch.cat([kv.float(), score.float()], dim=-1)
+        rows = F.linear(x, self.wkv_gate).float()
+        rows[:, self.width :] += self.ape[positions % self.ratio]
+        return rows
 
     def compress(self, rows: torch.Tensor, plan: CompressPlan, state: torch.Tensor) -> torch.Tensor:
         """Pool every group closing this step. `rows [T, 2w]`, `state [rows, 2w]` -> entries `[G, dim]`."""
@@ -46,7 +46,7 @@ class Compressor(nn.Module):
             kv = torch.cat([kv[:, :R, :d], kv[:, R:, d:]], dim=1)  # [G, 2R, d]
             score = torch.cat([score[:, :R, :d], score[:, R:, d:]], dim=1)
         pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [G, d]
-        pooled = self.norm(pooled.to(self.wkv.dtype))
+        pooled = self.norm(pooled.to(self.wkv_gate.dtype))
         return self.rope.apply(pooled, plan.positions)
 
     @staticmethod

@@ -12,7 +12,7 @@ from pdspark.model.hyper_connection import HyperConnection
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.moe import MoE
 from pdspark.model.norm import RMSNorm
-from pdspark.model.rope import RotaryTable
+from pdspark.model.rope import RopeAt, RotaryTable
 
 
 class DecoderLayer(nn.Module):
@@ -26,9 +26,9 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(cfg, layer_type, rope)
         self.ffn = MoE(cfg, is_hash)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
         """`h [T, hc, D]` -> `[T, hc, D]`."""
         x, post, comb = self.attn_hc.collapse(h)
-        h = HyperConnection.expand(self.attn(self.attn_norm(x), batch, cache), h, post, comb)
+        h = HyperConnection.expand(self.attn(self.attn_norm(x), batch, cache, rope_at), h, post, comb)
         x, post, comb = self.ffn_hc.collapse(h)
         return HyperConnection.expand(self.ffn(self.ffn_norm(x), batch.input_ids), h, post, comb)

@@ -37,8 +37,11 @@ class DSV4Model(nn.Module):
         """Run every layer over the step's tokens; returns the streams `[T, hc, D]`."""
         x = F.embedding(batch.input_ids, self.embed)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
+        # Rotation factors at this step's positions, gathered once per table and shared by every layer.
+        rope_at = {SLIDING: self.rope_main.at(batch.positions)}
+        compress_at = self.rope_compress.at(batch.positions)
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, pools.layer(i))
+            h = layer(h, batch, pools.layer(i), rope_at.get(self.cfg.layer_types[i], compress_at))
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

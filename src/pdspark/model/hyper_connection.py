@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.norm import rms_norm
 
 
@@ -27,9 +28,21 @@ class HyperConnection(nn.Module):
 
     def collapse(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])` (post/comb in fp32)."""
-        hc = self.hc
         flat = rms_norm(h.flatten(1).float(), None, self.norm_eps)
         mixes = F.linear(flat, self.fn.float())  # [T, (2+hc)*hc]
+        fused = None
+        if not torch.is_grad_enabled():
+            # ~100 tiny ops (mostly Sinkhorn rounds) in one C loop; same float32 arithmetic.
+            fused = cpu_kernels.hc_split_sinkhorn(
+                mixes, self.scale, self.base, self.hc, self.sinkhorn_iters, self.hc_eps
+            )
+        pre, post, comb = fused if fused is not None else self.split_sinkhorn(mixes)
+        x = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+        return x, post, comb
+
+    def split_sinkhorn(self, mixes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """PyTorch reference of the mHC weights: `mixes [T, (2+hc)*hc]` -> pre, post, comb."""
+        hc = self.hc
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
         pre_s, post_s, comb_s = self.scale.unbind(0)
@@ -40,8 +53,7 @@ class HyperConnection(nn.Module):
         for _ in range(self.sinkhorn_iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        x = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
-        return x, post, comb
+        return pre, post, comb
 
     @staticmethod
     def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 from pdspark.engine.forward_batch import CompressedIndex, ForwardBatch
 from pdspark.model.compressor import Compressor
 from pdspark.model.model_config import ModelConfig
-from pdspark.model.rope import RotaryTable
+from pdspark.model.rope import RopeAt, RotaryTable
 
 
 def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,25 +34,24 @@ class Indexer(nn.Module):
         self.wq_b = nn.Parameter(torch.zeros(self.n_heads * self.dim, cfg.q_lora_rank))
         self.weights_proj = nn.Parameter(torch.zeros(self.n_heads, cfg.hidden_size))
         self.compressor = Compressor(cfg.hidden_size, self.dim, cfg.csa_ratio, True, cfg.rms_norm_eps, rope)
-        self.rope = rope
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt, keys: torch.Tensor) -> torch.Tensor:
         """`keys [T, V, dim]` (each query's candidate keys) -> index scores `[T, V]` fp32."""
         T = x.shape[0]
-        q = self.rope.apply(F.linear(qr, self.wq_b).view(T, self.n_heads, self.dim), positions)
+        q = rope_at.apply(F.linear(qr, self.wq_b).view(T, self.n_heads, self.dim))
         dots = torch.bmm(q.float(), keys.float().transpose(1, 2))  # [T, H, V]
         dots = F.relu(dots) * self.dim**-0.5
         w = F.linear(x, self.weights_proj).float() * self.n_heads**-0.5  # [T, H]
         return (dots * w[:, :, None]).sum(dim=1)
 
     def select(
-        self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, index_kv: torch.Tensor
+        self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, index_kv: torch.Tensor, rope_at: RopeAt
     ) -> CompressedIndex:
         """The compressed entries each query attends to (all visible ones when at most `topk` are visible)."""
         csa = batch.csa
         assert csa is not None
         if csa.max_visible <= self.topk:
             return csa
-        scores = self.scores(x, qr, batch.positions, index_kv[csa.rows])
+        scores = self.scores(x, qr, rope_at, index_kv[csa.rows])
         cols, valid = select_topk(scores, csa.valid, self.topk)
         return CompressedIndex(csa.rows.gather(1, cols), valid, self.topk)

@@ -12,6 +12,9 @@ from torch import nn
 
 from pdspark.model.model_config import ModelConfig
 
+# Up to this many (token, expert) pairs, a loop over the pairs beats grouping tokens by expert.
+_PAIR_LOOP_MAX = 8
+
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """SiLU-gated unit with DSV4's clamps: gate clipped from above, up clipped on both sides."""
@@ -64,6 +67,26 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x, input_ids)
+        if ids.numel() <= _PAIR_LOOP_MAX:
+            routed = self._routed_by_pair(x, ids, weights)
+        else:
+            routed = self._routed_by_expert(x, ids, weights)
+        return routed + self.shared(x)
+
+    def _routed_by_pair(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Few (token, expert) pairs (decode): run each pair against its expert's weights in place."""
+        rows = []
+        for t, experts in enumerate(ids.tolist()):
+            xt, acc = x[t : t + 1], None
+            for j, e in enumerate(experts):
+                gate, up = F.linear(xt, self.w13[e]).chunk(2, dim=-1)
+                y = F.linear(swiglu(gate, up, self.limit), self.w2[e]) * weights[t, j]
+                acc = y if acc is None else acc + y
+            rows.append(acc)
+        return torch.cat(rows).to(x.dtype)
+
+    def _routed_by_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Many pairs (prefill, large batches): one matmul pair per expert over the tokens routed to it."""
         out = torch.zeros_like(x)
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)  # group (token, slot) pairs by expert
@@ -79,4 +102,4 @@ class MoE(nn.Module):
             y = F.linear(swiglu(gate, up, self.limit), self.w2[e]) * weight_of[start : start + n, None]
             out.index_add_(0, tok, y.to(out.dtype))
             start += n
-        return out + self.shared(x)
+        return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -10,9 +11,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """Normalise the last dim of `x`; `weight=None` is the unweighted variant (q heads, mHC input)."""
     if weight is None:
         return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(x.dtype)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one op, same fp32 arithmetic
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

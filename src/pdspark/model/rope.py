@@ -1,10 +1,13 @@
 """`RotaryTable`: interleaved partial RoPE on the trailing `rope_dim` channels, as DSV4 uses it.
 
 Pairs are adjacent channels `(2i, 2i+1)` of the rope slice (DeepSeek's `view_as_complex`, not NeoX halves).
-Tables are precomputed for every position up to `max_len`; the products match computing them on the fly.
+Tables are precomputed for every position up to `max_len` and stored at full rope width so that one rotation is
+`x * cos + swap_pairs(x) * sin_signed` (`sin_signed = [-s, s]` per pair), the same products as the reference.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -27,34 +30,42 @@ def inverse_frequencies(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
     return interpolated * (1 - keep) + extrapolated * keep
 
 
+class RopeAt(NamedTuple):
+    """Rotation factors gathered for one set of positions: `[T, 1, rope_dim]` (broadcast over heads)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor  # signed: -sin on even channels, +sin on odd ones
+
+    def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the trailing rope channels of `x [T, D]` or `[T, H, D]`; `inverse` rotates by `-position`."""
+        r = self.cos.shape[-1]
+        cos, sin = (self.cos, self.sin) if x.dim() == 3 else (self.cos[:, 0], self.sin[:, 0])
+        rope = x[..., -r:]
+        if x.dtype != torch.float32:
+            rope = rope.float()
+        swapped = rope.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)  # (x1, x0) per pair
+        sign = -1.0 if inverse else 1.0
+        if x.dtype == torch.float32:
+            out = x.clone()
+            torch.addcmul(rope * cos, swapped, sin, value=sign, out=out[..., -r:])
+            return out
+        rotated = torch.addcmul(rope * cos, swapped, sin, value=sign)
+        return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
+
+
 class RotaryTable:
     def __init__(self, rope: RopeConfig, rope_dim: int, max_len: int, device: torch.device | str = "cpu"):
         self.rope_dim = rope_dim
         inv_freq = inverse_frequencies(rope, rope_dim)
-        positions = torch.arange(max_len, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_len, rope_dim // 2]
-        self.cos = (freqs.cos() * rope.attention_factor).to(device)
-        self.sin = (freqs.sin() * rope.attention_factor).to(device)
+        freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None, :]  # [max_len, r/2]
+        cos = freqs.cos() * rope.attention_factor
+        sin = freqs.sin() * rope.attention_factor
+        # [max_len, r]: each pair's factor repeated; sin carries the rotation's sign pattern.
+        self.cos = cos.repeat_interleave(2, dim=-1).to(device)
+        self.sin = torch.stack([-sin, sin], dim=-1).flatten(-2).to(device)
+
+    def at(self, positions: torch.Tensor) -> RopeAt:
+        return RopeAt(self.cos[positions][:, None, :], self.sin[positions][:, None, :])
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Rotate the trailing `rope_dim` channels of `x` at `positions`.
-
-        Args:
-            x: `[T, D]` or `[T, H, D]`.
-            positions: `[T]` absolute positions.
-            inverse: rotate by `-position` (DSV4 un-rotates the attention output).
-        Returns:
-            A new tensor of `x`'s shape and dtype; the leading `D - rope_dim` channels are unchanged.
-        """
-        cos = self.cos[positions]  # [T, r/2]
-        sin = self.sin[positions]
-        if inverse:
-            sin = -sin
-        if x.dim() == 3:
-            cos, sin = cos[:, None, :], sin[:, None, :]
-        r = self.rope_dim
-        nope, rope = x[..., :-r], x[..., -r:].float()
-        pairs = rope.unflatten(-1, (r // 2, 2))
-        even, odd = pairs[..., 0], pairs[..., 1]
-        rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-        return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+        return self.at(positions).apply(x, inverse)

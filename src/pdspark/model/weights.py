@@ -6,7 +6,8 @@ Two spellings are accepted, both per layer and at the top level:
 - what transformers' `DeepseekV4ForCausalLM.save_pretrained` writes: the same per-layer names under `model.`, with
   `model.embed_tokens.weight`, `model.hc_head.hc_fn`, `model.layers.N.attn.norm.weight` (the KV norm) and a bare
   `head.weight`.
-Routed experts are stacked into `w13 [E, 2I, D]` (w1 rows then w3 rows) and `w2 [E, D, I]`. `mtp.*` tensors (the
+Routed experts are stacked into `w13 [E, 2I, D]` (w1 rows then w3 rows) and `w2 [E, D, I]`; a compressor's
+`wkv` and `wgate` become the two halves of `wkv_gate`. `mtp.*` tensors (the
 speculative draft) are returned aside, untouched.
 """
 
@@ -23,7 +24,7 @@ from safetensors import safe_open
 from pdspark.errors import CheckpointError
 from pdspark.model.dsv4 import DSV4Model
 
-# (checkpoint name, after an optional leading "model.") -> parameter name; "{L}" is the layer index.
+# checkpoint name (after an optional leading "model.") -> parameter name, or (parameter, row half)
 _TOP_LEVEL = {
     "embed.weight": "embed",
     "embed_tokens.weight": "embed",
@@ -55,14 +56,14 @@ _PER_LAYER = {
     "attn.wo_a.weight": "attn.wo_a",
     "attn.wo_b.weight": "attn.wo_b",
     "attn.attn_sink": "attn.attn_sink",
-    "attn.compressor.wkv.weight": "attn.compressor.wkv",
-    "attn.compressor.wgate.weight": "attn.compressor.wgate",
+    "attn.compressor.wkv.weight": ("attn.compressor.wkv_gate", 0),
+    "attn.compressor.wgate.weight": ("attn.compressor.wkv_gate", 1),
     "attn.compressor.ape": "attn.compressor.ape",
     "attn.compressor.norm.weight": "attn.compressor.norm.weight",
     "attn.indexer.wq_b.weight": "attn.indexer.wq_b",
     "attn.indexer.weights_proj.weight": "attn.indexer.weights_proj",
-    "attn.indexer.compressor.wkv.weight": "attn.indexer.compressor.wkv",
-    "attn.indexer.compressor.wgate.weight": "attn.indexer.compressor.wgate",
+    "attn.indexer.compressor.wkv.weight": ("attn.indexer.compressor.wkv_gate", 0),
+    "attn.indexer.compressor.wgate.weight": ("attn.indexer.compressor.wkv_gate", 1),
     "attn.indexer.compressor.ape": "attn.indexer.compressor.ape",
     "attn.indexer.compressor.norm.weight": "attn.indexer.compressor.norm.weight",
     "ffn.gate.weight": "ffn.gate",
@@ -74,35 +75,73 @@ _PER_LAYER = {
 }
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
+# Routed experts: w1 (gate) and w3 (up) stack as the two halves of w13; w2 (down) stands alone.
+_EXPERT_PARTS = {"w1": ("ffn.w13", 0), "w3": ("ffn.w13", 1), "w2": ("ffn.w2", None)}
 
 
 @dataclass(frozen=True)
-class TargetName:
-    """Where a checkpoint tensor goes: a parameter, or one expert's slice of a stacked parameter."""
+class Piece:
+    """Where a checkpoint tensor goes: a whole parameter, or one expert's and/or one half's rows of it."""
 
     param: str
     expert: int | None = None
-    part: str | None = None  # "w1" | "w2" | "w3"
+    half: int | None = None  # 0: first half of the rows, 1: second half
+
+    def view(self, dest: torch.Tensor) -> torch.Tensor:
+        t = dest if self.expert is None else dest[self.expert]
+        if self.half is None:
+            return t
+        n = t.shape[0] // 2
+        return t[:n] if self.half == 0 else t[n:]
 
 
-def map_name(name: str) -> TargetName | None:
-    """Map a checkpoint tensor name to its destination; None for names this model does not own (e.g. `mtp.*`)."""
+def map_name(name: str) -> Piece | None:
+    """Map a checkpoint tensor name to its destination; None for names this model does not own."""
     if name.startswith("model."):
         name = name[len("model.") :]
     if name in _TOP_LEVEL:
-        return TargetName(_TOP_LEVEL[name])
+        return Piece(_TOP_LEVEL[name])
     m = _LAYER_RE.match(name)
     if not m:
         return None
     layer, rest = m.group(1), m.group(2)
     if rest in _PER_LAYER:
-        return TargetName(f"layers.{layer}.{_PER_LAYER[rest]}")
+        target = _PER_LAYER[rest]
+        param, half = target if isinstance(target, tuple) else (target, None)
+        return Piece(f"layers.{layer}.{param}", None, half)
     e = _EXPERT_RE.match(rest)
     if e:
-        part = e.group(2)
-        param = "ffn.w2" if part == "w2" else "ffn.w13"
-        return TargetName(f"layers.{layer}.{param}", int(e.group(1)), part)
+        param, half = _EXPERT_PARTS[e.group(2)]
+        return Piece(f"layers.{layer}.{param}", int(e.group(1)), half)
     return None
+
+
+def expected_pieces(params: dict[str, torch.Tensor], n_experts: int) -> set[Piece]:
+    pieces = set()
+    for name in params:
+        if name.endswith("ffn.w13"):
+            pieces |= {Piece(name, e, h) for e in range(n_experts) for h in (0, 1)}
+        elif name.endswith("ffn.w2"):
+            pieces |= {Piece(name, e) for e in range(n_experts)}
+        elif name.endswith("wkv_gate"):
+            pieces |= {Piece(name, None, 0), Piece(name, None, 1)}
+        else:
+            pieces.add(Piece(name))
+    return pieces
+
+
+def describe(piece: Piece) -> str:
+    """The DeepSeek-style checkpoint name of a piece, for error messages."""
+    if piece.expert is not None:
+        layer = piece.param.split(".")[1]
+        part = "w2" if piece.param.endswith("w2") else ("w1", "w3")[piece.half or 0]
+        return f"layers.{layer}.ffn.experts.{piece.expert}.{part}.weight"
+    for key, target in {**_PER_LAYER, **_TOP_LEVEL}.items():
+        param, half = target if isinstance(target, tuple) else (target, None)
+        if piece.param.endswith(param) and half == piece.half:
+            prefix = piece.param[: -len(param)]
+            return prefix + key
+    return piece.param
 
 
 @dataclass
@@ -127,76 +166,40 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False) -> 
     path = Path(path)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    filled: set[str] = set()
-    experts_seen: dict[str, set[tuple[int, str]]] = {}
+    filled: set[Piece] = set()
     extra: dict[str, torch.Tensor] = {}
-    count = 0
     files = checkpoint_files(path)
-    names = [(f, n) for f in files for n in _keys(f)]
-    bar = _progress(len(names), progress)
     handles = {f: safe_open(str(f), "pt") for f in files}
+    names = [(f, n) for f, h in handles.items() for n in h.keys()]  # noqa: SIM118 (a safetensors handle)
+    bar = _progress(len(names), progress)
     with torch.no_grad():
         for f, name in names:
             bar.update(1)
-            count += 1
             if name.endswith((".scale", "_scale_inv")):  # FP8/FP4 block scales, not mHC `*_scale` parameters
                 raise CheckpointError(f"quantized tensor {name!r}: FP8/FP4 checkpoints are not supported")
-            if name.startswith("mtp.") or name.startswith("model.mtp."):
+            if name.startswith(("mtp.", "model.mtp.")):
                 extra[name.removeprefix("model.")] = handles[f].get_tensor(name)
                 continue
-            target = map_name(name)
-            if target is None or target.param not in params:
+            piece = map_name(name)
+            if piece is None or piece.param not in params:
                 raise CheckpointError(f"unexpected tensor {name!r} in {f.name} (not part of this model's config)")
-            tensor = handles[f].get_tensor(name)
-            dest = params[target.param]
-            if target.expert is None:
-                _copy(dest, tensor, name)
-                filled.add(target.param)
-                continue
-            dest_slice = _expert_slice(dest, target)
-            _copy(dest_slice, tensor, name)
-            experts_seen.setdefault(target.param, set()).add((target.expert, target.part or ""))
+            _copy(piece.view(params[piece.param]), handles[f].get_tensor(name), name)
+            filled.add(piece)
     bar.close()
-    _check_complete(model, params, filled, experts_seen)
-    return LoadReport(extra=extra, num_tensors=count)
-
-
-def _keys(f: Path) -> list[str]:
-    with safe_open(str(f), "pt") as h:
-        return list(h.keys())
-
-
-def _expert_slice(dest: torch.Tensor, target: TargetName) -> torch.Tensor:
-    e = target.expert
-    if target.part == "w2":
-        return dest[e]
-    inter = dest.shape[1] // 2
-    return dest[e, :inter] if target.part == "w1" else dest[e, inter:]
+    if Piece("head") not in filled and model.cfg.tie_word_embeddings and Piece("embed") in filled:
+        model.head.data.copy_(model.embed.data)
+        filled.add(Piece("head"))
+    missing = sorted(describe(p) for p in expected_pieces(params, model.cfg.n_routed_experts) - filled)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    return LoadReport(extra=extra, num_tensors=len(names))
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dest.shape) != tuple(src.shape):
         raise CheckpointError(f"tensor {name!r} has shape {tuple(src.shape)}; the config implies {tuple(dest.shape)}")
     dest.copy_(src.to(dest.dtype))
-
-
-def _check_complete(model: DSV4Model, params: dict, filled: set[str], experts_seen: dict) -> None:
-    if "head" not in filled and model.cfg.tie_word_embeddings and "embed" in filled:
-        model.head.data.copy_(model.embed.data)
-        filled.add("head")
-    missing = []
-    n_exp = model.cfg.n_routed_experts
-    for name in params:
-        if name.endswith("ffn.w13") or name.endswith("ffn.w2"):
-            parts = ("w1", "w3") if name.endswith("w13") else ("w2",)
-            seen = experts_seen.get(name, set())
-            for e in range(n_exp):
-                missing += [f"{name[:-4]}.experts.{e}.{p}" for p in parts if (e, p) not in seen]
-        elif name not in filled and not name.startswith("rope_"):
-            missing.append(name)
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
 
 
 class _NoBar:
