@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ class TinySpec:
     yarn: bool = True
     tie_word_embeddings: bool = False
     seed: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: tuple = ()  # extra DeepseekV4Config (key, value) pairs
 
 
 def hf_config(spec: TinySpec):
@@ -62,7 +62,7 @@ def hf_config(spec: TinySpec):
         max_position_embeddings=4096,
         eos_token_id=1,
         bos_token_id=0,
-        **spec.extra,
+        **dict(spec.extra),
     )
 
 
@@ -98,14 +98,26 @@ def save_hf_checkpoint(spec: TinySpec, path: Path):
     return model
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
+def hf_generate(model, prompt: list[int], max_new_tokens: int, **kw):
+    """transformers' greedy `generate` with EOS disabled (pdspark's `ignore_eos` keeps EOS as a normal token)."""
+    model.generation_config.eos_token_id = None  # otherwise merged back in from the model's config
     with torch.no_grad():
-        out = model.generate(
-            ids,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
+        return model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kw
         )
-    return out[0, len(prompt) :].tolist()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    return hf_generate(model, prompt, max_new_tokens)[0, len(prompt) :].tolist()
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer with exactly 256 tokens (one per byte), so tiny 256-vocab checkpoints get text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(Path(path) / "tokenizer.json"))

@@ -8,6 +8,7 @@ outs = llm.generate(["def fib(n):"], SamplingParams(temperature=0.0, max_tokens=
 
 from __future__ import annotations
 
+import importlib.resources
 from collections.abc import Sequence
 
 from pdspark.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -101,6 +102,11 @@ class LLM:
         return texts, [self.tokenizer.encode(t) for t in texts]
 
 
+SHIPPED_MODELS = ("dsv4-tiny",)
+
+
 def resolve_model(model: str) -> str:
-    """A checkpoint directory for `model` (a path)."""
+    """A checkpoint directory for `model`: a path, or the name of a model shipped inside the package."""
+    if model in SHIPPED_MODELS:
+        return str(importlib.resources.files("pdspark") / "assets" / model)
     return model

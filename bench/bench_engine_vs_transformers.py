@@ -1,0 +1,158 @@
+"""pdspark vs transformers' `generate` on the same DSV4 checkpoint: output tokens/s and peak RSS.
+
+Each measurement runs in its own process (so peak RSS belongs to one system), alternating the two systems; with
+`--repeats N` the table shows medians. Greedy decoding, EOS ignored, random prompt ids (same for both).
+
+    python bench/bench_engine_vs_transformers.py [--model dsv4-tiny] [--prompt-len 512] [--output-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    # Skip the first few ids (special tokens in dsv4-tiny's vocabulary).
+    return [torch.randint(8, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+def _worker(system: str, model: str, batch: int, prompt_len: int, output_len: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from pdspark.llm import resolve_model
+    from pdspark.model.model_config import ModelConfig
+
+    path = resolve_model(model)
+    prompts = _prompts(batch, prompt_len, ModelConfig.from_dir(path).vocab_size, seed=0)
+    if system == "pdspark":
+        from pdspark import LLM, SamplingParams
+
+        llm = LLM(path, max_model_len=prompt_len + output_len + 64, max_num_seqs=max(batch, 1),
+                  max_num_batched_tokens=1024)
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        llm.generate(prompt_token_ids=[prompts[0][:16]], sampling_params=SamplingParams(max_tokens=2))  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        seconds = time.perf_counter() - t0
+        n_out = sum(len(o.token_ids) for o in outs)
+    else:
+        from transformers import DeepseekV4ForCausalLM
+
+        hf = DeepseekV4ForCausalLM.from_pretrained(path).eval()
+        hf.generation_config.eos_token_id = None
+        ids = torch.tensor(prompts)  # equal lengths: one static batch, no padding needed
+        with torch.no_grad():
+            hf.generate(ids[:1, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+            t0 = time.perf_counter()
+            out = hf.generate(ids, max_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            seconds = time.perf_counter() - t0
+        n_out = int(out.shape[0] * (out.shape[1] - prompt_len))
+    return {
+        "system": system,
+        "batch": batch,
+        "seconds": seconds,
+        "output_tokens": n_out,
+        "tokens_per_s": n_out / seconds,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _measure(args, system: str, batch: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", system, "--batch", str(batch), "--model", args.model,
+           "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--threads", str(args.threads)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{system} batch {batch} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"  {system:<12} batch {batch:>2}: {result['tokens_per_s']:8.1f} tok/s  "
+          f"({time.perf_counter() - t0:.0f}s with start-up)", file=sys.stderr, flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="dsv4-tiny")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", choices=["pdspark", "transformers"])
+    parser.add_argument("--batch", type=int, default=1)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(args.worker, args.model, args.batch, args.prompt_len, args.output_len, args.threads)))
+        return
+
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = {}
+    for rep in range(args.repeats):
+        for batch in batches:
+            print(f"[repeat {rep + 1}/{args.repeats}] batch {batch}", file=sys.stderr, flush=True)
+            for system in ("pdspark", "transformers"):
+                rows.setdefault((system, batch), []).append(_measure(args, system, batch))
+
+    def med(system, batch, key):
+        return statistics.median(r[key] for r in rows[(system, batch)])
+
+    lines = [
+        f"model {args.model}, prompt {args.prompt_len}, output {args.output_len}, greedy, "
+        f"{args.threads} threads, {platform.machine()} ({args.repeats} repeat(s), medians)",
+        "",
+        "| batch | pdspark tok/s | transformers tok/s | speedup | pdspark peak RSS MB | transformers peak RSS MB |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    summary = []
+    for b in batches:
+        pd, hf = med("pdspark", b, "tokens_per_s"), med("transformers", b, "tokens_per_s")
+        pd_rss, hf_rss = med("pdspark", b, "peak_rss_mb"), med("transformers", b, "peak_rss_mb")
+        lines.append(f"| {b} | {pd:.1f} | {hf:.1f} | {pd / hf:.2f}x | {pd_rss:.0f} | {hf_rss:.0f} |")
+        summary.append({"batch": b, "pdspark_tok_s": pd, "transformers_tok_s": hf, "speedup": pd / hf,
+                        "pdspark_peak_rss_mb": pd_rss, "transformers_peak_rss_mb": hf_rss})
+    print("\n".join(lines))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "engine_vs_transformers.json").write_text(
+        json.dumps({"args": vars(args), "summary": summary, "runs": [r for v in rows.values() for r in v]}, indent=1)
+    )
+    _plot(summary, RESULTS / "engine_vs_transformers.png", lines[0])
+
+
+def _plot(summary: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"batch {s['batch']}" for s in summary]
+    xs = range(len(summary))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([x - 0.2 for x in xs], [s["pdspark_tok_s"] for s in summary], 0.4, label="pdspark")
+    ax.bar([x + 0.2 for x in xs], [s["transformers_tok_s"] for s in summary], 0.4, label="transformers generate")
+    for x, s in zip(xs, summary):
+        ax.annotate(f"{s['speedup']:.1f}x", (x - 0.2, s["pdspark_tok_s"]), ha="center", va="bottom")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title, fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"plot: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

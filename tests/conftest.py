@@ -1,0 +1,45 @@
+"""Shared fixtures: random tiny DSV4 checkpoints written by transformers, built once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hf_reference import CSA, HCA, SLIDING, TinySpec, save_hf_checkpoint, write_byte_tokenizer
+
+# Tests measure behaviour, not speed: one intra-op thread keeps runs steady on shared 2-core machines.
+torch.set_num_threads(int(os.environ.get("PDSPARK_TEST_THREADS", "1")))
+
+MIXED = TinySpec()  # SWA, CSA, HCA, CSA; hc_mult 2; one hash-MoE layer; YaRN on compressed layers
+HC4 = TinySpec(layer_types=(CSA, HCA, SLIDING, HCA), hc_mult=4, hash_layers=2, yarn=False, seed=1)
+TIED = TinySpec(layer_types=(HCA, SLIDING, CSA), hash_layers=0, tie_word_embeddings=True, seed=3)
+SPARSE = TinySpec(index_topk=4, seed=2)  # the indexer keeps fewer entries than are visible
+
+
+class CheckpointFactory:
+    def __init__(self, root):
+        self.root = root
+        self._cache: dict[TinySpec, tuple] = {}
+
+    def __call__(self, spec: TinySpec, tokenizer: bool = True):
+        key = (spec, tokenizer)
+        if key not in self._cache:
+            path = self.root / f"ckpt{len(self._cache)}"
+            model = save_hf_checkpoint(spec, path)
+            if tokenizer:
+                write_byte_tokenizer(path)
+            self._cache[key] = (path, model)
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> CheckpointFactory:
+    """`checkpoints(spec) -> (path, transformers model)`."""
+    return CheckpointFactory(tmp_path_factory.mktemp("checkpoints"))
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]

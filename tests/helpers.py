@@ -1,0 +1,44 @@
+"""Builders and checks shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from pdspark import LLM, SamplingParams
+from pdspark.engine.forward_batch import Chunk, build_forward_batch
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def make_llm(path, **kw) -> LLM:
+    opts = dict(page_size=16, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256)
+    opts.update(kw)
+    return LLM(str(path), **opts)
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=max_tokens, **GREEDY))
+    return [o.token_ids for o in outs]
+
+
+@torch.inference_mode()
+def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position from one prefill through the paged engine; frees what it took."""
+    kv = llm.engine.kv
+    pages = kv.open()
+    kv.grow(pages, len(ids))
+    try:
+        batch = build_forward_batch([Chunk(pages.slot, 0, ids, num_logits=len(ids))], kv)
+        model = llm.engine.runner.model
+        return model.logits(model(batch, kv.pools)[batch.logits_rows])
+    finally:
+        kv.close(pages)
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    """Every pool is consistent and back to its initial free count."""
+    engine = llm.engine
+    engine.check_integrity()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    for name, (used, total) in engine.kv.usage().items():
+        assert used == 0, f"{name}: {used} of {total} pages still held"
