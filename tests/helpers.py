@@ -40,5 +40,7 @@ def assert_no_leaks(llm: LLM) -> None:
     engine = llm.engine
     engine.check_integrity()
     assert not engine.scheduler.running and not engine.scheduler.waiting
+    engine.flush_cache()
+    engine.check_integrity()
     for name, (used, total) in engine.kv.usage().items():
         assert used == 0, f"{name}: {used} of {total} pages still held"

@@ -118,8 +118,14 @@ class PoolSizes:
         # A running request holds the window plus one step's chunk, rounded out to pages, plus the page the CSA
         # overlap rows may still live on.
         swa_per_req = math.ceil(model.sliding_window / P) + 2
+        unit = (model.hca_ratio * (cache.c128_page_size or max(1, math.ceil(P / model.hca_ratio)))
+                if model.hca_layers else P)
+        if cache.enable_prefix_cache:
+            swa_per_req += math.ceil(unit / P)  # the window before the last cacheable boundary stays
         chunk_pages = math.ceil(sched.max_num_batched_tokens / P) + 1
         num_swa = cache.num_swa_pages or sched.max_num_seqs * swa_per_req + chunk_pages
+        if cache.enable_prefix_cache and not cache.num_swa_pages:
+            num_swa += (cache.num_full_pages or sched.max_num_seqs * math.ceil(sched.max_model_len / P)) // 8
         c128_per_req = math.ceil(sched.max_model_len / group_tokens)
         num_c128 = cache.num_c128_pages or max(1, sched.max_num_seqs * c128_per_req)
         return PoolSizes(

@@ -90,6 +90,10 @@ class LLM:
             self.engine.release(r)
         return outputs
 
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (entries in use by running requests stay)."""
+        self.engine.flush_cache()
+
     def _prompts(self, prompts, prompt_token_ids) -> tuple[list[str | None], list[list[int]]]:
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("pass exactly one of `prompts` or `prompt_token_ids`")

@@ -8,7 +8,14 @@ Index spaces (see `kv_pools.py` for the tensors):
 - C128 pages: refcounted, listed per request in `req_to_c128` (the sidecar table).
 - request slots: one row of `req_to_token` / `req_to_c128` and one C128 state ring per running request.
 
-NOTE: capacity is checked with `can_grow` before `grow`; `grow` itself never fails halfway.
+With the prefix cache on, a request starts from a `RadixCache` match: it *borrows* the matched full pages (and the
+SWA pages of the window before the match end) from the tree, locks the matched path, and takes its own reference on
+each matched C128 page. As its prompt is computed, and when it ends, its computed pages are inserted into the tree
+(`cache_computed`): the tree adopts new pages, and where the tree already held the same tokens the request switches
+to the tree's pages and frees its own copies. Inserted pages count as borrowed from then on. At the end the request
+frees what it still owns (the uncacheable tail) and drops its C128 references.
+
+NOTE: capacity is checked with `reserve` (which may evict from the tree) before `grow`; `grow` never fails halfway.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 
 from pdspark.cache.kv_pools import KVPools
 from pdspark.cache.page_allocator import PageAllocator, RefCountedPageAllocator
+from pdspark.cache.radix_cache import RadixCache, RadixNode
 from pdspark.config import PoolSizes
 from pdspark.model.model_config import ModelConfig
 
@@ -34,6 +42,9 @@ class ReqPages:
     swa_pages: list[int | None] = field(default_factory=list)
     c128_pages: list[int] = field(default_factory=list)
     num_released: int = 0  # leading full pages whose SWA page has been released
+    num_borrowed: int = 0  # leading full pages (and their SWA pages) owned by the prefix tree
+    match_node: RadixNode | None = None  # FULL-locked while the request runs
+    swa_receipt: list[RadixNode] = field(default_factory=list)  # SWA-locked nodes of the window at match_node
 
     @property
     def num_tokens_capacity(self) -> int:
@@ -47,7 +58,14 @@ class PageNeed(NamedTuple):
 
 
 class KVCache:
-    def __init__(self, model: ModelConfig, sizes: PoolSizes, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        model: ModelConfig,
+        sizes: PoolSizes,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        enable_prefix_cache: bool = False,
+    ):
         self.model = model
         self.sizes = sizes
         self.device = device
@@ -67,6 +85,13 @@ class KVCache:
         self.full_to_swa_page = torch.full((sizes.num_full_pages + 1,), self.pools.swa_dummy_page, dtype=torch.long)
         self._page_offsets = torch.arange(P, dtype=torch.long)
         self.live: dict[int, ReqPages] = {}
+        self.tree: RadixCache | None = None
+        if enable_prefix_cache:
+            # Tokens before a match end whose SWA pages must survive: the window of the next query and, with
+            # CSA layers, the previous group's overlap rows (page-scoped state).
+            window = max(model.sliding_window - 1, model.csa_ratio if model.csa_layers else 0)
+            group = self.group_tokens if model.hca_layers else None
+            self.tree = RadixCache(P, group, window, self)
 
     # ---- request lifetime -------------------------------------------------------------------------------------------
     def open(self) -> ReqPages | None:
@@ -80,18 +105,110 @@ class KVCache:
         self.pools.clear_c128_state_rows(torch.arange(slot * ring, (slot + 1) * ring))
         return rp
 
-    def close(self, rp: ReqPages) -> None:
-        """Free every page the request holds and its slot."""
-        for i, page in enumerate(rp.full_pages):
-            self.full_to_swa_page[page] = self.pools.swa_dummy_page
+    def attach_prefix(self, rp: ReqPages, tokens: list[int]) -> int:
+        """Start a fresh request from the longest cached prefix of `tokens`; returns the matched length.
+
+        At least one token is left to compute (its logits pick the next token).
+        """
+        if self.tree is None:
+            return 0
+        match = self.tree.match_prefix(tokens, len(tokens) - 1)
+        if match.length == 0:
+            return 0
+        n = len(match.full_pages)
+        rp.full_pages = list(match.full_pages)
+        rp.swa_pages = [None] * n
+        rp.c128_pages = []
+        self._borrow(rp, match.node, match.full_pages, match.swa_pages, match.c128_pages, match.length)
+        return match.length
+
+    def cache_computed(self, rp: ReqPages, tokens: list[int]) -> None:
+        """Insert the request's computed `tokens` (whole pages / C128 groups of them) into the prefix tree."""
+        if self.tree is None:
+            return
+        length = self._cacheable_len(len(tokens))
+        k = length // self.sizes.page_size
+        if k <= rp.num_borrowed:
+            return
+        groups = length // self.group_tokens if self.model.hca_layers else 0
+        res = self.tree.insert(tokens[:length], rp.full_pages[:k], rp.swa_pages[:k], rp.c128_pages[:groups])
+        for i in range(rp.num_borrowed, k):
+            own_full, own_swa = rp.full_pages[i], rp.swa_pages[i]
+            if res.full_pages[i] != own_full:  # the tree already had these tokens: drop our copy
+                if own_swa is not None:
+                    self.free_swa([own_full], [own_swa])
+                self.free_full([own_full])
+            elif res.swa_pages[i] != own_swa and own_swa is not None:  # adopted into a tombstone region
+                self.free_swa([own_full], [own_swa])
+        self._borrow(rp, res.node, res.full_pages, res.swa_pages, res.c128_pages, length)
+
+    def _borrow(self, rp: ReqPages, node: RadixNode, full: list[int], swa: list[int | None], c128: list[int],
+                length: int) -> None:
+        """Point the request's first `len(full)` pages at the tree's and move its locks to `node`."""
+        assert self.tree is not None
+        P, n = self.sizes.page_size, len(full)
+        self.tree.lock(node)
+        receipt = self.tree.lock_swa(node)
+        if rp.match_node is not None:
+            self.tree.unlock(rp.match_node)
+        self.tree.unlock_swa(rp.swa_receipt)
+        rp.match_node, rp.swa_receipt = node, receipt
+        keep_page = self.keep_from(length) // P
+        rp.full_pages[:n] = full
+        rp.swa_pages[:n] = [s if i >= keep_page else None for i, s in enumerate(swa)]
+        rp.num_borrowed = n
+        rp.num_released = max(rp.num_released, min(keep_page, n))
+        page_t = torch.tensor(full, dtype=torch.long)
+        self.req_to_token[rp.slot, : n * P] = (page_t[:, None] * P + self._page_offsets[None, :]).flatten()
+        # C128: hold a reference on the tree's page of every cached group instead of our own copy.
+        self.c128.retain(c128)
+        self.c128.release(rp.c128_pages[: len(c128)])
+        rp.c128_pages[: len(c128)] = c128
+        if c128:
+            self.req_to_c128[rp.slot, : len(c128)] = torch.tensor(c128, dtype=torch.long)
+
+    def close(self, rp: ReqPages, cache_tokens: list[int] | None = None) -> None:
+        """Release the request: insert its computed `cache_tokens` into the prefix tree (when on), free the pages
+        it still owns, drop its C128 references and locks, free its slot."""
+        if cache_tokens is not None:
+            self.cache_computed(rp, cache_tokens)
+        for i in range(rp.num_borrowed, len(rp.full_pages)):
             swa_page = rp.swa_pages[i]
             if swa_page is not None:
-                self.swa.free([swa_page])
-        self.full.free(rp.full_pages)
+                self.free_swa([rp.full_pages[i]], [swa_page])
+        self.free_full(rp.full_pages[rp.num_borrowed :])
         self.c128.release(rp.c128_pages)
+        if rp.match_node is not None:
+            assert self.tree is not None
+            self.tree.unlock(rp.match_node)
+            self.tree.unlock_swa(rp.swa_receipt)
         self.slots.free([rp.slot])
         del self.live[rp.slot]
-        rp.full_pages, rp.swa_pages, rp.c128_pages = [], [], []
+        rp.full_pages, rp.swa_pages, rp.c128_pages, rp.match_node, rp.swa_receipt = [], [], [], None, []
+
+    def _cacheable_len(self, n_tokens: int) -> int:
+        """Only whole pages enter the tree, and only whole C128 groups (a partial group's page stays private)."""
+        unit = self.group_tokens if self.model.hca_layers else self.sizes.page_size
+        return n_tokens // unit * unit
+
+    def flush_prefix_cache(self) -> None:
+        if self.tree is not None:
+            self.tree.flush()
+
+    # ---- the tree's callbacks (TreeFreer) ---------------------------------------------------------------------------
+    def free_full(self, pages: list[int]) -> None:
+        self.full.free(pages)
+
+    def free_swa(self, full_pages: list[int], swa_pages: list[int]) -> None:
+        self.swa.free(swa_pages)
+        if full_pages:
+            self.full_to_swa_page[torch.tensor(full_pages, dtype=torch.long)] = self.pools.swa_dummy_page
+
+    def release_c128(self, pages: list[int]) -> None:
+        self.c128.release(pages)
+
+    def retain_c128(self, pages: list[int]) -> None:
+        self.c128.retain(pages)
 
     # ---- growth -----------------------------------------------------------------------------------------------------
     def need(self, rp: ReqPages, new_len: int) -> PageNeed:
@@ -106,6 +223,20 @@ class KVCache:
     def can_grow(self, rp: ReqPages, new_len: int) -> bool:
         n = self.need(rp, new_len)
         return self.full.can_allocate(n.full) and self.swa.can_allocate(n.swa) and self.c128.can_allocate(n.c128)
+
+    def reserve(self, rp: ReqPages, new_len: int) -> bool:
+        """`can_grow`, evicting unlocked prefix-cache pages to make room when needed."""
+        if self.can_grow(rp, new_len):
+            return True
+        if self.tree is None:
+            return False
+        n = self.need(rp, new_len)
+        self.tree.evict(
+            full_pages=max(0, n.full - self.full.num_free), swa_pages=max(0, n.swa - self.swa.num_free)
+        )
+        if not self.c128.can_allocate(n.c128):
+            self.tree.evict_c128(n.c128 - self.c128.num_free)
+        return self.can_grow(rp, new_len)
 
     def grow(self, rp: ReqPages, new_len: int) -> None:
         assert new_len <= self.sizes.max_model_len, "grow past max_model_len"
@@ -138,6 +269,10 @@ class KVCache:
         if self.model.csa_layers:
             R = self.model.csa_ratio
             keep = min(keep, (computed_len // R) * R - R)
+        if self.tree is not None:
+            # Keep what a later match ending at the last cacheable boundary needs, so that the pages inserted when
+            # the request ends can be matched there.
+            keep = min(keep, self._cacheable_len(computed_len) - self.tree.window_tokens)
         return max(0, keep)
 
     def release_window(self, rp: ReqPages, computed_len: int) -> int:
@@ -147,11 +282,15 @@ class KVCache:
         for i in range(rp.num_released, min(upto, len(rp.full_pages))):
             swa_page = rp.swa_pages[i]
             if swa_page is not None:
-                self.swa.free([swa_page])
+                if i >= rp.num_borrowed:  # the tree's pages stay with the tree
+                    self.free_swa([rp.full_pages[i]], [swa_page])
+                    released += 1
                 rp.swa_pages[i] = None
-                self.full_to_swa_page[rp.full_pages[i]] = self.pools.swa_dummy_page
-                released += 1
         rp.num_released = max(rp.num_released, upto)
+        if rp.swa_receipt and rp.match_node is not None and self.keep_from(computed_len) >= rp.match_node.end:
+            assert self.tree is not None
+            self.tree.unlock_swa(rp.swa_receipt)  # our window has moved past the tree's pages
+            rp.swa_receipt = []
         return released
 
     # ---- translation ------------------------------------------------------------------------------------------------
@@ -172,24 +311,33 @@ class KVCache:
     def check_integrity(self) -> None:
         for alloc in (self.full, self.swa, self.c128, self.slots):
             alloc.check_integrity()
-        held_full = [p for rp in self.live.values() for p in rp.full_pages]
-        held_swa = [p for rp in self.live.values() for p in rp.swa_pages if p is not None]
+        tree_full, tree_swa, tree_c128 = self.tree.held() if self.tree is not None else ([], [], [])
+        own_full = [p for rp in self.live.values() for p in rp.full_pages[rp.num_borrowed :]]
+        own_swa = [p for rp in self.live.values() for p in rp.swa_pages[rp.num_borrowed :] if p is not None]
+        held_full, held_swa = own_full + tree_full, own_swa + tree_swa
         assert len(held_full) == len(set(held_full)) and set(held_full) == self.full._used, "full pages: owners"
         assert len(held_swa) == len(set(held_swa)) and set(held_swa) == self.swa._used, "SWA pages: owners"
         holders: dict[int, int] = {}
-        for rp in self.live.values():
-            for p in rp.c128_pages:
-                holders[p] = holders.get(p, 0) + 1
+        for p in [p for rp in self.live.values() for p in rp.c128_pages] + tree_c128:
+            holders[p] = holders.get(p, 0) + 1
         assert holders == self.c128.refcount, "C128 refcounts differ from the number of holders"
         assert set(self.live) == self.slots._used, "request slots: owners"
         for rp in self.live.values():
-            for page, swa_page in zip(rp.full_pages, rp.swa_pages):
+            borrowed = set(rp.full_pages[: rp.num_borrowed])
+            assert borrowed <= set(tree_full), "a borrowed page left the tree while in use"
+            for page, swa_page in zip(rp.full_pages[rp.num_borrowed :], rp.swa_pages[rp.num_borrowed :]):
                 expect = self.pools.swa_dummy_page if swa_page is None else swa_page
                 assert int(self.full_to_swa_page[page]) == expect, "full->SWA map out of date"
+        if self.tree is not None:
+            self.tree.check_integrity()
+            for node in self.tree.nodes():
+                for i, page in enumerate(node.full_pages):
+                    expect = self.pools.swa_dummy_page if node.swa_pages is None else node.swa_pages[i]
+                    assert int(self.full_to_swa_page[page]) == expect, "tree full->SWA map out of date"
         self.pools.check_dummy_rows()
 
     def usage(self) -> dict[str, tuple[int, int]]:
-        """Per pool `(used, total)` pages."""
+        """Per pool `(used, total)` pages (tree-held pages count as used)."""
         return {
             a.name: (a.num_used, a.num_pages) for a in (self.full, self.swa, self.c128, self.slots)
         }

@@ -27,7 +27,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.sizes = PoolSizes.derive(model.cfg, config.cache, config.scheduler)
         dtype = getattr(torch, config.dtype)
-        self.kv = KVCache(model.cfg, self.sizes, dtype, config.device)
+        self.kv = KVCache(model.cfg, self.sizes, dtype, config.device, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, self.kv)
         self.sampler = Sampler(config.seed)
@@ -128,6 +128,10 @@ class Engine:
         """Forget a finished request."""
         req = self.requests.pop(request_id)
         assert req.finished
+
+    def flush_cache(self) -> None:
+        """Drop every prefix-cache entry no running request is using."""
+        self.kv.flush_prefix_cache()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

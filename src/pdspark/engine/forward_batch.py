@@ -180,8 +180,10 @@ def _csa_plan(kv, token_slot, token_start, token_end, positions) -> CompressPlan
     hist_rows = kv.c4_state_rows(kv.req_to_token[slot, hist_pos], hist_pos)
     hist_rows = torch.where((src_pos >= 0) & ~use_cur, hist_rows, kv.pools.c4_state_dummy_row)
     out_rows = kv.req_to_token[token_slot[tok], group_start] // R
-    # Persist the open group and the previous (overlap) group: positions >= floor(end / R) * R - R.
-    write = torch.nonzero(positions >= (token_end // R) * R - R).squeeze(1)
+    # Persist the open group and the previous (overlap) group: positions >= floor(end / R) * R - R; and the last
+    # group of every page, which a request starting from a prefix-cache match at that page's end overlaps with.
+    P = kv.sizes.page_size
+    write = torch.nonzero((positions >= (token_end // R) * R - R) | (positions % P >= P - R)).squeeze(1)
     wpos = positions[write]
     write_rows = kv.c4_state_rows(kv.req_to_token[token_slot[write], wpos], wpos)
     return CompressPlan(out_rows, group_start, use_cur, cur_rows, hist_rows, write, write_rows)

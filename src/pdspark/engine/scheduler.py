@@ -5,7 +5,9 @@ a prefill chunk, a decode token and the recompute after preemption differ only i
 this step. Running requests go first (oldest first), then waiting requests are admitted FIFO while the budget,
 `max_num_seqs`, request slots and pages allow. Pages are grown lazily, step by step. When a running request cannot
 grow, the most recently admitted request is preempted (its pages freed, recomputed later from its tokens so far);
-a waiting request that does not fit simply waits.
+a waiting request that does not fit simply waits. With the prefix cache, admission starts a request from its
+longest cached prefix (`num_computed_tokens = num_cached_tokens`), growth evicts unlocked cache pages before it
+preempts anyone, and a request that ends or is preempted leaves its computed pages in the cache.
 """
 
 from __future__ import annotations
@@ -95,19 +97,21 @@ class Scheduler:
         pages = self.kv.open()
         if pages is None:
             return None
-        n = self._fit(pages, 0, min(req.num_pending_tokens, budget))
+        cached = self.kv.attach_prefix(pages, req.all_token_ids)
+        n = self._fit(pages, cached, min(req.num_tokens - cached, budget))
         if n <= 0:
             self.kv.close(pages)
             return None
-        self.kv.grow(pages, n)
+        self.kv.grow(pages, cached + n)
         req.pages = pages
+        req.num_cached_tokens = req.num_computed_tokens = cached
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        return ScheduledChunk(req, 0, n)
+        return ScheduledChunk(req, cached, n)
 
     def _fit(self, pages: ReqPages, start: int, want: int) -> int:
         """The most tokens (up to `want`) the request can grow by now, shrinking a chunk to whole free pages."""
-        if self.kv.can_grow(pages, start + want):
+        if self.kv.reserve(pages, start + want):
             return want
         P = self.kv.sizes.page_size
         spare = min(self.kv.full.num_free, self.kv.swa.num_free)
@@ -122,6 +126,9 @@ class Scheduler:
             req = c.request
             req.num_computed_tokens = c.start + c.num_tokens
             assert req.pages is not None
+            if req.num_computed_tokens <= len(req.prompt_token_ids):
+                # Prompt pages enter the prefix cache as they are computed, before their SWA pages slide out.
+                self.kv.cache_computed(req.pages, req.all_token_ids[: req.num_computed_tokens])
             self.kv.release_window(req.pages, req.num_computed_tokens)
 
     def preempt(self, req: Request) -> None:
@@ -143,5 +150,6 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.pages is not None:
-            self.kv.close(req.pages)
+            # What was computed stays reusable: a later request (or this one, after preemption) can match it.
+            self.kv.close(req.pages, cache_tokens=req.all_token_ids[: req.num_computed_tokens])
             req.pages = None
