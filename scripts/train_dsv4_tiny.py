@@ -536,6 +536,8 @@ def save_target(model, outdir: Path, dtype: torch.dtype) -> None:
             if tensor.is_floating_point() and not keep_fp32 & set(name.split(".")):
                 tensor.data = tensor.data.to(dtype)
     model.save_pretrained(outdir)
+    # safetensors writes the file owner-only; package data must be readable by whoever installs pdspark.
+    (outdir / "model.safetensors").chmod(0o644)
 
 
 def weights_dtype(model, outdir: Path) -> torch.dtype:
@@ -732,63 +734,64 @@ def write_card(outdir: Path, record: dict) -> None:
     (outdir / "README.md").write_text(card)
 
 
-def _fmt(value, missing: str = "(not yet measured)") -> str:
-    return missing if value is None else str(value)
-
-
 def render_card(record: dict, sizes: dict[str, int], total: int) -> str:
-    target, ev, tok = record.get("target", {}), record.get("eval", {}), record.get("tokenizer", {})
+    target = record.get("target", {})
+    reproduce = "python scripts/train_dsv4_tiny.py --stage all" + (f" --steps {target['steps']}" if target else "")
+    sections = [
+        ["# dsv4-tiny", "", *INTRO, "", f"Reproduce: `{reproduce}`"],
+        ["## Config", "", *config_lines(target)],
+        ["## Corpus", "", *[f"- {k}: {v}" for k, v in record.get("corpus", {}).items()]],
+        ["## Tokenizer", "", *tokenizer_lines(record.get("tokenizer", {}))],
+        ["## Training", "", *training_lines(target), *all_stage_lines(record)],
+        ["## Evaluation", "", *eval_lines(record.get("eval", {}))],
+        ["## Size", "", *size_lines(target, sizes, total)],
+        ["## Draft", "", "DSpark draft: (to be added)"],
+    ]
+    return "\n\n".join("\n".join(section) for section in sections) + "\n"
+
+
+INTRO = [
+    "A tiny DeepSeek-V4 model (transformers `DeepseekV4ForCausalLM`) trained from scratch on CPU on the Python",
+    "standard library, shipped as pdspark's default model. Every V4 mechanism is present: sliding-window",
+    "attention, CSA (compressed sparse attention with the lightning indexer), HCA (heavily compressed",
+    "attention), mHC hyper-connections, hash-routed and learned-routed MoE with sqrtsoftplus scoring.",
+    "It writes Python-looking text; it is a test fixture, not a useful model.",
+]
+
+
+def config_lines(target: dict) -> list[str]:
     cfg = target.get("config", TARGET_ARCH)
-    params = target.get("parameters", {})
-    lines = [
-        "# dsv4-tiny",
-        "",
-        "A tiny DeepSeek-V4 model (transformers `DeepseekV4ForCausalLM`) trained from scratch on CPU on the Python",
-        "standard library, shipped as pdspark's default model. Every V4 mechanism is present: sliding-window",
-        "attention, CSA (compressed sparse attention with the lightning indexer), HCA (heavily compressed",
-        "attention), mHC hyper-connections, hash-routed and learned-routed MoE with sqrtsoftplus scoring.",
-        "It writes plausible-looking Python; it is a test fixture, not a useful assistant.",
-        "",
-        "Reproduce: `python scripts/train_dsv4_tiny.py --stage all"
-        + (f" --steps {target['steps']}`" if "steps" in target else "`"),
-        "",
-        "## Config",
-        "",
+    return [
         *[f"- `{k}`: {json.dumps(v)}" for k, v in cfg.items()],
-        "- tid2eid (hash routing): seeded random table, distinct experts per token, frozen",
-        "",
-        "## Corpus",
-        "",
-        *[f"- {k}: {v}" for k, v in record.get("corpus", {}).items()],
-        "",
-        "## Tokenizer",
-        "",
+        "- `tid2eid` (hash routing): seeded random table, distinct experts per token, frozen",
+    ]
+
+
+def tokenizer_lines(tok: dict) -> list[str]:
+    return [
         f"- {tok.get('type', 'byte-level BPE')}; vocab {VOCAB_SIZE}, trained on the train split only",
         f"- special tokens (ids 0-7): {', '.join(f'`{t}`' for t in SPECIAL_TOKENS)}; no post-processor",
         "- `<|mask|>` is reserved for the speculative drafter and never occurs in the training data",
-        "- chat template: " + json.dumps(CHAT_TEMPLATE),
-        "",
-        "## Training",
-        "",
-        *training_lines(target),
-        "",
-        "## Evaluation",
-        "",
-        *eval_lines(ev),
-        "",
-        "## Size",
-        "",
-        f"- parameters: {_fmt(params.get('total'))} total, {_fmt(params.get('active_per_token'))} active per token",
-        f"- weights dtype: {_fmt(target.get('weights_dtype'))} (norms, mHC, sinks, position biases, router bias fp32)",
-        *[f"- `{name}`: {size:,} bytes" for name, size in sizes.items()],
-        f"- asset directory total (with this card): {total:,} bytes (budget {SIZE_BUDGET:,})",
-        "",
-        "## Draft",
-        "",
-        "DSpark draft: (to be added)",
-        "",
+        "- chat template: `" + json.dumps(CHAT_TEMPLATE) + "`",
     ]
-    return "\n".join(lines)
+
+
+def all_stage_lines(record: dict) -> list[str]:
+    if "all_wall_s" not in record:
+        return []
+    return [f"- `--stage all` wall time (tokenizer + target + eval): {hms(record['all_wall_s'])}"]
+
+
+def size_lines(target: dict, sizes: dict[str, int], total: int) -> list[str]:
+    lines = []
+    if target:
+        params = target["parameters"]
+        lines += [
+            f"- parameters: {params['total']:,} total, {params['active_per_token']:,} active per token",
+            f"- weights dtype: {target['weights_dtype']} (norms, mHC, sinks, position biases and router bias: fp32)",
+        ]
+    lines += [f"- `{name}`: {size:,} bytes" for name, size in sizes.items()]
+    return [*lines, f"- asset directory total (with this card): {total:,} bytes (budget {SIZE_BUDGET:,})"]
 
 
 def training_lines(target: dict) -> list[str]:
@@ -819,7 +822,11 @@ def eval_lines(ev: dict) -> list[str]:
         f"- held-out bits per byte: **{ev['bits_per_byte']}** (first {ev['scored_tokens']:,} held-out tokens, "
         "windows of 512; NLL in nats / (ln 2 x UTF-8 bytes of the predicted tokens))",
     ]
-    lines += [f"- {name}: {m}" for name, m in ev["by_context"].items()]
+    lines += [
+        f"- windows of {name.removeprefix('seq')}: {m['bits_per_byte']} bits/byte, {m['nats_per_token']} nats/token "
+        f"over {m['predicted_tokens']:,} predicted tokens ({m['bytes']:,} bytes)"
+        for name, m in ev["by_context"].items()
+    ]
     sample = ev["sample"]
     lines += [
         f"- greedy sample ({sample['max_new_tokens']} new tokens; cached and uncached decoding agree: "
@@ -843,7 +850,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="total target steps; skips the timing probe")
     p.add_argument("--target-minutes", type=float, default=32.0, help="target training-loop budget for the probe")
-    p.add_argument("--probe-steps", type=int, default=3, help="timed probe steps per phase (after one warmup)")
+    p.add_argument("--probe-steps", type=int, default=5, help="timed probe steps per phase (after one warmup)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--long-seq-len", type=int, default=2048)
@@ -855,7 +862,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--indexer-loss-weight", type=float, default=1.0)
-    p.add_argument("--router-bias-rate", type=float, default=1e-3)
+    p.add_argument("--router-bias-rate", type=float, default=1e-2, help="DeepSeek uses 1e-3 over far more steps")
     p.add_argument("--final-loss-window", type=int, default=20)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-tokens", type=int, default=204_800)

@@ -12,6 +12,7 @@ from pdspark.errors import ConfigError, check_choice
 from pdspark.model.model_config import ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+SPECULATIVE = (None, "dspark")
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,12 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    speculative: str | None = None  # "dspark": speculative decoding with the checkpoint's DSpark draft
+    num_speculative_tokens: int | None = None  # draft tokens per verify step (default: the draft's gamma)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("speculative", self.speculative, SPECULATIVE)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pdspark.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdspark.engine.engine import Engine
 from pdspark.errors import InvalidRequestError
-from pdspark.model.loader import load_checkpoint
+from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.types import RequestOutput, SamplingParams
 
 
@@ -35,6 +35,8 @@ class LLM:
         dtype: str = "float32",
         device: str = "cpu",
         seed: int = 0,
+        speculative: str | None = None,
+        num_speculative_tokens: int | None = None,
         progress: bool = False,
     ):
         from pdspark.model.model_config import ModelConfig
@@ -57,10 +59,13 @@ class LLM:
             device=device,
             dtype=dtype,
             seed=seed,
+            speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
         )
         ckpt = load_checkpoint(path, max_len, dtype=dtype, device=device, progress=progress)
+        draft = load_draft(ckpt, max_len, dtype, device) if speculative else None
         self.tokenizer = ckpt.tokenizer
-        self.engine = Engine(ckpt.model, self.config, ckpt.tokenizer)
+        self.engine = Engine(ckpt.model, self.config, ckpt.tokenizer, draft)
 
     def generate(
         self,
@@ -76,7 +81,7 @@ class LLM:
         if len(params_list) != len(ids):
             raise InvalidRequestError(f"{len(params_list)} sampling params for {len(ids)} prompts")
         for p_ids, p in zip(ids, params_list):
-            self.engine._validate(p_ids, p)
+            self.engine.validate(p_ids, p)
         req_ids = [self.engine.add_request(i, p, prompt=t) for i, p, t in zip(ids, params_list, texts)]
         try:
             while self.engine.has_unfinished:

@@ -65,11 +65,13 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         enable_prefix_cache: bool = False,
+        draft_stages: int = 0,
     ):
         self.model = model
         self.sizes = sizes
         self.device = device
-        self.pools = KVPools(model, sizes, dtype, device)
+        self.pools = KVPools(model, sizes, dtype, device, draft_stages)
+        self.has_draft = draft_stages > 0
         self.full = PageAllocator(sizes.num_full_pages, "full")
         self.swa = PageAllocator(sizes.num_swa_pages, "swa")
         self.c128 = RefCountedPageAllocator(sizes.num_c128_pages, "c128")
@@ -266,6 +268,8 @@ class KVCache:
         state of the SWA page holding them.
         """
         keep = computed_len - self.model.sliding_window + 1
+        if self.has_draft:
+            keep -= 1  # a draft block at `computed_len` reads W context rows, one more than the target's window
         if self.model.csa_layers:
             R = self.model.csa_ratio
             keep = min(keep, (computed_len // R) * R - R)

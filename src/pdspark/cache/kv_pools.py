@@ -9,6 +9,7 @@
 | c4_state     | `swa_page * csa_ring + pos % csa_ring`              | fp32 `[kv | score]`, page-scoped    |
 | c4_index_state | same as c4_state                                  | indexer compressor state            |
 | c128_state   | `req_slot * hca_ring + pos % hca_ring`              | fp32 `[kv | score]`, request-scoped |
+| draft_kv     | SWA slot (same geometry as swa_kv)                  | DSpark stage K=V rows (injected)    |
 
 Every pool ends with a dummy row (the SWA pool with a dummy page) that padded or invalid positions map to, so
 gathers never see a negative index. State dummy rows hold `kv = 0, score = -inf`, which gives them zero weight in
@@ -36,7 +37,14 @@ class LayerCache(NamedTuple):
 
 
 class KVPools:
-    def __init__(self, model: ModelConfig, sizes: PoolSizes, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        model: ModelConfig,
+        sizes: PoolSizes,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        draft_stages: int = 0,
+    ):
         self.model = model
         self.sizes = sizes
         P = sizes.page_size
@@ -46,6 +54,8 @@ class KVPools:
         c128_rows = sizes.num_c128_pages * sizes.c128_page_size
         # [layers, (num_swa_pages + 1 dummy page) * page_size, head_dim]
         self.swa_kv = torch.zeros(model.num_hidden_layers, (sizes.num_swa_pages + 1) * P, d, dtype=dtype, device=device)
+        # [draft stages, same rows as swa_kv, head_dim]: the drafter's context, at the target's SWA slots
+        self.draft_kv = torch.zeros(draft_stages, (sizes.num_swa_pages + 1) * P, d, dtype=dtype, device=device)
         # [csa layers, c4 rows + 1, head_dim] and [csa layers, c4 rows + 1, index_head_dim]
         self.c4_kv = torch.zeros(n_csa, c4_rows + 1, d, dtype=dtype, device=device)
         self.c4_index = torch.zeros(n_csa, c4_rows + 1, di, dtype=dtype, device=device)
@@ -102,6 +112,7 @@ class KVPools:
         """The dummy rows must never be written; a non-empty dummy row means an index escaped its mask."""
         P = self.sizes.page_size
         assert not self.swa_kv[:, self.swa_dummy_slot : self.swa_dummy_slot + P].any(), "SWA dummy page written"
+        assert not self.draft_kv[:, self.swa_dummy_slot : self.swa_dummy_slot + P].any(), "draft dummy page written"
         assert not self.c4_kv[:, -1].any() and not self.c4_index[:, -1].any(), "C4 dummy row written"
         assert not self.c128_kv[:, -1].any(), "C128 dummy row written"
         for state in (self.c4_state, self.c4_index_state, self.c128_state):

@@ -1,37 +1,86 @@
-"""`Engine`: the offline serving loop. One `step()` is `schedule -> run -> sample -> update`."""
+"""`Engine`: the serving loop. One `step()` is `schedule -> draft -> run -> accept/sample -> update`."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from pdspark.cache.kv_cache import KVCache
 from pdspark.config import EngineConfig, PoolSizes
-from pdspark.engine.model_runner import ModelRunner
+from pdspark.engine.drafter import DraftProposal, DSparkDrafter
+from pdspark.engine.forward_batch import Chunk
+from pdspark.engine.model_runner import ModelRunner, RunOutput
 from pdspark.engine.request import Request, RequestStatus
 from pdspark.engine.sampler import Sampler
 from pdspark.engine.scheduler import ScheduledChunk, Scheduler
+from pdspark.engine.spec_verifier import accept
 from pdspark.engine.stop_checker import StopChecker
-from pdspark.errors import CapacityError, InvalidRequestError
+from pdspark.errors import CapacityError, ConfigError, InvalidRequestError
+from pdspark.model.dspark import DSparkDraft
 from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.tokenizer import Tokenizer
 from pdspark.types import FINISH_ABORT, RequestOutput, SamplingParams
 
 
+@dataclass
+class SpecStats:
+    """Speculative decoding counters since the engine started."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [gamma]: drafts accepted at position k
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verify step (accepted drafts + the bonus token)."""
+        return (self.accepted_tokens + self.verify_steps) / max(self.verify_steps, 1)
+
+
+@dataclass(frozen=True)
+class _StepTokens:
+    """What one chunk produced: new tokens, the logits rows they came from, and rows now computed."""
+
+    chunk: ScheduledChunk
+    tokens: list[int]
+    logits: torch.Tensor  # [len(tokens), V]
+    committed: int
+
+
 class Engine:
-    def __init__(self, model: DSV4Model, config: EngineConfig, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self,
+        model: DSV4Model,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        draft: DSparkDraft | None = None,
+    ):
         self.config = config
         self.model_config = model.cfg
         self.tokenizer = tokenizer
-        self.sizes = PoolSizes.derive(model.cfg, config.cache, config.scheduler)
+        num_drafts = 0
+        if config.speculative is not None:
+            if draft is None:
+                raise ConfigError("`speculative='dspark'` needs a checkpoint with a DSpark draft (a `dspark` config)")
+            num_drafts = config.num_speculative_tokens or draft.dcfg.gamma
+            if not 1 <= num_drafts <= draft.dcfg.gamma:
+                raise ConfigError(f"`num_speculative_tokens` must be in [1, {draft.dcfg.gamma}] for this draft")
+        # Verify windows write up to `num_drafts + 1` rows past the committed length into the state rings.
+        cache = replace(config.cache, max_draft_tokens=num_drafts + 1 if num_drafts else 0)
+        self.sizes = PoolSizes.derive(model.cfg, cache, config.scheduler)
         dtype = getattr(torch, config.dtype)
-        self.kv = KVCache(model.cfg, self.sizes, dtype, config.device, config.cache.enable_prefix_cache)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(model, self.kv)
+        stages = draft.dcfg.num_stages if num_drafts else 0
+        self.kv = KVCache(model.cfg, self.sizes, dtype, config.device, config.cache.enable_prefix_cache, stages)
+        self.scheduler = Scheduler(config.scheduler, self.kv, num_drafts)
+        self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
+        capture = draft.dcfg.target_layer_ids if self.drafter and draft is not None else ()
+        self.runner = ModelRunner(model, self.kv, capture)
         self.sampler = Sampler(config.seed)
         self.stop_checker = StopChecker(tokenizer, model.cfg.eos_token_ids, config.scheduler.max_model_len)
+        self.spec = SpecStats(accepted_per_position=[0] * num_drafts)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -47,13 +96,13 @@ class Engine:
         req_id = request_id if request_id is not None else str(next(self._ids))
         if req_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {req_id!r}")
-        self._validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params)
         req = Request(req_id, list(prompt_token_ids), params, prompt=prompt)
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req_id
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.scheduler.max_model_len
         vocab = self.model_config.vocab_size
         if not ids:
@@ -88,25 +137,108 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward pass; returns outputs of requests that got a token this step (finished ones flagged)."""
+        """One forward pass; returns outputs of requests that got tokens this step (finished ones flagged)."""
         sched = self.scheduler.schedule()
         if sched.empty:
             assert not self.scheduler.running, "running requests but nothing scheduled"
             return []
-        logits = self.runner.run(sched.chunks)
-        self.scheduler.update(sched.chunks)
-        return self._append_tokens([c for c in sched.chunks if c.samples], logits)
+        proposals = self._propose(sched.chunks)
+        out = self.runner.run([self._chunk(c, proposals.get(c.request.req_id)) for c in sched.chunks])
+        produced = self._decide(sched.chunks, out, proposals)
+        self._commit(produced, out)
+        return self._append(produced)
 
-    def _append_tokens(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
-        reqs = [c.request for c in chunks]
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+    def _propose(self, chunks: list[ScheduledChunk]) -> dict[str, DraftProposal]:
+        verify = [c for c in chunks if c.num_drafts]
+        if not verify or self.drafter is None:
+            return {}
+        proposals = self.drafter.propose([c.request for c in verify], [c.num_drafts for c in verify])
+        return {c.request.req_id: p for c, p in zip(verify, proposals)}
+
+    @staticmethod
+    def _chunk(c: ScheduledChunk, proposal: DraftProposal | None) -> Chunk:
+        req = c.request
+        tokens = req.all_token_ids[c.start : c.start + c.num_tokens - c.num_drafts]
+        if proposal is not None:
+            return Chunk(req.pages.slot, c.start, tokens + proposal.tokens, num_logits=c.num_tokens)  # type: ignore
+        return Chunk(req.pages.slot, c.start, tokens, num_logits=1 if c.samples else 0)  # type: ignore[union-attr]
+
+    def _decide(
+        self, chunks: list[ScheduledChunk], out: RunOutput, proposals: dict[str, DraftProposal]
+    ) -> list[_StepTokens]:
+        """Accept drafts of verify chunks, sample the next token of prefill/decode chunks."""
+        # First logits row of each chunk (verify chunks have one per window row, others one or none).
+        offsets = [0]
+        for c in chunks:
+            offsets.append(offsets[-1] + (c.num_tokens if c.num_drafts else int(c.samples)))
+        plain = [i for i, c in enumerate(chunks) if c.samples and not c.num_drafts]
+        sampled = self.sampler.sample(
+            out.logits[[offsets[i] for i in plain]],
+            [chunks[i].request.params for i in plain],
+            [chunks[i].request.generator for i in plain],
+        )
+        sampled_by_chunk = dict(zip(plain, sampled))
+        produced = []
+        for i, c in enumerate(chunks):
+            start = offsets[i]
+            if c.num_drafts:
+                req = c.request
+                logits = out.logits[start : start + c.num_tokens]
+                acc = accept(logits, proposals[req.req_id], req.params, req.generator, self.sampler.generator)
+                self._count(req, c.num_drafts, acc.num_accepted)
+                produced.append(_StepTokens(c, acc.tokens, logits[: len(acc.tokens)], acc.num_accepted + 1))
+            elif c.samples:
+                logits = out.logits[start : start + 1]
+                produced.append(_StepTokens(c, [sampled_by_chunk[i]], logits, c.num_tokens))
+            else:
+                produced.append(_StepTokens(c, [], out.logits[:0], c.num_tokens))
+        return produced
+
+    def _count(self, req: Request, drafts: int, accepted: int) -> None:
+        req.spec_verify_steps += 1
+        req.spec_accepted_tokens += accepted
+        self.spec.verify_steps += 1
+        self.spec.draft_tokens += drafts
+        self.spec.accepted_tokens += accepted
+        for k in range(accepted):
+            self.spec.accepted_per_position[k] += 1
+
+    def _commit(self, produced: list[_StepTokens], out: RunOutput) -> None:
+        """Make the committed rows the request's computed state: draft context, rolled-back rings, page windows."""
+        rows, row = [], 0
+        for p in produced:
+            rows += range(row, row + p.committed)
+            row += p.chunk.num_tokens
+            if p.chunk.num_drafts:
+                self._clear_rejected_c128_rows(p)
+        if self.drafter is not None and out.features is not None:
+            idx = torch.tensor(rows, dtype=torch.long)
+            self.drafter.inject(out.features[idx], out.batch.positions[idx], out.batch.swa_slots[idx])
+        self.scheduler.update([p.chunk for p in produced], [p.committed for p in produced])
+
+    def _clear_rejected_c128_rows(self, p: _StepTokens) -> None:
+        """C128 ring rows written by rejected drafts go back to empty, as if never written."""
+        if not self.model_config.hca_layers or p.committed == p.chunk.num_tokens:
+            return
+        positions = torch.arange(p.chunk.start + p.committed, p.chunk.start + p.chunk.num_tokens)
+        slot = torch.full_like(positions, p.chunk.request.pages.slot)  # type: ignore[union-attr]
+        self.kv.pools.clear_c128_state_rows(self.kv.c128_state_rows(slot, positions))
+
+    def _append(self, produced: list[_StepTokens]) -> list[RequestOutput]:
         outputs = []
-        for i, (req, token) in enumerate(zip(reqs, tokens)):
-            req.output_token_ids.append(token)
-            if req.logprobs is not None:
-                req.logprobs += Sampler.logprobs(logits[i : i + 1], [token], req.params.logprobs or 0)
-            if self.stop_checker.check(req):
-                self.scheduler.finish(req)
+        for p in produced:
+            req = p.chunk.request
+            if not p.tokens or req.finished:
+                continue
+            for j, token in enumerate(p.tokens):
+                req.output_token_ids.append(token)
+                if req.logprobs is not None:
+                    req.logprobs += Sampler.logprobs(p.logits[j : j + 1], [token], req.params.logprobs or 0)
+                if self.stop_checker.check(req):
+                    # Rows past the stop token were computed for tokens we drop; keep the books consistent.
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                    self.scheduler.finish(req)
+                    break
             outputs.append(self.output(req))
         return outputs
 
@@ -122,6 +254,8 @@ class Engine:
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_cached_tokens,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            spec_verify_steps=req.spec_verify_steps,
+            spec_accepted_tokens=req.spec_accepted_tokens,
         )
 
     def release(self, request_id: str) -> None:

@@ -180,10 +180,12 @@ def _csa_plan(kv, token_slot, token_start, token_end, positions) -> CompressPlan
     hist_rows = kv.c4_state_rows(kv.req_to_token[slot, hist_pos], hist_pos)
     hist_rows = torch.where((src_pos >= 0) & ~use_cur, hist_rows, kv.pools.c4_state_dummy_row)
     out_rows = kv.req_to_token[token_slot[tok], group_start] // R
-    # Persist the open group and the previous (overlap) group: positions >= floor(end / R) * R - R; and the last
-    # group of every page, which a request starting from a prefix-cache match at that page's end overlaps with.
-    P = kv.sizes.page_size
-    write = torch.nonzero((positions >= (token_end // R) * R - R) | (positions % P >= P - R)).squeeze(1)
+    # Persist the previous (overlap) group and the open group of every possible next start: speculative verify
+    # chunks may commit only their first row, so keep from the group before the chunk's start (bounded by the ring);
+    # and the last group of every page, which a request starting from a prefix-cache match there overlaps with.
+    P, ring = kv.sizes.page_size, kv.sizes.csa_ring
+    keep = torch.maximum((token_start // R) * R - R, token_end - ring)
+    write = torch.nonzero((positions >= keep) | (positions % P >= P - R)).squeeze(1)
     wpos = positions[write]
     write_rows = kv.c4_state_rows(kv.req_to_token[token_slot[write], wpos], wpos)
     return CompressPlan(out_rows, group_start, use_cur, cur_rows, hist_rows, write, write_rows)
@@ -197,6 +199,8 @@ def _hca_plan(kv, token_slot, token_start, token_end, positions) -> CompressPlan
     hist_rows = torch.where(~use_cur, kv.c128_state_rows(slot, src_pos), kv.pools.c128_state_dummy_row)
     g = group_start // R
     out_rows = kv.req_to_c128[token_slot[tok], g // cps] * cps + g % cps
-    write = torch.nonzero(positions >= (token_end // R) * R).squeeze(1)
+    # The open group of every possible next start (see `_csa_plan`), bounded by the ring.
+    keep = torch.maximum((token_start // R) * R, token_end - kv.sizes.hca_ring)
+    write = torch.nonzero(positions >= keep).squeeze(1)
     write_rows = kv.c128_state_rows(token_slot[write], positions[write])
     return CompressPlan(out_rows, group_start, use_cur, cur_rows, hist_rows, write, write_rows)

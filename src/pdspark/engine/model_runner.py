@@ -1,34 +1,30 @@
-"""`ModelRunner`: turns scheduled chunks into one forward pass and returns the logits rows."""
+"""`ModelRunner`: one forward pass of the target over a step's chunks."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from pdspark.cache.kv_cache import KVCache
-from pdspark.engine.forward_batch import Chunk, build_forward_batch
-from pdspark.engine.scheduler import ScheduledChunk
+from pdspark.engine.forward_batch import Chunk, ForwardBatch, build_forward_batch
 from pdspark.model.dsv4 import DSV4Model
 
 
+class RunOutput(NamedTuple):
+    logits: torch.Tensor  # [sum of num_logits, vocab] fp32, chunk by chunk
+    features: torch.Tensor | None  # [T, D * L] drafter features of every token row (when captured)
+    batch: ForwardBatch
+
+
 class ModelRunner:
-    def __init__(self, model: DSV4Model, kv: KVCache):
+    def __init__(self, model: DSV4Model, kv: KVCache, capture: tuple[int, ...] = ()):
         self.model = model
         self.kv = kv
+        self.capture = capture
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Forward the step; returns fp32 logits `[number of sampling chunks, vocab]`, in chunk order."""
-        batch = build_forward_batch(
-            [
-                Chunk(
-                    c.request.pages.slot,  # type: ignore[union-attr]
-                    c.start,
-                    c.request.all_token_ids[c.start : c.start + c.num_tokens],
-                    num_logits=1 if c.samples else 0,
-                )
-                for c in chunks
-            ],
-            self.kv,
-        )
-        h = self.model(batch, self.kv.pools)
-        return self.model.logits(h[batch.logits_rows])
+    def run(self, chunks: list[Chunk]) -> RunOutput:
+        batch = build_forward_batch(chunks, self.kv)
+        out = self.model(batch, self.kv.pools, self.capture)
+        return RunOutput(self.model.logits(out.hidden[batch.logits_rows]), out.features, batch)

@@ -39,6 +39,8 @@ class Request:
     text: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_preemptions: int = 0
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0  # drafts accepted over all verify steps
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

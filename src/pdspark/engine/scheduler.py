@@ -24,12 +24,13 @@ from pdspark.engine.request import Request, RequestStatus
 class ScheduledChunk:
     request: Request
     start: int
-    num_tokens: int
+    num_tokens: int  # window rows, draft slots included
+    num_drafts: int = 0  # speculative verify: the window is [last token, d_1 .. d_num_drafts]
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the request's last known token (so its last row picks the next one)."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - self.num_drafts == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,10 @@ class ScheduleOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCache):
+    def __init__(self, cfg: SchedulerConfig, kv: KVCache, num_drafts: int = 0):
         self.cfg = cfg
         self.kv = kv
+        self.num_drafts = num_drafts  # draft tokens per verify step (0: no speculation)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
@@ -81,8 +83,9 @@ class Scheduler:
     def _grow_running(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledChunk | None:
         assert req.pages is not None
         start = req.num_computed_tokens
+        drafts = self._drafts_for(req, budget)
         while True:
-            n = self._fit(req.pages, start, min(req.num_pending_tokens, budget))
+            n = self._fit(req.pages, start, min(req.num_pending_tokens + drafts, budget))
             if n > 0:
                 break
             victim = self.running[-1]
@@ -91,7 +94,14 @@ class Scheduler:
             if victim is req:
                 return None
         self.kv.grow(req.pages, start + n)
-        return ScheduledChunk(req, start, n)
+        return ScheduledChunk(req, start, n, num_drafts=max(0, n - req.num_pending_tokens))
+
+    def _drafts_for(self, req: Request, budget: int) -> int:
+        """Draft slots for a decoding request: never past max_tokens, max_model_len or the step budget."""
+        if not self.num_drafts or req.num_pending_tokens != 1:
+            return 0
+        left = min(req.params.max_tokens - len(req.output_token_ids), self.cfg.max_model_len - req.num_tokens)
+        return max(0, min(self.num_drafts, left - 1, budget - 1))
 
     def _admit(self, req: Request, budget: int) -> ScheduledChunk | None:
         pages = self.kv.open()
@@ -120,11 +130,12 @@ class Scheduler:
             n -= P  # the C128 pool is the short one: back off page by page
         return max(n, 0)
 
-    def update(self, chunks: list[ScheduledChunk]) -> None:
-        """Account for a finished forward pass: positions computed, window pages released."""
-        for c in chunks:
+    def update(self, chunks: list[ScheduledChunk], committed: list[int]) -> None:
+        """Account for a finished forward pass: `committed[i]` rows of chunk i are now computed (a verify step
+        commits its anchor and accepted drafts), window pages released."""
+        for c, n in zip(chunks, committed):
             req = c.request
-            req.num_computed_tokens = c.start + c.num_tokens
+            req.num_computed_tokens = c.start + n
             assert req.pages is not None
             if req.num_computed_tokens <= len(req.prompt_token_ids):
                 # Prompt pages enter the prefix cache as they are computed, before their SWA pages slide out.

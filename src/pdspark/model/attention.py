@@ -52,14 +52,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
         """`x [T, D]` -> `[T, D]`. `rope_at` holds this layer's rotation factors at the batch positions."""
-        T = x.shape[0]
-        qr = self.q_norm(F.linear(x, self.wq_a))  # [T, q_lora]
-        q = rms_norm(F.linear(qr, self.wq_b).view(T, self.n_heads, self.head_dim), None, self.eps)
-        q = rope_at.apply(q)  # [T, H, d]
+        q, qr = self.project_q(x, rope_at)
         cache.swa_kv[batch.swa_slots] = self.project_kv(x, rope_at)
-
         compressed = self._update_compressed(x, qr, batch, cache, rope_at)
-        o = self.attend(q, cache, batch, compressed)
+        return self.project_out(self.attend(q, cache, batch, compressed), rope_at)
+
+    def project_q(self, x: torch.Tensor, rope_at: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x [T, D]` -> `(q [T, H, d] normalised and rotated, qr [T, q_lora] (the indexer reuses it))`."""
+        qr = self.q_norm(F.linear(x, self.wq_a))
+        q = rms_norm(F.linear(qr, self.wq_b).view(x.shape[0], self.n_heads, self.head_dim), None, self.eps)
+        return rope_at.apply(q), qr
+
+    def project_out(self, o: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
+        """Un-rotate `o [T, H, d]` and apply the grouped output projection -> `[T, D]`."""
+        T = o.shape[0]
         o = rope_at.apply(o, inverse=True)
         # [T, H, d] -> [G, T, H*d/G] @ [G, H*d/G, o_lora] -> [T, G * o_lora]
         grouped = o.reshape(T, self.o_groups, -1).transpose(0, 1)
@@ -85,16 +91,32 @@ class Attention(nn.Module):
     def attend(
         self, q: torch.Tensor, cache: LayerCache, batch: ForwardBatch, compressed: CompressedIndex | None
     ) -> torch.Tensor:
-        """Sparse attention with a sink: `q [T, H, d]` -> `[T, H, d]`."""
+        """Each query over its window and compressed entries: `q [T, H, d]` -> `[T, H, d]`."""
         kv = cache.swa_kv[batch.window.rows]  # [T, W, d]
         valid = batch.window.valid
         if compressed is not None and compressed.max_visible:
             kv = torch.cat([kv, cache.comp_kv[compressed.rows]], dim=1)  # [T, W + K, d]
             valid = torch.cat([valid, compressed.valid], dim=1)
-        scores = torch.bmm(q, kv.transpose(1, 2)) * self.scale  # [T, H, W + K]
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        sink = self.attn_sink.to(scores.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
-        logits = torch.cat([scores, sink], dim=-1)
-        logits = logits - logits.amax(dim=-1, keepdim=True)
-        probs = torch.softmax(logits, dim=-1)[..., :-1]
-        return torch.bmm(probs.to(kv.dtype), kv)
+        return sink_attention(q, kv, valid, self.attn_sink, self.scale)
+
+
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention on a shared K=V latent with a per-row sink logit that takes mass but adds no value.
+
+    Args:
+        q: `[M, Q, d]` query rows of M independent groups (a token's heads, or a draft block's rows x heads).
+        kv: `[M, K, d]` keys (= values) each group sees.
+        valid: `[M, K]` which keys are real.
+        sink: `[Q]` sink logit per query row.
+    Returns:
+        `[M, Q, d]`.
+    """
+    scores = torch.bmm(q, kv.transpose(1, 2)) * scale  # [M, Q, K]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    sinks = sink.to(scores.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+    logits = torch.cat([scores, sinks], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.bmm(probs.to(kv.dtype), kv)

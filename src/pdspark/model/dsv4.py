@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +15,11 @@ from pdspark.model.hyper_connection import HyperHead
 from pdspark.model.model_config import SLIDING, ModelConfig
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RotaryTable
+
+
+class ForwardOutput(NamedTuple):
+    hidden: torch.Tensor  # [T, hc, D] final streams
+    features: torch.Tensor | None  # [T, D * len(capture)]: mean over streams after each captured layer
 
 
 class DSV4Model(nn.Module):
@@ -33,16 +40,21 @@ class DSV4Model(nn.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = nn.Parameter(torch.zeros(cfg.vocab_size, D))
 
-    def forward(self, batch: ForwardBatch, pools: KVPools) -> torch.Tensor:
-        """Run every layer over the step's tokens; returns the streams `[T, hc, D]`."""
+    def forward(self, batch: ForwardBatch, pools: KVPools, capture: tuple[int, ...] = ()) -> ForwardOutput:
+        """Run every layer over the step's tokens; `capture` lists layers whose output (the mean over the mHC
+        streams) becomes a feature for the speculative drafter."""
         x = F.embedding(batch.input_ids, self.embed)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
         # Rotation factors at this step's positions, gathered once per table and shared by every layer.
         rope_at = {SLIDING: self.rope_main.at(batch.positions)}
         compress_at = self.rope_compress.at(batch.positions)
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, batch, pools.layer(i), rope_at.get(self.cfg.layer_types[i], compress_at))
-        return h
+            if i in capture:
+                captured[i] = h.mean(dim=1)
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        return ForwardOutput(h, features)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams `[N, hc, D]` -> fp32 logits `[N, vocab]`."""

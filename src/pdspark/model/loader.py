@@ -7,6 +7,10 @@ from pathlib import Path
 
 import torch
 
+from pdspark.errors import ConfigError
+from pdspark.model.dspark import DSparkDraft
+from pdspark.model.dspark_config import DSparkConfig
+from pdspark.model.dspark_weights import load_draft_weights
 from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.tokenizer import Tokenizer
@@ -33,3 +37,17 @@ def load_checkpoint(
     model.requires_grad_(False)
     model.eval()
     return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path)
+
+
+def load_draft(ckpt: Checkpoint, max_len: int, dtype: str = "float32", device: str = "cpu") -> DSparkDraft:
+    """The DSpark drafter shipped beside the target (`dspark` config entry, `mtp.*` tensors)."""
+    dcfg = DSparkConfig.from_model_config(ckpt.model.cfg)
+    if dcfg is None:
+        raise ConfigError(f"{ckpt.path} has no DSpark draft (no `dspark` entry in config.json)")
+    draft = DSparkDraft(ckpt.model.cfg, dcfg, max_len)
+    load_draft_weights(draft, ckpt.extra)
+    draft = draft.to(device=device, dtype=getattr(torch, dtype))
+    draft.requires_grad_(False)
+    draft.eval()
+    draft.bind_target(ckpt.model.embed, ckpt.model.head)
+    return draft

@@ -163,37 +163,51 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def load_weights(model: DSV4Model, path: str | Path, progress: bool = False) -> LoadReport:
     """Copy every tensor of the checkpoint at `path` into `model`; raises `CheckpointError` on any mismatch."""
-    path = Path(path)
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
-    filled: set[Piece] = set()
-    extra: dict[str, torch.Tensor] = {}
-    files = checkpoint_files(path)
+    files = checkpoint_files(Path(path))
     handles = {f: safe_open(str(f), "pt") for f in files}
     names = [(f, n) for f, h in handles.items() for n in h.keys()]  # noqa: SIM118 (a safetensors handle)
+    extra: dict[str, torch.Tensor] = {}
+    own: dict[str, torch.Tensor] = {}
     bar = _progress(len(names), progress)
-    with torch.no_grad():
-        for f, name in names:
-            bar.update(1)
-            if name.endswith((".scale", "_scale_inv")):  # FP8/FP4 block scales, not mHC `*_scale` parameters
-                raise CheckpointError(f"quantized tensor {name!r}: FP8/FP4 checkpoints are not supported")
-            if name.startswith(("mtp.", "model.mtp.")):
-                extra[name.removeprefix("model.")] = handles[f].get_tensor(name)
-                continue
-            piece = map_name(name)
-            if piece is None or piece.param not in params:
-                raise CheckpointError(f"unexpected tensor {name!r} in {f.name} (not part of this model's config)")
-            _copy(piece.view(params[piece.param]), handles[f].get_tensor(name), name)
-            filled.add(piece)
+    for f, name in names:
+        bar.update(1)
+        if name.endswith((".scale", "_scale_inv")):  # FP8/FP4 block scales, not mHC `*_scale` parameters
+            raise CheckpointError(f"quantized tensor {name!r}: FP8/FP4 checkpoints are not supported")
+        if name.startswith(("mtp.", "model.mtp.")):
+            extra[name.removeprefix("model.")] = handles[f].get_tensor(name)
+        else:
+            own[name] = handles[f].get_tensor(name)
     bar.close()
+    filled = assign(model, own, map_name)
     if Piece("head") not in filled and model.cfg.tie_word_embeddings and Piece("embed") in filled:
-        model.head.data.copy_(model.embed.data)
+        with torch.no_grad():
+            model.head.copy_(model.embed)
         filled.add(Piece("head"))
-    missing = sorted(describe(p) for p in expected_pieces(params, model.cfg.n_routed_experts) - filled)
+    check_complete(model, filled, model.cfg.n_routed_experts)
+    return LoadReport(extra=extra, num_tensors=len(names))
+
+
+def assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor], mapper) -> set[Piece]:
+    """Copy `tensors` into `module` through `mapper(name) -> Piece | None`; returns the pieces filled."""
+    params = dict(module.named_parameters())
+    params.update(dict(module.named_buffers()))
+    filled: set[Piece] = set()
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            piece = mapper(name)
+            if piece is None or piece.param not in params:
+                raise CheckpointError(f"unexpected tensor {name!r} (not part of this model's config)")
+            _copy(piece.view(params[piece.param]), tensor, name)
+            filled.add(piece)
+    return filled
+
+
+def check_complete(module: torch.nn.Module, filled: set[Piece], n_experts: int, skip: tuple[str, ...] = ()) -> None:
+    params = {n: p for n, p in list(module.named_parameters()) + list(module.named_buffers()) if n not in skip}
+    missing = sorted(describe(p) for p in expected_pieces(params, n_experts) - filled)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
-    return LoadReport(extra=extra, num_tensors=len(names))
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:

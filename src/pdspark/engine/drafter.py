@@ -1,0 +1,65 @@
+"""`DSparkDrafter`: proposes draft tokens for verify steps and keeps the draft's context (injected features)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdspark.cache.kv_cache import KVCache
+from pdspark.engine.request import Request
+from pdspark.engine.sampler import filter_logits
+from pdspark.model.dspark import DSparkDraft
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    tokens: list[int]  # d_1 .. d_g
+    # [g, V] the distribution each draft token was drawn from (None for greedy requests: one-hot at the token).
+    probs: torch.Tensor | None
+
+
+class DSparkDrafter:
+    def __init__(self, draft: DSparkDraft, kv: KVCache):
+        self.draft = draft
+        self.kv = kv
+        self.gamma = draft.dcfg.gamma
+        W = draft.cfg.sliding_window
+        self._ctx_offsets = torch.arange(-W, 0)  # context rows a - W .. a - 1
+
+    @torch.inference_mode()
+    def inject(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
+        """Write the draft context rows of committed tokens: `features [N, D*L]` at `positions` / `swa_slots`."""
+        if features.shape[0]:
+            self.kv.pools.draft_kv[:, swa_slots] = self.draft.context_kv(features, positions).to(
+                self.kv.pools.draft_kv.dtype
+            )
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request], num_drafts: list[int]) -> list[DraftProposal]:
+        """One draft block per request, anchored at its last (not yet computed) token."""
+        anchors = torch.tensor([r.all_token_ids[-1] for r in reqs], dtype=torch.long)
+        anchor_pos = torch.tensor([r.num_tokens - 1 for r in reqs], dtype=torch.long)
+        slots = torch.tensor([r.pages.slot for r in reqs], dtype=torch.long)  # type: ignore[union-attr]
+        ctx_pos = anchor_pos[:, None] + self._ctx_offsets[None, :]  # [M, W]
+        valid = ctx_pos >= 0
+        full = self.kv.req_to_token[slots[:, None], ctx_pos.clamp(min=0)]
+        rows = torch.where(valid, self.kv.full_to_swa(full), self.kv.pools.swa_dummy_slot)
+        ctx_kv = self.kv.pools.draft_kv[:, rows]  # [stages, M, W, d]
+        base = self.draft.base_logits(self.draft.block_hidden(anchors, anchor_pos, ctx_kv, valid))  # [M, G, V]
+        return [self._pick(base[i], r, n) for i, (r, n) in enumerate(zip(reqs, num_drafts))]
+
+    def _pick(self, base: torch.Tensor, req: Request, n: int) -> DraftProposal:
+        """Left to right: each row's base logits plus the Markov bias of the previous token."""
+        prev = req.all_token_ids[-1]
+        tokens, probs = [], []
+        for k in range(n):
+            logits = base[k] + self.draft.markov_bias(torch.tensor(prev))
+            if req.params.greedy:
+                prev = int(logits.argmax())
+            else:
+                q = filter_logits(logits, req.params).softmax(-1)
+                prev = int(torch.multinomial(q, 1, generator=req.generator))
+                probs.append(q)
+            tokens.append(prev)
+        return DraftProposal(tokens, torch.stack(probs) if probs else None)

@@ -1,0 +1,154 @@
+"""`DSparkDraft`: DSpark's drafter. Stacked sliding-window DSV4 stages over injected target features, plus a
+low-rank Markov head.
+
+Data flow for one draft block of a request whose next token (the anchor) sits at position `a`:
+- context: for every committed position `p < a`, the target's features (the mean over the mHC streams after each
+  `target_layer_ids` layer, concatenated) become `main_x = main_norm(main_proj(features))`, and each stage's K=V
+  latent `rope(kv_norm(wkv_s(main_x)), p)`. These rows are *injected* into the draft's SWA pool; the draft never
+  runs on prompt tokens itself.
+- block: `[anchor, MASK x (gamma - 1)]` at positions `a .. a + gamma - 1`, replicated over the mHC streams, runs
+  through the stages. Every block row attends to the last `sliding_window` context rows (`a - W .. a - 1`) and to
+  all block rows (bidirectional inside the block).
+- logits: `head(norm(hc_head(h)))` of the last stage gives base logits for every block row; row k proposes the token
+  at `a + k + 1`. The Markov head adds `w2(w1[prev])` while the tokens are picked left to right.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdspark.model.attention import Attention, sink_attention
+from pdspark.model.dspark_config import DSparkConfig
+from pdspark.model.hyper_connection import HyperConnection, HyperHead
+from pdspark.model.model_config import SLIDING, ModelConfig
+from pdspark.model.moe import MoE, SharedExpert
+from pdspark.model.norm import RMSNorm
+from pdspark.model.rope import RopeAt, RotaryTable
+
+
+class DraftAttention(Attention):
+    """A draft stage's attention: block rows over injected context rows plus the whole block."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, SLIDING, rope=None)  # type: ignore[arg-type]  # SWA only: no compressor
+
+    def forward_block(
+        self, x: torch.Tensor, rope_at: RopeAt, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """`x [M*G, D]` block rows of M blocks; `ctx_kv [M, W, d]`, `ctx_valid [M, W]` -> `[M*G, D]`."""
+        M = ctx_kv.shape[0]
+        G = x.shape[0] // M
+        q, _ = self.project_q(x, rope_at)  # [M*G, H, d]
+        block_kv = self.project_kv(x, rope_at).view(M, G, -1)
+        kv = torch.cat([ctx_kv, block_kv], dim=1)  # [M, W + G, d]
+        valid = torch.cat([ctx_valid, ctx_valid.new_ones(M, G)], dim=1)
+        o = sink_attention(q.reshape(M, G * self.n_heads, -1), kv, valid, self.attn_sink.repeat(G), self.scale)
+        return self.project_out(o.reshape(M * G, self.n_heads, -1), rope_at)
+
+
+class DraftStage(nn.Module):
+    def __init__(self, cfg: ModelConfig, dcfg: DSparkConfig):
+        super().__init__()
+        D = cfg.hidden_size
+        self.attn_hc = HyperConnection(cfg.hc_mult, D, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.ffn_hc = HyperConnection(cfg.hc_mult, D, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.attn = DraftAttention(cfg)
+        self.ffn: nn.Module
+        if dcfg.n_routed_experts:
+            from dataclasses import replace
+
+            moe_cfg = replace(
+                cfg,
+                n_routed_experts=dcfg.n_routed_experts,
+                num_experts_per_tok=dcfg.num_experts_per_tok,
+                moe_intermediate_size=dcfg.intermediate_size,
+            )
+            self.ffn = MoE(moe_cfg, is_hash=False)
+        else:
+            self.ffn = SharedExpert(D, dcfg.intermediate_size, cfg.swiglu_limit)
+
+    def forward(
+        self, h: torch.Tensor, ids: torch.Tensor, rope_at: RopeAt, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor
+    ) -> torch.Tensor:
+        x, post, comb = self.attn_hc.collapse(h)
+        h = HyperConnection.expand(self.attn.forward_block(self.attn_norm(x), rope_at, ctx_kv, ctx_valid), h, post,
+                                   comb)
+        x, post, comb = self.ffn_hc.collapse(h)
+        y = self.ffn(self.ffn_norm(x), ids) if isinstance(self.ffn, MoE) else self.ffn(self.ffn_norm(x))
+        return HyperConnection.expand(y, h, post, comb)
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, cfg: ModelConfig, dcfg: DSparkConfig, max_len: int):
+        super().__init__()
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.cfg, self.dcfg = cfg, dcfg
+        self.rope = RotaryTable(cfg.main_rope, cfg.rope_dim, max_len)  # stages are sliding-only layers
+        self.main_proj = nn.Parameter(torch.zeros(D, D * len(dcfg.target_layer_ids)))
+        self.main_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.stages = nn.ModuleList(DraftStage(cfg, dcfg) for _ in range(dcfg.num_stages))
+        self.hc_head = HyperHead(cfg.hc_mult, D, cfg.hc_eps, cfg.rms_norm_eps)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        r = max(dcfg.markov_rank, 1)
+        self.markov_w1 = nn.Parameter(torch.zeros(V, r))  # Embedding(V, r)
+        self.markov_w2 = nn.Parameter(torch.zeros(V, r))  # Linear(r -> V)
+        if dcfg.uses_own_vocab_modules:
+            self.embed = nn.Parameter(torch.zeros(V, D))
+            self.head = nn.Parameter(torch.zeros(V, D))
+        self._target_vocab: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def bind_target(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        """Share the target's embedding and LM head (unless this draft ships its own)."""
+        self._target_vocab = (embed, head)
+
+    @property
+    def vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.dcfg.uses_own_vocab_modules:
+            return self.embed, self.head
+        assert self._target_vocab is not None, "bind_target() first"
+        return self._target_vocab
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Target features `[N, D*L]` at `positions [N]` -> each stage's injected K=V rows `[stages, N, d]`."""
+        main_x = self.main_norm(F.linear(features.to(self.main_proj.dtype), self.main_proj))
+        rope_at = self.rope.at(positions)
+        return torch.stack([stage.attn.project_kv(main_x, rope_at) for stage in self.stages])
+
+    def block_hidden(
+        self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the draft blocks.
+
+        Args:
+            anchors: `[M]` anchor token per block; anchor_pos: `[M]` its position.
+            ctx_kv: `[stages, M, W, d]` context rows per stage; ctx_valid: `[M, W]`.
+        Returns:
+            The last stage's streams `[M, G, hc, D]` (G = gamma).
+        """
+        M, G = anchors.shape[0], self.dcfg.gamma
+        ids = torch.full((M, G), self.dcfg.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[:, 0] = anchors
+        ids = ids.flatten()
+        positions = (anchor_pos[:, None] + torch.arange(G, device=anchors.device)[None, :]).flatten()
+        x = F.embedding(ids, self.vocab[0])
+        h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [M*G, hc, D]
+        rope_at = self.rope.at(positions)
+        for s, stage in enumerate(self.stages):
+            h = stage(h, ids, rope_at, ctx_kv[s], ctx_valid)
+        return h.view(M, G, self.cfg.hc_mult, -1)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Streams `[..., hc, D]` -> fp32 logits `[..., V]`."""
+        lead = h.shape[:-2]
+        y = self.norm(self.hc_head(h.reshape(-1, *h.shape[-2:])))
+        return F.linear(y, self.vocab[1]).float().view(*lead, -1)
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """Low-rank bigram logit bias `w2(w1[prev])`: `prev [...]` -> `[..., V]` fp32."""
+        if self.dcfg.markov_rank == 0:
+            return torch.zeros(*prev.shape, self.cfg.vocab_size)
+        return F.linear(self.markov_w1[prev].float(), self.markov_w2.float())

@@ -1,0 +1,230 @@
+"""Rung 5: DSpark speculative decoding is lossless: greedy tokens equal plain decoding, sampling keeps the
+distribution, rolled-back state equals a plain run's, and nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import HC4, MIXED, random_prompts
+from draft_reference import add_random_draft
+from helpers import GREEDY, assert_no_leaks, make_llm
+from pdspark import SamplingParams
+from pdspark.engine import drafter as drafter_module
+from pdspark.engine.drafter import DraftProposal
+from pdspark.engine.engine import Engine
+from pdspark.engine.spec_verifier import accept
+from pdspark.model.dspark_weights import draft_state_dict, load_draft_weights
+from pdspark.model.loader import load_checkpoint, load_draft
+
+OPTS = dict(c128_page_size=2, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def draft_ckpt(checkpoints, tmp_path_factory):
+    """`(path with a random draft, path without)` for MIXED and HC4."""
+    out = {}
+    for spec in (MIXED, HC4):
+        path, _ = checkpoints(spec)
+        dst = tmp_path_factory.mktemp("draft") / "ckpt"
+        add_random_draft(path, dst, gamma=3, moe=spec is HC4)
+        out[spec.seed] = (dst, path)
+    return out
+
+
+class OracleProposals:
+    """Proposes the plain run's own continuation, corrupted at chosen offsets: exercises every acceptance length."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], corrupt_every: int):
+        self.reference = reference
+        self.corrupt_every = corrupt_every
+        self.calls = 0
+
+    def __call__(self, drafter, reqs, num_drafts):
+        out = []
+        for req, n in zip(reqs, num_drafts):
+            full = self.reference[tuple(req.prompt_token_ids)]
+            done = len(req.output_token_ids)
+            tokens = list(full[done : done + n])
+            tokens += [3] * (n - len(tokens))
+            self.calls += 1
+            cut = self.calls % self.corrupt_every
+            if cut < n:
+                tokens[cut] = (tokens[cut] + 1) % 256  # the target will reject this one
+            out.append(DraftProposal(tokens, None))
+        return out
+
+
+def greedy_outputs(llm, prompts, n):
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=n, **GREEDY))
+    return [o.token_ids for o in outs], outs
+
+
+@pytest.mark.parametrize("which", [MIXED.seed, HC4.seed], ids=["mixed", "hc4"])
+def test_greedy_speculative_equals_plain_with_random_draft(draft_ckpt, which):
+    path, _ = draft_ckpt[which]
+    prompts = random_prompts(6, [9, 33, 70, 101], seed=20)
+    plain, _ = greedy_outputs(make_llm(path, **OPTS), prompts, 40)
+    spec_llm = make_llm(path, speculative="dspark", max_num_batched_tokens=64, **OPTS)
+    spec, outs = greedy_outputs(spec_llm, prompts, 40)
+    assert spec == plain
+    assert all(o.spec_verify_steps > 0 for o in outs)
+    assert_no_leaks(spec_llm)
+
+
+@pytest.mark.parametrize("corrupt_every", [2, 3, 5])
+def test_greedy_speculative_equals_plain_across_acceptance_lengths(draft_ckpt, monkeypatch, corrupt_every):
+    """Verify windows of every acceptance length cross C4 (4) and C128 (16) group boundaries; prefix cache on."""
+    path, _ = draft_ckpt[MIXED.seed]
+    (system,) = random_prompts(1, [64], seed=21)
+    prompts = [system + s for s in random_prompts(5, [3, 14, 29], seed=22)]
+    plain, _ = greedy_outputs(make_llm(path, **OPTS), prompts, 48)
+    oracle = OracleProposals({tuple(p): o for p, o in zip(prompts, plain)}, corrupt_every)
+    monkeypatch.setattr(drafter_module.DSparkDrafter, "propose", lambda self, r, n: oracle(self, r, n))
+    spec_llm = make_llm(path, speculative="dspark", max_num_batched_tokens=64, **OPTS)
+    spec, outs = greedy_outputs(spec_llm, prompts, 48)
+    assert spec == plain
+    stats = spec_llm.engine.spec
+    assert stats.accepted_tokens > 0 and stats.accepted_per_position[0] > stats.accepted_per_position[-1] >= 0
+    assert outs[1].num_cached_tokens > 0
+    assert_no_leaks(spec_llm)
+
+
+def test_abort_mid_verify_frees_everything(draft_ckpt):
+    path, _ = draft_ckpt[HC4.seed]
+    llm = make_llm(path, speculative="dspark", **OPTS)
+    engine = llm.engine
+    ids = [engine.add_request(p, SamplingParams(max_tokens=60, temperature=0.8, seed=i))
+           for i, p in enumerate(random_prompts(4, [20, 50], seed=23))]
+    for _ in range(4):
+        engine.step()
+    assert any(engine.requests[i].spec_verify_steps for i in ids)
+    for i in ids[::2]:
+        engine.abort(i)
+    while engine.has_unfinished:
+        engine.step()
+        engine.check_integrity()
+    assert_no_leaks(llm)
+
+
+def test_chain_rejection_sampling_keeps_the_target_distribution():
+    """Whatever the draft's distribution q, accepted-or-resampled tokens follow the target's p (chi-square)."""
+    V = 6
+    p_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
+    q = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.05, 0.05])
+    params = SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    counts = torch.zeros(V)
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=gen))
+        acc = accept(torch.stack([p_logits, p_logits]), DraftProposal([d], q[None]), params, gen, gen)
+        counts[acc.tokens[0]] += 1
+    expected = n * p_logits.softmax(-1)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # 99.9% quantile of chi-square with 5 degrees of freedom
+
+
+def test_speculative_sampling_matches_plain_sampling(draft_ckpt):
+    """End to end: the second generated token's distribution over many seeds, speculative vs plain."""
+    path, _ = draft_ckpt[MIXED.seed]
+    prompt = random_prompts(1, [12], seed=24)[0]
+    # Token 2 comes out of a verify step (the accepted draft, or the residual resample on rejection).
+    n = 500
+    params = [SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=3) for s in range(n)]
+    spec_llm = make_llm(path, speculative="dspark", num_speculative_tokens=1, **OPTS)
+    plain_llm = make_llm(path, **OPTS)
+    spec = spec_llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params)
+    plain = plain_llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params)
+    assert all(o.spec_verify_steps >= 1 for o in spec)
+
+    def joint(outs):
+        return torch.bincount(torch.tensor([o.token_ids[0] * 256 + o.token_ids[1] for o in outs]), minlength=65536)
+
+    a, b = joint(spec).float(), joint(plain).float()
+    keep = (a + b) >= 10  # pool rare outcomes so every cell is large enough for the test
+    a = torch.cat([a[keep], a[~keep].sum(0, keepdim=True)])
+    b = torch.cat([b[keep], b[~keep].sum(0, keepdim=True)])
+    chi2 = float((((a - b) ** 2) / (a + b).clamp(min=1)).sum())  # two-sample chi-square, equal sizes
+    dof = int(((a + b) > 0).sum()) - 1
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5 + 10, (chi2, dof)
+
+
+def test_rolled_back_state_equals_plain_run(draft_ckpt, monkeypatch):
+    """After many rejections, compressed KV, compressor rings and C128 rings equal a plain run at the same length."""
+    path, _ = draft_ckpt[MIXED.seed]
+    prompt = random_prompts(1, [37], seed=25)[0]
+    n_out = 41
+    snapshots = {}
+
+    def snapshotting_finish(name):
+        def finish(self, req):
+            if req.pages is not None:
+                snapshots[name] = snapshot(self.kv, req)
+            return original_finish(self, req)
+        return finish
+
+    from pdspark.engine.scheduler import Scheduler
+
+    original_finish = Scheduler.finish
+    monkeypatch.setattr(Scheduler, "finish", snapshotting_finish("plain"))
+    plain, _ = greedy_outputs(make_llm(path, enable_prefix_cache=False, **OPTS), [prompt], n_out)
+    monkeypatch.setattr(Scheduler, "finish", snapshotting_finish("spec"))
+    oracle = OracleProposals({tuple(prompt): plain[0]}, corrupt_every=2)  # a rejection in most windows
+    monkeypatch.setattr(drafter_module.DSparkDrafter, "propose", lambda self, r, n: oracle(self, r, n))
+    cleared = []
+    original_clear = Engine._clear_rejected_c128_rows
+
+    def checked_clear(self, p):
+        original_clear(self, p)
+        first = p.chunk.start + p.committed
+        rows = self.kv.c128_state_rows(torch.tensor(p.chunk.request.pages.slot),
+                                       torch.arange(first, p.chunk.start + p.chunk.num_tokens))
+        half = self.kv.pools.c128_state.shape[-1] // 2
+        assert torch.isneginf(self.kv.pools.c128_state[:, rows, half:]).all()
+        assert not self.kv.pools.c128_state[:, rows, :half].any()
+        cleared.append(len(rows))
+
+    monkeypatch.setattr(Engine, "_clear_rejected_c128_rows", checked_clear)
+    spec_llm = make_llm(path, speculative="dspark", enable_prefix_cache=False, **OPTS)
+    spec, _ = greedy_outputs(spec_llm, [prompt], n_out)
+    assert spec == plain and spec_llm.engine.spec.verify_steps > 0
+    assert sum(cleared) > 0, "rejected drafts wrote C128 ring rows that had to be cleared"
+    a, b = snapshots["plain"], snapshots["spec"]
+    assert a["computed"] == b["computed"]
+    for key in a:
+        if key != "computed":
+            torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0, msg=key)
+
+
+def snapshot(kv, req) -> dict:
+    """The request's live DSV4 cache state at its computed length L."""
+    L, slot = req.num_computed_tokens, req.pages.slot
+    model, pools = kv.model, kv.pools
+    R4, R128 = model.csa_ratio, model.hca_ratio
+    full = kv.req_to_token[slot]
+    c4_rows = full[torch.arange(L // R4) * R4] // R4
+    g = torch.arange(L // R128)
+    cps = kv.sizes.c128_page_size
+    c128_rows = kv.req_to_c128[slot, g // cps] * cps + g % cps
+    open_c4 = torch.arange((L // R4) * R4 - R4, L)
+    open_c128 = torch.arange((L // R128) * R128, L)
+    return {
+        "computed": L,
+        "c4_kv": pools.c4_kv[:, c4_rows],
+        "c4_index": pools.c4_index[:, c4_rows],
+        "c128_kv": pools.c128_kv[:, c128_rows],
+        "c4_state": pools.c4_state[:, kv.c4_state_rows(full[open_c4], open_c4)],
+        "c4_index_state": pools.c4_index_state[:, kv.c4_state_rows(full[open_c4], open_c4)],
+        "c128_state": pools.c128_state[:, kv.c128_state_rows(torch.tensor(slot), open_c128)],
+    }
+
+
+@pytest.mark.parametrize("own_vocab, moe", [(False, False), (True, True)])
+def test_draft_weights_round_trip(checkpoints, tmp_path, own_vocab, moe):
+    path, _ = checkpoints(MIXED)
+    draft = add_random_draft(path, tmp_path / "ckpt", own_vocab=own_vocab, moe=moe, seed=3)
+    loaded = load_draft(load_checkpoint(tmp_path / "ckpt", 64), 64)
+    for name, p in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], p), name
+    load_draft_weights(loaded, draft_state_dict(draft))  # names are stable both ways
