@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench clean proto
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,3 +32,7 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Regenerate the gRPC/protobuf code from proto/ (committed; tests/test_proto_drift.py checks it is current).
+proto: setup
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=src --pyi_out=src --grpc_python_out=src proto/pdspark/v1/*.proto

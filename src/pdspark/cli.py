@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from pdspark.config import add_worker_arguments, worker_config
 from pdspark.errors import PdsparkError
 
 
@@ -68,7 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--quiet", action="store_true", help="no progress bar or timing line")
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="run one service of the cluster")
+    roles = serve.add_subparsers(dest="role", required=True)
+    for role in ("prefill", "decode"):
+        worker = roles.add_parser(role, help=f"a {role} worker (gRPC + /metrics)")
+        add_worker_arguments(worker)
+        worker.set_defaults(func=_serve_worker)
     return parser
+
+
+def _serve_worker(args: argparse.Namespace) -> int:
+    from pdspark.serving.worker_server import run_worker
+
+    return run_worker(worker_config(args.role, args))
 
 
 def main(argv: list[str] | None = None) -> int:

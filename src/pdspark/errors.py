@@ -37,3 +37,28 @@ def check_choice(name: str, value: object, allowed: tuple | list | set) -> None:
     if value not in allowed:
         choices = ", ".join(repr(a) for a in allowed)
         raise ConfigError(f"unsupported value {value!r} for `{name}`; allowed: {choices}")
+
+
+class RequestFailed(PdsparkError):
+    """A request that a worker could not complete, with a code shared across the wire (see `ErrorCode` in
+    proto/pdspark/v1/common.proto): INVALID_REQUEST, INCOMPATIBLE, DEADLINE, CAPACITY, TRANSFER, ABORTED,
+    UNAVAILABLE."""
+
+    CODES = ("INVALID_REQUEST", "INCOMPATIBLE", "DEADLINE", "CAPACITY", "TRANSFER", "ABORTED", "UNAVAILABLE")
+
+    def __init__(self, code: str, message: str):
+        assert code in self.CODES, code
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def as_request_failed(e: PdsparkError) -> RequestFailed:
+    """The wire-level failure for an engine-side error."""
+    if isinstance(e, RequestFailed):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return RequestFailed("INVALID_REQUEST", str(e))
+    if isinstance(e, CapacityError):
+        return RequestFailed("CAPACITY", str(e))
+    return RequestFailed("UNAVAILABLE", str(e))

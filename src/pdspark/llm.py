@@ -8,64 +8,21 @@ outs = llm.generate(["def fib(n):"], SamplingParams(temperature=0.0, max_tokens=
 
 from __future__ import annotations
 
-import importlib.resources
 from collections.abc import Sequence
 
-from pdspark.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdspark.engine.engine import Engine
+from pdspark.engine.factory import create_engine, resolve_model  # noqa: F401  (resolve_model: public helper)
 from pdspark.errors import InvalidRequestError
-from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.types import RequestOutput, SamplingParams
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        *,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        page_size: int = 64,
-        c128_page_size: int = 0,
-        num_full_pages: int | None = None,
-        num_swa_pages: int | None = None,
-        num_c128_pages: int | None = None,
-        enable_prefix_cache: bool = True,
-        dtype: str = "float32",
-        device: str = "cpu",
-        seed: int = 0,
-        speculative: str | None = None,
-        num_speculative_tokens: int | None = None,
-        progress: bool = False,
-    ):
-        from pdspark.model.model_config import ModelConfig
+    """Keyword options are those of `pdspark.config.engine_config` (pool sizes, scheduler limits, dtype, seed,
+    `speculative="dspark"`, `enable_prefix_cache`, ...)."""
 
-        path = resolve_model(model)
-        model_cfg = ModelConfig.from_dir(path)
-        max_len = max_model_len or min(4096, model_cfg.max_position_embeddings)
-        self.config = EngineConfig(
-            cache=CacheConfig(
-                page_size=page_size,
-                c128_page_size=c128_page_size,
-                num_full_pages=num_full_pages,
-                num_swa_pages=num_swa_pages,
-                num_c128_pages=num_c128_pages,
-                enable_prefix_cache=enable_prefix_cache,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len
-            ),
-            device=device,
-            dtype=dtype,
-            seed=seed,
-            speculative=speculative,
-            num_speculative_tokens=num_speculative_tokens,
-        )
-        ckpt = load_checkpoint(path, max_len, dtype=dtype, device=device, progress=progress)
-        draft = load_draft(ckpt, max_len, dtype, device) if speculative else None
-        self.tokenizer = ckpt.tokenizer
-        self.engine = Engine(ckpt.model, self.config, ckpt.tokenizer, draft)
+    def __init__(self, model: str, *, progress: bool = False, **options):
+        self.engine = create_engine(model, progress=progress, **options)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
 
     def generate(
         self,
@@ -109,13 +66,3 @@ class LLM:
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint ships no tokenizer; pass `prompt_token_ids` instead")
         return texts, [self.tokenizer.encode(t) for t in texts]
-
-
-SHIPPED_MODELS = ("dsv4-tiny",)
-
-
-def resolve_model(model: str) -> str:
-    """A checkpoint directory for `model`: a path, or the name of a model shipped inside the package."""
-    if model in SHIPPED_MODELS:
-        return str(importlib.resources.files("pdspark") / "assets" / model)
-    return model

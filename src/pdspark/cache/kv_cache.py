@@ -260,6 +260,30 @@ class KVCache:
             rp.c128_pages.extend(pages)
             self.req_to_c128[rp.slot, first : first + n.c128] = torch.tensor(pages, dtype=torch.long)
 
+    def grow_tail(self, rp: ReqPages, length: int) -> None:
+        """Pages for a `length`-token prompt whose cache arrives by transfer: full pages for all of it, SWA pages
+        only for the pages the next tokens still read (from `keep_from(length)`), C128 pages for its groups."""
+        assert not rp.full_pages, "grow_tail fills a fresh request"
+        P = self.sizes.page_size
+        n = self.need(rp, length)
+        first_swa = min(self.keep_from(length) // P, n.full)
+        pages = self.full.allocate(n.full)
+        swa_pages = self.swa.allocate(n.full - first_swa)
+        rp.full_pages = pages
+        rp.swa_pages = [None] * first_swa + swa_pages  # type: ignore[list-item]
+        rp.num_released = first_swa
+        page_t = torch.tensor(pages, dtype=torch.long)
+        self.full_to_swa_page[page_t[first_swa:]] = torch.tensor(swa_pages, dtype=torch.long)
+        self.req_to_token[rp.slot, : n.full * P] = (page_t[:, None] * P + self._page_offsets[None, :]).flatten()
+        if n.c128:
+            rp.c128_pages = self.c128.allocate(n.c128)
+            self.req_to_c128[rp.slot, : n.c128] = torch.tensor(rp.c128_pages, dtype=torch.long)
+
+    def can_grow_tail(self, rp: ReqPages, length: int) -> bool:
+        n = self.need(rp, length)
+        swa = n.swa - self.keep_from(length) // self.sizes.page_size
+        return self.full.can_allocate(n.full) and self.swa.can_allocate(swa) and self.c128.can_allocate(n.c128)
+
     def keep_from(self, computed_len: int) -> int:
         """First position whose SWA page the request still needs after `computed_len` tokens are computed.
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pdspark.cache.kv_cache import KVCache
+from pdspark.cache.kv_cache import KVCache, ReqPages
 from pdspark.config import EngineConfig, PoolSizes
 from pdspark.engine.drafter import DraftProposal, DSparkDrafter
 from pdspark.engine.forward_batch import Chunk
@@ -91,13 +91,17 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
+        hold_pages: bool = False,
     ) -> str:
-        """Queue a request; raises `InvalidRequestError` / `CapacityError` for one that can never be served."""
+        """Queue a request; raises `InvalidRequestError` / `CapacityError` for one that can never be served.
+
+        `hold_pages` (prefill role): keep the request's pages after it finishes until `release_held`.
+        """
         req_id = request_id if request_id is not None else str(next(self._ids))
         if req_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {req_id!r}")
         self.validate(prompt_token_ids, params)
-        req = Request(req_id, list(prompt_token_ids), params, prompt=prompt)
+        req = Request(req_id, list(prompt_token_ids), params, prompt=prompt, hold_pages=hold_pages)
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req_id
@@ -134,6 +138,52 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def release_held(self, request_id: str) -> None:
+        """Free the pages of a finished `hold_pages` request (after its cache has been shipped)."""
+        self.scheduler.release_held(self.requests[request_id])
+
+    # ---- decode role: requests whose prompt cache arrives by transfer ------------------------------------------------
+    def reserve_transfer(self, prompt_token_ids: list[int], params: SamplingParams) -> ReqPages | None:
+        """Destination pages for a prompt computed elsewhere; None while the pools are too full."""
+        self.validate(prompt_token_ids, params)
+        pages = self.kv.open()
+        if pages is None:
+            return None
+        if not self.kv.can_grow_tail(pages, len(prompt_token_ids)):
+            self.kv.close(pages)
+            return None
+        self.kv.grow_tail(pages, len(prompt_token_ids))
+        return pages
+
+    def cancel_transfer(self, pages: ReqPages) -> None:
+        """Free a reservation whose transfer failed or expired."""
+        self.kv.close(pages)
+
+    def adopt(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        pages: ReqPages,
+        first_token: int,
+        num_cached_tokens: int = 0,
+        first_logprob=None,
+        prompt: str | None = None,
+    ) -> RequestOutput:
+        """Continue a request whose prompt cache (and first token) arrived by transfer into `pages`."""
+        req = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
+        req.pages = pages
+        req.num_computed_tokens = len(prompt_token_ids)
+        req.num_cached_tokens = num_cached_tokens
+        self.requests[request_id] = req
+        self.scheduler.adopt(req)
+        req.output_token_ids.append(first_token)
+        if req.logprobs is not None and first_logprob is not None:
+            req.logprobs.append(first_logprob)
+        if self.stop_checker.check(req):
+            self.scheduler.finish(req)
+        return self.output(req)
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

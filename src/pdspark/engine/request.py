@@ -39,6 +39,8 @@ class Request:
     text: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_preemptions: int = 0
+    # Prefill role: keep the pages after finishing until the engine's owner releases them (after the transfer).
+    hold_pages: bool = False
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0  # drafts accepted over all verify steps
 

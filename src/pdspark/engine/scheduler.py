@@ -150,12 +150,26 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
-        """Free everything the request holds (running or waiting)."""
+        """Free everything the request holds (running or waiting), unless it holds its pages for a transfer."""
         if req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
-        if req.pages is not None:
+        if req.hold_pages and req.pages is not None and req.finish_reason != "abort":
+            self.running.remove(req)
+        elif req.pages is not None:
             self._release(req)
         req.status = RequestStatus.FINISHED
+
+    def release_held(self, req: Request) -> None:
+        """Free the pages a finished `hold_pages` request kept (its computed prompt stays in the prefix cache)."""
+        req.hold_pages = False
+        if req.pages is not None:
+            self._release(req)
+
+    def adopt(self, req: Request) -> None:
+        """Add a request whose cache was filled from elsewhere (a transfer) straight into the running batch."""
+        assert req.pages is not None and req.num_computed_tokens > 0
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _release(self, req: Request) -> None:
         if req in self.running:

@@ -45,8 +45,8 @@ class RopeAt(NamedTuple):
             rope = rope.float()
         swapped = rope.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)  # (x1, x0) per pair
         sign = -1.0 if inverse else 1.0
-        if x.dtype == torch.float32:
-            out = x.clone()
+        if x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad):
+            out = x.clone()  # write the rotated channels in place (out= does not support autograd)
             torch.addcmul(rope * cos, swapped, sin, value=sign, out=out[..., -r:])
             return out
         rotated = torch.addcmul(rope * cos, swapped, sin, value=sign)

@@ -1,0 +1,29 @@
+"""`create_engine`: an `Engine` from a checkpoint name or path and flat options (LLM, workers, benchmarks)."""
+
+from __future__ import annotations
+
+import importlib.resources
+
+from pdspark.config import engine_config
+from pdspark.engine.engine import Engine
+from pdspark.model.loader import load_checkpoint, load_draft
+from pdspark.model.model_config import ModelConfig
+
+SHIPPED_MODELS = ("dsv4-tiny",)
+
+
+def resolve_model(model: str) -> str:
+    """A checkpoint directory for `model`: a path, or the name of a model shipped inside the package."""
+    if model in SHIPPED_MODELS:
+        return str(importlib.resources.files("pdspark") / "assets" / model)
+    return model
+
+
+def create_engine(model: str, progress: bool = False, **options) -> Engine:
+    """Load the checkpoint (and its DSpark draft when `speculative` is set) and build the engine."""
+    path = resolve_model(model)
+    config = engine_config(ModelConfig.from_dir(path).max_position_embeddings, **options)
+    max_len = config.scheduler.max_model_len
+    ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=config.device, progress=progress)
+    draft = load_draft(ckpt, max_len, config.dtype, config.device) if config.speculative else None
+    return Engine(ckpt.model, config, ckpt.tokenizer, draft)

@@ -1,0 +1,175 @@
+"""The one module that converts between protobuf messages (`pdspark.v1`) and engine-side types."""
+
+from __future__ import annotations
+
+from pdspark.errors import RequestFailed
+from pdspark.transfer.compat import CompatDescriptor
+from pdspark.transfer.transfer_plan import BufferDesc, PoolKind, TransferPlan, TransferResult, TransferStats
+from pdspark.types import SamplingParams, TokenLogprobs
+from pdspark.v1 import common_pb2, worker_pb2
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        max_tokens=p.max_tokens,
+        stop=list(p.stop_strings),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises `InvalidRequestError` (naming the field) for bad values."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def logprob_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
+
+
+def logprob_from_pb(msg: common_pb2.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, dict(msg.top))
+
+
+def compat_to_pb(c: CompatDescriptor) -> common_pb2.CompatDescriptor:
+    return common_pb2.CompatDescriptor(
+        schema_version=c.schema_version,
+        model_fingerprint=c.model_fingerprint,
+        layer_types=list(c.layer_types),
+        csa_ratio=c.csa_ratio,
+        hca_ratio=c.hca_ratio,
+        head_dim=c.head_dim,
+        index_head_dim=c.index_head_dim,
+        kv_dtype=c.kv_dtype,
+        state_dtype=c.state_dtype,
+        page_size=c.page_size,
+        c128_page_size=c.c128_page_size,
+        csa_ring=c.csa_ring,
+        hca_ring=c.hca_ring,
+        sliding_window=c.sliding_window,
+        draft_config=c.draft_config,
+    )
+
+
+def compat_from_pb(msg: common_pb2.CompatDescriptor) -> CompatDescriptor:
+    return CompatDescriptor(
+        schema_version=msg.schema_version,
+        model_fingerprint=msg.model_fingerprint,
+        layer_types=tuple(msg.layer_types),
+        csa_ratio=msg.csa_ratio,
+        hca_ratio=msg.hca_ratio,
+        head_dim=msg.head_dim,
+        index_head_dim=msg.index_head_dim,
+        kv_dtype=msg.kv_dtype,
+        state_dtype=msg.state_dtype,
+        page_size=msg.page_size,
+        c128_page_size=msg.c128_page_size,
+        csa_ring=msg.csa_ring,
+        hca_ring=msg.hca_ring,
+        sliding_window=msg.sliding_window,
+        draft_config=msg.draft_config,
+    )
+
+
+def plan_to_pb(plan: TransferPlan) -> worker_pb2.TransferPlan:
+    return worker_pb2.TransferPlan(
+        transfer_id=plan.transfer_id,
+        request_id=plan.request_id,
+        session=plan.session,
+        compat=compat_to_pb(plan.compat),
+        buffers=[
+            worker_pb2.BufferDescriptor(
+                pool=int(b.pool), layer=b.layer, base_addr=b.base_addr, item_bytes=b.item_bytes, num_items=b.num_items
+            )
+            for b in plan.buffers
+        ],
+        prompt_len=plan.prompt_len,
+        full_pages=list(plan.full_pages),
+        swa_pages=list(plan.swa_pages),
+        swa_first_page=plan.swa_first_page,
+        c128_pages=list(plan.c128_pages),
+        req_slot=plan.req_slot,
+        deadline_unix_s=plan.deadline,
+    )
+
+
+def plan_from_pb(msg: worker_pb2.TransferPlan) -> TransferPlan:
+    return TransferPlan(
+        transfer_id=msg.transfer_id,
+        request_id=msg.request_id,
+        session=msg.session,
+        compat=compat_from_pb(msg.compat),
+        buffers=tuple(
+            BufferDesc(PoolKind(b.pool), b.layer, b.base_addr, b.item_bytes, b.num_items) for b in msg.buffers
+        ),
+        prompt_len=msg.prompt_len,
+        full_pages=tuple(msg.full_pages),
+        swa_pages=tuple(msg.swa_pages),
+        swa_first_page=msg.swa_first_page,
+        c128_pages=tuple(msg.c128_pages),
+        req_slot=msg.req_slot,
+        deadline=msg.deadline_unix_s,
+    )
+
+
+def failure_to_pb(e: RequestFailed) -> common_pb2.WorkerError:
+    return common_pb2.WorkerError(code=common_pb2.ErrorCode.Value(f"ERROR_CODE_{e.code}"), message=e.message)
+
+
+def failure_from_pb(msg: common_pb2.WorkerError) -> RequestFailed:
+    name = common_pb2.ErrorCode.Name(msg.code).removeprefix("ERROR_CODE_")
+    return RequestFailed(name if name in RequestFailed.CODES else "UNAVAILABLE", msg.message)
+
+
+def stats_to_pb(s: TransferStats) -> worker_pb2.TransferStats:
+    return worker_pb2.TransferStats(
+        bytes=s.bytes, num_writes=s.num_writes, transfer_s=s.transfer_s, prefill_s=s.prefill_s,
+        plan_wait_s=s.plan_wait_s, bytes_by_pool=s.bytes_by_pool or {},
+    )
+
+
+def stats_from_pb(msg: worker_pb2.TransferStats) -> TransferStats:
+    return TransferStats(msg.bytes, msg.num_writes, msg.transfer_s, msg.prefill_s, msg.plan_wait_s,
+                         dict(msg.bytes_by_pool))
+
+
+def result_to_pb(r: TransferResult | None, error: RequestFailed | None, transfer_id: str) -> worker_pb2.TransferResult:
+    if error is not None or r is None:
+        failure = error or RequestFailed("UNAVAILABLE", "no result")
+        return worker_pb2.TransferResult(transfer_id=transfer_id, error=failure_to_pb(failure))
+    msg = worker_pb2.TransferResult(
+        transfer_id=r.transfer_id, first_token_id=r.first_token, num_cached_tokens=r.num_cached_tokens,
+        stats=stats_to_pb(r.stats), checksum=r.checksum,
+    )
+    if r.first_logprob is not None:
+        msg.first_logprob.CopyFrom(logprob_to_pb(r.first_logprob))  # type: ignore[arg-type]
+    return msg
+
+
+def result_from_pb(msg: worker_pb2.TransferResult) -> TransferResult:
+    """Raises the `RequestFailed` the prefill side reported, if any."""
+    if msg.HasField("error"):
+        raise failure_from_pb(msg.error)
+    return TransferResult(
+        transfer_id=msg.transfer_id, first_token=msg.first_token_id, num_cached_tokens=msg.num_cached_tokens,
+        checksum=msg.checksum, stats=stats_from_pb(msg.stats),
+        first_logprob=logprob_from_pb(msg.first_logprob) if msg.HasField("first_logprob") else None,
+    )

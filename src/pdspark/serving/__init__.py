@@ -1,0 +1,1 @@
+"""Prefill and decode worker processes: an engine on its own thread behind a gRPC server."""

@@ -1,0 +1,123 @@
+"""`DecodeWorker`: receives prompt caches from prefill workers and continues generation (DSpark when enabled).
+
+One request: reserve destination pages (SWA only for the window tail) -> send the plan to the prefill worker,
+which answers once every payload is in our memory -> check the integrity value -> join the running batch and
+stream tokens. A failed or late transfer frees the reservation; nothing waits without a deadline.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import time
+from collections.abc import Callable, Iterator
+
+from pdspark.errors import PdsparkError, RequestFailed, as_request_failed
+from pdspark.serving.engine_loop import EngineLoop
+from pdspark.serving.metrics import WorkerMetrics
+from pdspark.transfer.backend import TransferBackend
+from pdspark.transfer.compat import CompatDescriptor
+from pdspark.transfer.transfer_plan import (
+    TransferPlan,
+    TransferResult,
+    cache_buffers,
+    destination,
+    destination_checksum,
+)
+from pdspark.types import RequestOutput, SamplingParams
+
+# submit_plan(prefill_address, plan, timeout_s) -> TransferResult (raises RequestFailed)
+PlanSender = Callable[[str, TransferPlan, float], TransferResult]
+_RESERVE_RETRY_S = 0.02
+
+
+class DecodeWorker:
+    def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor, send_plan: PlanSender,
+                 metrics: WorkerMetrics | None = None):
+        self.loop = loop
+        self.engine = loop.engine
+        self.backend = backend
+        self.compat = compat
+        self.send_plan = send_plan
+        self.metrics = metrics
+        self.buffers = cache_buffers(self.engine.kv.pools)
+        self.transfers_in_flight = 0
+        self.stall_timeout_s = 120.0
+
+    def generate(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
+                 prefill_address: str, deadline: float, prompt: str | None = None) -> Iterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes; raises `RequestFailed` before the first one."""
+        pages = self._reserve(prompt_ids, params, deadline)
+        self.transfers_in_flight += 1
+        try:
+            result = self._receive(request_id, transfer_id, prompt_ids, pages, prefill_address, deadline)
+        except BaseException:
+            self.loop.call(lambda: self.engine.cancel_transfer(pages))
+            raise
+        finally:
+            self.transfers_in_flight -= 1
+        outputs: queue.Queue[RequestOutput] = queue.Queue()
+
+        def adopt() -> RequestOutput:
+            out = self.engine.adopt(request_id, prompt_ids, params, pages, result.first_token,
+                                    result.num_cached_tokens, result.first_logprob, prompt)
+            if not out.finished:
+                self.loop.listen(request_id, outputs.put)
+            return out
+
+        out = self.loop.call(adopt)
+        try:
+            yield out
+            while not out.finished:
+                try:
+                    out = outputs.get(timeout=self.stall_timeout_s)
+                except queue.Empty:
+                    raise RequestFailed("UNAVAILABLE", f"no token for {self.stall_timeout_s:.0f}s") from None
+                yield out
+        finally:
+            # Normal end, client gone or stalled: make sure the engine lets go of the request.
+            self.loop.submit(lambda: self._finish(request_id))
+
+    def _finish(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self.loop.forget(request_id)
+        if request_id in self.engine.requests:
+            self.engine.release(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        return bool(self.loop.call(lambda: self.engine.abort(request_id)))
+
+    def _reserve(self, prompt_ids: list[int], params: SamplingParams, deadline: float):
+        """Destination pages, waiting (until the deadline) while the pools are full."""
+        while True:
+            try:
+                pages = self.loop.call(lambda: self.engine.reserve_transfer(prompt_ids, params))
+            except PdsparkError as e:
+                raise as_request_failed(e) from e
+            if pages is not None:
+                return pages
+            if time.time() + _RESERVE_RETRY_S > deadline:
+                raise RequestFailed("UNAVAILABLE", "no free pages for the prompt's cache before the deadline")
+            time.sleep(_RESERVE_RETRY_S)
+
+    def _receive(self, request_id, transfer_id, prompt_ids, pages, prefill_address, deadline) -> TransferResult:
+        plan = TransferPlan(
+            transfer_id=transfer_id,
+            request_id=request_id,
+            session=self.backend.session_id,
+            compat=self.compat,
+            buffers=tuple(self.buffers),
+            deadline=deadline,
+            **destination(self.engine.kv, pages, len(prompt_ids)),
+        )
+        result = self.send_plan(prefill_address, plan, max(0.0, deadline - time.time()))
+        arrived = destination_checksum(self.buffers, plan, ctypes.string_at)
+        if arrived != result.checksum:
+            if self.metrics is not None:
+                self.metrics.transfer_failures.labels(reason="checksum").inc()
+            raise RequestFailed("TRANSFER", f"transfer {transfer_id!r}: integrity check failed")
+        if self.metrics is not None:
+            self.metrics.observe_transfer(result.stats)
+        return result
+
+

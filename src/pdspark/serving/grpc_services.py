@@ -1,0 +1,101 @@
+"""gRPC servicers of the workers: message conversion and status mapping only; the work is in the workers."""
+
+from __future__ import annotations
+
+from pdspark.errors import PdsparkError, as_request_failed
+from pdspark.rpc import convert
+from pdspark.rpc.status import STATUS_OF
+from pdspark.serving.decode_worker import DecodeWorker
+from pdspark.serving.prefill_worker import PrefillWorker
+from pdspark.types import RequestOutput
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
+
+
+def _load(engine, in_flight: int) -> worker_pb2.LoadReport:
+    usage = engine.kv.usage()
+    return worker_pb2.LoadReport(
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        pages_used={k: used for k, (used, _) in usage.items()},
+        pages_total={k: total for k, (_, total) in usage.items()},
+        transfers_in_flight=in_flight,
+    )
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker):
+        self.worker = worker
+
+    def Prefill(self, request, context):
+        try:
+            result = self.worker.prefill(
+                request.request_id, request.transfer_id, list(request.prompt_token_ids),
+                convert.sampling_from_pb(request.sampling), request.deadline_unix_s,
+            )
+            return worker_pb2.PrefillResponse(result=convert.result_to_pb(result, None, request.transfer_id))
+        except PdsparkError as e:
+            failure = as_request_failed(e)
+            return worker_pb2.PrefillResponse(result=convert.result_to_pb(None, failure, request.transfer_id))
+
+    def SubmitPlan(self, request, context):
+        try:
+            result = self.worker.submit_plan(convert.plan_from_pb(request))
+            return convert.result_to_pb(result, None, request.transfer_id)
+        except PdsparkError as e:
+            return convert.result_to_pb(None, as_request_failed(e), request.transfer_id)
+
+    def Abort(self, request, context):
+        return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
+
+    def GetLoad(self, request, context):
+        engine = self.worker.engine
+        return self.worker.loop.call(lambda: _load(engine, self.worker.in_flight), timeout=10)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker):
+        self.worker = worker
+
+    def Generate(self, request, context):
+        tokenizer = self.worker.engine.tokenizer
+        try:
+            params = convert.sampling_from_pb(request.sampling)
+            stream = self.worker.generate(
+                request.request_id, request.transfer_id, list(request.prompt_token_ids), params,
+                request.prefill_address, request.deadline_unix_s,
+            )
+            sent, sent_text = 0, ""
+            for out in stream:
+                if not context.is_active():
+                    break  # client gone: leaving the generator aborts the request
+                yield _chunk(out, sent, sent_text, tokenizer)
+                sent, sent_text = len(out.token_ids), out.text or ""
+        except PdsparkError as e:
+            failure = as_request_failed(e)
+            context.abort(STATUS_OF[failure.code], f"{failure.code}: {failure.message}")
+
+    def Abort(self, request, context):
+        return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
+
+    def GetLoad(self, request, context):
+        engine = self.worker.engine
+        return self.worker.loop.call(lambda: _load(engine, self.worker.transfers_in_flight), timeout=10)
+
+
+def _chunk(out: RequestOutput, sent: int, sent_text: str, tokenizer) -> worker_pb2.GenerateChunk:
+    """The part of `out` not streamed yet."""
+    text = out.text or ""
+    chunk = worker_pb2.GenerateChunk(
+        request_id=out.request_id,
+        token_ids=out.token_ids[sent:],
+        text=text[len(sent_text):] if text.startswith(sent_text) else text,
+        finished=out.finished,
+        finish_reason=out.finish_reason or "",
+        num_cached_tokens=out.num_cached_tokens,
+        spec_verify_steps=out.spec_verify_steps,
+        spec_accepted_tokens=out.spec_accepted_tokens,
+    )
+    if out.logprobs:
+        chunk.logprobs.extend(convert.logprob_to_pb(lp) for lp in out.logprobs[sent:])
+    return chunk
+

@@ -1,0 +1,227 @@
+"""`PrefillWorker`: computes prompts and pushes their DSV4 cache into decode workers' memory.
+
+A transfer is a rendezvous keyed by `transfer_id` between two calls that may arrive in either order:
+`prefill(request)` (from the router) and `submit_plan(plan)` (from the decode worker). The prompt is prefilled as
+soon as the request arrives (its pages held after the first token is sampled); once the plan is there too, and
+the compatibility descriptors match, the engine thread writes every payload and both calls return the result.
+Every wait ends by the request's deadline; on any failure the held pages are released (into the prefix cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from pdspark.errors import PdsparkError, RequestFailed, as_request_failed
+from pdspark.serving.engine_loop import EngineLoop
+from pdspark.serving.metrics import WorkerMetrics
+from pdspark.transfer.backend import TransferBackend
+from pdspark.transfer.compat import CompatDescriptor
+from pdspark.transfer.transfer_plan import (
+    TransferPlan,
+    TransferResult,
+    TransferStats,
+    cache_buffers,
+    plan_writes,
+)
+from pdspark.types import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Rendezvous:
+    transfer_id: str
+    deadline: float
+    created: float = field(default_factory=time.monotonic)
+    request_id: str | None = None
+    plan: TransferPlan | None = None
+    plan_at: float | None = None
+    first: RequestOutput | None = None
+    prefill_s: float = 0.0
+    started: bool = False
+    result: TransferResult | None = None
+    error: RequestFailed | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class PrefillWorker:
+    def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor,
+                 metrics: WorkerMetrics | None = None):
+        self.loop = loop
+        self.engine = loop.engine
+        self.backend = backend
+        self.compat = compat
+        self.metrics = metrics
+        self.buffers = cache_buffers(self.engine.kv.pools)
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Rendezvous] = {}
+        # Failed transfer ids, remembered until their deadline: a leg arriving after the failure fails at once.
+        self._failed: dict[str, tuple[RequestFailed, float]] = {}
+        loop.add_ticker(self._expire)
+
+    # ---- the two legs ------------------------------------------------------------------------------------------------
+    def prefill(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
+                deadline: float) -> TransferResult:
+        """Prefill the prompt and wait (until `deadline`, unix seconds) for the transfer; raises `RequestFailed`."""
+        rv = self._rendezvous(transfer_id, deadline)
+        with self._lock:
+            if rv.request_id is not None:
+                raise RequestFailed("INVALID_REQUEST", f"transfer_id {transfer_id!r} is already being prefilled")
+            rv.request_id = request_id
+        first_only = replace(params, max_tokens=1, stop=(), stop_token_ids=())
+        t0 = time.monotonic()
+
+        def start() -> None:
+            self.engine.add_request(prompt_ids, first_only, request_id=request_id, hold_pages=True)
+            self.loop.listen(request_id, lambda out: self._prefilled(rv, out, time.monotonic() - t0))
+
+        try:
+            self.loop.call(start)
+        except PdsparkError as e:
+            self._fail(rv, as_request_failed(e))
+        return self._wait(rv)
+
+    def submit_plan(self, plan: TransferPlan) -> TransferResult:
+        """Accept a decode worker's plan; returns once the cache is in its memory; raises `RequestFailed`."""
+        rv = self._rendezvous(plan.transfer_id, plan.deadline)
+        diff = self.compat.diff(plan.compat)
+        if diff:
+            self._fail(rv, RequestFailed(
+                "INCOMPATIBLE", f"prefill and decode workers differ in {', '.join(diff)}; refusing to transfer"))
+        else:
+            with self._lock:
+                rv.plan, rv.plan_at = plan, time.monotonic()
+            self._maybe_start(rv)
+        return self._wait(rv)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            rv = next((r for r in self._pending.values() if r.request_id == request_id), None)
+        if rv is None:
+            return False
+        self._fail(rv, RequestFailed("ABORTED", f"request {request_id!r} aborted"))
+        return True
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    # ---- internals ---------------------------------------------------------------------------------------------------
+    def _rendezvous(self, transfer_id: str, deadline: float) -> _Rendezvous:
+        with self._lock:
+            failed = self._failed.get(transfer_id)
+            if failed is not None:
+                raise failed[0]
+            rv = self._pending.get(transfer_id)
+            if rv is None:
+                rv = self._pending[transfer_id] = _Rendezvous(transfer_id, deadline)
+            rv.deadline = min(rv.deadline, deadline)
+            return rv
+
+    def _prefilled(self, rv: _Rendezvous, out: RequestOutput, seconds: float) -> None:
+        """Loop thread: the prompt is computed and the first token sampled (pages held)."""
+        if not out.finished:
+            return
+        if out.finish_reason == "abort":
+            self._fail(rv, RequestFailed("ABORTED", "prefill aborted"))
+            return
+        with self._lock:
+            rv.first, rv.prefill_s = out, seconds
+        self._maybe_start(rv)
+
+    def _maybe_start(self, rv: _Rendezvous) -> None:
+        with self._lock:
+            if rv.started or rv.done.is_set() or rv.plan is None or rv.first is None:
+                return
+            rv.started = True
+        self.loop.submit(lambda: self._transfer(rv))
+
+    def _transfer(self, rv: _Rendezvous) -> None:
+        """Loop thread: write every payload into the decode worker's memory, then release the held pages."""
+        assert rv.plan is not None and rv.first is not None and rv.request_id is not None
+        if rv.done.is_set():  # expired or aborted while queued; the failure path released the pages
+            return
+        req = self.engine.requests[rv.request_id]
+        try:
+            t0 = time.monotonic()
+            writes = plan_writes(self.buffers, rv.plan, req.pages, _read_memory)
+            self.backend.write(rv.plan.session, writes.writes)
+            seconds = time.monotonic() - t0
+        except Exception as e:  # TransferError, or pages no longer there
+            logger.warning("transfer %s failed: %s", rv.transfer_id, e)
+            self._fail(rv, RequestFailed("TRANSFER", str(e)))
+            return
+        stats = TransferStats(
+            bytes=writes.nbytes, num_writes=len(writes.writes), transfer_s=seconds, prefill_s=rv.prefill_s,
+            plan_wait_s=max(0.0, (rv.plan_at or rv.created) - rv.created), bytes_by_pool=writes.bytes_by_pool,
+        )
+        first = rv.first
+        result = TransferResult(
+            transfer_id=rv.transfer_id, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens,
+            checksum=writes.checksum, stats=stats, first_logprob=first.logprobs[0] if first.logprobs else None,
+        )
+        if self.metrics is not None:
+            self.metrics.observe_transfer(stats)
+        self._release(rv)
+        with self._lock:
+            rv.result = result
+            self._pending.pop(rv.transfer_id, None)
+        rv.done.set()
+
+    def _fail(self, rv: _Rendezvous, error: RequestFailed) -> None:
+        with self._lock:
+            if rv.done.is_set():
+                return
+            rv.error = error
+            self._pending.pop(rv.transfer_id, None)
+            self._failed[rv.transfer_id] = (error, rv.deadline)
+        if self.metrics is not None:
+            self.metrics.transfer_failures.labels(reason=error.code.lower()).inc()
+        self.loop.submit(lambda: self._release(rv))
+        rv.done.set()
+
+    def _release(self, rv: _Rendezvous) -> None:
+        """Loop thread: stop the request or free its held pages, whichever state it is in."""
+        req = self.engine.requests.get(rv.request_id or "")
+        if req is None:
+            return
+        if not req.finished:
+            self.engine.abort(req.req_id)
+        else:
+            self.engine.release_held(req.req_id)
+        self.engine.release(req.req_id)
+        self.loop.forget(req.req_id)
+
+    def _wait(self, rv: _Rendezvous) -> TransferResult:
+        if not rv.done.wait(max(0.0, rv.deadline - time.time())):
+            self._fail(rv, RequestFailed("DEADLINE", self._deadline_message(rv)))
+        if rv.error is not None:
+            raise rv.error
+        assert rv.result is not None
+        return rv.result
+
+    def _expire(self) -> None:
+        """Ticker: fail rendezvous whose deadline passed (a plan that never came, a prefill that never came)."""
+        now = time.time()
+        with self._lock:
+            late = [rv for rv in self._pending.values() if rv.deadline < now and not rv.started]
+            self._failed = {k: v for k, v in self._failed.items() if v[1] > now}
+        for rv in late:
+            self._fail(rv, RequestFailed("DEADLINE", self._deadline_message(rv)))
+
+    @staticmethod
+    def _deadline_message(rv: _Rendezvous) -> str:
+        missing = "the decode worker's transfer plan" if rv.plan is None else "the prefill request"
+        return f"transfer {rv.transfer_id!r}: {missing} did not arrive before the deadline"
+
+
+def _read_memory(addr: int, nbytes: int) -> bytes:
+    import ctypes
+
+    return ctypes.string_at(addr, nbytes)
+
+

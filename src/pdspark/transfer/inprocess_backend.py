@@ -1,0 +1,40 @@
+"""`InProcessBackend`: both workers in one process (unit tests only): a write is a memmove between registered
+regions, with the same checks the real engine makes (the destination must lie in the peer's registered memory)."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+from pdspark.transfer.backend import TransferError, Write
+
+_SESSIONS: dict[str, InProcessBackend] = {}
+_ids = itertools.count()
+
+
+class InProcessBackend:
+    def __init__(self) -> None:
+        self._session = f"inprocess:{next(_ids)}"
+        self.regions: list[tuple[int, int]] = []
+        _SESSIONS[self._session] = self
+
+    @property
+    def session_id(self) -> str:
+        return self._session
+
+    def register(self, addr: int, nbytes: int) -> None:
+        self.regions.append((addr, addr + nbytes))
+
+    def write(self, session: str, writes: list[Write]) -> None:
+        peer = _SESSIONS.get(session)
+        if peer is None:
+            raise TransferError(f"no in-process peer {session!r}")
+        for w in writes:
+            if not any(lo <= w.dst_addr and w.dst_addr + w.nbytes <= hi for lo, hi in peer.regions):
+                raise TransferError(f"write of {w.nbytes} bytes outside {session}'s registered memory")
+            if not any(lo <= w.src_addr and w.src_addr + w.nbytes <= hi for lo, hi in self.regions):
+                raise TransferError(f"write of {w.nbytes} bytes from unregistered memory")
+            ctypes.memmove(w.dst_addr, w.src_addr, w.nbytes)
+
+    def close(self) -> None:
+        _SESSIONS.pop(self._session, None)

@@ -1,0 +1,220 @@
+"""Transfer plans: where the decode worker wants each piece of a prompt's cache, and the writes that put it there.
+
+Payloads and their item unit (one item = one contiguous region of a registered buffer):
+| pool            | item                                 | source -> destination item ids              |
+|-----------------|--------------------------------------|---------------------------------------------|
+| C4_KV, C4_INDEX | the C4 rows of one full page         | prompt full pages -> plan.full_pages        |
+| C128_KV         | one C128 page                        | prompt C128 pages -> plan.c128_pages        |
+| SWA_KV, C4_STATE, | one SWA page (rows or state ring)    | window-tail SWA pages -> plan.swa_pages     |
+|   C4_INDEX_STATE, DRAFT_KV |                           |                                             |
+| C128_STATE      | one request slot's HCA ring          | prefill slot -> plan.req_slot               |
+Runs of items contiguous on both sides merge into one write (the transfer engine's cost is per entry).
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pdspark.cache.kv_cache import KVCache, ReqPages
+from pdspark.cache.kv_pools import KVPools
+from pdspark.transfer.backend import Write
+from pdspark.transfer.compat import CompatDescriptor
+
+
+class PoolKind(enum.IntEnum):  # values match the protobuf enum
+    C4_KV = 1
+    C4_INDEX = 2
+    C128_KV = 3
+    SWA_KV = 4
+    C4_STATE = 5
+    C4_INDEX_STATE = 6
+    C128_STATE = 7
+    DRAFT_KV = 8
+
+
+SWA_KINDS = (PoolKind.SWA_KV, PoolKind.C4_STATE, PoolKind.C4_INDEX_STATE, PoolKind.DRAFT_KV)
+
+
+@dataclass(frozen=True)
+class BufferDesc:
+    pool: PoolKind
+    layer: int
+    base_addr: int
+    item_bytes: int
+    num_items: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.item_bytes * self.num_items
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    transfer_id: str
+    request_id: str
+    session: str
+    compat: CompatDescriptor
+    buffers: tuple[BufferDesc, ...]
+    prompt_len: int
+    full_pages: tuple[int, ...]
+    swa_pages: tuple[int, ...]
+    swa_first_page: int
+    c128_pages: tuple[int, ...]
+    req_slot: int
+    deadline: float  # unix seconds
+
+
+@dataclass(frozen=True)
+class WriteList:
+    writes: list[Write]
+    bytes_by_pool: dict[str, int]
+    checksum: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bytes_by_pool.values())
+
+
+def cache_buffers(pools: KVPools) -> list[BufferDesc]:
+    """Every transferable buffer of `pools`, one per (pool, layer), with its item geometry."""
+    s = pools.sizes
+    P = s.page_size
+    out: list[BufferDesc] = []
+
+    def add(kind: PoolKind, tensor, item_rows: int, num_items: int) -> None:
+        for layer in range(tensor.shape[0]):
+            t = tensor[layer]
+            row_bytes = t.stride(0) * t.element_size()
+            out.append(BufferDesc(kind, layer, t.data_ptr(), item_rows * row_bytes, num_items))
+
+    rows_per_page = P // pools.model.csa_ratio
+    add(PoolKind.C4_KV, pools.c4_kv, rows_per_page, s.num_full_pages)
+    add(PoolKind.C4_INDEX, pools.c4_index, rows_per_page, s.num_full_pages)
+    add(PoolKind.C128_KV, pools.c128_kv, s.c128_page_size, s.num_c128_pages)
+    add(PoolKind.SWA_KV, pools.swa_kv, P, s.num_swa_pages)
+    add(PoolKind.C4_STATE, pools.c4_state, s.csa_ring, s.num_swa_pages)
+    add(PoolKind.C4_INDEX_STATE, pools.c4_index_state, s.csa_ring, s.num_swa_pages)
+    add(PoolKind.C128_STATE, pools.c128_state, s.hca_ring, s.num_req_slots)
+    add(PoolKind.DRAFT_KV, pools.draft_kv, P, s.num_swa_pages)
+    return out
+
+
+def registered_regions(pools: KVPools) -> list[tuple[int, int]]:
+    """`(addr, nbytes)` of each pool tensor as a whole, for registration with the transfer engine."""
+    tensors = (pools.c4_kv, pools.c4_index, pools.c128_kv, pools.swa_kv, pools.c4_state, pools.c4_index_state,
+               pools.c128_state, pools.draft_kv)
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
+
+
+def destination(kv: KVCache, pages: ReqPages, prompt_len: int) -> dict:
+    """The decode side's plan fields for a `grow_tail`-ed reservation."""
+    P = kv.sizes.page_size
+    n = -(-prompt_len // P)
+    first = kv.keep_from(prompt_len) // P
+    swa = pages.swa_pages[first:n]
+    assert all(p is not None for p in swa), "destination SWA tail is incomplete"
+    return dict(
+        prompt_len=prompt_len,
+        full_pages=tuple(pages.full_pages[:n]),
+        swa_pages=tuple(swa),  # type: ignore[arg-type]
+        swa_first_page=first,
+        c128_pages=tuple(pages.c128_pages),
+        req_slot=pages.slot,
+    )
+
+
+def item_pairs(plan: TransferPlan, src: ReqPages, kind: PoolKind) -> list[tuple[int, int]]:
+    """`(source item, destination item)` pairs of one pool kind, in the plan's canonical order."""
+    if kind in (PoolKind.C4_KV, PoolKind.C4_INDEX):
+        return list(zip(src.full_pages[: len(plan.full_pages)], plan.full_pages))
+    if kind == PoolKind.C128_KV:
+        return list(zip(src.c128_pages[: len(plan.c128_pages)], plan.c128_pages))
+    if kind in SWA_KINDS:
+        first = plan.swa_first_page
+        tail = src.swa_pages[first : first + len(plan.swa_pages)]
+        if len(tail) != len(plan.swa_pages) or any(p is None for p in tail):
+            raise ValueError("the prefill side no longer holds the SWA pages of the window tail")
+        return list(zip(tail, plan.swa_pages))  # type: ignore[arg-type]
+    return [(src.slot, plan.req_slot)]
+
+
+def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages, read_memory) -> WriteList:
+    """The merged writes that copy `src`'s cache into the plan's destination, and a checksum of the source bytes
+    (CRC32 over items in canonical order; the destination recomputes it over what arrived)."""
+    remote = {(b.pool, b.layer): b for b in plan.buffers}
+    writes: list[Write] = []
+    by_pool: dict[str, int] = {}
+    crc = 0
+    for buf in local:
+        dst_buf = remote.get((buf.pool, buf.layer))
+        if dst_buf is None or buf.num_items == 0:
+            continue
+        assert dst_buf.item_bytes == buf.item_bytes, f"{buf.pool.name} item sizes differ"
+        pairs = item_pairs(plan, src, buf.pool)
+        for s, _ in pairs:
+            crc = zlib.crc32(read_memory(buf.base_addr + s * buf.item_bytes, buf.item_bytes), crc)
+        for s, d, n in _runs(pairs):
+            writes.append(Write(buf.base_addr + s * buf.item_bytes, dst_buf.base_addr + d * buf.item_bytes,
+                                n * buf.item_bytes))
+            by_pool[buf.pool.name] = by_pool.get(buf.pool.name, 0) + n * buf.item_bytes
+    return WriteList(writes, by_pool, crc)
+
+
+def destination_checksum(local: list[BufferDesc], plan: TransferPlan, read_memory) -> int:
+    """The decode side's CRC32 over the destination items, in the same canonical order as `plan_writes`."""
+    crc = 0
+    for buf in local:
+        if buf.num_items == 0 or not any(b.pool == buf.pool and b.layer == buf.layer for b in plan.buffers):
+            continue
+        for d in _destination_items(plan, buf.pool):
+            crc = zlib.crc32(read_memory(buf.base_addr + d * buf.item_bytes, buf.item_bytes), crc)
+    return crc
+
+
+def _destination_items(plan: TransferPlan, kind: PoolKind) -> tuple[int, ...]:
+    if kind in (PoolKind.C4_KV, PoolKind.C4_INDEX):
+        return plan.full_pages
+    if kind == PoolKind.C128_KV:
+        return plan.c128_pages
+    if kind in SWA_KINDS:
+        return plan.swa_pages
+    return (plan.req_slot,)
+
+
+def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
+    """Merge `(src, dst)` item pairs into `(src, dst, count)` runs contiguous on both sides."""
+    run = None
+    for s, d in sorted(pairs):
+        if run is not None and s == run[0] + run[2] and d == run[1] + run[2]:
+            run[2] += 1
+            continue
+        if run is not None:
+            yield tuple(run)  # type: ignore[misc]
+        run = [s, d, 1]
+    if run is not None:
+        yield tuple(run)  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    bytes: int = 0
+    num_writes: int = 0
+    transfer_s: float = 0.0
+    prefill_s: float = 0.0
+    plan_wait_s: float = 0.0
+    bytes_by_pool: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What the prefill side reports once the cache is in the decode worker's memory."""
+
+    transfer_id: str
+    first_token: int
+    num_cached_tokens: int
+    checksum: int
+    stats: TransferStats
+    first_logprob: object | None = None  # TokenLogprobs when asked for
