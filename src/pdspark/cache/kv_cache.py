@@ -364,6 +364,12 @@ class KVCache:
                     assert int(self.full_to_swa_page[page]) == expect, "tree full->SWA map out of date"
         self.pools.check_dummy_rows()
 
+    def cached_pages(self) -> dict[str, int]:
+        """Pages held only by the prefix cache, per pool (evictable; they count as used in `usage`)."""
+        full, swa, c128 = self.tree.held() if self.tree is not None else ([], [], [])
+        held_by_requests = {p for rp in self.live.values() for p in rp.c128_pages}
+        return {"full": len(full), "swa": len(swa), "c128": len(set(c128) - held_by_requests), "req_slots": 0}
+
     def usage(self) -> dict[str, tuple[int, int]]:
         """Per pool `(used, total)` pages (tree-held pages count as used)."""
         return {

@@ -19,6 +19,7 @@ def _load(engine, in_flight: int) -> worker_pb2.LoadReport:
         pages_used={k: used for k, (used, _) in usage.items()},
         pages_total={k: total for k, (_, total) in usage.items()},
         transfers_in_flight=in_flight,
+        pages_cached=engine.kv.cached_pages(),
     )
 
 

@@ -1,0 +1,161 @@
+"""Prefill and decode workers as separate processes on loopback: real gRPC, the cache moved by Mooncake over TCP,
+DSpark on. The test plays the router's part (dual dispatch with one transfer id)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import grpc
+import pytest
+
+from cluster import start_worker
+from conftest import MIXED, random_prompts
+from draft_reference import add_random_draft
+from helpers import GREEDY, make_llm
+from pdspark import SamplingParams
+from pdspark.rpc import convert
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
+
+ARGS = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "4", "--speculative", "dspark",
+        "--transfer-backend", "mooncake"]
+C128 = ["--num-full-pages", "64"]  # (c128_page_size follows page_size: 16-token HCA groups, 1 entry per page)
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoints, tmp_path_factory):
+    path, _ = checkpoints(MIXED)
+    dst = tmp_path_factory.mktemp("cluster") / "ckpt"
+    add_random_draft(path, dst, gamma=3)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt):
+    prefill = start_worker("prefill", str(ckpt), *ARGS, *C128)
+    decode = start_worker("decode", str(ckpt), *ARGS, *C128, "--no-prefix-cache")
+    yield prefill, decode
+    assert decode.stop() == 0 and prefill.stop() == 0  # clean shutdown on SIGTERM
+
+
+def stubs(prefill, decode):
+    return (worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(prefill.address)),
+            worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode.address)))
+
+
+def dispatch(prefill, decode, prompt, params, deadline_s=30.0, send_prefill=True, send_decode=True):
+    """The router's dual dispatch: Prefill and Generate concurrently, tied by a fresh transfer id."""
+    p_stub, d_stub = stubs(prefill, decode)
+    tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
+    deadline = time.time() + deadline_s
+    sampling = convert.sampling_to_pb(params)
+    result: dict = {"chunks": []}
+
+    def run_prefill():
+        req = worker_pb2.PrefillRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
+                                        deadline_unix_s=deadline)
+        result["prefill"] = p_stub.Prefill(req, timeout=deadline_s + 5).result
+
+    thread = threading.Thread(target=run_prefill)
+    if send_prefill:
+        thread.start()
+    if send_decode:
+        req = worker_pb2.GenerateRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
+                                         prefill_address=prefill.address, deadline_unix_s=deadline)
+        try:
+            for chunk in d_stub.Generate(req, timeout=deadline_s + 30):
+                result["chunks"].append(chunk)
+        except grpc.RpcError as e:
+            result["decode_error"] = e
+    if send_prefill:
+        thread.join(deadline_s + 10)
+    result["tokens"] = [t for c in result["chunks"] for t in c.token_ids]
+    return result
+
+
+def back_to_free(*workers) -> bool:
+    for w in workers:
+        load = worker_pb2_grpc.PrefillWorkerStub if w.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+        report = load(grpc.insecure_channel(w.address)).GetLoad(worker_pb2.LoadRequest(), timeout=10)
+        if any(report.pages_used[k] != report.pages_cached[k] for k in report.pages_used):
+            return False
+    return True
+
+
+def test_disaggregated_output_equals_offline(ckpt, cluster):
+    # Prompt ends on / inside C4 groups (4) and HCA groups (16), spanning several C128 pages.
+    prompts = random_prompts(5, [64, 66, 96, 100, 131], seed=41)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    offline = make_llm(ckpt, page_size=16, max_model_len=256).generate(prompt_token_ids=prompts,
+                                                                       sampling_params=params)
+    for prompt, ref in zip(prompts, offline):
+        out = dispatch(*cluster, prompt, params)
+        assert "decode_error" not in out, out.get("decode_error")
+        assert out["tokens"] == ref.token_ids
+        assert out["chunks"][-1].finished and out["chunks"][-1].finish_reason == "length"
+        assert out["prefill"].stats.bytes > 0 and not out["prefill"].HasField("error")
+    assert back_to_free(*cluster)
+
+
+def test_shared_prefix_hits_the_prefill_cache(ckpt, cluster):
+    (system,) = random_prompts(1, [80], seed=42)
+    a, b = [system + s for s in random_prompts(2, [9, 21], seed=43)]
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    offline = make_llm(ckpt, page_size=16, max_model_len=256).generate(prompt_token_ids=[a, b],
+                                                                       sampling_params=params)
+    first, second = dispatch(*cluster, a, params), dispatch(*cluster, b, params)
+    assert second["prefill"].num_cached_tokens >= 64
+    assert second["chunks"][0].num_cached_tokens == second["prefill"].num_cached_tokens
+    assert [first["tokens"], second["tokens"]] == [o.token_ids for o in offline]
+
+
+def test_incompatible_workers_refuse_with_a_clear_error(ckpt, cluster):
+    prefill, _ = cluster
+    other = start_worker("decode", str(ckpt), *ARGS, "--page-size", "32", "--no-prefix-cache")
+    try:
+        t0 = time.monotonic()
+        out = dispatch(prefill, other, random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY),
+                       deadline_s=20)
+        assert out["decode_error"].code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "page_size" in out["decode_error"].details()
+        assert out["prefill"].error.code == 2 and "page_size" in out["prefill"].error.message  # INCOMPATIBLE
+        assert time.monotonic() - t0 < 20
+        assert back_to_free(prefill, other)
+    finally:
+        other.stop()
+
+
+def test_decode_gives_up_when_prefill_never_answers(cluster):
+    t0 = time.monotonic()
+    out = dispatch(*cluster, random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=2.0,
+                   send_prefill=False)
+    assert out["decode_error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 5.0
+    assert back_to_free(*cluster)
+
+
+def test_prefill_drops_a_request_whose_plan_never_arrives(cluster):
+    t0 = time.monotonic()
+    out = dispatch(*cluster, random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=2.0,
+                   send_decode=False)
+    assert out["prefill"].error.code == 3 and "plan" in out["prefill"].error.message  # DEADLINE
+    assert time.monotonic() - t0 < 5.0
+    assert back_to_free(*cluster)
+
+
+def test_workers_serve_health_and_metrics(cluster):
+    import urllib.request
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for w in cluster:
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(w.address))
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        text = urllib.request.urlopen(f"http://127.0.0.1:{w.info['metrics_port']}/metrics", timeout=5).read().decode()
+        for name in ("pdspark_transfer_bytes_bucket", "pdspark_transfer_seconds_bucket", "pdspark_pool_pages_used",
+                     "pdspark_running_requests", "pdspark_queue_size"):
+            assert name in text, name
+        assert ":" not in "".join(line.split("{")[0].split(" ")[0] for line in text.splitlines()
+                                  if line and not line.startswith("#"))

@@ -1,0 +1,183 @@
+"""Prefill/decode workers in one process (in-process transfer backend): the transferred cache equals a colocated
+run's, bit for bit, for every payload kind; failures and deadlines free everything."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import MIXED, random_prompts
+from draft_reference import add_random_draft
+from helpers import GREEDY, make_llm
+from pdspark import SamplingParams
+from pdspark.engine.factory import create_engine
+from pdspark.errors import RequestFailed
+from pdspark.serving.decode_worker import DecodeWorker
+from pdspark.serving.engine_loop import EngineLoop
+from pdspark.serving.prefill_worker import PrefillWorker
+from pdspark.transfer.backend import create_backend
+from pdspark.transfer.compat import describe_engine
+from pdspark.transfer.transfer_plan import PoolKind, cache_buffers, item_pairs, registered_regions
+
+OPTS = dict(page_size=16, max_model_len=256, max_num_seqs=4, c128_page_size=2, speculative="dspark")
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoints, tmp_path_factory):
+    path, _ = checkpoints(MIXED)
+    dst = tmp_path_factory.mktemp("pd") / "ckpt"
+    add_random_draft(path, dst, gamma=3)
+    return dst
+
+
+class Pair:
+    """A prefill and a decode worker over the in-process backend; the decode worker calls the prefill directly."""
+
+    def __init__(self, path, decode_opts: dict | None = None):
+        self.p_engine, self.p_loop, p_backend = self._side(path, OPTS)
+        self.d_engine, self.d_loop, d_backend = self._side(path, {**OPTS, "enable_prefix_cache": False,
+                                                                  **(decode_opts or {})})
+        self.prefill = PrefillWorker(self.p_loop, p_backend, describe_engine(self.p_engine))
+        self.decode = DecodeWorker(self.d_loop, d_backend, describe_engine(self.d_engine),
+                                   lambda address, plan, timeout: self.prefill.submit_plan(plan))
+
+    @staticmethod
+    def _side(path, opts):
+        engine = create_engine(str(path), **opts)
+        backend = create_backend("inprocess")
+        for addr, n in registered_regions(engine.kv.pools):
+            backend.register(addr, n)
+        loop = EngineLoop(engine)
+        loop.start()
+        return engine, loop, backend
+
+    def run(self, prompt, params, request_id="r", deadline_s=20.0, skip_prefill=False, skip_decode=False):
+        deadline = time.time() + deadline_s
+        tid = f"t-{request_id}"
+        result: dict = {}
+
+        def prefill():
+            try:
+                result["prefill"] = self.prefill.prefill(request_id, tid, prompt, params, deadline)
+            except RequestFailed as e:
+                result["prefill_error"] = e
+
+        thread = None
+        if not skip_prefill:
+            thread = threading.Thread(target=prefill)
+            thread.start()
+        if not skip_decode:
+            try:
+                result["outputs"] = list(self.decode.generate(request_id, tid, prompt, params, "peer", deadline))
+            except RequestFailed as e:
+                result["decode_error"] = e
+        if thread is not None:
+            thread.join(deadline_s + 5)
+        return result
+
+    def free_counts_restored(self) -> bool:
+        def ok(engine):
+            engine.check_integrity()
+            cached = engine.kv.cached_pages()
+            return all(used == cached[name] for name, (used, _) in engine.kv.usage().items())
+
+        return self.p_loop.call(lambda: ok(self.p_engine)) and self.d_loop.call(lambda: ok(self.d_engine))
+
+    def close(self):
+        self.p_loop.stop()
+        self.d_loop.stop()
+
+
+@pytest.fixture
+def pair(ckpt):
+    p = Pair(ckpt)
+    yield p
+    p.close()
+
+
+def test_disaggregated_greedy_equals_offline(ckpt, pair):
+    prompts = random_prompts(3, [37, 64, 101], seed=31)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    offline = make_llm(ckpt, page_size=16, max_model_len=256).generate(prompt_token_ids=prompts,
+                                                                       sampling_params=params)
+    for i, (prompt, ref) in enumerate(zip(prompts, offline)):
+        out = pair.run(prompt, params, request_id=str(i))
+        assert out["outputs"][-1].token_ids == ref.token_ids
+        assert out["prefill"].stats.bytes > 0
+    assert pair.free_counts_restored()
+
+
+def test_transferred_rows_equal_a_colocated_run(ckpt, pair, monkeypatch):
+    """Snapshot the decode worker's destination rows right after the transfer and compare them with the rows a
+    colocated engine computes for the same prompt, for each payload kind."""
+    prompt = random_prompts(1, [101], seed=32)[0]  # inside a C4 group and a C128 page; 4 C128 pages
+    params = SamplingParams(max_tokens=1, **GREEDY)
+    captured = {}
+    original = pair.d_engine.adopt
+
+    def capture(request_id, prompt_ids, p, pages, *args, **kw):
+        captured.update(rows_by_kind(pair.d_engine, pages, len(prompt_ids)))
+        return original(request_id, prompt_ids, p, pages, *args, **kw)
+
+    monkeypatch.setattr(pair.d_engine, "adopt", capture)
+    pair.run(prompt, params)
+
+    colocated = create_engine(str(ckpt), **{**OPTS, "enable_prefix_cache": False})
+    colocated.add_request(prompt, SamplingParams(max_tokens=1, **GREEDY), request_id="c", hold_pages=True)
+    while colocated.has_unfinished:
+        colocated.step()
+    expected = rows_by_kind(colocated, colocated.requests["c"].pages, len(prompt))
+    assert set(expected) == {k.name for k in PoolKind}
+    for kind, rows in expected.items():
+        assert torch.equal(rows, captured[kind]), kind
+
+
+def rows_by_kind(engine, pages, prompt_len) -> dict[str, torch.Tensor]:
+    """The bytes of every transferable item of a request, per payload kind, in the plan's canonical order."""
+    from pdspark.transfer import transfer_plan
+
+    dst = transfer_plan.destination(engine.kv, pages, prompt_len)
+    plan = transfer_plan.TransferPlan("t", "r", "", None, (), deadline=0, **dst)  # type: ignore[arg-type]
+    out: dict[str, list[torch.Tensor]] = {}
+    import ctypes
+
+    for buf in cache_buffers(engine.kv.pools):
+        for _, item in item_pairs(plan, pages, buf.pool):
+            raw = ctypes.string_at(buf.base_addr + item * buf.item_bytes, buf.item_bytes)
+            out.setdefault(buf.pool.name, []).append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def test_incompatible_pair_refuses_before_any_byte_moves(ckpt):
+    pair = Pair(ckpt, decode_opts={"page_size": 32})
+    try:
+        t0 = time.monotonic()
+        out = pair.run(random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=10)
+        assert out["decode_error"].code == "INCOMPATIBLE"
+        assert "page_size" in out["decode_error"].message
+        assert out["prefill_error"].code == "INCOMPATIBLE"
+        assert time.monotonic() - t0 < 10
+        assert pair.free_counts_restored()
+    finally:
+        pair.close()
+
+
+def test_decode_frees_its_pages_when_prefill_never_answers(pair):
+    t0 = time.monotonic()
+    out = pair.run(random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=1.0,
+                   skip_prefill=True)
+    assert out["decode_error"].code == "DEADLINE"
+    assert time.monotonic() - t0 < 3.0
+    assert pair.free_counts_restored()
+
+
+def test_prefill_drops_the_request_when_no_plan_arrives(pair):
+    t0 = time.monotonic()
+    out = pair.run(random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=1.0,
+                   skip_decode=True)
+    assert out["prefill_error"].code == "DEADLINE" and "plan" in out["prefill_error"].message
+    assert time.monotonic() - t0 < 3.0
+    assert pair.free_counts_restored()
