@@ -6,8 +6,9 @@ import argparse
 import sys
 import time
 
-from pdspark.config import add_worker_arguments, worker_config
+from pdspark.config import add_router_arguments, add_worker_arguments, router_config, worker_config
 from pdspark.errors import PdsparkError
+from pdspark.launcher import add_up_arguments
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -70,13 +71,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bar or timing line")
     gen.set_defaults(func=_generate)
 
+    up = sub.add_parser("up", help="start a local cluster: router + prefill and decode workers")
+    add_up_arguments(up)
+    up.set_defaults(func=_up)
+
     serve = sub.add_parser("serve", help="run one service of the cluster")
     roles = serve.add_subparsers(dest="role", required=True)
     for role in ("prefill", "decode"):
         worker = roles.add_parser(role, help=f"a {role} worker (gRPC + /metrics)")
         add_worker_arguments(worker)
         worker.set_defaults(func=_serve_worker)
+    router = roles.add_parser("router", help="the router (OpenAI HTTP + gRPC)")
+    add_router_arguments(router)
+    router.set_defaults(func=_serve_router)
     return parser
+
+
+def _up(args: argparse.Namespace) -> int:
+    from pdspark.launcher import engine_flags, launch
+
+    args.engine_flags = engine_flags(args)
+    return launch(args)
+
+
+def _serve_router(args: argparse.Namespace) -> int:
+    from pdspark.router.router_server import run_router
+
+    return run_router(router_config(args))
 
 
 def _serve_worker(args: argparse.Namespace) -> int:

@@ -275,3 +275,56 @@ def worker_config(role: str, args) -> WorkerConfig:
         transfer_protocol=args.transfer_protocol,
         engine=engine_options(args),
     )
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str = "dsv4-tiny"
+    served_model_name: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 0
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "power_of_two"
+    max_model_len: int = 0  # 0: the model's (capped at 4096, as the workers default)
+    transfer_timeout_s: float = 30.0
+    health_interval_s: float = 2.0
+
+
+def add_router_arguments(parser) -> None:
+    import os
+
+    def env(name: str, default):
+        return os.environ.get("PDSPARK_" + name.upper(), default)
+
+    def addresses(value: str) -> tuple[str, ...]:
+        return tuple(a.strip() for a in value.split(",") if a.strip())
+
+    parser.add_argument("--model", default=env("model", "dsv4-tiny"), help="checkpoint path or shipped model name")
+    parser.add_argument("--served-model-name", default=env("served_model_name", ""))
+    parser.add_argument("--host", default=env("host", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(env("port", 8000)), help="HTTP port (0: any free port)")
+    parser.add_argument("--grpc-port", type=int, default=int(env("grpc_port", 0)), help="gRPC port (0: any)")
+    parser.add_argument("--prefill", type=addresses, default=addresses(env("prefill", "")),
+                        help="comma-separated prefill worker addresses (host:port)")
+    parser.add_argument("--decode", type=addresses, default=addresses(env("decode", "")),
+                        help="comma-separated decode worker addresses (host:port)")
+    parser.add_argument("--prefill-policy", default=env("prefill_policy", "cache_aware"),
+                        choices=["round_robin", "power_of_two", "cache_aware"])
+    parser.add_argument("--decode-policy", default=env("decode_policy", "power_of_two"),
+                        choices=["round_robin", "power_of_two", "cache_aware"])
+    parser.add_argument("--max-model-len", type=int, default=int(env("max_model_len", 0)))
+    parser.add_argument("--transfer-timeout", type=float, default=float(env("transfer_timeout", 30.0)),
+                        help="seconds a request's cache transfer may take before the pair is failed")
+    parser.add_argument("--health-interval", type=float, default=float(env("health_interval", 2.0)))
+
+
+def router_config(args) -> RouterConfig:
+    return RouterConfig(
+        model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+        grpc_port=args.grpc_port, prefill=tuple(args.prefill), decode=tuple(args.decode),
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, max_model_len=args.max_model_len,
+        transfer_timeout_s=args.transfer_timeout, health_interval_s=args.health_interval,
+    )

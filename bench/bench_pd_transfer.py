@@ -1,0 +1,179 @@
+"""Prefill -> decode cache transfer over Mooncake (TCP, loopback) vs a raw loopback TCP copy, and the share of
+TTFT spent in the transfer, for 512- and 2,048-token prompts.
+
+One run starts a prefill and a decode worker (separate processes), sends requests with the router's dual
+dispatch, and reads each transfer's bytes and seconds from the prefill worker's result. The raw copy moves the same
+number of bytes between two processes over a loopback socket (recv_into a preallocated buffer).
+
+    python bench/bench_pd_transfer.py [--model dsv4-tiny] [--lengths 512,2048] [--requests 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from cluster import start_worker  # noqa: E402  (worker processes started and stopped by PID)
+
+from pdspark import SamplingParams  # noqa: E402
+from pdspark.llm import resolve_model  # noqa: E402
+from pdspark.model.model_config import ModelConfig  # noqa: E402
+from pdspark.rpc import convert  # noqa: E402
+from pdspark.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _receiver(port_q: mp.Queue, nbytes: int, rounds: int) -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    for _ in range(rounds):
+        got = 0
+        while got < nbytes:
+            got += conn.recv_into(view[got:], nbytes - got)
+        conn.sendall(b"k")  # ack: the copy is complete on the receiving side
+
+
+def raw_tcp_gbps(nbytes: int, rounds: int = 5) -> float:
+    """Median GB/s of moving `nbytes` between two processes over a loopback socket."""
+    q: mp.Queue = mp.Queue()
+    proc = mp.Process(target=_receiver, args=(q, nbytes, rounds + 1))
+    proc.start()
+    sock = socket.create_connection(("127.0.0.1", q.get(timeout=10)))
+    payload = bytes(nbytes)
+    rates = []
+    for i in range(rounds + 1):
+        t0 = time.perf_counter()
+        sock.sendall(payload)
+        sock.recv(1)
+        if i:  # the first round warms the connection up
+            rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    sock.close()
+    proc.join(10)
+    return statistics.median(rates)
+
+
+def dual_dispatch(p_stub, d_stub, prefill_addr: str, prompt: list[int], params: SamplingParams) -> dict:
+    tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
+    deadline = time.time() + 120
+    sampling = convert.sampling_to_pb(params)
+    out: dict = {}
+    t0 = time.perf_counter()
+
+    def prefill() -> None:
+        req = worker_pb2.PrefillRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
+                                        deadline_unix_s=deadline)
+        out["result"] = p_stub.Prefill(req, timeout=150).result
+
+    thread = threading.Thread(target=prefill)
+    thread.start()
+    req = worker_pb2.GenerateRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
+                                     prefill_address=prefill_addr, deadline_unix_s=deadline)
+    for chunk in d_stub.Generate(req, timeout=150):
+        out.setdefault("ttft", time.perf_counter() - t0)
+    thread.join(150)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="dsv4-tiny")
+    parser.add_argument("--lengths", default="512,2048")
+    parser.add_argument("--requests", type=int, default=6, help="requests per prompt length (medians)")
+    args = parser.parse_args()
+    path = resolve_model(args.model)
+    vocab = ModelConfig.from_dir(path).vocab_size
+    lengths = [int(x) for x in args.lengths.split(",")]
+    common = ["--max-model-len", str(max(lengths) + 64), "--max-num-seqs", "4", "--max-num-batched-tokens", "2048",
+              "--no-prefix-cache"]
+    print("starting workers...", file=sys.stderr, flush=True)
+    prefill = start_worker("prefill", path, *common)
+    decode = start_worker("decode", path, *common)
+    try:
+        p_stub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(prefill.address))
+        d_stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode.address))
+        g = torch.Generator().manual_seed(0)
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        dual_dispatch(p_stub, d_stub, prefill.address, torch.randint(8, vocab, (64,)).tolist(), params)  # warm-up
+        rows = []
+        for length in lengths:
+            runs = []
+            for i in range(args.requests):
+                prompt = torch.randint(8, vocab, (length,), generator=g).tolist()
+                r = dual_dispatch(p_stub, d_stub, prefill.address, prompt, params)
+                s = r["result"].stats
+                runs.append({"ttft": r["ttft"], "bytes": s.bytes, "transfer_s": s.transfer_s, "writes": s.num_writes,
+                             "prefill_s": s.prefill_s})
+                print(f"  prompt {length}: request {i + 1}/{args.requests} TTFT {r['ttft'] * 1e3:.0f} ms, "
+                      f"transfer {s.bytes / 1e6:.2f} MB in {s.transfer_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
+            nbytes = int(statistics.median(x["bytes"] for x in runs))
+            mooncake = statistics.median(x["bytes"] / x["transfer_s"] / 1e9 for x in runs)
+            raw = raw_tcp_gbps(nbytes)
+            ttft = statistics.median(x["ttft"] for x in runs)
+            share = statistics.median(x["transfer_s"] / x["ttft"] for x in runs)
+            rows.append({"prompt_len": length, "bytes": nbytes, "writes": int(statistics.median(x["writes"]
+                         for x in runs)), "mooncake_gbps": mooncake, "raw_tcp_gbps": raw, "ratio": mooncake / raw,
+                         "ttft_ms": ttft * 1e3, "transfer_ms": statistics.median(x["transfer_s"] for x in runs) * 1e3,
+                         "transfer_share": share})
+    finally:
+        decode.stop()
+        prefill.stop()
+    lines = [
+        f"model {args.model}: prefill and decode workers on loopback, Mooncake TCP, {args.requests} requests per "
+        "length (medians)",
+        "",
+        "| prompt | bytes moved | writes | Mooncake GB/s | raw TCP GB/s (same bytes) | ratio | TTFT ms | transfer ms "
+        "| transfer share of TTFT |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['prompt_len']} | {r['bytes'] / 1e6:.2f} MB | {r['writes']} | {r['mooncake_gbps']:.2f} | "
+                     f"{r['raw_tcp_gbps']:.2f} | {r['ratio']:.2f} | {r['ttft_ms']:.0f} | {r['transfer_ms']:.2f} | "
+                     f"{r['transfer_share']:.1%} |")
+    print("\n".join(lines))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "pd_transfer.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    plot(rows, RESULTS / "pd_transfer.png", lines[0])
+
+
+def plot(rows, out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = range(len(rows))
+    a1.bar([x - 0.2 for x in xs], [r["mooncake_gbps"] for r in rows], 0.4, label="Mooncake TCP")
+    a1.bar([x + 0.2 for x in xs], [r["raw_tcp_gbps"] for r in rows], 0.4, label="raw loopback socket")
+    a1.set_xticks(list(xs), [f"{r['prompt_len']} tokens" for r in rows])
+    a1.set_ylabel("GB/s")
+    a1.legend()
+    a2.bar(list(xs), [r["transfer_share"] * 100 for r in rows])
+    a2.set_xticks(list(xs), [f"{r['prompt_len']} tokens" for r in rows])
+    a2.set_ylabel("transfer share of TTFT (%)")
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"plot: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The router: OpenAI-compatible HTTP and gRPC front ends over prefill/decode worker pairs."""

@@ -1,0 +1,226 @@
+"""The router's HTTP API (aiohttp): OpenAI-compatible completions and chat completions (JSON or SSE), native
+`/generate`, models, health, metrics and the worker list (GET to list, POST/DELETE to add/remove at run time)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdspark.errors import RequestFailed
+from pdspark.router import openai_protocol as oai
+from pdspark.router.openai_protocol import ApiError
+from pdspark.router.router_core import RouterCore, Totals
+
+logger = logging.getLogger(__name__)
+_HTTP_OF = {"INVALID_REQUEST": 400, "CAPACITY": 400, "INCOMPATIBLE": 503, "DEADLINE": 504, "TRANSFER": 502,
+            "ABORTED": 499, "UNAVAILABLE": 503}
+
+
+def build_app(core: RouterCore) -> web.Application:
+    api = HttpApi(core)
+    app = web.Application(client_max_size=64 << 20)
+    app.add_routes([
+        web.post("/v1/completions", api.completions),
+        web.post("/v1/chat/completions", api.chat_completions),
+        web.get("/v1/models", api.models),
+        web.post("/generate", api.generate),
+        web.get("/health", api.health),
+        web.get("/metrics", api.metrics),
+        web.get("/workers", api.workers),
+        web.post("/workers", api.add_worker),
+        web.delete("/workers", api.remove_worker),
+    ])
+    return app
+
+
+def _error(e: ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+def _failure(e: RequestFailed) -> web.Response:
+    status = _HTTP_OF.get(e.code, 500)
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return web.json_response({"error": {"message": e.message, "type": kind, "param": None,
+                                        "code": e.code.lower()}}, status=status)
+
+
+async def _json(request: web.Request) -> object:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from e
+
+
+class HttpApi:
+    def __init__(self, core: RouterCore):
+        self.core = core
+
+    # ---- OpenAI -----------------------------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=True)
+
+    async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        core = self.core
+        try:
+            body = await _json(request)
+            parsed = oai.parse(body, chat=chat, served_model=core.served_name, tokenizer=core.tokenizer,
+                               chat_template=core.chat_template, max_model_len=core.max_model_len,
+                               vocab_size=core.model_config.vocab_size)
+        except ApiError as e:
+            core.metrics.requests.labels(api="chat" if chat else "completions", outcome="invalid").inc()
+            return _error(e)
+        rid = oai.new_id(chat)
+        totals = Totals(len(parsed.prompt_ids))
+        stream = core.run("chat" if chat else "completions", rid, parsed.prompt_ids, parsed.params, totals)
+        if parsed.stream:
+            return await self._sse(request, rid, chat, parsed, stream, totals)
+        text, lps = [], []
+        try:
+            async for chunk in stream:
+                text.append(chunk.text)
+                lps += chunk.logprobs
+        except RequestFailed as e:
+            return _failure(e)
+        use = oai.usage(totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens)
+        logprobs = oai.logprobs_json(lps, core.tokenizer, chat) if parsed.logprobs is not None else None
+        return web.json_response(oai.completion_body(rid, core.served_name, chat, "".join(text),
+                                                     totals.finish_reason, logprobs, use, stream=False))
+
+    async def _sse(self, request, rid, chat, parsed, stream, totals) -> web.StreamResponse:
+        core = self.core
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        first = True
+        try:
+            async for chunk in stream:
+                if first:
+                    await resp.prepare(request)
+                lps = oai.logprobs_json(chunk.logprobs, core.tokenizer, chat) if parsed.logprobs is not None else None
+                body = oai.completion_body(rid, core.served_name, chat, chunk.text,
+                                           chunk.finish_reason or None if chunk.finished else None, lps, None,
+                                           stream=True, first=first)
+                first = False
+                await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+        except RequestFailed as e:
+            if first:  # nothing sent yet: a normal error response
+                return _failure(e)
+            err = {"error": {"message": e.message, "type": "server_error", "code": e.code.lower()}}
+            await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+        finally:
+            await stream.aclose()  # client gone (ConnectionResetError) or done: cancels both legs if still running
+        if parsed.include_usage:
+            use = oai.usage(totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens)
+            body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": 0, "model": core.served_name, "choices": [], "usage": use}
+            await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.core.served_name, "object": "model", "created": 0, "owned_by": "pdspark",
+             "max_model_len": self.core.max_model_len}]})
+
+    # ---- native ------------------------------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """`{"text" | "input_ids", "sampling_params": {...}, "stream"}` -> `{"text", "output_ids", "meta_info"}`."""
+        core = self.core
+        try:
+            body = await _json(request)
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be a JSON object")
+            ids = body.get("input_ids")
+            if ids is None:
+                if not isinstance(body.get("text"), str) or core.tokenizer is None:
+                    raise ApiError(422, "`text` (a string) or `input_ids` (token ids) is required", "text")
+                ids = core.tokenizer.encode(body["text"])
+            sp = dict(body.get("sampling_params") or {})
+            if "max_new_tokens" in sp:
+                sp["max_tokens"] = sp.pop("max_new_tokens")
+            parsed = oai.parse({"prompt": ids, "stream": body.get("stream", False), **sp}, chat=False,
+                               served_model=core.served_name, tokenizer=core.tokenizer,
+                               chat_template=core.chat_template, max_model_len=core.max_model_len,
+                               vocab_size=core.model_config.vocab_size)
+        except ApiError as e:
+            return _error(e)
+        rid = body.get("rid") or uuid.uuid4().hex
+        totals = Totals(len(parsed.prompt_ids))
+        stream = core.run("generate", rid, parsed.prompt_ids, parsed.params, totals)
+
+        def meta() -> dict:
+            return {"id": rid, "prompt_tokens": totals.prompt_tokens, "completion_tokens": totals.completion_tokens,
+                    "cached_tokens": totals.cached_tokens, "finish_reason": totals.finish_reason,
+                    "prefill_worker": totals.prefill_worker, "decode_worker": totals.decode_worker}
+
+        if not parsed.stream:
+            text, ids_out = [], []
+            try:
+                async for chunk in stream:
+                    text.append(chunk.text)
+                    ids_out += chunk.token_ids
+            except RequestFailed as e:
+                return _failure(e)
+            return web.json_response({"text": "".join(text), "output_ids": ids_out, "meta_info": meta()})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            async for chunk in stream:
+                event = {"text": chunk.text, "output_ids": chunk.token_ids, "meta_info": meta()}
+                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        except RequestFailed as e:
+            await resp.write(f"data: {json.dumps({'error': e.message, 'code': e.code.lower()})}\n\n".encode())
+        finally:
+            await stream.aclose()
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    # ---- operations --------------------------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        reg = self.core.registry
+        ok = bool(reg.healthy("prefill")) and bool(reg.healthy("decode"))
+        return web.json_response({"status": "ok" if ok else "degraded",
+                                  "prefill": len(reg.healthy("prefill")), "decode": len(reg.healthy("decode"))},
+                                 status=200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        reg = self.core.registry
+        for role in ("prefill", "decode"):
+            healthy = len(reg.healthy(role))
+            total = sum(1 for w in reg.workers.values() if w.role == role)
+            self.core.metrics.workers.labels(role=role, healthy="true").set(healthy)
+            self.core.metrics.workers.labels(role=role, healthy="false").set(total - healthy)
+        body = generate_latest(self.core.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def workers(self, request: web.Request) -> web.Response:
+        return web.json_response([w.to_json() for w in self.core.registry.workers.values()])
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json(request)
+            if not isinstance(body, dict) or not isinstance(body.get("address"), str):
+                raise ApiError(422, "`address` (host:port) and `role` (prefill or decode) are required", "address")
+            w = self.core.registry.add(str(body.get("role")), body["address"], str(body.get("metrics_url", "")))
+        except ApiError as e:
+            return _error(e)
+        except ValueError as e:
+            return _error(ApiError(400, str(e), "role"))
+        await self.core.registry.check(w)
+        return web.json_response(w.to_json(), status=201)
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        address = request.query.get("address", "")
+        if address not in self.core.registry.workers:
+            return _error(ApiError(404, f"no worker {address!r}", "address"))
+        w = self.core.registry.remove(address)
+        self.core.dispatcher.prefill_policy.forget(address)
+        self.core.dispatcher.decode_policy.forget(address)
+        return web.json_response(w.to_json())
+

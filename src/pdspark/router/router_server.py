@@ -1,0 +1,90 @@
+"""`run_router`: the router process. HTTP (aiohttp) and gRPC (grpc.aio) on one asyncio loop, the worker registry's
+health polling beside them; one JSON ready line on stdout; SIGTERM/SIGINT drain and stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdspark.config import RouterConfig
+from pdspark.engine.factory import resolve_model
+from pdspark.model.model_config import ModelConfig
+from pdspark.router.dispatcher import Dispatcher
+from pdspark.router.grpc_api import RouterServicer
+from pdspark.router.http_api import build_app
+from pdspark.router.policies import make_policy
+from pdspark.router.router_core import RouterCore
+from pdspark.router.router_metrics import RouterMetrics
+from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.v1 import router_pb2, router_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def build_core(cfg: RouterConfig) -> RouterCore:
+    path = resolve_model(cfg.model)
+    model_cfg = ModelConfig.from_dir(path)
+    registry = WorkerRegistry(interval_s=cfg.health_interval_s)
+    for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        for address in addresses:
+            registry.add(role, address)
+    metrics = RouterMetrics()
+    dispatcher = Dispatcher(registry, make_policy(cfg.prefill_policy), make_policy(cfg.decode_policy),
+                            transfer_timeout_s=cfg.transfer_timeout_s, metrics=metrics)
+    name = cfg.served_model_name or (cfg.model if "/" not in cfg.model else path.rstrip("/").split("/")[-1])
+    max_len = cfg.max_model_len or min(4096, model_cfg.max_position_embeddings)
+    return RouterCore(path, name, max_len, registry, dispatcher, metrics)
+
+
+async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
+    core = build_core(cfg)
+    runner = web.AppRunner(build_app(core), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server = grpc.aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+    reflection.enable_server_reflection(
+        (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    await server.start()
+    for name in ("", service):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    poller = asyncio.create_task(core.registry.poll_forever())
+    print(json.dumps({"event": "ready", "role": "router", "http": f"http://{cfg.host}:{http_port}",
+                      "grpc": f"{cfg.host}:{grpc_port}", "http_port": http_port, "grpc_port": grpc_port,
+                      "model": core.served_name}), flush=True)
+    await stop.wait()
+    logger.info("router stopping")
+    for name in ("", service):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    poller.cancel()
+    await server.stop(5)
+    await runner.cleanup()
+
+
+def run_router(cfg: RouterConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, stop)
+
+    asyncio.run(main())
+    return 0
