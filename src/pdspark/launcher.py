@@ -7,6 +7,7 @@ dies), leaving no child behind.
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdspark.engine.factory import resolve_model
 from pdspark.model.model_config import ModelConfig
-from pdspark.service_process import ServiceProcess, start_service
+from pdspark.service_process import ServiceProcess, spawn_service, start_service, wait_ready
 
 
 def _log(msg: str) -> None:
@@ -38,25 +39,23 @@ def launch(args) -> int:
         _log(f"pdspark up: starting {args.prefill} prefill + {args.decode} decode worker(s) on {args.model} "
              f"(speculative: {'dspark' if has_draft and not args.no_speculative else 'off'})")
 
-        def start(i_role):
-            i, role = i_role
+        # Spawn every worker from this thread (children die with the thread that made them), wait in parallel.
+        for i, role in enumerate(roles):
             extra = ["--no-prefix-cache"] if role == "decode" else []
-            s = start_service(f"{role}-{i}", ["serve", role, *worker_flags, *extra])
-            _log(f"  [{time.monotonic() - t0:5.1f}s] {role} worker {i} ready at {s.address} "
+            services.append(spawn_service(f"{role}-{i}", ["serve", role, *worker_flags, *extra]))
+
+        def ready(s: ServiceProcess) -> ServiceProcess:
+            wait_ready(s)
+            _log(f"  [{time.monotonic() - t0:5.1f}s] {s.name} worker ready at {s.address} "
                  f"(metrics :{s.info['metrics_port']})")
             return s
 
-        with ThreadPoolExecutor(max_workers=len(roles)) as pool:
-            futures = [pool.submit(start, (i, r)) for i, r in enumerate(roles)]
-            for f in futures:
-                try:
-                    services.append(f.result())
-                except RuntimeError as e:
-                    _log(f"pdspark up: a worker failed to start: {e}")
-                    for other in futures:
-                        if other.done() and not other.exception():
-                            services.append(other.result())
-                    return 1
+        with ThreadPoolExecutor(max_workers=len(services)) as pool:
+            try:
+                list(pool.map(ready, services))
+            except RuntimeError as e:
+                _log(f"pdspark up: a worker failed to start: {e}")
+                return 1
         prefill = [s.address for s in services if s.name.startswith("prefill")]
         decode = [s.address for s in services if s.name.startswith("decode")]
         router = start_service("router", ["serve", "router", "--model", args.model, "--host", args.host,
@@ -80,6 +79,7 @@ def launch(args) -> int:
 
 def _print_endpoints(info: dict) -> None:
     http, grpc_addr, model = info["http"], info["grpc"], info["model"]
+    print(json.dumps({"event": "ready", "http": http, "grpc": grpc_addr, "model": model}), flush=True)
     print(f"""
 pdspark cluster is up.
   OpenAI HTTP : {http}/v1   (also {http}/generate, /health, /metrics, /workers)

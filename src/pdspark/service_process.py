@@ -54,27 +54,37 @@ class ServiceProcess:
         return "".join(self.log[-n:])
 
 
-def start_service(name: str, args: list[str], timeout: float = 180.0, env: dict | None = None) -> ServiceProcess:
-    """Run `python -m pdspark.cli <args>` and wait (bounded) for its ready line; raises RuntimeError otherwise."""
+def spawn_service(name: str, args: list[str], env: dict | None = None) -> ServiceProcess:
+    """Start `python -m pdspark.cli <args>`; call from the thread that lives as long as the service (the child is
+    tied to its creating thread by `PR_SET_PDEATHSIG`)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "pdspark.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=full_env, preexec_fn=_die_with_parent)
     service = ServiceProcess(name, proc)
-    ready = threading.Event()
+    service._ready = threading.Event()  # type: ignore[attr-defined]
 
     def read(stream, parse: bool) -> None:
         for line in stream:
             if parse and line.startswith("{") and '"ready"' in line:
                 service.info = json.loads(line)
-                ready.set()
+                service._ready.set()  # type: ignore[attr-defined]
             service.log.append(line)
             del service.log[:-400]
 
     threading.Thread(target=read, args=(proc.stdout, True), daemon=True).start()
     threading.Thread(target=read, args=(proc.stderr, False), daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not ready.wait(0.1):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            service.stop()
-            raise RuntimeError(f"{name} did not become ready:\n{service.tail()}")
     return service
+
+
+def wait_ready(service: ServiceProcess, timeout: float = 180.0) -> ServiceProcess:
+    """Wait (bounded) for the ready line; raises RuntimeError (after stopping the child) otherwise."""
+    deadline = time.monotonic() + timeout
+    while not service._ready.wait(0.1):  # type: ignore[attr-defined]
+        if service.proc.poll() is not None or time.monotonic() > deadline:
+            service.stop()
+            raise RuntimeError(f"{service.name} did not become ready:\n{service.tail()}")
+    return service
+
+
+def start_service(name: str, args: list[str], timeout: float = 180.0, env: dict | None = None) -> ServiceProcess:
+    return wait_ready(spawn_service(name, args, env), timeout)

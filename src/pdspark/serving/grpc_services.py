@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pdspark.errors import PdsparkError, as_request_failed
 from pdspark.rpc import convert
 from pdspark.rpc.status import STATUS_OF
@@ -58,7 +60,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker = worker
 
     def Generate(self, request, context):
-        tokenizer = self.worker.engine.tokenizer
         try:
             params = convert.sampling_from_pb(request.sampling)
             stream = self.worker.generate(
@@ -69,8 +70,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             for out in stream:
                 if not context.is_active():
                     break  # client gone: leaving the generator aborts the request
-                yield _chunk(out, sent, sent_text, tokenizer)
-                sent, sent_text = len(out.token_ids), out.text or ""
+                text = stable_text(out)
+                yield _chunk(out, sent, sent_text, text)
+                sent, sent_text = len(out.token_ids), text
         except PdsparkError as e:
             failure = as_request_failed(e)
             context.abort(STATUS_OF[failure.code], f"{failure.code}: {failure.message}")
@@ -83,13 +85,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return self.worker.loop.call(lambda: _load(engine, self.worker.transfers_in_flight), timeout=10)
 
 
-def _chunk(out: RequestOutput, sent: int, sent_text: str, tokenizer) -> worker_pb2.GenerateChunk:
-    """The part of `out` not streamed yet."""
+def stable_text(out: RequestOutput) -> str:
+    """The decoded text safe to stream: a trailing incomplete UTF-8 sequence (decoded as U+FFFD) waits for the
+    tokens that complete it, so streamed pieces always concatenate to the final text."""
     text = out.text or ""
+    return text if out.finished else text.rstrip("\ufffd")
+
+
+def _chunk(out: RequestOutput, sent: int, sent_text: str, text: str) -> worker_pb2.GenerateChunk:
+    """The part of `out` not streamed yet (`text` is its stable text; `sent_text` a prefix of it)."""
+    common = len(sent_text) if text.startswith(sent_text) else len(os.path.commonprefix([text, sent_text]))
     chunk = worker_pb2.GenerateChunk(
         request_id=out.request_id,
         token_ids=out.token_ids[sent:],
-        text=text[len(sent_text):] if text.startswith(sent_text) else text,
+        text=text[common:],
         finished=out.finished,
         finish_reason=out.finish_reason or "",
         num_cached_tokens=out.num_cached_tokens,

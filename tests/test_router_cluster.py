@@ -1,0 +1,223 @@
+"""Rungs 7-8: through `pdspark up` (router + workers as processes), the official `openai` client and the gRPC SDK
+get exactly the offline engine's greedy tokens; routing, bad requests and disconnects behave."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from conftest import MIXED, random_prompts
+from draft_reference import add_random_draft
+from helpers import make_llm
+from pdspark import SamplingParams
+from pdspark.client import AsyncClient, Client
+from pdspark.service_process import start_service
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
+
+ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoints, tmp_path_factory):
+    path, _ = checkpoints(MIXED)
+    dst = tmp_path_factory.mktemp("router") / "ckpt"
+    add_random_draft(path, dst, gamma=3)
+    return dst
+
+
+def up(ckpt, prefill: int, decode: int):
+    return start_service("pdspark up", ["up", "--model", str(ckpt), "--prefill", str(prefill), "--decode",
+                                        str(decode), "--port", "0", "--grpc-port", "0", *ENGINE], timeout=240)
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt):
+    service = up(ckpt, 1, 1)
+    yield service.info
+    assert service.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    return make_llm(ckpt, page_size=16, max_model_len=256)
+
+
+def openai_client(info) -> openai.OpenAI:
+    return openai.OpenAI(base_url=info["http"] + "/v1", api_key="none", max_retries=0)
+
+
+def expected(offline, prompt: str, n: int) -> str:
+    return offline.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_completions_equal_offline(cluster, offline, stream):
+    client = openai_client(cluster)
+    for prompt in PROMPTS:
+        kw = dict(model=cluster["model"], prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+        else:
+            resp = client.completions.create(**kw)
+            text = resp.choices[0].text
+            assert resp.usage.completion_tokens == 20 and resp.choices[0].finish_reason == "length"
+        assert text == expected(offline, prompt, 20)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_chat_equals_offline(cluster, offline, stream):
+    client = openai_client(cluster)
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "a stack class"}]
+    prompt = offline.engine.tokenizer.decode(
+        offline.engine.tokenizer.encode(_render(offline, messages)), skip_special_tokens=False)
+    kw = dict(model=cluster["model"], messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 16 and chunks[0].choices[0].delta.role == "assistant"
+    else:
+        resp = client.chat.completions.create(**kw)
+        text = resp.choices[0].message.content
+    assert text == expected(offline, prompt, 16)
+
+
+def _render(offline, messages) -> str:
+    from pdspark.router.chat_template import ChatTemplate
+
+    return ChatTemplate(offline.engine.tokenizer.chat_template).render(messages)
+
+
+def test_sdk_generate_and_stream_match(cluster, offline):
+    with Client(cluster["grpc"], timeout=60) as client:
+        for prompt in PROMPTS[:2]:
+            want = expected(offline, prompt, 18)
+            result = client.generate(prompt, max_tokens=18, temperature=0, ignore_eos=True)
+            assert result.text == want and result.completion_tokens == 18 and result.finish_reason == "length"
+            streamed = "".join(c.text for c in client.stream(prompt, max_tokens=18, temperature=0, ignore_eos=True))
+            assert streamed == want
+
+
+def test_async_sdk(cluster, offline):
+    import asyncio
+
+    async def run():
+        async with AsyncClient(cluster["grpc"], timeout=60) as client:
+            result = await client.generate(token_ids=[5, 6, 7, 8], max_tokens=10, temperature=0, ignore_eos=True)
+            parts = [c.text async for c in client.stream(PROMPTS[0], max_tokens=10, temperature=0, ignore_eos=True)]
+            return result, "".join(parts)
+
+    result, streamed = asyncio.run(run())
+    assert len(result.token_ids) == 10
+    assert streamed == expected(offline, PROMPTS[0], 10)
+
+
+def post(info, path, body: bytes | dict, content_type="application/json"):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(info["http"] + path, data=data, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"model": "other-model", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": 12}, 422, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": "hello"}, 422, "messages"),
+])
+def test_bad_requests_get_openai_errors(cluster, path, body, status, param):
+    code, reply = post(cluster, path, body)
+    assert code == status
+    err = reply["error"]
+    assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
+    if param:
+        assert param.split("[")[0] in err["message"]
+    assert workers_idle(cluster)
+
+
+def worker_loads(info) -> list:
+    with urllib.request.urlopen(info["http"] + "/workers", timeout=10) as r:
+        workers = json.loads(r.read())
+    loads = []
+    for w in workers:
+        stub = worker_pb2_grpc.PrefillWorkerStub if w["role"] == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+        loads.append(stub(grpc.insecure_channel(w["address"])).GetLoad(worker_pb2.LoadRequest(), timeout=10))
+    return loads
+
+
+def workers_idle(info) -> bool:
+    return all(r.running == 0 and r.waiting == 0 and all(r.pages_used[k] == r.pages_cached[k] for k in r.pages_used)
+               for r in worker_loads(info))
+
+
+def test_client_disconnect_frees_both_workers_within_a_second(cluster):
+    host, port = cluster["http"].removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "def main():", "max_tokens": 220, "temperature": 0.8, "stream": True,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    received = b""
+    while received.count(b"data:") < 3:
+        received += sock.recv(4096)
+    assert any(r.running for r in worker_loads(cluster))  # still generating
+    sock.close()
+    t0 = time.monotonic()
+    while not workers_idle(cluster):
+        assert time.monotonic() - t0 < 1.0, "workers still hold the request a second after the disconnect"
+        time.sleep(0.05)
+
+
+def test_models_health_workers_metrics(cluster):
+    with urllib.request.urlopen(cluster["http"] + "/v1/models", timeout=10) as r:
+        assert json.loads(r.read())["data"][0]["id"] == cluster["model"]
+    with urllib.request.urlopen(cluster["http"] + "/health", timeout=10) as r:
+        assert json.loads(r.read())["status"] == "ok"
+    with urllib.request.urlopen(cluster["http"] + "/workers", timeout=10) as r:
+        workers = json.loads(r.read())
+    assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
+    assert all({"role", "address", "healthy", "load", "metrics_url"} <= set(w) for w in workers)
+    with urllib.request.urlopen(cluster["http"] + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert "pdspark_router_requests_total" in text and "pdspark_router_time_to_first_token_seconds" in text
+
+
+def test_two_by_two_cluster_and_cache_aware_routing(ckpt, offline):
+    service = up(ckpt, 2, 2)
+    try:
+        info = service.info
+        (system,) = random_prompts(1, [120], vocab=256, seed=50)
+        outs = []
+        for suffix in random_prompts(3, [8, 15, 22], vocab=256, seed=51):
+            code, reply = post(info, "/generate", {"input_ids": system + suffix,
+                                                   "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                                       "ignore_eos": True}})
+            assert code == 200
+            outs.append(reply)
+            ref = offline.generate(prompt_token_ids=[system + suffix],
+                                   sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+            assert reply["output_ids"] == ref[0].token_ids
+        prefills = {o["meta_info"]["prefill_worker"] for o in outs}
+        assert len(prefills) == 1, "cache_aware routing keeps a shared prefix on one prefill worker"
+        assert all(o["meta_info"]["cached_tokens"] >= 96 for o in outs[1:])
+        client = openai_client(info)
+        texts = {client.completions.create(model=info["model"], prompt=p, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS}
+        assert texts == {expected(offline, p, 12) for p in PROMPTS}
+    finally:
+        assert service.stop() == 0
