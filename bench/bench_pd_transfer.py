@@ -26,7 +26,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from cluster import start_worker  # noqa: E402  (worker processes started and stopped by PID)
-
 from pdspark import SamplingParams  # noqa: E402
 from pdspark.llm import resolve_model  # noqa: E402
 from pdspark.model.model_config import ModelConfig  # noqa: E402
@@ -86,7 +85,7 @@ def dual_dispatch(p_stub, d_stub, prefill_addr: str, prompt: list[int], params: 
     thread.start()
     req = worker_pb2.GenerateRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
                                      prefill_address=prefill_addr, deadline_unix_s=deadline)
-    for chunk in d_stub.Generate(req, timeout=150):
+    for _ in d_stub.Generate(req, timeout=150):
         out.setdefault("ttft", time.perf_counter() - t0)
     thread.join(150)
     return out
