@@ -6,11 +6,14 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup run test lint bench clean proto
+.PHONY: setup run generate test lint bench clean proto
 
 $(STAMP): pyproject.toml
+	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
+	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnuma.so.1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1 libnuma1; fi
 	python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	# The CPU build of torch first (a bare `torch` requirement would pull a multi-GB CUDA build).
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
@@ -18,7 +21,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The main job: a local cluster (router + 1 prefill + 1 decode worker) on the shipped model; Ctrl-C stops it.
 run: setup
+	$(VENV)/bin/pdspark up --model $(MODEL)
+
+# One offline completion, no cluster.
+generate: setup
 	$(VENV)/bin/pdspark generate --model $(MODEL) --max-tokens 64 "$(PROMPT)"
 
 lint: setup
@@ -29,6 +37,10 @@ test: setup lint
 
 bench: setup
 	$(PY) bench/bench_engine_vs_transformers.py
+	$(PY) bench/bench_prefix_cache.py
+	$(PY) bench/bench_dspark.py
+	$(PY) bench/bench_pd_transfer.py
+	$(PY) bench/bench_router.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

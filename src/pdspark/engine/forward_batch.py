@@ -6,6 +6,7 @@ Tokens of one request are contiguous and in position order. Each request contrib
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,7 @@ def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:
     logits_rows = torch.cat(
         [torch.arange(int(o + n) - c.num_logits, int(o + n)) for o, n, c in zip(offsets, lens, chunks)]
     )
-    return ForwardBatch(
+    batch = ForwardBatch(
         input_ids=input_ids,
         positions=positions,
         swa_slots=kv.full_to_swa(full_slots),
@@ -116,6 +117,18 @@ def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:
         logits_rows=logits_rows.long(),
         chunk_lens=lens.tolist(),
     )
+    device = kv.pools.swa_kv.device
+    return batch if device.type == "cpu" else _to_device(batch, device)
+
+
+def _to_device(obj, device: torch.device):
+    """Index tensors are built on the CPU (they come from host-side tables); move them next to the pools."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj)})
+    return obj
 
 
 def _window_index(kv: KVCache, token_slot: torch.Tensor, positions: torch.Tensor) -> WindowIndex:

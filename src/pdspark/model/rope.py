@@ -54,6 +54,8 @@ class RopeAt(NamedTuple):
 
 
 class RotaryTable:
+    """fp32 tables, whatever the model dtype; they move to the device of the positions on first use."""
+
     def __init__(self, rope: RopeConfig, rope_dim: int, max_len: int, device: torch.device | str = "cpu"):
         self.rope_dim = rope_dim
         inv_freq = inverse_frequencies(rope, rope_dim)
@@ -65,6 +67,8 @@ class RotaryTable:
         self.sin = torch.stack([-sin, sin], dim=-1).flatten(-2).to(device)
 
     def at(self, positions: torch.Tensor) -> RopeAt:
+        if self.cos.device != positions.device:
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return RopeAt(self.cos[positions][:, None, :], self.sin[positions][:, None, :])
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
