@@ -9,7 +9,6 @@ excluded). Greedy, EOS ignored. Both modes run in this process, alternating, wit
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,7 +22,8 @@ from pdspark.llm import resolve_model
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from train_dspark_draft import heldout_prompts  # noqa: E402  (the held-out split of the training recipe)
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import figure, paired_bars, save_figure, write_json  # noqa: E402
 
 
 def run(llm: LLM, prompts: list[list[int]], batch: int, output_len: int) -> dict:
@@ -99,34 +99,17 @@ def main() -> None:
         "acceptance per draft position: " + ", ".join(f"{x:.2f}" for x in per_pos),
     ]
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "dspark.json").write_text(json.dumps(
-        {"args": vars(args), "summary": summary, "mean_acceptance_length": acc_len,
-         "acceptance_per_position": per_pos}, indent=1))
-    plot(summary, per_pos, RESULTS / "dspark.png", lines[0])
-
-
-def plot(summary, per_pos, out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    xs = range(len(summary))
-    a1.bar([x - 0.2 for x in xs], [s["plain_tok_s"] for s in summary], 0.4, label="plain")
-    a1.bar([x + 0.2 for x in xs], [s["dspark_tok_s"] for s in summary], 0.4, label="DSpark")
-    a1.set_xticks(list(xs), [f"batch {s['batch']}" for s in summary])
-    a1.set_ylabel("decode tokens / s")
-    a1.legend()
+    write_json("dspark", {"args": vars(args), "summary": summary, "mean_acceptance_length": acc_len,
+                          "acceptance_per_position": per_pos})
+    fig, (a1, a2) = figure(ncols=2, width=10)
+    paired_bars(a1, [f"batch {s['batch']}" for s in summary], [s["plain_tok_s"] for s in summary],
+                [s["dspark_tok_s"] for s in summary], ("plain", "DSpark"), "decode tokens / s")
     a2.bar(range(1, len(per_pos) + 1), per_pos)
     a2.set_xlabel("draft position")
     a2.set_ylabel("P(accepted)")
     a2.set_ylim(0, 1)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    print(f"plot: {out}", file=sys.stderr)
+    save_figure(fig, "dspark", lines[0])
+
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import figure, paired_bars, save_figure, write_json  # noqa: E402
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -125,33 +126,15 @@ def main() -> None:
         summary.append({"batch": b, "pdspark_tok_s": pd, "transformers_tok_s": hf, "speedup": pd / hf,
                         "pdspark_peak_rss_mb": pd_rss, "transformers_peak_rss_mb": hf_rss})
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "engine_vs_transformers.json").write_text(
-        json.dumps({"args": vars(args), "summary": summary, "runs": [r for v in rows.values() for r in v]}, indent=1)
-    )
-    _plot(summary, RESULTS / "engine_vs_transformers.png", lines[0])
-
-
-def _plot(summary: list[dict], out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"batch {s['batch']}" for s in summary]
-    xs = range(len(summary))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar([x - 0.2 for x in xs], [s["pdspark_tok_s"] for s in summary], 0.4, label="pdspark")
-    ax.bar([x + 0.2 for x in xs], [s["transformers_tok_s"] for s in summary], 0.4, label="transformers generate")
-    for x, s in zip(xs, summary):
+    write_json("engine_vs_transformers",
+               {"args": vars(args), "summary": summary, "runs": [r for v in rows.values() for r in v]})
+    fig, ax = figure()
+    paired_bars(ax, [f"batch {s['batch']}" for s in summary], [s["pdspark_tok_s"] for s in summary],
+                [s["transformers_tok_s"] for s in summary], ("pdspark", "transformers generate"), "output tokens / s")
+    for x, s in enumerate(summary):
         ax.annotate(f"{s['speedup']:.1f}x", (x - 0.2, s["pdspark_tok_s"]), ha="center", va="bottom")
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(title, fontsize=8)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    print(f"plot: {out}", file=sys.stderr)
+    save_figure(fig, "engine_vs_transformers", lines[0])
+
 
 
 if __name__ == "__main__":

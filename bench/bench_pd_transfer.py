@@ -11,7 +11,6 @@ number of bytes between two processes over a loopback socket (recv_into a preall
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import socket
 import statistics
@@ -26,13 +25,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from cluster import start_worker  # noqa: E402  (worker processes started and stopped by PID)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import figure, paired_bars, save_figure, write_json  # noqa: E402
+
 from pdspark import SamplingParams  # noqa: E402
 from pdspark.llm import resolve_model  # noqa: E402
 from pdspark.model.model_config import ModelConfig  # noqa: E402
 from pdspark.rpc import convert  # noqa: E402
 from pdspark.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _receiver(port_q: mp.Queue, nbytes: int, rounds: int) -> None:
@@ -147,31 +148,15 @@ def main() -> None:
                      f"{r['raw_tcp_gbps']:.2f} | {r['ratio']:.2f} | {r['ttft_ms']:.0f} | {r['transfer_ms']:.2f} | "
                      f"{r['transfer_share']:.1%} |")
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pd_transfer.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    plot(rows, RESULTS / "pd_transfer.png", lines[0])
-
-
-def plot(rows, out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    xs = range(len(rows))
-    a1.bar([x - 0.2 for x in xs], [r["mooncake_gbps"] for r in rows], 0.4, label="Mooncake TCP")
-    a1.bar([x + 0.2 for x in xs], [r["raw_tcp_gbps"] for r in rows], 0.4, label="raw loopback socket")
-    a1.set_xticks(list(xs), [f"{r['prompt_len']} tokens" for r in rows])
-    a1.set_ylabel("GB/s")
-    a1.legend()
-    a2.bar(list(xs), [r["transfer_share"] * 100 for r in rows])
-    a2.set_xticks(list(xs), [f"{r['prompt_len']} tokens" for r in rows])
+    write_json("pd_transfer", {"args": vars(args), "rows": rows})
+    fig, (a1, a2) = figure(ncols=2, width=10)
+    labels = [f"{r['prompt_len']} tokens" for r in rows]
+    paired_bars(a1, labels, [r["mooncake_gbps"] for r in rows], [r["raw_tcp_gbps"] for r in rows],
+                ("Mooncake TCP", "raw loopback socket"), "GB/s")
+    a2.bar(labels, [r["transfer_share"] * 100 for r in rows])
     a2.set_ylabel("transfer share of TTFT (%)")
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    print(f"plot: {out}", file=sys.stderr)
+    save_figure(fig, "pd_transfer", lines[0])
+
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ prompt tokens). Both modes run in this process on the same engine settings, alte
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -17,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from pdspark import LLM, SamplingParams
-from pdspark.llm import resolve_model
-from pdspark.model.model_config import ModelConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import figure, save_figure, write_json  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from pdspark import LLM, SamplingParams  # noqa: E402
+from pdspark.llm import resolve_model  # noqa: E402
+from pdspark.model.model_config import ModelConfig  # noqa: E402
 
 
 def run_once(args, prompts: list[list[int]], cache_on: bool) -> dict:
@@ -85,30 +85,18 @@ def main() -> None:
     speedup = med(False, "mean_ttft") / med(True, "mean_ttft")
     lines += ["", f"mean TTFT {speedup:.1f}x lower with the cache; identical greedy outputs: {same}"]
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    summary = {"args": vars(args), "ttft_speedup": speedup, "identical_outputs": same,
-               "runs": [{k: v for k, v in r.items() if k != "outputs"} for rs in runs.values() for r in rs]}
-    (RESULTS / "prefix_cache.json").write_text(json.dumps(summary, indent=1))
-    plot(runs, RESULTS / "prefix_cache.png", lines[0])
-
-
-def plot(runs, out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    write_json("prefix_cache", {"args": vars(args), "ttft_speedup": speedup, "identical_outputs": same,
+                                "runs": [{k: v for k, v in r.items() if k != "outputs"} for rs in runs.values()
+                                         for r in rs]})
+    fig, ax = figure()
     for on, label in ((False, "cache off"), (True, "cache on")):
         ttft = sorted(runs[on][-1]["ttft"])
         ax.plot(range(1, len(ttft) + 1), ttft, marker=".", label=label)
     ax.set_xlabel("requests (sorted by TTFT)")
     ax.set_ylabel("TTFT (s)")
-    ax.set_title(title, fontsize=7)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    print(f"plot: {out}", file=sys.stderr)
+    save_figure(fig, "prefix_cache", lines[0])
+
 
 
 if __name__ == "__main__":

@@ -20,12 +20,15 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from cluster import start_router, start_worker  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import figure, paired_bars, save_figure, write_json  # noqa: E402
+
 from pdspark.rpc import convert  # noqa: E402
 from pdspark.service_process import ServiceProcess  # noqa: E402
 from pdspark.types import SamplingParams  # noqa: E402
 from pdspark.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18] * 4
 
 
@@ -141,32 +144,14 @@ def main() -> None:
                      f"{d['p99_ms']:.2f} | {ro['p99_ms']:.2f} | {r['added_p99_ms']:.2f} | {d['rps']:.1f} | "
                      f"{ro['rps']:.1f} | {r['throughput_ratio']:.2f} |")
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "router.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    plot(rows, RESULTS / "router.png", lines[0])
+    write_json("router", {"args": vars(args), "rows": rows})
+    fig, ax = figure(width=8)
+    labels = [f"{r['workers']}\n{q}" for r in rows for q in ("p50", "p99")]
+    paired_bars(ax, labels, [r["direct"][k] for r in rows for k in ("p50_ms", "p99_ms")],
+                [r["router"][k] for r in rows for k in ("p50_ms", "p99_ms")], ("direct", "through router"),
+                "latency (ms)")
+    save_figure(fig, "router", lines[0])
 
-
-def plot(rows, out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = []
-    for i, r in enumerate(rows):
-        for j, (k, name) in enumerate((("p50_ms", "p50"), ("p99_ms", "p99"))):
-            ax.bar(i * 3 + j * 1.0 - 0.2, r["direct"][k], 0.4, color="tab:blue", label="direct" if i + j == 0 else None)
-            ax.bar(i * 3 + j * 1.0 + 0.2, r["router"][k], 0.4, color="tab:orange",
-                   label="through router" if i + j == 0 else None)
-            labels.append((i * 3 + j, f"{r['workers']}\n{name}"))
-    ax.set_xticks([x for x, _ in labels], [t for _, t in labels], fontsize=7)
-    ax.set_ylabel("latency (ms)")
-    ax.set_title(title, fontsize=7)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    print(f"plot: {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,86 @@
+"""The shipped model: it loads by name from anywhere, matches transformers, keeps every DSV4 mechanism, speculates
+losslessly, and goes through the disaggregated cluster unchanged (prompts spanning several 128-token C128 pages,
+ending on and inside C4 and C128 groups)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster import start_worker
+from pdspark import LLM, SamplingParams
+from pdspark.engine.factory import resolve_model
+from pdspark.model.model_config import CSA, HCA, SLIDING, ModelConfig
+from test_pd_cluster import dispatch
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLM:
+    return LLM("dsv4-tiny", max_model_len=1024, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny) -> list[list[int]]:
+    import pdspark.engine.scheduler as source
+
+    ids = tiny.tokenizer.encode(Path(source.__file__).read_text())
+    # 256 and 384: on C128 (and C4) boundaries; 300: on a C4 boundary inside a C128 group; 301, 517: inside both.
+    return [ids[:n] for n in (256, 300, 301, 384, 517)]
+
+
+def test_loads_by_name_from_any_directory(tmp_path):
+    code = "from pdspark import LLM; print(LLM('dsv4-tiny', max_model_len=256).engine.model_config.vocab_size)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "4096"
+
+
+def test_config_keeps_every_mechanism():
+    cfg = ModelConfig.from_dir(resolve_model("dsv4-tiny"))
+    assert {SLIDING, CSA, HCA} <= set(cfg.layer_types)
+    assert cfg.csa_ratio == 4 and cfg.hca_ratio == 128 and cfg.hc_mult > 1
+    assert any(cfg.hash_layers) and not all(cfg.hash_layers)
+    assert cfg.max_position_embeddings >= 2048
+    assert "dspark" in cfg.raw
+
+
+def test_greedy_matches_transformers(tiny, prompts):
+    from transformers import DeepseekV4ForCausalLM
+
+    hf = DeepseekV4ForCausalLM.from_pretrained(resolve_model("dsv4-tiny")).eval()
+    hf.generation_config.eos_token_id = None
+    prompt = prompts[1]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=2)
+    ours = tiny.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
+    assert ours == ref[0, len(prompt):].tolist()
+
+
+def test_speculative_equals_plain_and_accepts_drafts(tiny, prompts):
+    spec = LLM("dsv4-tiny", speculative="dspark", max_model_len=1024, max_num_seqs=8)
+    plain = [o.token_ids for o in tiny.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    outs = spec.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.spec_accepted_tokens for o in outs) > sum(o.spec_verify_steps for o in outs)  # > 1 draft per step
+
+
+def test_disaggregated_cluster_equals_offline(tiny, prompts):
+    args = ["--max-model-len", "1024", "--max-num-seqs", "4", "--speculative", "dspark"]
+    prefill = start_worker("prefill", "dsv4-tiny", *args)
+    decode = start_worker("decode", "dsv4-tiny", *args, "--no-prefix-cache")
+    try:
+        offline = tiny.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        for prompt, ref in zip(prompts, offline):
+            out = dispatch(prefill, decode, prompt, GREEDY, deadline_s=60)
+            assert out["tokens"] == ref.token_ids
+            stats = out["prefill"].stats
+            assert stats.bytes_by_pool["C128_KV"] > 0 and stats.bytes_by_pool["DRAFT_KV"] > 0
+    finally:
+        assert decode.stop() == 0 and prefill.stop() == 0
