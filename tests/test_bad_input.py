@@ -126,3 +126,11 @@ def test_prompt_text_without_tokenizer(checkpoints):
     path, _ = checkpoints(MIXED, tokenizer=False)
     with pytest.raises(InvalidRequestError, match="no tokenizer"):
         make_llm(path).generate("hello")
+
+
+def test_swa_pool_too_small_for_any_request(checkpoints):
+    path, _ = checkpoints(MIXED)
+    small = make_llm(path, num_swa_pages=1, max_num_seqs=2, max_num_batched_tokens=16)
+    with pytest.raises(CapacityError, match="SWA pages"):
+        small.generate(prompt_token_ids=[[5] * 20], sampling_params=SamplingParams(max_tokens=4))
+    assert_no_leaks(small)

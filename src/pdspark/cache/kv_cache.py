@@ -284,6 +284,17 @@ class KVCache:
         swa = n.swa - self.keep_from(length) // self.sizes.page_size
         return self.full.can_allocate(n.full) and self.swa.can_allocate(swa) and self.c128.can_allocate(n.c128)
 
+    @property
+    def keep_margin(self) -> int:
+        """The most tokens before a request's computed length whose SWA pages `keep_from` keeps."""
+        margin = self.model.sliding_window
+        if self.model.csa_layers:
+            margin = max(margin, 2 * self.model.csa_ratio)
+        if self.tree is not None:
+            unit = self.group_tokens if self.model.hca_layers else self.sizes.page_size
+            margin = max(margin, unit + self.tree.window_tokens)
+        return margin
+
     def keep_from(self, computed_len: int) -> int:
         """First position whose SWA page the request still needs after `computed_len` tokens are computed.
 

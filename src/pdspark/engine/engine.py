@@ -120,12 +120,17 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         total = min(len(ids) + params.max_tokens, max_len)
-        need = math.ceil(total / self.sizes.page_size)
-        if need > self.sizes.num_full_pages:
-            raise CapacityError(
-                f"request needs {need} pages of {self.sizes.page_size} tokens; the pool has "
-                f"{self.sizes.num_full_pages} in all"
-            )
+        sizes, P = self.sizes, self.sizes.page_size
+        need = math.ceil(total / P)
+        if need > sizes.num_full_pages:
+            raise CapacityError(f"request needs {need} pages of {P} tokens; the pool has {sizes.num_full_pages} in all")
+        # The window (plus the page being written and the one the overlap rows may sit on) must fit the SWA pool.
+        swa_need = math.ceil(self.kv.keep_margin / P) + 2
+        if swa_need > sizes.num_swa_pages:
+            raise CapacityError(f"a running request needs {swa_need} SWA pages; the pool has {sizes.num_swa_pages}")
+        c128_need = math.ceil(total / self.kv.group_tokens) if self.model_config.hca_layers else 0
+        if c128_need > sizes.num_c128_pages:
+            raise CapacityError(f"request needs {c128_need} C128 pages; the pool has {sizes.num_c128_pages}")
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -191,12 +196,23 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.empty:
             assert not self.scheduler.running, "running requests but nothing scheduled"
-            return []
+            return self._fail_unadmittable()
         proposals = self._propose(sched.chunks)
         out = self.runner.run([self._chunk(c, proposals.get(c.request.req_id)) for c in sched.chunks])
         produced = self._decide(sched.chunks, out, proposals)
         self._commit(produced, out)
         return self._append(produced)
+
+    def _fail_unadmittable(self) -> list[RequestOutput]:
+        """Nothing runs, nothing holds pages, and the next request still cannot start: it never will. End it
+        (validation should have caught it; this keeps the loop from spinning forever if it did not)."""
+        holding = any(r.pages is not None for r in self.requests.values() if r.finished)
+        if not self.scheduler.waiting or holding:
+            return []
+        req = self.scheduler.waiting[0]
+        req.finish_reason, req.stop_reason = FINISH_ABORT, "the request does not fit the configured pools"
+        self.scheduler.finish(req)
+        return [self.output(req)]
 
     def _propose(self, chunks: list[ScheduledChunk]) -> dict[str, DraftProposal]:
         verify = [c for c in chunks if c.num_drafts]
