@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pdspark.errors import PdsparkError, RequestFailed, as_request_failed
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
+from pdspark.serving.prefill_worker import WRITE_GRACE_S
 from pdspark.transfer.backend import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.transfer_plan import (
@@ -110,7 +111,8 @@ class DecodeWorker:
             deadline=deadline,
             **destination(self.engine.kv, pages, len(prompt_ids)),
         )
-        result = self.send_plan(prefill_address, plan, max(0.0, deadline - time.time()))
+        # The prefill side starts writing only before the deadline, and finishes what it started.
+        result = self.send_plan(prefill_address, plan, max(0.0, deadline - time.time()) + WRITE_GRACE_S)
         arrived = destination_checksum(self.buffers, plan, ctypes.string_at)
         if arrived != result.checksum:
             if self.metrics is not None:

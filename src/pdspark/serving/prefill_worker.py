@@ -5,6 +5,10 @@ A transfer is a rendezvous keyed by `transfer_id` between two calls that may arr
 soon as the request arrives (its pages held after the first token is sampled); once the plan is there too, and
 the compatibility descriptors match, the engine thread writes every payload and both calls return the result.
 Every wait ends by the request's deadline; on any failure the held pages are released (into the prefix cache).
+
+NOTE: once writes into the decode worker's memory have started they always run to the end before either call
+returns (an abort or deadline meanwhile turns into an error afterwards), so the decode side never frees pages that
+are still being written. A transfer is never started after the deadline.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pdspark.transfer.transfer_plan import (
 from pdspark.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+# How long a transfer that started before its deadline may still take (the decode side waits this much longer).
+WRITE_GRACE_S = 30.0
 
 
 @dataclass
@@ -42,6 +48,8 @@ class _Rendezvous:
     first: RequestOutput | None = None
     prefill_s: float = 0.0
     started: bool = False
+    finished_writing: bool = False
+    pending_failure: RequestFailed | None = None  # a failure that arrived while the writes were in flight
     result: TransferResult | None = None
     error: RequestFailed | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -145,6 +153,18 @@ class PrefillWorker:
         assert rv.plan is not None and rv.first is not None and rv.request_id is not None
         if rv.done.is_set():  # expired or aborted while queued; the failure path released the pages
             return
+        with self._lock:
+            queued_failure = rv.pending_failure
+            if queued_failure is not None:  # aborted after the start was queued: write nothing
+                rv.finished_writing = True
+        if queued_failure is not None:
+            self._fail(rv, queued_failure)
+            return
+        if time.time() > rv.deadline:
+            with self._lock:
+                rv.finished_writing = True
+            self._fail(rv, RequestFailed("DEADLINE", f"transfer {rv.transfer_id!r}: deadline passed before writing"))
+            return
         req = self.engine.requests[rv.request_id]
         try:
             t0 = time.monotonic()
@@ -153,6 +173,8 @@ class PrefillWorker:
             seconds = time.monotonic() - t0
         except Exception as e:  # TransferError, or pages no longer there
             logger.warning("transfer %s failed: %s", rv.transfer_id, e)
+            with self._lock:
+                rv.finished_writing = True
             self._fail(rv, RequestFailed("TRANSFER", str(e)))
             return
         stats = TransferStats(
@@ -166,6 +188,12 @@ class PrefillWorker:
         )
         if self.metrics is not None:
             self.metrics.observe_transfer(stats)
+        with self._lock:
+            rv.finished_writing = True
+            late_failure = rv.pending_failure
+        if late_failure is not None:
+            self._fail(rv, late_failure)
+            return
         self._release(rv)
         with self._lock:
             rv.result = result
@@ -175,6 +203,9 @@ class PrefillWorker:
     def _fail(self, rv: _Rendezvous, error: RequestFailed) -> None:
         with self._lock:
             if rv.done.is_set():
+                return
+            if rv.started and not rv.finished_writing:
+                rv.pending_failure = rv.pending_failure or error  # reported once the writes are done
                 return
             rv.error = error
             self._pending.pop(rv.transfer_id, None)
@@ -199,6 +230,9 @@ class PrefillWorker:
     def _wait(self, rv: _Rendezvous) -> TransferResult:
         if not rv.done.wait(max(0.0, rv.deadline - time.time())):
             self._fail(rv, RequestFailed("DEADLINE", self._deadline_message(rv)))
+            # Writes already in flight finish first (bounded by the transfer engine's own timeouts).
+            if not rv.done.wait(WRITE_GRACE_S):
+                raise RequestFailed("TRANSFER", f"transfer {rv.transfer_id!r}: writes did not finish")
         if rv.error is not None:
             raise rv.error
         assert rv.result is not None
