@@ -221,3 +221,29 @@ def test_two_by_two_cluster_and_cache_aware_routing(ckpt, offline):
         assert texts == {expected(offline, p, 12) for p in PROMPTS}
     finally:
         assert service.stop() == 0
+
+
+def test_sdk_cancel_aborts_on_the_server(cluster):
+    with Client(cluster["grpc"], timeout=60) as client:
+        stream = client.stream(PROMPTS[0], max_tokens=220, temperature=0.8, ignore_eos=True)
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        assert any(r.running for r in worker_loads(cluster))
+        stream.cancel()
+        t0 = time.monotonic()
+        while not workers_idle(cluster):
+            assert time.monotonic() - t0 < 1.0, "workers still hold the request a second after cancel()"
+            time.sleep(0.05)
+
+
+def test_sdk_deadline_is_enforced(cluster):
+    from pdspark.client import ClientError
+
+    with Client(cluster["grpc"]) as client:
+        with pytest.raises(ClientError) as e:
+            client.generate(PROMPTS[1], max_tokens=220, ignore_eos=True, timeout=0.3)
+        assert e.value.code == "DEADLINE_EXCEEDED"
+    t0 = time.monotonic()
+    while not workers_idle(cluster):
+        assert time.monotonic() - t0 < 2.0
+        time.sleep(0.05)
