@@ -247,3 +247,22 @@ def test_sdk_deadline_is_enforced(cluster):
     while not workers_idle(cluster):
         assert time.monotonic() - t0 < 2.0
         time.sleep(0.05)
+
+
+def test_workers_added_and_removed_at_run_time(cluster):
+    code, added = post(cluster, "/workers", {"role": "decode", "address": "127.0.0.1:1"})
+    assert code == 201 and added["address"] == "127.0.0.1:1"
+    with urllib.request.urlopen(cluster["http"] + "/workers", timeout=10) as r:
+        listed = {w["address"]: w for w in json.loads(r.read())}
+    assert "127.0.0.1:1" in listed
+    # An unreachable decode worker is never picked once marked unhealthy; requests keep being served.
+    client = openai_client(cluster)
+    for _ in range(3):
+        assert client.completions.create(model=cluster["model"], prompt="x = 1", max_tokens=4).choices[0].text is not None
+    req = urllib.request.Request(cluster["http"] + "/workers?address=127.0.0.1:1", method="DELETE")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(cluster["http"] + "/workers", timeout=10) as r:
+        assert "127.0.0.1:1" not in {w["address"] for w in json.loads(r.read())}
+    code, reply = post(cluster, "/workers", {"role": "cook", "address": "127.0.0.1:2"})
+    assert code == 400 and "role" in reply["error"]["message"]
