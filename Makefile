@@ -30,7 +30,7 @@ generate: setup
 	$(VENV)/bin/pdspark generate --model $(MODEL) --max-tokens 64 "$(PROMPT)"
 
 lint: setup
-	$(VENV)/bin/ruff check src tests bench scripts
+	$(VENV)/bin/ruff check src tests bench scripts services
 
 test: setup lint
 	$(VENV)/bin/pytest -q

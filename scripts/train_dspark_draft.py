@@ -77,12 +77,14 @@ def train_windows(outdir: Path, recipe: DraftRecipe) -> tuple[torch.Tensor, torc
 
 
 def build_sequences(llm: LLM, recipe: DraftRecipe, prompts: torch.Tensor, raw: torch.Tensor):
-    """Sequences `[N, S]` and loss masks: target continuations (loss on the continuation) and raw code."""
+    """Sequences `[N, S]` and loss masks: target continuations (loss on the continuation; half greedy, half
+    sampled at temperature 0.8 with a per-sequence seed) and raw code."""
     t0 = time.perf_counter()
-    params = SamplingParams(temperature=0, max_tokens=recipe.gen_len, ignore_eos=True)
     continuations = []
     chunk = 64
     for i in range(0, len(prompts), chunk):
+        params = [SamplingParams(temperature=0 if (i + j) % 2 == 0 else 0.8, seed=recipe.seed + i + j,
+                                 max_tokens=recipe.gen_len, ignore_eos=True) for j in range(len(prompts[i:i + chunk]))]
         outs = llm.generate(prompt_token_ids=prompts[i : i + chunk].tolist(), sampling_params=params)
         continuations += [o.token_ids for o in outs]
         done = i + len(outs)

@@ -745,7 +745,7 @@ def render_card(record: dict, sizes: dict[str, int], total: int) -> str:
         ["## Training", "", *training_lines(target), *all_stage_lines(record)],
         ["## Evaluation", "", *eval_lines(record.get("eval", {}))],
         ["## Size", "", *size_lines(target, sizes, total)],
-        ["## Draft", "", "DSpark draft: (to be added)"],
+        ["## DSpark draft", "", *draft_lines(record.get("draft", {}))],
     ]
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
 
@@ -774,6 +774,39 @@ def tokenizer_lines(tok: dict) -> list[str]:
         "- `<|mask|>` is reserved for the speculative drafter and never occurs in the training data",
         "- chat template: `" + json.dumps(CHAT_TEMPLATE) + "`",
     ]
+
+
+def draft_lines(draft: dict) -> list[str]:
+    """The speculative drafter's recipe and measured acceptance (written by scripts/train_dspark_draft.py)."""
+    if not draft:
+        return ["DSpark draft: (to be added)"]
+    r = draft.get("recipe", {})
+    ev = draft.get("eval", {})
+    lines = [
+        f"- reproduce: `python scripts/train_dspark_draft.py --steps {draft.get('steps')}` (after the target)",
+        f"- {r.get('num_stages')} sliding-window DSV4 stages (mHC, dense SwiGLU of {r.get('intermediate_size')}), "
+        f"features after target layers {r.get('target_layer_ids')}, gamma {r.get('gamma')}, Markov rank "
+        f"{r.get('markov_rank')}, mask token `<|mask|>`; shares the target's embedding and LM head; "
+        f"{draft.get('parameters', 0):,} parameters (`dspark.safetensors`, `mtp.*` names, bf16)",
+        f"- data: {r.get('num_generated')} target continuations ({r.get('gen_len')} tokens after "
+        f"{r.get('prompt_len')}-token train-split prompts; half greedy, half sampled at 0.8) + {r.get('num_raw')} raw "
+        f"train-split windows; target features captured by pdspark's own forward ({draft.get('data_seconds', 0):.0f}s)",
+        f"- objective: 0.1 CE + 0.9 L1 to the target distribution, position weights exp(-j/{r.get('decay')}), "
+        f"{r.get('anchors_per_seq')} anchors per sequence, batch {r.get('batch_size')}, AdamW lr {r.get('lr')}, "
+        f"cosine; {draft.get('steps')} steps in {hms(draft.get('seconds', 0))}; final loss "
+        f"{draft.get('final_loss', 0):.4f}, teacher-forced expected acceptance length {draft.get('tau_prob', 0):.2f}",
+    ]
+    if ev:
+        per_pos = ", ".join(f"{x:.2f}" for x in ev.get("acceptance_per_position", []))
+        lines += [
+            f"- measured (greedy speculative decoding, {ev.get('prompts')} held-out prompts of "
+            f"{ev.get('prompt_len')} tokens, {ev.get('max_tokens')} new tokens each, batch 1): mean acceptance length "
+            f"**{ev.get('mean_acceptance_length', 0):.2f}** tokens per verify step over {ev.get('verify_steps')} "
+            f"steps; acceptance by draft position: {per_pos}",
+        ]
+    if "bench" in draft:
+        lines.append(f"- {draft['bench']}")
+    return lines
 
 
 def all_stage_lines(record: dict) -> list[str]:
@@ -873,7 +906,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 STAGES = {"tokenizer": run_tokenizer_stage, "target": run_target_stage, "eval-target": run_eval_stage}
 # A rerun stage invalidates what later stages recorded (a new tokenizer means a new model, and so on).
-STALE_AFTER = {"tokenizer": ("target", "eval"), "target": ("eval",), "eval-target": ()}
+STALE_AFTER = {"tokenizer": ("target", "eval", "draft"), "target": ("eval", "draft"), "eval-target": ()}
 
 
 def main(argv=None) -> None:
