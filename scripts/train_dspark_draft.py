@@ -240,6 +240,7 @@ def save_draft(outdir: Path, draft: DSparkDraft) -> None:
     (outdir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tensors = {k: v.to(torch.bfloat16) for k, v in draft_state_dict(draft).items()}
     save_file(tensors, outdir / DRAFT_FILE, metadata={"format": "pt"})
+    (outdir / DRAFT_FILE).chmod(0o644)  # package data must be readable by every user
 
 
 # ------------------------------------------------------------------------------------------------------------ eval
