@@ -34,8 +34,24 @@ class WindowIndex:
 @dataclass(frozen=True)
 class CompressedIndex:
     rows: torch.Tensor  # [T, V] pool rows of compressed entries g = 0 .. V-1 (dummy row where g >= visible)
-    valid: torch.Tensor  # [T, V] bool: g < (pos + 1) // ratio
+    valid: torch.Tensor  # [T, V] bool: the query attends to entry g (visible, and for CSA picked by the indexer)
     max_visible: int  # V
+
+
+# Chunks at least this long attend densely over their window's union (one gather per chunk instead of one window
+# per token); shorter ones (decode tokens, verify windows) gather each token's own window.
+DENSE_MIN_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A long chunk of one request (prefill): its queries share one union of window rows."""
+
+    offset: int  # first token row in the batch
+    length: int
+    start: int  # first position
+    window_rows: torch.Tensor  # [length + W - 1] SWA rows of positions start-W+1 .. start+length-1 (dummy if < 0)
+    band: torch.Tensor  # [length, length + W - 1] bool: query i sees union row u iff i <= u <= i + W - 1, pos >= 0
 
 
 @dataclass(frozen=True)
@@ -65,7 +81,9 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     swa_slots: torch.Tensor  # [T] where each token's raw KV is written
-    window: WindowIndex
+    window: WindowIndex  # for the `gather_rows` tokens only
+    gather_rows: torch.Tensor | None  # [Tg] token rows outside dense segments (None: all of them)
+    segments: list[Segment]  # dense chunks
     csa: CompressedIndex | None
     hca: CompressedIndex | None
     csa_plan: CompressPlan | None
@@ -105,11 +123,22 @@ def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:
     logits_rows = torch.cat(
         [torch.arange(int(o + n) - c.num_logits, int(o + n)) for o, n, c in zip(offsets, lens, chunks)]
     )
+    dense = [i for i, c in enumerate(chunks) if len(c.token_ids) >= DENSE_MIN_TOKENS]
+    segments = [_segment(kv, chunks[i], int(offsets[i])) for i in dense]
+    gather_rows = None
+    if dense:
+        keep = torch.ones(T, dtype=torch.bool)
+        for seg in segments:
+            keep[seg.offset : seg.offset + seg.length] = False
+        gather_rows = torch.nonzero(keep).squeeze(1)
+    rows = torch.arange(T) if gather_rows is None else gather_rows
     batch = ForwardBatch(
         input_ids=input_ids,
         positions=positions,
         swa_slots=kv.full_to_swa(full_slots),
-        window=_window_index(kv, token_slot, positions),
+        window=_window_index(kv, token_slot[rows], positions[rows]),
+        gather_rows=gather_rows,
+        segments=segments,
         csa=csa,
         hca=hca,
         csa_plan=csa_plan,
@@ -125,10 +154,24 @@ def _to_device(obj, device: torch.device):
     """Index tensors are built on the CPU (they come from host-side tables); move them next to the pools."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
+    if isinstance(obj, list):
+        return [_to_device(x, device) for x in obj]
     if dataclasses.is_dataclass(obj):
         return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
                                            for f in dataclasses.fields(obj)})
     return obj
+
+
+def _segment(kv: KVCache, chunk: Chunk, offset: int) -> Segment:
+    W, n = kv.model.sliding_window, len(chunk.token_ids)
+    pos = torch.arange(chunk.start - W + 1, chunk.start + n)  # [n + W - 1]
+    valid = pos >= 0
+    full = kv.req_to_token[chunk.slot, pos.clamp(min=0)]
+    rows = torch.where(valid, kv.full_to_swa(full), kv.pools.swa_dummy_slot)
+    i = torch.arange(n)[:, None]
+    u = torch.arange(n + W - 1)[None, :]
+    band = (u >= i) & (u <= i + W - 1) & valid[None, :]
+    return Segment(offset, n, chunk.start, rows, band)
 
 
 def _window_index(kv: KVCache, token_slot: torch.Tensor, positions: torch.Tensor) -> WindowIndex:

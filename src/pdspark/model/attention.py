@@ -8,17 +8,35 @@ low-rank output projection.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdspark.cache.kv_pools import LayerCache
-from pdspark.engine.forward_batch import CompressedIndex, ForwardBatch
+from pdspark.engine.forward_batch import CompressedIndex, ForwardBatch, Segment
 from pdspark.model.compressor import Compressor
 from pdspark.model.indexer import Indexer
 from pdspark.model.model_config import CSA, HCA, ModelConfig
 from pdspark.model.norm import RMSNorm, rms_norm
 from pdspark.model.rope import RopeAt, RotaryTable
+
+
+class XProjection(NamedTuple):
+    """Every projection of a layer's input `x`: q_a, the raw latent, and (on compressed layers) the compressors'
+    kv+gate rows and the indexer's head weights (before their scale)."""
+
+    qa: torch.Tensor
+    kv: torch.Tensor
+    comp: torch.Tensor | None
+    idx_comp: torch.Tensor | None
+    idx_w: torch.Tensor | None
+
+
+# Queries of a long chunk are processed in blocks this long: a block reads its own window union (block + W - 1
+# rows) rather than one union for the whole chunk, so little of the score matrix is masked away.
+_QUERY_BLOCK = 128
 
 
 class Attention(nn.Module):
@@ -52,15 +70,43 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
         """`x [T, D]` -> `[T, D]`. `rope_at` holds this layer's rotation factors at the batch positions."""
-        q, qr = self.project_q(x, rope_at)
-        cache.swa_kv[batch.swa_slots] = self.project_kv(x, rope_at)
-        compressed = self._update_compressed(x, qr, batch, cache, rope_at)
+        xp = self._project_x(x)
+        q, qr = self._q_from(xp.qa, rope_at)
+        cache.swa_kv[batch.swa_slots] = rope_at.apply(self.kv_norm(xp.kv))
+        compressed = self._update_compressed(xp, qr, batch, cache, rope_at)
         return self.project_out(self.attend(q, cache, batch, compressed), rope_at)
+
+    def fuse(self) -> None:
+        """Inference only: stack every projection of the layer input into one matrix (one matmul instead of up to
+        five). Call after the weights are final (loaded, moved, cast); training keeps the separate parameters."""
+        parts = [self.wq_a, self.wkv]
+        if self.compressor is not None:
+            parts.append(self.compressor.wkv_gate)
+        if self.indexer is not None:
+            parts += [self.indexer.compressor.wkv_gate, self.indexer.weights_proj]
+        self._fused_x = torch.cat([p.detach() for p in parts])
+        self._fused_sizes = [p.shape[0] for p in parts]
+
+    def _project_x(self, x: torch.Tensor) -> XProjection:
+        fused = getattr(self, "_fused_x", None)
+        if fused is not None and not torch.is_grad_enabled():
+            parts = list(F.linear(x, fused).split(self._fused_sizes, dim=-1))
+        else:
+            parts = [F.linear(x, self.wq_a), F.linear(x, self.wkv)]
+            if self.compressor is not None:
+                parts.append(F.linear(x, self.compressor.wkv_gate))
+            if self.indexer is not None:
+                parts += [F.linear(x, self.indexer.compressor.wkv_gate), F.linear(x, self.indexer.weights_proj)]
+        parts += [None] * (5 - len(parts))
+        return XProjection(*parts)
 
     def project_q(self, x: torch.Tensor, rope_at: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
         """`x [T, D]` -> `(q [T, H, d] normalised and rotated, qr [T, q_lora] (the indexer reuses it))`."""
-        qr = self.q_norm(F.linear(x, self.wq_a))
-        q = rms_norm(F.linear(qr, self.wq_b).view(x.shape[0], self.n_heads, self.head_dim), None, self.eps)
+        return self._q_from(F.linear(x, self.wq_a), rope_at)
+
+    def _q_from(self, qa: torch.Tensor, rope_at: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
+        qr = self.q_norm(qa)
+        q = rms_norm(F.linear(qr, self.wq_b).view(qa.shape[0], self.n_heads, self.head_dim), None, self.eps)
         return rope_at.apply(q), qr
 
     def project_out(self, o: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
@@ -74,30 +120,85 @@ class Attention(nn.Module):
         return F.linear(o, self.wo_b)
 
     def _update_compressed(
-        self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt
+        self, xp: XProjection, qr: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt
     ) -> CompressedIndex | None:
         """Write this step's closed groups and return the compressed entries each query attends to."""
         if self.compressor is None:
             return None
         if self.indexer is not None:
             assert batch.csa_plan is not None
-            self.compressor.run(x, batch.positions, batch.csa_plan, cache.comp_state, cache.comp_kv)
-            self.indexer.compressor.run(x, batch.positions, batch.csa_plan, cache.index_state, cache.index_kv)
-            return self.indexer.select(x, qr, batch, cache.index_kv, rope_at)
+            self.compressor.run(xp.comp, batch.positions, batch.csa_plan, cache.comp_state, cache.comp_kv)
+            self.indexer.compressor.run(xp.idx_comp, batch.positions, batch.csa_plan, cache.index_state,
+                                        cache.index_kv)
+            return self.indexer.select(xp.idx_w, qr, batch, cache.index_kv, rope_at)
         assert batch.hca_plan is not None
-        self.compressor.run(x, batch.positions, batch.hca_plan, cache.comp_state, cache.comp_kv)
+        self.compressor.run(xp.comp, batch.positions, batch.hca_plan, cache.comp_state, cache.comp_kv)
         return batch.hca
 
     def attend(
         self, q: torch.Tensor, cache: LayerCache, batch: ForwardBatch, compressed: CompressedIndex | None
     ) -> torch.Tensor:
         """Each query over its window and compressed entries: `q [T, H, d]` -> `[T, H, d]`."""
-        kv = cache.swa_kv[batch.window.rows]  # [T, W, d]
-        valid = batch.window.valid
+        if not batch.segments:
+            return self._attend_gathered(q, cache, batch.window, compressed, None)
+        out = torch.empty_like(q)
+        g = batch.gather_rows
+        if g is not None and g.numel():
+            out[g] = self._attend_gathered(q[g], cache, batch.window, compressed, g)
+        for seg in batch.segments:
+            rows = slice(seg.offset, seg.offset + seg.length)
+            out[rows] = self._attend_segment(q[rows], cache, seg, compressed)
+        return out
+
+    def _attend_gathered(self, q, cache: LayerCache, window, compressed: CompressedIndex | None,
+                         token_rows: torch.Tensor | None) -> torch.Tensor:
+        """Short chunks: gather every token's own window `[Tg, W, d]` (and its compressed entries)."""
+        kv = cache.swa_kv[window.rows]
+        valid = window.valid
         if compressed is not None and compressed.max_visible:
-            kv = torch.cat([kv, cache.comp_kv[compressed.rows]], dim=1)  # [T, W + K, d]
-            valid = torch.cat([valid, compressed.valid], dim=1)
+            rows, ok = compressed.rows, compressed.valid
+            if token_rows is not None:
+                rows, ok = rows[token_rows], ok[token_rows]
+            kv = torch.cat([kv, cache.comp_kv[rows]], dim=1)  # [Tg, W + V, d]
+            valid = torch.cat([valid, ok], dim=1)
         return sink_attention(q, kv, valid, self.attn_sink, self.scale)
+
+    def _attend_segment(self, q, cache: LayerCache, seg: Segment, compressed: CompressedIndex | None) -> torch.Tensor:
+        """A long chunk of one request, in blocks of queries: a block's keys are the union of its queries' windows
+        plus the request's compressed entries; masks keep each query to its own window and picks."""
+        win_kv = cache.swa_kv[seg.window_rows]  # [n + W - 1, d]
+        comp_kv = comp_valid = None
+        if compressed is not None and compressed.max_visible:
+            assert self.compressor is not None
+            last = seg.offset + seg.length - 1
+            V = min(compressed.max_visible, (seg.start + seg.length) // self.compressor.ratio)
+            comp_kv = cache.comp_kv[compressed.rows[last, :V]]  # [V, d]
+            comp_valid = compressed.valid[seg.offset : last + 1, :V]
+        n, H, d = q.shape
+        W = win_kv.shape[0] - n + 1
+        out = torch.empty_like(q)
+        for b0 in range(0, n, _QUERY_BLOCK):
+            b1 = min(n, b0 + _QUERY_BLOCK)
+            kv = win_kv[b0 : b1 + W - 1]  # the block's queries see at most these window rows
+            valid = seg.band[b0:b1, b0 : b1 + W - 1]
+            if comp_kv is not None:
+                kv = torch.cat([kv, comp_kv], dim=0)
+                valid = torch.cat([valid, comp_valid[b0:b1]], dim=1)
+            m = b1 - b0
+            scores = torch.mm(q[b0:b1].reshape(m * H, d), kv.t()).view(m, H, -1) * self.scale
+            probs = softmax_with_sink(scores, valid, self.attn_sink)
+            out[b0:b1] = torch.mm(probs.reshape(m * H, -1).to(kv.dtype), kv).view(m, H, d)
+        return out
+
+
+def softmax_with_sink(scores: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Softmax over the keys of `scores [M, Q, K]` (invalid keys masked) with one extra sink logit per query row
+    `sink [Q]` that takes probability mass and is then dropped."""
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    sinks = sink.to(scores.dtype).view(1, -1, 1).expand(scores.shape[0], -1, 1)
+    logits = torch.cat([scores, sinks], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    return torch.softmax(logits, dim=-1)[..., :-1]
 
 
 def sink_attention(
@@ -113,10 +214,5 @@ def sink_attention(
     Returns:
         `[M, Q, d]`.
     """
-    scores = torch.bmm(q, kv.transpose(1, 2)) * scale  # [M, Q, K]
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    sinks = sink.to(scores.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
-    logits = torch.cat([scores, sinks], dim=-1)
-    logits = logits - logits.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    probs = softmax_with_sink(torch.bmm(q, kv.transpose(1, 2)) * scale, valid, sink)  # [M, Q, K]
     return torch.bmm(probs.to(kv.dtype), kv)

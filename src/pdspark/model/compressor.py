@@ -11,7 +11,6 @@ The pooled entry is RMS-normalised and rotated at the group's first position.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdspark.engine.forward_batch import CompressPlan
@@ -31,9 +30,9 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, eps)
         self.rope = rope
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`x [T, D]` -> state rows `[T, 2 * width]` fp32: `[kv | score]`."""
-        rows = F.linear(x, self.wkv_gate).float()
+    def state_rows(self, projected: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`projected = x @ wkv_gate.T [T, 2w]` -> state rows `[T, 2w]` fp32: `[kv | score]` (score with ape)."""
+        rows = projected.float()  # a fresh (or fused-and-split) projection: safe to update in place
         rows[:, self.width :] += self.ape[positions % self.ratio]
         return rows
 
@@ -55,10 +54,10 @@ class Compressor(nn.Module):
         if plan.write_tokens.numel():
             state[plan.write_rows] = rows[plan.write_tokens]
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, state: torch.Tensor,
+    def run(self, projected: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, state: torch.Tensor,
             pool: torch.Tensor) -> None:
-        """Project, pool closing groups into `pool`, and update `state`."""
-        rows = self.project(x, positions)
+        """From the layer input's projection `x @ wkv_gate.T`: pool closing groups into `pool`, update `state`."""
+        rows = self.state_rows(projected, positions)
         if plan.num_groups:
             pool[plan.out_rows] = self.compress(rows, plan, state).to(pool.dtype)
         self.store(rows, plan, state)

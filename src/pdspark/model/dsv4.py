@@ -56,6 +56,12 @@ class DSV4Model(nn.Module):
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return ForwardOutput(h, features)
 
+    def prepare_inference(self) -> None:
+        """Fuse the projections that read the same input (call once the weights are final)."""
+        for layer in self.layers:
+            layer.attn.fuse()
+            layer.ffn.fuse()
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams `[N, hc, D]` -> fp32 logits `[N, vocab]`."""
         return F.linear(self.norm(self.hc_head(h)), self.head).float()

@@ -35,23 +35,44 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Parameter(torch.zeros(self.n_heads, cfg.hidden_size))
         self.compressor = Compressor(cfg.hidden_size, self.dim, cfg.csa_ratio, True, cfg.rms_norm_eps, rope)
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt, keys: torch.Tensor) -> torch.Tensor:
-        """`keys [T, V, dim]` (each query's candidate keys) -> index scores `[T, V]` fp32."""
-        T = x.shape[0]
-        q = rope_at.apply(F.linear(qr, self.wq_b).view(T, self.n_heads, self.dim))
-        dots = torch.bmm(q.float(), keys.float().transpose(1, 2))  # [T, H, V]
-        dots = F.relu(dots) * self.dim**-0.5
-        w = F.linear(x, self.weights_proj).float() * self.n_heads**-0.5  # [T, H]
-        return (dots * w[:, :, None]).sum(dim=1)
+    def scores(self, head_w: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt, batch: ForwardBatch,
+               index_kv: torch.Tensor) -> torch.Tensor:
+        """Index scores `[T, V]` fp32 of every query against its request's entries (-inf beyond the entries).
+        `head_w = x @ weights_proj.T [T, Hi]`."""
+        csa = batch.csa
+        assert csa is not None
+        T = qr.shape[0]
+        q = rope_at.apply(F.linear(qr, self.wq_b).view(T, self.n_heads, self.dim)).float()  # [T, Hi, Di]
+        w = head_w.float() * self.n_heads**-0.5  # [T, Hi]
+        out = torch.full((T, csa.max_visible), float("-inf"))
+        g = batch.gather_rows if batch.segments else None
+        if g is None or g.numel():
+            rows = csa.rows if g is None else csa.rows[g]
+            keys = index_kv[rows].float()  # [Tg, V, Di]: each query's candidates
+            dots = torch.bmm(q if g is None else q[g], keys.transpose(1, 2))  # [Tg, Hi, V]
+            part = (F.relu(dots) * self.dim**-0.5 * (w if g is None else w[g])[:, :, None]).sum(dim=1)
+            if g is None:
+                out = part
+            else:
+                out[g] = part
+        for seg in batch.segments:
+            last = seg.offset + seg.length - 1
+            V = min(csa.max_visible, (seg.start + seg.length) // self.compressor.ratio)
+            keys = index_kv[csa.rows[last, :V]].float()  # [V, Di]: shared by the whole segment
+            sl = slice(seg.offset, last + 1)
+            dots = torch.mm(q[sl].reshape(-1, self.dim), keys.t()).view(seg.length, self.n_heads, V)
+            out[sl, :V] = (F.relu(dots) * self.dim**-0.5 * w[sl][:, :, None]).sum(dim=1)
+        return out
 
     def select(
-        self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, index_kv: torch.Tensor, rope_at: RopeAt
+        self, head_w: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, index_kv: torch.Tensor, rope_at: RopeAt
     ) -> CompressedIndex:
-        """The compressed entries each query attends to (all visible ones when at most `topk` are visible)."""
+        """The compressed entries each query attends to, as a mask over its visible entries (all of them when at
+        most `topk` are visible)."""
         csa = batch.csa
         assert csa is not None
         if csa.max_visible <= self.topk:
             return csa
-        scores = self.scores(x, qr, rope_at, index_kv[csa.rows])
-        cols, valid = select_topk(scores, csa.valid, self.topk)
-        return CompressedIndex(csa.rows.gather(1, cols), valid, self.topk)
+        cols, ok = select_topk(self.scores(head_w, qr, rope_at, batch, index_kv), csa.valid, self.topk)
+        picked = torch.zeros_like(csa.valid).scatter_(1, cols, ok)
+        return CompressedIndex(csa.rows, picked, csa.max_visible)

@@ -36,6 +36,7 @@ def load_checkpoint(
     # The compressor state, sinks and norms stay fp32 in DSV4; tid2eid stays integer.
     model.requires_grad_(False)
     model.eval()
+    model.prepare_inference()
     return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path)
 
 

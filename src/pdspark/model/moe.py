@@ -53,9 +53,15 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(n_exp, d, inter))  # [E, D, I]
         self.shared = SharedExpert(d, inter, cfg.swiglu_limit)
 
+    def fuse(self) -> None:
+        """Inference only: the router and the shared expert's gate/up read the same input: one matmul."""
+        self._fused_in = torch.cat([self.gate.detach(), self.shared.w1.detach(), self.shared.w3.detach()])
+
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x [T, D]` -> `(expert ids [T, k], weights [T, k])`."""
-        logits = F.linear(x, self.gate)
+        return self._route_logits(F.linear(x, self.gate), input_ids)
+
+    def _route_logits(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.softplus(logits).sqrt() if self.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
         if self.is_hash:
             ids = self.tid2eid[input_ids]
@@ -66,12 +72,19 @@ class MoE(nn.Module):
         return ids, weights * self.scaling
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x, input_ids)
+        fused = getattr(self, "_fused_in", None)
+        if fused is not None and not torch.is_grad_enabled():
+            logits, gate, up = F.linear(x, fused).split([self.n_experts, *[self.shared.w1.shape[0]] * 2], dim=-1)
+            shared = F.linear(swiglu(gate, up, self.limit), self.shared.w2)
+            ids, weights = self._route_logits(logits, input_ids)
+        else:
+            shared = self.shared(x)
+            ids, weights = self.route(x, input_ids)
         if ids.numel() <= _PAIR_LOOP_MAX:
             routed = self._routed_by_pair(x, ids, weights)
         else:
             routed = self._routed_by_expert(x, ids, weights)
-        return routed + self.shared(x)
+        return routed + shared
 
     def _routed_by_pair(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Few (token, expert) pairs (decode): run each pair against its expert's weights in place."""
