@@ -120,9 +120,10 @@ def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:
         hca = _hca_index(kv, token_slot, positions)
         hca_plan = _hca_plan(kv, token_slot, token_start, token_end, positions)
 
-    logits_rows = torch.cat(
-        [torch.arange(int(o + n) - c.num_logits, int(o + n)) for o, n, c in zip(offsets, lens, chunks)]
-    )
+    n_logits = torch.tensor([c.num_logits for c in chunks], dtype=torch.long)
+    first_logit = torch.repeat_interleave(offsets + lens - n_logits, n_logits)
+    logits_rows = first_logit + torch.arange(len(first_logit)) - torch.repeat_interleave(
+        torch.cumsum(n_logits, 0) - n_logits, n_logits)
     dense = [i for i, c in enumerate(chunks) if len(c.token_ids) >= DENSE_MIN_TOKENS]
     segments = [_segment(kv, chunks[i], int(offsets[i])) for i in dense]
     gather_rows = None
@@ -131,19 +132,22 @@ def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:
         for seg in segments:
             keep[seg.offset : seg.offset + seg.length] = False
         gather_rows = torch.nonzero(keep).squeeze(1)
-    rows = torch.arange(T) if gather_rows is None else gather_rows
+    if gather_rows is None:
+        window = _window_index(kv, token_slot, positions)
+    else:
+        window = _window_index(kv, token_slot[gather_rows], positions[gather_rows])
     batch = ForwardBatch(
         input_ids=input_ids,
         positions=positions,
         swa_slots=kv.full_to_swa(full_slots),
-        window=_window_index(kv, token_slot[rows], positions[rows]),
+        window=window,
         gather_rows=gather_rows,
         segments=segments,
         csa=csa,
         hca=hca,
         csa_plan=csa_plan,
         hca_plan=hca_plan,
-        logits_rows=logits_rows.long(),
+        logits_rows=logits_rows,
         chunk_lens=lens.tolist(),
     )
     device = kv.pools.swa_kv.device

@@ -10,6 +10,8 @@ from torch import nn
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Normalise the last dim of `x`; `weight=None` is the unweighted variant (q heads, mHC input)."""
     if weight is None:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), None, eps)  # one op: x * rsqrt(mean(x^2) + eps)
         return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one op, same fp32 arithmetic
