@@ -16,15 +16,21 @@ from pdspark.model.rope import RopeAt, RotaryTable
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str, is_hash: bool, rope: RotaryTable):
+    """The mHC frame around an attention and an FFN (the DSpark draft's stages reuse it with their own parts)."""
+
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, ffn: nn.Module):
         super().__init__()
         D = cfg.hidden_size
         self.attn_hc = HyperConnection(cfg.hc_mult, D, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         self.ffn_hc = HyperConnection(cfg.hc_mult, D, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer_type, rope)
-        self.ffn = MoE(cfg, is_hash)
+        self.attn = attn
+        self.ffn = ffn
+
+    @classmethod
+    def target(cls, cfg: ModelConfig, layer_type: str, is_hash: bool, rope: RotaryTable) -> DecoderLayer:
+        return cls(cfg, Attention(cfg, layer_type, rope), MoE(cfg, is_hash))
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
         """`h [T, hc, D]` -> `[T, hc, D]`."""

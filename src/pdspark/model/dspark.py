@@ -15,11 +15,14 @@ Data flow for one draft block of a request whose next token (the anchor) sits at
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdspark.model.attention import Attention, sink_attention
+from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.dspark_config import DSparkConfig
 from pdspark.model.hyper_connection import HyperConnection, HyperHead
 from pdspark.model.model_config import SLIDING, ModelConfig
@@ -48,30 +51,24 @@ class DraftAttention(Attention):
         return self.project_out(o.reshape(M * G, self.n_heads, -1), rope_at)
 
 
-class DraftStage(nn.Module):
-    def __init__(self, cfg: ModelConfig, dcfg: DSparkConfig):
-        super().__init__()
-        D = cfg.hidden_size
-        self.attn_hc = HyperConnection(cfg.hc_mult, D, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        self.ffn_hc = HyperConnection(cfg.hc_mult, D, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.attn = DraftAttention(cfg)
-        self.ffn: nn.Module
-        if dcfg.n_routed_experts:
-            from dataclasses import replace
+class DraftStage(DecoderLayer):
+    """A sliding-window DSV4 layer of the draft: mHC, draft attention, and a routed MoE or a dense SwiGLU."""
 
+    def __init__(self, cfg: ModelConfig, dcfg: DSparkConfig):
+        ffn: nn.Module
+        if dcfg.n_routed_experts:
             moe_cfg = replace(
                 cfg,
                 n_routed_experts=dcfg.n_routed_experts,
                 num_experts_per_tok=dcfg.num_experts_per_tok,
                 moe_intermediate_size=dcfg.intermediate_size,
             )
-            self.ffn = MoE(moe_cfg, is_hash=False)
+            ffn = MoE(moe_cfg, is_hash=False)
         else:
-            self.ffn = SharedExpert(D, dcfg.intermediate_size, cfg.swiglu_limit)
+            ffn = SharedExpert(cfg.hidden_size, dcfg.intermediate_size, cfg.swiglu_limit)
+        super().__init__(cfg, DraftAttention(cfg), ffn)
 
-    def forward(
+    def forward(  # type: ignore[override]
         self, h: torch.Tensor, ids: torch.Tensor, rope_at: RopeAt, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor
     ) -> torch.Tensor:
         x, post, comb = self.attn_hc.collapse(h)

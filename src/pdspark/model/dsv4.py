@@ -33,7 +33,7 @@ class DSV4Model(nn.Module):
         self.rope_compress = RotaryTable(cfg.compress_rope, cfg.rope_dim, max_len)
         self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, D))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, t, cfg.hash_layers[i], self.rope_main if t == SLIDING else self.rope_compress)
+            DecoderLayer.target(cfg, t, cfg.hash_layers[i], self.rope_main if t == SLIDING else self.rope_compress)
             for i, t in enumerate(cfg.layer_types)
         )
         self.hc_head = HyperHead(cfg.hc_mult, D, cfg.hc_eps, cfg.rms_norm_eps)
