@@ -28,7 +28,7 @@ import torch
 
 from pdspark.cache.kv_pools import KVPools
 from pdspark.cache.page_allocator import PageAllocator, RefCountedPageAllocator
-from pdspark.cache.radix_cache import RadixCache, RadixNode
+from pdspark.cache.radix_cache import RadixCache, RadixNode, SwaLock
 from pdspark.config import PoolSizes
 from pdspark.model.model_config import ModelConfig
 
@@ -44,7 +44,7 @@ class ReqPages:
     num_released: int = 0  # leading full pages whose SWA page has been released
     num_borrowed: int = 0  # leading full pages (and their SWA pages) owned by the prefix tree
     match_node: RadixNode | None = None  # FULL-locked while the request runs
-    swa_receipt: list[RadixNode] = field(default_factory=list)  # SWA-locked nodes of the window at match_node
+    swa_lock: SwaLock | None = None  # the SWA lock on the window before match_node's end
 
     @property
     def num_tokens_capacity(self) -> int:
@@ -136,12 +136,10 @@ class KVCache:
         res = self.tree.insert(tokens[:length], rp.full_pages[:k], rp.swa_pages[:k], rp.c128_pages[:groups])
         for i in range(rp.num_borrowed, k):
             own_full, own_swa = rp.full_pages[i], rp.swa_pages[i]
-            if res.full_pages[i] != own_full:  # the tree already had these tokens: drop our copy
-                if own_swa is not None:
-                    self.free_swa([own_full], [own_swa])
-                self.free_full([own_full])
-            elif res.swa_pages[i] != own_swa and own_swa is not None:  # adopted into a tombstone region
+            if own_swa is not None and res.swa_pages[i] != own_swa:  # the tree has (or had) its own copy
                 self.free_swa([own_full], [own_swa])
+            if res.full_pages[i] != own_full:  # the tree already had these tokens: drop our copy
+                self.free_full([own_full])
         self._borrow(rp, res.node, res.full_pages, res.swa_pages, res.c128_pages, length)
 
     def _borrow(self, rp: ReqPages, node: RadixNode, full: list[int], swa: list[int | None], c128: list[int],
@@ -150,11 +148,11 @@ class KVCache:
         assert self.tree is not None
         P, n = self.sizes.page_size, len(full)
         self.tree.lock(node)
-        receipt = self.tree.lock_swa(node)
+        swa_lock = self.tree.lock_swa(node)
         if rp.match_node is not None:
             self.tree.unlock(rp.match_node)
-        self.tree.unlock_swa(rp.swa_receipt)
-        rp.match_node, rp.swa_receipt = node, receipt
+        self.tree.unlock_swa(rp.swa_lock)
+        rp.match_node, rp.swa_lock = node, swa_lock
         keep_page = self.keep_from(length) // P
         rp.full_pages[:n] = full
         rp.swa_pages[:n] = [s if i >= keep_page else None for i, s in enumerate(swa)]
@@ -183,10 +181,10 @@ class KVCache:
         if rp.match_node is not None:
             assert self.tree is not None
             self.tree.unlock(rp.match_node)
-            self.tree.unlock_swa(rp.swa_receipt)
+            self.tree.unlock_swa(rp.swa_lock)
         self.slots.free([rp.slot])
         del self.live[rp.slot]
-        rp.full_pages, rp.swa_pages, rp.c128_pages, rp.match_node, rp.swa_receipt = [], [], [], None, []
+        rp.full_pages, rp.swa_pages, rp.c128_pages, rp.match_node, rp.swa_lock = [], [], [], None, None
 
     def _cacheable_len(self, n_tokens: int) -> int:
         """Only whole pages enter the tree, and only whole C128 groups (a partial group's page stays private)."""
@@ -200,6 +198,11 @@ class KVCache:
     # ---- the tree's callbacks (TreeFreer) ---------------------------------------------------------------------------
     def free_full(self, pages: list[int]) -> None:
         self.full.free(pages)
+        if pages:  # a freed page maps to no SWA page (its SWA page may live on, adopted by the tree)
+            self.full_to_swa_page[torch.tensor(pages, dtype=torch.long)] = self.pools.swa_dummy_page
+
+    def map_swa(self, full_pages: list[int], swa_pages: list[int]) -> None:
+        self.full_to_swa_page[torch.tensor(full_pages, dtype=torch.long)] = torch.tensor(swa_pages, dtype=torch.long)
 
     def free_swa(self, full_pages: list[int], swa_pages: list[int]) -> None:
         self.swa.free(swa_pages)
@@ -326,10 +329,10 @@ class KVCache:
                     released += 1
                 rp.swa_pages[i] = None
         rp.num_released = max(rp.num_released, upto)
-        if rp.swa_receipt and rp.match_node is not None and self.keep_from(computed_len) >= rp.match_node.end:
+        if rp.swa_lock is not None and self.keep_from(computed_len) >= rp.swa_lock.node.end:
             assert self.tree is not None
-            self.tree.unlock_swa(rp.swa_receipt)  # our window has moved past the tree's pages
-            rp.swa_receipt = []
+            self.tree.unlock_swa(rp.swa_lock)  # our window has moved past the tree's pages
+            rp.swa_lock = None
         return released
 
     # ---- translation ------------------------------------------------------------------------------------------------

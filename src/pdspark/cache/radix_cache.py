@@ -14,6 +14,7 @@ Rules:
 - Locks: a request using a match holds a FULL lock on the path root -> match node (never evicted) and an SWA lock
   on the nodes covering the window before the match end (their SWA pages are never evicted); it gives the SWA lock
   back once its own window has moved past them.
+- Insertion over a tombstone adopts the inserting request's SWA pages for it (the request computed the same tokens).
 - Eviction: least recently used unlocked leaf first; evicting a leaf frees every component and may expose its
   parent. The SWA pages of a node without an SWA lock may be evicted alone, leaving a tombstone (an unlocked leaf
   is removed instead). Tombstone leaves are useless (no match can end there) and are evicted with priority.
@@ -40,6 +41,10 @@ class TreeFreer(Protocol):
 
     def retain_c128(self, pages: list[int]) -> None: ...
 
+    def map_swa(self, full_pages: list[int], swa_pages: list[int]) -> None:
+        """The tree adopted `swa_pages` as the SWA data of `full_pages`."""
+        ...
+
 
 _clock = itertools.count()
 
@@ -53,7 +58,9 @@ class RadixNode:
     parent: RadixNode | None = None
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     lock_ref: int = 0
-    swa_lock_ref: int = 0
+    # SWA locks through this node, by the first position their window needs (a split keeps each lock on the parts
+    # that overlap its window).
+    swa_locks: dict[int, int] = field(default_factory=dict)
     last_access: int = 0
     depth: int = 0  # tokens before this node's key
 
@@ -68,6 +75,15 @@ class RadixNode:
     @property
     def tombstone(self) -> bool:
         return self.swa_pages is None
+
+    @property
+    def swa_lock_ref(self) -> int:
+        return sum(self.swa_locks.values())
+
+
+class SwaLock(NamedTuple):
+    node: RadixNode
+    need_from: int  # first position the locked window needs
 
 
 class MatchResult(NamedTuple):
@@ -150,20 +166,30 @@ class RadixCache:
             node.lock_ref -= 1
             node = node.parent
 
-    def lock_swa(self, node: RadixNode) -> list[RadixNode]:
-        """SWA-lock the nodes covering the `window_tokens` before `node.end`; returns the receipt to unlock."""
-        receipt, need_from = [], node.end - self.window_tokens
-        while node is not self.root and node.end > need_from:
-            node.swa_lock_ref += 1
-            receipt.append(node)
-            node = node.parent  # type: ignore[assignment]
-        return receipt
+    def lock_swa(self, node: RadixNode) -> SwaLock:
+        """SWA-lock the nodes covering the `window_tokens` before `node.end`; returns what `unlock_swa` takes."""
+        lock = SwaLock(node, node.end - self.window_tokens)
+        for n in self._window_path(lock):
+            n.swa_locks[lock.need_from] = n.swa_locks.get(lock.need_from, 0) + 1
+        return lock
 
-    @staticmethod
-    def unlock_swa(receipt: list[RadixNode]) -> None:
-        for node in receipt:
-            assert node.swa_lock_ref > 0, "SWA unlock without lock"
-            node.swa_lock_ref -= 1
+    def unlock_swa(self, lock: SwaLock | None) -> None:
+        if lock is None:
+            return
+        for n in self._window_path(lock):
+            count = n.swa_locks.get(lock.need_from, 0)
+            assert count > 0, "SWA unlock without lock"
+            if count == 1:
+                del n.swa_locks[lock.need_from]
+            else:
+                n.swa_locks[lock.need_from] = count - 1
+
+    def _window_path(self, lock: SwaLock):
+        """The nodes from `lock.node` upward that hold tokens at or after `lock.need_from` (splits included)."""
+        n = lock.node
+        while n is not self.root and n.end > lock.need_from:
+            yield n
+            n = n.parent  # type: ignore[assignment]
 
     # ---- insertion ---------------------------------------------------------------------------------------------------
     def insert(
@@ -197,6 +223,7 @@ class RadixCache:
             n = _common_pages(child.key, tokens[pos:], P)
             if n < len(child.key):
                 child = self._split(child, n)
+            child = self._recover_swa(child, swa_pages[pos // P : pos // P + len(child.full_pages)])
             tree_full += child.full_pages
             tree_swa += child.swa_pages if child.swa_pages is not None else [None] * len(child.full_pages)
             child.last_access = stamp
@@ -207,6 +234,19 @@ class RadixCache:
             tree_full += full_pages[first:]
             tree_swa += swa_pages[first:]
         return InsertResult(node, tree_full, tree_swa, self._attach_c128(tokens, c128_pages))
+
+    def _recover_swa(self, node: RadixNode, swa: list[int | None]) -> RadixNode:
+        """A tombstone whose tokens the request still holds SWA pages for takes them back (the part it holds them
+        for, split off first); returns the node the walk continues with."""
+        if not node.tombstone or all(p is None for p in swa):
+            return node
+        first = next(i for i, p in enumerate(swa) if p is not None)
+        if first > 0:
+            return self._split(node, first * self.page_size)  # the lower part recovers on the next step
+        assert all(p is not None for p in swa), "a request's SWA pages must be a contiguous tail"
+        node.swa_pages = list(swa)  # type: ignore[arg-type]
+        self.freer.map_swa(node.full_pages, node.swa_pages)
+        return node
 
     def _add_leaves(
         self, parent: RadixNode, key: list[int], full: list[int], swa: list[int | None], stamp: int
@@ -265,7 +305,8 @@ class RadixCache:
             swa_pages=None if node.swa_pages is None else node.swa_pages[:k],
             parent=node.parent,
             lock_ref=node.lock_ref,
-            swa_lock_ref=node.swa_lock_ref,
+            # Only locks whose window reaches into the upper part hold it.
+            swa_locks={nf: c for nf, c in node.swa_locks.items() if nf < node.depth + n_tokens},
             last_access=node.last_access,
             depth=node.depth,
         )
