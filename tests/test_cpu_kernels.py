@@ -26,3 +26,35 @@ def test_c_sinkhorn_matches_the_torch_reference():
             torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
         # The last Sinkhorn round normalises columns: they sum to 1 (rows only approach it).
         torch.testing.assert_close(fast[2].sum(-2), torch.ones(7, hc), atol=1e-5, rtol=0)
+
+
+def test_c_collapse_and_expand_match_the_torch_reference():
+    torch.manual_seed(1)
+    for hc, D, T in ((4, 192, 1), (4, 192, 33), (2, 40, 5)):
+        mod = HyperConnection(hc, D, 20, 1e-6, 1e-6)
+        with torch.no_grad():
+            mod.fn.normal_(0, 0.05)
+            mod.base.normal_(0, 0.5)
+            mod.scale.uniform_(0.5, 1.5)
+        h = torch.randn(T, hc, D) * 3
+        with torch.enable_grad():
+            ref_x, ref_post, ref_comb = mod.collapse(h)  # autograd-capable PyTorch path
+            y = torch.randn(T, D)
+            ref_h = HyperConnection.expand(y, h, ref_post.detach(), ref_comb.detach())
+        mod.freeze()
+        with torch.inference_mode():
+            x, post, comb = mod.collapse(h)  # one C call
+            out = HyperConnection.expand(y, h, post, comb)
+        assert x.shape == (T, D) and post.shape == (T, hc) and comb.shape == (T, hc, hc)
+        torch.testing.assert_close(x, ref_x.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(post, ref_post.detach(), atol=2e-6, rtol=0)
+        torch.testing.assert_close(comb, ref_comb.detach(), atol=2e-6, rtol=0)
+        torch.testing.assert_close(out, ref_h.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_c_expand_falls_back_for_non_contiguous_or_other_dtypes():
+    y, res = torch.randn(3, 8), torch.randn(3, 2, 8)
+    post, comb = torch.rand(3, 2), torch.rand(3, 2, 2)
+    assert kernels.hc_expand(y.double(), res.double(), post.double(), comb.double()) is None
+    assert kernels.hc_expand(y, res.transpose(0, 1), post, comb) is None
+    assert kernels.hc_expand(y, res, post, comb) is not None

@@ -26,6 +26,12 @@ from pdspark.config import PoolSizes
 from pdspark.model.model_config import ModelConfig
 
 
+def gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`pool[rows]` for a pool `[R, d]` and row indices of any shape -> `[*rows.shape, d]`, as one memory gather
+    (`index_select` costs a fraction of advanced indexing on the small index tensors of a decode step)."""
+    return pool.index_select(0, rows.reshape(-1)).view(*rows.shape, pool.shape[-1])
+
+
 class LayerCache(NamedTuple):
     """Views of one layer's pools (None where the layer type has no such pool)."""
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdspark.cache.kv_pools import LayerCache
+from pdspark.cache.kv_pools import LayerCache, gather_rows
 from pdspark.engine.forward_batch import CompressedIndex, ForwardBatch, Segment
 from pdspark.model.compressor import Compressor
 from pdspark.model.indexer import Indexer
@@ -153,26 +153,26 @@ class Attention(nn.Module):
     def _attend_gathered(self, q, cache: LayerCache, window, compressed: CompressedIndex | None,
                          token_rows: torch.Tensor | None) -> torch.Tensor:
         """Short chunks: gather every token's own window `[Tg, W, d]` (and its compressed entries)."""
-        kv = cache.swa_kv[window.rows]
+        kv = gather_rows(cache.swa_kv, window.rows)
         valid = window.valid
         if compressed is not None and compressed.max_visible:
             rows, ok = compressed.rows, compressed.valid
             if token_rows is not None:
                 rows, ok = rows[token_rows], ok[token_rows]
-            kv = torch.cat([kv, cache.comp_kv[rows]], dim=1)  # [Tg, W + V, d]
+            kv = torch.cat([kv, gather_rows(cache.comp_kv, rows)], dim=1)  # [Tg, W + V, d]
             valid = torch.cat([valid, ok], dim=1)
         return sink_attention(q, kv, valid, self.attn_sink, self.scale)
 
     def _attend_segment(self, q, cache: LayerCache, seg: Segment, compressed: CompressedIndex | None) -> torch.Tensor:
         """A long chunk of one request, in blocks of queries: a block's keys are the union of its queries' windows
         plus the request's compressed entries; masks keep each query to its own window and picks."""
-        win_kv = cache.swa_kv[seg.window_rows]  # [n + W - 1, d]
+        win_kv = gather_rows(cache.swa_kv, seg.window_rows)  # [n + W - 1, d]
         comp_kv = comp_valid = None
         if compressed is not None and compressed.max_visible:
             assert self.compressor is not None
             last = seg.offset + seg.length - 1
             V = min(compressed.max_visible, (seg.start + seg.length) // self.compressor.ratio)
-            comp_kv = cache.comp_kv[compressed.rows[last, :V]]  # [V, d]
+            comp_kv = gather_rows(cache.comp_kv, compressed.rows[last, :V])  # [V, d]
             comp_valid = compressed.valid[seg.offset : last + 1, :V]
         n, H, d = q.shape
         W = win_kv.shape[0] - n + 1

@@ -57,10 +57,13 @@ class DSV4Model(nn.Module):
         return ForwardOutput(h, features)
 
     def prepare_inference(self) -> None:
-        """Fuse the projections that read the same input (call once the weights are final)."""
+        """Fuse the projections that read the same input and freeze the mHC mix parameters for the C collapse
+        (call once the weights are final)."""
         for layer in self.layers:
             layer.attn.fuse()
             layer.ffn.fuse()
+            layer.attn_hc.freeze()
+            layer.ffn_hc.freeze()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams `[N, hc, D]` -> fp32 logits `[N, vocab]`."""

@@ -13,6 +13,10 @@ from torch import nn
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.norm import rms_norm
 
+# Up to this many tokens, the whole collapse runs as one C call (decode steps are bound by per-op overhead);
+# longer chunks use PyTorch's matmul for the mixes, which is faster there.
+_C_COLLAPSE_MAX_TOKENS = 64
+
 
 class HyperConnection(nn.Module):
     def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
@@ -25,9 +29,20 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.zeros(mix, hc_mult * hidden_size))  # [(2+hc)*hc, hc*D]
         self.base = nn.Parameter(torch.zeros(mix))
         self.scale = nn.Parameter(torch.ones(3))
+        self._frozen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def freeze(self) -> None:
+        """Inference only: keep contiguous fp32 copies of the mix parameters for the C collapse (call once the
+        weights are final)."""
+        self._frozen = tuple(p.detach().float().contiguous() for p in (self.fn, self.scale, self.base))
 
     def collapse(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])` (post/comb in fp32)."""
+        if self._frozen is not None and h.shape[0] <= _C_COLLAPSE_MAX_TOKENS and not torch.is_grad_enabled():
+            fn, scale, base = self._frozen
+            fused = cpu_kernels.hc_collapse(h, fn, scale, base, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+            if fused is not None:
+                return fused
         flat = rms_norm(h.flatten(1).float(), None, self.norm_eps)
         mixes = F.linear(flat, self.fn.float())  # [T, (2+hc)*hc]
         fused = None
@@ -58,6 +73,10 @@ class HyperConnection(nn.Module):
     @staticmethod
     def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """`h'[i] = post[i] * y + sum_j comb[j, i] * residual[j]`; `y [T, D]`, `residual [T, hc, D]`."""
+        if not torch.is_grad_enabled():
+            fused = cpu_kernels.hc_expand(y, residual, post, comb)
+            if fused is not None:
+                return fused
         dtype = residual.dtype
         return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
 

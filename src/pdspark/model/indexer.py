@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdspark.cache.kv_pools import gather_rows
 from pdspark.engine.forward_batch import CompressedIndex, ForwardBatch
 from pdspark.model.compressor import Compressor
 from pdspark.model.model_config import ModelConfig
@@ -48,7 +49,7 @@ class Indexer(nn.Module):
         g = batch.gather_rows if batch.segments else None
         if g is None or g.numel():
             rows = csa.rows if g is None else csa.rows[g]
-            keys = index_kv[rows].float()  # [Tg, V, Di]: each query's candidates
+            keys = gather_rows(index_kv, rows).float()  # [Tg, V, Di]: each query's candidates
             dots = torch.bmm(q if g is None else q[g], keys.transpose(1, 2))  # [Tg, Hi, V]
             part = (F.relu(dots) * self.dim**-0.5 * (w if g is None else w[g])[:, :, None]).sum(dim=1)
             if g is None:
@@ -58,7 +59,7 @@ class Indexer(nn.Module):
         for seg in batch.segments:
             last = seg.offset + seg.length - 1
             V = min(csa.max_visible, (seg.start + seg.length) // self.compressor.ratio)
-            keys = index_kv[csa.rows[last, :V]].float()  # [V, Di]: shared by the whole segment
+            keys = gather_rows(index_kv, csa.rows[last, :V]).float()  # [V, Di]: shared by the whole segment
             sl = slice(seg.offset, last + 1)
             dots = torch.mm(q[sl].reshape(-1, self.dim), keys.t()).view(seg.length, self.n_heads, V)
             out[sl, :V] = (F.relu(dots) * self.dim**-0.5 * w[sl][:, :, None]).sum(dim=1)

@@ -6,9 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdspark.hardware.cpu import kernels as cpu_kernels
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Normalise the last dim of `x`; `weight=None` is the unweighted variant (q heads, mHC input)."""
+    if not torch.is_grad_enabled() and x.numel():
+        fused = cpu_kernels.rms_norm(x, weight, eps)  # one C call instead of ~6 tiny ops (fp32 CPU only)
+        if fused is not None:
+            return fused
     if weight is None:
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), None, eps)  # one op: x * rsqrt(mean(x^2) + eps)

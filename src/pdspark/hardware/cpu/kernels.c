@@ -1,51 +1,123 @@
 /* pdspark CPU kernels: small fused loops whose PyTorch form is dozens of tiny ops per call.
- * Plain C with float32 arithmetic in the same order as the PyTorch reference; called through ctypes. */
+ * Plain C with float32 arithmetic in the reference's order (reductions excepted: dot products and sums of
+ * squares use 16 partial sums, as vectorised BLAS kernels do); called through ctypes. */
 #include <math.h>
 
 static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-/* mHC weights from the mixes of one sublayer.
- *   mixes [T, (2+hc)*hc] = pre | post | comb logits (before scale and base)
- *   pre [T, hc] = sigmoid(mix*s0 + b) + eps; post [T, hc] = 2*sigmoid(mix*s1 + b)
- *   comb [T, hc, hc] = row softmax(mix*s2 + b) + eps, column-normalised, then (iters-1) row+column rounds,
+/* Sum of a[k] * b[k] over 16 interleaved partial sums (the compiler maps them onto vector lanes). */
+static float dot(const float *a, const float *b, int n) {
+    float acc[16] = {0};
+    int k = 0;
+    for (; k + 16 <= n; k += 16)
+        for (int l = 0; l < 16; l++) acc[l] += a[k + l] * b[k + l];
+    float s = 0.0f;
+    for (int l = 0; l < 16; l++) s += acc[l];
+    for (; k < n; k++) s += a[k] * b[k];
+    return s;
+}
+
+/* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL). */
+void rms_norm(const float *x, const float *w, int N, int D, float eps, float *out) {
+    for (int n = 0; n < N; n++) {
+        const float *xn = x + (long)n * D;
+        float *on = out + (long)n * D;
+        const float r = 1.0f / sqrtf(dot(xn, xn, D) / (float)D + eps);
+        if (w == 0)
+            for (int d = 0; d < D; d++) on[d] = xn[d] * r;
+        else
+            for (int d = 0; d < D; d++) on[d] = xn[d] * r * w[d];
+    }
+}
+
+/* mHC weights of one token from its mixes m [(2+hc)*hc] = pre | post | comb logits (before scale and base):
+ *   pre [hc] = sigmoid(m*s0 + b) + eps; post [hc] = 2*sigmoid(m*s1 + b)
+ *   comb [hc, hc] = row softmax(m*s2 + b) + eps, column-normalised, then (iters-1) row+column rounds,
  *   each normalisation dividing by (sum + eps). */
+static void mhc_weights(const float *m, const float *scale, const float *base, int hc, int iters, float eps,
+                        float *pre, float *post, float *c) {
+    for (int i = 0; i < hc; i++) {
+        pre[i] = sigmoidf(m[i] * scale[0] + base[i]) + eps;
+        post[i] = 2.0f * sigmoidf(m[hc + i] * scale[1] + base[hc + i]);
+    }
+    for (int i = 0; i < hc; i++) {
+        float *row = c + i * hc;
+        float mx = -INFINITY;
+        for (int j = 0; j < hc; j++) {
+            row[j] = m[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
+            if (row[j] > mx) mx = row[j];
+        }
+        float s = 0.0f;
+        for (int j = 0; j < hc; j++) {
+            row[j] = expf(row[j] - mx);
+            s += row[j];
+        }
+        for (int j = 0; j < hc; j++) row[j] = row[j] / s + eps;
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) { /* row normalisation (the first round starts with columns) */
+            for (int i = 0; i < hc; i++) {
+                float s = 0.0f;
+                for (int j = 0; j < hc; j++) s += c[i * hc + j];
+                for (int j = 0; j < hc; j++) c[i * hc + j] /= (s + eps);
+            }
+        }
+        for (int j = 0; j < hc; j++) {
+            float s = 0.0f;
+            for (int i = 0; i < hc; i++) s += c[i * hc + j];
+            for (int i = 0; i < hc; i++) c[i * hc + j] /= (s + eps);
+        }
+    }
+}
+
+/* mHC weights from precomputed mixes [T, (2+hc)*hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc]. */
 void hc_split_sinkhorn(const float *mixes, const float *scale, const float *base, int T, int hc, int iters,
                        float eps, float *pre, float *post, float *comb) {
     const int M = (2 + hc) * hc;
+    for (int t = 0; t < T; t++)
+        mhc_weights(mixes + (long)t * M, scale, base, hc, iters, eps, pre + (long)t * hc, post + (long)t * hc,
+                    comb + (long)t * hc * hc);
+}
+
+/* The whole collapse of the mHC streams for a few tokens: h [T, hc, D] ->
+ *   flat = h[t] * rsqrt(mean(h[t]^2) + norm_eps) over the hc*D values; mixes = fn [M, hc*D] @ flat;
+ *   (pre, post, comb) from the mixes; x [T, D] = sum_i pre[i] * h[t, i, :].
+ * scratch holds hc*D + M floats. */
+void hc_collapse(const float *h, const float *fn, const float *scale, const float *base, int T, int hc, int D,
+                 int iters, float eps, float norm_eps, float *scratch, float *x, float *pre, float *post,
+                 float *comb) {
+    const int N = hc * D, M = (2 + hc) * hc;
+    float *flat = scratch, *mixes = scratch + N;
     for (int t = 0; t < T; t++) {
-        const float *m = mixes + (long)t * M;
-        float *c = comb + (long)t * hc * hc;
+        const float *ht = h + (long)t * N;
+        const float r = 1.0f / sqrtf(dot(ht, ht, N) / (float)N + norm_eps);
+        for (int k = 0; k < N; k++) flat[k] = ht[k] * r;
+        for (int m = 0; m < M; m++) mixes[m] = dot(fn + (long)m * N, flat, N);
+        float *pt = pre + (long)t * hc;
+        mhc_weights(mixes, scale, base, hc, iters, eps, pt, post + (long)t * hc, comb + (long)t * hc * hc);
+        float *xt = x + (long)t * D;
+        for (int d = 0; d < D; d++) xt[d] = pt[0] * ht[d];
+        for (int i = 1; i < hc; i++)
+            for (int d = 0; d < D; d++) xt[d] += pt[i] * ht[i * D + d];
+    }
+}
+
+/* Write a sublayer's output back into the streams: out[t, i, :] = post[t, i] * y[t, :] + sum_j comb[t, j, i] *
+ * res[t, j, :] (the mix summed first, in j order, as the reference's matmul does).
+ * y [T, D], res and out [T, hc, D], post [T, hc], comb [T, hc, hc]. */
+void hc_expand(const float *y, const float *res, const float *post, const float *comb, int T, int hc, int D,
+               float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *yt = y + (long)t * D, *rt = res + (long)t * hc * D, *ct = comb + (long)t * hc * hc;
         for (int i = 0; i < hc; i++) {
-            pre[(long)t * hc + i] = sigmoidf(m[i] * scale[0] + base[i]) + eps;
-            post[(long)t * hc + i] = 2.0f * sigmoidf(m[hc + i] * scale[1] + base[hc + i]);
-        }
-        for (int i = 0; i < hc; i++) {
-            float *row = c + i * hc;
-            float mx = -INFINITY;
-            for (int j = 0; j < hc; j++) {
-                row[j] = m[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
-                if (row[j] > mx) mx = row[j];
+            float *o = out + ((long)t * hc + i) * D;
+            const float p = post[(long)t * hc + i];
+            for (int d = 0; d < D; d++) o[d] = ct[i] * rt[d];
+            for (int j = 1; j < hc; j++) {
+                const float c = ct[j * hc + i];
+                for (int d = 0; d < D; d++) o[d] += c * rt[j * D + d];
             }
-            float s = 0.0f;
-            for (int j = 0; j < hc; j++) {
-                row[j] = expf(row[j] - mx);
-                s += row[j];
-            }
-            for (int j = 0; j < hc; j++) row[j] = row[j] / s + eps;
-        }
-        for (int it = 0; it < iters; it++) {
-            if (it > 0) { /* row normalisation (the first round starts with columns) */
-                for (int i = 0; i < hc; i++) {
-                    float s = 0.0f;
-                    for (int j = 0; j < hc; j++) s += c[i * hc + j];
-                    for (int j = 0; j < hc; j++) c[i * hc + j] /= (s + eps);
-                }
-            }
-            for (int j = 0; j < hc; j++) {
-                float s = 0.0f;
-                for (int i = 0; i < hc; i++) s += c[i * hc + j];
-                for (int i = 0; i < hc; i++) c[i * hc + j] /= (s + eps);
-            }
+            for (int d = 0; d < D; d++) o[d] = p * yt[d] + o[d];
         }
     }
 }

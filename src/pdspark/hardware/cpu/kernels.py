@@ -42,7 +42,9 @@ def load() -> ctypes.CDLL | None:
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
-            cmd = [cc, "-O2", "-fPIC", "-shared", "-fno-fast-math", str(_SOURCE), "-o", str(out), "-lm"]
+            # No fast-math and no FMA contraction: the loops keep the reference's float32 roundings.
+            cmd = [cc, "-O3", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", str(_SOURCE), "-o",
+                   str(out), "-lm"]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 logger.warning("building CPU kernels failed (%s); using the PyTorch path", result.stderr[-500:])
@@ -52,6 +54,24 @@ def load() -> ctypes.CDLL | None:
     f = ctypes.c_void_p
     lib.hc_split_sinkhorn.argtypes = [f, f, f, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, f, f, f]
     lib.hc_split_sinkhorn.restype = None
+    i, fl = ctypes.c_int, ctypes.c_float
+    lib.hc_collapse.argtypes = [f, f, f, f, i, i, i, i, fl, fl, f, f, f, f, f]
+    lib.hc_collapse.restype = None
+    lib.hc_expand.argtypes = [f, f, f, f, i, i, i, f]
+    lib.hc_expand.restype = None
+    lib.rms_norm.argtypes = [f, f, i, i, fl, f]
+    lib.rms_norm.restype = None
+    return lib
+
+
+def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library, when every tensor is a contiguous fp32 CPU tensor (what the C loops read)."""
+    lib = load()
+    if lib is None:
+        return None
+    for t in tensors:  # (attribute checks only: this runs on every call of every kernel)
+        if not (t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()):
+            return None
     return lib
 
 
@@ -74,3 +94,50 @@ def hc_split_sinkhorn(
         pre.data_ptr(), post.data_ptr(), comb.data_ptr(),
     )
     return pre, post, comb
+
+
+def hc_collapse(
+    h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The whole mHC collapse in one call: `h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])`.
+
+    `fn [M, hc*D]`, `scale [3]`, `base [M]` must already be contiguous fp32 (see `HyperConnection.freeze`);
+    None when the C path does not apply."""
+    lib = _usable(h, fn, scale, base)
+    if lib is None:
+        return None
+    T, hc, D = h.shape
+    M = fn.shape[0]
+    # One allocation: x | post | comb | pre | scratch (normalised row + mixes).
+    buf = torch.empty(T * (D + 2 * hc + hc * hc) + hc * D + M)
+    x, post, comb, pre, scratch = buf.split([T * D, T * hc, T * hc * hc, T * hc, hc * D + M])
+    lib.hc_collapse(
+        h.data_ptr(), fn.data_ptr(), scale.data_ptr(), base.data_ptr(), T, hc, D, iters, eps, norm_eps,
+        scratch.data_ptr(), x.data_ptr(), pre.data_ptr(), post.data_ptr(), comb.data_ptr(),
+    )
+    return x.view(T, D), post.view(T, hc), comb.view(T, hc, hc)
+
+
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor | None:
+    """`post * y + comb^T @ residual` per token in one call (`y [T, D]`, `residual [T, hc, D]`); None when the C
+    path does not apply."""
+    lib = _usable(y, residual, post, comb)
+    if lib is None:
+        return None
+    T, hc, D = residual.shape
+    out = torch.empty_like(residual)
+    lib.hc_expand(y.data_ptr(), residual.data_ptr(), post.data_ptr(), comb.data_ptr(), T, hc, D, out.data_ptr())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """RMS-normalise the last dim of `x` (times `weight [D]` when given) in one call; None when the C path does
+    not apply."""
+    lib = _usable(x) if weight is None else _usable(x, weight)
+    if lib is None:
+        return None
+    D = x.shape[-1]
+    out = torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), None if weight is None else weight.data_ptr(), x.numel() // D, D, eps, out.data_ptr())
+    return out
