@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pdspark.cache.kv_pools import KVPools
@@ -57,6 +58,14 @@ class PageNeed(NamedTuple):
     c128: int
 
 
+class HostTables(NamedTuple):
+    """NumPy views sharing memory with `KVCache`'s host-side tables (for building step indices cheaply)."""
+
+    req_to_token: np.ndarray
+    req_to_c128: np.ndarray
+    full_to_swa_page: np.ndarray
+
+
 class KVCache:
     def __init__(
         self,
@@ -86,6 +95,7 @@ class KVCache:
         # [full pages + 1] SWA page of each full page; the dummy page where there is none
         self.full_to_swa_page = torch.full((sizes.num_full_pages + 1,), self.pools.swa_dummy_page, dtype=torch.long)
         self._page_offsets = torch.arange(P, dtype=torch.long)
+        self._host = HostTables(self.req_to_token.numpy(), self.req_to_c128.numpy(), self.full_to_swa_page.numpy())
         self.live: dict[int, ReqPages] = {}
         self.tree: RadixCache | None = None
         if enable_prefix_cache:
@@ -336,14 +346,22 @@ class KVCache:
         return released
 
     # ---- translation ------------------------------------------------------------------------------------------------
-    def full_to_swa(self, full_slots: torch.Tensor) -> torch.Tensor:
-        P = self.sizes.page_size
-        return self.full_to_swa_page[full_slots // P] * P + full_slots % P
+    def host_tables(self) -> HostTables:
+        """The page tables as NumPy views (the tables stay on the host; they are never reallocated)."""
+        return self._host
 
-    def c4_state_rows(self, full_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Page-scoped CSA state row of each position: its SWA page's ring, row `pos % ring`."""
+    def full_to_swa(self, full_slots, tables: HostTables | None = None):
+        """SWA slot of each full slot; tensors in and out, or NumPy arrays with `tables=host_tables()`."""
+        P = self.sizes.page_size
+        page = self.full_to_swa_page if tables is None else tables.full_to_swa_page
+        return page[full_slots // P] * P + full_slots % P
+
+    def c4_state_rows(self, full_slots, positions, tables: HostTables | None = None):
+        """Page-scoped CSA state row of each position: its SWA page's ring, row `pos % ring` (tensors, or NumPy
+        arrays with `tables`)."""
         ring = self.sizes.csa_ring
-        return self.full_to_swa_page[full_slots // self.sizes.page_size] * ring + positions % ring
+        page = self.full_to_swa_page if tables is None else tables.full_to_swa_page
+        return page[full_slots // self.sizes.page_size] * ring + positions % ring
 
     def c128_state_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ring = self.sizes.hca_ring

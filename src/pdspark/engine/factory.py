@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.resources
 
 from pdspark.config import engine_config
@@ -26,4 +27,9 @@ def create_engine(model: str, progress: bool = False, **options) -> Engine:
     max_len = config.scheduler.max_model_len
     ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=config.device, progress=progress)
     draft = load_draft(ckpt, max_len, config.dtype, config.device) if config.speculative else None
-    return Engine(ckpt.model, config, ckpt.tokenizer, draft)
+    engine = Engine(ckpt.model, config, ckpt.tokenizer, draft)
+    # What is loaded now lives as long as the process: move it out of the collector's generations, so that the
+    # full collections that steps trigger do not walk the model and its tables again and again.
+    gc.collect()
+    gc.freeze()
+    return engine

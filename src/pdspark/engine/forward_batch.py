@@ -2,6 +2,9 @@
 
 Tokens of one request are contiguous and in position order. Each request contributes a chunk
 `[start, start + n)`; a decode step is a chunk of one token (a verify step, of several).
+
+The indices are computed with NumPy on views of the host-side page tables (a decode step needs ~100 tiny index
+operations, each several times cheaper in NumPy than as a tensor op) and handed over as tensors at the end.
 """
 
 from __future__ import annotations
@@ -9,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pdspark.cache.kv_cache import KVCache
+from pdspark.cache.kv_cache import HostTables, KVCache
 
 
 @dataclass(frozen=True)
@@ -99,59 +103,64 @@ class ForwardBatch:
 def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:
     """Flatten `chunks` and derive every gather index from `kv`'s tables. Pages must already be grown."""
     model = kv.model
-    lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.long)
-    starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
-    slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
+    tables = kv.host_tables()
+    lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+    starts = np.array([c.start for c in chunks], dtype=np.int64)
+    slots = np.array([c.slot for c in chunks], dtype=np.int64)
     ends = starts + lens
-    offsets = torch.cumsum(lens, 0) - lens  # first token row of each chunk
+    offsets = np.cumsum(lens) - lens  # first token row of each chunk
     T = int(lens.sum())
-    token_slot = torch.repeat_interleave(slots, lens)
-    token_start = torch.repeat_interleave(starts, lens)
-    token_end = torch.repeat_interleave(ends, lens)
-    positions = token_start + torch.arange(T) - torch.repeat_interleave(offsets, lens)
-    input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
-    full_slots = kv.req_to_token[token_slot, positions]
+    token_slot = np.repeat(slots, lens)
+    token_start = np.repeat(starts, lens)
+    token_end = np.repeat(ends, lens)
+    positions = token_start + np.arange(T) - np.repeat(offsets, lens)
+    input_ids = np.array([t for c in chunks for t in c.token_ids], dtype=np.int64)
+    full_slots = tables.req_to_token[token_slot, positions]
 
     csa = hca = csa_plan = hca_plan = None
     if model.csa_layers:
-        csa = _csa_index(kv, token_slot, positions)
-        csa_plan = _csa_plan(kv, token_slot, token_start, token_end, positions)
+        csa = _csa_index(kv, tables, token_slot, positions)
+        csa_plan = _csa_plan(kv, tables, token_slot, token_start, token_end, positions)
     if model.hca_layers:
-        hca = _hca_index(kv, token_slot, positions)
-        hca_plan = _hca_plan(kv, token_slot, token_start, token_end, positions)
+        hca = _hca_index(kv, tables, token_slot, positions)
+        hca_plan = _hca_plan(kv, tables, token_slot, token_start, token_end, positions)
 
-    n_logits = torch.tensor([c.num_logits for c in chunks], dtype=torch.long)
-    first_logit = torch.repeat_interleave(offsets + lens - n_logits, n_logits)
-    logits_rows = first_logit + torch.arange(len(first_logit)) - torch.repeat_interleave(
-        torch.cumsum(n_logits, 0) - n_logits, n_logits)
+    n_logits = np.array([c.num_logits for c in chunks], dtype=np.int64)
+    first_logit = np.repeat(offsets + lens - n_logits, n_logits)
+    logits_rows = first_logit + np.arange(len(first_logit)) - np.repeat(np.cumsum(n_logits) - n_logits, n_logits)
     dense = [i for i, c in enumerate(chunks) if len(c.token_ids) >= DENSE_MIN_TOKENS]
-    segments = [_segment(kv, chunks[i], int(offsets[i])) for i in dense]
+    segments = [_segment(kv, tables, chunks[i], int(offsets[i])) for i in dense]
     gather_rows = None
     if dense:
-        keep = torch.ones(T, dtype=torch.bool)
+        keep = np.ones(T, dtype=bool)
         for seg in segments:
             keep[seg.offset : seg.offset + seg.length] = False
-        gather_rows = torch.nonzero(keep).squeeze(1)
+        gather_rows = np.nonzero(keep)[0]
     if gather_rows is None:
-        window = _window_index(kv, token_slot, positions)
+        window = _window_index(kv, tables, token_slot, positions)
     else:
-        window = _window_index(kv, token_slot[gather_rows], positions[gather_rows])
+        window = _window_index(kv, tables, token_slot[gather_rows], positions[gather_rows])
     batch = ForwardBatch(
-        input_ids=input_ids,
-        positions=positions,
-        swa_slots=kv.full_to_swa(full_slots),
+        input_ids=_t(input_ids),
+        positions=_t(positions),
+        swa_slots=_t(kv.full_to_swa(full_slots, tables)),
         window=window,
-        gather_rows=gather_rows,
+        gather_rows=None if gather_rows is None else _t(gather_rows),
         segments=segments,
         csa=csa,
         hca=hca,
         csa_plan=csa_plan,
         hca_plan=hca_plan,
-        logits_rows=logits_rows,
+        logits_rows=_t(logits_rows),
         chunk_lens=lens.tolist(),
     )
     device = kv.pools.swa_kv.device
     return batch if device.type == "cpu" else _to_device(batch, device)
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    """A NumPy index array as a tensor (int64 or bool; shares memory, which the batch owns from here on)."""
+    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def _to_device(obj, device: torch.device):
@@ -166,101 +175,101 @@ def _to_device(obj, device: torch.device):
     return obj
 
 
-def _segment(kv: KVCache, chunk: Chunk, offset: int) -> Segment:
+def _segment(kv: KVCache, tables: HostTables, chunk: Chunk, offset: int) -> Segment:
     W, n = kv.model.sliding_window, len(chunk.token_ids)
-    pos = torch.arange(chunk.start - W + 1, chunk.start + n)  # [n + W - 1]
+    pos = np.arange(chunk.start - W + 1, chunk.start + n)  # [n + W - 1]
     valid = pos >= 0
-    full = kv.req_to_token[chunk.slot, pos.clamp(min=0)]
-    rows = torch.where(valid, kv.full_to_swa(full), kv.pools.swa_dummy_slot)
-    i = torch.arange(n)[:, None]
-    u = torch.arange(n + W - 1)[None, :]
+    full = tables.req_to_token[chunk.slot, np.maximum(pos, 0)]
+    rows = np.where(valid, kv.full_to_swa(full, tables), kv.pools.swa_dummy_slot)
+    i = np.arange(n)[:, None]
+    u = np.arange(n + W - 1)[None, :]
     band = (u >= i) & (u <= i + W - 1) & valid[None, :]
-    return Segment(offset, n, chunk.start, rows, band)
+    return Segment(offset, n, chunk.start, _t(rows), _t(band))
 
 
-def _window_index(kv: KVCache, token_slot: torch.Tensor, positions: torch.Tensor) -> WindowIndex:
+def _window_index(kv: KVCache, tables: HostTables, token_slot: np.ndarray, positions: np.ndarray) -> WindowIndex:
     W = kv.model.sliding_window
-    pos = positions[:, None] + torch.arange(-(W - 1), 1)[None, :]  # [T, W]
+    pos = positions[:, None] + np.arange(-(W - 1), 1)[None, :]  # [T, W]
     valid = pos >= 0
-    full = kv.req_to_token[token_slot[:, None], pos.clamp(min=0)]
-    rows = torch.where(valid, kv.full_to_swa(full), kv.pools.swa_dummy_slot)
-    return WindowIndex(rows, valid)
+    full = tables.req_to_token[token_slot[:, None], np.maximum(pos, 0)]
+    rows = np.where(valid, kv.full_to_swa(full, tables), kv.pools.swa_dummy_slot)
+    return WindowIndex(_t(rows), _t(valid))
 
 
-def _visible(positions: torch.Tensor, ratio: int) -> tuple[torch.Tensor, int]:
+def _visible(positions: np.ndarray, ratio: int) -> tuple[np.ndarray, int]:
     visible = (positions + 1) // ratio
-    return visible, int(visible.max()) if visible.numel() else 0
+    return visible, int(visible.max()) if visible.size else 0
 
 
-def _csa_index(kv: KVCache, token_slot: torch.Tensor, positions: torch.Tensor) -> CompressedIndex:
+def _csa_index(kv: KVCache, tables: HostTables, token_slot: np.ndarray, positions: np.ndarray) -> CompressedIndex:
     R = kv.model.csa_ratio
     visible, V = _visible(positions, R)
-    g = torch.arange(V)
+    g = np.arange(V)
     valid = g[None, :] < visible[:, None]
     # An entry's C4 row derives from the full slot of its group (pages are multiples of R, so any position of
     # the group gives the same row).
-    full = kv.req_to_token[token_slot[:, None], (g * R)[None, :]]
-    rows = torch.where(valid, full // R, kv.pools.c4_dummy_row)
-    return CompressedIndex(rows, valid, V)
+    full = tables.req_to_token[token_slot[:, None], (g * R)[None, :]]
+    rows = np.where(valid, full // R, kv.pools.c4_dummy_row)
+    return CompressedIndex(_t(rows), _t(valid), V)
 
 
-def _hca_index(kv: KVCache, token_slot: torch.Tensor, positions: torch.Tensor) -> CompressedIndex:
+def _hca_index(kv: KVCache, tables: HostTables, token_slot: np.ndarray, positions: np.ndarray) -> CompressedIndex:
     visible, V = _visible(positions, kv.model.hca_ratio)
     cps = kv.sizes.c128_page_size
-    g = torch.arange(V)
+    g = np.arange(V)
     valid = g[None, :] < visible[:, None]
-    pages = kv.req_to_c128[token_slot[:, None], (g // cps)[None, :]]
-    rows = torch.where(valid, pages * cps + (g % cps)[None, :], kv.pools.c128_dummy_row)
-    return CompressedIndex(rows, valid, V)
+    pages = tables.req_to_c128[token_slot[:, None], (g // cps)[None, :]]
+    rows = np.where(valid, pages * cps + (g % cps)[None, :], kv.pools.c128_dummy_row)
+    return CompressedIndex(_t(rows), _t(valid), V)
 
 
 def _plan_columns(
-    ratio: int, overlap: bool, positions: torch.Tensor, token_start: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ratio: int, overlap: bool, positions: np.ndarray, token_start: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Closing tokens and the source positions of their groups.
 
     Returns `(tok [G], group_start [G], src_pos [G, span], use_cur [G, span], cur_rows [G, span])`.
     """
-    tok = torch.nonzero((positions + 1) % ratio == 0).squeeze(1)
+    tok = np.nonzero((positions + 1) % ratio == 0)[0]
     group_start = (positions[tok] // ratio) * ratio
     span = 2 * ratio if overlap else ratio
     first = group_start - ratio if overlap else group_start
-    src_pos = first[:, None] + torch.arange(span)[None, :]
+    src_pos = first[:, None] + np.arange(span)[None, :]
     use_cur = src_pos >= token_start[tok][:, None]
     cur_rows = tok[:, None] - (positions[tok][:, None] - src_pos)
-    cur_rows = torch.where(use_cur, cur_rows, 0)
+    cur_rows = np.where(use_cur, cur_rows, 0)
     return tok, group_start, src_pos, use_cur, cur_rows
 
 
-def _csa_plan(kv, token_slot, token_start, token_end, positions) -> CompressPlan:
+def _csa_plan(kv, tables: HostTables, token_slot, token_start, token_end, positions) -> CompressPlan:
     R = kv.model.csa_ratio
     tok, group_start, src_pos, use_cur, cur_rows = _plan_columns(R, True, positions, token_start)
-    slot = token_slot[tok][:, None].expand_as(src_pos)
-    hist_pos = src_pos.clamp(min=0)
-    hist_rows = kv.c4_state_rows(kv.req_to_token[slot, hist_pos], hist_pos)
-    hist_rows = torch.where((src_pos >= 0) & ~use_cur, hist_rows, kv.pools.c4_state_dummy_row)
-    out_rows = kv.req_to_token[token_slot[tok], group_start] // R
+    slot = np.broadcast_to(token_slot[tok][:, None], src_pos.shape)
+    hist_pos = np.maximum(src_pos, 0)
+    hist_rows = kv.c4_state_rows(tables.req_to_token[slot, hist_pos], hist_pos, tables)
+    hist_rows = np.where((src_pos >= 0) & ~use_cur, hist_rows, kv.pools.c4_state_dummy_row)
+    out_rows = tables.req_to_token[token_slot[tok], group_start] // R
     # Persist the previous (overlap) group and the open group of every possible next start: speculative verify
     # chunks may commit only their first row, so keep from the group before the chunk's start (bounded by the ring);
     # and the last group of every page, which a request starting from a prefix-cache match there overlaps with.
     P, ring = kv.sizes.page_size, kv.sizes.csa_ring
-    keep = torch.maximum((token_start // R) * R - R, token_end - ring)
-    write = torch.nonzero((positions >= keep) | (positions % P >= P - R)).squeeze(1)
+    keep = np.maximum((token_start // R) * R - R, token_end - ring)
+    write = np.nonzero((positions >= keep) | (positions % P >= P - R))[0]
     wpos = positions[write]
-    write_rows = kv.c4_state_rows(kv.req_to_token[token_slot[write], wpos], wpos)
-    return CompressPlan(out_rows, group_start, use_cur, cur_rows, hist_rows, write, write_rows)
+    write_rows = kv.c4_state_rows(tables.req_to_token[token_slot[write], wpos], wpos, tables)
+    return CompressPlan(*map(_t, (out_rows, group_start, use_cur, cur_rows, hist_rows, write, write_rows)))
 
 
-def _hca_plan(kv, token_slot, token_start, token_end, positions) -> CompressPlan:
+def _hca_plan(kv, tables: HostTables, token_slot, token_start, token_end, positions) -> CompressPlan:
     R = kv.model.hca_ratio
     cps = kv.sizes.c128_page_size
     tok, group_start, src_pos, use_cur, cur_rows = _plan_columns(R, False, positions, token_start)
-    slot = token_slot[tok][:, None].expand_as(src_pos)
-    hist_rows = torch.where(~use_cur, kv.c128_state_rows(slot, src_pos), kv.pools.c128_state_dummy_row)
+    slot = np.broadcast_to(token_slot[tok][:, None], src_pos.shape)
+    hist_rows = np.where(~use_cur, kv.c128_state_rows(slot, src_pos), kv.pools.c128_state_dummy_row)
     g = group_start // R
-    out_rows = kv.req_to_c128[token_slot[tok], g // cps] * cps + g % cps
+    out_rows = tables.req_to_c128[token_slot[tok], g // cps] * cps + g % cps
     # The open group of every possible next start (see `_csa_plan`), bounded by the ring.
-    keep = torch.maximum((token_start // R) * R, token_end - kv.sizes.hca_ring)
-    write = torch.nonzero(positions >= keep).squeeze(1)
+    keep = np.maximum((token_start // R) * R, token_end - kv.sizes.hca_ring)
+    write = np.nonzero(positions >= keep)[0]
     write_rows = kv.c128_state_rows(token_slot[write], positions[write])
-    return CompressPlan(out_rows, group_start, use_cur, cur_rows, hist_rows, write, write_rows)
+    return CompressPlan(*map(_t, (out_rows, group_start, use_cur, cur_rows, hist_rows, write, write_rows)))

@@ -102,6 +102,12 @@ class DSparkDraft(nn.Module):
         """Share the target's embedding and LM head (unless this draft ships its own)."""
         self._target_vocab = (embed, head)
 
+    def prepare_inference(self) -> None:
+        """Freeze the stages' mHC mix parameters for the C collapse (call once the weights are final)."""
+        for stage in self.stages:
+            stage.attn_hc.freeze()
+            stage.ffn_hc.freeze()
+
     @property
     def vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.dcfg.uses_own_vocab_modules:

@@ -51,4 +51,5 @@ def load_draft(ckpt: Checkpoint, max_len: int, dtype: str = "float32", device: s
     draft.requires_grad_(False)
     draft.eval()
     draft.bind_target(ckpt.model.embed, ckpt.model.head)
+    draft.prepare_inference()
     return draft

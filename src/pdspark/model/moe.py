@@ -56,6 +56,9 @@ class MoE(nn.Module):
     def fuse(self) -> None:
         """Inference only: the router and the shared expert's gate/up read the same input: one matmul."""
         self._fused_in = torch.cat([self.gate.detach(), self.shared.w1.detach(), self.shared.w3.detach()])
+        # Per-expert views in Python lists: picking an expert is then a list lookup, not a tensor op.
+        self._expert_w13 = list(self.w13.detach().unbind(0))
+        self._expert_w2 = list(self.w2.detach().unbind(0))
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x [T, D]` -> `(expert ids [T, k], weights [T, k])`."""
@@ -88,12 +91,15 @@ class MoE(nn.Module):
 
     def _routed_by_pair(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Few (token, expert) pairs (decode): run each pair against its expert's weights in place."""
+        fused = hasattr(self, "_expert_w13") and not torch.is_grad_enabled()
+        w13, w2 = (self._expert_w13, self._expert_w2) if fused else (self.w13, self.w2)
         rows = []
-        for t, experts in enumerate(ids.tolist()):
+        # (Python floats from fp32 weights are exact: the products equal those with the weight tensor.)
+        for t, (experts, ws) in enumerate(zip(ids.tolist(), weights.tolist())):
             xt, acc = x[t : t + 1], None
-            for j, e in enumerate(experts):
-                gate, up = F.linear(xt, self.w13[e]).chunk(2, dim=-1)
-                y = F.linear(swiglu(gate, up, self.limit), self.w2[e]) * weights[t, j]
+            for e, w in zip(experts, ws):
+                gate, up = F.linear(xt, w13[e]).chunk(2, dim=-1)
+                y = F.linear(swiglu(gate, up, self.limit), w2[e]) * w
                 acc = y if acc is None else acc + y
             rows.append(acc)
         return torch.cat(rows).to(x.dtype)

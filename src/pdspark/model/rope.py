@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.model_config import RopeConfig, yarn_ramp_bounds
 
 
@@ -38,13 +39,17 @@ class RopeAt(NamedTuple):
 
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the trailing rope channels of `x [T, D]` or `[T, H, D]`; `inverse` rotates by `-position`."""
+        sign = -1.0 if inverse else 1.0
+        if not torch.is_grad_enabled():
+            fused = cpu_kernels.rope_rotate(x, self.cos, self.sin, sign)  # one C call (fp32 CPU only)
+            if fused is not None:
+                return fused
         r = self.cos.shape[-1]
         cos, sin = (self.cos, self.sin) if x.dim() == 3 else (self.cos[:, 0], self.sin[:, 0])
         rope = x[..., -r:]
         if x.dtype != torch.float32:
             rope = rope.float()
         swapped = rope.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)  # (x1, x0) per pair
-        sign = -1.0 if inverse else 1.0
         if x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad):
             out = x.clone()  # write the rotated channels in place (out= does not support autograd)
             torch.addcmul(rope * cos, swapped, sin, value=sign, out=out[..., -r:])

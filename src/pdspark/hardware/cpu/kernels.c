@@ -30,6 +30,27 @@ void rms_norm(const float *x, const float *w, int N, int D, float eps, float *ou
     }
 }
 
+/* Interleaved partial RoPE: out = x with the trailing r channels of each of the T*H rows of length D rotated,
+ * pair (x0, x1) -> (x0*c0 + sign*(x1*s0), x1*c1 + sign*(x0*s1)), where cos/sin [T, r] are the per-channel
+ * tables (sin signed per pair) shared by the H rows of a token and sign = -1 rotates backwards. */
+void rope_rotate(const float *x, const float *cos, const float *sin, int T, int H, int D, int r, float sign,
+                 float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (long)t * r, *s = sin + (long)t * r;
+        for (int h = 0; h < H; h++) {
+            const float *xr = x + ((long)t * H + h) * D;
+            float *o = out + ((long)t * H + h) * D;
+            for (int d = 0; d < D - r; d++) o[d] = xr[d];
+            const float *xp = xr + D - r;
+            float *op = o + D - r;
+            for (int i = 0; i < r; i += 2) {
+                op[i] = xp[i] * c[i] + sign * (xp[i + 1] * s[i]);
+                op[i + 1] = xp[i + 1] * c[i + 1] + sign * (xp[i] * s[i + 1]);
+            }
+        }
+    }
+}
+
 /* mHC weights of one token from its mixes m [(2+hc)*hc] = pre | post | comb logits (before scale and base):
  *   pre [hc] = sigmoid(m*s0 + b) + eps; post [hc] = 2*sigmoid(m*s1 + b)
  *   comb [hc, hc] = row softmax(m*s2 + b) + eps, column-normalised, then (iters-1) row+column rounds,

@@ -61,6 +61,8 @@ def load() -> ctypes.CDLL | None:
     lib.hc_expand.restype = None
     lib.rms_norm.argtypes = [f, f, i, i, fl, f]
     lib.rms_norm.restype = None
+    lib.rope_rotate.argtypes = [f, f, f, i, i, i, i, fl, f]
+    lib.rope_rotate.restype = None
     return lib
 
 
@@ -140,4 +142,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     D = x.shape[-1]
     out = torch.empty_like(x)
     lib.rms_norm(x.data_ptr(), None if weight is None else weight.data_ptr(), x.numel() // D, D, eps, out.data_ptr())
+    return out
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor | None:
+    """Rotate the trailing `r` channels of `x [T, D]` or `[T, H, D]` by per-token tables `cos/sin [T, 1, r]`
+    (sin signed per pair); `sign=-1` rotates backwards. None when the C path does not apply."""
+    lib = _usable(x, cos, sin)
+    if lib is None:
+        return None
+    T, D, r = x.shape[0], x.shape[-1], cos.shape[-1]
+    H = x.numel() // (T * D) if T else 0
+    out = torch.empty_like(x)
+    lib.rope_rotate(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, H, D, r, sign, out.data_ptr())
     return out
