@@ -14,7 +14,7 @@ from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.norm import rms_norm
 
 # Up to this many tokens, the whole collapse runs as one C call (decode steps are bound by per-op overhead);
-# longer chunks use PyTorch's matmul for the mixes, which is faster there.
+# longer chunks compute the mixes with a BLAS matmul, which is faster there, and the rest in C.
 _C_COLLAPSE_MAX_TOKENS = 64
 
 
@@ -38,20 +38,17 @@ class HyperConnection(nn.Module):
 
     def collapse(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])` (post/comb in fp32)."""
-        if self._frozen is not None and h.shape[0] <= _C_COLLAPSE_MAX_TOKENS and not torch.is_grad_enabled():
+        if self._frozen is not None and h.dtype == torch.float32 and not torch.is_grad_enabled():
             fn, scale, base = self._frozen
-            fused = cpu_kernels.hc_collapse(h, fn, scale, base, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+            if h.shape[0] <= _C_COLLAPSE_MAX_TOKENS:
+                fused = cpu_kernels.hc_collapse(h, fn, scale, base, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+            else:
+                mixes = F.linear(rms_norm(h.flatten(1), None, self.norm_eps), fn)  # [T, (2+hc)*hc]
+                fused = cpu_kernels.hc_collapse_mixed(h, mixes, scale, base, self.sinkhorn_iters, self.hc_eps)
             if fused is not None:
                 return fused
         flat = rms_norm(h.flatten(1).float(), None, self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())  # [T, (2+hc)*hc]
-        fused = None
-        if not torch.is_grad_enabled():
-            # ~100 tiny ops (mostly Sinkhorn rounds) in one C loop; same float32 arithmetic.
-            fused = cpu_kernels.hc_split_sinkhorn(
-                mixes, self.scale, self.base, self.hc, self.sinkhorn_iters, self.hc_eps
-            )
-        pre, post, comb = fused if fused is not None else self.split_sinkhorn(mixes)
+        pre, post, comb = self.split_sinkhorn(F.linear(flat, self.fn.float()))
         x = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
         return x, post, comb
 

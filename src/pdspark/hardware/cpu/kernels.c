@@ -91,13 +91,13 @@ static void mhc_weights(const float *m, const float *scale, const float *base, i
     }
 }
 
-/* mHC weights from precomputed mixes [T, (2+hc)*hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc]. */
-void hc_split_sinkhorn(const float *mixes, const float *scale, const float *base, int T, int hc, int iters,
-                       float eps, float *pre, float *post, float *comb) {
-    const int M = (2 + hc) * hc;
-    for (int t = 0; t < T; t++)
-        mhc_weights(mixes + (long)t * M, scale, base, hc, iters, eps, pre + (long)t * hc, post + (long)t * hc,
-                    comb + (long)t * hc * hc);
+/* The collapse of one token's streams given its mixes: mHC weights, then x [D] = sum_i pre[i] * h[i, :]. */
+static void collapse_token(const float *ht, const float *mixes, const float *scale, const float *base, int hc, int D,
+                           int iters, float eps, float *xt, float *pt, float *post, float *comb) {
+    mhc_weights(mixes, scale, base, hc, iters, eps, pt, post, comb);
+    for (int d = 0; d < D; d++) xt[d] = pt[0] * ht[d];
+    for (int i = 1; i < hc; i++)
+        for (int d = 0; d < D; d++) xt[d] += pt[i] * ht[i * D + d];
 }
 
 /* The whole collapse of the mHC streams for a few tokens: h [T, hc, D] ->
@@ -114,13 +114,18 @@ void hc_collapse(const float *h, const float *fn, const float *scale, const floa
         const float r = 1.0f / sqrtf(dot(ht, ht, N) / (float)N + norm_eps);
         for (int k = 0; k < N; k++) flat[k] = ht[k] * r;
         for (int m = 0; m < M; m++) mixes[m] = dot(fn + (long)m * N, flat, N);
-        float *pt = pre + (long)t * hc;
-        mhc_weights(mixes, scale, base, hc, iters, eps, pt, post + (long)t * hc, comb + (long)t * hc * hc);
-        float *xt = x + (long)t * D;
-        for (int d = 0; d < D; d++) xt[d] = pt[0] * ht[d];
-        for (int i = 1; i < hc; i++)
-            for (int d = 0; d < D; d++) xt[d] += pt[i] * ht[i * D + d];
+        collapse_token(ht, mixes, scale, base, hc, D, iters, eps, x + (long)t * D, pre + (long)t * hc,
+                       post + (long)t * hc, comb + (long)t * hc * hc);
     }
+}
+
+/* The same collapse with the mixes [T, (2+hc)*hc] computed by the caller (long chunks: a BLAS matmul). */
+void hc_collapse_mixed(const float *h, const float *mixes, const float *scale, const float *base, int T, int hc,
+                       int D, int iters, float eps, float *x, float *pre, float *post, float *comb) {
+    const int M = (2 + hc) * hc;
+    for (int t = 0; t < T; t++)
+        collapse_token(h + (long)t * hc * D, mixes + (long)t * M, scale, base, hc, D, iters, eps, x + (long)t * D,
+                       pre + (long)t * hc, post + (long)t * hc, comb + (long)t * hc * hc);
 }
 
 /* Write a sublayer's output back into the streams: out[t, i, :] = post[t, i] * y[t, :] + sum_j comb[t, j, i] *

@@ -1,7 +1,8 @@
 """`CpuKernels`: C loops compiled on first use and called through ctypes.
 
-The source is compiled with the system C compiler into a per-user cache keyed by the source hash, once per
-machine. Without a compiler (or with `PDSPARK_NO_C_KERNELS=1`) callers fall back to the PyTorch reference path.
+The source is compiled with the system C compiler for the host CPU (`-march=native`) into a per-user cache keyed
+by the source and the CPU's feature flags, once per machine (a home directory shared by different CPUs keeps one
+build per kind). Without a compiler (or with `PDSPARK_NO_C_KERNELS=1`) callers fall back to the PyTorch reference path.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -27,13 +29,26 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _cpu_key() -> bytes:
+    """What `-march=native` depends on: the CPU's feature flags (Linux), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.encode()
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}".encode()
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be built here."""
     if os.environ.get("PDSPARK_NO_C_KERNELS") == "1":
         return None
     source = _SOURCE.read_bytes()
-    lib_path = _cache_dir() / f"libpdspark_cpu_{hashlib.sha256(source).hexdigest()[:16]}.so"
+    key = hashlib.sha256(source + b"\0" + _cpu_key()).hexdigest()[:16]
+    lib_path = _cache_dir() / f"libpdspark_cpu_{key}.so"
     if not lib_path.exists():
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:
@@ -42,9 +57,10 @@ def load() -> ctypes.CDLL | None:
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
-            # No fast-math and no FMA contraction: the loops keep the reference's float32 roundings.
-            cmd = [cc, "-O3", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", str(_SOURCE), "-o",
-                   str(out), "-lm"]
+            # Wide vectors, but no fast-math and no FMA contraction: the loops keep their float32 roundings
+            # (the partial sums are spelled out in the source, so the vector width does not change results).
+            cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off",
+                   str(_SOURCE), "-o", str(out), "-lm"]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 logger.warning("building CPU kernels failed (%s); using the PyTorch path", result.stderr[-500:])
@@ -52,11 +68,11 @@ def load() -> ctypes.CDLL | None:
             os.replace(out, lib_path)  # atomic: concurrent builders race harmlessly
     lib = ctypes.CDLL(str(lib_path))
     f = ctypes.c_void_p
-    lib.hc_split_sinkhorn.argtypes = [f, f, f, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, f, f, f]
-    lib.hc_split_sinkhorn.restype = None
     i, fl = ctypes.c_int, ctypes.c_float
     lib.hc_collapse.argtypes = [f, f, f, f, i, i, i, i, fl, fl, f, f, f, f, f]
     lib.hc_collapse.restype = None
+    lib.hc_collapse_mixed.argtypes = [f, f, f, f, i, i, i, i, fl, f, f, f, f]
+    lib.hc_collapse_mixed.restype = None
     lib.hc_expand.argtypes = [f, f, f, f, i, i, i, f]
     lib.hc_expand.restype = None
     lib.rms_norm.argtypes = [f, f, i, i, fl, f]
@@ -75,27 +91,6 @@ def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
         if not (t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()):
             return None
     return lib
-
-
-def hc_split_sinkhorn(
-    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """`mixes [T, (2+hc)*hc]` fp32 -> `(pre [T, hc], post [T, hc], comb [T, hc, hc])`; None if unavailable."""
-    lib = load()
-    if lib is None or mixes.device.type != "cpu":
-        return None
-    mixes = mixes.contiguous()
-    scale = scale.detach().float().contiguous()
-    base = base.detach().float().contiguous()
-    T = mixes.shape[0]
-    pre = torch.empty(T, hc, dtype=torch.float32)
-    post = torch.empty(T, hc, dtype=torch.float32)
-    comb = torch.empty(T, hc, hc, dtype=torch.float32)
-    lib.hc_split_sinkhorn(
-        mixes.data_ptr(), scale.data_ptr(), base.data_ptr(), T, hc, iters, eps,
-        pre.data_ptr(), post.data_ptr(), comb.data_ptr(),
-    )
-    return pre, post, comb
 
 
 def hc_collapse(
@@ -117,6 +112,23 @@ def hc_collapse(
     lib.hc_collapse(
         h.data_ptr(), fn.data_ptr(), scale.data_ptr(), base.data_ptr(), T, hc, D, iters, eps, norm_eps,
         scratch.data_ptr(), x.data_ptr(), pre.data_ptr(), post.data_ptr(), comb.data_ptr(),
+    )
+    return x.view(T, D), post.view(T, hc), comb.view(T, hc, hc)
+
+
+def hc_collapse_mixed(
+    h: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`hc_collapse` with the mixes `[T, (2+hc)*hc]` already computed (long chunks, by a BLAS matmul)."""
+    lib = _usable(h, mixes, scale, base)
+    if lib is None:
+        return None
+    T, hc, D = h.shape
+    buf = torch.empty(T * (D + 2 * hc + hc * hc))
+    x, post, comb, pre = buf.split([T * D, T * hc, T * hc * hc, T * hc])
+    lib.hc_collapse_mixed(
+        h.data_ptr(), mixes.data_ptr(), scale.data_ptr(), base.data_ptr(), T, hc, D, iters, eps,
+        x.data_ptr(), pre.data_ptr(), post.data_ptr(), comb.data_ptr(),
     )
     return x.view(T, D), post.view(T, hc), comb.view(T, hc, hc)
 
