@@ -77,3 +77,18 @@ def test_c_rope_matches_the_torch_reference_both_ways():
             torch.testing.assert_close(fast, slow.detach(), atol=1e-6, rtol=1e-6)  # FMA vs not: 1 ulp
         with torch.inference_mode():
             torch.testing.assert_close(at.apply(at.apply(x), inverse=True), x, atol=1e-5, rtol=0)
+
+
+def test_c_rms_norm_reads_column_slices():
+    from pdspark.model.norm import rms_norm
+
+    wide = torch.randn(5, 40)
+    w = torch.rand(16) + 0.5
+    for part in (wide[:, 8:24], wide[:, :16], wide.view(5, 2, 20)[:, 1, 4:]):
+        with torch.inference_mode():
+            fast = kernels.rms_norm(part, w, 1e-6)
+        assert fast is not None and fast.is_contiguous()
+        ref = torch.nn.functional.rms_norm(part.contiguous(), (16,), w, 1e-6)
+        torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-6)
+        with torch.inference_mode():
+            torch.testing.assert_close(rms_norm(part, None, 1e-6), ref / w, atol=1e-5, rtol=1e-5)

@@ -14,6 +14,12 @@ from pdspark.model.model_config import ModelConfig
 
 # Up to this many (token, expert) pairs, a loop over the pairs beats grouping tokens by expert.
 _PAIR_LOOP_MAX = 8
+# Models with few experts: for small multi-token steps (verify windows, small decode batches), running every
+# expert on every token as one batched matmul pair beats grouping. The waste is n_experts / top_k times the
+# routed work, so this applies only where that ratio is small, and only up to this many token x expert rows
+# (measured on dsv4-tiny, 8 experts top-2: 2-32 tokens ~1.5-2.5x faster than the other paths).
+_DENSE_MAX_WASTE = 4
+_DENSE_MAX_ROWS = 256
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -59,6 +65,10 @@ class MoE(nn.Module):
         # Per-expert views in Python lists: picking an expert is then a list lookup, not a tensor op.
         self._expert_w13 = list(self.w13.detach().unbind(0))
         self._expert_w2 = list(self.w2.detach().unbind(0))
+        if self.n_experts <= _DENSE_MAX_WASTE * self.top_k:
+            E, I2, D = self.w13.shape
+            self._dense_w13 = self.w13.detach().reshape(E * I2, D)  # [E * 2I, D] (a view)
+            self._dense_w2t = self.w2.detach().transpose(1, 2).contiguous()  # [E, I, D]
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x [T, D]` -> `(expert ids [T, k], weights [T, k])`."""
@@ -75,15 +85,18 @@ class MoE(nn.Module):
         return ids, weights * self.scaling
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self, "_fused_in", None)
-        if fused is not None and not torch.is_grad_enabled():
+        fused = getattr(self, "_fused_in", None) if not torch.is_grad_enabled() else None
+        if fused is not None:
             logits, gate, up = F.linear(x, fused).split([self.n_experts, *[self.shared.w1.shape[0]] * 2], dim=-1)
             shared = F.linear(swiglu(gate, up, self.limit), self.shared.w2)
             ids, weights = self._route_logits(logits, input_ids)
         else:
             shared = self.shared(x)
             ids, weights = self.route(x, input_ids)
-        if ids.numel() <= _PAIR_LOOP_MAX:
+        T = x.shape[0]
+        if fused is not None and hasattr(self, "_dense_w13") and T > 1 and T * self.n_experts <= _DENSE_MAX_ROWS:
+            routed = self._routed_dense(x, ids, weights)
+        elif ids.numel() <= _PAIR_LOOP_MAX:
             routed = self._routed_by_pair(x, ids, weights)
         else:
             routed = self._routed_by_expert(x, ids, weights)
@@ -103,6 +116,16 @@ class MoE(nn.Module):
                 acc = y if acc is None else acc + y
             rows.append(acc)
         return torch.cat(rows).to(x.dtype)
+
+    def _routed_dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, unrouted pairs weighted 0 (exact: the sum over experts only adds zeros)."""
+        T, E = x.shape[0], self.n_experts
+        inter = self._dense_w2t.shape[1]
+        h = F.linear(x, self._dense_w13).view(T, E, 2 * inter)
+        act = swiglu(h[..., :inter], h[..., inter:], self.limit)  # [T, E, I]
+        y = torch.bmm(act.transpose(0, 1), self._dense_w2t)  # [E, T, D]
+        dense_w = torch.zeros(T, E, dtype=weights.dtype).scatter_add_(1, ids, weights)  # [T, E]
+        return (y * dense_w.t()[:, :, None]).sum(0).to(x.dtype)
 
     def _routed_by_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Many pairs (prefill, large batches): one matmul pair per expert over the tokens routed to it."""

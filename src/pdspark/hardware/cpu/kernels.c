@@ -17,10 +17,11 @@ static float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL). */
-void rms_norm(const float *x, const float *w, int N, int D, float eps, float *out) {
+/* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL); input
+ * rows start `stride` floats apart (a column slice of a wider matrix), output rows are packed. */
+void rms_norm(const float *x, long stride, const float *w, int N, int D, float eps, float *out) {
     for (int n = 0; n < N; n++) {
-        const float *xn = x + (long)n * D;
+        const float *xn = x + (long)n * stride;
         float *on = out + (long)n * D;
         const float r = 1.0f / sqrtf(dot(xn, xn, D) / (float)D + eps);
         if (w == 0)

@@ -75,7 +75,7 @@ def load() -> ctypes.CDLL | None:
     lib.hc_collapse_mixed.restype = None
     lib.hc_expand.argtypes = [f, f, f, f, i, i, i, f]
     lib.hc_expand.restype = None
-    lib.rms_norm.argtypes = [f, f, i, i, fl, f]
+    lib.rms_norm.argtypes = [f, ctypes.c_long, f, i, i, fl, f]
     lib.rms_norm.restype = None
     lib.rope_rotate.argtypes = [f, f, f, i, i, i, i, fl, f]
     lib.rope_rotate.restype = None
@@ -146,14 +146,20 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
-    """RMS-normalise the last dim of `x` (times `weight [D]` when given) in one call; None when the C path does
-    not apply."""
-    lib = _usable(x) if weight is None else _usable(x, weight)
+    """RMS-normalise the last dim of `x` (times `weight [D]` when given) in one call; `x` may also be a column
+    slice `[N, D]` of a wider fp32 matrix (a split of a fused projection). None when the C path does not apply."""
+    D = x.shape[-1]
+    if x.dim() == 2 and x.stride(1) == 1 and x.is_cpu and x.dtype is torch.float32:
+        stride = x.stride(0)
+        lib = load() if weight is None else _usable(weight)
+    else:
+        stride = D
+        lib = _usable(x) if weight is None else _usable(x, weight)
     if lib is None:
         return None
-    D = x.shape[-1]
-    out = torch.empty_like(x)
-    lib.rms_norm(x.data_ptr(), None if weight is None else weight.data_ptr(), x.numel() // D, D, eps, out.data_ptr())
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.rms_norm(x.data_ptr(), stride, None if weight is None else weight.data_ptr(), x.numel() // D, D, eps,
+                 out.data_ptr())
     return out
 
 

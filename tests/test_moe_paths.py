@@ -1,0 +1,36 @@
+"""The MoE's three execution paths (per pair, grouped by expert, dense over all experts) are one function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdspark.llm import resolve_model
+from pdspark.model.model_config import ModelConfig
+from pdspark.model.moe import MoE
+
+
+@pytest.mark.parametrize("is_hash", [False, True])
+def test_routed_paths_agree(is_hash):
+    cfg = ModelConfig.from_dir(resolve_model("dsv4-tiny"))  # 8 experts, top-2: every path applies
+    torch.manual_seed(0)
+    moe = MoE(cfg, is_hash)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.05)
+        if is_hash:
+            moe.tid2eid.copy_(torch.stack([torch.randperm(cfg.n_routed_experts)[:2] for _ in range(cfg.vocab_size)]))
+    moe.fuse()
+    assert hasattr(moe, "_dense_w13")
+    for T in (1, 3, 6, 16):
+        x = torch.randn(T, cfg.hidden_size)
+        input_ids = torch.randint(0, cfg.vocab_size, (T,))
+        with torch.inference_mode():
+            ids, weights = moe.route(x, input_ids)
+            by_expert = moe._routed_by_expert(x, ids, weights)
+            torch.testing.assert_close(moe._routed_by_pair(x, ids, weights), by_expert, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(moe._routed_dense(x, ids, weights), by_expert, atol=1e-6, rtol=1e-5)
+            fast = moe(x, input_ids)  # fused router + whichever path the step size picks
+        with torch.enable_grad():
+            reference = moe(x, input_ids)  # unfused: separate router and shared expert, grouped experts
+        torch.testing.assert_close(fast, reference.detach(), atol=1e-6, rtol=1e-5)
