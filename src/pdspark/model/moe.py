@@ -118,7 +118,8 @@ class MoE(nn.Module):
         return torch.cat(rows).to(x.dtype)
 
     def _routed_dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, unrouted pairs weighted 0 (exact: the sum over experts only adds zeros)."""
+        """Every expert on every token, unrouted pairs weighted 0: beyond the routed terms the sum over experts adds
+        only zeros, so this is the routed sum up to rounding (other matmul shapes, another order of terms)."""
         T, E = x.shape[0], self.n_experts
         inter = self._dense_w2t.shape[1]
         h = F.linear(x, self._dense_w13).view(T, E, 2 * inter)
