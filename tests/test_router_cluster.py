@@ -192,6 +192,16 @@ def test_models_health_workers_metrics(cluster):
         workers = json.loads(r.read())
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
     assert all({"role", "address", "healthy", "load", "metrics_url"} <= set(w) for w in workers)
+    # The router learns each worker's metrics URL from its load reports (health polls every 2 s).
+    deadline = time.monotonic() + 10
+    while not all(w["metrics_url"] for w in workers):
+        assert time.monotonic() < deadline, f"/workers still lacks metrics URLs: {workers}"
+        time.sleep(0.1)
+        with urllib.request.urlopen(cluster["http"] + "/workers", timeout=10) as r:
+            workers = json.loads(r.read())
+    for w in workers:
+        with urllib.request.urlopen(w["metrics_url"], timeout=10) as r:
+            assert "pdspark_pool_pages_used" in r.read().decode()
     with urllib.request.urlopen(cluster["http"] + "/metrics", timeout=10) as r:
         text = r.read().decode()
     assert "pdspark_router_requests_total" in text and "pdspark_router_time_to_first_token_seconds" in text

@@ -1,8 +1,8 @@
 """`WorkerRegistry`: the prefill and decode workers the router knows, their health and load.
 
-Workers come from flags or are added/removed at run time. A background task checks each one (gRPC health
-checking plus `GetLoad`) every `interval_s`; a worker that fails `max_failures` checks in a row is marked
-unhealthy and skipped by the policies until a check succeeds again.
+Workers come from flags or are added/removed at run time. A background task checks each one every `interval_s`:
+gRPC health checking plus `GetLoad` (which also reports the worker's metrics URL). A worker that fails
+`max_failures` checks in a row is marked unhealthy and skipped by the policies until a check succeeds again.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ class WorkerRegistry:
             load = await stub.GetLoad(worker_pb2.LoadRequest(), timeout=self.check_timeout_s)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
             w.reported_load = load.running + load.waiting
+            w.metrics_url = w.metrics_url or load.metrics_url  # a URL given at registration wins
         except (grpc.aio.AioRpcError, asyncio.TimeoutError):
             ok = False
         w.failures = 0 if ok else w.failures + 1

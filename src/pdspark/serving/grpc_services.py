@@ -13,7 +13,7 @@ from pdspark.types import RequestOutput
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 
-def _load(engine, in_flight: int) -> worker_pb2.LoadReport:
+def _load(engine, in_flight: int, metrics_url: str) -> worker_pb2.LoadReport:
     usage = engine.kv.usage()
     return worker_pb2.LoadReport(
         running=len(engine.scheduler.running),
@@ -22,12 +22,14 @@ def _load(engine, in_flight: int) -> worker_pb2.LoadReport:
         pages_total={k: total for k, (_, total) in usage.items()},
         transfers_in_flight=in_flight,
         pages_cached=engine.kv.cached_pages(),
+        metrics_url=metrics_url,
     )
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker):
         self.worker = worker
+        self.metrics_url = ""  # set by the server once its metrics endpoint listens
 
     def Prefill(self, request, context):
         try:
@@ -52,12 +54,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def GetLoad(self, request, context):
         engine = self.worker.engine
-        return self.worker.loop.call(lambda: _load(engine, self.worker.in_flight), timeout=10)
+        return self.worker.loop.call(lambda: _load(engine, self.worker.in_flight, self.metrics_url), timeout=10)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
+        self.metrics_url = ""  # set by the server once its metrics endpoint listens
 
     def Generate(self, request, context):
         try:
@@ -82,7 +85,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def GetLoad(self, request, context):
         engine = self.worker.engine
-        return self.worker.loop.call(lambda: _load(engine, self.worker.transfers_in_flight), timeout=10)
+        return self.worker.loop.call(
+            lambda: _load(engine, self.worker.transfers_in_flight, self.metrics_url), timeout=10)
 
 
 def stable_text(out: RequestOutput) -> str:

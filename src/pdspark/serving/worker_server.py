@@ -50,12 +50,14 @@ class WorkerServer:
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_threads))
         if cfg.role == "prefill":
             self.worker = PrefillWorker(self.loop, self.backend, compat, self.metrics)
-            worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self.worker), self.grpc)
+            self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker)
+            worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.grpc)
             service = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
             in_flight = lambda: self.worker.in_flight  # noqa: E731
         else:
             self.worker = DecodeWorker(self.loop, self.backend, compat, PrefillClients().submit_plan, self.metrics)
-            worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(self.worker), self.grpc)
+            self.servicer = DecodeServicer(self.worker)
+            worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.grpc)
             service = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
             in_flight = lambda: self.worker.transfers_in_flight  # noqa: E731
         self.health = health.HealthServicer()
@@ -81,6 +83,8 @@ class WorkerServer:
         if self.cfg.metrics_port >= 0:
             server, _ = start_http_server(self.cfg.metrics_port, addr=self.cfg.host, registry=self.metrics.registry)
             metrics_port = server.server_port
+            # Reported in GetLoad: the router lists it in /workers without being told.
+            self.servicer.metrics_url = f"http://{self.cfg.advertise_host}:{metrics_port}/metrics"
         for name in ("", self.service):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return {
