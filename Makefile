@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup run generate test lint bench clean proto
+.PHONY: setup run generate test test-fast lint bench clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -34,6 +34,10 @@ lint: setup
 
 test: setup lint
 	$(VENV)/bin/pytest -q
+
+# The unit tests only (no model loading, no processes): seconds.
+test-fast: setup
+	$(VENV)/bin/pytest -q tests/unit
 
 bench: setup
 	$(PY) bench/bench_engine_vs_transformers.py

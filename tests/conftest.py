@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from draft_reference import add_random_draft
 from hf_reference import CSA, HCA, SLIDING, TinySpec, save_hf_checkpoint, write_byte_tokenizer
 
 # Tests measure behaviour, not speed: one intra-op thread keeps runs steady on shared 2-core machines.
@@ -38,6 +39,15 @@ class CheckpointFactory:
 def checkpoints(tmp_path_factory) -> CheckpointFactory:
     """`checkpoints(spec) -> (path, transformers model)`."""
     return CheckpointFactory(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def draft_ckpt(checkpoints, tmp_path_factory):
+    """The MIXED checkpoint with a random 3-token DSpark draft beside it (P/D, router and cluster tests)."""
+    path, _ = checkpoints(MIXED)
+    dst = tmp_path_factory.mktemp("draft") / "ckpt"
+    add_random_draft(path, dst, gamma=3)
+    return dst
 
 
 def random_prompts(n: int, lengths: list[int], vocab: int = 256, seed: int = 0) -> list[list[int]]:

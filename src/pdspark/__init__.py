@@ -1,7 +1,25 @@
-"""pdspark: a disaggregated prefill/decode serving system for DeepSeek-V4 class models."""
+"""pdspark: a disaggregated prefill/decode serving system for DeepSeek-V4 class models.
 
-from pdspark.llm import LLM
+`LLM` loads torch and is imported on first use, so that the router, the SDK and the wire code (which import this
+package) stay torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from pdspark.types import RequestOutput, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from pdspark.llm import LLM
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "TokenLogprobs"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from pdspark.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pdspark' has no attribute {name!r}")

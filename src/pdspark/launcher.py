@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pdspark.engine.factory import resolve_model
+from pdspark.assets import resolve_model
 from pdspark.model.model_config import ModelConfig
 from pdspark.service_process import ServiceProcess, spawn_service, start_service, wait_ready
 

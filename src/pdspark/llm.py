@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdspark.engine.factory import create_engine, resolve_model  # noqa: F401  (resolve_model: public helper)
+from pdspark.assets import resolve_model  # noqa: F401  (public helper)
+from pdspark.engine.factory import create_engine
 from pdspark.errors import InvalidRequestError
 from pdspark.types import RequestOutput, SamplingParams
 

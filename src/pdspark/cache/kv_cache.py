@@ -29,8 +29,8 @@ import torch
 
 from pdspark.cache.kv_pools import KVPools
 from pdspark.cache.page_allocator import PageAllocator, RefCountedPageAllocator
+from pdspark.cache.pool_sizes import PoolSizes
 from pdspark.cache.radix_cache import RadixCache, RadixNode, SwaLock
-from pdspark.config import PoolSizes
 from pdspark.model.model_config import ModelConfig
 
 

@@ -18,28 +18,11 @@ the compressor softmax.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from pdspark.config import PoolSizes
+from pdspark.cache.pool_sizes import PoolSizes
+from pdspark.model.batch import LayerCache
 from pdspark.model.model_config import ModelConfig
-
-
-def gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`pool[rows]` for a pool `[R, d]` and row indices of any shape -> `[*rows.shape, d]`, as one memory gather
-    (`index_select` costs a fraction of advanced indexing on the small index tensors of a decode step)."""
-    return pool.index_select(0, rows.reshape(-1)).view(*rows.shape, pool.shape[-1])
-
-
-class LayerCache(NamedTuple):
-    """Views of one layer's pools (None where the layer type has no such pool)."""
-
-    swa_kv: torch.Tensor  # [swa_rows + page, head_dim]
-    comp_kv: torch.Tensor | None  # c4_kv or c128_kv layer view
-    comp_state: torch.Tensor | None  # [rows + 1, 2 * coff * head_dim] fp32
-    index_kv: torch.Tensor | None  # [c4 rows + 1, index_head_dim]
-    index_state: torch.Tensor | None
 
 
 class KVPools:

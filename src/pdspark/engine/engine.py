@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pdspark.cache.kv_cache import KVCache, ReqPages
-from pdspark.config import EngineConfig, PoolSizes
+from pdspark.cache.pool_sizes import PoolSizes
+from pdspark.config import EngineConfig
 from pdspark.engine.drafter import DraftProposal, DSparkDrafter
 from pdspark.engine.forward_batch import Chunk
 from pdspark.engine.model_runner import ModelRunner, RunOutput

@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import gc
-import importlib.resources
 
+from pdspark.assets import resolve_model
 from pdspark.config import engine_config
 from pdspark.engine.engine import Engine
 from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.model.model_config import ModelConfig
-
-SHIPPED_MODELS = ("dsv4-tiny",)
-
-
-def resolve_model(model: str) -> str:
-    """A checkpoint directory for `model`: a path, or the name of a model shipped inside the package."""
-    if model in SHIPPED_MODELS:
-        return str(importlib.resources.files("pdspark") / "assets" / model)
-    return model
 
 
 def create_engine(model: str, progress: bool = False, **options) -> Engine:

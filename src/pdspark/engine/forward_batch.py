@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pdspark.cache.kv_cache import HostTables, KVCache
+from pdspark.model.batch import CompressedIndex, CompressPlan, ForwardBatch, Segment, WindowIndex
 
 
 @dataclass(frozen=True)
@@ -29,75 +30,9 @@ class Chunk:
     num_logits: int = 1
 
 
-@dataclass(frozen=True)
-class WindowIndex:
-    rows: torch.Tensor  # [T, W] SWA slots of positions pos-W+1 .. pos (oldest first; dummy slot where invalid)
-    valid: torch.Tensor  # [T, W] bool
-
-
-@dataclass(frozen=True)
-class CompressedIndex:
-    rows: torch.Tensor  # [T, V] pool rows of compressed entries g = 0 .. V-1 (dummy row where g >= visible)
-    valid: torch.Tensor  # [T, V] bool: the query attends to entry g (visible, and for CSA picked by the indexer)
-    max_visible: int  # V
-
-
 # Chunks at least this long attend densely over their window's union (one gather per chunk instead of one window
 # per token); shorter ones (decode tokens, verify windows) gather each token's own window.
 DENSE_MIN_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A long chunk of one request (prefill): its queries share one union of window rows."""
-
-    offset: int  # first token row in the batch
-    length: int
-    start: int  # first position
-    window_rows: torch.Tensor  # [length + W - 1] SWA rows of positions start-W+1 .. start+length-1 (dummy if < 0)
-    band: torch.Tensor  # [length, length + W - 1] bool: query i sees union row u iff i <= u <= i + W - 1, pos >= 0
-
-
-@dataclass(frozen=True)
-class CompressPlan:
-    """The explicit state block table of one compressor kind for this step.
-
-    Each closing group pools `span` source rows (CSA: the previous group's rows then its own, HCA: its own). A
-    source row comes from this step's tokens ("current input columns") or from the state pool ("history columns");
-    columns that are neither (before position 0) read the dummy state row.
-    """
-
-    out_rows: torch.Tensor  # [G] compressed-pool row of each closing group
-    positions: torch.Tensor  # [G] first position of each group (RoPE position of the entry)
-    use_cur: torch.Tensor  # [G, span] bool
-    cur_rows: torch.Tensor  # [G, span] token row in this step (clamped to 0 where unused)
-    hist_rows: torch.Tensor  # [G, span] state row (dummy where unused)
-    write_tokens: torch.Tensor  # [N] token rows whose [kv | score] must persist in the state pool
-    write_rows: torch.Tensor  # [N] their state rows
-
-    @property
-    def num_groups(self) -> int:
-        return int(self.out_rows.shape[0])
-
-
-@dataclass(frozen=True)
-class ForwardBatch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    swa_slots: torch.Tensor  # [T] where each token's raw KV is written
-    window: WindowIndex  # for the `gather_rows` tokens only
-    gather_rows: torch.Tensor | None  # [Tg] token rows outside dense segments (None: all of them)
-    segments: list[Segment]  # dense chunks
-    csa: CompressedIndex | None
-    hca: CompressedIndex | None
-    csa_plan: CompressPlan | None
-    hca_plan: CompressPlan | None
-    logits_rows: torch.Tensor  # [num logits rows] token rows to compute logits for
-    chunk_lens: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:

@@ -7,7 +7,8 @@ from typing import NamedTuple
 import torch
 
 from pdspark.cache.kv_cache import KVCache
-from pdspark.engine.forward_batch import Chunk, ForwardBatch, build_forward_batch
+from pdspark.engine.forward_batch import Chunk, build_forward_batch
+from pdspark.model.batch import ForwardBatch
 from pdspark.model.dsv4 import DSV4Model
 
 

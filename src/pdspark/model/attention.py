@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdspark.cache.kv_pools import LayerCache, gather_rows
-from pdspark.engine.forward_batch import CompressedIndex, ForwardBatch, Segment
+from pdspark.model.batch import CompressedIndex, ForwardBatch, LayerCache, Segment, gather_rows
 from pdspark.model.compressor import Compressor
 from pdspark.model.indexer import Indexer
 from pdspark.model.model_config import CSA, HCA, ModelConfig

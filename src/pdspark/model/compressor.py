@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdspark.engine.forward_batch import CompressPlan
+from pdspark.model.batch import CompressPlan
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RotaryTable
 

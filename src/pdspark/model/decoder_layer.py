@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdspark.cache.kv_pools import LayerCache
-from pdspark.engine.forward_batch import ForwardBatch
 from pdspark.model.attention import Attention
+from pdspark.model.batch import ForwardBatch, LayerCache
 from pdspark.model.hyper_connection import HyperConnection
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.moe import MoE

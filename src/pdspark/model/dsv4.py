@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdspark.cache.kv_pools import KVPools
-from pdspark.engine.forward_batch import ForwardBatch
+from pdspark.model.batch import ForwardBatch, LayerCaches
 from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.hyper_connection import HyperHead
 from pdspark.model.model_config import SLIDING, ModelConfig
@@ -40,7 +39,7 @@ class DSV4Model(nn.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = nn.Parameter(torch.zeros(cfg.vocab_size, D))
 
-    def forward(self, batch: ForwardBatch, pools: KVPools, capture: tuple[int, ...] = ()) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, pools: LayerCaches, capture: tuple[int, ...] = ()) -> ForwardOutput:
         """Run every layer over the step's tokens; `capture` lists layers whose output (the mean over the mHC
         streams) becomes a feature for the speculative drafter."""
         x = F.embedding(batch.input_ids, self.embed)

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdspark.cache.kv_pools import gather_rows
-from pdspark.engine.forward_batch import CompressedIndex, ForwardBatch
+from pdspark.model.batch import CompressedIndex, ForwardBatch, gather_rows
 from pdspark.model.compressor import Compressor
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.rope import RopeAt, RotaryTable

@@ -14,8 +14,8 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig
-from pdspark.engine.factory import resolve_model
 from pdspark.model.model_config import ModelConfig
 from pdspark.router.dispatcher import Dispatcher
 from pdspark.router.grpc_api import RouterServicer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdspark.errors import RequestFailed
 from pdspark.transfer.compat import CompatDescriptor
-from pdspark.transfer.transfer_plan import BufferDesc, PoolKind, TransferPlan, TransferResult, TransferStats
+from pdspark.transfer.plan import BufferDesc, PoolKind, TransferPlan, TransferResult, TransferStats
 from pdspark.types import SamplingParams, TokenLogprobs
 from pdspark.v1 import common_pb2, worker_pb2
 

@@ -16,15 +16,10 @@ from pdspark.errors import PdsparkError, RequestFailed, as_request_failed
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
 from pdspark.serving.prefill_worker import WRITE_GRACE_S
-from pdspark.transfer.backend import TransferBackend
+from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
-from pdspark.transfer.transfer_plan import (
-    TransferPlan,
-    TransferResult,
-    cache_buffers,
-    destination,
-    destination_checksum,
-)
+from pdspark.transfer.plan import TransferPlan, TransferResult
+from pdspark.transfer.transfer_plan import cache_buffers, destination, destination_checksum
 from pdspark.types import RequestOutput, SamplingParams
 
 # submit_plan(prefill_address, plan, timeout_s) -> TransferResult (raises RequestFailed)

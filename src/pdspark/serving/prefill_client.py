@@ -8,7 +8,7 @@ import grpc
 
 from pdspark.rpc import convert
 from pdspark.rpc.status import failure_from_rpc_error
-from pdspark.transfer.transfer_plan import TransferPlan, TransferResult
+from pdspark.transfer.plan import TransferPlan, TransferResult
 from pdspark.v1 import worker_pb2_grpc
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]

@@ -21,15 +21,10 @@ from dataclasses import dataclass, field, replace
 from pdspark.errors import PdsparkError, RequestFailed, as_request_failed
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
-from pdspark.transfer.backend import TransferBackend
+from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
-from pdspark.transfer.transfer_plan import (
-    TransferPlan,
-    TransferResult,
-    TransferStats,
-    cache_buffers,
-    plan_writes,
-)
+from pdspark.transfer.plan import TransferPlan, TransferResult, TransferStats
+from pdspark.transfer.transfer_plan import cache_buffers, plan_writes
 from pdspark.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)

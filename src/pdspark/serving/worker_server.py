@@ -23,13 +23,13 @@ from prometheus_client import start_http_server
 from pdspark.config import WorkerConfig
 from pdspark.engine.factory import create_engine
 from pdspark.serving.decode_worker import DecodeWorker
+from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
 from pdspark.serving.metrics import WorkerMetrics
 from pdspark.serving.prefill_client import PrefillClients
 from pdspark.serving.prefill_worker import PrefillWorker
 from pdspark.transfer.backend import create_backend
-from pdspark.transfer.compat import describe_engine
 from pdspark.transfer.transfer_plan import registered_regions
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 
-from pdspark.transfer.backend import TransferError, Write
+from pdspark.transfer.base import TransferError, Write
 
 _SESSIONS: dict[str, InProcessBackend] = {}
 _ids = itertools.count()

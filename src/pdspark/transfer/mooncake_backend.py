@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from pdspark.transfer.backend import TransferError, Write
+from pdspark.transfer.base import TransferError, Write
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 1024

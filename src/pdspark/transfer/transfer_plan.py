@@ -13,58 +13,14 @@ Runs of items contiguous on both sides merge into one write (the transfer engine
 
 from __future__ import annotations
 
-import enum
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pdspark.cache.kv_cache import KVCache, ReqPages
 from pdspark.cache.kv_pools import KVPools
-from pdspark.transfer.backend import Write
-from pdspark.transfer.compat import CompatDescriptor
-
-
-class PoolKind(enum.IntEnum):  # values match the protobuf enum
-    C4_KV = 1
-    C4_INDEX = 2
-    C128_KV = 3
-    SWA_KV = 4
-    C4_STATE = 5
-    C4_INDEX_STATE = 6
-    C128_STATE = 7
-    DRAFT_KV = 8
-
-
-SWA_KINDS = (PoolKind.SWA_KV, PoolKind.C4_STATE, PoolKind.C4_INDEX_STATE, PoolKind.DRAFT_KV)
-
-
-@dataclass(frozen=True)
-class BufferDesc:
-    pool: PoolKind
-    layer: int
-    base_addr: int
-    item_bytes: int
-    num_items: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.item_bytes * self.num_items
-
-
-@dataclass(frozen=True)
-class TransferPlan:
-    transfer_id: str
-    request_id: str
-    session: str
-    compat: CompatDescriptor
-    buffers: tuple[BufferDesc, ...]
-    prompt_len: int
-    full_pages: tuple[int, ...]
-    swa_pages: tuple[int, ...]
-    swa_first_page: int
-    c128_pages: tuple[int, ...]
-    req_slot: int
-    deadline: float  # unix seconds
+from pdspark.transfer.base import Write
+from pdspark.transfer.plan import SWA_KINDS, BufferDesc, PoolKind, TransferPlan
 
 
 @dataclass(frozen=True)
@@ -196,25 +152,3 @@ def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
         run = [s, d, 1]
     if run is not None:
         yield tuple(run)  # type: ignore[misc]
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    bytes: int = 0
-    num_writes: int = 0
-    transfer_s: float = 0.0
-    prefill_s: float = 0.0
-    plan_wait_s: float = 0.0
-    bytes_by_pool: dict[str, int] | None = None
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """What the prefill side reports once the cache is in the decode worker's memory."""
-
-    transfer_id: str
-    first_token: int
-    num_cached_tokens: int
-    checksum: int
-    stats: TransferStats
-    first_logprob: object | None = None  # TokenLogprobs when asked for

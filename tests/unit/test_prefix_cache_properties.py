@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from test_page_allocator import TINY  # SWA + CSA (4) + HCA (16) layers
 
 from pdspark.cache.kv_cache import KVCache
-from pdspark.config import CacheConfig, PoolSizes, SchedulerConfig
-from test_page_allocator import TINY  # SWA + CSA (4) + HCA (16) layers
+from pdspark.cache.pool_sizes import PoolSizes
+from pdspark.config import CacheConfig, SchedulerConfig
 
 P = 16
 PREFIXES = [[1] * 200, [1] * 40 + [2] * 160, [3] * 200]  # overlapping families of prompts

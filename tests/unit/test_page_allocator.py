@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from pdspark.cache.kv_cache import KVCache
 from pdspark.cache.page_allocator import PageAllocator, RefCountedPageAllocator
-from pdspark.config import CacheConfig, PoolSizes, SchedulerConfig
+from pdspark.cache.pool_sizes import PoolSizes
+from pdspark.config import CacheConfig, SchedulerConfig
 from pdspark.model.model_config import ModelConfig
 
 ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "retain", "release"]), st.integers(0, 5)), max_size=60)

@@ -9,28 +9,24 @@ import time
 import pytest
 import torch
 
-from conftest import MIXED, random_prompts
-from draft_reference import add_random_draft
+from conftest import random_prompts
 from helpers import GREEDY, make_llm
 from pdspark import SamplingParams
 from pdspark.engine.factory import create_engine
 from pdspark.errors import RequestFailed
 from pdspark.serving.decode_worker import DecodeWorker
+from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.prefill_worker import PrefillWorker
 from pdspark.transfer.backend import create_backend
-from pdspark.transfer.compat import describe_engine
 from pdspark.transfer.transfer_plan import PoolKind, cache_buffers, item_pairs, registered_regions
 
 OPTS = dict(page_size=16, max_model_len=256, max_num_seqs=4, c128_page_size=2, speculative="dspark")
 
 
 @pytest.fixture(scope="module")
-def ckpt(checkpoints, tmp_path_factory):
-    path, _ = checkpoints(MIXED)
-    dst = tmp_path_factory.mktemp("pd") / "ckpt"
-    add_random_draft(path, dst, gamma=3)
-    return dst
+def ckpt(draft_ckpt):
+    return draft_ckpt
 
 
 class Pair:

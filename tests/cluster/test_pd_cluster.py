@@ -11,8 +11,7 @@ import grpc
 import pytest
 
 from cluster import start_worker
-from conftest import MIXED, random_prompts
-from draft_reference import add_random_draft
+from conftest import random_prompts
 from helpers import GREEDY, make_llm
 from pdspark import SamplingParams
 from pdspark.rpc import convert
@@ -24,11 +23,8 @@ C128 = ["--num-full-pages", "64"]  # (c128_page_size follows page_size: 16-token
 
 
 @pytest.fixture(scope="module")
-def ckpt(checkpoints, tmp_path_factory):
-    path, _ = checkpoints(MIXED)
-    dst = tmp_path_factory.mktemp("cluster") / "ckpt"
-    add_random_draft(path, dst, gamma=3)
-    return dst
+def ckpt(draft_ckpt):
+    return draft_ckpt
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_pd_cluster import dispatch
 
 from cluster import start_worker
 from pdspark import LLM, SamplingParams
-from pdspark.engine.factory import resolve_model
+from pdspark.assets import resolve_model
 from pdspark.model.model_config import CSA, HCA, SLIDING, ModelConfig
-from test_pd_cluster import dispatch
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

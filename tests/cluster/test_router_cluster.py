@@ -13,8 +13,7 @@ import grpc
 import openai
 import pytest
 
-from conftest import MIXED, random_prompts
-from draft_reference import add_random_draft
+from conftest import random_prompts
 from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.client import AsyncClient, Client
@@ -26,11 +25,8 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    de
 
 
 @pytest.fixture(scope="module")
-def ckpt(checkpoints, tmp_path_factory):
-    path, _ = checkpoints(MIXED)
-    dst = tmp_path_factory.mktemp("router") / "ckpt"
-    add_random_draft(path, dst, gamma=3)
-    return dst
+def ckpt(draft_ckpt):
+    return draft_ckpt
 
 
 def up(ckpt, prefill: int, decode: int):

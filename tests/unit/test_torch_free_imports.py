@@ -1,0 +1,37 @@
+"""The wire code, the SDK and the router import without torch (the router image ships no torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+TORCH_FREE = [
+    "pdspark",
+    "pdspark.client",
+    "pdspark.rpc.convert",
+    "pdspark.rpc.status",
+    "pdspark.router.router_server",
+    "pdspark.router.http_api",
+    "pdspark.router.grpc_api",
+    "pdspark.transfer.plan",
+    "pdspark.config",
+]
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_imports_without_torch(module):
+    code = (
+        f"import sys, importlib; importlib.import_module({module!r}); "
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+        "print(','.join(loaded[:5])); sys.exit(1 if loaded else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"importing {module} loaded torch: {out.stdout.strip()} {out.stderr[-2000:]}"
+
+
+def test_llm_is_still_reachable_from_the_package():
+    out = subprocess.run([sys.executable, "-c", "import pdspark; print(pdspark.LLM.__name__)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "LLM", out.stderr[-2000:]
