@@ -66,4 +66,5 @@ class LLM:
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint ships no tokenizer; pass `prompt_token_ids` instead")
-        return texts, [self.tokenizer.encode(t) for t in texts]
+        ids = [self.tokenizer.encode(t) for t in texts]
+        return list[str | None](texts), ids

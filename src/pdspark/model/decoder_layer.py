@@ -9,7 +9,7 @@ from pdspark.model.attention import Attention
 from pdspark.model.batch import ForwardBatch, LayerCache
 from pdspark.model.hyper_connection import HyperConnection
 from pdspark.model.model_config import ModelConfig
-from pdspark.model.moe import MoE
+from pdspark.model.moe import MoE, SharedExpert
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RopeAt, RotaryTable
 
@@ -17,7 +17,7 @@ from pdspark.model.rope import RopeAt, RotaryTable
 class DecoderLayer(nn.Module):
     """The mHC frame around an attention and an FFN (the DSpark draft's stages reuse it with their own parts)."""
 
-    def __init__(self, cfg: ModelConfig, attn: nn.Module, ffn: nn.Module):
+    def __init__(self, cfg: ModelConfig, attn: Attention, ffn: MoE | SharedExpert):
         super().__init__()
         D = cfg.hidden_size
         self.attn_hc = HyperConnection(cfg.hc_mult, D, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)

@@ -54,8 +54,10 @@ class DraftAttention(Attention):
 class DraftStage(DecoderLayer):
     """A sliding-window DSV4 layer of the draft: mHC, draft attention, and a routed MoE or a dense SwiGLU."""
 
+    attn: DraftAttention
+
     def __init__(self, cfg: ModelConfig, dcfg: DSparkConfig):
-        ffn: nn.Module
+        ffn: MoE | SharedExpert
         if dcfg.n_routed_experts:
             moe_cfg = replace(
                 cfg,
@@ -104,9 +106,13 @@ class DSparkDraft(nn.Module):
 
     def prepare_inference(self) -> None:
         """Freeze the stages' mHC mix parameters for the C collapse (call once the weights are final)."""
-        for stage in self.stages:
+        for stage in self.draft_stages:
             stage.attn_hc.freeze()
             stage.ffn_hc.freeze()
+
+    @property
+    def draft_stages(self) -> list[DraftStage]:
+        return [s for s in self.stages if isinstance(s, DraftStage)]
 
     @property
     def vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +125,7 @@ class DSparkDraft(nn.Module):
         """Target features `[N, D*L]` at `positions [N]` -> each stage's injected K=V rows `[stages, N, d]`."""
         main_x = self.main_norm(F.linear(features.to(self.main_proj.dtype), self.main_proj))
         rope_at = self.rope.at(positions)
-        return torch.stack([stage.attn.project_kv(main_x, rope_at) for stage in self.stages])
+        return torch.stack([stage.attn.project_kv(main_x, rope_at) for stage in self.draft_stages])
 
     def block_hidden(
         self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor

@@ -12,6 +12,7 @@ from pdspark.model.batch import ForwardBatch, LayerCaches
 from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.hyper_connection import HyperHead
 from pdspark.model.model_config import SLIDING, ModelConfig
+from pdspark.model.moe import MoE
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RotaryTable
 
@@ -59,6 +60,7 @@ class DSV4Model(nn.Module):
         """Fuse the projections that read the same input and freeze the mHC mix parameters for the C collapse
         (call once the weights are final)."""
         for layer in self.layers:
+            assert isinstance(layer, DecoderLayer) and isinstance(layer.ffn, MoE)  # target layers: attention + MoE
             layer.attn.fuse()
             layer.ffn.fuse()
             layer.attn_hc.freeze()

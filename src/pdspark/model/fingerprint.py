@@ -7,8 +7,10 @@ import json
 
 import torch
 
+from pdspark.model.dsv4 import DSV4Model
 
-def model_fingerprint(model: torch.nn.Module) -> str:
+
+def model_fingerprint(model: DSV4Model) -> str:
     """A digest of the architecture and every weight (names, shapes, dtypes, values)."""
     h = hashlib.sha256(json.dumps(model.cfg.fingerprint_dict(), sort_keys=True, default=str).encode())
     with torch.no_grad():

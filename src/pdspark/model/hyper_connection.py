@@ -34,7 +34,8 @@ class HyperConnection(nn.Module):
     def freeze(self) -> None:
         """Inference only: keep contiguous fp32 copies of the mix parameters for the C collapse (call once the
         weights are final)."""
-        self._frozen = tuple(p.detach().float().contiguous() for p in (self.fn, self.scale, self.base))
+        fn, scale, base = (p.detach().float().contiguous() for p in (self.fn, self.scale, self.base))
+        self._frozen = (fn, scale, base)
 
     def collapse(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])` (post/comb in fp32)."""

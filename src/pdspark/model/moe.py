@@ -77,7 +77,7 @@ class MoE(nn.Module):
     def _route_logits(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.softplus(logits).sqrt() if self.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
         if self.is_hash:
-            ids = self.tid2eid[input_ids]
+            ids = self.get_buffer("tid2eid")[input_ids]
         else:
             ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
@@ -106,7 +106,7 @@ class MoE(nn.Module):
         """Few (token, expert) pairs (decode): run each pair against its expert's weights in place."""
         fused = hasattr(self, "_expert_w13") and not torch.is_grad_enabled()
         w13, w2 = (self._expert_w13, self._expert_w2) if fused else (self.w13, self.w2)
-        rows = []
+        rows: list[torch.Tensor] = []
         # (Python floats from fp32 weights are exact: the products equal those with the weight tensor.)
         for t, (experts, ws) in enumerate(zip(ids.tolist(), weights.tolist())):
             xt, acc = x[t : t + 1], None
@@ -114,6 +114,7 @@ class MoE(nn.Module):
                 gate, up = F.linear(xt, w13[e]).chunk(2, dim=-1)
                 y = F.linear(swiglu(gate, up, self.limit), w2[e]) * w
                 acc = y if acc is None else acc + y
+            assert acc is not None  # every token routes to >= 1 expert
             rows.append(acc)
         return torch.cat(rows).to(x.dtype)
 

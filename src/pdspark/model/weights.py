@@ -189,7 +189,7 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False) -> 
 
 def assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor], mapper) -> set[Piece]:
     """Copy `tensors` into `module` through `mapper(name) -> Piece | None`; returns the pieces filled."""
-    params = dict(module.named_parameters())
+    params: dict[str, torch.Tensor] = dict(module.named_parameters())
     params.update(dict(module.named_buffers()))
     filled: set[Piece] = set()
     with torch.no_grad():
