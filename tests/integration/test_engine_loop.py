@@ -10,6 +10,7 @@ from conftest import MIXED
 from helpers import GREEDY
 from pdspark import SamplingParams
 from pdspark.engine.factory import create_engine
+from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 
 # Pools of 4 full pages of 16 tokens: a 40-token prompt takes 3, so a second one cannot start while the first
@@ -37,33 +38,21 @@ def test_loop_sleeps_while_the_only_request_waits_for_held_pages(engine):
 
     loop.add_ticker(count_steps)
     loop.start()
+    client = EngineClient(loop, timeout_s=30)
     try:
         held = threading.Event()
         blocked_done = threading.Event()
-
-        def start_held() -> None:
-            engine.add_request([5] * 40, PARAMS, request_id="held", hold_pages=True)
-            loop.listen("held", lambda out: out.finished and held.set())
-
-        loop.call(start_held)
+        client.submit("held", [5] * 40, PARAMS, lambda out: out.finished and held.set(), hold_pages=True)
         assert held.wait(30), "the first request never finished"
 
-        def start_blocked() -> None:
-            engine.add_request([6] * 40, PARAMS, request_id="blocked")
-            loop.listen("blocked", lambda out: out.finished and blocked_done.set())
-            watch["from"] = loop.steps
-
-        loop.call(start_blocked)
+        client.submit("blocked", [6] * 40, PARAMS, lambda out: out.finished and blocked_done.set())
+        watch["from"] = loop.steps
         # The blocked request can neither start nor fail: the loop must wait for a change, not step in a loop.
         # (Waiting here on an event with a deadline: an assertion that something does not happen needs a window.)
         assert not spinning.wait(0.5), f"the loop ran {loop.steps - watch['from']} steps with nothing to run"
         assert not blocked_done.is_set()
 
-        def release_held() -> None:
-            engine.release_held("held")
-            engine.release("held")
-
-        loop.call(release_held)  # a command wakes the loop at once, long before its 60 s idle wait ends
+        assert client.release("held")  # a command wakes the loop at once, long before its 60 s idle wait ends
         assert blocked_done.wait(30), "the blocked request did not run once the pages were released"
         assert engine.requests["blocked"].finish_reason == "length"
     finally:
