@@ -12,6 +12,7 @@ from pdspark import SamplingParams
 from pdspark.engine.factory import create_engine
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
+from pdspark.types import FinishReason
 
 # Pools of 4 full pages of 16 tokens: a 40-token prompt takes 3, so a second one cannot start while the first
 # holds its pages for a transfer.
@@ -54,7 +55,7 @@ def test_loop_sleeps_while_the_only_request_waits_for_held_pages(engine):
 
         assert client.release("held")  # a command wakes the loop at once, long before its 60 s idle wait ends
         assert blocked_done.wait(30), "the blocked request did not run once the pages were released"
-        assert engine.requests["blocked"].finish_reason == "length"
+        assert engine.requests["blocked"].finish_reason == FinishReason.LENGTH
     finally:
         loop.stop(timeout=5)
     assert not loop.is_alive(), "stop() did not wake the waiting loop"

@@ -12,7 +12,7 @@ import queue
 import time
 from collections.abc import Callable, Iterator
 
-from pdspark.errors import PdsparkError, RequestFailed, as_request_failed
+from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
 from pdspark.serving.engine_client import EngineClient, Reservation
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
@@ -61,7 +61,7 @@ class DecodeWorker:
                 try:
                     out = outputs.get(timeout=self.stall_timeout_s)
                 except queue.Empty:
-                    raise RequestFailed("UNAVAILABLE", f"no token for {self.stall_timeout_s:.0f}s") from None
+                    raise RequestFailed(ErrorCode.UNAVAILABLE, f"no token for {self.stall_timeout_s:.0f}s") from None
                 yield out
         finally:
             # Normal end, client gone or stalled: make sure the engine lets go of the request.
@@ -80,7 +80,7 @@ class DecodeWorker:
             if reservation is not None:
                 return reservation
             if time.time() + _RESERVE_RETRY_S > deadline:
-                raise RequestFailed("UNAVAILABLE", "no free pages for the prompt's cache before the deadline")
+                raise RequestFailed(ErrorCode.UNAVAILABLE, "no free pages for the prompt's cache before the deadline")
             time.sleep(_RESERVE_RETRY_S)
 
     def _receive(self, request_id: str, transfer_id: str, prompt_ids: list[int], reservation: Reservation,
@@ -100,7 +100,7 @@ class DecodeWorker:
         if arrived != result.checksum:
             if self.metrics is not None:
                 self.metrics.transfer_failures.labels(reason="checksum").inc()
-            raise RequestFailed("TRANSFER", f"transfer {transfer_id!r}: integrity check failed")
+            raise RequestFailed(ErrorCode.TRANSFER, f"transfer {transfer_id!r}: integrity check failed")
         if self.metrics is not None:
             self.metrics.observe_transfer(result.stats)
         return result

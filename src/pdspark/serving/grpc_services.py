@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 from pdspark.errors import PdsparkError, as_request_failed
-from pdspark.rpc import convert
-from pdspark.rpc.status import STATUS_OF
+from pdspark.rpc import convert, status
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.prefill_worker import PrefillWorker
@@ -80,8 +79,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 yield _chunk(out, sent, sent_text, text)
                 sent, sent_text = len(out.token_ids), text
         except PdsparkError as e:
-            failure = as_request_failed(e)
-            context.abort(STATUS_OF[failure.code], f"{failure.code}: {failure.message}")
+            status.abort(context, as_request_failed(e))
 
     def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
@@ -105,7 +103,7 @@ def _chunk(out: RequestOutput, sent: int, sent_text: str, text: str) -> worker_p
         token_ids=out.token_ids[sent:],
         text=text[common:],
         finished=out.finished,
-        finish_reason=out.finish_reason or "",
+        finish_reason=convert.finish_reason_to_pb(out.finish_reason),
         num_cached_tokens=out.num_cached_tokens,
         spec_verify_steps=out.spec_verify_steps,
         spec_accepted_tokens=out.spec_accepted_tokens,

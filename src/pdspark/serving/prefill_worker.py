@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from pdspark.errors import PdsparkError, RequestFailed, as_request_failed
+from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
@@ -26,7 +26,7 @@ from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult, TransferStats
 from pdspark.transfer.transfer_plan import cache_buffers, plan_writes
-from pdspark.types import RequestOutput, SamplingParams
+from pdspark.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 # How long a transfer that started before its deadline may still take (the decode side waits this much longer).
@@ -73,7 +73,7 @@ class PrefillWorker:
         rv = self._rendezvous(transfer_id, deadline)
         with self._lock:
             if rv.request_id is not None:
-                raise RequestFailed("INVALID_REQUEST",
+                raise RequestFailed(ErrorCode.INVALID_REQUEST,
                                     f"transfer_id {transfer_id!r} is already being prefilled")
             rv.request_id = request_id
         first_only = replace(params, max_tokens=1, stop=(), stop_token_ids=())
@@ -91,7 +91,7 @@ class PrefillWorker:
         diff = self.compat.diff(plan.compat)
         if diff:
             message = f"prefill and decode workers differ in {', '.join(diff)}; refusing to transfer"
-            self._fail(rv, RequestFailed("INCOMPATIBLE", message))
+            self._fail(rv, RequestFailed(ErrorCode.INCOMPATIBLE, message))
         else:
             with self._lock:
                 rv.plan, rv.plan_at = plan, time.monotonic()
@@ -103,7 +103,7 @@ class PrefillWorker:
             rv = next((r for r in self._pending.values() if r.request_id == request_id), None)
         if rv is None:
             return False
-        self._fail(rv, RequestFailed("ABORTED", f"request {request_id!r} aborted"))
+        self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"request {request_id!r} aborted"))
         return True
 
     @property
@@ -130,8 +130,8 @@ class PrefillWorker:
         if rv.done.is_set():  # failed while the request was being queued: nobody else frees its pages now
             self._release(rv)
             return
-        if out.finish_reason == "abort":
-            self._fail(rv, RequestFailed("ABORTED", "prefill aborted"))
+        if out.finish_reason == FinishReason.ABORT:
+            self._fail(rv, RequestFailed(ErrorCode.ABORTED, "prefill aborted"))
             return
         with self._lock:
             rv.first, rv.prefill_s = out, seconds
@@ -160,7 +160,7 @@ class PrefillWorker:
         if time.time() > rv.deadline:
             with self._lock:
                 rv.finished_writing = True
-            self._fail(rv, RequestFailed("DEADLINE",
+            self._fail(rv, RequestFailed(ErrorCode.DEADLINE,
                                          f"transfer {rv.transfer_id!r}: deadline passed before writing"))
             return
         try:
@@ -172,7 +172,7 @@ class PrefillWorker:
             logger.warning("transfer %s failed: %s", rv.transfer_id, e)
             with self._lock:
                 rv.finished_writing = True
-            self._fail(rv, RequestFailed("TRANSFER", str(e)))
+            self._fail(rv, RequestFailed(ErrorCode.TRANSFER, str(e)))
             return
         stats = TransferStats(
             bytes=writes.nbytes, num_writes=len(writes.writes), transfer_s=seconds, prefill_s=rv.prefill_s,
@@ -208,7 +208,7 @@ class PrefillWorker:
             self._pending.pop(rv.transfer_id, None)
             self._failed[rv.transfer_id] = (error, rv.deadline)
         if self.metrics is not None:
-            self.metrics.transfer_failures.labels(reason=error.code.lower()).inc()
+            self.metrics.transfer_failures.labels(reason=error.code.value).inc()
         self._release(rv)
         rv.done.set()
 
@@ -219,10 +219,10 @@ class PrefillWorker:
 
     def _wait(self, rv: _Rendezvous) -> TransferResult:
         if not rv.done.wait(max(0.0, rv.deadline - time.time())):
-            self._fail(rv, RequestFailed("DEADLINE", self._deadline_message(rv)))
+            self._fail(rv, RequestFailed(ErrorCode.DEADLINE, self._deadline_message(rv)))
             # Writes already in flight finish first (bounded by the transfer engine's own timeouts).
             if not rv.done.wait(WRITE_GRACE_S):
-                raise RequestFailed("TRANSFER", f"transfer {rv.transfer_id!r}: writes did not finish")
+                raise RequestFailed(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: writes did not finish")
         if rv.error is not None:
             raise rv.error
         assert rv.result is not None
@@ -235,7 +235,7 @@ class PrefillWorker:
             late = [rv for rv in self._pending.values() if rv.deadline < now and not rv.started]
             self._failed = {k: v for k, v in self._failed.items() if v[1] > now}
         for rv in late:
-            self._fail(rv, RequestFailed("DEADLINE", self._deadline_message(rv)))
+            self._fail(rv, RequestFailed(ErrorCode.DEADLINE, self._deadline_message(rv)))
 
     @staticmethod
     def _deadline_message(rv: _Rendezvous) -> str:
