@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdspark.v1 import worker_pb2, worker_pb2_grpc
+from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 class StubPrefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -35,7 +35,8 @@ class StubDecode(worker_pb2_grpc.DecodeWorkerServicer):
         for i in range(self.tokens):
             yield worker_pb2.GenerateChunk(request_id=request.request_id, token_ids=[9], text="x",
                                            finished=i == self.tokens - 1,
-                                           finish_reason="length" if i == self.tokens - 1 else "")
+                                           finish_reason=common_pb2.FINISH_REASON_LENGTH if i == self.tokens - 1
+                                           else common_pb2.FINISH_REASON_UNSPECIFIED)
 
     def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=False)

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-ids", help="comma-separated prompt token ids (for checkpoints without a tokenizer)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--ignore-eos", action="store_true")

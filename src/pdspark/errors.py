@@ -11,6 +11,8 @@ Internal invariants use `assert`.
 
 from __future__ import annotations
 
+import enum
+
 
 class PdsparkError(Exception):
     """Base class of every error pdspark raises on purpose."""
@@ -21,7 +23,11 @@ class ConfigError(PdsparkError, ValueError):
 
 
 class InvalidRequestError(PdsparkError, ValueError):
-    """A request that cannot be served as given."""
+    """A request that cannot be served as given; `field` names the offending parameter when there is one."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class CapacityError(PdsparkError):
@@ -39,16 +45,53 @@ def check_choice(name: str, value: object, allowed: tuple | list | set) -> None:
         raise ConfigError(f"unsupported value {value!r} for `{name}`; allowed: {choices}")
 
 
+class ErrorCode(enum.Enum):
+    """Why a request failed, as every side of the wire reports it. Each code owns what it means to each audience:
+    the HTTP status and OpenAI error `type` the router answers with, the gRPC status a service aborts a call with
+    (by name, so this module needs no grpc), and whether the router may retry the request on another
+    prefill/decode pair (only before its first token reached the caller). The value is the code's name in HTTP
+    error bodies and metric labels. The protobuf `ErrorCode` (common.proto) carries it between processes."""
+
+    #                  value               HTTP  gRPC status             retry  OpenAI error type
+    INVALID_REQUEST = ("invalid_request", 400, "INVALID_ARGUMENT", False, "invalid_request_error")
+    CAPACITY = ("capacity", 400, "INVALID_ARGUMENT", False, "invalid_request_error")  # never fits: not a 429
+    INCOMPATIBLE = ("incompatible", 503, "FAILED_PRECONDITION", True, "server_error")  # another pair may match
+    DEADLINE = ("deadline", 504, "DEADLINE_EXCEEDED", True, "server_error")
+    TRANSFER = ("transfer", 502, "INTERNAL", True, "server_error")
+    ABORTED = ("aborted", 499, "CANCELLED", False, "server_error")  # 499: nginx's "client closed request"
+    UNAVAILABLE = ("unavailable", 503, "UNAVAILABLE", True, "server_error")
+
+    def __new__(cls, value: str, http_status: int, grpc_status: str, retryable: bool, openai_type: str):
+        member = object.__new__(cls)
+        member._value_ = value
+        member.http_status = http_status
+        member.grpc_status = grpc_status
+        member.retryable = retryable
+        member.openai_type = openai_type
+        return member
+
+    http_status: int
+    grpc_status: str  # a `grpc.StatusCode` name
+    retryable: bool
+    openai_type: str
+
+    @classmethod
+    def of_transport(cls, grpc_status: str) -> ErrorCode:
+        """The code of a call that failed without a pdspark error attached (the peer is gone, the caller's own
+        deadline passed or it cancelled): what the transport's status says about the peer."""
+        if grpc_status == "DEADLINE_EXCEEDED":
+            return cls.DEADLINE
+        if grpc_status == "CANCELLED":
+            return cls.ABORTED
+        return cls.UNAVAILABLE
+
+
 class RequestFailed(PdsparkError):
-    """A request that a worker could not complete, with a code shared across the wire (see `ErrorCode` in
-    proto/pdspark/v1/common.proto): INVALID_REQUEST, INCOMPATIBLE, DEADLINE, CAPACITY, TRANSFER, ABORTED,
-    UNAVAILABLE."""
+    """A request that a worker or the router could not complete, with its typed `code`."""
 
-    CODES = ("INVALID_REQUEST", "INCOMPATIBLE", "DEADLINE", "CAPACITY", "TRANSFER", "ABORTED", "UNAVAILABLE")
-
-    def __init__(self, code: str, message: str):
-        assert code in self.CODES, code
-        super().__init__(f"{code}: {message}")
+    def __init__(self, code: ErrorCode, message: str):
+        assert isinstance(code, ErrorCode), code
+        super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
 
@@ -58,7 +101,7 @@ def as_request_failed(e: PdsparkError) -> RequestFailed:
     if isinstance(e, RequestFailed):
         return e
     if isinstance(e, InvalidRequestError):
-        return RequestFailed("INVALID_REQUEST", str(e))
+        return RequestFailed(ErrorCode.INVALID_REQUEST, str(e))
     if isinstance(e, CapacityError):
-        return RequestFailed("CAPACITY", str(e))
-    return RequestFailed("UNAVAILABLE", str(e))
+        return RequestFailed(ErrorCode.CAPACITY, str(e))
+    return RequestFailed(ErrorCode.UNAVAILABLE, str(e))

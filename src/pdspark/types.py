@@ -1,22 +1,33 @@
-"""Public request/response types of the engine: `SamplingParams`, `RequestOutput`, `TokenLogprobs`."""
+"""Public request/response types of the engine: `SamplingParams`, `FinishReason`, `RequestOutput`,
+`TokenLogprobs`."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pdspark.errors import InvalidRequestError
 
-FINISH_STOP = "stop"  # EOS, a stop token id or a stop string
-FINISH_LENGTH = "length"  # max_tokens or max_model_len
-FINISH_ABORT = "abort"
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped generating; the same value from the engine to the HTTP body and the SDK. The value is
+    OpenAI's `finish_reason` string ("abort" is vLLM's extension for a request the server stopped). The `str` base
+    lets a reason compare equal to, and serialise as, that string."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # aborted: by the caller, or by the engine (a failed step, a request that can never start)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. `temperature=0` is greedy; `top_k=-1` and `top_p=1` disable those filters."""
+    """How to pick each next token. `temperature=0` is greedy; `top_k=None` and `top_p=1` disable those filters."""
 
     temperature: float = 1.0
-    top_k: int = -1
+    top_k: int | None = None
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 16
@@ -28,7 +39,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0, "temperature", self.temperature, ">= 0")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1")
+        _check(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1), "top_k", self.top_k,
+               "None (off) or >= 1")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "None or 0..20")
@@ -48,7 +60,7 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise InvalidRequestError(f"invalid `{name}` = {value!r}; allowed: {allowed}")
+        raise InvalidRequestError(f"invalid `{name}` = {value!r}; allowed: {allowed}", field=name)
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     # The stop string or stop token that ended the request, when that is what ended it.
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0

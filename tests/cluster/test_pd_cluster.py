@@ -15,7 +15,7 @@ from conftest import random_prompts
 from helpers import GREEDY, make_llm
 from pdspark import SamplingParams
 from pdspark.rpc import convert
-from pdspark.v1 import worker_pb2, worker_pb2_grpc
+from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 ARGS = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "4", "--speculative", "dspark",
         "--transfer-backend", "mooncake"]
@@ -89,7 +89,7 @@ def test_disaggregated_output_equals_offline(ckpt, cluster):
         out = dispatch(*cluster, prompt, params)
         assert "decode_error" not in out, out.get("decode_error")
         assert out["tokens"] == ref.token_ids
-        assert out["chunks"][-1].finished and out["chunks"][-1].finish_reason == "length"
+        assert out["chunks"][-1].finished and out["chunks"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert out["prefill"].stats.bytes > 0 and not out["prefill"].HasField("error")
     assert back_to_free(*cluster)
 

@@ -244,11 +244,12 @@ def test_sdk_cancel_aborts_on_the_server(cluster):
 
 def test_sdk_deadline_is_enforced(cluster):
     from pdspark.client import ClientError
+    from pdspark.errors import ErrorCode
 
     with Client(cluster["grpc"]) as client:
         with pytest.raises(ClientError) as e:
             client.generate(PROMPTS[1], max_tokens=220, ignore_eos=True, timeout=0.3)
-        assert e.value.code == "DEADLINE_EXCEEDED"
+        assert e.value.code == "DEADLINE_EXCEEDED" and e.value.error_code is ErrorCode.DEADLINE
     t0 = time.monotonic()
     while not workers_idle(cluster):
         assert time.monotonic() - t0 < 2.0

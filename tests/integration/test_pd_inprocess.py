@@ -13,7 +13,7 @@ from conftest import random_prompts
 from helpers import GREEDY, make_llm
 from pdspark import SamplingParams
 from pdspark.engine.factory import create_engine
-from pdspark.errors import RequestFailed
+from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
@@ -152,9 +152,9 @@ def test_incompatible_pair_refuses_before_any_byte_moves(ckpt):
     try:
         t0 = time.monotonic()
         out = pair.run(random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=10)
-        assert out["decode_error"].code == "INCOMPATIBLE"
+        assert out["decode_error"].code == ErrorCode.INCOMPATIBLE
         assert "page_size" in out["decode_error"].message
-        assert out["prefill_error"].code == "INCOMPATIBLE"
+        assert out["prefill_error"].code == ErrorCode.INCOMPATIBLE
         assert time.monotonic() - t0 < 10
         assert pair.free_counts_restored()
     finally:
@@ -165,7 +165,7 @@ def test_decode_frees_its_pages_when_prefill_never_answers(pair):
     t0 = time.monotonic()
     out = pair.run(random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=1.0,
                    skip_prefill=True)
-    assert out["decode_error"].code == "DEADLINE"
+    assert out["decode_error"].code == ErrorCode.DEADLINE
     assert time.monotonic() - t0 < 3.0
     assert pair.free_counts_restored()
 
@@ -174,6 +174,6 @@ def test_prefill_drops_the_request_when_no_plan_arrives(pair):
     t0 = time.monotonic()
     out = pair.run(random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=1.0,
                    skip_decode=True)
-    assert out["prefill_error"].code == "DEADLINE" and "plan" in out["prefill_error"].message
+    assert out["prefill_error"].code == ErrorCode.DEADLINE and "plan" in out["prefill_error"].message
     assert time.monotonic() - t0 < 3.0
     assert pair.free_counts_restored()

@@ -28,7 +28,7 @@ class AsyncStream:
             async for msg in self._call:
                 yield to_chunk(msg)
         except grpc.aio.AioRpcError as e:
-            raise ClientError(e.code().name, e.details() or "") from e
+            raise ClientError.from_rpc_error(e) from e
 
     async def cancel(self) -> None:
         self._call.cancel()
@@ -47,7 +47,7 @@ class AsyncClient:
         try:
             chunks = [c async for c in self._stub.Generate(msg, timeout=timeout or self.timeout)]
         except grpc.aio.AioRpcError as e:
-            raise ClientError(e.code().name, e.details() or "") from e
+            raise ClientError.from_rpc_error(e) from e
         return collect(chunks, msg.request_id)
 
     def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None,

@@ -9,17 +9,26 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdspark.errors import ErrorCode
 from pdspark.rpc import convert
-from pdspark.types import SamplingParams, TokenLogprobs
+from pdspark.rpc.status import failure_from_rpc_error
+from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 from pdspark.v1 import router_pb2, router_pb2_grpc
 
 
 class ClientError(Exception):
-    """A failed call: `code` is the gRPC status name (e.g. INVALID_ARGUMENT, DEADLINE_EXCEEDED, CANCELLED)."""
+    """A failed call. `code` is the gRPC status name (e.g. INVALID_ARGUMENT, DEADLINE_EXCEEDED, CANCELLED);
+    `error_code` is pdspark's typed code: the one the router (or a worker behind it) reported, or, when the call
+    failed in the transport (its deadline passed, the router is unreachable), what that status means.
+    `error_code.retryable` says whether the same request may succeed if sent again."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, error_code: ErrorCode):
         super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
+        self.code, self.message, self.error_code = code, message, error_code
+
+    @classmethod
+    def from_rpc_error(cls, e: grpc.RpcError) -> ClientError:
+        return cls(e.code().name, e.details() or "", failure_from_rpc_error(e).code)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,7 @@ class StreamChunk:
     token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str
+    finish_reason: FinishReason | None  # set on the last chunk
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
@@ -49,7 +58,7 @@ class GenerateResult:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -70,7 +79,8 @@ def build_request(prompt: str | None, token_ids: list[int] | None, request_id: s
 
 
 def to_chunk(msg: router_pb2.RouterGenerateChunk) -> StreamChunk:
-    return StreamChunk(msg.request_id, list(msg.token_ids), msg.text, msg.finished, msg.finish_reason,
+    return StreamChunk(msg.request_id, list(msg.token_ids), msg.text, msg.finished,
+                       convert.finish_reason_from_pb(msg.finish_reason),
                        [convert.logprob_from_pb(x) for x in msg.logprobs])
 
 
@@ -80,7 +90,7 @@ def collect(chunks: list[router_pb2.RouterGenerateChunk], request_id: str) -> Ge
         request_id=request_id,
         text="".join(c.text for c in chunks),
         token_ids=[t for c in chunks for t in c.token_ids],
-        finish_reason=last.finish_reason,
+        finish_reason=convert.finish_reason_from_pb(last.finish_reason),
         prompt_tokens=last.prompt_tokens,
         completion_tokens=last.completion_tokens,
         cached_tokens=last.cached_tokens,
@@ -106,7 +116,7 @@ class Stream:
             for msg in self._call:
                 yield to_chunk(msg)
         except grpc.RpcError as e:
-            raise ClientError(e.code().name, e.details() or "") from e
+            raise ClientError.from_rpc_error(e) from e
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -126,7 +136,7 @@ class Client:
         try:
             chunks = list(self._stub.Generate(msg, timeout=timeout or self.timeout))
         except grpc.RpcError as e:
-            raise ClientError(e.code().name, e.details() or "") from e
+            raise ClientError.from_rpc_error(e) from e
         return collect(chunks, msg.request_id)
 
     def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None,

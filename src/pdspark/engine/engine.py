@@ -23,7 +23,7 @@ from pdspark.errors import CapacityError, ConfigError, InvalidRequestError
 from pdspark.model.dspark import DSparkDraft
 from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.tokenizer import Tokenizer
-from pdspark.types import FINISH_ABORT, RequestOutput, SamplingParams
+from pdspark.types import FinishReason, RequestOutput, SamplingParams
 
 
 @dataclass
@@ -137,7 +137,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
-        req.finish_reason = FINISH_ABORT
+        req.finish_reason = FinishReason.ABORT
         self.scheduler.finish(req)
         return True
 
@@ -211,7 +211,7 @@ class Engine:
         if not self.scheduler.waiting or holding:
             return []
         req = self.scheduler.waiting[0]
-        req.finish_reason, req.stop_reason = FINISH_ABORT, "the request does not fit the configured pools"
+        req.finish_reason, req.stop_reason = FinishReason.ABORT, "the request does not fit the configured pools"
         self.scheduler.finish(req)
         return [self.output(req)]
 

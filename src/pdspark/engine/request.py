@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdspark.cache.kv_cache import ReqPages
-from pdspark.types import SamplingParams, TokenLogprobs
+from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -34,7 +34,7 @@ class Request:
     num_cached_tokens: int = 0
     pages: ReqPages | None = None
     generator: torch.Generator | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     text: str | None = None
     logprobs: list[TokenLogprobs] | None = None

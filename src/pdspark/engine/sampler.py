@@ -10,7 +10,7 @@ from pdspark.types import SamplingParams, TokenLogprobs
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature-scaled `[V]` logits with tokens outside top-k / top-p set to -inf."""
     logits = logits / params.temperature
-    if params.top_k != -1 and params.top_k < logits.shape[-1]:
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:

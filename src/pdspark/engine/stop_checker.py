@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdspark.engine.request import Request
 from pdspark.model.tokenizer import Tokenizer
-from pdspark.types import FINISH_LENGTH, FINISH_STOP
+from pdspark.types import FinishReason
 
 
 class StopChecker:
@@ -24,17 +24,17 @@ class StopChecker:
                 idx = req.text.find(s, max(0, len(req.text) - len(s) - 64))
                 if idx != -1:
                     req.text = req.text[:idx]
-                    return _finish(req, FINISH_STOP, s)
+                    return _finish(req, FinishReason.STOP, s)
         if token in p.stop_token_ids:
-            return _finish(req, FINISH_STOP, token)
+            return _finish(req, FinishReason.STOP, token)
         if not p.ignore_eos and token in self.eos_token_ids:
-            return _finish(req, FINISH_STOP, token)
+            return _finish(req, FinishReason.STOP, token)
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return _finish(req, FINISH_LENGTH, None)
+            return _finish(req, FinishReason.LENGTH, None)
         return False
 
 
-def _finish(req: Request, reason: str, stop_reason: str | int | None) -> bool:
+def _finish(req: Request, reason: FinishReason, stop_reason: str | int | None) -> bool:
     req.finish_reason = reason
     req.stop_reason = stop_reason
     return True

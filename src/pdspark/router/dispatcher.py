@@ -16,20 +16,19 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
-from pdspark.errors import RequestFailed
+from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router.policies import Policy
 from pdspark.router.worker_registry import WorkerInfo, WorkerRegistry
 from pdspark.rpc import convert
-from pdspark.rpc.status import failure_from_rpc_error
-from pdspark.types import SamplingParams, TokenLogprobs
+from pdspark.rpc.status import failure_from_rpc_error, reported_failure
+from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 from pdspark.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
-RETRYABLE = ("UNAVAILABLE", "DEADLINE", "TRANSFER", "INCOMPATIBLE")
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class DispatchChunk:
     text: str
     logprobs: list[TokenLogprobs]
     finished: bool
-    finish_reason: str
+    finish_reason: FinishReason | None  # set on the last chunk
     completion_tokens: int  # generated so far
     cached_tokens: int
     prefill_worker: str
@@ -53,8 +52,15 @@ class _Active:
     decode: WorkerInfo
     stream: grpc.aio.UnaryStreamCall | None = None
     prefill_call: asyncio.Future | None = None
-    cancelled: bool = False
-    tasks: list = field(default_factory=list)
+
+
+class _PairFailed(Exception):
+    """A pair's attempt failed: the failure to report, and the worker to avoid if the request is retried."""
+
+    def __init__(self, failure: RequestFailed, avoid: str):
+        super().__init__(str(failure))
+        self.failure = failure
+        self.avoid = avoid
 
 
 class Dispatcher:
@@ -81,16 +87,15 @@ class Dispatcher:
                     started = True
                     yield chunk
                 return
-            except RequestFailed as failure:
-                last = failure
-                if started or failure.code not in RETRYABLE:
-                    raise
+            except _PairFailed as e:
+                last = e.failure
+                if started or not e.failure.code.retryable:
+                    raise e.failure from e.__cause__
                 logger.warning("request %s attempt %d on (%s, %s) failed before its first token: %s", request_id,
-                               attempt + 1, prefill.address, decode.address, failure)
+                               attempt + 1, prefill.address, decode.address, e.failure)
                 if self.metrics is not None:
                     self.metrics.retries.inc()
-                # A decode worker we could not reach is the one to avoid; otherwise the prefill leg failed.
-                excluded.add(decode.address if getattr(failure, "unreachable", False) else prefill.address)
+                excluded.add(e.avoid)
         assert last is not None
         raise last
 
@@ -100,7 +105,7 @@ class Dispatcher:
         prefills = prefills or self.registry.healthy("prefill")  # after exclusions, fall back to any healthy one
         decodes = decodes or self.registry.healthy("decode")
         if not prefills or not decodes:
-            raise RequestFailed("UNAVAILABLE", "no healthy prefill and decode worker pair is registered")
+            raise RequestFailed(ErrorCode.UNAVAILABLE, "no healthy prefill and decode worker pair is registered")
         prefill = self.prefill_policy.select(prefills, prompt_ids)
         decode = self.decode_policy.select(decodes, prompt_ids)
         if self.metrics is not None:
@@ -132,14 +137,15 @@ class Dispatcher:
                 async for msg in active.stream:
                     completion += len(msg.token_ids)
                     yield DispatchChunk(list(msg.token_ids), msg.text, [convert.logprob_from_pb(x) for x in
-                                        msg.logprobs], msg.finished, msg.finish_reason, completion,
-                                        msg.num_cached_tokens, prefill.address, decode.address)
+                                        msg.logprobs], msg.finished, convert.finish_reason_from_pb(msg.finish_reason),
+                                        completion, msg.num_cached_tokens, prefill.address, decode.address)
             except grpc.aio.AioRpcError as e:
                 failure = failure_from_rpc_error(e)
-                wrapped = RequestFailed(failure.code, f"decode worker {decode.address}: {failure.message}")
-                # The decode worker reports its own failures as "CODE: message"; anything else is the transport's.
-                wrapped.unreachable = (e.details() or "").split(":", 1)[0] not in RequestFailed.CODES
-                raise wrapped from e
+                # A failure the decode worker reported is about the transfer, so the prefill worker is the one to
+                # avoid; a call that failed without one never reached a working decode worker.
+                avoid = prefill.address if reported_failure(e) is not None else decode.address
+                raise _PairFailed(RequestFailed(failure.code, f"decode worker {decode.address}: {failure.message}"),
+                                  avoid) from e
             await self._prefill_outcome(active)
         finally:
             prefill.in_flight -= 1
@@ -169,6 +175,5 @@ class Dispatcher:
         active = self.active.get(request_id)
         if active is None:
             return False
-        active.cancelled = True
         await self._cancel_legs(request_id, active)
         return True

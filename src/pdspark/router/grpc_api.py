@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-import grpc
-
-from pdspark.errors import InvalidRequestError, RequestFailed
+from pdspark.errors import InvalidRequestError, RequestFailed, as_request_failed
 from pdspark.router.router_core import RouterCore, Totals
-from pdspark.rpc import convert
-from pdspark.rpc.status import STATUS_OF
+from pdspark.rpc import convert, status
 from pdspark.v1 import router_pb2, router_pb2_grpc
 
 
@@ -26,8 +23,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise InvalidRequestError(f"prompt ({len(ids)} tokens) + `max_tokens` ({params.max_tokens}) exceeds "
                                           f"the maximum context length {core.max_model_len}")
         except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return
+            await status.abort_async(context, as_request_failed(e))
         rid = request.request_id or uuid.uuid4().hex
         totals = Totals(len(ids))
         stream = core.run("grpc", rid, ids, params, totals, timeout_s=request.timeout_s or None)
@@ -36,12 +32,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 yield router_pb2.RouterGenerateChunk(
                     request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
                     logprobs=[convert.logprob_to_pb(lp) for lp in chunk.logprobs], finished=chunk.finished,
-                    finish_reason=chunk.finish_reason, prompt_tokens=totals.prompt_tokens,
+                    finish_reason=convert.finish_reason_to_pb(chunk.finish_reason), prompt_tokens=totals.prompt_tokens,
                     completion_tokens=chunk.completion_tokens, cached_tokens=chunk.cached_tokens,
                     prefill_worker=chunk.prefill_worker, decode_worker=chunk.decode_worker,
                 )
         except RequestFailed as e:
-            await context.abort(STATUS_OF[e.code], f"{e.code}: {e.message}")
+            await status.abort_async(context, e)
         finally:
             await stream.aclose()
 

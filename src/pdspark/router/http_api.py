@@ -16,8 +16,6 @@ from pdspark.router.openai_protocol import ApiError
 from pdspark.router.router_core import RouterCore, Totals
 
 logger = logging.getLogger(__name__)
-_HTTP_OF = {"INVALID_REQUEST": 400, "CAPACITY": 400, "INCOMPATIBLE": 503, "DEADLINE": 504, "TRANSFER": 502,
-            "ABORTED": 499, "UNAVAILABLE": 503}
 
 
 def build_app(core: RouterCore) -> web.Application:
@@ -42,10 +40,12 @@ def _error(e: ApiError) -> web.Response:
 
 
 def _failure(e: RequestFailed) -> web.Response:
-    status = _HTTP_OF.get(e.code, 500)
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    return web.json_response({"error": {"message": e.message, "type": kind, "param": None,
-                                        "code": e.code.lower()}}, status=status)
+    return web.json_response(_failure_body(e), status=e.code.http_status)
+
+
+def _failure_body(e: RequestFailed) -> dict:
+    """OpenAI's error object for a failed request (also sent as the last SSE event of a broken stream)."""
+    return {"error": {"message": e.message, "type": e.code.openai_type, "param": None, "code": e.code.value}}
 
 
 async def _json(request: web.Request) -> object:
@@ -102,16 +102,14 @@ class HttpApi:
                 if first:
                     await resp.prepare(request)
                 lps = oai.logprobs_json(chunk.logprobs, core.tokenizer, chat) if parsed.logprobs is not None else None
-                body = oai.completion_body(rid, core.served_name, chat, chunk.text,
-                                           chunk.finish_reason or None if chunk.finished else None, lps, None,
+                body = oai.completion_body(rid, core.served_name, chat, chunk.text, chunk.finish_reason, lps, None,
                                            stream=True, first=first)
                 first = False
                 await resp.write(f"data: {json.dumps(body)}\n\n".encode())
         except RequestFailed as e:
             if first:  # nothing sent yet: a normal error response
                 return _failure(e)
-            err = {"error": {"message": e.message, "type": "server_error", "code": e.code.lower()}}
-            await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+            await resp.write(f"data: {json.dumps(_failure_body(e))}\n\n".encode())
         finally:
             await stream.aclose()  # client gone (ConnectionResetError) or done: cancels both legs if still running
         if parsed.include_usage:
@@ -156,7 +154,8 @@ class HttpApi:
 
         def meta() -> dict:
             return {"id": rid, "prompt_tokens": totals.prompt_tokens, "completion_tokens": totals.completion_tokens,
-                    "cached_tokens": totals.cached_tokens, "finish_reason": totals.finish_reason,
+                    "cached_tokens": totals.cached_tokens,
+                    "finish_reason": totals.finish_reason.value if totals.finish_reason is not None else None,
                     "prefill_worker": totals.prefill_worker, "decode_worker": totals.decode_worker}
 
         if not parsed.stream:
@@ -175,7 +174,7 @@ class HttpApi:
                 event = {"text": chunk.text, "output_ids": chunk.token_ids, "meta_info": meta()}
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         except RequestFailed as e:
-            await resp.write(f"data: {json.dumps({'error': e.message, 'code': e.code.lower()})}\n\n".encode())
+            await resp.write(f"data: {json.dumps({'error': e.message, 'code': e.code.value})}\n\n".encode())
         finally:
             await stream.aclose()
         await resp.write(b"data: [DONE]\n\n")

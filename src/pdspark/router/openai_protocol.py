@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from pdspark.errors import InvalidRequestError
-from pdspark.types import SamplingParams, TokenLogprobs
+from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 
 
 class ApiError(Exception):
@@ -97,7 +97,7 @@ def parse(body: object, *, chat: bool, served_model: str, tokenizer, chat_templa
         params = SamplingParams(
             temperature=float(_typed(body, "temperature", (int, float), default=1.0)),
             top_p=float(_typed(body, "top_p", (int, float), default=1.0)),
-            top_k=_typed(body, "top_k", (int,), default=-1),
+            top_k=_top_k(body),
             seed=_typed(body, "seed", (int,)),
             max_tokens=max_tokens,
             stop=tuple(stops),
@@ -105,11 +105,16 @@ def parse(body: object, *, chat: bool, served_model: str, tokenizer, chat_templa
             logprobs=logprobs,
         )
     except InvalidRequestError as e:
-        field = str(e).split("`")[1] if "`" in str(e) else None
-        raise ApiError(400, str(e), field) from e
+        raise ApiError(400, str(e), e.field) from e
     if params.temperature > 2:
         raise ApiError(400, f"invalid `temperature` = {params.temperature}; allowed: 0 to 2", "temperature")
     return ParsedRequest(prompt_ids, params, stream, bool(options.get("include_usage", False)), chat, logprobs)
+
+
+def _top_k(body: dict) -> int | None:
+    """`top_k` absent, null or -1 means no top-k filter (-1 is how vLLM and SGLang clients spell "off")."""
+    top_k = _typed(body, "top_k", (int,))
+    return None if top_k == -1 else top_k
 
 
 def _completion_prompt(body: dict, tokenizer) -> list[int]:
@@ -182,9 +187,10 @@ def logprobs_json(lps: list[TokenLogprobs], tokenizer, chat: bool) -> dict | Non
             "top_logprobs": [{tok(t): v for t, v in lp.top.items()} for lp in lps]}
 
 
-def completion_body(rid: str, model: str, chat: bool, text: str, finish: str | None, logprobs: dict | None,
-                    use: dict | None, stream: bool, first: bool = False) -> dict:
+def completion_body(rid: str, model: str, chat: bool, text: str, reason: FinishReason | None,
+                    logprobs: dict | None, use: dict | None, stream: bool, first: bool = False) -> dict:
     """A completion (or one streamed chunk of one) in OpenAI's shape."""
+    finish = reason.value if reason is not None else None
     if chat:
         if stream:
             delta = {"role": "assistant", "content": text} if first else {"content": text}

@@ -16,7 +16,7 @@ from pdspark.router.chat_template import ChatTemplate
 from pdspark.router.dispatcher import DispatchChunk, Dispatcher
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry
-from pdspark.types import SamplingParams
+from pdspark.types import FinishReason, SamplingParams
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Totals:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prefill_worker: str = ""
     decode_worker: str = ""
 
@@ -63,7 +63,7 @@ class RouterCore:
                 yield chunk
             outcome = "ok"
         except RequestFailed as e:
-            outcome = e.code.lower()
+            outcome = e.code.value
             raise
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "cancelled"  # the client went away; the dispatcher cancels both legs

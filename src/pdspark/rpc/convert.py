@@ -2,23 +2,46 @@
 
 from __future__ import annotations
 
-from pdspark.errors import RequestFailed
+from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import BufferDesc, PoolKind, TransferPlan, TransferResult, TransferStats
-from pdspark.types import SamplingParams, TokenLogprobs
+from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 from pdspark.v1 import common_pb2, worker_pb2
+
+# The engine's enums and their protobuf twins. Unit tests check both directions are complete.
+ERROR_CODE_TO_PB: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: common_pb2.ERROR_CODE_INVALID_REQUEST,
+    ErrorCode.INCOMPATIBLE: common_pb2.ERROR_CODE_INCOMPATIBLE,
+    ErrorCode.DEADLINE: common_pb2.ERROR_CODE_DEADLINE,
+    ErrorCode.CAPACITY: common_pb2.ERROR_CODE_CAPACITY,
+    ErrorCode.TRANSFER: common_pb2.ERROR_CODE_TRANSFER,
+    ErrorCode.ABORTED: common_pb2.ERROR_CODE_ABORTED,
+    ErrorCode.UNAVAILABLE: common_pb2.ERROR_CODE_UNAVAILABLE,
+}
+ERROR_CODE_FROM_PB = {pb: code for code, pb in ERROR_CODE_TO_PB.items()}
+FINISH_REASON_TO_PB: dict[FinishReason, int] = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+FINISH_REASON_FROM_PB = {pb: reason for reason, pb in FINISH_REASON_TO_PB.items()}
+# `optional` fields of the SamplingParams message: unset means the engine's default, which may differ from 0.
+_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs")
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    """Every value the sender means is set explicitly (defaults included), so the receiver's defaults never
+    decide; only `None` (no top-k filter, no seed, no logprobs) is sent as an unset field."""
     msg = common_pb2.SamplingParams(
         temperature=p.temperature,
-        top_k=p.top_k,
         top_p=p.top_p,
         max_tokens=p.max_tokens,
         stop=list(p.stop_strings),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
     )
+    if p.top_k is not None:
+        msg.top_k = p.top_k
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
@@ -27,18 +50,27 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises `InvalidRequestError` (naming the field) for bad values."""
+    """Unset optional fields take `SamplingParams`' defaults (temperature 1, as OpenAI's; no top-k filter; top_p 1;
+    16 tokens). Raises `InvalidRequestError` (naming the field) for bad values."""
+    given = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING if msg.HasField(name)}
     return SamplingParams(
-        temperature=msg.temperature,
-        top_k=msg.top_k,
-        top_p=msg.top_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        **given,
     )
+
+
+def finish_reason_to_pb(reason: FinishReason | None) -> int:
+    return FINISH_REASON_TO_PB[reason] if reason is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def finish_reason_from_pb(value: int) -> FinishReason | None:
+    """None while the generation runs (UNSPECIFIED)."""
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    # A reason this version does not know (a newer peer's) still ends the generation: report it as an abort.
+    return FINISH_REASON_FROM_PB.get(value, FinishReason.ABORT)
 
 
 def logprob_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
@@ -130,13 +162,13 @@ def plan_from_pb(msg: worker_pb2.TransferPlan) -> TransferPlan:
     )
 
 
-def failure_to_pb(e: RequestFailed) -> common_pb2.WorkerError:
-    return common_pb2.WorkerError(code=common_pb2.ErrorCode.Value(f"ERROR_CODE_{e.code}"), message=e.message)
+def failure_to_pb(e: RequestFailed) -> common_pb2.ErrorDetail:
+    return common_pb2.ErrorDetail(code=ERROR_CODE_TO_PB[e.code], message=e.message)  # type: ignore[arg-type]
 
 
-def failure_from_pb(msg: common_pb2.WorkerError) -> RequestFailed:
-    name = common_pb2.ErrorCode.Name(msg.code).removeprefix("ERROR_CODE_")
-    return RequestFailed(name if name in RequestFailed.CODES else "UNAVAILABLE", msg.message)
+def failure_from_pb(msg: common_pb2.ErrorDetail) -> RequestFailed:
+    # UNSPECIFIED, or a code this version does not know (a newer peer's): the peer failed, say so retryably.
+    return RequestFailed(ERROR_CODE_FROM_PB.get(msg.code, ErrorCode.UNAVAILABLE), msg.message)
 
 
 def stats_to_pb(s: TransferStats) -> worker_pb2.TransferStats:
@@ -153,7 +185,7 @@ def stats_from_pb(msg: worker_pb2.TransferStats) -> TransferStats:
 
 def result_to_pb(r: TransferResult | None, error: RequestFailed | None, transfer_id: str) -> worker_pb2.TransferResult:
     if error is not None or r is None:
-        failure = error or RequestFailed("UNAVAILABLE", "no result")
+        failure = error or RequestFailed(ErrorCode.UNAVAILABLE, "no result")
         return worker_pb2.TransferResult(transfer_id=transfer_id, error=failure_to_pb(failure))
     msg = worker_pb2.TransferResult(
         transfer_id=r.transfer_id, first_token_id=r.first_token, num_cached_tokens=r.num_cached_tokens,

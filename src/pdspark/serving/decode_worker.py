@@ -12,14 +12,15 @@ import queue
 import time
 from collections.abc import Callable, Iterator
 
-from pdspark.errors import PdsparkError, RequestFailed, as_request_failed
+from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
+from pdspark.serving.engine_client import EngineClient, Reservation
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
 from pdspark.serving.prefill_worker import WRITE_GRACE_S
 from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult
-from pdspark.transfer.transfer_plan import cache_buffers, destination, destination_checksum
+from pdspark.transfer.transfer_plan import cache_buffers, destination_checksum
 from pdspark.types import RequestOutput, SamplingParams
 
 # submit_plan(prefill_address, plan, timeout_s) -> TransferResult (raises RequestFailed)
@@ -31,72 +32,59 @@ class DecodeWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor, send_plan: PlanSender,
                  metrics: WorkerMetrics | None = None):
         self.loop = loop
-        self.engine = loop.engine
+        self.engine = EngineClient(loop)
         self.backend = backend
         self.compat = compat
         self.send_plan = send_plan
         self.metrics = metrics
-        self.buffers = cache_buffers(self.engine.kv.pools)
+        self.buffers = cache_buffers(loop.engine.kv.pools)  # fixed at start: the pools never move
         self.transfers_in_flight = 0
         self.stall_timeout_s = 120.0
 
     def generate(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
                  prefill_address: str, deadline: float, prompt: str | None = None) -> Iterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes; raises `RequestFailed` before the first one."""
-        pages = self._reserve(prompt_ids, params, deadline)
+        reservation = self._reserve(prompt_ids, params, deadline)
         self.transfers_in_flight += 1
         try:
-            result = self._receive(request_id, transfer_id, prompt_ids, pages, prefill_address, deadline)
+            result = self._receive(request_id, transfer_id, prompt_ids, reservation, prefill_address, deadline)
         except BaseException:
-            self.loop.call(lambda: self.engine.cancel_transfer(pages))
+            self.engine.cancel_reservation(reservation)
             raise
         finally:
             self.transfers_in_flight -= 1
         outputs: queue.Queue[RequestOutput] = queue.Queue()
-
-        def adopt() -> RequestOutput:
-            out = self.engine.adopt(request_id, prompt_ids, params, pages, result.first_token,
-                                    result.num_cached_tokens, result.first_logprob, prompt)
-            if not out.finished:
-                self.loop.listen(request_id, outputs.put)
-            return out
-
-        out = self.loop.call(adopt)
+        out = self.engine.adopt(request_id, prompt_ids, params, reservation, result, outputs.put, prompt)
         try:
             yield out
             while not out.finished:
                 try:
                     out = outputs.get(timeout=self.stall_timeout_s)
                 except queue.Empty:
-                    raise RequestFailed("UNAVAILABLE", f"no token for {self.stall_timeout_s:.0f}s") from None
+                    raise RequestFailed(ErrorCode.UNAVAILABLE, f"no token for {self.stall_timeout_s:.0f}s") from None
                 yield out
         finally:
             # Normal end, client gone or stalled: make sure the engine lets go of the request.
-            self.loop.submit(lambda: self._finish(request_id))
-
-    def _finish(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-        self.loop.forget(request_id)
-        if request_id in self.engine.requests:
             self.engine.release(request_id)
 
     def abort(self, request_id: str) -> bool:
-        return bool(self.loop.call(lambda: self.engine.abort(request_id)))
+        return self.engine.abort(request_id)
 
-    def _reserve(self, prompt_ids: list[int], params: SamplingParams, deadline: float):
+    def _reserve(self, prompt_ids: list[int], params: SamplingParams, deadline: float) -> Reservation:
         """Destination pages, waiting (until the deadline) while the pools are full."""
         while True:
             try:
-                pages = self.loop.call(lambda: self.engine.reserve_transfer(prompt_ids, params))
+                reservation = self.engine.reserve(prompt_ids, params)
             except PdsparkError as e:
                 raise as_request_failed(e) from e
-            if pages is not None:
-                return pages
+            if reservation is not None:
+                return reservation
             if time.time() + _RESERVE_RETRY_S > deadline:
-                raise RequestFailed("UNAVAILABLE", "no free pages for the prompt's cache before the deadline")
+                raise RequestFailed(ErrorCode.UNAVAILABLE, "no free pages for the prompt's cache before the deadline")
             time.sleep(_RESERVE_RETRY_S)
 
-    def _receive(self, request_id, transfer_id, prompt_ids, pages, prefill_address, deadline) -> TransferResult:
+    def _receive(self, request_id: str, transfer_id: str, prompt_ids: list[int], reservation: Reservation,
+                 prefill_address: str, deadline: float) -> TransferResult:
         plan = TransferPlan(
             transfer_id=transfer_id,
             request_id=request_id,
@@ -104,7 +92,7 @@ class DecodeWorker:
             compat=self.compat,
             buffers=tuple(self.buffers),
             deadline=deadline,
-            **destination(self.engine.kv, pages, len(prompt_ids)),
+            **reservation.plan_fields,
         )
         # The prefill side starts writing only before the deadline, and finishes what it started.
         result = self.send_plan(prefill_address, plan, max(0.0, deadline - time.time()) + WRITE_GRACE_S)
@@ -112,9 +100,7 @@ class DecodeWorker:
         if arrived != result.checksum:
             if self.metrics is not None:
                 self.metrics.transfer_failures.labels(reason="checksum").inc()
-            raise RequestFailed("TRANSFER", f"transfer {transfer_id!r}: integrity check failed")
+            raise RequestFailed(ErrorCode.TRANSFER, f"transfer {transfer_id!r}: integrity check failed")
         if self.metrics is not None:
             self.metrics.observe_transfer(result.stats)
         return result
-
-

@@ -1,8 +1,14 @@
-"""`EngineLoop`: runs an `Engine` on one thread; server threads reach it only through `call` and listeners.
+"""`EngineLoop`: runs an `Engine` on one thread; other threads reach it only through `call`/`submit` (wrapped by
+`EngineClient`) and listeners.
 
 The engine is not thread-safe, so every touch of it (adding, aborting, allocating, transferring) happens on the loop
-thread, in order. Between steps the loop runs its tickers (deadline checks). A failing step never kills the
-worker: the requests of that step are aborted and their listeners told.
+thread, in order, between steps. Between steps the loop also runs its tickers (deadline checks). A failing step
+never kills the worker: the requests of that step are aborted and their listeners told.
+
+NOTE: the loop steps only while a step can make progress. When nothing can run (no requests, or only waiting ones
+that do not fit because pages are held, e.g. for a transfer), it sleeps on its command queue until a command
+arrives (a submit, abort, release: anything that can change the engine's state) or `idle_wait_s` passes (so
+tickers still run and a blocked request is retried), and `stop()` wakes it at once.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ logger = logging.getLogger(__name__)
 Listener = Callable[[RequestOutput], None]
 
 
+class LoopStopped(RuntimeError):
+    """A command sent to an engine loop that has stopped (the worker is shutting down)."""
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, idle_wait_s: float = 0.02):
         self.engine = engine
@@ -31,6 +41,7 @@ class EngineLoop:
         self._tickers: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._stalled = False  # the last step could run nothing: wait for a change before stepping again
         self.steps = 0
 
     def start(self) -> None:
@@ -38,18 +49,37 @@ class EngineLoop:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._commands.put((lambda: None, Future()))  # wake a loop that is waiting for commands
         self._thread.join(timeout)
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     # ---- from other threads ------------------------------------------------------------------------------------------
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` on the loop thread; the future carries its result or exception."""
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` on the loop thread between steps; the future carries its result or exception
+        (`LoopStopped` once the loop has stopped: nothing would ever run it)."""
         fut: Future = Future()
-        self._commands.put((fn, fut))
+        if self._stop.is_set():
+            fut.set_exception(LoopStopped("the engine loop has stopped"))
+            return fut
+        self._commands.put((lambda: fn(*args), fut))
         return fut
 
-    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
-        """`submit` and wait (bounded) for the result."""
-        return self.submit(fn).result(timeout)
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 30.0, cancel_on_timeout: bool = True) -> Any:
+        """Run `fn(*args)` on the loop thread and wait (at most `timeout` seconds) for its result; raises
+        `TimeoutError` after that, cancelling the command if it has not started (unless `cancel_on_timeout` is
+        False: then it still runs when the loop gets to it). On the loop thread itself it runs at once: we are
+        between steps already, and queuing it would wait on ourselves."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        fut = self.submit(fn, *args)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            if cancel_on_timeout:
+                fut.cancel()
+            raise
 
     def add_ticker(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the loop thread between steps (at least every `idle_wait_s` while idle)."""
@@ -65,13 +95,16 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_unfinished)
+            self._drain(block=self._stalled or not self.engine.has_unfinished)
             for tick in self._tickers:
                 self._guard(tick)
             if self.engine.has_unfinished:
                 self._step()
+            else:
+                self._stalled = False
 
     def _drain(self, block: bool) -> None:
+        """Run the queued commands; with `block`, first wait (at most `idle_wait_s`) for one to arrive."""
         deadline = time.monotonic() + (self.idle_wait_s if block else 0)
         while True:
             try:
@@ -80,6 +113,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             block = False  # after the first command, take only what is already queued
+            self._stalled = False  # a command may have freed pages or added work: try a step again
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
@@ -96,6 +130,10 @@ class EngineLoop:
                 self._deliver(self.engine.output(req))
             return
         self.steps += 1
+        # A step that produced nothing and left nothing running scheduled nothing (a non-empty schedule either
+        # leaves its requests running or finishes them with an output): the waiting requests cannot start until
+        # something changes, and only a command or the passing of time (tickers) can change it.
+        self._stalled = not outputs and not self.engine.scheduler.running
         for out in outputs:
             self._deliver(out)
 

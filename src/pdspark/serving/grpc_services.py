@@ -5,23 +5,26 @@ from __future__ import annotations
 import os
 
 from pdspark.errors import PdsparkError, as_request_failed
-from pdspark.rpc import convert
-from pdspark.rpc.status import STATUS_OF
+from pdspark.rpc import convert, status
 from pdspark.serving.decode_worker import DecodeWorker
+from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.prefill_worker import PrefillWorker
 from pdspark.types import RequestOutput
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
+# GetLoad feeds the router's health and load views: answer quickly or fail, never hang a server thread.
+_LOAD_TIMEOUT_S = 10.0
 
-def _load(engine, in_flight: int, metrics_url: str) -> worker_pb2.LoadReport:
-    usage = engine.kv.usage()
+
+def _load(engine: EngineClient, in_flight: int, metrics_url: str) -> worker_pb2.LoadReport:
+    load = engine.load(_LOAD_TIMEOUT_S)
     return worker_pb2.LoadReport(
-        running=len(engine.scheduler.running),
-        waiting=len(engine.scheduler.waiting),
-        pages_used={k: used for k, (used, _) in usage.items()},
-        pages_total={k: total for k, (_, total) in usage.items()},
+        running=load.running,
+        waiting=load.waiting,
+        pages_used=load.pages_used,
+        pages_total=load.pages_total,
         transfers_in_flight=in_flight,
-        pages_cached=engine.kv.cached_pages(),
+        pages_cached=load.pages_cached,
         metrics_url=metrics_url,
     )
 
@@ -53,8 +56,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     def GetLoad(self, request, context):
-        engine = self.worker.engine
-        return self.worker.loop.call(lambda: _load(engine, self.worker.in_flight, self.metrics_url), timeout=10)
+        return _load(self.worker.engine, self.worker.in_flight, self.metrics_url)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -77,16 +79,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 yield _chunk(out, sent, sent_text, text)
                 sent, sent_text = len(out.token_ids), text
         except PdsparkError as e:
-            failure = as_request_failed(e)
-            context.abort(STATUS_OF[failure.code], f"{failure.code}: {failure.message}")
+            status.abort(context, as_request_failed(e))
 
     def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     def GetLoad(self, request, context):
-        engine = self.worker.engine
-        return self.worker.loop.call(
-            lambda: _load(engine, self.worker.transfers_in_flight, self.metrics_url), timeout=10)
+        return _load(self.worker.engine, self.worker.transfers_in_flight, self.metrics_url)
 
 
 def stable_text(out: RequestOutput) -> str:
@@ -104,7 +103,7 @@ def _chunk(out: RequestOutput, sent: int, sent_text: str, text: str) -> worker_p
         token_ids=out.token_ids[sent:],
         text=text[common:],
         finished=out.finished,
-        finish_reason=out.finish_reason or "",
+        finish_reason=convert.finish_reason_to_pb(out.finish_reason),
         num_cached_tokens=out.num_cached_tokens,
         spec_verify_steps=out.spec_verify_steps,
         spec_accepted_tokens=out.spec_accepted_tokens,

@@ -18,14 +18,15 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from pdspark.errors import PdsparkError, RequestFailed, as_request_failed
+from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
+from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
 from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult, TransferStats
 from pdspark.transfer.transfer_plan import cache_buffers, plan_writes
-from pdspark.types import RequestOutput, SamplingParams
+from pdspark.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 # How long a transfer that started before its deadline may still take (the decode side waits this much longer).
@@ -54,11 +55,11 @@ class PrefillWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor,
                  metrics: WorkerMetrics | None = None):
         self.loop = loop
-        self.engine = loop.engine
+        self.engine = EngineClient(loop)
         self.backend = backend
         self.compat = compat
         self.metrics = metrics
-        self.buffers = cache_buffers(self.engine.kv.pools)
+        self.buffers = cache_buffers(loop.engine.kv.pools)  # fixed at start: the pools never move
         self._lock = threading.Lock()
         self._pending: dict[str, _Rendezvous] = {}
         # Failed transfer ids, remembered until their deadline: a leg arriving after the failure fails at once.
@@ -72,17 +73,14 @@ class PrefillWorker:
         rv = self._rendezvous(transfer_id, deadline)
         with self._lock:
             if rv.request_id is not None:
-                raise RequestFailed("INVALID_REQUEST", f"transfer_id {transfer_id!r} is already being prefilled")
+                raise RequestFailed(ErrorCode.INVALID_REQUEST,
+                                    f"transfer_id {transfer_id!r} is already being prefilled")
             rv.request_id = request_id
         first_only = replace(params, max_tokens=1, stop=(), stop_token_ids=())
         t0 = time.monotonic()
-
-        def start() -> None:
-            self.engine.add_request(prompt_ids, first_only, request_id=request_id, hold_pages=True)
-            self.loop.listen(request_id, lambda out: self._prefilled(rv, out, time.monotonic() - t0))
-
         try:
-            self.loop.call(start)
+            self.engine.submit(request_id, prompt_ids, first_only,
+                               lambda out: self._prefilled(rv, out, time.monotonic() - t0), hold_pages=True)
         except PdsparkError as e:
             self._fail(rv, as_request_failed(e))
         return self._wait(rv)
@@ -92,8 +90,8 @@ class PrefillWorker:
         rv = self._rendezvous(plan.transfer_id, plan.deadline)
         diff = self.compat.diff(plan.compat)
         if diff:
-            self._fail(rv, RequestFailed(
-                "INCOMPATIBLE", f"prefill and decode workers differ in {', '.join(diff)}; refusing to transfer"))
+            message = f"prefill and decode workers differ in {', '.join(diff)}; refusing to transfer"
+            self._fail(rv, RequestFailed(ErrorCode.INCOMPATIBLE, message))
         else:
             with self._lock:
                 rv.plan, rv.plan_at = plan, time.monotonic()
@@ -105,7 +103,7 @@ class PrefillWorker:
             rv = next((r for r in self._pending.values() if r.request_id == request_id), None)
         if rv is None:
             return False
-        self._fail(rv, RequestFailed("ABORTED", f"request {request_id!r} aborted"))
+        self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"request {request_id!r} aborted"))
         return True
 
     @property
@@ -129,8 +127,11 @@ class PrefillWorker:
         """Loop thread: the prompt is computed and the first token sampled (pages held)."""
         if not out.finished:
             return
-        if out.finish_reason == "abort":
-            self._fail(rv, RequestFailed("ABORTED", "prefill aborted"))
+        if rv.done.is_set():  # failed while the request was being queued: nobody else frees its pages now
+            self._release(rv)
+            return
+        if out.finish_reason == FinishReason.ABORT:
+            self._fail(rv, RequestFailed(ErrorCode.ABORTED, "prefill aborted"))
             return
         with self._lock:
             rv.first, rv.prefill_s = out, seconds
@@ -141,7 +142,8 @@ class PrefillWorker:
             if rv.started or rv.done.is_set() or rv.plan is None or rv.first is None:
                 return
             rv.started = True
-        self.loop.submit(lambda: self._transfer(rv))
+        # NOTE: the writes run on the loop thread, between steps, like every other touch of the engine's pages.
+        self.loop.submit(self._transfer, rv)
 
     def _transfer(self, rv: _Rendezvous) -> None:
         """Loop thread: write every payload into the decode worker's memory, then release the held pages."""
@@ -158,19 +160,19 @@ class PrefillWorker:
         if time.time() > rv.deadline:
             with self._lock:
                 rv.finished_writing = True
-            self._fail(rv, RequestFailed("DEADLINE", f"transfer {rv.transfer_id!r}: deadline passed before writing"))
+            self._fail(rv, RequestFailed(ErrorCode.DEADLINE,
+                                         f"transfer {rv.transfer_id!r}: deadline passed before writing"))
             return
-        req = self.engine.requests[rv.request_id]
         try:
             t0 = time.monotonic()
-            writes = plan_writes(self.buffers, rv.plan, req.pages, _read_memory)
+            writes = plan_writes(self.buffers, rv.plan, self.engine.held_pages(rv.request_id), _read_memory)
             self.backend.write(rv.plan.session, writes.writes)
             seconds = time.monotonic() - t0
         except Exception as e:  # TransferError, or pages no longer there
             logger.warning("transfer %s failed: %s", rv.transfer_id, e)
             with self._lock:
                 rv.finished_writing = True
-            self._fail(rv, RequestFailed("TRANSFER", str(e)))
+            self._fail(rv, RequestFailed(ErrorCode.TRANSFER, str(e)))
             return
         stats = TransferStats(
             bytes=writes.nbytes, num_writes=len(writes.writes), transfer_s=seconds, prefill_s=rv.prefill_s,
@@ -206,28 +208,21 @@ class PrefillWorker:
             self._pending.pop(rv.transfer_id, None)
             self._failed[rv.transfer_id] = (error, rv.deadline)
         if self.metrics is not None:
-            self.metrics.transfer_failures.labels(reason=error.code.lower()).inc()
-        self.loop.submit(lambda: self._release(rv))
+            self.metrics.transfer_failures.labels(reason=error.code.value).inc()
+        self._release(rv)
         rv.done.set()
 
     def _release(self, rv: _Rendezvous) -> None:
-        """Loop thread: stop the request or free its held pages, whichever state it is in."""
-        req = self.engine.requests.get(rv.request_id or "")
-        if req is None:
-            return
-        if not req.finished:
-            self.engine.abort(req.req_id)
-        else:
-            self.engine.release_held(req.req_id)
-        self.engine.release(req.req_id)
-        self.loop.forget(req.req_id)
+        """Stop the request or free its held pages, whichever state it is in."""
+        if rv.request_id is not None:
+            self.engine.release(rv.request_id)
 
     def _wait(self, rv: _Rendezvous) -> TransferResult:
         if not rv.done.wait(max(0.0, rv.deadline - time.time())):
-            self._fail(rv, RequestFailed("DEADLINE", self._deadline_message(rv)))
+            self._fail(rv, RequestFailed(ErrorCode.DEADLINE, self._deadline_message(rv)))
             # Writes already in flight finish first (bounded by the transfer engine's own timeouts).
             if not rv.done.wait(WRITE_GRACE_S):
-                raise RequestFailed("TRANSFER", f"transfer {rv.transfer_id!r}: writes did not finish")
+                raise RequestFailed(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: writes did not finish")
         if rv.error is not None:
             raise rv.error
         assert rv.result is not None
@@ -240,7 +235,7 @@ class PrefillWorker:
             late = [rv for rv in self._pending.values() if rv.deadline < now and not rv.started]
             self._failed = {k: v for k, v in self._failed.items() if v[1] > now}
         for rv in late:
-            self._fail(rv, RequestFailed("DEADLINE", self._deadline_message(rv)))
+            self._fail(rv, RequestFailed(ErrorCode.DEADLINE, self._deadline_message(rv)))
 
     @staticmethod
     def _deadline_message(rv: _Rendezvous) -> str:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdspark/v1/common.proto\x12\npdspark.v1\"\xd1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x8d\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x03top\x18\x03 \x03(\x0b\x32!.pdspark.v1.TokenLogprob.TopEntry\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xce\x02\n\x10\x43ompatDescriptor\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x13\n\x0blayer_types\x18\x03 \x03(\t\x12\x11\n\tcsa_ratio\x18\x04 \x01(\r\x12\x11\n\thca_ratio\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x16\n\x0eindex_head_dim\x18\x07 \x01(\r\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x13\n\x0bstate_dtype\x18\t \x01(\t\x12\x11\n\tpage_size\x18\n \x01(\r\x12\x16\n\x0e\x63\x31\x32\x38_page_size\x18\x0b \x01(\r\x12\x10\n\x08\x63sa_ring\x18\x0c \x01(\r\x12\x10\n\x08hca_ring\x18\r \x01(\r\x12\x16\n\x0esliding_window\x18\x0e \x01(\r\x12\x14\n\x0c\x64raft_config\x18\x0f \x01(\t\"C\n\x0bWorkerError\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.pdspark.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t*\xe3\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\x1b\n\x17\x45RROR_CODE_INCOMPATIBLE\x10\x02\x12\x17\n\x13\x45RROR_CODE_DEADLINE\x10\x03\x12\x17\n\x13\x45RROR_CODE_CAPACITY\x10\x04\x12\x17\n\x13\x45RROR_CODE_TRANSFER\x10\x05\x12\x16\n\x12\x45RROR_CODE_ABORTED\x10\x06\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdspark/v1/common.proto\x12\npdspark.v1\"\x98\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x8d\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x03top\x18\x03 \x03(\x0b\x32!.pdspark.v1.TokenLogprob.TopEntry\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xce\x02\n\x10\x43ompatDescriptor\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x13\n\x0blayer_types\x18\x03 \x03(\t\x12\x11\n\tcsa_ratio\x18\x04 \x01(\r\x12\x11\n\thca_ratio\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x16\n\x0eindex_head_dim\x18\x07 \x01(\r\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x13\n\x0bstate_dtype\x18\t \x01(\t\x12\x11\n\tpage_size\x18\n \x01(\r\x12\x16\n\x0e\x63\x31\x32\x38_page_size\x18\x0b \x01(\r\x12\x10\n\x08\x63sa_ring\x18\x0c \x01(\r\x12\x10\n\x08hca_ring\x18\r \x01(\r\x12\x16\n\x0esliding_window\x18\x0e \x01(\r\x12\x14\n\x0c\x64raft_config\x18\x0f \x01(\t\"C\n\x0b\x45rrorDetail\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.pdspark.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t*\xe3\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\x1b\n\x17\x45RROR_CODE_INCOMPATIBLE\x10\x02\x12\x17\n\x13\x45RROR_CODE_DEADLINE\x10\x03\x12\x17\n\x13\x45RROR_CODE_CAPACITY\x10\x04\x12\x17\n\x13\x45RROR_CODE_TRANSFER\x10\x05\x12\x16\n\x12\x45RROR_CODE_ABORTED\x10\x06\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x07*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENLOGPROB_TOPENTRY']._loaded_options = None
   _globals['_TOKENLOGPROB_TOPENTRY']._serialized_options = b'8\001'
-  _globals['_ERRORCODE']._serialized_start=802
-  _globals['_ERRORCODE']._serialized_end=1029
+  _globals['_ERRORCODE']._serialized_start=873
+  _globals['_ERRORCODE']._serialized_end=1100
+  _globals['_FINISHREASON']._serialized_start=1102
+  _globals['_FINISHREASON']._serialized_end=1222
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=249
-  _globals['_TOKENLOGPROB']._serialized_start=252
-  _globals['_TOKENLOGPROB']._serialized_end=393
-  _globals['_TOKENLOGPROB_TOPENTRY']._serialized_start=351
-  _globals['_TOKENLOGPROB_TOPENTRY']._serialized_end=393
-  _globals['_COMPATDESCRIPTOR']._serialized_start=396
-  _globals['_COMPATDESCRIPTOR']._serialized_end=730
-  _globals['_WORKERERROR']._serialized_start=732
-  _globals['_WORKERERROR']._serialized_end=799
+  _globals['_SAMPLINGPARAMS']._serialized_end=320
+  _globals['_TOKENLOGPROB']._serialized_start=323
+  _globals['_TOKENLOGPROB']._serialized_end=464
+  _globals['_TOKENLOGPROB_TOPENTRY']._serialized_start=422
+  _globals['_TOKENLOGPROB_TOPENTRY']._serialized_end=464
+  _globals['_COMPATDESCRIPTOR']._serialized_start=467
+  _globals['_COMPATDESCRIPTOR']._serialized_end=801
+  _globals['_ERRORDETAIL']._serialized_start=803
+  _globals['_ERRORDETAIL']._serialized_end=870
 # @@protoc_insertion_point(module_scope)

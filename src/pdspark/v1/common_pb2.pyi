@@ -17,6 +17,13 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_TRANSFER: _ClassVar[ErrorCode]
     ERROR_CODE_ABORTED: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_INVALID_REQUEST: ErrorCode
 ERROR_CODE_INCOMPATIBLE: ErrorCode
@@ -25,6 +32,10 @@ ERROR_CODE_CAPACITY: ErrorCode
 ERROR_CODE_TRANSFER: ErrorCode
 ERROR_CODE_ABORTED: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs")
@@ -99,7 +110,7 @@ class CompatDescriptor(_message.Message):
     draft_config: str
     def __init__(self, schema_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., layer_types: _Optional[_Iterable[str]] = ..., csa_ratio: _Optional[int] = ..., hca_ratio: _Optional[int] = ..., head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., state_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., c128_page_size: _Optional[int] = ..., csa_ring: _Optional[int] = ..., hca_ring: _Optional[int] = ..., sliding_window: _Optional[int] = ..., draft_config: _Optional[str] = ...) -> None: ...
 
-class WorkerError(_message.Message):
+class ErrorDetail(_message.Message):
     __slots__ = ("code", "message")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]

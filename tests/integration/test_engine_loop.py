@@ -1,0 +1,61 @@
+"""`EngineLoop`: the engine thread waits (bounded) when it has nothing it can run, and wakes on a command."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import MIXED
+from helpers import GREEDY
+from pdspark import SamplingParams
+from pdspark.engine.factory import create_engine
+from pdspark.serving.engine_client import EngineClient
+from pdspark.serving.engine_loop import EngineLoop
+from pdspark.types import FinishReason
+
+# Pools of 4 full pages of 16 tokens: a 40-token prompt takes 3, so a second one cannot start while the first
+# holds its pages for a transfer.
+OPTS = dict(page_size=16, max_model_len=128, num_full_pages=4, max_num_seqs=2, max_num_batched_tokens=64,
+            enable_prefix_cache=False)
+PARAMS = SamplingParams(max_tokens=1, **GREEDY)
+
+
+@pytest.fixture
+def engine(checkpoints):
+    path, _ = checkpoints(MIXED)
+    return create_engine(str(path), **OPTS)
+
+
+def test_loop_sleeps_while_the_only_request_waits_for_held_pages(engine):
+    # A long idle wait: only a command (or stop) can wake the loop within the test's deadlines.
+    loop = EngineLoop(engine, idle_wait_s=60.0)
+    spinning = threading.Event()
+    watch = {"from": None}
+
+    def count_steps() -> None:  # ticker: runs on the loop thread once per iteration
+        if watch["from"] is not None and loop.steps - watch["from"] > 20:
+            spinning.set()
+
+    loop.add_ticker(count_steps)
+    loop.start()
+    client = EngineClient(loop, timeout_s=30)
+    try:
+        held = threading.Event()
+        blocked_done = threading.Event()
+        client.submit("held", [5] * 40, PARAMS, lambda out: out.finished and held.set(), hold_pages=True)
+        assert held.wait(30), "the first request never finished"
+
+        client.submit("blocked", [6] * 40, PARAMS, lambda out: out.finished and blocked_done.set())
+        watch["from"] = loop.steps
+        # The blocked request can neither start nor fail: the loop must wait for a change, not step in a loop.
+        # (Waiting here on an event with a deadline: an assertion that something does not happen needs a window.)
+        assert not spinning.wait(0.5), f"the loop ran {loop.steps - watch['from']} steps with nothing to run"
+        assert not blocked_done.is_set()
+
+        assert client.release("held")  # a command wakes the loop at once, long before its 60 s idle wait ends
+        assert blocked_done.wait(30), "the blocked request did not run once the pages were released"
+        assert engine.requests["blocked"].finish_reason == FinishReason.LENGTH
+    finally:
+        loop.stop(timeout=5)
+    assert not loop.is_alive(), "stop() did not wake the waiting loop"
