@@ -36,7 +36,6 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class ScheduleOutput:
     chunks: list[ScheduledChunk]
-    preempted: list[Request]
 
     @property
     def empty(self) -> bool:
@@ -78,7 +77,7 @@ class Scheduler:
             self.waiting.popleft()
             chunks.append(chunk)
             budget -= chunk.num_tokens
-        return ScheduleOutput(chunks, preempted)
+        return ScheduleOutput(chunks)
 
     def _grow_running(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledChunk | None:
         assert req.pages is not None
