@@ -74,9 +74,9 @@ def test_sparse_indexer_selection_matches_reference(checkpoints, monkeypatch):
     original = indexer_module.select_topk
 
     def recording(scores, valid, k):
-        cols, ok = original(scores, valid, k)
-        picked.append((scores, cols, ok))
-        return cols, ok
+        top = original(scores, valid, k)
+        picked.append((scores, top.columns, top.valid))
+        return top
 
     monkeypatch.setattr(indexer_module, "select_topk", recording)
     prompt_logits(llm, prompt)

@@ -7,6 +7,8 @@ import pytest
 from conftest import MIXED, random_prompts
 from helpers import assert_no_leaks, greedy, make_llm
 from pdspark import SamplingParams
+from pdspark.engine.request import Request
+from pdspark.engine.scheduler import Scheduler
 
 
 def test_admission_waits_when_pages_run_out(checkpoints):
@@ -73,3 +75,41 @@ def test_abort_frees_everything(checkpoints):
     assert not engine.has_unfinished
     assert all(engine.requests[i].finish_reason == "abort" for i in ids)
     assert_no_leaks(llm)
+
+
+def test_a_decode_step_that_fits_runs_instead_of_preempting(checkpoints):
+    """With the C128 pool one page short of a full verify window, a request still decodes its one token."""
+    path, _ = checkpoints(MIXED)
+    # 16-token pages and one C128 page per 16 tokens; 3 C128 pages in all.
+    llm = make_llm(path, num_c128_pages=3, enable_prefix_cache=False)
+    kv = llm.engine.kv
+    sched = Scheduler(llm.engine.config.scheduler, kv, num_drafts=3)
+    reqs = [Request(str(i), p, SamplingParams(max_tokens=10)) for i, p in enumerate(random_prompts(2, [30]))]
+    for req in reqs:
+        sched.add(req)
+    out = sched.schedule()  # two 30-token prompts: one C128 page each
+    assert [(c.start, c.num_tokens) for c in out.chunks] == [(0, 30), (0, 30)]
+    sched.update(out.chunks, [30, 30])
+    for req in reqs:
+        req.output_token_ids.append(7)
+
+    out = sched.schedule()
+    # A's verify window [30, 34) closes its second group and takes the last C128 page. B's would too; what still
+    # fits B is positions [30, 31): its plain decode token, without drafts.
+    assert [(c.request.req_id, c.start, c.num_tokens, c.num_drafts) for c in out.chunks] == [
+        ("0", 30, 4, 3), ("1", 30, 1, 0)
+    ]
+    assert sched.running == reqs and not sched.waiting
+    assert [r.num_preemptions for r in reqs] == [0, 0]
+    assert kv.c128.num_free == 0
+
+
+def test_a_prefill_chunk_is_cut_at_the_last_token_that_fits(checkpoints):
+    path, _ = checkpoints(MIXED)
+    llm = make_llm(path, num_c128_pages=2, enable_prefix_cache=False)
+    sched = Scheduler(llm.engine.config.scheduler, llm.engine.kv)
+    (prompt,) = random_prompts(1, [60])
+    sched.add(Request("0", prompt, SamplingParams(max_tokens=1)))
+    out = sched.schedule()
+    # Two C128 pages cover groups 0 and 1; position 47 closes group 2 and would need a third.
+    assert [(c.start, c.num_tokens) for c in out.chunks] == [(0, 47)]

@@ -92,3 +92,28 @@ def test_c_rms_norm_reads_column_slices():
         torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-6)
         with torch.inference_mode():
             torch.testing.assert_close(rms_norm(part, None, 1e-6), ref / w, atol=1e-5, rtol=1e-5)
+
+
+def test_index_scores_are_the_same_bits_in_c_and_torch_whatever_the_batch():
+    from pdspark.model.indexer import index_scores
+
+    torch.manual_seed(2)
+    for H, D, T, V in ((2, 16, 37, 21), (4, 32, 5, 8), (64, 128, 3, 17)):
+        q, w = torch.randn(T, H, D), torch.rand(T, H)
+        scale = D**-0.5
+        for keys in (torch.randn(V, D), torch.randn(T, V, D)):  # shared by the queries (prefill), or each its own
+            assert kernels.index_scores(q, w, keys, scale) is not None
+            with torch.inference_mode():
+                fast = index_scores(q, w, keys, scale)  # C
+            with torch.enable_grad():
+                slow = index_scores(q, w, keys, scale)  # PyTorch
+            assert torch.equal(fast, slow)
+            # The last query alone, against fewer entries, gets the very same bits as inside the batch.
+            own = keys[-1, : V - 3] if keys.dim() == 3 else keys[: V - 3]
+            with torch.inference_mode():
+                alone = index_scores(q[-1:], w[-1:], own, scale)
+            assert torch.equal(alone[0], fast[-1, : V - 3])
+            exact = keys.double() if keys.dim() == 3 else keys.double().expand(T, V, D)
+            dots = torch.einsum("thd,tvd->thv", q.double(), exact)
+            ref = (dots.clamp_min(0) * scale * w.double()[:, :, None]).sum(1)
+            torch.testing.assert_close(fast.double(), ref, atol=1e-5, rtol=1e-5)

@@ -87,7 +87,6 @@ def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:
         csa_plan=csa_plan,
         hca_plan=hca_plan,
         logits_rows=_t(logits_rows),
-        chunk_lens=lens.tolist(),
     )
     device = kv.pools.swa_kv.device
     return batch if device.type == "cpu" else _to_device(batch, device)

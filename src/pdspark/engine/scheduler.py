@@ -36,7 +36,6 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class ScheduleOutput:
     chunks: list[ScheduledChunk]
-    preempted: list[Request]
 
     @property
     def empty(self) -> bool:
@@ -78,7 +77,7 @@ class Scheduler:
             self.waiting.popleft()
             chunks.append(chunk)
             budget -= chunk.num_tokens
-        return ScheduleOutput(chunks, preempted)
+        return ScheduleOutput(chunks)
 
     def _grow_running(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledChunk | None:
         assert req.pages is not None
@@ -120,15 +119,20 @@ class Scheduler:
         return ScheduledChunk(req, cached, n)
 
     def _fit(self, pages: ReqPages, start: int, want: int) -> int:
-        """The most tokens (up to `want`) the request can grow by now, shrinking a chunk to whole free pages."""
+        """The most tokens (up to `want`) the request can grow by now: all of them when the pools (after evicting
+        unlocked prefix-cache pages) have room, else the longest run of them whose pages are free."""
         if self.kv.reserve(pages, start + want):
             return want
-        P = self.kv.sizes.page_size
-        spare = min(self.kv.full.num_free, self.kv.swa.num_free)
-        n = min(want, (len(pages.full_pages) + spare) * P - start)
-        while n > 0 and not self.kv.can_grow(pages, start + n):
-            n -= P  # the C128 pool is the short one: back off page by page
-        return max(n, 0)
+        # A pool's page boundary can fall on any token of the step (full/SWA pages every `page_size` tokens, C128
+        # pages where a group closes), so search token by token; `can_grow` is monotone in the length.
+        lo, hi = 0, want - 1  # `start + lo` fits (nothing to add), `start + want` does not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.kv.can_grow(pages, start + mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def update(self, chunks: list[ScheduledChunk], committed: list[int]) -> None:
         """Account for a finished forward pass: `committed[i]` rows of chunk i are now computed (a verify step

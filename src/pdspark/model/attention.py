@@ -33,6 +33,13 @@ class XProjection(NamedTuple):
     idx_w: torch.Tensor | None
 
 
+class QProjection(NamedTuple):
+    """The attention queries of a layer's input and the low-rank query latent they came from."""
+
+    q: torch.Tensor  # [T, H, d] normalised and rotated
+    qr: torch.Tensor  # [T, q_lora] normalised q_a latent (the indexer's queries start from it)
+
+
 # Queries of a long chunk are processed in blocks this long: a block reads its own window union (block + W - 1
 # rows) rather than one union for the whole chunk, so little of the score matrix is masked away.
 _QUERY_BLOCK = 128
@@ -70,10 +77,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
         """`x [T, D]` -> `[T, D]`. `rope_at` holds this layer's rotation factors at the batch positions."""
         xp = self._project_x(x)
-        q, qr = self._q_from(xp.qa, rope_at)
+        proj = self._q_from(xp.qa, rope_at)
         cache.swa_kv[batch.swa_slots] = rope_at.apply(self.kv_norm(xp.kv))
-        compressed = self._update_compressed(xp, qr, batch, cache, rope_at)
-        return self.project_out(self.attend(q, cache, batch, compressed), rope_at)
+        compressed = self._update_compressed(xp, proj.qr, batch, cache, rope_at)
+        return self.project_out(self.attend(proj.q, cache, batch, compressed), rope_at)
 
     def fuse(self) -> None:
         """Inference only: stack every projection of the layer input into one matrix (one matmul instead of up to
@@ -99,14 +106,14 @@ class Attention(nn.Module):
         parts += [None] * (5 - len(parts))
         return XProjection(*parts)
 
-    def project_q(self, x: torch.Tensor, rope_at: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x [T, D]` -> `(q [T, H, d] normalised and rotated, qr [T, q_lora] (the indexer reuses it))`."""
+    def project_q(self, x: torch.Tensor, rope_at: RopeAt) -> QProjection:
+        """The queries of `x [T, D]`."""
         return self._q_from(F.linear(x, self.wq_a), rope_at)
 
-    def _q_from(self, qa: torch.Tensor, rope_at: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
+    def _q_from(self, qa: torch.Tensor, rope_at: RopeAt) -> QProjection:
         qr = self.q_norm(qa)
         q = rms_norm(F.linear(qr, self.wq_b).view(qa.shape[0], self.n_heads, self.head_dim), None, self.eps)
-        return rope_at.apply(q), qr
+        return QProjection(rope_at.apply(q), qr)
 
     def project_out(self, o: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """Un-rotate `o [T, H, d]` and apply the grouped output projection -> `[T, D]`."""

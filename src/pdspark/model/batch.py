@@ -71,7 +71,6 @@ class ForwardBatch:
     csa_plan: CompressPlan | None
     hca_plan: CompressPlan | None
     logits_rows: torch.Tensor  # [num logits rows] token rows to compute logits for
-    chunk_lens: list[int]
 
     @property
     def num_tokens(self) -> int:

@@ -43,7 +43,7 @@ class DraftAttention(Attention):
         """`x [M*G, D]` block rows of M blocks; `ctx_kv [M, W, d]`, `ctx_valid [M, W]` -> `[M*G, D]`."""
         M = ctx_kv.shape[0]
         G = x.shape[0] // M
-        q, _ = self.project_q(x, rope_at)  # [M*G, H, d]
+        q = self.project_q(x, rope_at).q  # [M*G, H, d]
         block_kv = self.project_kv(x, rope_at).view(M, G, -1)
         kv = torch.cat([ctx_kv, block_kv], dim=1)  # [M, W + G, d]
         valid = torch.cat([ctx_valid, ctx_valid.new_ones(M, G)], dim=1)

@@ -6,6 +6,8 @@ A sublayer reads one collapsed stream (`pre`-weighted sum) and writes back throu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,14 @@ from pdspark.model.norm import rms_norm
 # Up to this many tokens, the whole collapse runs as one C call (decode steps are bound by per-op overhead);
 # longer chunks compute the mixes with a BLAS matmul, which is faster there, and the rest in C.
 _C_COLLAPSE_MAX_TOKENS = 64
+
+
+class Collapsed(NamedTuple):
+    """The streams collapsed into one sublayer input, and the weights that write its output back."""
+
+    x: torch.Tensor  # [T, D] the sublayer's input (the `pre`-weighted sum of the streams), in the streams' dtype
+    post: torch.Tensor  # [T, hc] fp32: how much of the output each stream receives
+    comb: torch.Tensor  # [T, hc, hc] fp32: the doubly stochastic mix of the residual streams
 
 
 class HyperConnection(nn.Module):
@@ -37,8 +47,8 @@ class HyperConnection(nn.Module):
         fn, scale, base = (p.detach().float().contiguous() for p in (self.fn, self.scale, self.base))
         self._frozen = (fn, scale, base)
 
-    def collapse(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])` (post/comb in fp32)."""
+    def collapse(self, h: torch.Tensor) -> Collapsed:
+        """The sublayer input of the streams `h [T, hc, D]` and the weights to expand its output with."""
         if self._frozen is not None and h.dtype == torch.float32 and not torch.is_grad_enabled():
             fn, scale, base = self._frozen
             if h.shape[0] <= _C_COLLAPSE_MAX_TOKENS:
@@ -47,11 +57,11 @@ class HyperConnection(nn.Module):
                 mixes = F.linear(rms_norm(h.flatten(1), None, self.norm_eps), fn)  # [T, (2+hc)*hc]
                 fused = cpu_kernels.hc_collapse_mixed(h, mixes, scale, base, self.sinkhorn_iters, self.hc_eps)
             if fused is not None:
-                return fused
+                return Collapsed(*fused)
         flat = rms_norm(h.flatten(1).float(), None, self.norm_eps)
         pre, post, comb = self.split_sinkhorn(F.linear(flat, self.fn.float()))
         x = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
-        return x, post, comb
+        return Collapsed(x, post, comb)
 
     def split_sinkhorn(self, mixes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """PyTorch reference of the mHC weights: `mixes [T, (2+hc)*hc]` -> pre, post, comb."""

@@ -6,25 +6,66 @@ own overlapping compressor.
 
 Tie rule: entries are ranked by score, highest first; equal scores rank the lower (older) entry first. ReLU makes
 exact ties at 0 common, so the rule is part of the model's definition here (a stable descending sort).
+
+NOTE: one scoring routine, `index_scores`, serves every path (a prefill chunk sharing its keys, decode tokens
+gathering their own), and its arithmetic does not depend on how many queries or entries a call holds. A BLAS
+matmul picks its kernel (and so its rounding) by shape, and a near-tie at the top-k cut then went one way in a
+one-shot prefill and the other way when the same position was decoded.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.batch import CompressedIndex, ForwardBatch, gather_rows
 from pdspark.model.compressor import Compressor
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.rope import RopeAt, RotaryTable
 
 
-def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-`k` columns of `scores [T, V]` under the tie rule; returns `(columns [T, k], valid [T, k])`."""
+class TopK(NamedTuple):
+    """The `k` best-ranked columns of each row of a score matrix."""
+
+    columns: torch.Tensor  # [T, k] column indices, best first
+    valid: torch.Tensor  # [T, k] bool: the column is a real entry (rows with fewer than k entries pad with invalid)
+
+
+def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> TopK:
+    """Top-`k` columns of `scores [T, V]` under the tie rule, among the `valid [T, V]` ones."""
     masked = scores.masked_fill(~valid, float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
-    return order, valid.gather(1, order)
+    return TopK(order, valid.gather(1, order))
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """`out[t, g] = sum_h relu(q[t, h] . keys[t, g]) * scale * w[t, h]` -> `[T, V]` fp32.
+
+    `q [T, H, D]` and `w [T, H]` fp32; `keys [T, V, D]` (each query its own candidates) or `[V, D]` (shared by all
+    queries). Each dot product is summed in channel order and the heads in head order, with plain fp32 adds: a
+    score depends only on its own query and key, never on the shapes around them. The C kernel does exactly these
+    operations, faster.
+    """
+    if not torch.is_grad_enabled():
+        fused = cpu_kernels.index_scores(q, w, keys, scale)
+        if fused is not None:
+            return fused
+    T, H, D = q.shape
+    keys_t = keys.transpose(-1, -2)  # [T, D, V] or [D, V]
+    if keys_t.dim() == 2:
+        keys_t = keys_t[None]
+    dots = q.new_zeros(T, H, keys.shape[-2])  # [T, H, V]
+    for d in range(D):  # one elementwise product and add per channel: no reduction kernel chooses the order
+        dots = dots + q[:, :, d, None] * keys_t[:, None, d, :]
+    terms = torch.where(dots > 0, dots, 0.0) * scale * w[:, :, None]  # [T, H, V]
+    out = q.new_zeros(T, keys.shape[-2])
+    for h in range(H):
+        out = out + terms[:, h]
+    return out
 
 
 class Indexer(nn.Module):
@@ -44,13 +85,13 @@ class Indexer(nn.Module):
         T = qr.shape[0]
         q = rope_at.apply(F.linear(qr, self.wq_b).view(T, self.n_heads, self.dim)).float()  # [T, Hi, Di]
         w = head_w.float() * self.n_heads**-0.5  # [T, Hi]
+        scale = self.dim**-0.5
         out = torch.full((T, csa.max_visible), float("-inf"))
         g = batch.gather_rows if batch.segments else None
         if g is None or g.numel():
             rows = csa.rows if g is None else csa.rows[g]
             keys = gather_rows(index_kv, rows).float()  # [Tg, V, Di]: each query's candidates
-            dots = torch.bmm(q if g is None else q[g], keys.transpose(1, 2))  # [Tg, Hi, V]
-            part = (F.relu(dots) * self.dim**-0.5 * (w if g is None else w[g])[:, :, None]).sum(dim=1)
+            part = index_scores(q if g is None else q[g], w if g is None else w[g], keys, scale)
             if g is None:
                 out = part
             else:
@@ -60,8 +101,7 @@ class Indexer(nn.Module):
             V = min(csa.max_visible, (seg.start + seg.length) // self.compressor.ratio)
             keys = gather_rows(index_kv, csa.rows[last, :V]).float()  # [V, Di]: shared by the whole segment
             sl = slice(seg.offset, last + 1)
-            dots = torch.mm(q[sl].reshape(-1, self.dim), keys.t()).view(seg.length, self.n_heads, V)
-            out[sl, :V] = (F.relu(dots) * self.dim**-0.5 * w[sl][:, :, None]).sum(dim=1)
+            out[sl, :V] = index_scores(q[sl], w[sl], keys, scale)
         return out
 
     def select(
@@ -73,6 +113,6 @@ class Indexer(nn.Module):
         assert csa is not None
         if csa.max_visible <= self.topk:
             return csa
-        cols, ok = select_topk(self.scores(head_w, qr, rope_at, batch, index_kv), csa.valid, self.topk)
-        picked = torch.zeros_like(csa.valid).scatter_(1, cols, ok)
+        top = select_topk(self.scores(head_w, qr, rope_at, batch, index_kv), csa.valid, self.topk)
+        picked = torch.zeros_like(csa.valid).scatter_(1, top.columns, top.valid)
         return CompressedIndex(csa.rows, picked, csa.max_visible)

@@ -6,6 +6,8 @@ Routing weights are the router scores of the chosen experts, renormalised and mu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,13 @@ _DENSE_MAX_ROWS = 256
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """SiLU-gated unit with DSV4's clamps: gate clipped from above, up clipped on both sides."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Routing(NamedTuple):
+    """Where each token goes: its top-k experts and their weights (renormalised, times the scaling factor)."""
+
+    expert_ids: torch.Tensor  # [T, k]
+    weights: torch.Tensor  # [T, k]
 
 
 class SharedExpert(nn.Module):
@@ -70,11 +79,11 @@ class MoE(nn.Module):
             self._dense_w13 = self.w13.detach().reshape(E * I2, D)  # [E * 2I, D] (a view)
             self._dense_w2t = self.w2.detach().transpose(1, 2).contiguous()  # [E, I, D]
 
-    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x [T, D]` -> `(expert ids [T, k], weights [T, k])`."""
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> Routing:
+        """The experts each token of `x [T, D]` goes to."""
         return self._route_logits(F.linear(x, self.gate), input_ids)
 
-    def _route_logits(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route_logits(self, logits: torch.Tensor, input_ids: torch.Tensor) -> Routing:
         scores = F.softplus(logits).sqrt() if self.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
         if self.is_hash:
             ids = self.get_buffer("tid2eid")[input_ids]
@@ -82,7 +91,7 @@ class MoE(nn.Module):
             ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+        return Routing(ids, weights * self.scaling)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         fused = getattr(self, "_fused_in", None) if not torch.is_grad_enabled() else None

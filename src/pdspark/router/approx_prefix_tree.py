@@ -2,12 +2,18 @@
 
 Approximate by design: the router records the prompts it sent, not what the worker kept (a worker may evict).
 Token blocks of `block` tokens keep the tree small; each node remembers which workers were sent that prefix and
-when, and the tree forgets the least recently used blocks past `max_blocks`.
+when, and the tree forgets the least recently used blocks past `max_blocks`, leaves first.
+
+NOTE: every node but the root sits in one `OrderedDict`, least recently used first. An insert stamps its whole
+path and moves it to the back deepest node first, so a parent is never ahead of its children: the front is always
+a leaf, the least recently used one, and forgetting a block costs O(1) however big the tree (it runs on the
+router's event loop, once per block past the limit).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 _clock = itertools.count()
@@ -19,6 +25,12 @@ class _Node:
     workers: dict[str, int] = field(default_factory=dict)  # worker -> last use
     parent: _Node | None = None
     key: tuple[int, ...] = ()
+    depth: int = 0  # blocks from the root
+
+    @property
+    def last_use(self) -> int:
+        """The latest use by any worker it remembers (-1 when it remembers none)."""
+        return max(self.workers.values(), default=-1)
 
 
 class ApproxPrefixTree:
@@ -27,6 +39,7 @@ class ApproxPrefixTree:
         self.max_blocks = max_blocks
         self.root = _Node()
         self.num_blocks = 0
+        self._lru: OrderedDict[_Node, None] = OrderedDict()  # every node but the root, least recently used first
 
     def _blocks(self, tokens: list[int]):
         b = self.block
@@ -36,13 +49,18 @@ class ApproxPrefixTree:
     def insert(self, tokens: list[int], worker: str) -> None:
         stamp = next(_clock)
         node = self.root
+        path = []
         for key in self._blocks(tokens):
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = _Node(parent=node, key=key)
+                child = node.children[key] = _Node(parent=node, key=key, depth=node.depth + 1)
                 self.num_blocks += 1
             child.workers[worker] = stamp
+            path.append(child)
             node = child
+        for n in reversed(path):
+            self._lru[n] = None
+            self._lru.move_to_end(n)
         while self.num_blocks > self.max_blocks:
             self._evict_one()
 
@@ -60,22 +78,15 @@ class ApproxPrefixTree:
         return out
 
     def remove_worker(self, worker: str) -> None:
-        stack = [self.root]
-        while stack:
-            n = stack.pop()
+        for n in self._lru:
             n.workers.pop(worker, None)
-            stack.extend(n.children.values())
+        # A node's last use is now its remaining workers' (-1 with none left): re-sort, deeper nodes first among
+        # equals (a child's last use is never later than its parent's, so leaves stay ahead of their parents).
+        # O(n log n), as rare as a worker leaving.
+        self._lru = OrderedDict.fromkeys(sorted(self._lru, key=lambda n: (n.last_use, -n.depth)))
 
     def _evict_one(self) -> None:
-        oldest, stack = None, [self.root]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if n is not self.root and not n.children:
-                age = max(n.workers.values(), default=-1)
-                if oldest is None or age < oldest[0]:
-                    oldest = (age, n)
-        if oldest is not None:
-            leaf = oldest[1]
-            del leaf.parent.children[leaf.key]  # type: ignore[union-attr]
-            self.num_blocks -= 1
+        leaf, _ = self._lru.popitem(last=False)
+        assert not leaf.children and leaf.parent is not None, "the least recently used node must be a leaf"
+        del leaf.parent.children[leaf.key]
+        self.num_blocks -= 1

@@ -1,6 +1,7 @@
 /* pdspark CPU kernels: small fused loops whose PyTorch form is dozens of tiny ops per call.
  * Plain C with float32 arithmetic in the reference's order (reductions excepted: dot products and sums of
- * squares use 16 partial sums, as vectorised BLAS kernels do); called through ctypes. */
+ * squares use 16 partial sums, as vectorised BLAS kernels do; the indexer's scores keep the exact order of their
+ * PyTorch path, in GCC/Clang vector types); called through ctypes. */
 #include <math.h>
 
 static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -145,6 +146,54 @@ void hc_expand(const float *y, const float *res, const float *post, const float 
                 for (int d = 0; d < D; d++) o[d] += c * rt[j * D + d];
             }
             for (int d = 0; d < D; d++) o[d] = p * yt[d] + o[d];
+        }
+    }
+}
+
+/* Eight float lanes (GCC/Clang vector extension): element-wise IEEE mul/add, no contraction (-ffp-contract=off). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+
+static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* Lightning-indexer scores: out[t, g] = sum_h relu(q[t, h, :] . k_t[g, :]) * scale * w[t, h], for T queries of
+ * H heads (q [T, H, D], w [T, H]) against V keys each (k_t = k + t * kstride, [V, D]; kstride 0: the queries share
+ * their keys). Every dot product is a plain sum in channel order (no partial sums) and the heads are summed in
+ * order, so a score does not depend on T, V, kstride or the vector width: the prefill and decode paths pick the
+ * same entries. Vector lanes run over entries (32 at a time, four independent accumulators), not channels, with
+ * each block of keys transposed channel-major once per block (once for all queries when they share the keys).
+ * relu is `x > 0 ? x : +0`. out [T, V]. */
+void index_scores(const float *q, const float *w, const float *k, long kstride, int T, int H, int V, int D,
+                  float scale, float *out) {
+    enum { NV = 4, NB = 8 * NV };
+    v8f kt[D * NV]; /* [D, NB]: one block of keys, channel-major */
+    const v8f zero = splat(0.0f), vscale = splat(scale);
+    for (int g0 = 0; g0 < V; g0 += NB) {
+        const int m = V - g0 < NB ? V - g0 : NB;
+        for (int t = 0; t < T; t++) {
+            if (t == 0 || kstride != 0) {
+                const float *kb = k + (long)t * kstride + (long)g0 * D;
+                for (int l = 0; l < NB; l++)
+                    for (int d = 0; d < D; d++) kt[d * NV + l / 8][l % 8] = l < m ? kb[(long)l * D + d] : 0.0f;
+            }
+            v8f o[NV];
+            for (int i = 0; i < NV; i++) o[i] = zero;
+            for (int h = 0; h < H; h++) {
+                const float *qh = q + ((long)t * H + h) * D;
+                const v8f wh = splat(w[(long)t * H + h]);
+                v8f acc[NV];
+                for (int i = 0; i < NV; i++) acc[i] = zero;
+                for (int d = 0; d < D; d++) {
+                    const v8f qd = splat(qh[d]);
+                    for (int i = 0; i < NV; i++) acc[i] = acc[i] + qd * kt[d * NV + i];
+                }
+                for (int i = 0; i < NV; i++) {
+                    const v8f r = (v8f)((v8i)(acc[i] > zero) & (v8i)acc[i]);
+                    o[i] = o[i] + r * vscale * wh;
+                }
+            }
+            float *ot = out + (long)t * V + g0;
+            for (int l = 0; l < m; l++) ot[l] = o[l / 8][l % 8];
         }
     }
 }

@@ -79,6 +79,8 @@ def load() -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.rope_rotate.argtypes = [f, f, f, i, i, i, i, fl, f]
     lib.rope_rotate.restype = None
+    lib.index_scores.argtypes = [f, f, f, ctypes.c_long, i, i, i, i, fl, f]
+    lib.index_scores.restype = None
     return lib
 
 
@@ -173,4 +175,20 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: flo
     H = x.numel() // (T * D) if T else 0
     out = torch.empty_like(x)
     lib.rope_rotate(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, H, D, r, sign, out.data_ptr())
+    return out
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Lightning-indexer scores `[T, V]` of `q [T, H, D]` with head weights `w [T, H]` against `keys [T, V, D]`
+    (each query its own) or `[V, D]` (shared by all queries), in the order of `model.indexer.index_scores`'s
+    PyTorch path (bit for bit). None when the C path does not apply."""
+    lib = _usable(q, w, keys)
+    if lib is None:
+        return None
+    T, H, D = q.shape
+    V = keys.shape[-2]
+    out = torch.empty(T, V)
+    if T and V:
+        kstride = V * D if keys.dim() == 3 else 0
+        lib.index_scores(q.data_ptr(), w.data_ptr(), keys.data_ptr(), kstride, T, H, V, D, scale, out.data_ptr())
     return out
