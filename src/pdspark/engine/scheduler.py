@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pdspark.cache.kv_cache import KVCache, ReqPages
 from pdspark.config import SchedulerConfig
 from pdspark.engine.request import Request, RequestStatus
+from pdspark.types import FinishReason
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class Scheduler:
         """Free everything the request holds (running or waiting), unless it holds its pages for a transfer."""
         if req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
-        if req.hold_pages and req.pages is not None and req.finish_reason != "abort":
+        if req.hold_pages and req.pages is not None and req.finish_reason != FinishReason.ABORT:
             self.running.remove(req)
         elif req.pages is not None:
             self._release(req)
