@@ -87,7 +87,7 @@ def test_unseeded_requests_differ_across_engines(checkpoints):
     do not produce the same 'random' stream (and neither do two requests in one engine)."""
     path, _ = checkpoints(MIXED)
     prompt = random_prompts(1, [30], seed=62)[0]
-    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=3.0, max_tokens=16, ignore_eos=True)  # flat: streams rarely collide
     a = run(create_engine(str(path), seed=None, **BASE), [prompt, prompt], [params, params])[0]
     b = run(create_engine(str(path), seed=None, **BASE), [prompt, prompt], [params, params])[0]
     assert len({tuple(t) for t in a + b}) == 4
@@ -97,7 +97,7 @@ def test_an_engine_seed_makes_unseeded_requests_reproducible(checkpoints):
     """An explicit engine seed is the deterministic mode (tests, benchmarks): request seeds derive from it."""
     path, _ = checkpoints(MIXED)
     prompt = random_prompts(1, [30], seed=62)[0]
-    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=3.0, max_tokens=16, ignore_eos=True)  # flat: streams rarely collide
     a = run(create_engine(str(path), seed=11, **BASE), [prompt, prompt], [params, params])[0]
     b = run(create_engine(str(path), seed=11, **BASE), [prompt, prompt], [params, params])[0]
     c = run(create_engine(str(path), seed=12, **BASE), [prompt, prompt], [params, params])[0]
