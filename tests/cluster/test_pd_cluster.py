@@ -94,6 +94,21 @@ def test_disaggregated_output_equals_offline(ckpt, cluster):
     assert back_to_free(*cluster)
 
 
+def test_seeded_disaggregated_output_equals_offline(ckpt, cluster):
+    """Seeded sampling over gRPC and Mooncake: token 1 from the prefill process, the rest from the decode process's
+    DSpark verify steps, all drawn from (seed, position, purpose): the tokens of an offline DSpark engine."""
+    prompts = random_prompts(3, [64, 100, 131], seed=44)
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_k=40, seed=700 + i, ignore_eos=True)
+              for i in range(3)]
+    offline = make_llm(ckpt, page_size=16, max_model_len=256, speculative="dspark").generate(
+        prompt_token_ids=prompts, sampling_params=params)
+    for prompt, p, ref in zip(prompts, params, offline):
+        out = dispatch(*cluster, prompt, p)
+        assert "decode_error" not in out, out.get("decode_error")
+        assert out["tokens"] == ref.token_ids
+    assert back_to_free(*cluster)
+
+
 def test_shared_prefix_hits_the_prefill_cache(ckpt, cluster):
     (system,) = random_prompts(1, [80], seed=42)
     a, b = [system + s for s in random_prompts(2, [9, 21], seed=43)]

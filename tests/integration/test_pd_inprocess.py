@@ -1,10 +1,13 @@
 """Prefill/decode workers in one process (in-process transfer backend): the transferred cache equals a colocated
-run's, bit for bit, for every payload kind; failures and deadlines free everything."""
+run's, bit for bit, for every payload kind; seeded sampling gives the offline engine's tokens; failures and deadlines
+free everything."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import PoolKind, cache_buffers, item_pairs, registered_regions
 
 OPTS = dict(page_size=16, max_model_len=256, max_num_seqs=4, c128_page_size=2, speculative="dspark")
+SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +36,10 @@ def ckpt(draft_ckpt):
 class Pair:
     """A prefill and a decode worker over the in-process backend; the decode worker calls the prefill directly."""
 
-    def __init__(self, path, decode_opts: dict | None = None):
-        self.p_engine, self.p_loop, p_backend = self._side(path, OPTS)
-        self.d_engine, self.d_loop, d_backend = self._side(path, {**OPTS, "enable_prefix_cache": False,
+    def __init__(self, path, decode_opts: dict | None = None, opts: dict | None = None):
+        opts = opts or OPTS
+        self.p_engine, self.p_loop, p_backend = self._side(path, opts)
+        self.d_engine, self.d_loop, d_backend = self._side(path, {**opts, "enable_prefix_cache": False,
                                                                   **(decode_opts or {})})
         self.prefill = PrefillWorker(self.p_loop, p_backend, describe_engine(self.p_engine))
         self.decode = DecodeWorker(self.d_loop, d_backend, describe_engine(self.d_engine),
@@ -54,6 +59,8 @@ class Pair:
         deadline = time.time() + deadline_s
         tid = f"t-{request_id}"
         result: dict = {}
+        if params.seed is None:  # whoever makes the pair gives both legs one seed (the router does the same)
+            params = replace(params, seed=secrets.randbits(63))
 
         def prefill():
             try:
@@ -104,6 +111,43 @@ def test_disaggregated_greedy_equals_offline(ckpt, pair):
         assert out["outputs"][-1].token_ids == ref.token_ids
         assert out["prefill"].stats.bytes > 0
     assert pair.free_counts_restored()
+
+
+@pytest.mark.parametrize("speculative", [None, "dspark"], ids=["plain", "dspark"])
+def test_seeded_disaggregated_equals_offline(ckpt, speculative):
+    """The prefill worker draws token 1, the decode worker every later one: with one seed the tokens are the
+    offline engine's (DSpark against offline DSpark: speculation draws differently, with the same distribution)."""
+    opts = {**OPTS, "speculative": speculative}
+    prompts = random_prompts(3, [37, 64, 101], seed=33)
+    params = [SamplingParams(max_tokens=24, seed=900 + i, **SAMPLED) for i in range(3)]
+    offline = make_llm(ckpt, **opts).generate(prompt_token_ids=prompts, sampling_params=params)
+    pair = Pair(ckpt, opts=opts)
+    try:
+        for i, (prompt, p, ref) in enumerate(zip(prompts, params, offline)):
+            out = pair.run(prompt, p, request_id=str(i))["outputs"][-1]
+            assert out.token_ids == ref.token_ids
+            assert (out.spec_verify_steps > 0) == (speculative is not None)
+        assert pair.free_counts_restored()
+    finally:
+        pair.close()
+
+
+def test_decode_draws_fresh_randomness_after_the_prefill_token(ckpt):
+    """Token 1 (drawn by the prefill worker) and token 2 (by the decode worker) must come from independent draws.
+    At temperature 30 this model's next-token distribution is close to uniform over 256 tokens (no token above
+    0.6%), so independent draws coincide about once in 200 seeds. A decode worker that starts a fresh generator
+    from the request's seed reuses token 1's draw for token 2, and the two coincide for most seeds."""
+    pair = Pair(ckpt, opts={**OPTS, "speculative": None})
+    prompt = random_prompts(1, [20], seed=34)[0]
+    n = 100
+    try:
+        outs = [pair.run(prompt, SamplingParams(temperature=30.0, max_tokens=2, seed=s, ignore_eos=True),
+                         request_id=str(s))["outputs"][-1].token_ids for s in range(n)]
+    finally:
+        pair.close()
+    same = sum(t[0] == t[1] for t in outs)
+    assert same <= 6, f"token 2 equals token 1 for {same} of {n} seeds"  # P(>= 7) < 1e-5 for independent draws
+    assert len({t[0] for t in outs}) > n // 2  # and the draws are spread out at all
 
 
 def test_transferred_rows_equal_a_colocated_run(ckpt, pair, monkeypatch):

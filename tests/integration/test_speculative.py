@@ -13,6 +13,7 @@ from pdspark import SamplingParams
 from pdspark.engine import drafter as drafter_module
 from pdspark.engine.drafter import DraftProposal
 from pdspark.engine.engine import Engine
+from pdspark.engine.random_stream import Purpose, RandomStream
 from pdspark.engine.spec_verifier import accept
 from pdspark.model.dspark_weights import draft_state_dict, load_draft_weights
 from pdspark.model.loader import load_checkpoint, load_draft
@@ -108,21 +109,58 @@ def test_abort_mid_verify_frees_everything(draft_ckpt):
 
 
 def test_chain_rejection_sampling_keeps_the_target_distribution():
-    """Whatever the draft's distribution q, accepted-or-resampled tokens follow the target's p (chi-square)."""
+    """Whatever the draft's distribution q, accepted-or-resampled tokens follow the target's p (chi-square); one
+    seed per trial, the draft drawn by the position's DRAFT draw as the drafter does."""
     V = 6
     p_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
     q = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.05, 0.05])
     params = SamplingParams(temperature=1.0)
-    gen = torch.Generator().manual_seed(0)
-    n = 20000
+    n = 8000
     counts = torch.zeros(V)
-    for _ in range(n):
-        d = int(torch.multinomial(q, 1, generator=gen))
-        acc = accept(torch.stack([p_logits, p_logits]), DraftProposal([d], q[None]), params, gen, gen)
+    for seed in range(n):
+        stream = RandomStream(seed)
+        d = stream.choice(q, 40, Purpose.DRAFT)
+        acc = accept(torch.stack([p_logits, p_logits]), DraftProposal([d], q[None]), params, stream, 40)
         counts[acc.tokens[0]] += 1
     expected = n * p_logits.softmax(-1)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 20.5  # 99.9% quantile of chi-square with 5 degrees of freedom
+
+
+def test_speculative_chains_over_several_verify_steps_keep_the_joint_distribution():
+    """Three tokens of a Markov 'model' over V=4 produced by verify steps of two drafts, exactly as the engine draws
+    them: a step that ends in a rejection leaves draft draws unused, and the next step draws its drafts for the
+    same positions again. The joint of the three tokens must still be the target's (chi-square, 63 dof)."""
+    V, gamma, length, first = 4, 2, 3, 17
+    g = torch.Generator().manual_seed(5)
+    P = torch.randn(V, V, generator=g) * 0.5  # [prev, next] target logits (every one of the 64 cells >= 0.3%)
+    Q = torch.randn(V, V, generator=g)  # [prev, next] draft logits, unrelated to P
+    params = SamplingParams(temperature=1.0)
+    anchor = 2
+
+    def generate(stream: RandomStream) -> list[int]:
+        tokens, prev, position = [], anchor, first
+        while len(tokens) < length:
+            drafts, qs, d = [], [], prev
+            for k in range(gamma):
+                qs.append(Q[d].softmax(-1))
+                d = stream.choice(qs[-1], position + k, Purpose.DRAFT)
+                drafts.append(d)
+            window = [prev, *drafts]  # target row j predicts the token after window row j
+            acc = accept(P[window], DraftProposal(drafts, torch.stack(qs)), params, stream, position)
+            tokens += acc.tokens
+            position += len(acc.tokens)
+            prev = tokens[-1]
+        return tokens[:length]
+
+    n = 4000
+    outs = [generate(RandomStream(seed)) for seed in range(n)]
+    cells = torch.tensor([(a * V + b) * V + c for a, b, c in outs])
+    counts = torch.bincount(cells, minlength=V**length).double()
+    p = P.softmax(-1).double()  # [prev, next]
+    expected = n * (p[anchor][:, None, None] * p[:, :, None] * p[None, :, :]).flatten()  # p(a) p(b|a) p(c|b)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 103.4  # 99.9% quantile of chi-square with 63 degrees of freedom
 
 
 def test_speculative_sampling_matches_plain_sampling(draft_ckpt):
@@ -131,11 +169,15 @@ def test_speculative_sampling_matches_plain_sampling(draft_ckpt):
     prompt = random_prompts(1, [12], seed=24)[0]
     # Token 2 comes out of a verify step (the accepted draft, or the residual resample on rejection).
     n = 500
-    params = [SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=3) for s in range(n)]
+
+    def params(seeds):
+        return [SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=3) for s in seeds]
+
     spec_llm = make_llm(path, speculative="dspark", num_speculative_tokens=1, **OPTS)
     plain_llm = make_llm(path, **OPTS)
-    spec = spec_llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params)
-    plain = plain_llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params)
+    # Disjoint seeds: with one seed both runs draw token 1 alike, and the two samples must be independent.
+    spec = spec_llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params(range(n)))
+    plain = plain_llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params(range(n, 2 * n)))
     assert all(o.spec_verify_steps >= 1 for o in spec)
 
     def joint(outs):

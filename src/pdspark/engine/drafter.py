@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pdspark.cache.kv_cache import KVCache
+from pdspark.engine.random_stream import Purpose, RandomStream
 from pdspark.engine.request import Request
 from pdspark.engine.sampler import filter_logits
 from pdspark.model.dspark import DSparkDraft
@@ -50,8 +51,10 @@ class DSparkDrafter:
         return [self._pick(base[i], r, n) for i, (r, n) in enumerate(zip(reqs, num_drafts))]
 
     def _pick(self, base: torch.Tensor, req: Request, n: int) -> DraftProposal:
-        """Left to right: each row's base logits plus the Markov bias of the previous token."""
+        """Left to right: each row's base logits plus the Markov bias of the previous token. Draft k (0-based) is a
+        proposal for position `req.num_tokens + k`, drawn by that position's DRAFT draw."""
         prev = req.all_token_ids[-1]
+        stream = RandomStream(req.seed)
         tokens, probs = [], []
         for k in range(n):
             logits = base[k] + self.draft.markov_bias(torch.tensor(prev))
@@ -59,7 +62,7 @@ class DSparkDrafter:
                 prev = int(logits.argmax())
             else:
                 q = filter_logits(logits, req.params).softmax(-1)
-                prev = int(torch.multinomial(q, 1, generator=req.generator))
+                prev = stream.choice(q, req.num_tokens + k, Purpose.DRAFT)
                 probs.append(q)
             tokens.append(prev)
         return DraftProposal(tokens, torch.stack(probs) if probs else None)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
+import secrets
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -14,6 +16,7 @@ from pdspark.config import EngineConfig
 from pdspark.engine.drafter import DraftProposal, DSparkDrafter
 from pdspark.engine.forward_batch import Chunk
 from pdspark.engine.model_runner import ModelRunner, RunOutput
+from pdspark.engine.random_stream import RandomStream
 from pdspark.engine.request import Request, RequestStatus
 from pdspark.engine.sampler import Sampler
 from pdspark.engine.scheduler import ScheduledChunk, Scheduler
@@ -79,7 +82,11 @@ class Engine:
         self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
         capture = draft.dcfg.target_layer_ids if self.drafter and draft is not None else ()
         self.runner = ModelRunner(model, self.kv, capture)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler()
+        # Seeds for requests that come without one. NOTE: an explicit engine seed is the deterministic mode (tests,
+        # benchmarks: the n-th request gets the same seed on every run); without one (None), OS entropy, so that two
+        # workers never produce the same "random" streams.
+        self._seeds = random.Random(secrets.randbits(128) if config.seed is None else config.seed)
         self.stop_checker = StopChecker(tokenizer, model.cfg.eos_token_ids, config.scheduler.max_model_len)
         self.spec = SpecStats(accepted_per_position=[0] * num_drafts)
         self.requests: dict[str, Request] = {}
@@ -102,7 +109,8 @@ class Engine:
         if req_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {req_id!r}")
         self.validate(prompt_token_ids, params)
-        req = Request(req_id, list(prompt_token_ids), params, prompt=prompt, hold_pages=hold_pages)
+        req = Request(req_id, list(prompt_token_ids), params, prompt=prompt, hold_pages=hold_pages,
+                      seed=self._effective_seed(params))
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req_id
@@ -132,6 +140,10 @@ class Engine:
         c128_need = math.ceil(total / self.kv.group_tokens) if self.model_config.hca_layers else 0
         if c128_need > sizes.num_c128_pages:
             raise CapacityError(f"request needs {c128_need} C128 pages; the pool has {sizes.num_c128_pages}")
+
+    def _effective_seed(self, params: SamplingParams) -> int:
+        """The client's seed, else a fresh one (63 bits: it fits the wire's int64 should it ever travel)."""
+        return params.seed if params.seed is not None else self._seeds.getrandbits(63)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -178,7 +190,7 @@ class Engine:
         prompt: str | None = None,
     ) -> RequestOutput:
         """Continue a request whose prompt cache (and first token) arrived by transfer into `pages`."""
-        req = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
+        req = Request(request_id, list(prompt_token_ids), params, prompt=prompt, seed=self._effective_seed(params))
         req.pages = pages
         req.num_computed_tokens = len(prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
@@ -239,10 +251,12 @@ class Engine:
         for c in chunks:
             offsets.append(offsets[-1] + (c.num_tokens if c.num_drafts else int(c.samples)))
         plain = [i for i, c in enumerate(chunks) if c.samples and not c.num_drafts]
+        # A sampled token goes to position `num_tokens` of its request (drafts of a verify window follow from there).
         sampled = self.sampler.sample(
             out.logits[[offsets[i] for i in plain]],
             [chunks[i].request.params for i in plain],
-            [chunks[i].request.generator for i in plain],
+            [RandomStream(chunks[i].request.seed) for i in plain],
+            [chunks[i].request.num_tokens for i in plain],
         )
         sampled_by_chunk = dict(zip(plain, sampled))
         produced = []
@@ -251,7 +265,7 @@ class Engine:
             if c.num_drafts:
                 req = c.request
                 logits = out.logits[start : start + c.num_tokens]
-                acc = accept(logits, proposals[req.req_id], req.params, req.generator, self.sampler.generator)
+                acc = accept(logits, proposals[req.req_id], req.params, RandomStream(req.seed), req.num_tokens)
                 self._count(req, c.num_drafts, acc.num_accepted)
                 produced.append(_StepTokens(c, acc.tokens, logits[: len(acc.tokens)], acc.num_accepted + 1))
             elif c.samples:

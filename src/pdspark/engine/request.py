@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from pdspark.cache.kv_cache import ReqPages
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 
@@ -33,7 +31,6 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     pages: ReqPages | None = None
-    generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     text: str | None = None
@@ -43,10 +40,11 @@ class Request:
     hold_pages: bool = False
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0  # drafts accepted over all verify steps
+    # The effective sampling seed (`RandomStream(seed)` makes every draw): the client's `params.seed`, or one the
+    # engine drew for a request without one.
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.logprobs is not None:
             self.logprobs = []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pdspark.engine.random_stream import Purpose, RandomStream, inverse_cdf
 from pdspark.types import SamplingParams, TokenLogprobs
 
 
@@ -23,19 +24,19 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
-
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self, logits: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream], positions: list[int]
     ) -> list[int]:
-        """`logits [B, V]` fp32 -> one token id per row."""
+        """`logits [B, V]` fp32 -> one token id per row; row i's token goes to `positions[i]` of its request and
+        is drawn by `streams[i]` (a pure function of the seed and that position, whatever else is in the batch)."""
         tokens = logits.argmax(dim=-1).tolist()
-        for i, p in enumerate(params):
-            if p.greedy:
-                continue
-            probs = filter_logits(logits[i], p).softmax(-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i] or self.generator))
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return tokens
+        probs = torch.stack([filter_logits(logits[i], params[i]).softmax(-1) for i in rows])  # [R, V]
+        u = torch.tensor([streams[i].uniform(positions[i], Purpose.SAMPLE) for i in rows], dtype=torch.float64)
+        for i, token in zip(rows, inverse_cdf(probs, u).tolist()):
+            tokens[i] = token
         return tokens
 
     @staticmethod

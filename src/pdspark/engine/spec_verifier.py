@@ -1,6 +1,10 @@
 """Acceptance of a verified draft: greedy prefix match, or chain rejection sampling (lossless for sampling).
 
-The verify window is `[anchor, d_1 .. d_g]`; target row j (0-based) predicts the token after window row j.
+The verify window is `[anchor, d_1 .. d_g]`; target row j (0-based) predicts the token after window row j. Draft
+d_k sits at absolute position `first_position + k - 1`; its accept test and the residual resample after its
+rejection are that position's ACCEPT and RESIDUAL draws, and the bonus after d_g is position
+`first_position + g`'s BONUS draw. Each is an independent draw, so the committed tokens follow the target's
+distribution exactly.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from pdspark.engine.drafter import DraftProposal
+from pdspark.engine.random_stream import Purpose, RandomStream
 from pdspark.engine.sampler import filter_logits
 from pdspark.types import SamplingParams
 
@@ -23,10 +28,10 @@ def accept(
     target_logits: torch.Tensor,
     proposal: DraftProposal,
     params: SamplingParams,
-    generator: torch.Generator | None,
-    default_generator: torch.Generator,
+    stream: RandomStream,
+    first_position: int,
 ) -> Acceptance:
-    """`target_logits [g + 1, V]` fp32 for the window rows."""
+    """`target_logits [g + 1, V]` fp32 for the window rows; `first_position` is d_1's (the anchor's + 1)."""
     drafts = proposal.tokens
     if params.greedy:
         target = target_logits.argmax(dim=-1).tolist()
@@ -34,18 +39,18 @@ def accept(
         while k < len(drafts) and drafts[k] == target[k]:
             k += 1
         return Acceptance(drafts[:k] + [target[k]], k)
-    gen = generator or default_generator
     assert proposal.probs is not None
     for k, d in enumerate(drafts):
+        position = first_position + k
         p = filter_logits(target_logits[k], params).softmax(-1)
         q = proposal.probs[k]
         # Accept d with probability min(1, p(d) / q(d)).
-        if float(torch.rand((), generator=gen)) * float(q[d]) < float(p[d]):
+        if stream.uniform(position, Purpose.ACCEPT) * float(q[d]) < float(p[d]):
             continue
-        residual = (p - q).clamp(min=0)
+        residual = (p - q).clamp(min=0)  # inverse_cdf takes unnormalised weights
         if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
             residual = p
-        bonus = int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
-        return Acceptance(drafts[:k] + [bonus], k)
+        return Acceptance(drafts[:k] + [stream.choice(residual, position, Purpose.RESIDUAL)], k)
     p = filter_logits(target_logits[len(drafts)], params).softmax(-1)
-    return Acceptance(drafts + [int(torch.multinomial(p, 1, generator=gen))], len(drafts))
+    bonus = stream.choice(p, first_position + len(drafts), Purpose.BONUS)
+    return Acceptance(drafts + [bonus], len(drafts))

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -77,6 +78,8 @@ class Dispatcher:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        timeout_s: float | None = None) -> AsyncIterator[DispatchChunk]:
         """Stream the request's tokens; raises `RequestFailed` if no pair could serve it."""
+        # One seed for both legs and every attempt: the prefill worker draws token 1, the decode worker the rest.
+        params = params if params.seed is not None else replace(params, seed=secrets.randbits(63))
         excluded: set[str] = set()
         last: RequestFailed | None = None
         for attempt in range(self.max_attempts):
