@@ -21,7 +21,17 @@ from pdspark.config import (
     WorkerConfig,
 )
 from pdspark.errors import ConfigError
-from pdspark.options import OptionSpec, build, parse_args, parse_options, replace_options, specs, to_argv
+from pdspark.options import (
+    OptionSpec,
+    build,
+    nested,
+    option,
+    parse_args,
+    parse_options,
+    replace_options,
+    specs,
+    to_argv,
+)
 
 ROOTS = [EngineConfig, WorkerConfig, RouterConfig, UpConfig, GenerateConfig]
 # What each root needs besides its options (the subcommand decides the worker's role; generate needs a model).
@@ -121,6 +131,30 @@ def test_flags_are_kebab_case_of_the_field_unless_renamed():
     # Flags older than their fields keep their names.
     assert renamed == {"enable_prefix_cache": "prefix-cache", "transfer_timeout_s": "transfer-timeout",
                        "health_interval_s": "health-interval"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    port: int = option(1, "an inner port")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outer:
+    port: int = option(2, "an outer port")
+    inner: _Inner = nested(_Inner, "inner")
+
+
+@dataclasses.dataclass(frozen=True)
+class _OuterSkipping:
+    port: int = option(2, "an outer port")
+    inner: _Inner = nested(_Inner, "inner", skip=("port",))
+
+
+def test_a_flag_naming_two_fields_is_refused():
+    # Flattening would make `--port` ambiguous; the tree is refused when first read, not parsed wrongly.
+    with pytest.raises(AssertionError, match="inner.port and port share the name 'port'"):
+        specs(_Outer)
+    assert [s.path for s in specs(_OuterSkipping)] == [("port",)]
 
 
 # ---- precedence and parsing ------------------------------------------------------------------------------------------
