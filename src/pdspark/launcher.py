@@ -15,7 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdspark.assets import resolve_model
+from pdspark.config import RouterConfig, UpConfig, WorkerConfig
 from pdspark.model.model_config import ModelConfig
+from pdspark.options import replace_options, to_argv
 from pdspark.service_process import ServiceProcess, spawn_service, start_service, wait_ready
 
 
@@ -23,26 +25,41 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def launch(args) -> int:
-    path = resolve_model(args.model)
-    has_draft = "dspark" in ModelConfig.from_dir(path).raw
-    worker_flags = ["--model", args.model, "--port", "0", "--metrics-port", "0"] + args.engine_flags
-    if has_draft and not args.no_speculative:
-        worker_flags += ["--speculative", "dspark"]
+def worker_configs(cfg: UpConfig, has_draft: bool) -> dict[str, WorkerConfig]:
+    """What each role's workers run: the user's engine options, DSpark when the checkpoint has a draft (unless
+    `--no-speculative`), and no prefix cache on decode (every prompt's cache arrives there by transfer, so a
+    prefix cache would only hold memory)."""
+    engine = replace_options(cfg.engine, speculative="dspark" if has_draft and cfg.speculative else None)
+    return {
+        "prefill": WorkerConfig(role="prefill", model=cfg.model, port=0, metrics_port=0, engine=engine),
+        "decode": WorkerConfig(role="decode", model=cfg.model, port=0, metrics_port=0,
+                               engine=replace_options(engine, enable_prefix_cache=False)),
+    }
+
+
+def router_config(cfg: UpConfig, prefill: list[str], decode: list[str]) -> RouterConfig:
+    # The router admits what the workers serve: the same max_model_len (None on both sides resolves the same way).
+    return RouterConfig(model=cfg.model, host=cfg.host, port=cfg.port, grpc_port=cfg.grpc_port, prefill=tuple(prefill),
+                        decode=tuple(decode), max_model_len=cfg.engine.scheduler.max_model_len)
+
+
+def launch(cfg: UpConfig) -> int:
+    has_draft = "dspark" in ModelConfig.from_dir(resolve_model(cfg.model)).raw
+    workers = worker_configs(cfg, has_draft)
     services: list[ServiceProcess] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         t0 = time.monotonic()
-        roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-        _log(f"pdspark up: starting {args.prefill} prefill + {args.decode} decode worker(s) on {args.model} "
-             f"(speculative: {'dspark' if has_draft and not args.no_speculative else 'off'})")
+        roles = ["prefill"] * cfg.prefill + ["decode"] * cfg.decode
+        _log(f"pdspark up: starting {cfg.prefill} prefill + {cfg.decode} decode worker(s) on {cfg.model} "
+             f"(speculative: {workers['decode'].engine.speculative or 'off'})")
 
         # Spawn every worker from this thread (children die with the thread that made them), wait in parallel.
+        # Children get every option as a flag, so their config is this one whatever their environment says.
         for i, role in enumerate(roles):
-            extra = ["--no-prefix-cache"] if role == "decode" else []
-            services.append(spawn_service(f"{role}-{i}", ["serve", role, *worker_flags, *extra]))
+            services.append(spawn_service(f"{role}-{i}", ["serve", role, *to_argv(workers[role])]))
 
         def ready(s: ServiceProcess) -> ServiceProcess:
             wait_ready(s)
@@ -58,9 +75,7 @@ def launch(args) -> int:
                 return 1
         prefill = [s.address for s in services if s.name.startswith("prefill")]
         decode = [s.address for s in services if s.name.startswith("decode")]
-        router = start_service("router", ["serve", "router", "--model", args.model, "--host", args.host,
-                                          "--port", str(args.port), "--grpc-port", str(args.grpc_port),
-                                          "--prefill", ",".join(prefill), "--decode", ",".join(decode)])
+        router = start_service("router", ["serve", "router", *to_argv(router_config(cfg, prefill, decode))])
         services.append(router)
         _log(f"  [{time.monotonic() - t0:5.1f}s] router ready")
         _print_endpoints(router.info)
@@ -97,31 +112,3 @@ print(Client('{grpc_addr}').generate('def fibonacci(n):', max_tokens=48, tempera
 
 Press Ctrl-C to stop.
 """, flush=True)
-
-
-def add_up_arguments(parser) -> None:
-    from pdspark.config import add_engine_arguments
-
-    parser.add_argument("--model", default="dsv4-tiny")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="router HTTP port")
-    parser.add_argument("--grpc-port", type=int, default=50050, help="router gRPC port")
-    parser.add_argument("--no-speculative", action="store_true", help="decode without DSpark")
-    engine = parser.add_argument_group("engine options passed to every worker")
-    add_engine_arguments(engine)
-
-
-def engine_flags(args) -> list[str]:
-    """The engine options the user set, as worker command-line flags."""
-    from pdspark.config import ENGINE_FLAGS
-
-    flags = []
-    for name, (_, default, _) in ENGINE_FLAGS.items():
-        value = getattr(args, name)
-        if value is not None and value != default and name not in ("speculative",):
-            flags += ["--" + name.replace("_", "-"), str(value)]
-    if args.no_prefix_cache:
-        flags.append("--no-prefix-cache")
-    return flags

@@ -17,8 +17,9 @@ from pdspark.types import RequestOutput, SamplingParams
 
 
 class LLM:
-    """Keyword options are those of `pdspark.config.engine_config` (pool sizes, scheduler limits, dtype, seed,
-    `speculative="dspark"`, `enable_prefix_cache`, ...)."""
+    """Keyword options are the fields of `pdspark.config.EngineConfig` and the cache and scheduler configs it
+    composes, flat (pool sizes, scheduler limits, dtype, seed, `speculative="dspark"`, `enable_prefix_cache`, ...);
+    `pdspark generate --help` lists them all. Or pass a whole `config=EngineConfig(...)`."""
 
     def __init__(self, model: str, *, progress: bool = False, **options):
         self.engine = create_engine(model, progress=progress, **options)

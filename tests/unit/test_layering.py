@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "types": 1,
     "hardware": 1,
     "assets": 1,
+    "options": 1,  # the flag/env/keyword generator under config
     "model": 2,
     "config": 3,
     "cache": 4,

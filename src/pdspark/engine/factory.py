@@ -5,16 +5,20 @@ from __future__ import annotations
 import gc
 
 from pdspark.assets import resolve_model
-from pdspark.config import engine_config
+from pdspark.config import EngineConfig
 from pdspark.engine.engine import Engine
 from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.model.model_config import ModelConfig
+from pdspark.options import build
 
 
-def create_engine(model: str, progress: bool = False, **options) -> Engine:
-    """Load the checkpoint (and its DSpark draft when `speculative` is set) and build the engine."""
+def create_engine(model: str, progress: bool = False, config: EngineConfig | None = None, **options) -> Engine:
+    """Load the checkpoint (and its DSpark draft when `speculative` is set) and build the engine.
+
+    `options` are `EngineConfig`'s flat keyword options (`page_size=16`, `max_num_seqs=4`, `speculative="dspark"`,
+    ...), applied over `config` when both are given; an unknown one raises ConfigError listing the allowed ones."""
     path = resolve_model(model)
-    config = engine_config(ModelConfig.from_dir(path).max_position_embeddings, **options)
+    config = build(EngineConfig, options, base=config).for_model(ModelConfig.from_dir(path).max_position_embeddings)
     max_len = config.scheduler.max_model_len
     ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=config.device, progress=progress)
     draft = load_draft(ckpt, max_len, config.dtype, config.device) if config.speculative else None

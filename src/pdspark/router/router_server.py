@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdspark.assets import resolve_model
-from pdspark.config import RouterConfig
+from pdspark.config import RouterConfig, resolve_max_model_len
 from pdspark.model.model_config import ModelConfig
 from pdspark.router.dispatcher import Dispatcher
 from pdspark.router.grpc_api import RouterServicer
@@ -40,7 +40,7 @@ def build_core(cfg: RouterConfig) -> RouterCore:
     dispatcher = Dispatcher(registry, make_policy(cfg.prefill_policy), make_policy(cfg.decode_policy),
                             transfer_timeout_s=cfg.transfer_timeout_s, metrics=metrics)
     name = cfg.served_model_name or (cfg.model if "/" not in cfg.model else path.rstrip("/").split("/")[-1])
-    max_len = cfg.max_model_len or min(4096, model_cfg.max_position_embeddings)
+    max_len = resolve_max_model_len(cfg.max_model_len, model_cfg.max_position_embeddings)
     return RouterCore(path, name, max_len, registry, dispatcher, metrics)
 
 

@@ -40,7 +40,7 @@ _METRICS_EVERY_S = 0.5
 class WorkerServer:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
-        engine = create_engine(cfg.model, progress=False, **cfg.engine)
+        engine = create_engine(cfg.model, progress=False, config=cfg.engine)
         self.loop = EngineLoop(engine)
         self.backend = create_backend(cfg.transfer_backend, host=cfg.advertise_host, protocol=cfg.transfer_protocol)
         for addr, nbytes in registered_regions(engine.kv.pools):
@@ -79,8 +79,8 @@ class WorkerServer:
     def start(self) -> dict:
         self.loop.start()
         self.grpc.start()
-        metrics_port = -1
-        if self.cfg.metrics_port >= 0:
+        metrics_port = None  # null on the ready line: no metrics server
+        if self.cfg.metrics_port is not None:
             server, _ = start_http_server(self.cfg.metrics_port, addr=self.cfg.host, registry=self.metrics.registry)
             metrics_port = server.server_port
             # Reported in GetLoad: the router lists it in /workers without being told.
