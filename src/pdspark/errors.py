@@ -60,6 +60,9 @@ class ErrorCode(enum.Enum):
     TRANSFER = ("transfer", 502, "INTERNAL", True, "server_error")
     ABORTED = ("aborted", 499, "CANCELLED", False, "server_error")  # 499: nginx's "client closed request"
     UNAVAILABLE = ("unavailable", 503, "UNAVAILABLE", True, "server_error")
+    # Busy, not broken: the router tries another pair, and answers 429 + Retry-After when every pair is full.
+    OVERLOADED = ("overloaded", 429, "RESOURCE_EXHAUSTED", True, "rate_limit_error")
+    ALREADY_EXISTS = ("already_exists", 409, "ALREADY_EXISTS", False, "invalid_request_error")
 
     def __new__(cls, value: str, http_status: int, grpc_status: str, retryable: bool, openai_type: str):
         member = object.__new__(cls)

@@ -20,6 +20,8 @@ EXPECTED = {
     ErrorCode.TRANSFER: (502, grpc.StatusCode.INTERNAL, True, "server_error"),
     ErrorCode.ABORTED: (499, grpc.StatusCode.CANCELLED, False, "server_error"),
     ErrorCode.UNAVAILABLE: (503, grpc.StatusCode.UNAVAILABLE, True, "server_error"),
+    ErrorCode.OVERLOADED: (429, grpc.StatusCode.RESOURCE_EXHAUSTED, True, "rate_limit_error"),
+    ErrorCode.ALREADY_EXISTS: (409, grpc.StatusCode.ALREADY_EXISTS, False, "invalid_request_error"),
 }
 
 

@@ -17,6 +17,8 @@ ERROR_CODE_TO_PB: dict[ErrorCode, int] = {
     ErrorCode.TRANSFER: common_pb2.ERROR_CODE_TRANSFER,
     ErrorCode.ABORTED: common_pb2.ERROR_CODE_ABORTED,
     ErrorCode.UNAVAILABLE: common_pb2.ERROR_CODE_UNAVAILABLE,
+    ErrorCode.OVERLOADED: common_pb2.ERROR_CODE_OVERLOADED,
+    ErrorCode.ALREADY_EXISTS: common_pb2.ERROR_CODE_ALREADY_EXISTS,
 }
 ERROR_CODE_FROM_PB = {pb: code for code, pb in ERROR_CODE_TO_PB.items()}
 FINISH_REASON_TO_PB: dict[FinishReason, int] = {

@@ -17,6 +17,8 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_TRANSFER: _ClassVar[ErrorCode]
     ERROR_CODE_ABORTED: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
+    ERROR_CODE_OVERLOADED: _ClassVar[ErrorCode]
+    ERROR_CODE_ALREADY_EXISTS: _ClassVar[ErrorCode]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +34,8 @@ ERROR_CODE_CAPACITY: ErrorCode
 ERROR_CODE_TRANSFER: ErrorCode
 ERROR_CODE_ABORTED: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
+ERROR_CODE_OVERLOADED: ErrorCode
+ERROR_CODE_ALREADY_EXISTS: ErrorCode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
