@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 from pdspark.config import GenerateConfig, RouterConfig, UpConfig, WorkerConfig
 from pdspark.errors import PdsparkError
@@ -19,14 +20,14 @@ def _generate(args: argparse.Namespace, cfg: GenerateConfig) -> int:
     llm = LLM(cfg.model, config=cfg.engine, progress=not cfg.quiet)
     load_s = time.perf_counter() - t0
     # Unset top_k/top_p stay out, so SamplingParams' own defaults apply.
-    filters = {k: v for k, v in (("top_k", cfg.top_k), ("top_p", cfg.top_p)) if v is not None}
     params = SamplingParams(
         temperature=cfg.temperature,
         seed=cfg.engine.seed if cfg.temperature > 0 else None,
         max_tokens=cfg.max_tokens,
         ignore_eos=cfg.ignore_eos,
-        **filters,
     )
+    params = replace(params, top_k=cfg.top_k) if cfg.top_k is not None else params
+    params = replace(params, top_p=cfg.top_p) if cfg.top_p is not None else params
     if cfg.prompt_ids is not None:
         outs = llm.generate(prompt_token_ids=[list(cfg.prompt_ids)], sampling_params=params)
     else:

@@ -9,7 +9,7 @@ keyword options are generated from these fields by `pdspark.options` (the only p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pdspark.errors import ConfigError
 from pdspark.options import build, nested, option, validate
@@ -27,7 +27,7 @@ Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # the names of `
 TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfer.backend.create_backend` takes
 
 _MODEL_HELP = "checkpoint directory (HF-format DSV4) or shipped model name"
-_PORT = dict(minimum=0, maximum=65535)
+_PORT: dict[str, Any] = {"minimum": 0, "maximum": 65535}
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:

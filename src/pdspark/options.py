@@ -87,7 +87,7 @@ class OptionSpec:
             text = "one of " + ", ".join(repr(c) for c in self.choices)
         else:
             text = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-                    tuple: f"comma-separated {_PLURAL.get(self.item, 'values')}"}[self.base]
+                    tuple: f"comma-separated {_PLURAL.get(self.item, 'values') if self.item else 'values'}"}[self.base]
         if self.minimum is not None or self.maximum is not None:
             text += " " + _range_text(self.minimum, self.maximum)
         return text + (" or none" if self.optional else "")
@@ -175,6 +175,7 @@ def parse_text(spec: OptionSpec, text: str, source: str) -> Any:
                 return False
             raise ValueError(word)
         if spec.base is tuple:
+            assert spec.item is not None  # a tuple option knows its element type
             return tuple(spec.item(part.strip()) for part in word.split(",") if part.strip())
         return spec.base(word)
     except ValueError:
@@ -298,7 +299,8 @@ def replace_options(config: Any, **options: Any) -> Any:
 def to_argv(config: Any) -> list[str]:
     """Flags that parse back to `config` (every option, so a child process's environment cannot change it)."""
     argv: list[str] = []
-    for spec in specs(type(config)):
+    cls: type = type(config)
+    for spec in specs(cls):
         if not spec.cli:
             continue
         value = config
@@ -325,7 +327,8 @@ def _flag_text(value: Any) -> str:
 def validate(config: Any) -> None:
     """Check every own field of `config` against its annotation, choices and bounds; ConfigError names the field
     and the allowed values."""
-    for spec in field_specs(type(config)):
+    cls: type = type(config)
+    for spec in field_specs(cls):
         value = getattr(config, spec.name)
         if value is None and spec.optional:
             continue

@@ -76,7 +76,7 @@ class Engine:
         cache = replace(config.cache, max_draft_tokens=num_drafts + 1 if num_drafts else 0)
         self.sizes = PoolSizes.derive(model.cfg, cache, config.scheduler)
         dtype = getattr(torch, config.dtype)
-        stages = draft.dcfg.num_stages if num_drafts else 0
+        stages = draft.dcfg.num_stages if num_drafts and draft is not None else 0
         self.kv = KVCache(model.cfg, self.sizes, dtype, config.device, config.cache.enable_prefix_cache, stages)
         self.scheduler = Scheduler(config.scheduler, self.kv, num_drafts)
         self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
@@ -87,7 +87,7 @@ class Engine:
         # benchmarks: the n-th request gets the same seed on every run); without one (None), OS entropy, so that two
         # workers never produce the same "random" streams.
         self._seeds = random.Random(secrets.randbits(128) if config.seed is None else config.seed)
-        self.stop_checker = StopChecker(tokenizer, model.cfg.eos_token_ids, config.scheduler.max_model_len)
+        self.stop_checker = StopChecker(tokenizer, model.cfg.eos_token_ids, self.scheduler.max_model_len)
         self.spec = SpecStats(accepted_per_position=[0] * num_drafts)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -116,7 +116,7 @@ class Engine:
         return req_id
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
-        max_len = self.config.scheduler.max_model_len
+        max_len = self.scheduler.max_model_len
         vocab = self.model_config.vocab_size
         if not ids:
             raise InvalidRequestError("empty prompt: a request needs at least one token")
@@ -286,7 +286,8 @@ class Engine:
 
     def _commit(self, produced: list[_StepTokens], out: RunOutput) -> None:
         """Make the committed rows the request's computed state: draft context, rolled-back rings, page windows."""
-        rows, row = [], 0
+        rows: list[int] = []
+        row = 0
         for p in produced:
             rows += range(row, row + p.committed)
             row += p.chunk.num_tokens

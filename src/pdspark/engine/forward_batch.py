@@ -103,7 +103,7 @@ def _to_device(obj, device: torch.device):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, list):
         return [_to_device(x, device) for x in obj]
-    if dataclasses.is_dataclass(obj):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
                                            for f in dataclasses.fields(obj)})
     return obj

@@ -45,7 +45,9 @@ class ScheduleOutput:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCache, num_drafts: int = 0):
+        assert cfg.max_model_len is not None, "resolve it first (EngineConfig.for_model)"
         self.cfg = cfg
+        self.max_model_len: int = cfg.max_model_len
         self.kv = kv
         self.num_drafts = num_drafts  # draft tokens per verify step (0: no speculation)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -100,7 +102,7 @@ class Scheduler:
         """Draft slots for a decoding request: never past max_tokens, max_model_len or the step budget."""
         if not self.num_drafts or req.num_pending_tokens != 1:
             return 0
-        left = min(req.params.max_tokens - len(req.output_token_ids), self.cfg.max_model_len - req.num_tokens)
+        left = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
         return max(0, min(self.num_drafts, left - 1, budget - 1))
 
     def _admit(self, req: Request, budget: int) -> ScheduledChunk | None:

@@ -131,8 +131,11 @@ class Attention(nn.Module):
         """Write this step's closed groups and return the compressed entries each query attends to."""
         if self.compressor is None:
             return None
+        # A compressed layer has its compressor's projection and pools (None only on sliding layers).
+        assert xp.comp is not None and cache.comp_state is not None and cache.comp_kv is not None
         if self.indexer is not None:
-            assert batch.csa_plan is not None
+            assert batch.csa_plan is not None and xp.idx_comp is not None and xp.idx_w is not None
+            assert cache.index_state is not None and cache.index_kv is not None
             self.compressor.run(xp.comp, batch.positions, batch.csa_plan, cache.comp_state, cache.comp_kv)
             self.indexer.compressor.run(xp.idx_comp, batch.positions, batch.csa_plan, cache.index_state,
                                         cache.index_kv)
@@ -162,6 +165,7 @@ class Attention(nn.Module):
         kv = gather_rows(cache.swa_kv, window.rows)
         valid = window.valid
         if compressed is not None and compressed.max_visible:
+            assert cache.comp_kv is not None
             rows, ok = compressed.rows, compressed.valid
             if token_rows is not None:
                 rows, ok = rows[token_rows], ok[token_rows]
@@ -173,13 +177,12 @@ class Attention(nn.Module):
         """A long chunk of one request, in blocks of queries: a block's keys are the union of its queries' windows
         plus the request's compressed entries; masks keep each query to its own window and picks."""
         win_kv = gather_rows(cache.swa_kv, seg.window_rows)  # [n + W - 1, d]
-        comp_kv = comp_valid = None
+        comp: tuple[torch.Tensor, torch.Tensor] | None = None  # (kv [V, d], valid [n, V]) of compressed entries
         if compressed is not None and compressed.max_visible:
-            assert self.compressor is not None
+            assert self.compressor is not None and cache.comp_kv is not None
             last = seg.offset + seg.length - 1
             V = min(compressed.max_visible, (seg.start + seg.length) // self.compressor.ratio)
-            comp_kv = gather_rows(cache.comp_kv, compressed.rows[last, :V])  # [V, d]
-            comp_valid = compressed.valid[seg.offset : last + 1, :V]
+            comp = (gather_rows(cache.comp_kv, compressed.rows[last, :V]), compressed.valid[seg.offset : last + 1, :V])
         n, H, d = q.shape
         W = win_kv.shape[0] - n + 1
         out = torch.empty_like(q)
@@ -187,9 +190,9 @@ class Attention(nn.Module):
             b1 = min(n, b0 + _QUERY_BLOCK)
             kv = win_kv[b0 : b1 + W - 1]  # the block's queries see at most these window rows
             valid = seg.band[b0:b1, b0 : b1 + W - 1]
-            if comp_kv is not None:
-                kv = torch.cat([kv, comp_kv], dim=0)
-                valid = torch.cat([valid, comp_valid[b0:b1]], dim=1)
+            if comp is not None:
+                kv = torch.cat([kv, comp[0]], dim=0)
+                valid = torch.cat([valid, comp[1][b0:b1]], dim=1)
             m = b1 - b0
             scores = torch.mm(q[b0:b1].reshape(m * H, d), kv.t()).view(m, H, -1) * self.scale
             probs = softmax_with_sink(scores, valid, self.attn_sink)
