@@ -99,9 +99,11 @@ class KVCache:
         self.live: dict[int, ReqPages] = {}
         self.tree: RadixCache | None = None
         if enable_prefix_cache:
-            # Tokens before a match end whose SWA pages must survive: the window of the next query and, with
-            # CSA layers, the previous group's overlap rows (page-scoped state).
-            window = max(model.sliding_window - 1, model.csa_ratio if model.csa_layers else 0)
+            # Tokens before a match end whose SWA pages must survive: exactly what `keep_from` keeps at a page
+            # boundary (the window rows the next query or draft block reads and, with CSA layers, the previous
+            # group's overlap rows in the page-scoped state), so that the tree's SWA lock covers every SWA page
+            # a request borrows.
+            window = max(self._window_rows, model.csa_ratio if model.csa_layers else 0)
             group = self.group_tokens if model.hca_layers else None
             self.tree = RadixCache(P, group, window, self)
 
@@ -308,6 +310,12 @@ class KVCache:
             margin = max(margin, unit + self.tree.window_tokens)
         return margin
 
+    @property
+    def _window_rows(self) -> int:
+        """Window rows before `computed_len` the next step reads: W - 1 for the target's query at `computed_len`;
+        W with a drafter, whose block at `computed_len` reads W context rows."""
+        return self.model.sliding_window - (0 if self.has_draft else 1)
+
     def keep_from(self, computed_len: int) -> int:
         """First position whose SWA page the request still needs after `computed_len` tokens are computed.
 
@@ -315,9 +323,7 @@ class KVCache:
         layers exist the next closing group reads the previous group's overlap rows, which live in the page-scoped
         state of the SWA page holding them.
         """
-        keep = computed_len - self.model.sliding_window + 1
-        if self.has_draft:
-            keep -= 1  # a draft block at `computed_len` reads W context rows, one more than the target's window
+        keep = computed_len - self._window_rows
         if self.model.csa_layers:
             R = self.model.csa_ratio
             keep = min(keep, (computed_len // R) * R - R)
@@ -382,9 +388,17 @@ class KVCache:
             holders[p] = holders.get(p, 0) + 1
         assert holders == self.c128.refcount, "C128 refcounts differ from the number of holders"
         assert set(self.live) == self.slots._used, "request slots: owners"
+        tree_swa_of = self._tree_swa_by_full_page()
         for rp in self.live.values():
             borrowed = set(rp.full_pages[: rp.num_borrowed])
             assert borrowed <= set(tree_full), "a borrowed page left the tree while in use"
+            for i in range(rp.num_borrowed):
+                if rp.swa_pages[i] is None:
+                    continue
+                # A borrowed SWA page the request still reads is the tree's, and the request's SWA lock covers it.
+                assert tree_swa_of.get(rp.full_pages[i]) == rp.swa_pages[i], "a borrowed SWA page left the tree"
+                lock = rp.swa_lock
+                assert lock is not None and (i + 1) * self.sizes.page_size > lock.need_from, "borrowed SWA unlocked"
             for page, swa_page in zip(rp.full_pages[rp.num_borrowed :], rp.swa_pages[rp.num_borrowed :]):
                 expect = self.pools.swa_dummy_page if swa_page is None else swa_page
                 assert int(self.full_to_swa_page[page]) == expect, "full->SWA map out of date"
@@ -395,6 +409,13 @@ class KVCache:
                     expect = self.pools.swa_dummy_page if node.swa_pages is None else node.swa_pages[i]
                     assert int(self.full_to_swa_page[page]) == expect, "tree full->SWA map out of date"
         self.pools.check_dummy_rows()
+
+    def _tree_swa_by_full_page(self) -> dict[int, int | None]:
+        out: dict[int, int | None] = {}
+        for node in self.tree.nodes() if self.tree is not None else ():
+            for i, page in enumerate(node.full_pages):
+                out[page] = None if node.swa_pages is None else node.swa_pages[i]
+        return out
 
     def cached_pages(self) -> dict[str, int]:
         """Pages held only by the prefix cache, per pool (evictable; they count as used in `usage`)."""

@@ -1,0 +1,54 @@
+"""`KVCache` with the prefix cache: deterministic scenarios the property test once found, and index invariants."""
+
+from __future__ import annotations
+
+import torch
+from cache_builders import make_kv
+
+
+def _run(kv, pages, tokens: list[int], computed: int) -> None:
+    """Grow a request to `computed` tokens and account for them the way the scheduler does."""
+    assert kv.reserve(pages, computed)
+    kv.grow(pages, computed)
+    kv.cache_computed(pages, tokens[:computed])
+    kv.release_window(pages, computed)
+    kv.check_integrity()
+
+
+def _keeps_its_window(kv, pages, computed: int) -> bool:
+    """Every position from `keep_from(computed)` on still maps to a real SWA slot (the drafter reads them)."""
+    kept = torch.arange(kv.keep_from(computed), computed)
+    return bool((kv.full_to_swa(kv.req_to_token[pages.slot, kept]) < kv.pools.swa_dummy_slot).all())
+
+
+def test_draft_window_of_a_borrowed_prefix_stays_locked():
+    """Window 17, pages of 16, a drafter: the request keeps position `L - 17` (the draft block's extra context
+    row), one more than the target's window. That position sits on a tree page the SWA lock must cover too;
+    otherwise the tree evicts its SWA page while the request still lists it, the page is handed to another
+    request, and a later insert adopts the stale id (one SWA page owned twice)."""
+    kv = make_kv(sliding_window=17, page_size=16, draft_stages=1)
+    a = [1] * 32 + [5]
+    first = kv.open()
+    _run(kv, first, a, len(a))
+    kv.close(first, a)  # the tree holds one node for [0, 32)
+
+    b = [1] * 64 + [6]
+    second = kv.open()
+    assert kv.attach_prefix(second, b) == 32
+    _run(kv, second, b, 48)  # a chunk ending mid-prompt: [32, 48) becomes the tree's second node
+    assert _keeps_its_window(kv, second, 48)
+
+    kv.tree.evict(swa_pages=2)  # only unlocked SWA pages may go
+    kv.check_integrity()
+    assert _keeps_its_window(kv, second, 48)
+
+    third = kv.open()  # takes whatever SWA pages were freed
+    c = [3] * 32 + [7]
+    _run(kv, third, c, len(c))
+    _run(kv, second, b, 64)  # inserts [0, 64) over the (possibly evicted) first node
+    assert _keeps_its_window(kv, second, 64)
+    kv.close(third, c)
+    kv.close(second, b)
+    kv.flush_prefix_cache()
+    kv.check_integrity()
+    assert all(used == 0 for used, _ in kv.usage().values())
