@@ -27,9 +27,10 @@ def make_kv(
     num_c128_pages: int = 12,
     max_num_seqs: int = 6,
     max_model_len: int = 256,
+    prefix_cache: bool = True,
 ) -> KVCache:
-    """A prefix-cached `KVCache` on the CPU. `group_pages` pages make one C128 group (`c128_page_size` =
-    `group_pages * page_size / hca_ratio`)."""
+    """A `KVCache` on the CPU, prefix-cached unless told otherwise. `group_pages` pages make one C128 group
+    (`c128_page_size` = `group_pages * page_size / hca_ratio`)."""
     model = tiny_model(sliding_window)
     cache = CacheConfig(
         page_size=page_size,
@@ -40,4 +41,5 @@ def make_kv(
         max_draft_tokens=3 if draft_stages else 0,
     )
     sizes = PoolSizes.derive(model, cache, SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len))
-    return KVCache(model, sizes, torch.float32, "cpu", enable_prefix_cache=True, draft_stages=draft_stages)
+    return KVCache(model, sizes, torch.float32, "cpu", enable_prefix_cache=prefix_cache,
+                   draft_stages=draft_stages)

@@ -52,3 +52,27 @@ def test_draft_window_of_a_borrowed_prefix_stays_locked():
     kv.flush_prefix_cache()
     kv.check_integrity()
     assert all(used == 0 for used, _ in kv.usage().values())
+
+
+def test_reinsert_over_an_swa_evicted_node_adopts_the_request_pages():
+    """A request re-inserting tokens whose tree node lost its SWA pages (a tombstone) gives the node its own SWA
+    pages and locks only the window it needs; this once left an SWA-locked tombstone and leaked a page."""
+    kv = make_kv(sliding_window=8, page_size=16, group_pages=1)
+    a = [1] * 31 + [7]
+    first = kv.open()
+    _run(kv, first, a, len(a))
+    kv.close(first, a)
+    kv.tree.evict(full_pages=0, swa_pages=1)
+    kv.check_integrity()
+    b = [1] * 16 + [7]
+    second = kv.open()
+    cached = kv.attach_prefix(second, b)
+    _run(kv, second, b, len(b))
+    assert _keeps_its_window(kv, second, len(b))
+    kv.close(second, b)
+    kv.check_integrity()
+    kv.flush_prefix_cache()
+    kv.check_integrity()
+    assert cached == 0  # the first 16 tokens' SWA page was evicted: no match can end there
+    assert all(used == 0 for used, _ in kv.usage().values())
+
