@@ -76,3 +76,25 @@ def test_reinsert_over_an_swa_evicted_node_adopts_the_request_pages():
     assert cached == 0  # the first 16 tokens' SWA page was evicted: no match can end there
     assert all(used == 0 for used, _ in kv.usage().values())
 
+
+def test_c4_state_rows_of_released_pages_are_the_dummy_row():
+    """Positions whose SWA page was released map to the state pool's dummy row (a positive index), never past the
+    pool and never to -1; positions still in the window map to their page's ring."""
+    kv = make_kv(sliding_window=8, page_size=16, prefix_cache=False)  # released pages are freed, not cached
+    pages = kv.open()
+    tokens = list(range(2, 102))
+    for computed in range(10, 101, 10):
+        _run(kv, pages, tokens, computed)
+    pos = torch.arange(100)
+    full = kv.req_to_token[pages.slot, pos]
+    dummy = kv.pools.c4_state_dummy_row
+    assert dummy == kv.pools.c4_state.shape[1] - 1 > 0
+    released = kv.full_to_swa(full) >= kv.pools.swa_dummy_slot  # [100] True where the SWA page is gone
+    assert released[:32].all() and not released[kv.keep_from(100) :].any()  # the window moved past two pages
+    for rows in (kv.c4_state_rows(full, pos), torch.from_numpy(kv.c4_state_rows(full.numpy(), pos.numpy(),
+                                                                                 kv.host_tables()))):
+        assert ((rows >= 0) & (rows <= dummy)).all()
+        assert (rows[released] == dummy).all()
+        live_page = kv.full_to_swa(full[~released]) // kv.sizes.page_size
+        assert (rows[~released] == live_page * kv.sizes.csa_ring + pos[~released] % kv.sizes.csa_ring).all()
+    kv.close(pages, tokens)

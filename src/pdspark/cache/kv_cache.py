@@ -364,10 +364,15 @@ class KVCache:
 
     def c4_state_rows(self, full_slots, positions, tables: HostTables | None = None):
         """Page-scoped CSA state row of each position: its SWA page's ring, row `pos % ring` (tensors, or NumPy
-        arrays with `tables`)."""
+        arrays with `tables`). A position whose SWA page was released maps to the state pool's dummy row."""
         ring = self.sizes.csa_ring
-        page = self.full_to_swa_page if tables is None else tables.full_to_swa_page
-        return page[full_slots // self.sizes.page_size] * ring + positions % ring
+        page_of = self.full_to_swa_page if tables is None else tables.full_to_swa_page
+        page = page_of[full_slots // self.sizes.page_size]
+        rows = page * ring + positions % ring
+        # The dummy SWA page has no ring: only its first row exists (`c4_state_dummy_row`).
+        released = page == self.pools.swa_dummy_page
+        where = torch.where if tables is None else np.where
+        return where(released, self.pools.c4_state_dummy_row, rows)
 
     def c128_state_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ring = self.sizes.hca_ring
