@@ -47,10 +47,6 @@ class ReqPages:
     match_node: RadixNode | None = None  # FULL-locked while the request runs
     swa_lock: SwaLock | None = None  # the SWA lock on the window before match_node's end
 
-    @property
-    def num_tokens_capacity(self) -> int:
-        return len(self.full_pages)
-
 
 class PageNeed(NamedTuple):
     full: int
@@ -78,7 +74,6 @@ class KVCache:
     ):
         self.model = model
         self.sizes = sizes
-        self.device = device
         self.pools = KVPools(model, sizes, dtype, device, draft_stages)
         self.has_draft = draft_stages > 0
         self.full = PageAllocator(sizes.num_full_pages, "full")
@@ -333,23 +328,20 @@ class KVCache:
             keep = min(keep, self._cacheable_len(computed_len) - self.tree.window_tokens)
         return max(0, keep)
 
-    def release_window(self, rp: ReqPages, computed_len: int) -> int:
-        """Release SWA pages of full pages entirely before `keep_from(computed_len)`; returns how many."""
+    def release_window(self, rp: ReqPages, computed_len: int) -> None:
+        """Release SWA pages of full pages entirely before `keep_from(computed_len)`."""
         upto = self.keep_from(computed_len) // self.sizes.page_size
-        released = 0
         for i in range(rp.num_released, min(upto, len(rp.full_pages))):
             swa_page = rp.swa_pages[i]
             if swa_page is not None:
                 if i >= rp.num_borrowed:  # the tree's pages stay with the tree
                     self.free_swa([rp.full_pages[i]], [swa_page])
-                    released += 1
                 rp.swa_pages[i] = None
         rp.num_released = max(rp.num_released, upto)
         if rp.swa_lock is not None and self.keep_from(computed_len) >= rp.swa_lock.node.end:
             assert self.tree is not None
             self.tree.unlock_swa(rp.swa_lock)  # our window has moved past the tree's pages
             rp.swa_lock = None
-        return released
 
     # ---- translation ------------------------------------------------------------------------------------------------
     def host_tables(self) -> HostTables:

@@ -429,10 +429,6 @@ class RadixCache:
                 c128.append(n.c128_page)
         return full, swa, c128
 
-    @property
-    def num_cached_tokens(self) -> int:
-        return sum(len(n.key) for n in self.nodes())
-
     def check_integrity(self) -> None:
         P = self.page_size
         for n in self.nodes():
