@@ -105,6 +105,14 @@ class InsertResult(NamedTuple):
     c128_pages: list[int]  # the tree's C128 page for every complete group of the key
 
 
+class TreePages(NamedTuple):
+    """The pages the tree holds (each listed once per node holding it)."""
+
+    full_pages: list[int]
+    swa_pages: list[int]
+    c128_pages: list[int]  # one entry per node reference
+
+
 class RadixCache:
     def __init__(self, page_size: int, group_tokens: int | None, window_tokens: int, freer: TreeFreer):
         self.page_size = page_size
@@ -419,15 +427,23 @@ class RadixCache:
             yield n
             stack.extend(n.children.values())
 
-    def held(self) -> tuple[list[int], list[int], list[int]]:
-        """`(full pages, swa pages, c128 page references)` the tree holds."""
-        full, swa, c128 = [], [], []
+    def held(self) -> TreePages:
+        """The full pages, SWA pages and C128 page references the tree holds."""
+        held = TreePages([], [], [])
         for n in self.nodes():
-            full += n.full_pages
-            swa += n.swa_pages or []
+            held.full_pages.extend(n.full_pages)
+            held.swa_pages.extend(n.swa_pages or [])
             if n.c128_page is not None:
-                c128.append(n.c128_page)
-        return full, swa, c128
+                held.c128_pages.append(n.c128_page)
+        return held
+
+    def swa_page_of(self) -> dict[int, int | None]:
+        """The SWA page of every full page the tree holds (None on tombstones)."""
+        out: dict[int, int | None] = {}
+        for n in self.nodes():
+            for i, page in enumerate(n.full_pages):
+                out[page] = None if n.swa_pages is None else n.swa_pages[i]
+        return out
 
     def check_integrity(self) -> None:
         P = self.page_size
