@@ -51,7 +51,7 @@ def test_draft_window_of_a_borrowed_prefix_stays_locked():
     kv.close(second, b)
     kv.flush_prefix_cache()
     kv.check_integrity()
-    assert all(used == 0 for used, _ in kv.usage().values())
+    assert all(u.used == 0 for u in kv.usage().values())
 
 
 def test_reinsert_over_an_swa_evicted_node_adopts_the_request_pages():
@@ -74,7 +74,7 @@ def test_reinsert_over_an_swa_evicted_node_adopts_the_request_pages():
     kv.flush_prefix_cache()
     kv.check_integrity()
     assert cached == 0  # the first 16 tokens' SWA page was evicted: no match can end there
-    assert all(used == 0 for used, _ in kv.usage().values())
+    assert all(u.used == 0 for u in kv.usage().values())
 
 
 def test_c4_state_rows_of_released_pages_are_the_dummy_row():
@@ -98,3 +98,21 @@ def test_c4_state_rows_of_released_pages_are_the_dummy_row():
         live_page = kv.full_to_swa(full[~released]) // kv.sizes.page_size
         assert (rows[~released] == live_page * kv.sizes.csa_ring + pos[~released] % kv.sizes.csa_ring).all()
     kv.close(pages, tokens)
+
+
+def test_usage_spare_pages_and_tree_pages_are_named():
+    kv = make_kv(sliding_window=8, page_size=16, num_full_pages=40, num_swa_pages=24)
+    pages = kv.open()
+    tokens = [1] * 40 + [2]
+    _run(kv, pages, tokens, len(tokens))  # 3 full pages; the tree holds the first 2 (whole C128 groups)
+    usage = kv.usage()
+    assert set(usage) == {"full", "swa", "c128", "req_slots"}
+    assert (usage["full"].used, usage["full"].total) == (3, 40)
+    assert usage["req_slots"].used == 1
+    assert kv.spare_pages == min(40 - 3, 24 - usage["swa"].used)
+    held = kv.tree.held()
+    assert held.full_pages == pages.full_pages[:2] and len(held.c128_pages) == 2
+    assert kv.cached_pages()["full"] == 2
+    kv.close(pages, tokens)
+    kv.flush_prefix_cache()
+    assert kv.spare_pages == 24 and kv.usage()["full"] == (0, 40)

@@ -213,7 +213,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.kv.check_integrity()
 
     def _free_counts(self) -> dict[str, int]:
-        return {name: total - used for name, (used, total) in self.kv.usage().items()}
+        return {name: u.total - u.used for name, u in self.kv.usage().items()}
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)

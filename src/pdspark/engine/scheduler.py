@@ -124,7 +124,7 @@ class Scheduler:
         if self.kv.reserve(pages, start + want):
             return want
         P = self.kv.sizes.page_size
-        spare = min(self.kv.full.num_free, self.kv.swa.num_free)
+        spare = self.kv.spare_pages
         n = min(want, (len(pages.full_pages) + spare) * P - start)
         while n > 0 and not self.kv.can_grow(pages, start + n):
             n -= P  # the C128 pool is the short one: back off page by page
