@@ -5,7 +5,9 @@ One state machine per cache geometry. `W - 1` (the target's window rows) or `W` 
 reads one more context row) falls on a page boundary in some geometries and not in others: that is where the
 SWA lock and what a request keeps can disagree by a page.
 
-Examples per geometry: `PDSPARK_HYPOTHESIS_EXAMPLES` (default 100 in the suite; the acceptance run is 500).
+Examples per geometry: `PDSPARK_HYPOTHESIS_EXAMPLES`. The suite runs 100 (~15 s for the five geometries on a
+shared 2-core machine); the acceptance run is 500 (~75 s there):
+    PDSPARK_HYPOTHESIS_EXAMPLES=500 pytest -q tests/unit/test_prefix_cache_properties.py
 """
 
 from __future__ import annotations
@@ -200,6 +202,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             kept = torch.arange(self.kv.keep_from(req.computed), req.computed)
             swa = self.kv.full_to_swa(self.kv.req_to_token[req.pages.slot, kept])
             assert (swa < self.kv.pools.swa_dummy_slot).all(), "a kept window row lost its SWA page"
+
+    @invariant()
+    def borrowed_window_pages_are_swa_locked(self):
+        """A kept window page the request borrowed from the tree is SWA-locked there (so the tree cannot evict
+        it under the request)."""
+        node_of = {page: node for node in self.kv.tree.nodes() for page in node.full_pages}
+        for req in self.reqs:
+            first_kept = self.kv.keep_from(req.computed) // self.P
+            for page in req.pages.full_pages[first_kept : req.pages.num_borrowed]:
+                assert node_of[page].swa_lock_ref > 0, "a borrowed window page is not SWA-locked"
 
     def teardown(self):
         self._close_all()
