@@ -97,7 +97,7 @@ def test_eviction_between_turns(checkpoints):
             outs.append(run(llm, [prompt], max_tokens=8)[0].token_ids)
             llm.engine.check_integrity()
     assert outs == cold(path, prompts, max_tokens=8)
-    assert llm.engine.kv.tree is not None and llm.engine.kv.full.num_free < 24
+    assert llm.engine.kv.tree is not None and llm.engine.kv.usage()["full"].used > 0  # of 24
     assert_no_leaks(llm)
 
 

@@ -99,4 +99,4 @@ def test_kv_cache_grow_release_close(steps):
     for pages, _ in reqs.values():
         kv.close(pages)
     kv.check_integrity()
-    assert all(used == 0 for used, _ in kv.usage().values())
+    assert all(u.used == 0 for u in kv.usage().values())

@@ -1,12 +1,12 @@
-"""`KVCache`: who holds which page, and the index tables the model reads.
+"""`KVCache`: who holds which page, and the index tables the model reads. The one entry point the engine uses.
 
-Index spaces (see `kv_pools.py` for the tensors):
-- full slots: one per token position, handed out in pages of `page_size`. There is no full-attention KV; a full
-  slot addresses the C4 rows (`full_slot // csa_ratio`) and, through `full_to_swa_page`, the SWA slot.
-- SWA pages: only for pages that still overlap the window (or hold CSA overlap state); released as the request
-  moves on.
-- C128 pages: refcounted, listed per request in `req_to_c128` (the sidecar table).
-- request slots: one row of `req_to_token` / `req_to_c128` and one C128 state ring per running request.
+A coordinator over one manager per page kind, each owning its allocator and its tables:
+- `FullPages` (full_pages.py): full slots, one per token position; `req_to_token`.
+- `SwaWindow` (swa_window.py): SWA pages for the positions a request still reads; `full_to_swa_page`; `keep_from`.
+- `C128Sidecar` (c128_sidecar.py): refcounted C128 pages; `req_to_c128`.
+- `StateRings` (state_rings.py): the compressor-state rows (C4 per SWA page, C128 per request slot).
+- request slots: one row of each table and one C128 state ring per running request.
+The tensors themselves live in `KVPools` (kv_pools.py); a request's pages in `ReqPages` (req_pages.py).
 
 With the prefix cache on, a request starts from a `RadixCache` match: it *borrows* the matched full pages (and the
 SWA pages of the window before the match end) from the tree, locks the matched path, and takes its own reference on
@@ -20,36 +20,23 @@ NOTE: capacity is checked with `reserve` (which may evict from the tree) before 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from pdspark.cache.c128_sidecar import C128Sidecar
+from pdspark.cache.full_pages import FullPages
 from pdspark.cache.kv_pools import KVPools
-from pdspark.cache.page_allocator import PageAllocator, RefCountedPageAllocator
+from pdspark.cache.page_allocator import PageAllocator, PoolUsage
 from pdspark.cache.pool_sizes import PoolSizes
-from pdspark.cache.radix_cache import RadixCache, RadixNode, SwaLock
+from pdspark.cache.radix_cache import RadixCache, RadixNode, TreePages
+from pdspark.cache.req_pages import ReqPages
+from pdspark.cache.state_rings import StateRings
+from pdspark.cache.swa_window import SwaWindow
 from pdspark.model.model_config import ModelConfig
 
-
-@dataclass
-class ReqPages:
-    """Pages held by one request. `swa_pages[i]` is None once full page `i` left the window."""
-
-    slot: int
-    full_pages: list[int] = field(default_factory=list)
-    swa_pages: list[int | None] = field(default_factory=list)
-    c128_pages: list[int] = field(default_factory=list)
-    num_released: int = 0  # leading full pages whose SWA page has been released
-    num_borrowed: int = 0  # leading full pages (and their SWA pages) owned by the prefix tree
-    match_node: RadixNode | None = None  # FULL-locked while the request runs
-    swa_lock: SwaLock | None = None  # the SWA lock on the window before match_node's end
-
-    @property
-    def num_tokens_capacity(self) -> int:
-        return len(self.full_pages)
+__all__ = ["HostTables", "KVCache", "PageNeed", "ReqPages"]
 
 
 class PageNeed(NamedTuple):
@@ -78,32 +65,35 @@ class KVCache:
     ):
         self.model = model
         self.sizes = sizes
-        self.device = device
         self.pools = KVPools(model, sizes, dtype, device, draft_stages)
-        self.has_draft = draft_stages > 0
-        self.full = PageAllocator(sizes.num_full_pages, "full")
-        self.swa = PageAllocator(sizes.num_swa_pages, "swa")
-        self.c128 = RefCountedPageAllocator(sizes.num_c128_pages, "c128")
+        self.full = FullPages(sizes)
+        self.c128 = C128Sidecar(model, sizes)
+        self.group_tokens = self.c128.group_tokens  # tokens covered by one C128 page
+        # Only whole pages enter the prefix tree, and only whole C128 groups (a partial group's page stays private).
+        cache_unit = self.group_tokens if model.hca_layers else sizes.page_size
+        self.swa = SwaWindow(model, sizes, self.pools.swa_dummy_page, draft_stages > 0,
+                             cache_unit if enable_prefix_cache else None)
+        self.rings = StateRings(sizes, self.pools)
         self.slots = PageAllocator(sizes.num_req_slots, "req_slots")
-        P = sizes.page_size
-        self.group_tokens = model.hca_ratio * sizes.c128_page_size  # tokens covered by one C128 page
-        max_c128 = math.ceil(sizes.max_model_len / self.group_tokens) + 1
-        # [slots, max_model_len rounded to pages] full slot of every position
-        self.req_to_token = torch.zeros(sizes.num_req_slots, sizes.max_pages_per_req * P, dtype=torch.long)
-        # [slots, max C128 pages] C128 page id of every C128 page index (the sidecar table)
-        self.req_to_c128 = torch.zeros(sizes.num_req_slots, max_c128, dtype=torch.long)
-        # [full pages + 1] SWA page of each full page; the dummy page where there is none
-        self.full_to_swa_page = torch.full((sizes.num_full_pages + 1,), self.pools.swa_dummy_page, dtype=torch.long)
-        self._page_offsets = torch.arange(P, dtype=torch.long)
-        self._host = HostTables(self.req_to_token.numpy(), self.req_to_c128.numpy(), self.full_to_swa_page.numpy())
+        self._cache_unit = cache_unit
+        self._host = HostTables(self.full.req_to_token.numpy(), self.c128.req_to_c128.numpy(),
+                                self.swa.full_to_swa_page.numpy())
         self.live: dict[int, ReqPages] = {}
         self.tree: RadixCache | None = None
         if enable_prefix_cache:
-            # Tokens before a match end whose SWA pages must survive: the window of the next query and, with
-            # CSA layers, the previous group's overlap rows (page-scoped state).
-            window = max(model.sliding_window - 1, model.csa_ratio if model.csa_layers else 0)
+            # The tree SWA-locks the `window_tokens` before a match end: what `keep_from` keeps there.
             group = self.group_tokens if model.hca_layers else None
-            self.tree = RadixCache(P, group, window, self)
+            self.tree = RadixCache(sizes.page_size, group, self.swa.window_tokens, self)
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """[req slots, max_pages_per_req * page_size] full slot of every position of each request."""
+        return self.full.req_to_token
+
+    @property
+    def req_to_c128(self) -> torch.Tensor:
+        """[req slots, max C128 pages per request] C128 page id of every C128 page index of each request."""
+        return self.c128.req_to_c128
 
     # ---- request lifetime -------------------------------------------------------------------------------------------
     def open(self) -> ReqPages | None:
@@ -113,8 +103,7 @@ class KVCache:
         slot = self.slots.allocate(1)[0]
         rp = ReqPages(slot)
         self.live[slot] = rp
-        ring = self.sizes.hca_ring
-        self.pools.clear_c128_state_rows(torch.arange(slot * ring, (slot + 1) * ring))
+        self.rings.clear_request(slot)
         return rp
 
     def attach_prefix(self, rp: ReqPages, tokens: list[int]) -> int:
@@ -156,26 +145,25 @@ class KVCache:
                 length: int) -> None:
         """Point the request's first `len(full)` pages at the tree's and move its locks to `node`."""
         assert self.tree is not None
-        P, n = self.sizes.page_size, len(full)
+        n = len(full)
         self.tree.lock(node)
         swa_lock = self.tree.lock_swa(node)
         if rp.match_node is not None:
             self.tree.unlock(rp.match_node)
         self.tree.unlock_swa(rp.swa_lock)
         rp.match_node, rp.swa_lock = node, swa_lock
-        keep_page = self.keep_from(length) // P
+        # The SWA lock covers the tree's pages from `keep_from(length)` on (`SwaWindow.window_tokens`).
+        keep_page = self.keep_from(length) // self.sizes.page_size
         rp.full_pages[:n] = full
         rp.swa_pages[:n] = [s if i >= keep_page else None for i, s in enumerate(swa)]
         rp.num_borrowed = n
         rp.num_released = max(rp.num_released, min(keep_page, n))
-        page_t = torch.tensor(full, dtype=torch.long)
-        self.req_to_token[rp.slot, : n * P] = (page_t[:, None] * P + self._page_offsets[None, :]).flatten()
+        self.full.point(rp.slot, 0, full)
         # C128: hold a reference on the tree's page of every cached group instead of our own copy.
         self.c128.retain(c128)
         self.c128.release(rp.c128_pages[: len(c128)])
         rp.c128_pages[: len(c128)] = c128
-        if c128:
-            self.req_to_c128[rp.slot, : len(c128)] = torch.tensor(c128, dtype=torch.long)
+        self.c128.point(rp.slot, 0, c128)
 
     def close(self, rp: ReqPages, cache_tokens: list[int] | None = None) -> None:
         """Release the request: insert its computed `cache_tokens` into the prefix tree (when on), free the pages
@@ -186,7 +174,7 @@ class KVCache:
             swa_page = rp.swa_pages[i]
             if swa_page is not None:
                 self.free_swa([rp.full_pages[i]], [swa_page])
-        self.free_full(rp.full_pages[rp.num_borrowed :])
+        self.free_full(rp.owned_full_pages)
         self.c128.release(rp.c128_pages)
         if rp.match_node is not None:
             assert self.tree is not None
@@ -197,9 +185,7 @@ class KVCache:
         rp.full_pages, rp.swa_pages, rp.c128_pages, rp.match_node, rp.swa_lock = [], [], [], None, None
 
     def _cacheable_len(self, n_tokens: int) -> int:
-        """Only whole pages enter the tree, and only whole C128 groups (a partial group's page stays private)."""
-        unit = self.group_tokens if self.model.hca_layers else self.sizes.page_size
-        return n_tokens // unit * unit
+        return n_tokens // self._cache_unit * self._cache_unit
 
     def flush_prefix_cache(self) -> None:
         if self.tree is not None:
@@ -208,16 +194,13 @@ class KVCache:
     # ---- the tree's callbacks (TreeFreer) ---------------------------------------------------------------------------
     def free_full(self, pages: list[int]) -> None:
         self.full.free(pages)
-        if pages:  # a freed page maps to no SWA page (its SWA page may live on, adopted by the tree)
-            self.full_to_swa_page[torch.tensor(pages, dtype=torch.long)] = self.pools.swa_dummy_page
+        self.swa.unmap(pages)  # a freed page maps to no SWA page (its SWA page may live on, adopted by the tree)
 
     def map_swa(self, full_pages: list[int], swa_pages: list[int]) -> None:
-        self.full_to_swa_page[torch.tensor(full_pages, dtype=torch.long)] = torch.tensor(swa_pages, dtype=torch.long)
+        self.swa.map(full_pages, swa_pages)
 
     def free_swa(self, full_pages: list[int], swa_pages: list[int]) -> None:
-        self.swa.free(swa_pages)
-        if full_pages:
-            self.full_to_swa_page[torch.tensor(full_pages, dtype=torch.long)] = self.pools.swa_dummy_page
+        self.swa.free(full_pages, swa_pages)
 
     def release_c128(self, pages: list[int]) -> None:
         self.c128.release(pages)
@@ -228,11 +211,8 @@ class KVCache:
     # ---- growth -----------------------------------------------------------------------------------------------------
     def need(self, rp: ReqPages, new_len: int) -> PageNeed:
         """Pages to add so that positions `< new_len` have full slots, SWA slots and C128 pages."""
-        full = max(0, math.ceil(new_len / self.sizes.page_size) - len(rp.full_pages))
-        c128 = 0
-        if self.model.hca_layers:
-            entries = new_len // self.model.hca_ratio
-            c128 = max(0, math.ceil(entries / self.sizes.c128_page_size) - len(rp.c128_pages))
+        full = max(0, self.full.pages_for(new_len) - len(rp.full_pages))
+        c128 = max(0, self.c128.pages_for(new_len) - len(rp.c128_pages))
         return PageNeed(full, full, c128)
 
     def can_grow(self, rp: ReqPages, new_len: int) -> bool:
@@ -256,41 +236,26 @@ class KVCache:
     def grow(self, rp: ReqPages, new_len: int) -> None:
         assert new_len <= self.sizes.max_model_len, "grow past max_model_len"
         n = self.need(rp, new_len)
-        P = self.sizes.page_size
         if n.full:
-            first = len(rp.full_pages)
-            pages = self.full.allocate(n.full)
-            swa_pages = self.swa.allocate(n.swa)
-            rp.full_pages.extend(pages)
-            rp.swa_pages.extend(swa_pages)
-            page_t = torch.tensor(pages, dtype=torch.long)
-            self.full_to_swa_page[page_t] = torch.tensor(swa_pages, dtype=torch.long)
-            slots = (page_t[:, None] * P + self._page_offsets[None, :]).flatten()
-            self.req_to_token[rp.slot, first * P : (first + n.full) * P] = slots
+            pages = self.full.allocate(rp.slot, len(rp.full_pages), n.full)
+            rp.full_pages += pages
+            rp.swa_pages += self.swa.allocate_for(pages)
         if n.c128:
-            first = len(rp.c128_pages)
-            pages = self.c128.allocate(n.c128)
-            rp.c128_pages.extend(pages)
-            self.req_to_c128[rp.slot, first : first + n.c128] = torch.tensor(pages, dtype=torch.long)
+            rp.c128_pages += self.c128.allocate(rp.slot, len(rp.c128_pages), n.c128)
 
     def grow_tail(self, rp: ReqPages, length: int) -> None:
         """Pages for a `length`-token prompt whose cache arrives by transfer: full pages for all of it, SWA pages
         only for the pages the next tokens still read (from `keep_from(length)`), C128 pages for its groups."""
         assert not rp.full_pages, "grow_tail fills a fresh request"
-        P = self.sizes.page_size
         n = self.need(rp, length)
-        first_swa = min(self.keep_from(length) // P, n.full)
-        pages = self.full.allocate(n.full)
-        swa_pages = self.swa.allocate(n.full - first_swa)
+        first_swa = min(self.keep_from(length) // self.sizes.page_size, n.full)
+        pages = self.full.allocate(rp.slot, 0, n.full)
         rp.full_pages = pages
-        rp.swa_pages = [None] * first_swa + swa_pages  # type: ignore[list-item]
+        rp.swa_pages = [None] * first_swa
+        rp.swa_pages += self.swa.allocate_for(pages[first_swa:])
         rp.num_released = first_swa
-        page_t = torch.tensor(pages, dtype=torch.long)
-        self.full_to_swa_page[page_t[first_swa:]] = torch.tensor(swa_pages, dtype=torch.long)
-        self.req_to_token[rp.slot, : n.full * P] = (page_t[:, None] * P + self._page_offsets[None, :]).flatten()
         if n.c128:
-            rp.c128_pages = self.c128.allocate(n.c128)
-            self.req_to_c128[rp.slot, : n.c128] = torch.tensor(rp.c128_pages, dtype=torch.long)
+            rp.c128_pages = self.c128.allocate(rp.slot, 0, n.c128)
 
     def can_grow_tail(self, rp: ReqPages, length: int) -> bool:
         n = self.need(rp, length)
@@ -300,50 +265,29 @@ class KVCache:
     @property
     def keep_margin(self) -> int:
         """The most tokens before a request's computed length whose SWA pages `keep_from` keeps."""
-        margin = self.model.sliding_window
-        if self.model.csa_layers:
-            margin = max(margin, 2 * self.model.csa_ratio)
-        if self.tree is not None:
-            unit = self.group_tokens if self.model.hca_layers else self.sizes.page_size
-            margin = max(margin, unit + self.tree.window_tokens)
-        return margin
+        return self.swa.keep_margin
 
     def keep_from(self, computed_len: int) -> int:
-        """First position whose SWA page the request still needs after `computed_len` tokens are computed.
+        """First position whose SWA page the request still needs after `computed_len` tokens are computed (the
+        window its next query or draft block reads, the CSA overlap rows, and with the prefix cache the window
+        before the last cacheable boundary)."""
+        return self.swa.keep_from(computed_len)
 
-        The next query at `computed_len` reads the window `[computed_len - W + 1, computed_len]`, and when CSA
-        layers exist the next closing group reads the previous group's overlap rows, which live in the page-scoped
-        state of the SWA page holding them.
-        """
-        keep = computed_len - self.model.sliding_window + 1
-        if self.has_draft:
-            keep -= 1  # a draft block at `computed_len` reads W context rows, one more than the target's window
-        if self.model.csa_layers:
-            R = self.model.csa_ratio
-            keep = min(keep, (computed_len // R) * R - R)
-        if self.tree is not None:
-            # Keep what a later match ending at the last cacheable boundary needs, so that the pages inserted when
-            # the request ends can be matched there.
-            keep = min(keep, self._cacheable_len(computed_len) - self.tree.window_tokens)
-        return max(0, keep)
-
-    def release_window(self, rp: ReqPages, computed_len: int) -> int:
-        """Release SWA pages of full pages entirely before `keep_from(computed_len)`; returns how many."""
-        upto = self.keep_from(computed_len) // self.sizes.page_size
-        released = 0
+    def release_window(self, rp: ReqPages, computed_len: int) -> None:
+        """Release SWA pages of full pages entirely before `keep_from(computed_len)`."""
+        keep = self.keep_from(computed_len)
+        upto = keep // self.sizes.page_size
         for i in range(rp.num_released, min(upto, len(rp.full_pages))):
             swa_page = rp.swa_pages[i]
             if swa_page is not None:
                 if i >= rp.num_borrowed:  # the tree's pages stay with the tree
                     self.free_swa([rp.full_pages[i]], [swa_page])
-                    released += 1
                 rp.swa_pages[i] = None
         rp.num_released = max(rp.num_released, upto)
-        if rp.swa_lock is not None and self.keep_from(computed_len) >= rp.swa_lock.node.end:
+        if rp.swa_lock is not None and keep >= rp.swa_lock.node.end:
             assert self.tree is not None
             self.tree.unlock_swa(rp.swa_lock)  # our window has moved past the tree's pages
             rp.swa_lock = None
-        return released
 
     # ---- translation ------------------------------------------------------------------------------------------------
     def host_tables(self) -> HostTables:
@@ -352,58 +296,56 @@ class KVCache:
 
     def full_to_swa(self, full_slots, tables: HostTables | None = None):
         """SWA slot of each full slot; tensors in and out, or NumPy arrays with `tables=host_tables()`."""
-        P = self.sizes.page_size
-        page = self.full_to_swa_page if tables is None else tables.full_to_swa_page
-        return page[full_slots // P] * P + full_slots % P
+        return self.swa.slots(full_slots, None if tables is None else tables.full_to_swa_page)
 
     def c4_state_rows(self, full_slots, positions, tables: HostTables | None = None):
         """Page-scoped CSA state row of each position: its SWA page's ring, row `pos % ring` (tensors, or NumPy
-        arrays with `tables`)."""
-        ring = self.sizes.csa_ring
-        page = self.full_to_swa_page if tables is None else tables.full_to_swa_page
-        return page[full_slots // self.sizes.page_size] * ring + positions % ring
+        arrays with `tables`). A position whose SWA page was released maps to the state pool's dummy row."""
+        page_map = self.swa.full_to_swa_page if tables is None else tables.full_to_swa_page
+        return self.rings.c4_rows(full_slots, positions, page_map)
 
-    def c128_state_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ring = self.sizes.hca_ring
-        return slots * ring + positions % ring
+    def c128_state_rows(self, slots, positions):
+        """Request-scoped HCA state row of each position (tensors or NumPy arrays)."""
+        return self.rings.c128_rows(slots, positions)
 
     # ---- checks -----------------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        for alloc in (self.full, self.swa, self.c128, self.slots):
-            alloc.check_integrity()
-        tree_full, tree_swa, tree_c128 = self.tree.held() if self.tree is not None else ([], [], [])
-        own_full = [p for rp in self.live.values() for p in rp.full_pages[rp.num_borrowed :]]
-        own_swa = [p for rp in self.live.values() for p in rp.swa_pages[rp.num_borrowed :] if p is not None]
-        held_full, held_swa = own_full + tree_full, own_swa + tree_swa
-        assert len(held_full) == len(set(held_full)) and set(held_full) == self.full._used, "full pages: owners"
-        assert len(held_swa) == len(set(held_swa)) and set(held_swa) == self.swa._used, "SWA pages: owners"
-        holders: dict[int, int] = {}
-        for p in [p for rp in self.live.values() for p in rp.c128_pages] + tree_c128:
-            holders[p] = holders.get(p, 0) + 1
-        assert holders == self.c128.refcount, "C128 refcounts differ from the number of holders"
-        assert set(self.live) == self.slots._used, "request slots: owners"
-        for rp in self.live.values():
-            borrowed = set(rp.full_pages[: rp.num_borrowed])
-            assert borrowed <= set(tree_full), "a borrowed page left the tree while in use"
-            for page, swa_page in zip(rp.full_pages[rp.num_borrowed :], rp.swa_pages[rp.num_borrowed :]):
-                expect = self.pools.swa_dummy_page if swa_page is None else swa_page
-                assert int(self.full_to_swa_page[page]) == expect, "full->SWA map out of date"
+        tree = self.tree.held() if self.tree is not None else TreePages([], [], [])
+        reqs = list(self.live.values())
+        self.full.check_integrity([p for rp in reqs for p in rp.owned_full_pages] + tree.full_pages)
+        self.swa.check_integrity([p for rp in reqs for p in rp.owned_swa_pages] + tree.swa_pages)
+        self.c128.check_integrity([p for rp in reqs for p in rp.c128_pages] + tree.c128_pages)
+        self.slots.check_integrity()
+        self.slots.check_holders(list(self.live))
+        tree_swa_of = self.tree.swa_page_of() if self.tree is not None else {}
+        for rp in reqs:
+            assert set(rp.full_pages[: rp.num_borrowed]) <= tree_swa_of.keys(), "a borrowed page left the tree"
+            for i in range(rp.num_borrowed):
+                if rp.swa_pages[i] is None:
+                    continue
+                # A borrowed SWA page the request still reads is the tree's, and the request's SWA lock covers it.
+                assert tree_swa_of[rp.full_pages[i]] == rp.swa_pages[i], "a borrowed SWA page left the tree"
+                lock = rp.swa_lock
+                assert lock is not None and (i + 1) * self.sizes.page_size > lock.need_from, "borrowed SWA unlocked"
+            self.swa.check_map(rp.owned_full_pages, rp.swa_pages[rp.num_borrowed :], "request")
         if self.tree is not None:
             self.tree.check_integrity()
-            for node in self.tree.nodes():
-                for i, page in enumerate(node.full_pages):
-                    expect = self.pools.swa_dummy_page if node.swa_pages is None else node.swa_pages[i]
-                    assert int(self.full_to_swa_page[page]) == expect, "tree full->SWA map out of date"
+            self.swa.check_map(list(tree_swa_of), list(tree_swa_of.values()), "tree")
         self.pools.check_dummy_rows()
 
     def cached_pages(self) -> dict[str, int]:
         """Pages held only by the prefix cache, per pool (evictable; they count as used in `usage`)."""
-        full, swa, c128 = self.tree.held() if self.tree is not None else ([], [], [])
+        tree = self.tree.held() if self.tree is not None else TreePages([], [], [])
         held_by_requests = {p for rp in self.live.values() for p in rp.c128_pages}
-        return {"full": len(full), "swa": len(swa), "c128": len(set(c128) - held_by_requests), "req_slots": 0}
+        return {"full": len(tree.full_pages), "swa": len(tree.swa_pages),
+                "c128": len(set(tree.c128_pages) - held_by_requests), "req_slots": 0}
 
-    def usage(self) -> dict[str, tuple[int, int]]:
-        """Per pool `(used, total)` pages (tree-held pages count as used)."""
-        return {
-            a.name: (a.num_used, a.num_pages) for a in (self.full, self.swa, self.c128, self.slots)
-        }
+    def usage(self) -> dict[str, PoolUsage]:
+        """Pages used and in all, per pool (`full`, `swa`, `c128`, `req_slots`; tree-held pages count as used)."""
+        return {"full": self.full.usage(), "swa": self.swa.usage(), "c128": self.c128.usage(),
+                "req_slots": self.slots.usage()}
+
+    @property
+    def spare_pages(self) -> int:
+        """Token pages (a full page and its SWA page each) the free pools can give now, without evicting."""
+        return min(self.full.num_free, self.swa.num_free)

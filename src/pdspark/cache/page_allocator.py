@@ -5,6 +5,14 @@ Pure Python bookkeeping (no tensors): the pools that hold data are addressed by 
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import NamedTuple
+
+
+class PoolUsage(NamedTuple):
+    used: int  # pages handed out (pages the prefix tree holds count as used)
+    total: int
+
 
 class PageAllocator:
     def __init__(self, num_pages: int, name: str = "pages"):
@@ -23,6 +31,9 @@ class PageAllocator:
     @property
     def num_used(self) -> int:
         return len(self._used)
+
+    def usage(self) -> PoolUsage:
+        return PoolUsage(len(self._used), self.num_pages)
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
@@ -46,6 +57,11 @@ class PageAllocator:
         assert not (free & self._used), f"{self.name}: a page is both free and used"
         assert len(free) + len(self._used) == self.num_pages, f"{self.name}: free + used != total"
         assert all(0 <= p < self.num_pages for p in free | self._used), f"{self.name}: page id out of range"
+
+    def check_holders(self, held: list[int]) -> None:
+        """`held` lists every page once per holder: each used page must have exactly one, free pages none."""
+        assert len(held) == len(set(held)), f"{self.name}: a page has two owners"
+        assert set(held) == self._used, f"{self.name}: owned pages differ from used pages"
 
 
 class RefCountedPageAllocator(PageAllocator):
@@ -87,3 +103,7 @@ class RefCountedPageAllocator(PageAllocator):
         super().check_integrity()
         assert set(self.refcount) == self._used, f"{self.name}: refcount keys differ from used pages"
         assert all(c > 0 for c in self.refcount.values()), f"{self.name}: non-positive refcount"
+
+    def check_holders(self, held: list[int]) -> None:
+        """`held` lists every page once per holder: the refcounts must be exactly these counts."""
+        assert dict(Counter(held)) == self.refcount, f"{self.name}: refcounts differ from the number of holders"

@@ -18,6 +18,8 @@ Rules:
 - Eviction: least recently used unlocked leaf first; evicting a leaf frees every component and may expose its
   parent. The SWA pages of a node without an SWA lock may be evicted alone, leaving a tombstone (an unlocked leaf
   is removed instead). Tombstone leaves are useless (no match can end there) and are evicted with priority.
+  Victims come from two `LruQueue`s (unlocked leaves; nodes whose SWA pages may go), O(log n) per victim: every
+  change of a node's rank or eligibility is pushed to them (`_requeue`).
 - C128 pages do not count in the token figures: they are auxiliary to FULL.
 
 The tree never frees a page itself: it hands freed page ids to the owner's callbacks (`TreeFreer`).
@@ -28,6 +30,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
+
+from pdspark.cache.lru_queue import LruQueue
 
 
 class TreeFreer(Protocol):
@@ -101,6 +105,14 @@ class InsertResult(NamedTuple):
     c128_pages: list[int]  # the tree's C128 page for every complete group of the key
 
 
+class TreePages(NamedTuple):
+    """The pages the tree holds (each listed once per node holding it)."""
+
+    full_pages: list[int]
+    swa_pages: list[int]
+    c128_pages: list[int]  # one entry per node reference
+
+
 class RadixCache:
     def __init__(self, page_size: int, group_tokens: int | None, window_tokens: int, freer: TreeFreer):
         self.page_size = page_size
@@ -109,6 +121,8 @@ class RadixCache:
         self.freer = freer
         self.root = RadixNode()
         self.root.lock_ref = 1  # never evicted
+        self._leaves = LruQueue(self._removable, _leaf_rank)  # unlocked leaves: whole-node victims
+        self._swa_holders = LruQueue(self._swa_evictable, _swa_rank)  # nodes whose SWA pages may go alone
 
     # ---- matching ----------------------------------------------------------------------------------------------------
     def match_prefix(self, tokens: list[int], max_len: int) -> MatchResult:
@@ -133,6 +147,7 @@ class RadixCache:
         stamp = next(_clock)
         for n in path:
             n.last_access = stamp
+            self._requeue(n)
         end = path[-1] if path else self.root
         full = [p for n in path for p in n.full_pages]
         swa: list[int | None] = []
@@ -164,6 +179,8 @@ class RadixCache:
         while node is not None:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._leaves.push(node)
             node = node.parent
 
     def lock_swa(self, node: RadixNode) -> SwaLock:
@@ -181,6 +198,8 @@ class RadixCache:
             assert count > 0, "SWA unlock without lock"
             if count == 1:
                 del n.swa_locks[lock.need_from]
+                if not n.swa_locks:
+                    self._requeue(n)
             else:
                 n.swa_locks[lock.need_from] = count - 1
 
@@ -227,6 +246,7 @@ class RadixCache:
             tree_full += child.full_pages
             tree_swa += child.swa_pages if child.swa_pages is not None else [None] * len(child.full_pages)
             child.last_access = stamp
+            self._requeue(child)
             node, pos = child, child.end
         if pos < len(tokens):
             first = pos // P
@@ -246,6 +266,7 @@ class RadixCache:
         assert all(p is not None for p in swa), "a request's SWA pages must be a contiguous tail"
         node.swa_pages = list(swa)  # type: ignore[arg-type]
         self.freer.map_swa(node.full_pages, node.swa_pages)
+        self._requeue(node)
         return node
 
     def _add_leaves(
@@ -268,6 +289,7 @@ class RadixCache:
                 depth=parent.end,
             )
             parent.children[node.key[:P]] = node
+            self._requeue(node)
             parent = node
         return parent
 
@@ -320,59 +342,58 @@ class RadixCache:
         node.depth = upper.end
         upper.children[node.key[:P]] = node
         # The C128 page stays with the node whose end it marks (the lower part keeps the original end).
+        self._requeue(upper)
+        self._requeue(node)  # its depth (a tie-break of its rank) moved
         return upper
 
     # ---- eviction ----------------------------------------------------------------------------------------------------
-    def evict(self, full_pages: int = 0, swa_pages: int = 0) -> tuple[int, int]:
-        """Free at least the asked numbers of pages if possible; returns `(full, swa)` pages freed."""
+    def evict(self, full_pages: int = 0, swa_pages: int = 0) -> None:
+        """Free at least the asked numbers of pages if possible (fewer when too much is locked)."""
         freed_full = freed_swa = 0
         while freed_full < full_pages or freed_swa < swa_pages:
             if freed_full < full_pages:
-                victim = self._lru(self._removable)
+                victim = self._leaves.pop()
                 if victim is None:
                     break
                 f, s = self._remove_leaf(victim)
             else:
-                victim = self._lru(lambda n: n.swa_lock_ref == 0 and not n.tombstone)
+                victim = self._swa_holders.pop()
                 if victim is None:
                     break
                 f, s = self._evict_swa(victim)
             freed_full += f
             freed_swa += s
-        return freed_full, freed_swa
 
     @staticmethod
     def _removable(node: RadixNode) -> bool:
         return node.is_leaf and node.lock_ref == 0 and node.swa_lock_ref == 0
 
-    def evict_c128(self, pages: int) -> int:
+    @staticmethod
+    def _swa_evictable(node: RadixNode) -> bool:
+        return node.parent is not None and node.swa_lock_ref == 0 and not node.tombstone
+
+    def evict_c128(self, pages: int) -> None:
         """Evict unlocked leaves until `pages` C128 references have been dropped (C128 has no token cost)."""
         dropped = 0
         while dropped < pages:
-            leaf = self._lru(self._removable)
+            leaf = self._leaves.pop()
             if leaf is None:
                 break
             dropped += leaf.c128_page is not None
             self._remove_leaf(leaf)
-        return dropped
 
     def flush(self) -> None:
-        """Evict every unlocked node."""
-        while self._lru(self._removable) is not None:
-            self.evict(full_pages=1 << 60)
+        """Evict every unlocked node (removing a leaf may expose its parent, which then comes up too)."""
+        while (leaf := self._leaves.pop()) is not None:
+            self._remove_leaf(leaf)
 
-    def _lru(self, ok) -> RadixNode | None:
-        best = None
-        for n in self.nodes():
-            if n is self.root or not ok(n):
-                continue
-            # Tombstone leaves first (no match can end there), then least recently used.
-            rank = (not (n.is_leaf and n.tombstone), n.last_access)
-            if best is None or rank < best[0]:
-                best = (rank, n)
-        return None if best is None else best[1]
+    def _requeue(self, node: RadixNode) -> None:
+        """The node's rank or eligibility may have changed: record it in both victim queues."""
+        self._leaves.push(node)
+        self._swa_holders.push(node)
 
     def _remove_leaf(self, leaf: RadixNode) -> tuple[int, int]:
+        """Free every component of `leaf`; returns `(full, swa)` pages freed."""
         f, s = len(leaf.full_pages), 0
         if leaf.swa_pages is not None:
             s = len(leaf.swa_pages)
@@ -382,15 +403,20 @@ class RadixCache:
             self.freer.release_c128([leaf.c128_page])
         assert leaf.parent is not None
         del leaf.parent.children[leaf.key[: self.page_size]]
+        self._leaves.discard(leaf)
+        self._swa_holders.discard(leaf)
+        self._leaves.push(leaf.parent)  # it may have become a leaf
         return f, s
 
     def _evict_swa(self, node: RadixNode) -> tuple[int, int]:
+        """Free the SWA pages of `node` (the whole node when it is an unlocked leaf); returns `(full, swa)`."""
         if self._removable(node):
             return self._remove_leaf(node)  # a leaf without SWA is useless: drop it whole
         assert node.swa_pages is not None
         self.freer.free_swa(node.full_pages, node.swa_pages)
         n = len(node.swa_pages)
         node.swa_pages = None
+        self._requeue(node)  # a tombstone now: first in line once it is an unlocked leaf
         return 0, n
 
     # ---- inspection --------------------------------------------------------------------------------------------------
@@ -401,19 +427,23 @@ class RadixCache:
             yield n
             stack.extend(n.children.values())
 
-    def held(self) -> tuple[list[int], list[int], list[int]]:
-        """`(full pages, swa pages, c128 page references)` the tree holds."""
-        full, swa, c128 = [], [], []
+    def held(self) -> TreePages:
+        """The full pages, SWA pages and C128 page references the tree holds."""
+        held = TreePages([], [], [])
         for n in self.nodes():
-            full += n.full_pages
-            swa += n.swa_pages or []
+            held.full_pages.extend(n.full_pages)
+            held.swa_pages.extend(n.swa_pages or [])
             if n.c128_page is not None:
-                c128.append(n.c128_page)
-        return full, swa, c128
+                held.c128_pages.append(n.c128_page)
+        return held
 
-    @property
-    def num_cached_tokens(self) -> int:
-        return sum(len(n.key) for n in self.nodes())
+    def swa_page_of(self) -> dict[int, int | None]:
+        """The SWA page of every full page the tree holds (None on tombstones)."""
+        out: dict[int, int | None] = {}
+        for n in self.nodes():
+            for i, page in enumerate(n.full_pages):
+                out[page] = None if n.swa_pages is None else n.swa_pages[i]
+        return out
 
     def check_integrity(self) -> None:
         P = self.page_size
@@ -430,6 +460,19 @@ class RadixCache:
             # A lock counts on its node and every ancestor, so a node holds at least its children's locks.
             assert n.lock_ref >= sum(c.lock_ref for c in n.children.values()), "lock not propagated upward"
             assert n.swa_lock_ref >= 0 and (n.swa_lock_ref == 0 or not n.tombstone), "SWA-locked tombstone"
+            assert not self._removable(n) or self._leaves.holds(n), "an evictable leaf is missing from its queue"
+            assert not self._swa_evictable(n) or self._swa_holders.holds(n), "an SWA holder is missing from its queue"
+
+
+def _leaf_rank(node: RadixNode) -> tuple:
+    # Tombstone leaves first (no match can end there), then least recently used.
+    return (not node.tombstone, node.last_access, node.depth)
+
+
+def _swa_rank(node: RadixNode) -> tuple:
+    # Least recently used; on one touched path (equal stamps) the shallowest first, whose SWA pages the fewest
+    # matches need.
+    return (node.last_access, node.depth)
 
 
 def _common_pages(key: tuple[int, ...], tokens: list[int], P: int) -> int:
