@@ -100,7 +100,7 @@ def test_c4_state_rows_of_released_pages_are_the_dummy_row():
     kv.close(pages, tokens)
 
 
-def test_usage_spare_pages_and_tree_pages_are_named():
+def test_usage_and_tree_pages_are_named():
     kv = make_kv(sliding_window=8, page_size=16, num_full_pages=40, num_swa_pages=24)
     pages = kv.open()
     tokens = [1] * 40 + [2]
@@ -109,10 +109,9 @@ def test_usage_spare_pages_and_tree_pages_are_named():
     assert set(usage) == {"full", "swa", "c128", "req_slots"}
     assert (usage["full"].used, usage["full"].total) == (3, 40)
     assert usage["req_slots"].used == 1
-    assert kv.spare_pages == min(40 - 3, 24 - usage["swa"].used)
     held = kv.tree.held()
     assert held.full_pages == pages.full_pages[:2] and len(held.c128_pages) == 2
     assert kv.cached_pages()["full"] == 2
     kv.close(pages, tokens)
     kv.flush_prefix_cache()
-    assert kv.spare_pages == 24 and kv.usage()["full"] == (0, 40)
+    assert kv.usage()["full"] == (0, 40) and kv.usage()["swa"].used == 0

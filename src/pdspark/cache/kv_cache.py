@@ -344,8 +344,3 @@ class KVCache:
         """Pages used and in all, per pool (`full`, `swa`, `c128`, `req_slots`; tree-held pages count as used)."""
         return {"full": self.full.usage(), "swa": self.swa.usage(), "c128": self.c128.usage(),
                 "req_slots": self.slots.usage()}
-
-    @property
-    def spare_pages(self) -> int:
-        """Token pages (a full page and its SWA page each) the free pools can give now, without evicting."""
-        return min(self.full.num_free, self.swa.num_free)

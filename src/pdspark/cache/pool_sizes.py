@@ -38,9 +38,12 @@ class PoolSizes:
         P = cache.page_size
         if model.csa_layers and P % model.csa_ratio:
             raise ConfigError(f"`page_size` ({P}) must be a multiple of the CSA ratio ({model.csa_ratio})")
-        if sched.max_model_len > model.max_position_embeddings:
+        max_len = sched.max_model_len
+        if max_len is None:
+            raise ConfigError("`max_model_len` is unresolved (EngineConfig.for_model fills it in from the model)")
+        if max_len > model.max_position_embeddings:
             raise ConfigError(
-                f"`max_model_len` ({sched.max_model_len}) exceeds the model's "
+                f"`max_model_len` ({max_len}) exceeds the model's "
                 f"`max_position_embeddings` ({model.max_position_embeddings})"
             )
         # Rings keep the open group, the previous group (CSA overlap) and room for draft writes ahead.
@@ -55,7 +58,7 @@ class PoolSizes:
                 f"a C128 page covers {group_tokens} tokens (hca ratio {model.hca_ratio} x c128_page_size "
                 f"{c128_page}); it must be a multiple of `page_size` ({P})"
             )
-        pages_per_req = math.ceil(sched.max_model_len / P)
+        pages_per_req = math.ceil(max_len / P)
         num_full = cache.num_full_pages or sched.max_num_seqs * pages_per_req
         # A running request holds the window plus one step's chunk, rounded out to pages, plus the page the CSA
         # overlap rows may still live on.
@@ -67,8 +70,8 @@ class PoolSizes:
         chunk_pages = math.ceil(sched.max_num_batched_tokens / P) + 1
         num_swa = cache.num_swa_pages or sched.max_num_seqs * swa_per_req + chunk_pages
         if cache.enable_prefix_cache and not cache.num_swa_pages:
-            num_swa += (cache.num_full_pages or sched.max_num_seqs * math.ceil(sched.max_model_len / P)) // 8
-        c128_per_req = math.ceil(sched.max_model_len / group_tokens)
+            num_swa += (cache.num_full_pages or sched.max_num_seqs * math.ceil(max_len / P)) // 8
+        c128_per_req = math.ceil(max_len / group_tokens)
         num_c128 = cache.num_c128_pages or max(1, sched.max_num_seqs * c128_per_req)
         return PoolSizes(
             page_size=P,
@@ -77,7 +80,7 @@ class PoolSizes:
             c128_page_size=c128_page,
             num_c128_pages=num_c128,
             num_req_slots=sched.max_num_seqs,
-            max_model_len=sched.max_model_len,
+            max_model_len=max_len,
             csa_ring=csa_ring,
             hca_ring=hca_ring,
         )

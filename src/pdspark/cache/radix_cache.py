@@ -69,6 +69,11 @@ class RadixNode:
     depth: int = 0  # tokens before this node's key
 
     @property
+    def window_pages(self) -> list[int | None]:
+        """The SWA page of each full page (None throughout for a tombstone: its SWA pages were evicted)."""
+        return list(self.swa_pages) if self.swa_pages is not None else [None] * len(self.full_pages)
+
+    @property
     def end(self) -> int:
         return self.depth + len(self.key)
 
@@ -145,14 +150,14 @@ class RadixCache:
         while path and not self._valid_end(path):
             path.pop()
         stamp = next(_clock)
-        for n in path:
-            n.last_access = stamp
-            self._requeue(n)
+        for hit in path:
+            hit.last_access = stamp
+            self._requeue(hit)
         end = path[-1] if path else self.root
-        full = [p for n in path for p in n.full_pages]
+        full = [p for hit in path for p in hit.full_pages]
         swa: list[int | None] = []
-        for n in path:
-            swa += n.swa_pages if n.swa_pages is not None else [None] * len(n.full_pages)
+        for hit in path:
+            swa += hit.window_pages
         c128 = [n.c128_page for n in path if n.c128_page is not None]
         return MatchResult(end, end.end, full, swa, c128)
 
@@ -171,17 +176,19 @@ class RadixCache:
 
     # ---- locks -------------------------------------------------------------------------------------------------------
     def lock(self, node: RadixNode) -> None:
-        while node is not None:
-            node.lock_ref += 1
-            node = node.parent
+        at: RadixNode | None = node
+        while at is not None:
+            at.lock_ref += 1
+            at = at.parent
 
     def unlock(self, node: RadixNode) -> None:
-        while node is not None:
-            assert node.lock_ref > 0, "unlock without lock"
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._leaves.push(node)
-            node = node.parent
+        at: RadixNode | None = node
+        while at is not None:
+            assert at.lock_ref > 0, "unlock without lock"
+            at.lock_ref -= 1
+            if at.lock_ref == 0:
+                self._leaves.push(at)
+            at = at.parent
 
     def lock_swa(self, node: RadixNode) -> SwaLock:
         """SWA-lock the nodes covering the `window_tokens` before `node.end`; returns what `unlock_swa` takes."""
@@ -244,7 +251,7 @@ class RadixCache:
                 child = self._split(child, n)
             child = self._recover_swa(child, swa_pages[pos // P : pos // P + len(child.full_pages)])
             tree_full += child.full_pages
-            tree_swa += child.swa_pages if child.swa_pages is not None else [None] * len(child.full_pages)
+            tree_swa += child.window_pages
             child.last_access = stamp
             self._requeue(child)
             node, pos = child, child.end
