@@ -16,7 +16,9 @@ from pdspark.router.http_api import build_app
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.rpc import convert
 from pdspark.types import FinishReason, SamplingParams
+from pdspark.v1 import worker_pb2
 
 # Prompts that start with these token ids make the fake dispatcher fail unexpectedly (a bug, not a `RequestFailed`):
 # before its first chunk, or after it.
@@ -26,12 +28,18 @@ FAIL_MID_STREAM = 14
 
 @dataclass
 class FakeDispatcher:
-    """Answers every request with `min(max_tokens, 3)` chunks of one token ("a", id 7) each."""
+    """Answers every request with `min(max_tokens, 3)` chunks of one token ("a", id 7) each.
+
+    Each request first goes through what the real dispatcher and a worker do with it on the wire (the decode
+    worker's protobuf request, and back to `SamplingParams`), so a value the wire cannot carry fails here as it
+    would in a cluster: the HTTP layer must have refused it."""
 
     requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
 
     async def generate(self, request_id, prompt_ids, params, timeout_s=None):
-        self.requests.append((list(prompt_ids), params))
+        msg = worker_pb2.GenerateRequest(request_id=request_id, transfer_id="t", prompt_token_ids=prompt_ids,
+                                         sampling=convert.sampling_to_pb(params), prefill_address="p:1")
+        self.requests.append((list(msg.prompt_token_ids), convert.sampling_from_pb(msg.sampling)))
         if prompt_ids[0] == FAIL_AT_ONCE:
             raise RuntimeError("a bug before the first token")
         n = min(params.max_tokens, 3)

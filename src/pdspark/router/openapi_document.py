@@ -29,6 +29,11 @@ _REQUEST_ERRORS = {
 }
 
 
+# One server-sent event of a stream: its `data` is a JSON chunk (or an error object), the last one `[DONE]`.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+
+
 def _version() -> str:
     try:
         return metadata.version("pdspark")
@@ -54,7 +59,7 @@ def _generation(summary: str, request_model: str, operation_id: str) -> dict[str
             "200": {"description": "the completion (JSON), or with `stream` a server-sent event stream of chunks "
                                    "ending with `data: [DONE]`",
                     "content": {"application/json": {"schema": {"type": "object"}},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
+                                "text/event-stream": {"schema": _SSE_EVENT}}},
             **_error_responses(_REQUEST_ERRORS),
         },
     }}

@@ -31,6 +31,9 @@ from pydantic_core import PydanticCustomError
 MAX_INT32 = 2**31 - 1  # `top_k`, `max_tokens`, token ids: int32 on the wire
 MAX_SEED = 2**63 - 1  # int64 on the wire; the engine draws its own seeds below 2**63 as well
 MAX_TEMPERATURE = 2.0
+# `top_p` travels as a float32: a smaller positive value could arrive as 0, which the worker refuses. Any top_p this
+# small keeps only the most likely token anyway.
+MIN_TOP_P = 1e-6
 MAX_LOGPROBS = 20  # `SamplingParams.logprobs`
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 1024
@@ -124,7 +127,7 @@ class SamplingFields(BaseModel):
     model_config = STRICT
 
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0 is greedy")
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1)
     top_k: TopK | None = Field(None, description="-1 or null: no top-k filter",
                                json_schema_extra={"not": {"const": 0}})
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
