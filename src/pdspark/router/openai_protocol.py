@@ -134,7 +134,7 @@ def parse_generate(req: GenerateRequest, served: ServedModel) -> ParsedRequest:
 
 def _check_model(name: str | None, served: ServedModel) -> None:
     if name is not None and name != served.name:
-        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{served.name}`", "model",
+        raise ApiError(404, f"`model`: the model `{name}` does not exist; this server serves `{served.name}`", "model",
                        "model_not_found")
 
 
