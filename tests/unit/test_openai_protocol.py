@@ -164,6 +164,7 @@ CHAT_OK = {"messages": [{"role": "user", "content": "x"}]}
     (completion, {"prompt": "x", "n": 2}, 400, "n", "unsupported_value"),
     (completion, {"prompt": "x", "best_of": 3}, 400, "best_of", "unsupported_value"),
     (completion, {"prompt": "x", "echo": True}, 400, "echo", "unsupported_value"),
+    (completion, {"prompt": "x", "echo": 0}, 422, "echo", "bool_type"),  # 0 is not false (schemathesis found it)
     (completion, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_value"),
     (completion, {"prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty", "unsupported_value"),
     (completion, {"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty", "unsupported_value"),

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from pdspark.router.api_error import ErrorResponse
 from pdspark.router.chat_completion_request import ChatCompletionRequest
 from pdspark.router.completion_request import CompletionRequest
+from pdspark.router.generate_request import GenerateRequest
 from pdspark.router.openapi_document import openapi_document
 
 DOC = openapi_document()
@@ -46,6 +47,16 @@ def test_every_generation_route_documents_its_body_and_errors(path, model):
     for status in ("400", "404", "413", "415", "422", "5XX"):
         error = op["responses"][status]["content"]["application/json"]["schema"]
         assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+@pytest.mark.parametrize("path, model", sorted(PUBLIC_POSTS.items()))
+def test_the_request_examples_are_valid_requests(path, model):
+    content = DOC["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+    cls = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest,
+           "GenerateRequest": GenerateRequest}[model]
+    assert content["examples"]
+    for example in content["examples"].values():
+        assert validator(model).is_valid(example["value"]) and model_accepts(cls, example["value"])
 
 
 def test_the_error_schema_is_the_error_body():

@@ -49,12 +49,37 @@ def _error_responses(statuses: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+# Request examples (what common clients send); `model` is left out: it may be omitted, and the name is the server's.
+EXAMPLES: dict[str, dict[str, dict[str, Any]]] = {
+    "CompletionRequest": {
+        "text": {"summary": "a text prompt", "value": {"prompt": "def fibonacci(n):", "max_tokens": 16,
+                                                       "temperature": 0}},
+        "token_ids": {"summary": "token ids, streamed with usage",
+                      "value": {"prompt": [5, 6, 7], "max_tokens": 8, "stream": True,
+                                "stream_options": {"include_usage": True}}},
+    },
+    "ChatCompletionRequest": {
+        "openai": {"summary": "the openai SDK", "value": {
+            "messages": [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "a stack"}],
+            "max_completion_tokens": 32, "temperature": 0.7, "top_p": 0.95, "seed": 1}},
+        "guidellm": {"summary": "guidellm's default request", "value": {
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_completion_tokens": 16, "stop": None, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "the quick brown fox"}]}]}},
+    },
+    "GenerateRequest": {
+        "sglang": {"summary": "SGLang's native shape", "value": {
+            "text": "def main():", "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}},
+    },
+}
+
+
 def _generation(summary: str, request_model: str, operation_id: str) -> dict[str, Any]:
     return {"post": {
         "summary": summary,
         "operationId": operation_id,
         "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": _REF.format(model=request_model)}}}},
+            "schema": {"$ref": _REF.format(model=request_model)}, "examples": EXAMPLES[request_model]}}},
         "responses": {
             "200": {"description": "the completion (JSON), or with `stream` a server-sent event stream of chunks "
                                    "ending with `data: [DONE]`",

@@ -15,7 +15,7 @@ client that sends the default explicitly is served and one that asks for more is
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
@@ -113,7 +113,8 @@ ZeroOnly = Annotated[Annotated[float, Field(ge=0, le=0)] | None, neutral_only(0)
 OneOnly = Annotated[Annotated[float, Field(ge=1, le=1)] | None, neutral_only(1)]
 ZeroIntOnly = Annotated[Annotated[int, Field(ge=0, le=0)] | None, neutral_only(0)]
 OneIntOnly = Annotated[Annotated[int, Field(ge=1, le=1)] | None, neutral_only(1)]
-FalseOnly = Annotated[Literal[False] | None, neutral_only(False)]
+# NOTE: not `Literal[False]`, which takes 0 for false: the JSON value must be the boolean.
+FalseOnly = Annotated[Annotated[bool, Field(json_schema_extra={"const": False})] | None, neutral_only(False)]
 EmptyStringOnly = Annotated[Annotated[str, Field(max_length=0)] | None, neutral_only("")]
 EmptyMapOnly = Annotated[Annotated[dict[str, float], Field(max_length=0)] | None, neutral_only({})]
 
