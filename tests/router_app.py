@@ -24,6 +24,7 @@ from pdspark.v1 import worker_pb2
 # before its first chunk, or after it.
 FAIL_AT_ONCE = 13
 FAIL_MID_STREAM = 14
+HANG_AFTER_FIRST = 15  # one chunk, then nothing until the request is cancelled (`FakeDispatcher.hung_closed`)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class FakeDispatcher:
     would in a cluster: the HTTP layer must have refused it."""
 
     requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
+    hung_closed: threading.Event = field(default_factory=threading.Event)
 
     async def generate(self, request_id, prompt_ids, params, timeout_s=None):
         msg = worker_pb2.GenerateRequest(request_id=request_id, transfer_id="t", prompt_token_ids=prompt_ids,
@@ -42,6 +44,13 @@ class FakeDispatcher:
         self.requests.append((list(msg.prompt_token_ids), convert.sampling_from_pb(msg.sampling)))
         if prompt_ids[0] == FAIL_AT_ONCE:
             raise RuntimeError("a bug before the first token")
+        if prompt_ids[0] == HANG_AFTER_FIRST:
+            try:
+                yield DispatchChunk([7], "a", [], False, None, 1, 0, "p:1", "d:1")
+                await asyncio.Event().wait()
+            finally:
+                self.hung_closed.set()
+            return
         n = min(params.max_tokens, 3)
         for i in range(n):
             if i == 1 and prompt_ids[0] == FAIL_MID_STREAM:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import urllib.error
 import urllib.request
 
@@ -14,7 +15,7 @@ import pytest
 
 from pdspark.router.api_error import ErrorResponse
 from pdspark.router.openapi_document import openapi_document
-from router_app import FAIL_AT_ONCE, FAIL_MID_STREAM, RouterApp
+from router_app import FAIL_AT_ONCE, FAIL_MID_STREAM, HANG_AFTER_FIRST, RouterApp
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,22 @@ def test_a_stream_broken_by_a_bug_ends_with_an_error_event(app, caplog):
     assert status == 200 and got[0]["choices"][0]["text"] == "a"
     assert got[1]["error"]["code"] == "internal_error" and got[-1] == "[DONE]"
     assert any("a bug after the first token" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+
+
+def test_a_client_leaving_mid_stream_is_not_an_error(app, caplog):
+    host, port = app.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": [HANG_AFTER_FIRST], "stream": True}).encode()
+    app.dispatcher.hung_closed.clear()
+    with caplog.at_level(logging.WARNING):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            received = b""
+            while b"data:" not in received:
+                received += sock.recv(4096)
+        # The request is closed on the server (the dispatcher's stream with it) once the client has gone.
+        assert app.dispatcher.hung_closed.wait(10)
+    assert not [r for r in caplog.records if r.name.startswith("pdspark") and r.levelno >= logging.WARNING]
 
 
 def test_a_body_over_the_limit_is_413_however_it_is_sent():

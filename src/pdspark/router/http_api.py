@@ -138,6 +138,8 @@ class HttpApi:
             if first:  # nothing sent yet: a normal error response
                 return _failure(e)
             await resp.write(f"data: {json.dumps(_failure_body(e))}\n\n".encode())
+        except ConnectionResetError:
+            raise  # the client went away: nobody to tell
         except Exception:
             if first:
                 raise  # nothing sent yet: the middleware answers 500
@@ -195,6 +197,8 @@ class HttpApi:
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         except RequestFailed as e:
             await resp.write(f"data: {json.dumps(_failure_body(e))}\n\n".encode())
+        except ConnectionResetError:
+            raise
         except Exception:
             await resp.write(_internal_error_event(rid))
         finally:

@@ -124,7 +124,7 @@ def parse_generate(req: GenerateRequest, served: ServedModel) -> ParsedRequest:
     else:
         raise ApiError(422, "`text` (a string) or `input_ids` (token ids) is required", "text", "missing")
     _check_prompt(ids, served, param)
-    sp = req.sampling_params or GenerateSamplingParams()
+    sp = req.sampling_params or GenerateSamplingParams.model_validate({})
     name, value = (("max_new_tokens", sp.max_new_tokens) if sp.max_new_tokens is not None
                    else ("max_tokens", sp.max_tokens))
     max_tokens = _max_tokens(value, f"sampling_params.{name}", DEFAULT_MAX_TOKENS, len(ids), served)
