@@ -1,5 +1,7 @@
 """The router's HTTP API (aiohttp): OpenAI-compatible completions and chat completions (JSON or SSE), native
-`/generate`, models, health, metrics and the worker list (GET to list, POST/DELETE to add/remove at run time)."""
+`/generate`, models, the OpenAPI document, health, metrics and the worker list (GET to list, POST/DELETE to
+add/remove at run time). Request bodies are validated by the pydantic request models (see `openai_protocol`); every
+error is OpenAI's error object (`error_middleware`)."""
 
 from __future__ import annotations
 
@@ -12,20 +14,32 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdspark.errors import RequestFailed
 from pdspark.router import openai_protocol as oai
-from pdspark.router.openai_protocol import ApiError
+from pdspark.router.api_error import ApiError, error_body
+from pdspark.router.chat_completion_request import ChatCompletionRequest
+from pdspark.router.completion_request import CompletionRequest
+from pdspark.router.error_middleware import error_middleware, json_error, mark_started
+from pdspark.router.generate_request import GenerateRequest
+from pdspark.router.openapi_document import openapi_document
 from pdspark.router.router_core import RouterCore, Totals
 
 logger = logging.getLogger(__name__)
 
+# The largest request body read (413 beyond). A prompt of DSV4's full 1M-token context fits, as text or as token ids
+# in JSON (about 7 bytes each); anything larger cannot be served anyway.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
 
-def build_app(core: RouterCore) -> web.Application:
+
+def build_app(core: RouterCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+    """The router's HTTP application. Every error it answers is OpenAI's error object (`error_middleware`)."""
     api = HttpApi(core)
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware])
+    app.on_response_prepare.append(mark_started)
     app.add_routes([
         web.post("/v1/completions", api.completions),
         web.post("/v1/chat/completions", api.chat_completions),
         web.get("/v1/models", api.models),
         web.post("/generate", api.generate),
+        web.get("/openapi.json", api.openapi),
         web.get("/health", api.health),
         web.get("/metrics", api.metrics),
         web.get("/workers", api.workers),
@@ -35,29 +49,39 @@ def build_app(core: RouterCore) -> web.Application:
     return app
 
 
-def _error(e: ApiError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
-
-
 def _failure(e: RequestFailed) -> web.Response:
     return web.json_response(_failure_body(e), status=e.code.http_status)
 
 
 def _failure_body(e: RequestFailed) -> dict:
     """OpenAI's error object for a failed request (also sent as the last SSE event of a broken stream)."""
-    return {"error": {"message": e.message, "type": e.code.openai_type, "param": None, "code": e.code.value}}
+    return error_body(e.message, e.code.openai_type, None, e.code.value)
 
 
-async def _json(request: web.Request) -> object:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}") from e
+def _internal_error_event(where: str) -> bytes:
+    """The last SSE event of a stream broken by a bug: headers are out, so the error travels as data."""
+    logger.exception("unexpected error while streaming %s", where)
+    body = error_body("internal server error; the router's log has the details", "server_error", None,
+                      "internal_error")
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+async def _body(request: web.Request) -> bytes:
+    """The raw JSON body. An absent Content-Type is read as JSON (minimal clients send none); any other type is
+    refused, `curl -d` without `-H 'Content-Type: application/json'` (a form) included, with a message saying so."""
+    if "Content-Type" in request.headers:
+        ctype = request.content_type
+        if ctype != "application/json" and not ctype.endswith("+json"):
+            raise ApiError(415, f"`Content-Type` must be application/json (got {ctype})",
+                           code="unsupported_media_type")
+    return await request.read()  # over `client_max_size`: HTTPRequestEntityTooLarge, a 413 from the middleware
 
 
 class HttpApi:
     def __init__(self, core: RouterCore):
         self.core = core
+        self.served = oai.ServedModel(core.served_name, core.max_model_len, core.model_config.vocab_size,
+                                      core.tokenizer, core.chat_template)
 
     # ---- OpenAI -----------------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -69,13 +93,14 @@ class HttpApi:
     async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
         core = self.core
         try:
-            body = await _json(request)
-            parsed = oai.parse(body, chat=chat, served_model=core.served_name, tokenizer=core.tokenizer,
-                               chat_template=core.chat_template, max_model_len=core.max_model_len,
-                               vocab_size=core.model_config.vocab_size)
+            raw = await _body(request)
+            if chat:
+                parsed = oai.parse_chat(oai.validate(ChatCompletionRequest, raw), self.served)
+            else:
+                parsed = oai.parse_completion(oai.validate(CompletionRequest, raw), self.served)
         except ApiError as e:
             core.metrics.requests.labels(api="chat" if chat else "completions", outcome="invalid").inc()
-            return _error(e)
+            return json_error(e)
         rid = oai.new_id(chat)
         totals = Totals(len(parsed.prompt_ids))
         stream = core.run("chat" if chat else "completions", rid, parsed.prompt_ids, parsed.params, totals)
@@ -102,7 +127,11 @@ class HttpApi:
                 if first:
                     await resp.prepare(request)
                 lps = oai.logprobs_json(chunk.logprobs, core.tokenizer, chat) if parsed.logprobs is not None else None
-                body = oai.completion_body(rid, core.served_name, chat, chunk.text, chunk.finish_reason, lps, None,
+                # With `continuous_usage_stats` every chunk carries the usage so far (`totals` is updated before
+                # each chunk is yielded).
+                use = (oai.usage(totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens)
+                       if parsed.continuous_usage else None)
+                body = oai.completion_body(rid, core.served_name, chat, chunk.text, chunk.finish_reason, lps, use,
                                            stream=True, first=first)
                 first = False
                 await resp.write(f"data: {json.dumps(body)}\n\n".encode())
@@ -110,13 +139,19 @@ class HttpApi:
             if first:  # nothing sent yet: a normal error response
                 return _failure(e)
             await resp.write(f"data: {json.dumps(_failure_body(e))}\n\n".encode())
+        except ConnectionResetError:
+            raise  # the client went away: nobody to tell
+        except Exception:
+            if first:
+                raise  # nothing sent yet: the middleware answers 500
+            await resp.write(_internal_error_event(rid))
         finally:
             await stream.aclose()  # client gone (ConnectionResetError) or done: cancels both legs if still running
+        if first:  # a stream that ended without a chunk still gets its events
+            await resp.prepare(request)
         if parsed.include_usage:
             use = oai.usage(totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens)
-            body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": 0, "model": core.served_name, "choices": [], "usage": use}
-            await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+            await resp.write(f"data: {json.dumps(oai.usage_chunk(rid, core.served_name, chat, use))}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -131,24 +166,12 @@ class HttpApi:
         """`{"text" | "input_ids", "sampling_params": {...}, "stream"}` -> `{"text", "output_ids", "meta_info"}`."""
         core = self.core
         try:
-            body = await _json(request)
-            if not isinstance(body, dict):
-                raise ApiError(400, "the request body must be a JSON object")
-            ids = body.get("input_ids")
-            if ids is None:
-                if not isinstance(body.get("text"), str) or core.tokenizer is None:
-                    raise ApiError(422, "`text` (a string) or `input_ids` (token ids) is required", "text")
-                ids = core.tokenizer.encode(body["text"])
-            sp = dict(body.get("sampling_params") or {})
-            if "max_new_tokens" in sp:
-                sp["max_tokens"] = sp.pop("max_new_tokens")
-            parsed = oai.parse({"prompt": ids, "stream": body.get("stream", False), **sp}, chat=False,
-                               served_model=core.served_name, tokenizer=core.tokenizer,
-                               chat_template=core.chat_template, max_model_len=core.max_model_len,
-                               vocab_size=core.model_config.vocab_size)
+            req = oai.validate(GenerateRequest, await _body(request))
+            parsed = oai.parse_generate(req, self.served)
         except ApiError as e:
-            return _error(e)
-        rid = body.get("rid") or uuid.uuid4().hex
+            core.metrics.requests.labels(api="generate", outcome="invalid").inc()
+            return json_error(e)
+        rid = req.rid or uuid.uuid4().hex
         totals = Totals(len(parsed.prompt_ids))
         stream = core.run("generate", rid, parsed.prompt_ids, parsed.params, totals)
 
@@ -174,13 +197,20 @@ class HttpApi:
                 event = {"text": chunk.text, "output_ids": chunk.token_ids, "meta_info": meta()}
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         except RequestFailed as e:
-            await resp.write(f"data: {json.dumps({'error': e.message, 'code': e.code.value})}\n\n".encode())
+            await resp.write(f"data: {json.dumps(_failure_body(e))}\n\n".encode())
+        except ConnectionResetError:
+            raise
+        except Exception:
+            await resp.write(_internal_error_event(rid))
         finally:
             await stream.aclose()
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
     # ---- operations --------------------------------------------------------------------------------------------------
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document())
+
     async def health(self, request: web.Request) -> web.Response:
         reg = self.core.registry
         ok = bool(reg.healthy("prefill")) and bool(reg.healthy("decode"))
@@ -203,23 +233,23 @@ class HttpApi:
 
     async def add_worker(self, request: web.Request) -> web.Response:
         try:
-            body = await _json(request)
-            if not isinstance(body, dict) or not isinstance(body.get("address"), str):
-                raise ApiError(422, "`address` (host:port) and `role` (prefill or decode) are required", "address")
+            body = json.loads(await _body(request))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from e
+        if not isinstance(body, dict) or not isinstance(body.get("address"), str):
+            raise ApiError(422, "`address` (host:port) and `role` (prefill or decode) are required", "address")
+        try:
             w = self.core.registry.add(str(body.get("role")), body["address"], str(body.get("metrics_url", "")))
-        except ApiError as e:
-            return _error(e)
         except ValueError as e:
-            return _error(ApiError(400, str(e), "role"))
+            raise ApiError(400, str(e), "role") from e
         await self.core.registry.check(w)
         return web.json_response(w.to_json(), status=201)
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         address = request.query.get("address", "")
         if address not in self.core.registry.workers:
-            return _error(ApiError(404, f"no worker {address!r}", "address"))
+            raise ApiError(404, f"no worker {address!r}", "address")
         w = self.core.registry.remove(address)
         self.core.dispatcher.prefill_policy.forget(address)
         self.core.dispatcher.decode_policy.forget(address)
         return web.json_response(w.to_json())
-

@@ -1,8 +1,10 @@
-"""OpenAI-compatible request validation and response shapes (completions, chat completions).
+"""The OpenAI-compatible protocol: requests (validated by the pydantic models `CompletionRequest`,
+`ChatCompletionRequest` and `GenerateRequest`) become a `ParsedRequest` with explicit `SamplingParams`; responses
+are built in OpenAI's shapes.
 
-Errors follow OpenAI's error object, `{"error": {"message", "type", "param", "code"}}`, with status:
-400 malformed JSON or a value out of range (the message names the field and the allowed values), 404 an unknown
-model, 422 a field of the wrong type.
+The models bound every field on their own; what depends on the served model is checked here: the model's name
+(404), the tokenized prompt against the vocabulary and the context, `max_tokens` against the room the prompt
+leaves. Errors are `ApiError`s in OpenAI's shape (see `api_error` for the statuses).
 """
 
 from __future__ import annotations
@@ -10,19 +12,43 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from pdspark.errors import InvalidRequestError
+from pdspark.router.api_error import ApiError, from_validation_error
+from pdspark.router.chat_completion_request import ChatCompletionRequest
+from pdspark.router.completion_request import CompletionRequest
+from pdspark.router.generate_request import GenerateRequest, GenerateSamplingParams
+from pdspark.router.openai_request import StreamOptions
+from pdspark.router.sampling_fields import SamplingFields
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 
+if TYPE_CHECKING:
+    from pdspark.model.tokenizer import Tokenizer
+    from pdspark.router.chat_template import ChatTemplate
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+__all__ = ["ApiError", "ParsedRequest", "ServedModel", "parse", "parse_chat", "parse_completion", "parse_generate",
+           "validate"]
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+M = TypeVar("M", bound=BaseModel)
+
+# Tokens generated when a request does not say: OpenAI's 16 for completions (and `/generate`); for chat, which
+# OpenAI lets run to the end of the context, a bounded 256.
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a request is checked against beyond the models' own bounds."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Tokenizer | None = None
+    chat_template: ChatTemplate | None = None
 
 
 @dataclass(frozen=True)
@@ -30,136 +56,139 @@ class ParsedRequest:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
-    include_usage: bool
+    include_usage: bool  # a last chunk with the usage
+    continuous_usage: bool  # the usage so far in every chunk
     chat: bool
     logprobs: int | None
 
 
-_UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
+def validate(model: type[M], body: bytes | str | object) -> M:
+    """`body` (raw JSON, or the decoded object) as `model`; raises `ApiError` naming the first bad field."""
+    try:
+        if isinstance(body, (bytes, bytearray, str)):
+            return model.model_validate_json(body)
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
 
 
-def _typed(body: dict, name: str, kinds: tuple, default=None, allow_none: bool = True):
-    value = body.get(name, default)
-    if value is None and allow_none:
-        return default
-    if isinstance(value, bool) and bool not in kinds:
-        raise ApiError(422, f"`{name}` must be of type {' or '.join(k.__name__ for k in kinds)}", name)
-    if not isinstance(value, kinds):
-        raise ApiError(422, f"`{name}` must be of type {' or '.join(k.__name__ for k in kinds)}", name)
-    return value
+def parse(body: bytes | object, *, chat: bool, served_model: str, tokenizer, chat_template, max_model_len: int,
+          vocab_size: int) -> ParsedRequest:
+    served = ServedModel(served_model, max_model_len, vocab_size, tokenizer, chat_template)
+    if chat:
+        return parse_chat(validate(ChatCompletionRequest, body), served)
+    return parse_completion(validate(CompletionRequest, body), served)
 
 
-def check_model(body: dict, served: str) -> None:
-    model = _typed(body, "model", (str,), default=served)
-    if model != served:
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{served}`", "model",
+def parse_completion(req: CompletionRequest, served: ServedModel) -> ParsedRequest:
+    _check_model(req.model, served)
+    prompt = req.prompt_value()
+    if isinstance(prompt, str):
+        if served.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer; send `prompt` as a list of token ids", "prompt")
+        ids = served.tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+    _check_prompt(ids, served, "prompt")
+    max_tokens = _max_tokens(req.max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, len(ids), served)
+    params = _sampling(req, max_tokens, req.logprobs, served)
+    return ParsedRequest(ids, params, bool(req.stream), *_usage_options(req.stream_options), chat=False,
+                         logprobs=req.logprobs)
+
+
+def parse_chat(req: ChatCompletionRequest, served: ServedModel) -> ParsedRequest:
+    _check_model(req.model, served)
+    if served.tokenizer is None or served.chat_template is None:
+        raise ApiError(400, "this model has no tokenizer; use /v1/completions with token ids", "messages")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    ids = served.tokenizer.encode(served.chat_template.render(messages))
+    _check_prompt(ids, served, "messages")
+    name, value = (("max_completion_tokens", req.max_completion_tokens) if req.max_completion_tokens is not None
+                   else ("max_tokens", req.max_tokens))
+    max_tokens = _max_tokens(value, name, DEFAULT_CHAT_MAX_TOKENS, len(ids), served)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _sampling(req, max_tokens, logprobs, served)
+    return ParsedRequest(ids, params, bool(req.stream), *_usage_options(req.stream_options), chat=True,
+                         logprobs=logprobs)
+
+
+def parse_generate(req: GenerateRequest, served: ServedModel) -> ParsedRequest:
+    if req.text is not None and req.input_ids is not None:
+        raise ApiError(400, "give `text` or `input_ids`, not both", "input_ids")
+    if req.input_ids is not None:
+        ids, param = list(req.input_ids), "input_ids"
+    elif req.text is not None:
+        if served.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer; send `input_ids`", "text")
+        ids, param = served.tokenizer.encode(req.text), "text"
+    else:
+        raise ApiError(422, "`text` (a string) or `input_ids` (token ids) is required", "text", "missing")
+    _check_prompt(ids, served, param)
+    sp = req.sampling_params or GenerateSamplingParams.model_validate({})
+    name, value = (("max_new_tokens", sp.max_new_tokens) if sp.max_new_tokens is not None
+                   else ("max_tokens", sp.max_tokens))
+    max_tokens = _max_tokens(value, f"sampling_params.{name}", DEFAULT_MAX_TOKENS, len(ids), served)
+    params = _sampling(sp, max_tokens, sp.logprobs, served, prefix="sampling_params.")
+    return ParsedRequest(ids, params, bool(req.stream), False, False, chat=False, logprobs=sp.logprobs)
+
+
+def _check_model(name: str | None, served: ServedModel) -> None:
+    if name is not None and name != served.name:
+        raise ApiError(404, f"`model`: the model `{name}` does not exist; this server serves `{served.name}`", "model",
                        "model_not_found")
 
 
-def parse(body: object, *, chat: bool, served_model: str, tokenizer, chat_template, max_model_len: int,
-          vocab_size: int) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    check_model(body, served_model)
-    prompt_ids = _chat_prompt(body, tokenizer, chat_template) if chat else _completion_prompt(body, tokenizer)
-    if not prompt_ids:
-        raise ApiError(400, "the prompt is empty: it must contain at least one token",
-                       "messages" if chat else "prompt")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+def _check_prompt(ids: list[int], served: ServedModel, param: str) -> None:
+    if not ids:
+        raise ApiError(400, f"`{param}` is empty: the prompt must contain at least one token", param)
+    bad = [t for t in ids if not 0 <= t < served.vocab_size]
     if bad:
-        raise ApiError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "prompt")
-    room = max_model_len - len(prompt_ids)
-    if room < 1:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                       f"{len(prompt_ids)}", "messages" if chat else "prompt", "context_length_exceeded")
-    max_tokens = _typed(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                        (int,), default=min(256, room) if chat else 16)
-    if max_tokens < 1 or max_tokens > room:
-        raise ApiError(400, f"`max_tokens` must be between 1 and {room} (this model's maximum context length is "
-                       f"{max_model_len} tokens and the prompt has {len(prompt_ids)})", "max_tokens",
-                       "context_length_exceeded" if max_tokens > room else None)
-    n = _typed(body, "n", (int,), default=1)
-    if n != 1:
-        raise ApiError(400, "`n` must be 1 (one completion per request)", "n")
-    for name in _UNSUPPORTED_NONZERO:
-        if _typed(body, name, (int, float), default=0):
-            raise ApiError(400, f"`{name}` is not supported; allowed: 0", name)
-    if not chat and _typed(body, "echo", (bool,), default=False):
-        raise ApiError(400, "`echo` is not supported; allowed: false", "echo")
-    stop = _typed(body, "stop", (str, list), default=[])
-    stops = [stop] if isinstance(stop, str) else stop
-    if len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(400, "`stop` must be a non-empty string or a list of up to 4 of them", "stop")
-    logprobs = _logprobs(body, chat)
-    stream = _typed(body, "stream", (bool,), default=False)
-    options = _typed(body, "stream_options", (dict,), default={})
+        raise ApiError(400, f"`{param}`: token ids {bad[:5]} are outside the vocabulary [0, {served.vocab_size})",
+                       param)
+    if len(ids) >= served.max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {served.max_model_len} tokens; the prompt "
+                       f"(`{param}`) has {len(ids)}, which leaves no room to generate", param,
+                       "context_length_exceeded")
+
+
+def _max_tokens(value: int | None, param: str, default: int, prompt_len: int, served: ServedModel) -> int:
+    room = served.max_model_len - prompt_len
+    if value is None:
+        return min(default, room)
+    if value > room:
+        raise ApiError(400, f"`{param}` must be between 1 and {room}: this model's maximum context length is "
+                       f"{served.max_model_len} tokens and the prompt has {prompt_len}", param,
+                       "context_length_exceeded")
+    return value
+
+
+def _sampling(fields: SamplingFields, max_tokens: int, logprobs: int | None, served: ServedModel,
+              prefix: str = "") -> SamplingParams:
+    stop_ids = fields.stop_token_ids or []
+    bad = [t for t in stop_ids if t >= served.vocab_size]
+    if bad:
+        raise ApiError(400, f"`{prefix}stop_token_ids`: token ids {bad[:5]} are outside the vocabulary "
+                       f"[0, {served.vocab_size})", f"{prefix}stop_token_ids")
     try:
-        params = SamplingParams(
-            temperature=float(_typed(body, "temperature", (int, float), default=1.0)),
-            top_p=float(_typed(body, "top_p", (int, float), default=1.0)),
-            top_k=_top_k(body),
-            seed=_typed(body, "seed", (int,)),
+        return SamplingParams(
+            temperature=1.0 if fields.temperature is None else fields.temperature,
+            top_p=1.0 if fields.top_p is None else fields.top_p,
+            top_k=None if fields.top_k in (None, -1) else fields.top_k,
+            seed=fields.seed,
             max_tokens=max_tokens,
-            stop=tuple(stops),
-            ignore_eos=_typed(body, "ignore_eos", (bool,), default=False),
+            stop=fields.stop_strings(),
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=bool(fields.ignore_eos),
             logprobs=logprobs,
         )
-    except InvalidRequestError as e:
-        raise ApiError(400, str(e), e.field) from e
-    if params.temperature > 2:
-        raise ApiError(400, f"invalid `temperature` = {params.temperature}; allowed: 0 to 2", "temperature")
-    return ParsedRequest(prompt_ids, params, stream, bool(options.get("include_usage", False)), chat, logprobs)
+    except InvalidRequestError as e:  # the models' bounds are at least as tight; kept as a backstop
+        raise ApiError(400, str(e), f"{prefix}{e.field}" if e.field else None) from e
 
 
-def _top_k(body: dict) -> int | None:
-    """`top_k` absent, null or -1 means no top-k filter (-1 is how vLLM and SGLang clients spell "off")."""
-    top_k = _typed(body, "top_k", (int,))
-    return None if top_k == -1 else top_k
-
-
-def _completion_prompt(body: dict, tokenizer) -> list[int]:
-    if "prompt" not in body:
-        raise ApiError(422, "`prompt` is required", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer; send `prompt` as a list of token ids", "prompt")
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    raise ApiError(422, "`prompt` must be a string or a list of token ids", "prompt")
-
-
-def _chat_prompt(body: dict, tokenizer, chat_template) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise ApiError(422, "`messages` must be a list of {role, content} objects", "messages")
-    if not messages:
-        raise ApiError(400, "`messages` must not be empty", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise ApiError(400, f"`messages[{i}].role` must be one of system, user, assistant", f"messages[{i}].role")
-        if not isinstance(m.get("content"), str):
-            raise ApiError(422, f"`messages[{i}].content` must be a string", f"messages[{i}].content")
-    if tokenizer is None:
-        raise ApiError(400, "this model has no tokenizer; use /v1/completions with token ids", "messages")
-    return tokenizer.encode(chat_template.render(messages))
-
-
-def _logprobs(body: dict, chat: bool) -> int | None:
-    if chat:
-        if not _typed(body, "logprobs", (bool,), default=False):
-            return None
-        top = _typed(body, "top_logprobs", (int,), default=0)
-        if not 0 <= top <= 20:
-            raise ApiError(400, "`top_logprobs` must be between 0 and 20", "top_logprobs")
-        return top
-    value = _typed(body, "logprobs", (int,))
-    if value is not None and not 0 <= value <= 5:
-        raise ApiError(400, "`logprobs` must be between 0 and 5", "logprobs")
-    return value
+def _usage_options(options: StreamOptions | None) -> tuple[bool, bool]:
+    if options is None:
+        return False, False
+    return bool(options.include_usage), bool(options.continuous_usage_stats)
 
 
 # ---- responses ----------------------------------------------------------------------------------------------------
@@ -206,3 +235,9 @@ def completion_body(rid: str, model: str, chat: bool, text: str, reason: FinishR
     if use is not None:
         body["usage"] = use
     return body
+
+
+def usage_chunk(rid: str, model: str, chat: bool, use: dict) -> dict:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the request's usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [], "usage": use}

@@ -1,0 +1,38 @@
+"""`GenerateRequest`: the body of the native `POST /generate` (SGLang's shape: `text` or `input_ids`, and
+`sampling_params` with `max_new_tokens`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdspark.router.sampling_fields import (
+    MAX_INT32,
+    MAX_LOGPROBS,
+    MAX_NAME_CHARS,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKENS,
+    STRICT,
+    SamplingFields,
+    TokenId,
+    ZeroIntOnly,
+)
+
+
+class GenerateSamplingParams(SamplingFields):
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32, description="`max_new_tokens` wins when both are given")
+    min_new_tokens: ZeroIntOnly = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class GenerateRequest(BaseModel):
+    """Exactly one of `text` and `input_ids` (checked after validation, where the message can name both)."""
+
+    model_config = ConfigDict(**STRICT, json_schema_extra={"anyOf": [{"required": ["text"]},
+                                                                     {"required": ["input_ids"]}]})
+
+    text: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    input_ids: list[TokenId] | None = Field(None, max_length=MAX_PROMPT_TOKENS)
+    sampling_params: GenerateSamplingParams | None = None
+    stream: bool | None = None
+    rid: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS, description="the caller's request id")

@@ -1,0 +1,125 @@
+"""`openapi_document`: the router's public HTTP API as an OpenAPI 3.1 document, generated from the request models
+(so the schema a client or a fuzzer reads is the one the router validates with) and the error model.
+
+Worker administration (`/workers`) is left out: it is not part of the public API.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from pdspark.router.api_error import ErrorResponse
+from pdspark.router.chat_completion_request import ChatCompletionRequest
+from pdspark.router.completion_request import CompletionRequest
+from pdspark.router.generate_request import GenerateRequest
+
+_REF = "#/components/schemas/{model}"
+
+# The statuses a generation route answers with an error body (besides 5xx): see `api_error` and `error_middleware`.
+_REQUEST_ERRORS = {
+    "400": "a value out of range or not supported, or malformed JSON",
+    "404": "an unknown model",
+    "413": "the request body is over the size limit",
+    "415": "the body is not JSON",
+    "422": "a field of the wrong type, or a required field missing",
+}
+
+
+# One server-sent event of a stream: its `data` is a JSON chunk (or an error object), the last one `[DONE]`.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pdspark")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _error_responses(statuses: dict[str, str]) -> dict[str, Any]:
+    error = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
+    out = {status: {"description": why, "content": error} for status, why in statuses.items()}
+    out["5XX"] = {"description": "a server-side failure (no worker, a worker failed, a deadline passed)",
+                  "content": error}
+    return out
+
+
+# Request examples (what common clients send); `model` is left out: it may be omitted, and the name is the server's.
+EXAMPLES: dict[str, dict[str, dict[str, Any]]] = {
+    "CompletionRequest": {
+        "text": {"summary": "a text prompt", "value": {"prompt": "def fibonacci(n):", "max_tokens": 16,
+                                                       "temperature": 0}},
+        "token_ids": {"summary": "token ids, streamed with usage",
+                      "value": {"prompt": [5, 6, 7], "max_tokens": 8, "stream": True,
+                                "stream_options": {"include_usage": True}}},
+    },
+    "ChatCompletionRequest": {
+        "openai": {"summary": "the openai SDK", "value": {
+            "messages": [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "a stack"}],
+            "max_completion_tokens": 32, "temperature": 0.7, "top_p": 0.95, "seed": 1}},
+        "guidellm": {"summary": "guidellm's default request", "value": {
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_completion_tokens": 16, "stop": None, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "the quick brown fox"}]}]}},
+    },
+    "GenerateRequest": {
+        "sglang": {"summary": "SGLang's native shape", "value": {
+            "text": "def main():", "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}},
+    },
+}
+
+
+def _generation(summary: str, request_model: str, operation_id: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "operationId": operation_id,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": _REF.format(model=request_model)}, "examples": EXAMPLES[request_model]}}},
+        "responses": {
+            "200": {"description": "the completion (JSON), or with `stream` a server-sent event stream of chunks "
+                                   "ending with `data: [DONE]`",
+                    "content": {"application/json": {"schema": {"type": "object"}},
+                                "text/event-stream": {"schema": _SSE_EVENT}}},
+            **_error_responses(_REQUEST_ERRORS),
+        },
+    }}
+
+
+def _get(summary: str, operation_id: str, content_type: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"get": {"summary": summary, "operationId": operation_id,
+                    "responses": {"200": {"description": summary, "content": {content_type: {"schema": schema}}},
+                                  **_error_responses({})}}}
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """The document (built once; treat it as read-only)."""
+    _, defs = models_json_schema(
+        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"), (GenerateRequest, "validation"),
+         (ErrorResponse, "serialization")],
+        ref_template=_REF,
+    )
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pdspark router", "version": _version(),
+                 "description": "OpenAI-compatible completions and chat completions, and SGLang-style /generate, "
+                                "served by disaggregated prefill/decode workers."},
+        "paths": {
+            "/v1/completions": _generation("Create a completion", "CompletionRequest", "createCompletion"),
+            "/v1/chat/completions": _generation("Create a chat completion", "ChatCompletionRequest",
+                                                "createChatCompletion"),
+            "/generate": _generation("Generate from text or token ids (SGLang's native shape)", "GenerateRequest",
+                                     "generate"),
+            "/v1/models": _get("The served model", "listModels", "application/json", {"type": "object"}),
+            "/health": _get("Healthy when a prefill and a decode worker are (503 otherwise)", "health",
+                            "application/json", {"type": "object"}),
+            "/metrics": _get("Prometheus metrics", "metrics", "text/plain", {"type": "string"}),
+            "/openapi.json": _get("This document", "openapi", "application/json", {"type": "object"}),
+        },
+        "components": {"schemas": defs["$defs"]},
+    }

@@ -1,0 +1,225 @@
+"""The router's HTTP API over a real socket, workers faked (`router_app.RouterApp`): every error on every path is
+OpenAI's error object (404, 405, 413, 415, 400, 422, 500), streams carry usage as asked, guidellm's and the openai
+SDK's requests are served, and `/openapi.json` documents exactly the public routes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from pdspark.router.api_error import ErrorResponse
+from pdspark.router.openapi_document import openapi_document
+from router_app import FAIL_AT_ONCE, FAIL_MID_STREAM, HANG_AFTER_FIRST, RouterApp
+
+
+@pytest.fixture(scope="module")
+def app():
+    r = RouterApp()
+    yield r
+    r.close()
+
+
+def call(app: RouterApp, method: str, path: str, body: bytes | dict | None = None,
+         content_type: str | None = "application/json") -> tuple[int, dict, bytes]:
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": content_type} if content_type and data is not None else {}
+    req = urllib.request.Request(app.url + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def openai_error(status: int, headers: dict, raw: bytes) -> dict:
+    """The error object of a response, checked to be exactly OpenAI's shape."""
+    assert headers["Content-Type"].startswith("application/json"), (status, headers, raw[:200])
+    body = json.loads(raw)
+    ErrorResponse.model_validate(body)
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def events(raw: bytes) -> list:
+    """The `data:` payloads of an SSE body, JSON-decoded except the final `[DONE]`."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+CHAT = {"messages": [{"role": "user", "content": "hello"}]}
+
+
+@pytest.mark.parametrize("method, path, body, content_type, status, param, code", [
+    ("GET", "/no/such/route", None, None, 404, None, "not_found"),
+    ("POST", "/v1/nothing", {"prompt": "x"}, "application/json", 404, None, "not_found"),
+    ("GET", "/v1/completions", None, None, 405, None, "method_not_allowed"),
+    ("DELETE", "/v1/chat/completions", None, None, 405, None, "method_not_allowed"),
+    ("POST", "/health", {}, "application/json", 405, None, "method_not_allowed"),
+    ("POST", "/v1/completions", {"prompt": "x"}, "text/plain", 415, None, "unsupported_media_type"),
+    ("POST", "/v1/chat/completions", b"a=b", "application/x-www-form-urlencoded", 415, None,
+     "unsupported_media_type"),
+    ("POST", "/v1/completions", b"{not json", "application/json", 400, None, "invalid_json"),
+    ("POST", "/v1/completions", b"[1, 2]", "application/json", 400, None, "model_type"),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": 2**70}, "application/json", 400, "seed", "less_than_equal"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_k": 2**40}, "application/json", 400, "top_k", "less_than_equal"),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, "application/json", 400, "n", "unsupported_value"),
+    ("POST", "/v1/completions", {"prompt": 12}, "application/json", 422, "prompt", "union_type"),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-5"}, "application/json", 404, "model",
+     "model_not_found"),
+    ("POST", "/v1/chat/completions", {**CHAT, "seed": 2**64}, "application/json", 400, "seed", "less_than_equal"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+     "application/json", 400, "messages[0].content[0].type", "unsupported_content"),
+    ("POST", "/generate", {"sampling_params": {}}, "application/json", 422, "text", "missing"),
+    ("POST", "/generate", {"input_ids": [1], "sampling_params": {"top_k": 2**40}}, "application/json", 400,
+     "sampling_params.top_k", "less_than_equal"),
+    ("POST", "/workers", b"{", "application/json", 400, None, "invalid_json"),
+    ("DELETE", "/workers?address=nowhere:1", None, None, 404, "address", None),
+])
+def test_every_error_is_an_openai_error_object(app, method, path, body, content_type, status, param, code):
+    got, headers, raw = call(app, method, path, body, content_type)
+    assert got == status, raw[:300]
+    err = openai_error(got, headers, raw)
+    assert (err["param"], err["code"]) == (param, code), err
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if status == 405:
+        assert headers["Allow"]  # which methods the route does take
+
+
+def test_an_unexpected_exception_is_a_logged_500_without_the_traceback(app, caplog):
+    with caplog.at_level(logging.ERROR, logger="pdspark.router.error_middleware"):
+        for stream in (False, True):  # a stream that failed before its first chunk has sent nothing yet
+            status, headers, raw = call(app, "POST", "/v1/completions", {"prompt": [FAIL_AT_ONCE], "stream": stream})
+            assert status == 500
+            err = openai_error(status, headers, raw)
+            assert (err["type"], err["code"]) == ("server_error", "internal_error")
+            assert b"Traceback" not in raw and b"RuntimeError" not in raw
+    logged = [r for r in caplog.records if r.exc_info and "a bug before the first token" in str(r.exc_info[1])]
+    assert len(logged) == 2
+
+
+def test_a_stream_broken_by_a_bug_ends_with_an_error_event(app, caplog):
+    with caplog.at_level(logging.ERROR, logger="pdspark.router.http_api"):
+        status, _, raw = call(app, "POST", "/v1/completions", {"prompt": [FAIL_MID_STREAM], "stream": True})
+    got = events(raw)
+    assert status == 200 and got[0]["choices"][0]["text"] == "a"
+    assert got[1]["error"]["code"] == "internal_error" and got[-1] == "[DONE]"
+    assert any("a bug after the first token" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+
+
+def test_a_client_leaving_mid_stream_is_not_an_error(app, caplog):
+    host, port = app.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": [HANG_AFTER_FIRST], "stream": True}).encode()
+    app.dispatcher.hung_closed.clear()
+    with caplog.at_level(logging.WARNING):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            received = b""
+            while b"data:" not in received:
+                received += sock.recv(4096)
+        # The request is closed on the server (the dispatcher's stream with it) once the client has gone.
+        assert app.dispatcher.hung_closed.wait(10)
+    assert not [r for r in caplog.records if r.name.startswith("pdspark") and r.levelno >= logging.WARNING]
+
+
+def test_a_body_over_the_limit_is_413_however_it_is_sent():
+    small = RouterApp(max_body_bytes=1024)
+    try:
+        status, headers, raw = call(small, "POST", "/v1/completions", {"prompt": "x" * 2000})
+        err = openai_error(status, headers, raw)
+        assert status == 413 and err["code"] == "request_too_large" and "1024" in err["message"]
+        # Without a Content-Length (chunked), the limit holds while reading.
+        chunks = iter([b'{"prompt": "', b"x" * 2000, b'"}'])
+        req = urllib.request.Request(small.url + "/v1/completions", data=chunks, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 413 and openai_error(413, dict(e.value.headers), e.value.read())
+        # Just under the limit is served.
+        status, _, _ = call(small, "POST", "/v1/completions", {"prompt": "x" * 900, "max_tokens": 1})
+        assert status == 200
+    finally:
+        small.close()
+
+
+# ---- streams and usage ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options, every_chunk, last_chunk", [
+    (None, False, False),
+    ({"include_usage": True}, False, True),
+    ({"continuous_usage_stats": True}, True, False),
+    ({"include_usage": True, "continuous_usage_stats": True}, True, True),
+])
+def test_stream_usage_is_sent_as_asked(app, options, every_chunk, last_chunk):
+    body = {**CHAT, "stream": True, "max_tokens": 3, **({"stream_options": options} if options else {})}
+    status, _, raw = call(app, "POST", "/v1/chat/completions", body)
+    got = events(raw)
+    assert status == 200 and got[-1] == "[DONE]"
+    chunks = [e for e in got[:-1] if e["choices"]]
+    assert len(chunks) == 3
+    if every_chunk:
+        assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
+        assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + i + 1 for i, c in enumerate(chunks))
+    else:
+        assert not any("usage" in c for c in chunks)
+    usage_only = [e for e in got[:-1] if not e["choices"]]
+    assert len(usage_only) == (1 if last_chunk else 0)
+    if last_chunk:
+        assert usage_only[0]["usage"]["completion_tokens"] == 3 and got[-2] is usage_only[0]
+
+
+def test_guidellms_default_request_is_served(app):
+    body = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_completion_tokens": 8, "stop": None, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "the quick brown fox"}]}]}
+    status, _, raw = call(app, "POST", "/v1/chat/completions", body)
+    got = events(raw)
+    assert status == 200 and got[-1] == "[DONE]"
+    assert all("usage" in e for e in got[:-1]) and got[-2]["usage"]["completion_tokens"] == 3
+    prompt_ids, params = app.dispatcher.requests[-1]
+    assert (params.max_tokens, params.ignore_eos, params.stop_strings) == (8, True, ())
+
+
+# ---- the openai SDK ----------------------------------------------------------------------------------------------
+def test_the_openai_sdk_is_served_and_gets_its_errors(app):
+    client = openai.OpenAI(base_url=app.url + "/v1", api_key="none", max_retries=0)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        max_completion_tokens=2, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "aa"
+    assert chunks[-1].usage.completion_tokens == 2
+    reply = client.completions.create(model="tiny", prompt="hi", max_tokens=3, seed=7, stop=["\n"])
+    assert reply.choices[0].text == "aaa" and reply.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", seed=2**70)
+    assert e.value.param == "seed" and e.value.code == "less_than_equal"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="other", prompt="hi")
+    assert e.value.param == "model"
+
+
+# ---- /openapi.json -----------------------------------------------------------------------------------------------
+def test_openapi_json_documents_exactly_the_public_routes(app):
+    status, headers, raw = call(app, "GET", "/openapi.json")
+    doc = json.loads(raw)
+    assert status == 200 and headers["Content-Type"].startswith("application/json") and doc == openapi_document()
+    served = {(r.method.lower(), r.resource.canonical) for r in app.app.router.routes()  # type: ignore[union-attr]
+              if r.method != "HEAD" and r.resource is not None and r.resource.canonical != "/workers"}
+    documented = {(method, path) for path, ops in doc["paths"].items() for method in ops}
+    assert documented == served
+    for path, ops in doc["paths"].items():
+        if "post" in ops:
+            ref = ops["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.removeprefix("#/components/schemas/") in doc["components"]["schemas"], path
