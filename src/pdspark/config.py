@@ -161,9 +161,8 @@ class UpConfig:
     # Supervision (see `pdspark.launcher`): a service that exits is restarted on the same ports.
     restart: bool = option(True, "restart a service that exits, on the same ports (off: any exit stops the cluster)")
     restart_backoff_s: float = option(1.0, "seconds before restarting a service that exited; doubled per "
-                                      "consecutive failure", flag="restart-backoff", minimum=0.1)
-    max_restart_backoff_s: float = option(30.0, "longest wait between a service's restarts",
-                                          flag="max-restart-backoff", minimum=0.1)
+                                      "consecutive failure", minimum=0.1)
+    max_restart_backoff_s: float = option(30.0, "longest wait between a service's restarts", minimum=0.1)
     crash_loop_restarts: int = option(5, "consecutive failures of one service reported as a crash loop (restarts "
                                       "go on at the longest backoff)", minimum=1)
     # `speculative` is decided above (from the checkpoint), not passed through.

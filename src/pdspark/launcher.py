@@ -80,12 +80,13 @@ def restart_delay(cfg: UpConfig, failures: int) -> float:
 def free_ports(host: str, n: int) -> list[int]:
     """`n` distinct ports free on `host` now (all held while picking, so they differ). Another process may still
     take one before its service binds it: that start fails and is retried like any failure."""
+    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     socks: list[socket.socket] = []
     try:
         for _ in range(n):
-            s = socket.socket()
+            s = socket.socket(family, socket.SOCK_STREAM)
             socks.append(s)
-            s.bind((host, 0))
+            s.bind(address)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
@@ -129,7 +130,7 @@ class Launcher:
             w = dataclasses.replace(self.base[role], port=next(ports), metrics_port=next(ports))
             self.workers.append(Supervised(f"{role}-{i}", "worker", ["serve", role, *to_argv(w)]))
             addresses[role].append(f"{w.advertise_host}:{w.port}")
-        router_ports = iter(free_ports(cfg.host, 2))
+        router_ports = iter(free_ports(cfg.host, [cfg.port, cfg.grpc_port].count(0)))
         router = dataclasses.replace(router_config(cfg, addresses["prefill"], addresses["decode"]),
                                      port=cfg.port or next(router_ports), grpc_port=cfg.grpc_port or next(router_ports))
         self.router = Supervised("router", "router", ["serve", "router", *to_argv(router)])
@@ -168,6 +169,7 @@ class Launcher:
                     self._ready(s)
                 elif not p.alive or time.monotonic() - s.started_at > READY_TIMEOUT_S:
                     p.stop()
+                    p.drain()
                     _log(f"pdspark up: {s.name} failed to start ({p.exit_text}):\n{p.tail()}")
                     return False
         return True
@@ -215,6 +217,7 @@ class Launcher:
             _event(event="restarted", service=s.name, pid=p.pid, address=self._address(s), restarts=s.restarts)
 
     def _exited(self, s: Supervised, p: ServiceProcess, now: float) -> None:
+        p.drain()  # its last stderr lines (a traceback) are what the report below is for
         s.failures += 1
         delay = restart_delay(self.cfg, s.failures)
         s.process, s.restart_at = None, now + delay
@@ -224,8 +227,8 @@ class Launcher:
         _event(event="exited", service=s.name, pid=p.pid, returncode=p.proc.returncode, restart_in_s=delay,
                failures=s.failures)
         if s.failures == self.cfg.crash_loop_restarts:
-            _log(f"pdspark up: ERROR: {s.name} is in a crash loop: {s.failures} failures in a row, the last "
-                 f"{p.exit_text}. Restarts go on every {self.cfg.max_restart_backoff_s:.0f}s at most; the rest of "
+            _log(f"pdspark up: ERROR: {s.name} is in a crash loop: {s.failures} failures in a row (last: "
+                 f"{p.exit_text}). Restarts go on every {self.cfg.max_restart_backoff_s:.0f}s at most; the rest of "
                  f"the cluster keeps serving. Fix the cause above, or stop with Ctrl-C.")
             _event(event="crash_loop", service=s.name, failures=s.failures)
 

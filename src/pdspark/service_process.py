@@ -40,6 +40,7 @@ class ServiceProcess:
     log: list[str] = field(default_factory=list)  # the last lines of stdout and stderr, interleaved
     errors: list[str] = field(default_factory=list)  # the last lines of stderr alone
     ready_event: threading.Event = field(default_factory=threading.Event, repr=False)
+    readers: list[threading.Thread] = field(default_factory=list, repr=False)
 
     @property
     def address(self) -> str:
@@ -83,6 +84,13 @@ class ServiceProcess:
             self.proc.wait(5)
         return self.proc.returncode
 
+    def drain(self, timeout: float = 1.0) -> None:
+        """After the child exited: wait (bounded) until its last output is read, so a report shows its last words
+        (a grandchild still holding the pipes would keep them open; hence the bound)."""
+        deadline = time.monotonic() + timeout
+        for t in self.readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+
     def tail(self, n: int = 40) -> str:
         return "".join(self.log[-n:])
 
@@ -115,8 +123,9 @@ def spawn_service(name: str, args: list[str], env: dict | None = None) -> Servic
                             stderr=subprocess.PIPE, text=True, env=full_env,
                             preexec_fn=lambda: _die_with_parent(parent_pid))
     service = ServiceProcess(name, proc)
-    threading.Thread(target=service._read, args=(proc.stdout, True), daemon=True).start()
-    threading.Thread(target=service._read, args=(proc.stderr, False), daemon=True).start()
+    for stream, is_stdout in ((proc.stdout, True), (proc.stderr, False)):
+        service.readers.append(threading.Thread(target=service._read, args=(stream, is_stdout), daemon=True))
+        service.readers[-1].start()
     return service
 
 
