@@ -158,11 +158,21 @@ class UpConfig:
     port: int = option(ROUTER_HTTP_PORT, "router HTTP port (0: any free port)", **_PORT)
     grpc_port: int = option(50050, "router gRPC port (0: any free port)", **_PORT)
     speculative: bool = option(True, "decode with DSpark when the checkpoint ships a draft")
+    # Supervision (see `pdspark.launcher`): a service that exits is restarted on the same ports.
+    restart: bool = option(True, "restart a service that exits, on the same ports (off: any exit stops the cluster)")
+    restart_backoff_s: float = option(1.0, "seconds before restarting a service that exited; doubled per "
+                                      "consecutive failure", minimum=0.1)
+    max_restart_backoff_s: float = option(30.0, "longest wait between a service's restarts", minimum=0.1)
+    crash_loop_restarts: int = option(5, "consecutive failures of one service reported as a crash loop (restarts "
+                                      "go on at the longest backoff)", minimum=1)
     # `speculative` is decided above (from the checkpoint), not passed through.
     engine: EngineConfig = nested(EngineConfig, "engine options passed to every worker", skip=("speculative",))
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.max_restart_backoff_s < self.restart_backoff_s:
+            raise ConfigError(f"`max_restart_backoff_s` ({self.max_restart_backoff_s}) must be >= "
+                              f"`restart_backoff_s` ({self.restart_backoff_s})")
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,57 @@
 """`pdspark up`: a local cluster (router + prefill and decode workers) as child processes, in one command.
 
 Starts the workers (in parallel), waits for each with a progress line, starts the router on them, prints the
-endpoints with ready-to-paste examples, and shuts everything down on Ctrl-C / SIGTERM (or as soon as any service
-dies), leaving no child behind.
+endpoints with ready-to-paste examples, then supervises: a service that exits is restarted while the rest keeps
+serving. Ctrl-C / SIGTERM stops everything, leaving no child behind.
+
+NOTE: supervision.
+- Stable addresses: the launcher picks every port up front (gRPC and metrics per worker, HTTP and gRPC for the
+  router) and passes it explicitly, so a restarted worker answers at the address the router already knows (its
+  health checks re-admit it) and a restarted router serves on the same endpoints.
+- Backoff: a service that exits waits `restart_backoff_s`, doubled per consecutive failure up to
+  `max_restart_backoff_s`, before its restart; a run that stays ready for `STABLE_S` resets the count. A restart
+  that fails (its port briefly held elsewhere, say) is just the next failure: it is retried the same way.
+- Crash loop: after `crash_loop_restarts` consecutive failures the launcher reports a crash loop (with the child's
+  last stderr lines) and keeps retrying at the capped backoff: the cause may pass (a port, memory, a peer) and the
+  cluster keeps serving on its other workers meanwhile. A service that fails during the *initial* start is a
+  configuration error instead: `up` stops everything and exits 1.
+- One thread: every child is spawned (and restarted) from the main thread, because `PR_SET_PDEATHSIG` ties a child
+  to the thread that created it; children die with the launcher, however it ends.
+- Output: stderr gets a line per readiness, exit and restart; stdout gets one JSON line per event (`ready` with
+  every service's pid, `exited`, `restarted`, `crash_loop`) for scripts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import signal
+import socket
 import sys
+import textwrap
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig, UpConfig, WorkerConfig
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import replace_options, to_argv
-from pdspark.service_process import ServiceProcess, spawn_service, start_service, wait_ready
+from pdspark.service_process import ServiceProcess, spawn_service
+
+STABLE_S = 60.0  # a run ready this long resets its service's failure count (and so its backoff)
+READY_TIMEOUT_S = 180.0  # a (re)started service not ready by then is stopped and counted as a failure
+_TICK_S = 0.2  # how often the supervisor looks at its children
+_STDERR_LINES = 10  # of a child's stderr, shown when it exits
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _event(**fields) -> None:
+    print(json.dumps(fields), flush=True)
 
 
 def worker_configs(cfg: UpConfig, has_draft: bool) -> dict[str, WorkerConfig]:
@@ -43,58 +72,206 @@ def router_config(cfg: UpConfig, prefill: list[str], decode: list[str]) -> Route
                         decode=tuple(decode), max_model_len=cfg.engine.scheduler.max_model_len)
 
 
+def restart_delay(cfg: UpConfig, failures: int) -> float:
+    """Seconds before the next start of a service that has failed `failures` (>= 1) times in a row."""
+    return min(cfg.restart_backoff_s * 2.0 ** min(failures - 1, 62), cfg.max_restart_backoff_s)
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """`n` distinct ports free on `host` now (all held while picking, so they differ). Another process may still
+    take one before its service binds it: that start fails and is retried like any failure."""
+    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(address)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Supervised:
+    """One service of the cluster: its fixed command line and where it stands in its restart cycle."""
+
+    name: str
+    kind: str  # "worker" or "router", for messages
+    argv: list[str]
+    process: ServiceProcess | None = None  # None while waiting out a backoff
+    started_at: float = 0.0
+    ready_at: float | None = None  # None until the current run printed its ready line
+    restarts: int = 0
+    failures: int = 0  # consecutive runs that ended before staying ready for STABLE_S
+    restart_at: float = 0.0  # while `process` is None: when to start it again
+
+    def spawn(self) -> None:
+        """Start a run. Only from the launcher's main thread (see the NOTE above)."""
+        assert threading.current_thread() is threading.main_thread(), "children die with the thread that made them"
+        self.process = spawn_service(self.name, self.argv)
+        self.started_at, self.ready_at = time.monotonic(), None
+
+
+class Launcher:
+    def __init__(self, cfg: UpConfig, stop: threading.Event):
+        self.cfg = cfg
+        self.stop = stop
+        self.t0 = time.monotonic()
+        has_draft = "dspark" in ModelConfig.from_dir(resolve_model(cfg.model)).raw
+        roles = ["prefill"] * cfg.prefill + ["decode"] * cfg.decode
+        self.base = worker_configs(cfg, has_draft)
+        ports = iter(free_ports(self.base["prefill"].host, 2 * len(roles)))
+        self.workers: list[Supervised] = []
+        addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for i, role in enumerate(roles):
+            # Children get every option as a flag, so their config is this one whatever their environment says.
+            w = dataclasses.replace(self.base[role], port=next(ports), metrics_port=next(ports))
+            self.workers.append(Supervised(f"{role}-{i}", "worker", ["serve", role, *to_argv(w)]))
+            addresses[role].append(f"{w.advertise_host}:{w.port}")
+        router_ports = iter(free_ports(cfg.host, [cfg.port, cfg.grpc_port].count(0)))
+        router = dataclasses.replace(router_config(cfg, addresses["prefill"], addresses["decode"]),
+                                     port=cfg.port or next(router_ports), grpc_port=cfg.grpc_port or next(router_ports))
+        self.router = Supervised("router", "router", ["serve", "router", *to_argv(router)])
+
+    @property
+    def services(self) -> list[Supervised]:
+        return [*self.workers, self.router]
+
+    def run(self) -> int:
+        try:
+            _log(f"pdspark up: starting {self.cfg.prefill} prefill + {self.cfg.decode} decode worker(s) on "
+                 f"{self.cfg.model} (speculative: {self.base['decode'].engine.speculative or 'off'})")
+            for w in self.workers:
+                w.spawn()
+            if not self._start(self.workers):
+                return 0 if self.stop.is_set() else 1
+            self.router.spawn()
+            if not self._start([self.router]):
+                return 0 if self.stop.is_set() else 1
+            assert self.router.process is not None
+            _print_endpoints(self.router.process.info,
+                             {s.name: {"pid": self._pid(s), "address": self._address(s)} for s in self.services})
+            return self._supervise()
+        finally:
+            self._stop_all()
+
+    def _start(self, services: list[Supervised]) -> bool:
+        """Wait for the first run of `services`; False (after saying why) if one fails or a stop is asked."""
+        while not all(s.ready_at is not None for s in services):
+            if self.stop.wait(_TICK_S):
+                return False
+            for s in services:
+                p = s.process
+                assert p is not None  # spawned by the caller
+                if p.ready and s.ready_at is None:
+                    self._ready(s)
+                elif not p.alive or time.monotonic() - s.started_at > READY_TIMEOUT_S:
+                    p.stop()
+                    p.drain()
+                    _log(f"pdspark up: {s.name} failed to start ({p.exit_text}):\n{p.tail()}")
+                    return False
+        return True
+
+    def _supervise(self) -> int:
+        while not self.stop.wait(_TICK_S):
+            for s in self.services:
+                if self.stop.is_set():
+                    break
+                if not self.cfg.restart and s.process is not None and not s.process.alive:
+                    _log(f"pdspark up: {s.name} exited ({s.process.exit_text}); shutting down (--no-restart)\n"
+                         f"{s.process.tail(20)}")
+                    return 1
+                self._tend(s, time.monotonic())
+        return 0
+
+    def _tend(self, s: Supervised, now: float) -> None:
+        p = s.process
+        if p is None:
+            if now >= s.restart_at:
+                s.restarts += 1
+                s.spawn()
+                _log(f"{self._stamp()} {s.name} restarting (restart {s.restarts})")
+        elif not p.alive:
+            self._exited(s, p, now)
+        elif s.ready_at is None:
+            if p.ready:
+                self._ready(s)
+            elif now - s.started_at > READY_TIMEOUT_S:
+                _log(f"pdspark up: {s.name} not ready {READY_TIMEOUT_S:.0f}s after its start; stopping it")
+                p.stop()  # the next tick counts it as a failure
+        elif s.failures and now - s.ready_at >= STABLE_S:
+            s.failures = 0
+
+    def _ready(self, s: Supervised) -> None:
+        assert s.process is not None
+        s.ready_at = time.monotonic()
+        p = s.process
+        where = f" at {p.address}" if s.kind == "worker" else ""
+        metrics = f", metrics :{p.info['metrics_port']}" if p.info.get("metrics_port") else ""
+        again = f", restart {s.restarts}" if s.restarts else ""
+        kind = " worker" if s.kind == "worker" else ""
+        _log(f"{self._stamp()} {s.name}{kind} ready{where} (pid {p.pid}{metrics}{again})")
+        if s.restarts:
+            _event(event="restarted", service=s.name, pid=p.pid, address=self._address(s), restarts=s.restarts)
+
+    def _exited(self, s: Supervised, p: ServiceProcess, now: float) -> None:
+        p.drain()  # its last stderr lines (a traceback) are what the report below is for
+        s.failures += 1
+        delay = restart_delay(self.cfg, s.failures)
+        s.process, s.restart_at = None, now + delay
+        ran = f"after {now - s.ready_at:.1f}s up" if s.ready_at is not None else "before it was ready"
+        _log(f"{self._stamp()} {s.name} {p.exit_text} {ran}; restarting in {delay:.1f}s "
+             f"(failure {s.failures} in a row). Its last stderr lines:\n{_indent(p.stderr_tail(_STDERR_LINES))}")
+        _event(event="exited", service=s.name, pid=p.pid, returncode=p.proc.returncode, restart_in_s=delay,
+               failures=s.failures)
+        if s.failures == self.cfg.crash_loop_restarts:
+            _log(f"pdspark up: ERROR: {s.name} is in a crash loop: {s.failures} failures in a row (last: "
+                 f"{p.exit_text}). Restarts go on every {self.cfg.max_restart_backoff_s:.0f}s at most; the rest of "
+                 f"the cluster keeps serving. Fix the cause above, or stop with Ctrl-C.")
+            _event(event="crash_loop", service=s.name, failures=s.failures)
+
+    def _stop_all(self) -> None:
+        _log("pdspark up: stopping all services...")
+        # The router first, so it stops sending work; then every worker at once (each drains on SIGTERM).
+        if self.router.process is not None:
+            self.router.process.stop()
+        for w in self.workers:
+            if w.process is not None:
+                w.process.terminate()
+        for w in self.workers:
+            if w.process is not None:
+                w.process.stop()
+        _log("pdspark up: stopped")
+
+    def _pid(self, s: Supervised) -> int:
+        assert s.process is not None
+        return s.process.pid
+
+    def _address(self, s: Supervised) -> str:
+        """The gRPC address a service answers at (a worker's ready line says `address`, the router's `grpc`)."""
+        assert s.process is not None
+        return s.process.info.get("address") or s.process.info.get("grpc", "")
+
+    def _stamp(self) -> str:
+        return f"  [{time.monotonic() - self.t0:5.1f}s]"
+
+
+def _indent(text: str) -> str:
+    return textwrap.indent(text.rstrip("\n") or "(none)", "    | ")
+
+
 def launch(cfg: UpConfig) -> int:
-    has_draft = "dspark" in ModelConfig.from_dir(resolve_model(cfg.model)).raw
-    workers = worker_configs(cfg, has_draft)
-    services: list[ServiceProcess] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    try:
-        t0 = time.monotonic()
-        roles = ["prefill"] * cfg.prefill + ["decode"] * cfg.decode
-        _log(f"pdspark up: starting {cfg.prefill} prefill + {cfg.decode} decode worker(s) on {cfg.model} "
-             f"(speculative: {workers['decode'].engine.speculative or 'off'})")
-
-        # Spawn every worker from this thread (children die with the thread that made them), wait in parallel.
-        # Children get every option as a flag, so their config is this one whatever their environment says.
-        for i, role in enumerate(roles):
-            services.append(spawn_service(f"{role}-{i}", ["serve", role, *to_argv(workers[role])]))
-
-        def ready(s: ServiceProcess) -> ServiceProcess:
-            wait_ready(s)
-            _log(f"  [{time.monotonic() - t0:5.1f}s] {s.name} worker ready at {s.address} "
-                 f"(metrics :{s.info['metrics_port']})")
-            return s
-
-        with ThreadPoolExecutor(max_workers=len(services)) as pool:
-            try:
-                list(pool.map(ready, services))
-            except RuntimeError as e:
-                _log(f"pdspark up: a worker failed to start: {e}")
-                return 1
-        prefill = [s.address for s in services if s.name.startswith("prefill")]
-        decode = [s.address for s in services if s.name.startswith("decode")]
-        router = start_service("router", ["serve", "router", *to_argv(router_config(cfg, prefill, decode))])
-        services.append(router)
-        _log(f"  [{time.monotonic() - t0:5.1f}s] router ready")
-        _print_endpoints(router.info)
-        while not stop.wait(0.5):
-            dead = [s for s in services if not s.alive]
-            if dead:
-                _log(f"pdspark up: {dead[0].name} exited; shutting down\n{dead[0].tail(20)}")
-                return 1
-        return 0
-    finally:
-        _log("pdspark up: stopping all services...")
-        for s in reversed(services):
-            s.stop()
-        _log("pdspark up: stopped")
+    return Launcher(cfg, stop).run()
 
 
-def _print_endpoints(info: dict) -> None:
+def _print_endpoints(info: dict, services: dict[str, dict]) -> None:
     http, grpc_addr, model = info["http"], info["grpc"], info["model"]
-    print(json.dumps({"event": "ready", "http": http, "grpc": grpc_addr, "model": model}), flush=True)
+    _event(event="ready", http=http, grpc=grpc_addr, model=model, pid=os.getpid(), services=services)
     print(f"""
 pdspark cluster is up.
   OpenAI HTTP : {http}/v1   (also {http}/generate, /health, /metrics, /workers)
@@ -110,5 +287,5 @@ print(c.completions.create(model='{model}', prompt='import os', max_tokens=32).c
   python -c "from pdspark.client import Client; \\
 print(Client('{grpc_addr}').generate('def fibonacci(n):', max_tokens=48, temperature=0).text)"
 
-Press Ctrl-C to stop.
+Press Ctrl-C to stop. Services that exit are restarted on the same ports.
 """, flush=True)

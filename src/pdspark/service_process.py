@@ -1,7 +1,8 @@
 """`ServiceProcess`: a pdspark service started as a child process, ready once it prints its JSON ready line.
 
 Children are asked to die with their parent (Linux `PR_SET_PDEATHSIG`), so a killed launcher leaves no orphans;
-`stop()` sends SIGTERM, waits, and kills only if the child does not exit in time.
+`stop()` sends SIGTERM, waits, and kills only if the child does not exit in time. Every JSON line a child prints
+on stdout is kept as an event (`events`); the first `{"event": "ready", ...}` one is `info`.
 """
 
 from __future__ import annotations
@@ -18,68 +19,120 @@ import time
 from dataclasses import dataclass, field
 
 _PR_SET_PDEATHSIG = 1
+_MAX_LOG_LINES = 400
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the child between fork and exec. NOTE: the death signal fires when the *thread* that forked the
+    child exits, not the process: spawn from a thread that lives as long as the parent (the main thread)."""
     with contextlib.suppress(OSError):  # not Linux: the launcher's own signal handling still stops children
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect: nobody is left to stop us
+        os._exit(1)
 
 
 @dataclass
 class ServiceProcess:
     name: str
     proc: subprocess.Popen
-    info: dict = field(default_factory=dict)
-    log: list[str] = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # the ready line
+    events: list[dict] = field(default_factory=list)  # every JSON line on stdout, in order
+    log: list[str] = field(default_factory=list)  # the last lines of stdout and stderr, interleaved
+    errors: list[str] = field(default_factory=list)  # the last lines of stderr alone
+    ready_event: threading.Event = field(default_factory=threading.Event, repr=False)
+    readers: list[threading.Thread] = field(default_factory=list, repr=False)
 
     @property
     def address(self) -> str:
         return self.info.get("address", "")
 
     @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 15.0) -> int:
+    @property
+    def ready(self) -> bool:
+        return self.ready_event.is_set()
+
+    @property
+    def exit_text(self) -> str:
+        """How the child ended, for logs: "exit code 1", "killed by SIGKILL" (or "running")."""
+        code = self.proc.poll()
+        if code is None:
+            return "running"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+            return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def terminate(self) -> None:
+        """Ask the child to stop (SIGTERM) without waiting; `stop()` waits."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        self.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
         return self.proc.returncode
+
+    def drain(self, timeout: float = 1.0) -> None:
+        """After the child exited: wait (bounded) until its last output is read, so a report shows its last words
+        (a grandchild still holding the pipes would keep them open; hence the bound)."""
+        deadline = time.monotonic() + timeout
+        for t in self.readers:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def tail(self, n: int = 40) -> str:
         return "".join(self.log[-n:])
+
+    def stderr_tail(self, n: int = 10) -> str:
+        return "".join(self.errors[-n:])
+
+    def _read(self, stream, is_stdout: bool) -> None:
+        for line in stream:
+            if is_stdout and line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line)
+                    if isinstance(event, dict):
+                        self.events.append(event)
+                        if event.get("event") == "ready" and not self.ready:
+                            self.info = event
+                            self.ready_event.set()
+            if not is_stdout:
+                self.errors.append(line)
+                del self.errors[:-_MAX_LOG_LINES]
+            self.log.append(line)
+            del self.log[:-_MAX_LOG_LINES]
 
 
 def spawn_service(name: str, args: list[str], env: dict | None = None) -> ServiceProcess:
     """Start `python -m pdspark.cli <args>`; call from the thread that lives as long as the service (the child is
     tied to its creating thread by `PR_SET_PDEATHSIG`)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    parent_pid = os.getpid()
     proc = subprocess.Popen([sys.executable, "-m", "pdspark.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full_env, preexec_fn=_die_with_parent)
+                            stderr=subprocess.PIPE, text=True, env=full_env,
+                            preexec_fn=lambda: _die_with_parent(parent_pid))
     service = ServiceProcess(name, proc)
-    service._ready = threading.Event()  # type: ignore[attr-defined]
-
-    def read(stream, parse: bool) -> None:
-        for line in stream:
-            if parse and line.startswith("{") and '"ready"' in line:
-                service.info = json.loads(line)
-                service._ready.set()  # type: ignore[attr-defined]
-            service.log.append(line)
-            del service.log[:-400]
-
-    threading.Thread(target=read, args=(proc.stdout, True), daemon=True).start()
-    threading.Thread(target=read, args=(proc.stderr, False), daemon=True).start()
+    for stream, is_stdout in ((proc.stdout, True), (proc.stderr, False)):
+        service.readers.append(threading.Thread(target=service._read, args=(stream, is_stdout), daemon=True))
+        service.readers[-1].start()
     return service
 
 
 def wait_ready(service: ServiceProcess, timeout: float = 180.0) -> ServiceProcess:
     """Wait (bounded) for the ready line; raises RuntimeError (after stopping the child) otherwise."""
     deadline = time.monotonic() + timeout
-    while not service._ready.wait(0.1):  # type: ignore[attr-defined]
+    while not service.ready_event.wait(0.1):
         if service.proc.poll() is not None or time.monotonic() > deadline:
             service.stop()
             raise RuntimeError(f"{service.name} did not become ready:\n{service.tail()}")
