@@ -2,11 +2,10 @@
 
 They answer at once, or on cue, per call (`script`, then `mode`): `HOLD` (answer once `release` is set), `HANG`
 (never answer), a `RequestFailed` (fail the call with it, typed trailer included, as a worker does), or
-`Delayed(seconds, mode)`. They
-record what reached them: each call's worker-side request id and the timeout it carried, the calls cancelled
-under them, the ids `Abort` named. A decode stub streams `tokens` chunks whose text is the request id it was
-sent, so a client can tell whose tokens it got; it never answers a request paired with a prefill address in
-`hang_with` (as a real one waits for a transfer that prefill worker never starts).
+`Delayed(seconds, mode)`. They record what reached them: each call's worker-side request id and the timeout it
+carried, the calls cancelled under them, the ids `Abort` named. A decode stub streams `tokens` chunks whose text
+is the request id it was sent, so a client can tell whose tokens it got; it never answers a request paired with
+a prefill address in `hang_with` (as a real one waits for a transfer that prefill worker never starts).
 """
 
 from __future__ import annotations

@@ -228,9 +228,9 @@ class Dispatcher:
     async def _cancel_legs(self, request_id: str, active: _Active) -> None:
         if active.stream is not None and not active.stream.done():
             active.stream.cancel()  # the decode worker aborts the request when its stream goes away
-        if active.prefill_call is not None and not _succeeded(active.prefill_call):
-            # Also when the call already ended (its deadline passed, the transport broke): the prefill worker may
-            # still hold the request or wait for its plan; Abort is how it learns to drop it.
+        if active.prefill_call is not None and not _prefill_settled(active.prefill_call):
+            # Also when the call already ended without the worker's answer (its deadline passed, the transport
+            # broke): the prefill worker may still hold the request or wait for its plan; Abort drops it.
             active.prefill_call.cancel()
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self.registry.prefill_stub(active.prefill).Abort(
@@ -246,9 +246,12 @@ class Dispatcher:
         return True
 
 
-def _succeeded(call: asyncio.Future) -> bool:
-    return (call.done() and not call.cancelled() and call.exception() is None
-            and not call.result().result.HasField("error"))
+def _prefill_settled(call: asyncio.Future) -> bool:
+    """Whether the prefill worker is done with the attempt: it answered, with a result or a failure of its own."""
+    if not call.done() or call.cancelled():
+        return False
+    e = call.exception()
+    return e is None or (isinstance(e, grpc.aio.AioRpcError) and reported_failure(e) is not None)
 
 
 def _cancelling() -> bool:
