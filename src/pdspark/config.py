@@ -138,11 +138,25 @@ class RouterConfig:
         "the workers)", minimum=1)
     transfer_timeout_s: float = option(30.0, "seconds a request's cache transfer may take before the pair is failed",
                                        flag="transfer-timeout")
-    health_interval_s: float = option(2.0, "seconds between health polls of each worker", flag="health-interval")
+    # Admission. A default 1 prefill + 1 decode cluster runs 64 sequences per engine (max_num_seqs): twice that in
+    # flight keeps the decode batch full while the next requests are in prefill and transfer; the queue holds
+    # bursts of hundreds of requests, which wait for a turn instead of being refused.
+    max_in_flight: int = option(128, "requests at the workers at once; more wait in the router's queue", minimum=1)
+    max_queued: int = option(1024, "requests waiting for a turn; beyond them a request is refused at once (HTTP 429 "
+                             "+ Retry-After, gRPC RESOURCE_EXHAUSTED)", minimum=0)
+    request_timeout_s: float = option(600.0, "a request's timeout when its caller sets none, and the longest one a "
+                                      "caller may set (queueing, every attempt and the whole stream)")
+    # Liveness: a worker that misses 2 health checks in a row is skipped, so a dead or hung one is detected within
+    # about interval + 2 x timeout (1.5 s by default). Load reports are polled apart and never count against health.
+    health_interval_s: float = option(0.5, "seconds between liveness checks (gRPC health) of each worker",
+                                      flag="health-interval")
+    health_timeout_s: float = option(0.5, "seconds a worker's health check may take before it counts as missed")
+    load_interval_s: float = option(1.0, "seconds between load reports (GetLoad) polled from each worker")
 
     def __post_init__(self) -> None:
         validate(self)
-        for name in ("transfer_timeout_s", "health_interval_s"):
+        for name in ("transfer_timeout_s", "request_timeout_s", "health_interval_s", "health_timeout_s",
+                     "load_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"invalid value {getattr(self, name)!r} for `{name}`; allowed: a number > 0")
 

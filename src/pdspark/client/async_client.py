@@ -14,25 +14,37 @@ from pdspark.client.client import (
     build_request,
     collect,
     make_channel,
+    request_id_of,
     to_chunk,
 )
 from pdspark.v1 import router_pb2, router_pb2_grpc
 
 
 class AsyncStream:
-    def __init__(self, client: AsyncClient, call, request_id: str):
-        self._client, self._call, self.request_id = client, call, request_id
+    """As `Stream`: `label` is the `request_id` it was started with; `await request_id()` the router's id."""
+
+    def __init__(self, client: AsyncClient, call, label: str):
+        self._client, self._call, self.label = client, call, label
+        self._request_id: str | None = None
+
+    async def request_id(self) -> str | None:
+        """The router's id of this request, as soon as the router accepted the call; None if it never did."""
+        if self._request_id is None:
+            self._request_id = request_id_of(await self._call.initial_metadata())
+        return self._request_id
 
     async def __aiter__(self) -> AsyncIterator[StreamChunk]:
         try:
             async for msg in self._call:
+                self._request_id = msg.request_id
                 yield to_chunk(msg)
         except grpc.aio.AioRpcError as e:
             raise ClientError.from_rpc_error(e) from e
 
     async def cancel(self) -> None:
         self._call.cancel()
-        await self._client.abort(self.request_id)
+        if self._request_id is not None:
+            await self._client.abort(self._request_id)
 
 
 class AsyncClient:
@@ -48,7 +60,7 @@ class AsyncClient:
             chunks = [c async for c in self._stub.Generate(msg, timeout=timeout or self.timeout)]
         except grpc.aio.AioRpcError as e:
             raise ClientError.from_rpc_error(e) from e
-        return collect(chunks, msg.request_id)
+        return collect(chunks)
 
     def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None,
                request_id: str | None = None, timeout: float | None = None, **sampling) -> AsyncStream:

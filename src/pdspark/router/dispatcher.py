@@ -4,14 +4,20 @@ Rules:
 - The decode worker's stream is the response. The prefill leg runs beside it; when either leg fails, the other is
   cancelled (the decode stream is closed; the prefill worker gets `Abort`), so no half of a pair is left waiting.
 - A failed pair is retried (new transfer id, another pair when there is one) only before the first token reached
-  the caller; after that the failure ends the request.
-- Every call carries a deadline; a client that goes away (or `abort`) cancels both legs.
+  the caller; after that the failure ends the request. A worker that is full (`OVERLOADED`) is not tried again for
+  the request: when every worker of a role has answered so, the request fails `OVERLOADED` (HTTP 429).
+- Every call to a worker carries a relative gRPC timeout: what is left of the request's one `Deadline`, shared by
+  all attempts (the transfer rendezvous keeps its own, shorter, `transfer_timeout_s`). A client that goes away (or
+  `abort`) cancels both legs.
+- Each attempt reaches the workers under its own id (the router's request id, suffixed on retries), so a retry on
+  the same worker never meets the previous attempt's request there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -22,8 +28,9 @@ from dataclasses import dataclass, replace
 import grpc
 
 from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.router.deadline import Deadline
 from pdspark.router.policies import Policy
-from pdspark.router.worker_registry import WorkerInfo, WorkerRegistry
+from pdspark.router.worker_registry import ROLES, WorkerInfo, WorkerRegistry
 from pdspark.rpc import convert
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
@@ -53,6 +60,7 @@ class _Active:
     decode: WorkerInfo
     stream: grpc.aio.UnaryStreamCall | None = None
     prefill_call: asyncio.Future | None = None
+    failure: _PairFailed | None = None  # why the router itself ended the attempt (its decode stream cancelled)
 
 
 class _PairFailed(Exception):
@@ -75,18 +83,34 @@ class Dispatcher:
         self.metrics = metrics
         self.active: dict[str, _Active] = {}
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       timeout_s: float | None = None) -> AsyncIterator[DispatchChunk]:
-        """Stream the request's tokens; raises `RequestFailed` if no pair could serve it."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, deadline: Deadline,
+                       aborted: asyncio.Event | None = None) -> AsyncIterator[DispatchChunk]:
+        """Stream the request's tokens.
+
+        Args:
+            request_id: the router's id of the request (unique; `abort` takes it).
+            deadline: when the whole request must be over, every attempt included.
+            aborted: set when the caller aborted the request: no further attempt starts.
+
+        Raises:
+            RequestFailed: no pair could serve it (the last attempt's failure), the deadline passed, or aborted.
+        """
         # One seed for both legs and every attempt: the prefill worker draws token 1, the decode worker the rest.
         params = params if params.seed is not None else replace(params, seed=secrets.randbits(63))
         excluded: set[str] = set()
         last: RequestFailed | None = None
         for attempt in range(self.max_attempts):
+            if aborted is not None and aborted.is_set():
+                raise RequestFailed(ErrorCode.ABORTED, "aborted by its caller")
+            if deadline.expired:
+                raise RequestFailed(ErrorCode.DEADLINE, f"the request's timeout ({deadline.timeout_s:.3g} s) passed "
+                                    f"after {attempt} attempt(s)" + (f"; the last one: {last.message}" if last else ""))
             prefill, decode = self._pick(prompt_ids, excluded)
+            worker_request_id = request_id if attempt == 0 else f"{request_id}-{attempt}"
             started = False
             try:
-                async for chunk in self._run_pair(request_id, prompt_ids, params, prefill, decode, timeout_s):
+                async for chunk in self._run_pair(request_id, worker_request_id, prompt_ids, params, prefill, decode,
+                                                  deadline):
                     started = True
                     yield chunk
                 return
@@ -94,13 +118,18 @@ class Dispatcher:
                 last = e.failure
                 if started or not e.failure.code.retryable:
                     raise e.failure from e.__cause__
+                excluded.add(e.avoid)
+                if e.failure.code is ErrorCode.OVERLOADED and not self._untried_pair(excluded):
+                    raise e.failure from e.__cause__  # every worker of a role is full: 429 now, not a retry on one
                 logger.warning("request %s attempt %d on (%s, %s) failed before its first token: %s", request_id,
                                attempt + 1, prefill.address, decode.address, e.failure)
                 if self.metrics is not None:
                     self.metrics.retries.inc()
-                excluded.add(e.avoid)
         assert last is not None
         raise last
+
+    def _untried_pair(self, excluded: set[str]) -> bool:
+        return all(any(w.address not in excluded for w in self.registry.healthy(role)) for role in ROLES)
 
     def _pick(self, prompt_ids: list[int], excluded: set[str]) -> tuple[WorkerInfo, WorkerInfo]:
         prefills = [w for w in self.registry.healthy("prefill") if w.address not in excluded]
@@ -116,25 +145,26 @@ class Dispatcher:
             self.metrics.selected.labels(role="decode", worker=decode.address).inc()
         return prefill, decode
 
-    async def _run_pair(self, request_id, prompt_ids, params, prefill: WorkerInfo, decode: WorkerInfo,
-                        timeout_s: float | None) -> AsyncIterator[DispatchChunk]:
+    async def _run_pair(self, key: str, request_id: str, prompt_ids, params, prefill: WorkerInfo, decode: WorkerInfo,
+                        request_deadline: Deadline) -> AsyncIterator[DispatchChunk]:
         transfer_id = uuid.uuid4().hex
         deadline = time.time() + self.transfer_timeout_s
         sampling = convert.sampling_to_pb(params)
         active = _Active(prefill, decode)
-        self.active[request_id] = active
+        self.active[key] = active
         prefill.in_flight += 1
         decode.in_flight += 1
         try:
             active.prefill_call = asyncio.ensure_future(self.registry.prefill_stub(prefill).Prefill(
                 worker_pb2.PrefillRequest(request_id=request_id, transfer_id=transfer_id,
                                           prompt_token_ids=prompt_ids, sampling=sampling, deadline_unix_s=deadline),
-                timeout=self.transfer_timeout_s + 5))
+                timeout=min(self.transfer_timeout_s + 5, request_deadline.remaining())))
+            active.prefill_call.add_done_callback(functools.partial(self._prefill_done, active))
             active.stream = self.registry.decode_stub(decode).Generate(
                 worker_pb2.GenerateRequest(request_id=request_id, transfer_id=transfer_id,
                                            prompt_token_ids=prompt_ids, sampling=sampling,
                                            prefill_address=prefill.address, deadline_unix_s=deadline),
-                timeout=timeout_s)
+                timeout=request_deadline.remaining())
             completion = 0
             try:
                 async for msg in active.stream:
@@ -146,15 +176,45 @@ class Dispatcher:
                 failure = failure_from_rpc_error(e)
                 # A failure the decode worker reported is about the transfer, so the prefill worker is the one to
                 # avoid; a call that failed without one never reached a working decode worker.
-                avoid = prefill.address if reported_failure(e) is not None else decode.address
+                # A full decode worker (OVERLOADED) is itself the one to avoid.
+                reported = reported_failure(e)
+                transfer_side = reported is not None and reported.code is not ErrorCode.OVERLOADED
+                avoid = prefill.address if transfer_side else decode.address
                 raise _PairFailed(RequestFailed(failure.code, f"decode worker {decode.address}: {failure.message}"),
                                   avoid) from e
+            except asyncio.CancelledError:
+                # The router cancelled the decode stream itself (the prefill leg failed, or `abort`): that failure
+                # ends the attempt. A cancel of this task (the client went away) stays a cancel.
+                if active.failure is None or _cancelling():
+                    raise
+                raise active.failure from None
             await self._prefill_outcome(active)
         finally:
             prefill.in_flight -= 1
             decode.in_flight -= 1
-            self.active.pop(request_id, None)
+            if self.active.get(key) is active:
+                del self.active[key]
             await self._cancel_legs(request_id, active)
+
+    def _prefill_done(self, active: _Active, call: asyncio.Future) -> None:
+        """A prefill leg that fails ends the pair at once: the decode worker would otherwise wait for a transfer
+        that never comes (e.g. a full prefill worker refused the request) until the rendezvous times out."""
+        if call.cancelled():
+            return
+        e = call.exception()
+        if isinstance(e, grpc.aio.AioRpcError):
+            failure = failure_from_rpc_error(e)
+        elif e is None and call.result().result.HasField("error"):
+            failure = convert.failure_from_pb(call.result().result.error)
+        else:
+            return
+        failure = RequestFailed(failure.code, f"prefill worker {active.prefill.address}: {failure.message}")
+        self._end_attempt(active, _PairFailed(failure, active.prefill.address))
+
+    def _end_attempt(self, active: _Active, failure: _PairFailed) -> None:
+        if active.failure is None and active.stream is not None and not active.stream.done():
+            active.failure = failure
+            active.stream.cancel()  # the attempt's reader sees the cancel and raises `failure`
 
     async def _prefill_outcome(self, active: _Active) -> None:
         """Collect the prefill leg's answer (metrics only: the decode stream already succeeded)."""
@@ -168,15 +228,34 @@ class Dispatcher:
     async def _cancel_legs(self, request_id: str, active: _Active) -> None:
         if active.stream is not None and not active.stream.done():
             active.stream.cancel()  # the decode worker aborts the request when its stream goes away
-        if active.prefill_call is not None and not active.prefill_call.done():
+        if active.prefill_call is not None and not _prefill_settled(active.prefill_call):
+            # Also when the call already ended without the worker's answer (its deadline passed, the transport
+            # broke): the prefill worker may still hold the request or wait for its plan; Abort drops it.
             active.prefill_call.cancel()
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self.registry.prefill_stub(active.prefill).Abort(
                     worker_pb2.AbortRequest(request_id=request_id), timeout=2)
 
-    async def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> bool:
+        """End the running attempt of the request `request_id` (the router's id) with `ABORTED`; the attempt
+        cancels both legs on its way out. False when no attempt is running."""
         active = self.active.get(request_id)
         if active is None:
             return False
-        await self._cancel_legs(request_id, active)
+        self._end_attempt(active, _PairFailed(RequestFailed(ErrorCode.ABORTED, "aborted by its caller"), ""))
         return True
+
+
+def _prefill_settled(call: asyncio.Future) -> bool:
+    """Whether the prefill worker is done with the attempt: it answered, with a result or a failure of its own."""
+    if not call.done() or call.cancelled():
+        return False
+    e = call.exception()
+    return e is None or (isinstance(e, grpc.aio.AioRpcError) and reported_failure(e) is not None)
+
+
+def _cancelling() -> bool:
+    """Whether this task has been asked to cancel (Python 3.11+; before it, a cancel cannot be told apart)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False

@@ -35,4 +35,5 @@ class GenerateRequest(BaseModel):
     input_ids: list[TokenId] | None = Field(None, max_length=MAX_PROMPT_TOKENS)
     sampling_params: GenerateSamplingParams | None = None
     stream: bool | None = None
-    rid: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS, description="the caller's request id")
+    rid: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS,
+                            description="the caller's label (the router mints the request id)")

@@ -1,13 +1,22 @@
-"""The router's gRPC API (`pdspark.v1.Router`): streaming `Generate` and `Abort`, over the same core as HTTP."""
+"""The router's gRPC API (`pdspark.v1.Router`): streaming `Generate` and `Abort`, over the same core as HTTP.
+
+`Generate` tells its caller the router's id of the request at once, in the initial metadata under
+`REQUEST_ID_KEY` (and again in every chunk's `request_id`); `Abort` takes only that id (see `RouterCore`).
+A request refused because the router is full ends with RESOURCE_EXHAUSTED, its `ErrorDetail` trailer and a
+`retry-after` trailer (seconds).
+"""
 
 from __future__ import annotations
 
-import uuid
+import math
 
-from pdspark.errors import InvalidRequestError, RequestFailed, as_request_failed
-from pdspark.router.router_core import RouterCore, Totals
+from pdspark.errors import ErrorCode, InvalidRequestError, RequestFailed, as_request_failed
+from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 from pdspark.rpc import convert, status
 from pdspark.v1 import router_pb2, router_pb2_grpc
+
+REQUEST_ID_KEY = "pdspark-request-id"  # initial metadata: the router's id of the request
+RETRY_AFTER_KEY = "retry-after"  # trailing metadata of an OVERLOADED call: seconds, as HTTP's Retry-After
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -22,27 +31,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if len(ids) + params.max_tokens > core.max_model_len:
                 raise InvalidRequestError(f"prompt ({len(ids)} tokens) + `max_tokens` ({params.max_tokens}) exceeds "
                                           f"the maximum context length {core.max_model_len}")
+            if not request.timeout_s >= 0 or math.isinf(request.timeout_s):  # `not >=`: NaN too
+                raise InvalidRequestError(f"`timeout_s` must be a number of seconds >= 0 (0: the router's default), "
+                                          f"not {request.timeout_s}")
         except InvalidRequestError as e:
             await status.abort_async(context, as_request_failed(e))
-        rid = request.request_id or uuid.uuid4().hex
+        rid = core.new_request_id()
+        label = clean_label(request.request_id)
+        # The caller's own gRPC deadline bounds the request too (the SDK sets both to its `timeout`).
+        asked = [t for t in (request.timeout_s, context.time_remaining()) if t is not None and t > 0]
         totals = Totals(len(ids))
-        stream = core.run("grpc", rid, ids, params, totals, timeout_s=request.timeout_s or None)
+        stream = core.run("grpc", rid, ids, params, totals, timeout_s=min(asked, default=None), label=label)
         try:
+            await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
             async for chunk in stream:
                 yield router_pb2.RouterGenerateChunk(
-                    request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
+                    request_id=rid, client_request_id=label, token_ids=chunk.token_ids, text=chunk.text,
                     logprobs=[convert.logprob_to_pb(lp) for lp in chunk.logprobs], finished=chunk.finished,
                     finish_reason=convert.finish_reason_to_pb(chunk.finish_reason), prompt_tokens=totals.prompt_tokens,
                     completion_tokens=chunk.completion_tokens, cached_tokens=chunk.cached_tokens,
                     prefill_worker=chunk.prefill_worker, decode_worker=chunk.decode_worker,
                 )
         except RequestFailed as e:
-            await status.abort_async(context, e)
+            extra = ((RETRY_AFTER_KEY, str(RETRY_AFTER_S)),) if e.code is ErrorCode.OVERLOADED else ()
+            await context.abort(status.status_of(e.code), e.message, trailing_metadata=status.trailers(e) + extra)
         finally:
             await stream.aclose()
 
     async def Abort(self, request, context):
-        return router_pb2.RouterAbortResponse(found=await self.core.dispatcher.abort(request.request_id))
+        """Abort by the router's id of the request (what `Generate` told its caller); a client's label finds
+        nothing."""
+        return router_pb2.RouterAbortResponse(found=self.core.abort(request.request_id))
 
     def _prompt(self, request) -> list[int]:
         which = request.WhichOneof("prompt")

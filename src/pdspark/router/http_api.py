@@ -1,18 +1,23 @@
 """The router's HTTP API (aiohttp): OpenAI-compatible completions and chat completions (JSON or SSE), native
 `/generate`, models, the OpenAPI document, health, metrics and the worker list (GET to list, POST/DELETE to
 add/remove at run time). Request bodies are validated by the pydantic request models (see `openai_protocol`); every
-error is OpenAI's error object (`error_middleware`)."""
+error is OpenAI's error object (`error_middleware`).
+
+A request may set its timeout with the `X-Request-Timeout` header (seconds; at most the router's
+`request_timeout_s`, also the default) and name itself with `X-Request-Id` (or the body's `user`, `/generate`'s
+`rid`): a label the router logs and echoes back in the `X-Request-Id` response header; the request's id is the
+router's own. A request the router has no room for gets 429 with `Retry-After` at once."""
 
 from __future__ import annotations
 
 import json
 import logging
-import uuid
+import math
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdspark.errors import RequestFailed
+from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router import openai_protocol as oai
 from pdspark.router.api_error import ApiError, error_body
 from pdspark.router.chat_completion_request import ChatCompletionRequest
@@ -20,7 +25,7 @@ from pdspark.router.completion_request import CompletionRequest
 from pdspark.router.error_middleware import error_middleware, json_error, mark_started
 from pdspark.router.generate_request import GenerateRequest
 from pdspark.router.openapi_document import openapi_document
-from pdspark.router.router_core import RouterCore, Totals
+from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ def build_app(core: RouterCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES)
     api = HttpApi(core)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware])
     app.on_response_prepare.append(mark_started)
+    app.on_response_prepare.append(_echo_request_id)
     app.add_routes([
         web.post("/v1/completions", api.completions),
         web.post("/v1/chat/completions", api.chat_completions),
@@ -50,7 +56,34 @@ def build_app(core: RouterCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES)
 
 
 def _failure(e: RequestFailed) -> web.Response:
-    return web.json_response(_failure_body(e), status=e.code.http_status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.code is ErrorCode.OVERLOADED else None
+    return web.json_response(_failure_body(e), status=e.code.http_status, headers=headers)
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    label = clean_label(request.headers.get("X-Request-Id"))
+    if label:
+        response.headers["X-Request-Id"] = label
+
+
+def _label(request: web.Request, body_label: str | None) -> str:
+    """The client's name for a request: the `X-Request-Id` header, else the body's (`user`, `rid`)."""
+    return clean_label(request.headers.get("X-Request-Id") or body_label)
+
+
+def _timeout(request: web.Request) -> float | None:
+    """The `X-Request-Timeout` header (seconds), if set."""
+    text = request.headers.get("X-Request-Timeout")
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise ApiError(400, f"the X-Request-Timeout header must be a number of seconds > 0, not {text!r}",
+                       param="X-Request-Timeout")
+    return value
 
 
 def _failure_body(e: RequestFailed) -> dict:
@@ -94,16 +127,21 @@ class HttpApi:
         core = self.core
         try:
             raw = await _body(request)
+            req: ChatCompletionRequest | CompletionRequest
             if chat:
-                parsed = oai.parse_chat(oai.validate(ChatCompletionRequest, raw), self.served)
+                req = oai.validate(ChatCompletionRequest, raw)
+                parsed = oai.parse_chat(req, self.served)
             else:
-                parsed = oai.parse_completion(oai.validate(CompletionRequest, raw), self.served)
+                req = oai.validate(CompletionRequest, raw)
+                parsed = oai.parse_completion(req, self.served)
+            timeout = _timeout(request)
         except ApiError as e:
             core.metrics.requests.labels(api="chat" if chat else "completions", outcome="invalid").inc()
             return json_error(e)
-        rid = oai.new_id(chat)
+        rid = oai.new_id(chat)  # minted here: the router's id (uuid4-based), also the response's `id`
         totals = Totals(len(parsed.prompt_ids))
-        stream = core.run("chat" if chat else "completions", rid, parsed.prompt_ids, parsed.params, totals)
+        stream = core.run("chat" if chat else "completions", rid, parsed.prompt_ids, parsed.params, totals,
+                          timeout_s=timeout, label=_label(request, req.user))
         if parsed.stream:
             return await self._sse(request, rid, chat, parsed, stream, totals)
         text, lps = [], []
@@ -168,12 +206,15 @@ class HttpApi:
         try:
             req = oai.validate(GenerateRequest, await _body(request))
             parsed = oai.parse_generate(req, self.served)
+            timeout = _timeout(request)
         except ApiError as e:
             core.metrics.requests.labels(api="generate", outcome="invalid").inc()
             return json_error(e)
-        rid = req.rid or uuid.uuid4().hex
+        rid = core.new_request_id()
+        # The body's `rid` is a label like X-Request-Id: a client's name never becomes the request's id.
         totals = Totals(len(parsed.prompt_ids))
-        stream = core.run("generate", rid, parsed.prompt_ids, parsed.params, totals)
+        stream = core.run("generate", rid, parsed.prompt_ids, parsed.params, totals, timeout_s=timeout,
+                          label=_label(request, req.rid))
 
         def meta() -> dict:
             return {"id": rid, "prompt_tokens": totals.prompt_tokens, "completion_tokens": totals.completion_tokens,
@@ -191,19 +232,26 @@ class HttpApi:
                 return _failure(e)
             return web.json_response({"text": "".join(text), "output_ids": ids_out, "meta_info": meta()})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         try:
             async for chunk in stream:
+                if not resp.prepared:  # after the first chunk: a request refused or failed before it gets a status
+                    await resp.prepare(request)
                 event = {"text": chunk.text, "output_ids": chunk.token_ids, "meta_info": meta()}
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         except RequestFailed as e:
+            if not resp.prepared:
+                return _failure(e)
             await resp.write(f"data: {json.dumps(_failure_body(e))}\n\n".encode())
         except ConnectionResetError:
             raise
         except Exception:
+            if not resp.prepared:
+                raise  # nothing sent yet: the middleware answers 500
             await resp.write(_internal_error_event(rid))
         finally:
             await stream.aclose()
+        if not resp.prepared:
+            await resp.prepare(request)
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -212,10 +260,13 @@ class HttpApi:
         return web.json_response(openapi_document())
 
     async def health(self, request: web.Request) -> web.Response:
-        reg = self.core.registry
+        reg, adm = self.core.registry, self.core.admission
         ok = bool(reg.healthy("prefill")) and bool(reg.healthy("decode"))
+        # Busy is not unhealthy: a full queue is reported here, with status ok.
         return web.json_response({"status": "ok" if ok else "degraded",
-                                  "prefill": len(reg.healthy("prefill")), "decode": len(reg.healthy("decode"))},
+                                  "prefill": len(reg.healthy("prefill")), "decode": len(reg.healthy("decode")),
+                                  "in_flight": adm.in_flight, "queued": adm.queued,
+                                  "max_in_flight": adm.max_in_flight, "max_queued": adm.max_queued},
                                  status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:

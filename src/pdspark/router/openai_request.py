@@ -22,4 +22,5 @@ class OpenAIRequest(SamplingFields):
                                    description="tokens to generate; the prompt and these must fit the context")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=MAX_NAME_CHARS, description="the caller's label (not used)")
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS,
+                             description="the caller's label: logged and echoed in X-Request-Id")

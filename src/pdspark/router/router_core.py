@@ -1,22 +1,41 @@
-"""`RouterCore`: what the HTTP and gRPC front ends share: the model's tokenizer and limits, the dispatcher and
-the per-request accounting (metrics)."""
+"""`RouterCore`: what the HTTP and gRPC front ends share: the model's tokenizer and limits, admission, the
+dispatcher, the requests being served (for `abort`) and the per-request accounting (metrics).
+
+Request identity: the router mints every request's id (`new_request_id`: uuid4, unique across routers without
+coordination, and unguessable). The workers see only that id, so two requests can never share one there. What a
+client calls its request (gRPC `request_id`, HTTP `X-Request-Id` or the body's `user`) is a label: logged and
+echoed back, never used to find a request. `abort` takes the router's id, which only the request's own caller
+was told: knowing or guessing another client's label cannot reach its request.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdspark.errors import RequestFailed
+from pdspark.config import RouterConfig
+from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.tokenizer import Tokenizer
+from pdspark.router.admission_queue import AdmissionQueue, AdmissionTicket
 from pdspark.router.chat_template import ChatTemplate
+from pdspark.router.deadline import Deadline
 from pdspark.router.dispatcher import DispatchChunk, Dispatcher
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry
 from pdspark.types import FinishReason, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# The Retry-After a refused request is given, in seconds. The queue drains as requests finish; a second later a
+# client meets a new state, and a whole second spreads a flood's retries instead of echoing it back at once.
+RETRY_AFTER_S = 1
+MAX_LABEL_LEN = 128  # a client's label is logged and echoed: bounded
 
 
 @dataclass
@@ -29,10 +48,24 @@ class Totals:
     decode_worker: str = ""
 
 
+@dataclass
+class _Live:
+    """A request between arrival and its end: what `abort` needs to reach it wherever it is."""
+
+    ticket: AdmissionTicket
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def clean_label(label: str | None) -> str:
+    """A client's label as the router logs and echoes it: printable ASCII, at most `MAX_LABEL_LEN` characters."""
+    return "".join(c for c in (label or "")[:MAX_LABEL_LEN] if " " <= c <= "~")
+
+
 class RouterCore:
     def __init__(self, model_path: str, served_name: str, max_model_len: int, registry: WorkerRegistry,
-                 dispatcher: Dispatcher, metrics: RouterMetrics):
+                 dispatcher: Dispatcher, metrics: RouterMetrics, options: RouterConfig | None = None):
         cfg = ModelConfig.from_dir(model_path)
+        options = options or RouterConfig()
         self.model_config = cfg
         self.served_name = served_name
         self.max_model_len = max_model_len
@@ -41,37 +74,90 @@ class RouterCore:
         self.registry = registry
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.request_timeout_s = options.request_timeout_s
+        self.admission = AdmissionQueue(options.max_in_flight, options.max_queued)
+        self.live: dict[str, _Live] = {}
+        # Read at scrape time: the queue is the one source of these numbers.
+        metrics.in_flight.set_function(lambda: self.admission.in_flight)
+        metrics.queued.set_function(lambda: self.admission.queued)
+        metrics.max_in_flight.set(options.max_in_flight)
+        metrics.max_queued.set(options.max_queued)
+
+    @staticmethod
+    def new_request_id() -> str:
+        return uuid.uuid4().hex
+
+    def timeout_for(self, requested_s: float | None) -> float:
+        """A request's timeout: what its caller asked for (None or <= 0: nothing), at most `request_timeout_s`,
+        which is also the default."""
+        if requested_s is None or not requested_s > 0:
+            return self.request_timeout_s
+        return min(requested_s, self.request_timeout_s)
 
     async def run(self, api: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  totals: Totals, timeout_s: float | None = None) -> AsyncIterator[DispatchChunk]:
-        """Dispatch and account: TTFT, latency, tokens, outcome."""
+                  totals: Totals, timeout_s: float | None = None, label: str = "") -> AsyncIterator[DispatchChunk]:
+        """Admit, dispatch and account (queue time, TTFT, latency, tokens, outcome).
+
+        Args:
+            request_id: the router's id, from `new_request_id` (what `abort` takes).
+            timeout_s: what the caller asked for; see `timeout_for`.
+            label: the client's name for the request, for the logs only.
+
+        Raises:
+            RequestFailed: `OVERLOADED` at once when the admission queue is full; `DEADLINE` when the timeout
+                passed (queued or at the workers); `ABORTED`; or why no pair could serve it.
+        """
         m = self.metrics
         t0 = time.perf_counter()
-        m.in_flight.inc()
+        deadline = Deadline.after(self.timeout_for(timeout_s))
         outcome = "error"
+        assert request_id not in self.live, f"request id {request_id} is in use: ids come from new_request_id"
         try:
-            first = True
-            async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, timeout_s):
-                if first:
-                    m.ttft.observe(time.perf_counter() - t0)
-                    first = False
-                totals.completion_tokens = chunk.completion_tokens
-                totals.cached_tokens = chunk.cached_tokens
-                totals.prefill_worker, totals.decode_worker = chunk.prefill_worker, chunk.decode_worker
-                if chunk.finished:
-                    totals.finish_reason = chunk.finish_reason
-                yield chunk
+            live = _Live(self.admission.enter())
+            self.live[request_id] = live
+            try:
+                m.queue_time.observe(await live.ticket.wait(deadline.remaining()))
+                first = True
+                async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, deadline, live.aborted):
+                    if first:
+                        m.ttft.observe(time.perf_counter() - t0)
+                        first = False
+                    totals.completion_tokens = chunk.completion_tokens
+                    totals.cached_tokens = chunk.cached_tokens
+                    totals.prefill_worker, totals.decode_worker = chunk.prefill_worker, chunk.decode_worker
+                    if chunk.finished:
+                        totals.finish_reason = chunk.finish_reason
+                    yield chunk
+            finally:
+                live.ticket.release()
+                del self.live[request_id]
             outcome = "ok"
         except RequestFailed as e:
             outcome = e.code.value
+            # A refused request is routine under load: not one log line each.
+            log = logger.debug if e.code is ErrorCode.OVERLOADED else logger.info
+            log("request %s (label %r, %s) failed: %s", request_id, label, api, e)
             raise
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "cancelled"  # the client went away; the dispatcher cancels both legs
             raise
         finally:
-            m.in_flight.dec()
             m.e2e.observe(time.perf_counter() - t0)
             m.requests.labels(api=api, outcome=outcome).inc()
             m.prompt_tokens.inc(totals.prompt_tokens)
             m.completion_tokens.inc(totals.completion_tokens)
             m.cached_tokens.inc(totals.cached_tokens)
+            logger.debug("request %s (label %r, %s): %s in %.3f s", request_id, label, api, outcome,
+                         time.perf_counter() - t0)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort the request with the router's id `request_id`, wherever it is (queued or at the workers); it ends
+        with `ABORTED`. False when no such request is being served."""
+        live = self.live.get(request_id)
+        if live is None:
+            return False
+        live.aborted.set()
+        failure = RequestFailed(ErrorCode.ABORTED, "aborted by its caller")
+        if not live.ticket.abort(failure):
+            self.dispatcher.abort(request_id)  # no-op between attempts: `aborted` stops the next one
+        return True

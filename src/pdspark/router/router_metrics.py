@@ -12,7 +12,15 @@ class RouterMetrics:
         self.registry = r = registry or CollectorRegistry()
         self.requests = Counter("pdspark_router_requests_total", "Requests by API and outcome", ["api", "outcome"],
                                 registry=r)
-        self.in_flight = Gauge("pdspark_router_requests_in_flight", "Requests being served", registry=r)
+        self.in_flight = Gauge("pdspark_router_requests_in_flight", "Requests holding an admission slot (at the "
+                               "workers)", registry=r)
+        self.queued = Gauge("pdspark_router_requests_queued", "Requests waiting in the admission queue", registry=r)
+        self.max_in_flight = Gauge("pdspark_router_max_in_flight_requests", "Admission slots (max_in_flight)",
+                                   registry=r)
+        self.max_queued = Gauge("pdspark_router_max_queued_requests", "Admission queue bound (max_queued)",
+                                registry=r)
+        self.queue_time = Histogram("pdspark_router_queue_time_seconds", "Time admitted requests waited for a slot",
+                                    buckets=_LATENCY, registry=r)
         self.ttft = Histogram("pdspark_router_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY,
                               registry=r)
         self.e2e = Histogram("pdspark_router_request_seconds", "Whole request latency", buckets=_LATENCY, registry=r)

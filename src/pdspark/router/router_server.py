@@ -28,11 +28,19 @@ from pdspark.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# Clients (the SDK pings every 30 s on a long stream) may keep their connections alive; a ping more often than every
+# 5 s is a strike, and a client past the strikes is sent away (gRPC's default policy, with a shorter interval).
+SERVER_OPTIONS = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+)
+
 
 def build_core(cfg: RouterConfig) -> RouterCore:
     path = resolve_model(cfg.model)
     model_cfg = ModelConfig.from_dir(path)
-    registry = WorkerRegistry(interval_s=cfg.health_interval_s)
+    registry = WorkerRegistry(health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
+                              load_interval_s=cfg.load_interval_s)
     for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)):
         for address in addresses:
             registry.add(role, address)
@@ -41,7 +49,7 @@ def build_core(cfg: RouterConfig) -> RouterCore:
                             transfer_timeout_s=cfg.transfer_timeout_s, metrics=metrics)
     name = cfg.served_model_name or (cfg.model if "/" not in cfg.model else path.rstrip("/").split("/")[-1])
     max_len = resolve_max_model_len(cfg.max_model_len, model_cfg.max_position_embeddings)
-    return RouterCore(path, name, max_len, registry, dispatcher, metrics)
+    return RouterCore(path, name, max_len, registry, dispatcher, metrics, cfg)
 
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
@@ -51,7 +59,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,8 +1,16 @@
-"""`WorkerRegistry`: the prefill and decode workers the router knows, their health and load.
+"""`WorkerRegistry`: the prefill and decode workers the router knows, their liveness and their load.
 
-Workers come from flags or are added/removed at run time. A background task checks each one every `interval_s`:
-gRPC health checking plus `GetLoad` (which also reports the worker's metrics URL). A worker that fails
-`max_failures` checks in a row is marked unhealthy and skipped by the policies until a check succeeds again.
+Workers come from flags or are added/removed at run time. Busy is not unhealthy, so the two are watched apart,
+each worker on tasks of its own (a slow worker never delays another's checks):
+- liveness: the standard gRPC health `Check`, every `health_interval_s`, each with a short `health_timeout_s`.
+  A worker that misses `max_failures` checks in a row (no answer in time, unreachable, or NOT_SERVING) is marked
+  unhealthy and skipped by the policies until a check succeeds again: a dead or hung worker is out within about
+  `health_interval_s + max_failures * health_timeout_s`.
+- load: `GetLoad` every `load_interval_s` (running and waiting requests, and the worker's metrics URL). A slow or
+  failed load report keeps the last one and never touches health.
+
+Every channel to a worker has HTTP/2 keepalive, so a connection to a vanished host fails (and the calls on it
+end) instead of hanging until their deadlines.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,6 +29,17 @@ from pdspark.v1 import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
 
+# A ping every 10 s on every router->worker connection, idle or not; one unanswered for 5 s closes it. Workers must
+# accept pings that often (their servers set `grpc.http2.min_ping_interval_without_data_ms` <= 10 s); the
+# health checks every `health_interval_s` also keep a strict server's ping-strike count at zero, since each answer
+# carries data.
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # 0: no cap on pings between data frames
+)
+
 
 @dataclass
 class WorkerInfo:
@@ -29,8 +49,9 @@ class WorkerInfo:
     healthy: bool = True
     reported_load: int = 0  # running + waiting requests, from the worker's last GetLoad
     in_flight: int = 0  # requests this router has on the worker right now
-    failures: int = 0
-    last_check: float = 0.0
+    failures: int = 0  # health checks missed in a row
+    last_check: float = 0.0  # time.time() of the last health check
+    last_load: float = 0.0  # time.time() of the last load report received
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
     @property
@@ -43,10 +64,12 @@ class WorkerInfo:
 
 
 class WorkerRegistry:
-    def __init__(self, interval_s: float = 2.0, max_failures: int = 2, check_timeout_s: float = 2.0):
-        self.interval_s = interval_s
+    def __init__(self, health_interval_s: float = 0.5, health_timeout_s: float = 0.5, load_interval_s: float = 1.0,
+                 max_failures: int = 2):
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.load_interval_s = load_interval_s
         self.max_failures = max_failures
-        self.check_timeout_s = check_timeout_s
         self.workers: dict[str, WorkerInfo] = {}
 
     def add(self, role: str, address: str, metrics_url: str = "") -> WorkerInfo:
@@ -69,7 +92,7 @@ class WorkerRegistry:
 
     def channel(self, w: WorkerInfo) -> grpc.aio.Channel:
         if w.channel is None:
-            w.channel = grpc.aio.insecure_channel(w.address)
+            w.channel = grpc.aio.insecure_channel(w.address, options=KEEPALIVE_OPTIONS)
         return w.channel
 
     def prefill_stub(self, w: WorkerInfo) -> worker_pb2_grpc.PrefillWorkerStub:
@@ -79,27 +102,63 @@ class WorkerRegistry:
         return worker_pb2_grpc.DecodeWorkerStub(self.channel(w))
 
     async def check(self, w: WorkerInfo) -> bool:
+        """One liveness check: True when the worker answered SERVING within `health_timeout_s`."""
         try:
             health = health_pb2_grpc.HealthStub(self.channel(w))
-            reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout_s)
-            stub = self.prefill_stub(w) if w.role == "prefill" else self.decode_stub(w)
-            load = await stub.GetLoad(worker_pb2.LoadRequest(), timeout=self.check_timeout_s)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-            w.reported_load = load.running + load.waiting
-            w.metrics_url = w.metrics_url or load.metrics_url  # a URL given at registration wins
         except (grpc.aio.AioRpcError, asyncio.TimeoutError):
             ok = False
         w.failures = 0 if ok else w.failures + 1
         if ok and not w.healthy:
             logger.info("%s worker %s is healthy again", w.role, w.address)
         if not ok and w.healthy and w.failures >= self.max_failures:
-            logger.warning("%s worker %s failed %d health checks; marking it unhealthy", w.role, w.address,
+            logger.warning("%s worker %s missed %d health checks in a row; marking it unhealthy", w.role, w.address,
                            w.failures)
         w.healthy = ok or (w.healthy and w.failures < self.max_failures)
         w.last_check = time.time()
         return ok
 
+    async def poll_load(self, w: WorkerInfo) -> bool:
+        """One load report; False when none came within `load_interval_s` (the last one stays)."""
+        stub = self.prefill_stub(w) if w.role == "prefill" else self.decode_stub(w)
+        try:
+            load = await stub.GetLoad(worker_pb2.LoadRequest(), timeout=self.load_interval_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+            logger.debug("%s worker %s sent no load report: %s", w.role, w.address, e)
+            return False
+        w.reported_load = load.running + load.waiting
+        w.metrics_url = w.metrics_url or load.metrics_url  # a URL given at registration wins
+        w.last_load = time.time()
+        return True
+
     async def poll_forever(self) -> None:
-        while True:
-            await asyncio.gather(*(self.check(w) for w in list(self.workers.values())), return_exceptions=True)
-            await asyncio.sleep(self.interval_s)
+        """Watch every registered worker (those added later too) until cancelled."""
+        watched: dict[str, tuple[WorkerInfo, list[asyncio.Task]]] = {}
+        try:
+            while True:
+                for address, (w, tasks) in list(watched.items()):
+                    if self.workers.get(address) is not w:  # removed (or replaced under the same address)
+                        for t in tasks:
+                            t.cancel()
+                        del watched[address]
+                for address, w in list(self.workers.items()):
+                    if address not in watched:
+                        watched[address] = (w, [asyncio.create_task(_every(self.health_interval_s, self.check, w)),
+                                                asyncio.create_task(_every(self.load_interval_s, self.poll_load, w))])
+                await asyncio.sleep(self.health_interval_s)  # how soon a worker added at run time is watched
+        finally:
+            for _, tasks in watched.values():
+                for t in tasks:
+                    t.cancel()
+
+
+async def _every(interval_s: float, poll: Callable[[WorkerInfo], Awaitable[bool]], w: WorkerInfo) -> None:
+    """`poll(w)` every `interval_s` (at once again when one took longer): a missed answer is followed up at once."""
+    while True:
+        started = time.monotonic()
+        try:
+            await poll(w)
+        except Exception:  # a bug in one poll must not end the watch (an unwatched worker is never re-checked)
+            logger.exception("polling %s worker %s failed", w.role, w.address)
+        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

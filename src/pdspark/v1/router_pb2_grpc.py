@@ -26,7 +26,14 @@ if _version_not_supported:
 
 
 class RouterStub:
-    """Missing associated documentation comment in .proto file."""
+    """Request identity: the router names every request itself (`RouterGenerateChunk.request_id`, also sent at once in
+    the initial metadata under `pdspark-request-id`). A client's `RouterGenerateRequest.request_id` is only a label:
+    logged and echoed back in `client_request_id`, never used to find a request, so two requests with one label are
+    two requests. `Abort` takes the router's id, which only the caller of `Generate` is told.
+
+    Admission: a request the router has no room for, even in its queue, fails at once with RESOURCE_EXHAUSTED (code
+    OVERLOADED in the `ErrorDetail` trailer) and a `retry-after` trailer in seconds.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +54,14 @@ class RouterStub:
 
 
 class RouterServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Request identity: the router names every request itself (`RouterGenerateChunk.request_id`, also sent at once in
+    the initial metadata under `pdspark-request-id`). A client's `RouterGenerateRequest.request_id` is only a label:
+    logged and echoed back in `client_request_id`, never used to find a request, so two requests with one label are
+    two requests. `Abort` takes the router's id, which only the caller of `Generate` is told.
+
+    Admission: a request the router has no room for, even in its queue, fails at once with RESOURCE_EXHAUSTED (code
+    OVERLOADED in the `ErrorDetail` trailer) and a `retry-after` trailer in seconds.
+    """
 
     def Generate(self, request, context):
         """Stream a generation: chunks of new tokens (and text), the last one with finished = true.
@@ -57,7 +71,8 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Abort a request by the router's id of it; `found` is false for any other string (e.g. a client label).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -84,7 +99,14 @@ def add_RouterServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Router:
-    """Missing associated documentation comment in .proto file."""
+    """Request identity: the router names every request itself (`RouterGenerateChunk.request_id`, also sent at once in
+    the initial metadata under `pdspark-request-id`). A client's `RouterGenerateRequest.request_id` is only a label:
+    logged and echoed back in `client_request_id`, never used to find a request, so two requests with one label are
+    two requests. `Abort` takes the router's id, which only the caller of `Generate` is told.
+
+    Admission: a request the router has no room for, even in its queue, fails at once with RESOURCE_EXHAUSTED (code
+    OVERLOADED in the `ErrorDetail` trailer) and a `retry-after` trailer in seconds.
+    """
 
     @staticmethod
     def Generate(request,

@@ -1,0 +1,128 @@
+"""Deadlines through the router's real front ends, on stub workers that record the timeout each call carried:
+one deadline per request (the caller's timeout, or the router's default), shared by every attempt, on every call
+to a worker; a worker that never answers ends the request with DEADLINE in bounded time, both legs cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import grpc
+import pytest
+
+from pdspark.client import AsyncClient, ClientError
+from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.v1 import router_pb2, router_pb2_grpc
+from router_harness import RouterHarness, until
+from worker_stubs import HANG, Delayed
+
+PROMPT = dict(token_ids=[5, 6, 7], max_tokens=4)
+SLACK_S = 0.3  # how late past its timeout a request may end (scheduling on a shared 2-core machine)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_a_decode_that_never_answers_ends_the_request_at_the_routers_timeout_with_both_legs_cancelled():
+    async def scenario():
+        async with await RouterHarness.start(request_timeout_s=0.5) as h, \
+                AsyncClient(h.grpc_address, timeout=30) as client:
+            h.prefill[0].mode = h.decode[0].mode = HANG
+            t0 = time.perf_counter()
+            with pytest.raises(ClientError) as e:
+                await client.generate(**PROMPT)
+            took = time.perf_counter() - t0
+            # The router's own deadline (the client's 30 s is far away): its DEADLINE, reported as data.
+            assert e.value.error_code is ErrorCode.DEADLINE and e.value.code == "DEADLINE_EXCEEDED"
+            assert 0.5 <= took < 0.5 + SLACK_S, f"ended after {took:.3f} s"
+            (decode_call,), (prefill_call,) = h.decode[0].calls, h.prefill[0].calls
+            assert decode_call.timeout_s <= 0.5 and prefill_call.timeout_s <= 0.5  # the client's 30 s is capped
+            rid = decode_call.request_id
+            await until(lambda: h.decode[0].cancelled == [rid] and h.prefill[0].cancelled == [rid], 1,
+                        "both legs cancelled")
+            await until(lambda: h.prefill[0].aborted == [rid], 1, "the prefill worker told to drop it")
+            assert not h.core.live and h.core.admission.in_flight == 0
+            print(f"\nDEADLINE after {took * 1e3:.0f} ms for a 500 ms timeout")
+
+    run(scenario())
+
+
+def test_every_call_carries_what_is_left_of_the_callers_timeout():
+    async def scenario():
+        async with await RouterHarness.start() as h, AsyncClient(h.grpc_address, timeout=5) as client:
+            await client.generate(**PROMPT)
+            for call in (h.decode[0].calls[0], h.prefill[0].calls[0]):
+                assert 4 < call.timeout_s <= 5  # the SDK's timeout, not the router's 600 s default
+
+    run(scenario())
+
+
+def test_retries_share_one_deadline():
+    async def scenario():
+        async with await RouterHarness.start(request_timeout_s=1.0) as h, \
+                AsyncClient(h.grpc_address, timeout=30) as client:
+            # The first attempt fails retryably after 0.4 s; the second never answers.
+            h.decode[0].script = [Delayed(0.4, RequestFailed(ErrorCode.UNAVAILABLE, "restarting")), HANG]
+            t0 = time.perf_counter()
+            with pytest.raises(ClientError) as e:
+                await client.generate(**PROMPT)
+            took = time.perf_counter() - t0
+            assert e.value.error_code is ErrorCode.DEADLINE
+            assert 1.0 <= took < 1.0 + SLACK_S, f"ended after {took:.3f} s: the retry got a fresh timeout"
+            first, second = h.decode[0].calls
+            assert first.timeout_s <= 1.0 and second.timeout_s <= 1.0 - 0.4 + 0.05  # what was left, not 1 s again
+            print(f"\nretry carried {second.timeout_s * 1e3:.0f} ms of the 1000 ms timeout; ended at "
+                  f"{took * 1e3:.0f} ms")
+
+    run(scenario())
+
+
+def test_the_http_stream_has_a_deadline_too():
+    async def scenario():
+        async with await RouterHarness.start(tokens=3) as h, aiohttp.ClientSession() as s:
+            h.decode[0].delay_s = 30  # the first token at once, the next one far beyond the timeout
+            body = {"prompt": [5, 6, 7], "max_tokens": 4, "stream": True}
+            t0 = time.perf_counter()
+            async with s.post(h.http_url + "/v1/completions", json=body, headers={"X-Request-Timeout": "0.5"}) as r:
+                events = [line.removeprefix("data: ") for line in (await r.text()).split("\n\n") if line]
+            took = time.perf_counter() - t0
+            assert r.status == 200 and events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["code"] == "deadline"
+            assert 0.5 <= took < 0.5 + SLACK_S
+            rid = h.decode[0].calls[0].request_id
+            await until(lambda: h.decode[0].cancelled == [rid], 1, "the decode leg cancelled")
+
+            # Refused before its first token: a plain 504, not a 200 stream.
+            h.decode[0].mode = HANG
+            async with s.post(h.http_url + "/v1/completions", json=body, headers={"X-Request-Timeout": "0.3"}) as r:
+                assert r.status == 504 and (await r.json())["error"]["code"] == "deadline"
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])
+def test_a_bad_timeout_header_is_a_400_naming_it(value):
+    async def scenario():
+        async with await RouterHarness.start() as h, aiohttp.ClientSession() as s:
+            async with s.post(h.http_url + "/v1/completions", json={"prompt": [5], "max_tokens": 1},
+                              headers={"X-Request-Timeout": value}) as r:
+                assert r.status == 400 and "X-Request-Timeout" in (await r.json())["error"]["message"]
+            assert h.decode[0].calls == []
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_a_bad_grpc_timeout_is_invalid_argument(value):
+    async def scenario():
+        async with await RouterHarness.start() as h, grpc.aio.insecure_channel(h.grpc_address) as channel:
+            request = router_pb2.RouterGenerateRequest(token_ids=router_pb2.TokenIds(ids=[5]), timeout_s=value)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                _ = [c async for c in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=10)]
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in e.value.details()
+            assert h.decode[0].calls == []
+
+    run(scenario())

@@ -1,0 +1,118 @@
+"""`RouterHarness`: stub workers (`worker_stubs`) behind the router's real dispatcher and gRPC and HTTP front ends,
+all on the running event loop, so a test drives clients, router and workers from one coroutine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from aiohttp import web
+
+from pdspark.assets import resolve_model
+from pdspark.config import RouterConfig
+from pdspark.model.model_config import ModelConfig
+from pdspark.router.dispatcher import Dispatcher
+from pdspark.router.grpc_api import RouterServicer
+from pdspark.router.http_api import build_app
+from pdspark.router.router_core import RouterCore
+from pdspark.router.router_metrics import RouterMetrics
+from pdspark.router.router_server import SERVER_OPTIONS
+from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.v1 import router_pb2_grpc
+from worker_stubs import StubDecode, StubHealth, StubPrefill, serve_stub
+
+
+class LowestAddress:
+    """A policy that picks the lowest address: what a retry avoids is the only thing that changes the pick."""
+
+    def select(self, workers, prompt_ids):
+        return min(workers, key=lambda w: w.address)
+
+    def forget(self, address):
+        pass
+
+
+class RouterHarness:
+    """`prefill[i]`/`decode[i]` are sorted by address: index 0 is the worker picked first."""
+
+    def __init__(self) -> None:
+        self.prefill: list[StubPrefill] = []
+        self.decode: list[StubDecode] = []
+        self.health: dict[int, StubHealth] = {}  # id(stub) -> its health service
+        self.address: dict[int, str] = {}  # id(stub) -> its address
+        self._servers: dict[int, grpc.aio.Server] = {}  # id(stub) -> its server
+        self._poller: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, prefills: int = 1, decodes: int = 1, tokens: int = 4, poll: bool = False,
+                    **options) -> RouterHarness:
+        """`options`: `RouterConfig` fields; `poll`: run the registry's health and load polling."""
+        h = cls()
+        served = []
+        for stub in [StubPrefill() for _ in range(prefills)] + [StubDecode(tokens) for _ in range(decodes)]:
+            server, health, address = await serve_stub(stub)
+            h._servers[id(stub)] = server
+            h.health[id(stub)], h.address[id(stub)] = health, address
+            served.append(stub)
+        h.prefill = sorted((s for s in served if isinstance(s, StubPrefill)), key=lambda s: h.address[id(s)])
+        h.decode = sorted((s for s in served if isinstance(s, StubDecode)), key=lambda s: h.address[id(s)])
+        cfg = RouterConfig(**options)
+        h.registry = WorkerRegistry(health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
+                                    load_interval_s=cfg.load_interval_s)
+        for s in h.prefill:
+            h.registry.add("prefill", h.address[id(s)])
+        for s in h.decode:
+            h.registry.add("decode", h.address[id(s)])
+        path = resolve_model("dsv4-tiny")
+        metrics = RouterMetrics()
+        dispatcher = Dispatcher(h.registry, LowestAddress(), LowestAddress(), transfer_timeout_s=cfg.transfer_timeout_s,
+                                metrics=metrics)
+        max_len = min(4096, ModelConfig.from_dir(path).max_position_embeddings)
+        h.core = RouterCore(path, "tiny", max_len, h.registry, dispatcher, metrics, cfg)
+        h.router = grpc.aio.server(options=SERVER_OPTIONS)
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(h.core), h.router)
+        h.grpc_address = f"127.0.0.1:{h.router.add_insecure_port('127.0.0.1:0')}"
+        await h.router.start()
+        h.runner = web.AppRunner(build_app(h.core), handler_cancellation=True)
+        await h.runner.setup()
+        site = web.TCPSite(h.runner, "127.0.0.1", 0)
+        await site.start()
+        h.http_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        if poll:
+            h._poller = asyncio.create_task(h.registry.poll_forever())
+        return h
+
+    def worker(self, stub) -> object:
+        """The registry's `WorkerInfo` of `stub`."""
+        return self.registry.workers[self.address[id(stub)]]
+
+    async def stop_worker(self, stub) -> None:
+        """Kill `stub`'s server (a worker that died)."""
+        await self._servers[id(stub)].stop(None)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        await self.router.stop(None)
+        await self.runner.cleanup()
+        for w in self.registry.workers.values():
+            if w.channel is not None:
+                await w.channel.close()
+        for server in self._servers.values():
+            await server.stop(None)
+
+    async def __aenter__(self) -> RouterHarness:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+async def until(predicate, timeout_s: float, what: str, interval_s: float = 0.01) -> float:
+    """Poll `predicate()` until it holds; returns the seconds it took. Fails the test after `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while not predicate():
+        assert loop.time() - t0 < timeout_s, f"{what}: not within {timeout_s} s"
+        await asyncio.sleep(interval_s)
+    return loop.time() - t0

@@ -1,0 +1,148 @@
+"""Stub prefill and decode workers (grpc.aio, no model) for router tests and benchmarks.
+
+They answer at once, or on cue, per call (`script`, then `mode`): `HOLD` (answer once `release` is set), `HANG`
+(never answer), a `RequestFailed` (fail the call with it, typed trailer included, as a worker does), or
+`Delayed(seconds, mode)`. They record what reached them: each call's worker-side request id and the timeout it
+carried, the calls cancelled under them, the ids `Abort` named. A decode stub streams `tokens` chunks whose text
+is the request id it was sent, so a client can tell whose tokens it got; it never answers a request paired with
+a prefill address in `hang_with` (as a real one waits for a transfer that prefill worker never starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdspark.errors import RequestFailed
+from pdspark.rpc import status
+from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+OK, HOLD, HANG = "ok", "hold", "hang"
+
+# Accept the router's keepalive pings (every 10 s) as a worker must.
+SERVER_OPTIONS = (("grpc.keepalive_permit_without_calls", 1),
+                  ("grpc.http2.min_ping_interval_without_data_ms", 5_000))
+
+
+@dataclass(frozen=True)
+class Delayed:
+    seconds: float
+    mode: str | RequestFailed
+
+
+Mode = str | RequestFailed | Delayed
+
+
+@dataclass(frozen=True)
+class Call:
+    request_id: str
+    timeout_s: float | None  # the caller's deadline as it arrived (relative)
+
+
+class _Stub:
+    def __init__(self) -> None:
+        self.mode: Mode = OK
+        self.script: list[Mode] = []  # modes for the next calls, in order; then `mode`
+        self.release = asyncio.Event()
+        self.load_mode: str = OK  # GetLoad: OK or HANG
+        self.calls: list[Call] = []
+        self.cancelled: list[str] = []
+        self.aborted: list[str] = []
+        self.running = 0
+
+    def _next_mode(self, request, context) -> Mode:
+        self.calls.append(Call(request.request_id, context.time_remaining()))
+        return self.script.pop(0) if self.script else self.mode
+
+    async def _wait(self, mode: Mode, request_id: str, context) -> None:
+        """Wait as `mode` says; fail the call if it is a failure. Records a cancel of the call."""
+        try:
+            if isinstance(mode, Delayed):
+                await asyncio.sleep(mode.seconds)
+                mode = mode.mode
+            if isinstance(mode, RequestFailed):
+                await status.abort_async(context, mode)
+            if mode == HOLD:
+                await self.release.wait()
+            elif mode == HANG:
+                await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+
+    async def Abort(self, request, context):
+        self.aborted.append(request.request_id)
+        return worker_pb2.AbortResponse(found=False)
+
+    async def GetLoad(self, request, context):
+        if self.load_mode == HANG:
+            await asyncio.get_running_loop().create_future()
+        return worker_pb2.LoadReport(running=self.running, metrics_url="http://stub/metrics")
+
+
+class StubPrefill(_Stub, worker_pb2_grpc.PrefillWorkerServicer):
+    async def Prefill(self, request, context):
+        await self._wait(self._next_mode(request, context), request.request_id, context)
+        return worker_pb2.PrefillResponse(result=worker_pb2.TransferResult(transfer_id=request.transfer_id,
+                                                                           first_token_id=9))
+
+
+class StubDecode(_Stub, worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, tokens: int = 4, delay_s: float = 0.0):
+        super().__init__()
+        self.tokens = tokens
+        self.delay_s = delay_s  # between tokens
+        self.hang_with: set[str] = set()  # prefill addresses whose transfers never come
+
+    async def Generate(self, request, context):
+        mode = self._next_mode(request, context)
+        if request.prefill_address in self.hang_with:
+            mode = HANG
+        self.running += 1
+        try:
+            await self._wait(mode, request.request_id, context)
+            for i in range(self.tokens):
+                if i and self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                last = i == self.tokens - 1
+                yield worker_pb2.GenerateChunk(
+                    request_id=request.request_id, token_ids=[i], text=request.request_id + ";", finished=last,
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED)
+        except asyncio.CancelledError:
+            if request.request_id not in self.cancelled:
+                self.cancelled.append(request.request_id)
+            raise
+        finally:
+            self.running -= 1
+
+
+class StubHealth(health_pb2_grpc.HealthServicer):
+    """The standard health service; `mode` HANG never answers (a hung worker), anything else but OK answers
+    NOT_SERVING."""
+
+    def __init__(self) -> None:
+        self.mode = OK
+
+    async def Check(self, request, context):
+        if self.mode == HANG:
+            await asyncio.get_running_loop().create_future()
+        serving = health_pb2.HealthCheckResponse.SERVING if self.mode == OK else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=serving)
+
+
+async def serve_stub(stub: StubPrefill | StubDecode, port: int = 0) -> tuple[grpc.aio.Server, StubHealth, str]:
+    """Serve `stub` and a `StubHealth` on 127.0.0.1 (any free port); returns (server, health, address)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    if isinstance(stub, StubPrefill):
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(stub, server)
+    else:
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(stub, server)
+    health = StubHealth()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, health, f"127.0.0.1:{port}"
