@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup run generate test test-fast lint bench clean proto
+.PHONY: setup run generate test test-fast lint bench bench-serving clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -45,9 +45,26 @@ bench: setup
 	$(PY) bench/bench_dspark.py
 	$(PY) bench/bench_pd_transfer.py
 	$(PY) bench/bench_router.py
+	$(MAKE) bench-serving
+
+# guidellm (the load generator used on vLLM/SGLang) lives in its own venv: its requirements would move the project's
+# pinned torch/transformers. torch goes in first as the CPU build, which guidellm's bare `torch` requirement accepts
+# (otherwise pip picks the newest torch, a multi-GB CUDA build). The benchmark runs with the project's python.
+BENCH_VENV ?= .venv-bench
+GUIDELLM := $(BENCH_VENV)/bin/guidellm
+BENCH_SERVING_ARGS ?=
+
+$(GUIDELLM):
+	python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q torch==2.13.0
+	$(BENCH_VENV)/bin/pip install -q guidellm==0.8.1
+
+# guidellm's chat and completions benchmarks against `pdspark up`; e.g. BENCH_SERVING_ARGS="--concurrency 1,4,16".
+bench-serving: setup $(GUIDELLM)
+	$(PY) bench/bench_serving.py --guidellm $(GUIDELLM) $(BENCH_SERVING_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .ruff_cache
 
 # Regenerate the gRPC/protobuf code from proto/ (committed; tests/test_proto_drift.py checks it is current).
 proto: setup
