@@ -50,8 +50,8 @@ class ClientError(Exception):
 
     @classmethod
     def from_rpc_error(cls, e: grpc.RpcError) -> ClientError:
-        retry_after = _metadata_value(e.trailing_metadata(), RETRY_AFTER_KEY)  # type: ignore[attr-defined]
-        return cls(e.code().name, e.details() or "", failure_from_rpc_error(e).code,  # type: ignore[attr-defined]
+        retry_after = _metadata_value(e.trailing_metadata(), RETRY_AFTER_KEY)
+        return cls(e.code().name, e.details() or "", failure_from_rpc_error(e).code,
                    float(retry_after) if retry_after else None)
 
 

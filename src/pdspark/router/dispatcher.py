@@ -218,6 +218,8 @@ class Dispatcher:
 
     async def _prefill_outcome(self, active: _Active) -> None:
         """Collect the prefill leg's answer (metrics only: the decode stream already succeeded)."""
+        if active.prefill_call is None:
+            return
         try:
             response = await asyncio.wait_for(active.prefill_call, timeout=5)
             if self.metrics is not None and not response.result.HasField("error"):

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,8 +94,8 @@ class RouterCore:
             return self.request_timeout_s
         return min(requested_s, self.request_timeout_s)
 
-    async def run(self, api: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  totals: Totals, timeout_s: float | None = None, label: str = "") -> AsyncIterator[DispatchChunk]:
+    async def run(self, api: str, request_id: str, prompt_ids: list[int], params: SamplingParams, totals: Totals,
+                  timeout_s: float | None = None, label: str = "") -> AsyncGenerator[DispatchChunk, None]:
         """Admit, dispatch and account (queue time, TTFT, latency, tokens, outcome).
 
         Args:
