@@ -1,9 +1,10 @@
 """Prefill/decode workers in one process (in-process transfer backend): the transferred cache equals a colocated
-run's, bit for bit, for every payload kind; seeded sampling gives the offline engine's tokens; failures and deadlines
-free everything."""
+run's, bit for bit, for every payload kind; seeded sampling gives the offline engine's tokens; failures, deadlines,
+refused plans and duplicate ids free everything."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
@@ -17,6 +18,7 @@ from helpers import GREEDY, make_llm
 from pdspark import SamplingParams
 from pdspark.engine.factory import create_engine
 from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.serving.deadline import Deadline
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
@@ -34,16 +36,27 @@ def ckpt(draft_ckpt):
 
 
 class Pair:
-    """A prefill and a decode worker over the in-process backend; the decode worker calls the prefill directly."""
+    """A prefill and a decode worker over the in-process backend, on one asyncio loop of their own thread (as in a
+    worker process); the decode worker's plans reach the prefill worker directly, with the relative timeout turned
+    into a deadline on receipt as the servicer does."""
 
-    def __init__(self, path, decode_opts: dict | None = None, opts: dict | None = None):
+    def __init__(self, path, decode_opts: dict | None = None, opts: dict | None = None, **decode_kw):
         opts = opts or OPTS
         self.p_engine, self.p_loop, p_backend = self._side(path, opts)
         self.d_engine, self.d_loop, d_backend = self._side(path, {**opts, "enable_prefix_cache": False,
                                                                   **(decode_opts or {})})
         self.prefill = PrefillWorker(self.p_loop, p_backend, describe_engine(self.p_engine))
-        self.decode = DecodeWorker(self.d_loop, d_backend, describe_engine(self.d_engine),
-                                   lambda address, plan, timeout: self.prefill.submit_plan(plan))
+        self.decode = DecodeWorker(self.d_loop, d_backend, describe_engine(self.d_engine), self.send_plan,
+                                   **decode_kw)
+        self.aio = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.aio.run_forever, daemon=True)
+        self._thread.start()
+        self.plan_hook = None  # tests may rewrite a plan on its way to the prefill worker
+
+    async def send_plan(self, address, plan, timeout_s):
+        if self.plan_hook is not None:
+            plan = self.plan_hook(plan)
+        return await self.prefill.submit_plan(plan, Deadline.on_receipt(plan.timeout_s, timeout_s))
 
     @staticmethod
     def _side(path, opts):
@@ -55,30 +68,38 @@ class Pair:
         loop.start()
         return engine, loop, backend
 
+    def call(self, coro, timeout_s: float = 60.0):
+        """Run a coroutine on the pair's asyncio loop and wait (bounded) for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.aio).result(timeout_s)
+
     def run(self, prompt, params, request_id="r", deadline_s=20.0, skip_prefill=False, skip_decode=False):
-        deadline = time.time() + deadline_s
+        return self.call(self.dispatch(prompt, params, request_id, deadline_s, skip_prefill, skip_decode),
+                         deadline_s + 30)
+
+    async def dispatch(self, prompt, params, request_id="r", deadline_s=20.0, skip_prefill=False,
+                       skip_decode=False) -> dict:
+        """Both legs concurrently, tied by one transfer id, as the router sends them."""
+        deadline = Deadline.after(deadline_s)
         tid = f"t-{request_id}"
         result: dict = {}
         if params.seed is None:  # whoever makes the pair gives both legs one seed (the router does the same)
             params = replace(params, seed=secrets.randbits(63))
 
-        def prefill():
+        async def prefill():
             try:
-                result["prefill"] = self.prefill.prefill(request_id, tid, prompt, params, deadline)
+                result["prefill"] = await self.prefill.prefill(request_id, tid, prompt, params, deadline)
             except RequestFailed as e:
                 result["prefill_error"] = e
 
-        thread = None
-        if not skip_prefill:
-            thread = threading.Thread(target=prefill)
-            thread.start()
-        if not skip_decode:
+        async def decode():
             try:
-                result["outputs"] = list(self.decode.generate(request_id, tid, prompt, params, "peer", deadline))
+                result["outputs"] = [out async for out in self.decode.generate(request_id, tid, prompt, params,
+                                                                               "peer", deadline)]
             except RequestFailed as e:
                 result["decode_error"] = e
-        if thread is not None:
-            thread.join(deadline_s + 5)
+
+        legs = ([] if skip_prefill else [prefill()]) + ([] if skip_decode else [decode()])
+        await asyncio.gather(*legs)
         return result
 
     def free_counts_restored(self) -> bool:
@@ -87,9 +108,12 @@ class Pair:
             cached = engine.kv.cached_pages()
             return all(used == cached[name] for name, (used, _) in engine.kv.usage().items())
 
+        # Clean-ups are queued on each loop before the calls they end return: these checks run after them.
         return self.p_loop.call(lambda: ok(self.p_engine)) and self.d_loop.call(lambda: ok(self.d_engine))
 
     def close(self):
+        self.aio.call_soon_threadsafe(self.aio.stop)
+        self._thread.join(10)
         self.p_loop.stop()
         self.d_loop.stop()
 
@@ -180,7 +204,7 @@ def rows_by_kind(engine, pages, prompt_len) -> dict[str, torch.Tensor]:
     from pdspark.transfer import transfer_plan
 
     dst = transfer_plan.destination(engine.kv, pages, prompt_len)
-    plan = transfer_plan.TransferPlan("t", "r", "", None, (), deadline=0, **dst)  # type: ignore[arg-type]
+    plan = transfer_plan.TransferPlan("t", "r", "", None, (), timeout_s=0, **dst)  # type: ignore[arg-type]
     out: dict[str, list[torch.Tensor]] = {}
     import ctypes
 

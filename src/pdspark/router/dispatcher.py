@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -119,7 +118,7 @@ class Dispatcher:
     async def _run_pair(self, request_id, prompt_ids, params, prefill: WorkerInfo, decode: WorkerInfo,
                         timeout_s: float | None) -> AsyncIterator[DispatchChunk]:
         transfer_id = uuid.uuid4().hex
-        deadline = time.time() + self.transfer_timeout_s
+        timeout_ms = convert.timeout_to_ms(self.transfer_timeout_s)  # relative: each worker times it from receipt
         sampling = convert.sampling_to_pb(params)
         active = _Active(prefill, decode)
         self.active[request_id] = active
@@ -128,12 +127,12 @@ class Dispatcher:
         try:
             active.prefill_call = asyncio.ensure_future(self.registry.prefill_stub(prefill).Prefill(
                 worker_pb2.PrefillRequest(request_id=request_id, transfer_id=transfer_id,
-                                          prompt_token_ids=prompt_ids, sampling=sampling, deadline_unix_s=deadline),
+                                          prompt_token_ids=prompt_ids, sampling=sampling, timeout_ms=timeout_ms),
                 timeout=self.transfer_timeout_s + 5))
             active.stream = self.registry.decode_stub(decode).Generate(
                 worker_pb2.GenerateRequest(request_id=request_id, transfer_id=transfer_id,
                                            prompt_token_ids=prompt_ids, sampling=sampling,
-                                           prefill_address=prefill.address, deadline_unix_s=deadline),
+                                           prefill_address=prefill.address, timeout_ms=timeout_ms),
                 timeout=timeout_s)
             completion = 0
             try:
