@@ -48,18 +48,28 @@ class _Stream:
         self.adopted = False  # the engine runs it (abort goes to the engine; it ends with an ABORT output)
         self.aborted = asyncio.get_running_loop().create_future()
 
-    async def guard(self, aw: Awaitable[T]) -> T:
-        """`await aw`, unless the request is aborted first: then `aw` is cancelled and ABORTED raised."""
+    async def guard(self, aw: Awaitable[T], undo: Callable[[T], None] | None = None) -> T:
+        """`await aw`, unless the request is aborted first: then `aw` is cancelled and ABORTED raised. `undo`
+        takes back a result `aw` produced that will not be used (we were cancelled or aborted just as it came)."""
         task = asyncio.ensure_future(aw)
         try:
             done, _ = await asyncio.wait({task, self.aborted}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # our caller went away: take `aw` with us
-            task.cancel()
+            _drop(task, undo)
             raise
         if task in done:
             return task.result()
-        task.cancel()  # it cleans up after itself (a withdrawn reservation, a cancelled call)
+        _drop(task, undo)
         raise RequestFailed(ErrorCode.ABORTED, "request aborted")
+
+
+def _drop(task: asyncio.Future, undo: Callable | None) -> None:
+    """Cancel `task` (it cleans up after itself: a withdrawn reservation, a cancelled call), or undo the result it
+    already produced."""
+    if not task.done():
+        task.cancel()
+    elif undo is not None and not task.cancelled() and task.exception() is None:
+        undo(task.result())
 
 
 class DecodeWorker:
@@ -141,7 +151,8 @@ class DecodeWorker:
                        deadline: Deadline) -> Reservation:
         self.waiting += 1
         try:
-            return await stream.guard(self.engine.reserve(prompt_ids, params, deadline.at))
+            return await stream.guard(self.engine.reserve(prompt_ids, params, deadline.at),
+                                      undo=self.engine.cancel_reservation)
         finally:
             self.waiting -= 1
 

@@ -23,7 +23,7 @@ from pdspark.types import RequestOutput
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 
-def _load(load: EngineLoad, in_flight: int, metrics_url: str) -> worker_pb2.LoadReport:
+def _load(load: EngineLoad, in_flight: int, metrics_url: str, queued: int = 0) -> worker_pb2.LoadReport:
     return worker_pb2.LoadReport(
         running=load.running,
         waiting=load.waiting,
@@ -32,6 +32,7 @@ def _load(load: EngineLoad, in_flight: int, metrics_url: str) -> worker_pb2.Load
         transfers_in_flight=in_flight,
         pages_cached=dict(load.pages_cached),
         metrics_url=metrics_url,
+        queued=queued,
     )
 
 
@@ -102,7 +103,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     async def GetLoad(self, request, context):
-        return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url)
+        return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, self.worker.waiting)
 
 
 async def _refuse_if_overloaded(context, e: PdsparkError) -> RequestFailed:

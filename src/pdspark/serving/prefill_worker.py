@@ -1,12 +1,18 @@
 """`PrefillWorker`: computes prompts and pushes their DSV4 cache into decode workers' memory.
 
 A transfer is a rendezvous keyed by `transfer_id` between two calls that may arrive in either order:
-`prefill(request)` (from the router) and `submit_plan(plan)` (from the decode worker). The prompt is prefilled as
-soon as the request arrives (its pages held after the first token is sampled); once the plan is there too, and it
-passed the checks (compatibility descriptors, then `validate_plan`), a transfer thread writes every payload and
-both calls return the result. The rendezvous has one deadline, the earlier of its legs'; when it passes before the
-writes start, both calls fail with DEADLINE. Whatever ends a rendezvous (success, deadline, abort, a caller gone,
-a refused plan), its held pages are released exactly once, when it ends.
+`prefill(request)` (from the router) and `submit_plan(plan)` (from the decode worker). Once both are there, and
+the plan passed the checks (compatibility descriptors, then `validate_plan`), the prompt is prefilled (its pages
+held after the first token is sampled), a transfer thread writes every payload, and both calls return the result.
+The rendezvous has one deadline, the earlier of its legs'; when it passes before the writes start, both calls fail
+with DEADLINE. Whatever ends a rendezvous (success, deadline, abort, a caller gone, a refused plan), its held pages
+are released exactly once, when it ends.
+
+NOTE: the prompt is prefilled only once its plan is here, i.e. once the decode worker has reserved room for its
+cache. Prefilling on arrival would overlap the two, but a prefilled prompt holds its pages and request slot until
+its plan comes; under a flood, the slots fill with prompts whose decode workers are busy, while the requests
+those decode workers did reserve for wait here for a slot: both sides wait until the deadlines (seen with 200
+concurrent requests on 16 slots). Waiting for the plan makes the prefill side follow the decode side's order.
 
 Threads: the rendezvous state lives on the asyncio loop (one thread, no locks); calls await its future; the engine
 thread reports the first token through `call_soon_threadsafe`; reading the pages and writing them runs on the
@@ -57,7 +63,8 @@ class _Rendezvous:
     done: asyncio.Future  # -> TransferResult, or RequestFailed; both legs await it
     created: float = field(default_factory=time.monotonic)
     request_id: str | None = None
-    prompt_len: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None  # the prefill's: one token
     submitted: bool = False  # the request was (or may have been) queued in the engine: release it at the end
     plan: TransferPlan | None = None
     plan_at: float | None = None
@@ -95,27 +102,10 @@ class PrefillWorker:
         rv = self._join(transfer_id, deadline)
         if rv.request_id is not None:
             raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"transfer_id {transfer_id!r} is already being prefilled")
-        rv.request_id, rv.prompt_len = request_id, len(prompt_ids)
+        rv.request_id, rv.prompt_ids = request_id, prompt_ids
+        rv.params = replace(params, max_tokens=1, stop=(), stop_token_ids=())
         self._by_request[request_id] = rv
-        first_only = replace(params, max_tokens=1, stop=(), stop_token_ids=())
-        loop = asyncio.get_running_loop()
-        t0 = time.monotonic()
-
-        def listener(out: RequestOutput) -> None:  # engine thread
-            if out.finished:
-                loop.call_soon_threadsafe(self._prefilled, rv, out, time.monotonic() - t0)
-
-        rv.submitted = True
-        try:
-            await self.engine.submit(request_id, prompt_ids, first_only, listener, hold_pages=True)
-        except RequestFailed as e:
-            # Not ours to release: the engine holds another request under this id (the check above makes this
-            # a leftover whose release is still queued, which FIFO order rules out; kept for safety).
-            rv.submitted = e.code is not ErrorCode.ALREADY_EXISTS
-            self._fail(rv, e)
-        except asyncio.CancelledError:
-            self._fail(rv, RequestFailed(ErrorCode.ABORTED, "the prefill call was cancelled"))
-            raise
+        self._maybe_submit(rv)
         return await self._wait(rv)
 
     async def submit_plan(self, plan: TransferPlan, deadline: Deadline) -> TransferResult:
@@ -134,7 +124,7 @@ class PrefillWorker:
             self._fail(rv, e)
         else:
             rv.plan, rv.plan_at = plan, time.monotonic()
-            self._maybe_start(rv)
+            self._maybe_submit(rv)
         return await self._wait(rv)
 
     def refuse_plan(self, transfer_id: str, failure: RequestFailed, deadline: Deadline) -> None:
@@ -194,6 +184,36 @@ class PrefillWorker:
         if not rv.started:
             self._fail(rv, RequestFailed(ErrorCode.DEADLINE, _deadline_message(rv)))
 
+    def _maybe_submit(self, rv: _Rendezvous) -> None:
+        """Both legs are here: queue the prompt in the engine (see the NOTE above)."""
+        if rv.submitted or rv.done.done() or rv.plan is None or rv.request_id is None:
+            return
+        if rv.plan.prompt_len != len(rv.prompt_ids):
+            self._fail(rv, RequestFailed(ErrorCode.INVALID_REQUEST, f"TransferPlan.prompt_len: {rv.plan.prompt_len} "
+                                                                    f"tokens; the prompt has {len(rv.prompt_ids)}"))
+            return
+        rv.submitted = True
+        self._spawn(self._submit(rv))
+
+    async def _submit(self, rv: _Rendezvous) -> None:
+        assert rv.request_id is not None and rv.params is not None
+        if rv.done.done():
+            return  # ended before this task ran; its release was queued first and finds nothing
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+
+        def listener(out: RequestOutput) -> None:  # engine thread
+            if out.finished:
+                loop.call_soon_threadsafe(self._prefilled, rv, out, time.monotonic() - t0)
+
+        try:
+            await self.engine.submit(rv.request_id, rv.prompt_ids, rv.params, listener, hold_pages=True)
+        except RequestFailed as e:
+            # ALREADY_EXISTS: the engine holds another request under this id, not ours to release (`prefill`
+            # refuses ids in flight here, and FIFO order runs an ended one's release first: kept for safety).
+            rv.submitted = e.code is not ErrorCode.ALREADY_EXISTS
+            self._fail(rv, e)
+
     def _prefilled(self, rv: _Rendezvous, out: RequestOutput, seconds: float) -> None:
         """The prompt is computed and the first token sampled (pages held), as the engine thread reported."""
         if rv.done.done():
@@ -203,18 +223,12 @@ class PrefillWorker:
             self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"prefill aborted{reason}"))
             return
         rv.first, rv.prefill_s = out, seconds
-        self._maybe_start(rv)
-
-    def _maybe_start(self, rv: _Rendezvous) -> None:
-        if rv.started or rv.done.done() or rv.plan is None or rv.first is None:
-            return
-        if rv.plan.prompt_len != rv.prompt_len:
-            self._fail(rv, RequestFailed(ErrorCode.INVALID_REQUEST, f"TransferPlan.prompt_len: {rv.plan.prompt_len} "
-                                                                    f"tokens; the prompt has {rv.prompt_len}"))
-            return
         rv.started = True
-        task = asyncio.get_running_loop().create_task(self._transfer(rv))
-        self._tasks.add(task)
+        self._spawn(self._transfer(rv))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)  # a reference, so that the task is not collected while it runs
         task.add_done_callback(self._tasks.discard)
 
     async def _transfer(self, rv: _Rendezvous) -> None:

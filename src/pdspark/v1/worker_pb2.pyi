@@ -187,7 +187,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "pages_used", "pages_total", "transfers_in_flight", "pages_cached", "metrics_url")
+    __slots__ = ("running", "waiting", "pages_used", "pages_total", "transfers_in_flight", "pages_cached", "metrics_url", "queued")
     class PagesUsedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class LoadReport(_message.Message):
     TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     pages_used: _containers.ScalarMap[str, int]
@@ -223,4 +224,5 @@ class LoadReport(_message.Message):
     transfers_in_flight: int
     pages_cached: _containers.ScalarMap[str, int]
     metrics_url: str
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_used: _Optional[_Mapping[str, int]] = ..., pages_total: _Optional[_Mapping[str, int]] = ..., transfers_in_flight: _Optional[int] = ..., pages_cached: _Optional[_Mapping[str, int]] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+    queued: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_used: _Optional[_Mapping[str, int]] = ..., pages_total: _Optional[_Mapping[str, int]] = ..., transfers_in_flight: _Optional[int] = ..., pages_cached: _Optional[_Mapping[str, int]] = ..., metrics_url: _Optional[str] = ..., queued: _Optional[int] = ...) -> None: ...
