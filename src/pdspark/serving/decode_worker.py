@@ -45,7 +45,9 @@ class _Stream:
     """One request on this worker: whether its engine request exists yet, and its abort signal."""
 
     def __init__(self) -> None:
-        self.adopted = False  # the engine runs it (abort goes to the engine; it ends with an ABORT output)
+        # The engine holds (or may hold) a request under our id: abort goes to the engine (the stream then ends with
+        # an ABORT output), and the way out releases it.
+        self.in_engine = False
         self.aborted = asyncio.get_running_loop().create_future()
 
     async def guard(self, aw: Awaitable[T], undo: Callable[[T], None] | None = None) -> T:
@@ -113,14 +115,14 @@ class DecodeWorker:
                                                            outputs.put, prompt))
             except RequestFailed as e:
                 self.engine.cancel_reservation(reservation)  # a no-op if the adopt ran after all
-                if e.code is not ErrorCode.ALREADY_EXISTS:  # else the engine's request under this id is not ours
-                    stream.adopted = True  # the adopt may have run: release the request on the way out
+                # The adopt may have run (aborted as it did); ALREADY_EXISTS: the request under this id is not ours.
+                stream.in_engine = e.code is not ErrorCode.ALREADY_EXISTS
                 raise
-            except BaseException:
+            except BaseException:  # cancelled: the adopt may have run
                 self.engine.cancel_reservation(reservation)
-                stream.adopted = True
+                stream.in_engine = True
                 raise
-            stream.adopted = True
+            stream.in_engine = True
             yield out
             while not out.finished:
                 try:
@@ -132,7 +134,7 @@ class DecodeWorker:
             # Normal end, failure, abort or the caller gone: let go of the engine's request (queued, in order
             # before anything a later request with this id queues).
             del self._active[request_id]
-            if stream.adopted:
+            if stream.in_engine:
                 self.engine.release(request_id)
 
     def abort(self, request_id: str) -> bool:
@@ -141,7 +143,7 @@ class DecodeWorker:
         stream = self._active.get(request_id)
         if stream is None:
             return False
-        if stream.adopted:
+        if stream.in_engine:
             self.engine.abort(request_id)
         elif not stream.aborted.done():
             stream.aborted.set_result(None)

@@ -95,8 +95,9 @@ class PrefillWorker:
     # ---- the two legs ------------------------------------------------------------------------------------------------
     async def prefill(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
                       deadline: Deadline) -> TransferResult:
-        """Prefill the prompt and wait (until `deadline`) for the transfer; raises `RequestFailed`, OVERLOADED at
-        once when `max_pending` transfers are in flight."""
+        """Prefill the prompt once its plan is here and wait (until `deadline`) for the transfer; raises
+        `RequestFailed`: OVERLOADED at once when `max_pending` transfers are in flight, ALREADY_EXISTS for a
+        request id or transfer id in flight here."""
         if request_id in self._by_request:
             raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {request_id!r} is already being prefilled")
         rv = self._join(transfer_id, deadline)
