@@ -4,7 +4,8 @@ A peer that stops answering without closing its socket (a hung or stopped proces
 noticed by the pings, not only by the calls' deadlines: the channel breaks after `KEEPALIVE_TIME_MS +
 KEEPALIVE_TIMEOUT_MS` without an answer, failing every call on it (UNAVAILABLE) and reconnecting for the next.
 Servers accept pings that often, with or without calls in flight; otherwise gRPC answers frequent pings with
-GOAWAY ("too_many_pings") and the client loses the connection instead.
+GOAWAY ("too_many_pings") and the client loses the connection instead. gRPC ignores a key it does not know
+without a word: tests/unit/test_keepalive.py checks each one against gRPC core.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),  # pings it accepts without data
     ("grpc.http2.max_ping_strikes", 0),  # 0: never GOAWAY a client for pinging
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", _MESSAGE_BYTES),
