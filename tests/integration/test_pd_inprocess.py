@@ -25,6 +25,7 @@ from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.prefill_worker import PrefillWorker
 from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import PoolKind, cache_buffers, item_pairs, registered_regions
+from pdspark.types import FinishReason
 
 OPTS = dict(page_size=16, max_model_len=256, max_num_seqs=4, c128_page_size=2, speculative="dspark")
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True)
@@ -397,6 +398,29 @@ def test_abort_ends_a_waiting_request_at_once_on_either_worker(pair):
     decode_out, decode_s, prefill_out, prefill_s = pair.call(scenario())
     assert decode_out["decode_error"].code == ErrorCode.ABORTED and decode_s < 1.0
     assert prefill_out["prefill_error"].code == ErrorCode.ABORTED and prefill_s < 1.0
+    assert pair.free_counts_restored()
+
+
+def test_abort_stops_a_running_request_with_an_abort_output(pair):
+    prompt = random_prompts(1, [40], seed=42)[0]
+    params = SamplingParams(max_tokens=200, seed=3, **GREEDY)  # long enough to be still running when aborted
+    deadline = Deadline.after(20)
+
+    async def scenario():
+        prefill = asyncio.ensure_future(pair.prefill.prefill("a", "t-a", prompt, params, deadline))
+        outputs = []
+        async for out in pair.decode.generate("a", "t-a", prompt, params, "peer", deadline):
+            outputs.append(out)
+            if len(outputs) == 2:
+                t0 = time.monotonic()
+                assert pair.decode.abort("a")  # answered at once: the engine is told between two steps
+        await prefill
+        return outputs, time.monotonic() - t0
+
+    outputs, seconds = pair.call(scenario())
+    last = outputs[-1]
+    assert last.finished and last.finish_reason == FinishReason.ABORT and len(last.token_ids) < 200
+    assert seconds < 1.0
     assert pair.free_counts_restored()
 
 

@@ -2,8 +2,8 @@
 
 Each operation runs on the engine-loop thread (between steps, in arrival order); the coroutine awaits its result
 through `asyncio.wrap_future`, so no thread waits for the engine. An operation the loop has not started within
-`timeout_s`, or whose caller is cancelled first, is cancelled and never runs. Clean-ups (`release`,
-`cancel_reservation`) are queued and not awaited: they run even when their caller has gone, and in order after
+`timeout_s`, or whose caller is cancelled first, is cancelled and never runs. Clean-ups and aborts (`release`,
+`cancel_reservation`, `abort`) are queued and not awaited: they run even when their caller has gone, and in order after
 whatever that caller queued before them. An operation and the listener it registers happen in one command, so no
 output can be missed in between. Listeners run on the loop thread; `OutputStream` carries outputs to coroutines.
 
@@ -50,9 +50,10 @@ class EngineClient:
         ALREADY_EXISTS, or UNAVAILABLE when the loop does not answer)."""
         await self._call(self._submit, request_id, prompt_ids, params, listener, hold_pages)
 
-    async def abort(self, request_id: str) -> bool:
-        """Stop a request; its listener gets the aborted output. False if it is unknown or already finished."""
-        return bool(await self._call(self._abort, request_id))
+    def abort(self, request_id: str) -> None:
+        """Queue stopping a request (not awaited: an abort never waits for a step); its listener gets the aborted
+        output. A request that is unknown or already finished is left alone."""
+        self._queue(self._abort, request_id)
 
     def release(self, request_id: str) -> None:
         """Queue letting go of everything the engine keeps for a request: stop it if it still runs, free the
@@ -62,10 +63,6 @@ class EngineClient:
     def load(self) -> EngineLoad:
         """The latest snapshot the loop published (never waits for a step)."""
         return self.loop.load
-
-    @property
-    def waiting_reservations(self) -> int:
-        return len(self._reservations)
 
     # ---- prefill role ------------------------------------------------------------------------------------------------
     async def held_pages(self, request_id: str) -> ReqPages:

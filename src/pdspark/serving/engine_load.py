@@ -23,10 +23,9 @@ class EngineLoad:
     pages_used: Mapping[str, int]
     pages_total: Mapping[str, int]
     pages_cached: Mapping[str, int]  # of pages_used, those held only by the prefix cache
-    steps: int = 0  # engine steps run when the snapshot was taken
 
     @classmethod
-    def of(cls, engine: Engine, steps: int = 0) -> EngineLoad:
+    def of(cls, engine: Engine) -> EngineLoad:
         """The engine's load now (loop thread only: it reads the scheduler and the pools)."""
         usage = engine.kv.usage()
         return cls(
@@ -35,5 +34,4 @@ class EngineLoad:
             pages_used=MappingProxyType({k: used for k, (used, _) in usage.items()}),
             pages_total=MappingProxyType({k: total for k, (_, total) in usage.items()}),
             pages_cached=MappingProxyType(dict(engine.kv.cached_pages())),
-            steps=steps,
         )

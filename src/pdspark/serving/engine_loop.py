@@ -129,7 +129,7 @@ class EngineLoop:
             return
         if self._changed or self.engine.kv.usage() != self._published_usage:
             self._changed, self._published_at = False, now
-            self.load = EngineLoad.of(self.engine, self.steps)
+            self.load = EngineLoad.of(self.engine)
             self._published_usage = self.engine.kv.usage()
 
     def _drain(self, block: bool) -> None:

@@ -132,10 +132,10 @@ class PrefillWorker:
         """A plan that could not even be read (a payload kind we do not know): fail its transfer now, so that the
         prefill leg does not wait for a plan until its deadline."""
         rv = self._pending.get(transfer_id)
-        if rv is not None:
-            self._fail(rv, failure)
-        else:
+        if rv is None:
             self._remember(transfer_id, failure, deadline)
+        elif rv.plan is None:  # else a second plan for a transfer that has one: only its sender hears of it
+            self._fail(rv, failure)
 
     def abort(self, request_id: str) -> bool:
         """Fail the request's transfer (ABORTED) now; False when it is not in flight here."""
