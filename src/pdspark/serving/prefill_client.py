@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import grpc
 
+from pdspark.errors import RequestFailed
 from pdspark.rpc import convert
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS
-from pdspark.rpc.status import failure_from_rpc_error
+from pdspark.rpc.status import failure_from_rpc_error, reported_failure
 from pdspark.transfer.plan import TransferPlan, TransferResult
 from pdspark.v1 import worker_pb2_grpc
 
@@ -32,7 +33,10 @@ class PrefillClients:
         try:
             msg = await self.stub(address).SubmitPlan(convert.plan_to_pb(plan), timeout=max(timeout_s, 0.001))
         except grpc.RpcError as e:
-            raise failure_from_rpc_error(e) from e
+            failure = failure_from_rpc_error(e)
+            if reported_failure(e) is None:  # the transport's (no answer in time, unreachable): say from whom
+                failure = RequestFailed(failure.code, f"prefill worker {address}: {failure.message}")
+            raise failure from e
         return convert.result_from_pb(msg)
 
     async def close(self) -> None:
