@@ -72,20 +72,20 @@ def raw_tcp_gbps(nbytes: int, rounds: int = 5) -> float:
 
 def dual_dispatch(p_stub, d_stub, prefill_addr: str, prompt: list[int], params: SamplingParams) -> dict:
     tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
-    deadline = time.time() + 120
+    timeout_ms = 120_000  # relative: each worker times it from receipt
     sampling = convert.sampling_to_pb(params)
     out: dict = {}
     t0 = time.perf_counter()
 
     def prefill() -> None:
         req = worker_pb2.PrefillRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
-                                        deadline_unix_s=deadline)
+                                        timeout_ms=timeout_ms)
         out["result"] = p_stub.Prefill(req, timeout=150).result
 
     thread = threading.Thread(target=prefill)
     thread.start()
     req = worker_pb2.GenerateRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
-                                     prefill_address=prefill_addr, deadline_unix_s=deadline)
+                                     prefill_address=prefill_addr, timeout_ms=timeout_ms)
     for _ in d_stub.Generate(req, timeout=150):
         out.setdefault("ttft", time.perf_counter() - t0)
     thread.join(150)

@@ -112,7 +112,15 @@ class WorkerConfig:
     advertise_host: str = option(LOOPBACK, "address peers reach this worker at (gRPC and transfer engine)")
     transfer_backend: TransferBackend = option("mooncake", "how the cache moves from prefill to decode")
     transfer_protocol: Literal["tcp", "rdma"] = option("tcp", "transport of the mooncake transfer engine")
-    grpc_threads: int = option(32, "threads serving gRPC calls", minimum=1)
+    # Admission: beyond these bounds a worker refuses a request at once (OVERLOADED: gRPC RESOURCE_EXHAUSTED, HTTP
+    # 429 at the router), never by a timeout. Sized so that one prefill + one decode worker queue several hundred
+    # concurrent requests; each waiting request costs a coroutine and a little memory, no thread.
+    max_waiting_streams: int = option(
+        1024, "decode: Generate calls that may wait for destination pages beyond those the engine runs "
+        "(max-num-seqs); more are refused at once with OVERLOADED", minimum=1)
+    max_pending_prefills: int = option(
+        1024, "prefill: transfers in flight (queued, prefilling, waiting for their plan, writing); more are "
+        "refused at once with OVERLOADED", minimum=1)
     engine: EngineConfig = nested(EngineConfig, "engine")
 
     def __post_init__(self) -> None:

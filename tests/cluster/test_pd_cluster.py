@@ -44,13 +44,13 @@ def dispatch(prefill, decode, prompt, params, deadline_s=30.0, send_prefill=True
     """The router's dual dispatch: Prefill and Generate concurrently, tied by a fresh transfer id."""
     p_stub, d_stub = stubs(prefill, decode)
     tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
-    deadline = time.time() + deadline_s
+    timeout_ms = int(deadline_s * 1000)  # relative: each worker times it from receipt
     sampling = convert.sampling_to_pb(params)
     result: dict = {"chunks": []}
 
     def run_prefill():
         req = worker_pb2.PrefillRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
-                                        deadline_unix_s=deadline)
+                                        timeout_ms=timeout_ms)
         result["prefill"] = p_stub.Prefill(req, timeout=deadline_s + 5).result
 
     thread = threading.Thread(target=run_prefill)
@@ -58,7 +58,7 @@ def dispatch(prefill, decode, prompt, params, deadline_s=30.0, send_prefill=True
         thread.start()
     if send_decode:
         req = worker_pb2.GenerateRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
-                                         prefill_address=prefill.address, deadline_unix_s=deadline)
+                                         prefill_address=prefill.address, timeout_ms=timeout_ms)
         try:
             for chunk in d_stub.Generate(req, timeout=deadline_s + 30):
                 result["chunks"].append(chunk)
@@ -70,13 +70,22 @@ def dispatch(prefill, decode, prompt, params, deadline_s=30.0, send_prefill=True
     return result
 
 
-def back_to_free(*workers) -> bool:
-    for w in workers:
-        load = worker_pb2_grpc.PrefillWorkerStub if w.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-        report = load(grpc.insecure_channel(w.address)).GetLoad(worker_pb2.LoadRequest(), timeout=10)
-        if any(report.pages_used[k] != report.pages_cached[k] for k in report.pages_used):
+def back_to_free(*workers, within_s: float = 2.0) -> bool:
+    """Whether every pool of `workers` holds only prefix-cache pages within `within_s` (GetLoad reports the
+    snapshot the engine loop publishes between steps, and clean-ups run on that loop after the calls return)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if all(_idle(w) for w in workers):
+            return True
+        if time.monotonic() > deadline:
             return False
-    return True
+        time.sleep(0.02)
+
+
+def _idle(w) -> bool:
+    load = worker_pb2_grpc.PrefillWorkerStub if w.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    report = load(grpc.insecure_channel(w.address)).GetLoad(worker_pb2.LoadRequest(), timeout=10)
+    return all(report.pages_used[k] == report.pages_cached[k] for k in report.pages_used)
 
 
 def test_disaggregated_output_equals_offline(ckpt, cluster):

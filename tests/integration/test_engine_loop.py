@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -43,17 +44,17 @@ def test_loop_sleeps_while_the_only_request_waits_for_held_pages(engine):
     try:
         held = threading.Event()
         blocked_done = threading.Event()
-        client.submit("held", [5] * 40, PARAMS, lambda out: out.finished and held.set(), hold_pages=True)
+        asyncio.run(client.submit("held", [5] * 40, PARAMS, lambda out: out.finished and held.set(), hold_pages=True))
         assert held.wait(30), "the first request never finished"
 
-        client.submit("blocked", [6] * 40, PARAMS, lambda out: out.finished and blocked_done.set())
+        asyncio.run(client.submit("blocked", [6] * 40, PARAMS, lambda out: out.finished and blocked_done.set()))
         watch["from"] = loop.steps
         # The blocked request can neither start nor fail: the loop must wait for a change, not step in a loop.
         # (Waiting here on an event with a deadline: an assertion that something does not happen needs a window.)
         assert not spinning.wait(0.5), f"the loop ran {loop.steps - watch['from']} steps with nothing to run"
         assert not blocked_done.is_set()
 
-        assert client.release("held")  # a command wakes the loop at once, long before its 60 s idle wait ends
+        client.release("held")  # a command wakes the loop at once, long before its 60 s idle wait ends
         assert blocked_done.wait(30), "the blocked request did not run once the pages were released"
         assert engine.requests["blocked"].finish_reason == FinishReason.LENGTH
     finally:

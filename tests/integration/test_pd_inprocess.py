@@ -1,9 +1,10 @@
 """Prefill/decode workers in one process (in-process transfer backend): the transferred cache equals a colocated
-run's, bit for bit, for every payload kind; seeded sampling gives the offline engine's tokens; failures and deadlines
-free everything."""
+run's, bit for bit, for every payload kind; seeded sampling gives the offline engine's tokens; failures, deadlines,
+refused plans and duplicate ids free everything."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
@@ -17,12 +18,14 @@ from helpers import GREEDY, make_llm
 from pdspark import SamplingParams
 from pdspark.engine.factory import create_engine
 from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.serving.deadline import Deadline
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.prefill_worker import PrefillWorker
 from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import PoolKind, cache_buffers, item_pairs, registered_regions
+from pdspark.types import FinishReason
 
 OPTS = dict(page_size=16, max_model_len=256, max_num_seqs=4, c128_page_size=2, speculative="dspark")
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True)
@@ -34,16 +37,27 @@ def ckpt(draft_ckpt):
 
 
 class Pair:
-    """A prefill and a decode worker over the in-process backend; the decode worker calls the prefill directly."""
+    """A prefill and a decode worker over the in-process backend, on one asyncio loop of their own thread (as in a
+    worker process); the decode worker's plans reach the prefill worker directly, with the relative timeout turned
+    into a deadline on receipt as the servicer does."""
 
-    def __init__(self, path, decode_opts: dict | None = None, opts: dict | None = None):
+    def __init__(self, path, decode_opts: dict | None = None, opts: dict | None = None, **decode_kw):
         opts = opts or OPTS
         self.p_engine, self.p_loop, p_backend = self._side(path, opts)
         self.d_engine, self.d_loop, d_backend = self._side(path, {**opts, "enable_prefix_cache": False,
                                                                   **(decode_opts or {})})
         self.prefill = PrefillWorker(self.p_loop, p_backend, describe_engine(self.p_engine))
-        self.decode = DecodeWorker(self.d_loop, d_backend, describe_engine(self.d_engine),
-                                   lambda address, plan, timeout: self.prefill.submit_plan(plan))
+        self.decode = DecodeWorker(self.d_loop, d_backend, describe_engine(self.d_engine), self.send_plan,
+                                   **decode_kw)
+        self.aio = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.aio.run_forever, daemon=True)
+        self._thread.start()
+        self.plan_hook = None  # tests may rewrite a plan on its way to the prefill worker
+
+    async def send_plan(self, address, plan, timeout_s):
+        if self.plan_hook is not None:
+            plan = self.plan_hook(plan)
+        return await self.prefill.submit_plan(plan, Deadline.on_receipt(plan.timeout_s, timeout_s))
 
     @staticmethod
     def _side(path, opts):
@@ -55,30 +69,38 @@ class Pair:
         loop.start()
         return engine, loop, backend
 
+    def call(self, coro, timeout_s: float = 60.0):
+        """Run a coroutine on the pair's asyncio loop and wait (bounded) for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.aio).result(timeout_s)
+
     def run(self, prompt, params, request_id="r", deadline_s=20.0, skip_prefill=False, skip_decode=False):
-        deadline = time.time() + deadline_s
-        tid = f"t-{request_id}"
+        return self.call(self.dispatch(prompt, params, request_id, deadline_s, skip_prefill, skip_decode),
+                         deadline_s + 30)
+
+    async def dispatch(self, prompt, params, request_id="r", deadline_s=20.0, skip_prefill=False,
+                       skip_decode=False, transfer_id=None) -> dict:
+        """Both legs concurrently, tied by one transfer id, as the router sends them."""
+        deadline = Deadline.after(deadline_s)
+        tid = transfer_id or f"t-{request_id}"
         result: dict = {}
         if params.seed is None:  # whoever makes the pair gives both legs one seed (the router does the same)
             params = replace(params, seed=secrets.randbits(63))
 
-        def prefill():
+        async def prefill():
             try:
-                result["prefill"] = self.prefill.prefill(request_id, tid, prompt, params, deadline)
+                result["prefill"] = await self.prefill.prefill(request_id, tid, prompt, params, deadline)
             except RequestFailed as e:
                 result["prefill_error"] = e
 
-        thread = None
-        if not skip_prefill:
-            thread = threading.Thread(target=prefill)
-            thread.start()
-        if not skip_decode:
+        async def decode():
             try:
-                result["outputs"] = list(self.decode.generate(request_id, tid, prompt, params, "peer", deadline))
+                result["outputs"] = [out async for out in self.decode.generate(request_id, tid, prompt, params,
+                                                                               "peer", deadline)]
             except RequestFailed as e:
                 result["decode_error"] = e
-        if thread is not None:
-            thread.join(deadline_s + 5)
+
+        legs = ([] if skip_prefill else [prefill()]) + ([] if skip_decode else [decode()])
+        await asyncio.gather(*legs)
         return result
 
     def free_counts_restored(self) -> bool:
@@ -87,9 +109,12 @@ class Pair:
             cached = engine.kv.cached_pages()
             return all(used == cached[name] for name, (used, _) in engine.kv.usage().items())
 
+        # Clean-ups are queued on each loop before the calls they end return: these checks run after them.
         return self.p_loop.call(lambda: ok(self.p_engine)) and self.d_loop.call(lambda: ok(self.d_engine))
 
     def close(self):
+        self.aio.call_soon_threadsafe(self.aio.stop)
+        self._thread.join(10)
         self.p_loop.stop()
         self.d_loop.stop()
 
@@ -180,7 +205,7 @@ def rows_by_kind(engine, pages, prompt_len) -> dict[str, torch.Tensor]:
     from pdspark.transfer import transfer_plan
 
     dst = transfer_plan.destination(engine.kv, pages, prompt_len)
-    plan = transfer_plan.TransferPlan("t", "r", "", None, (), deadline=0, **dst)  # type: ignore[arg-type]
+    plan = transfer_plan.TransferPlan("t", "r", "", None, (), timeout_s=0, **dst)  # type: ignore[arg-type]
     out: dict[str, list[torch.Tensor]] = {}
     import ctypes
 
@@ -221,3 +246,187 @@ def test_prefill_drops_the_request_when_no_plan_arrives(pair):
     assert out["prefill_error"].code == ErrorCode.DEADLINE and "plan" in out["prefill_error"].message
     assert time.monotonic() - t0 < 3.0
     assert pair.free_counts_restored()
+
+
+@pytest.mark.parametrize("prefill_cache, decode_cache", [(True, True), (True, False), (False, False), (False, True)],
+                         ids=["both", "prefill-only", "neither", "decode-only"])
+def test_prefix_cache_settings_of_a_pair(ckpt, prefill_cache, decode_cache):
+    """A decode worker with the prefix cache asks for the SWA tail a later prefix match would need, longer than
+    the one a prefill worker without the cache still holds once the prompt is computed: every prompt longer
+    than the window failed its transfer. That pair is refused at the rendezvous, naming the setting, before the
+    prompt is even computed; every other pair transfers such a prompt."""
+    pair = Pair(ckpt, decode_opts={"enable_prefix_cache": decode_cache},
+                opts={**OPTS, "enable_prefix_cache": prefill_cache})
+    try:
+        out = pair.run(random_prompts(1, [150], seed=35)[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=10)
+        if prefill_cache or not decode_cache:
+            assert "decode_error" not in out, out["decode_error"]
+            assert len(out["outputs"][-1].token_ids) == 4
+        else:
+            for leg in ("decode_error", "prefill_error"):
+                assert out[leg].code == ErrorCode.INCOMPATIBLE and "prefix_cache" in out[leg].message
+            assert pair.p_loop.steps == 0  # refused before any work
+        assert pair.free_counts_restored()
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("field", ["full_pages", "swa_pages", "c128_pages", "req_slot"])
+def test_a_plan_naming_items_outside_the_decode_pools_writes_nothing(pair, field):
+    def out_of_range(plan):
+        items = getattr(plan, field)
+        bad = 10_000 if field == "req_slot" else (items[0] + 10_000,) + items[1:]
+        return replace(plan, **{field: bad})
+
+    pair.plan_hook = out_of_range
+    out = pair.run(random_prompts(1, [101], seed=37)[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=10)
+    for leg in ("decode_error", "prefill_error"):
+        assert out[leg].code == ErrorCode.INVALID_REQUEST and f"TransferPlan.{field}" in out[leg].message
+    assert pair.p_loop.steps == 0  # refused before the prompt was computed, so before any write
+    assert pair.free_counts_restored()
+
+
+def test_a_plan_with_an_unknown_payload_kind_fails_both_legs_at_once(pair):
+    from pdspark.rpc import convert
+    from pdspark.serving.grpc_services import PrefillServicer
+    from pdspark.v1 import worker_pb2
+
+    class Context:  # what the servicer reads of a grpc.aio call
+        def time_remaining(self):
+            return None
+
+    prompt = random_prompts(1, [40], seed=38)[0]
+    bad = worker_pb2.TransferPlan(transfer_id="t-bad", prompt_len=len(prompt), timeout_ms=10_000,
+                                  buffers=[worker_pb2.BufferDescriptor(pool=99, item_bytes=64, num_items=4)])
+
+    async def scenario():
+        answer = await PrefillServicer(pair.prefill).SubmitPlan(bad, Context())
+        t0 = time.monotonic()
+        with pytest.raises(RequestFailed) as e:  # the router's leg, arriving after the refused plan
+            await pair.prefill.prefill("r", "t-bad", prompt, SamplingParams(**GREEDY), Deadline.after(10))
+        return convert.failure_from_pb(answer.error), e.value, time.monotonic() - t0
+
+    refused, prefill_error, seconds = pair.call(scenario())
+    assert refused.code == prefill_error.code == ErrorCode.INCOMPATIBLE
+    assert "TransferPlan.buffers[0].pool" in refused.message and seconds < 1.0
+    assert pair.free_counts_restored()
+
+
+def test_a_request_id_in_flight_is_refused_by_either_worker(pair):
+    prompt = random_prompts(1, [40], seed=39)[0]
+    params = SamplingParams(max_tokens=4, seed=1, **GREEDY)
+
+    async def scenario():
+        # The first request waits (no prefill leg for it) until its 2 s deadline.
+        first = asyncio.ensure_future(pair.dispatch(prompt, params, "dup", deadline_s=2.0, skip_prefill=True))
+        await _until(lambda: pair.decode.transfers_in_flight == 1)
+        t0 = time.monotonic()
+        second = await pair.dispatch(prompt, params, "dup", deadline_s=10, transfer_id="t-other", skip_prefill=True)
+        refused_in = time.monotonic() - t0
+        return await first, second, refused_in
+
+    first, second, refused_in = pair.call(scenario())
+    assert second["decode_error"].code == ErrorCode.ALREADY_EXISTS and refused_in < 1.0
+    assert first["decode_error"].code == ErrorCode.DEADLINE  # the first request is not disturbed by it
+    # The prefill side: a second prefill leg under the same id (another transfer) while the first is in flight.
+    deadline = Deadline.after(1.0)
+
+    async def prefill_legs():
+        return await asyncio.gather(pair.prefill.prefill("p", "t1", prompt, params, deadline),
+                                    pair.prefill.prefill("p", "t2", prompt, params, deadline),
+                                    return_exceptions=True)
+
+    a, b = pair.call(prefill_legs())
+    assert a.code == ErrorCode.DEADLINE and b.code == ErrorCode.ALREADY_EXISTS
+    assert pair.free_counts_restored()
+
+
+def test_requests_wait_in_line_for_destination_pages(ckpt):
+    """One request slot on the decode side: the second request waits (no polling: the engine loop grants it when
+    the first lets go) and both complete; a third whose deadline passes in line fails, and frees nothing twice."""
+    pair = Pair(ckpt, decode_opts={"max_num_seqs": 1})
+    prompts = random_prompts(3, [37, 50, 20], seed=40)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    try:
+        async def scenario():
+            most_waiting = 0
+
+            async def watch():  # sampling an observable count, not synchronising
+                nonlocal most_waiting
+                while True:
+                    most_waiting = max(most_waiting, pair.decode.waiting)
+                    await asyncio.sleep(0.002)
+
+            watcher = asyncio.ensure_future(watch())
+            outs = await asyncio.gather(pair.dispatch(prompts[0], params, "a"), pair.dispatch(prompts[1], params, "b"))
+            watcher.cancel()
+            # The slot held by a request whose prefill never comes: the next one waits in line past its deadline.
+            holder = asyncio.ensure_future(pair.dispatch(prompts[0], params, "c", deadline_s=2.0, skip_prefill=True))
+            await _until(lambda: pair.decode.transfers_in_flight == 1)
+            t0 = time.monotonic()
+            late = await pair.dispatch(prompts[2], params, "d", deadline_s=0.3)
+            return outs, most_waiting, late, time.monotonic() - t0, await holder
+
+        outs, most_waiting, late, late_s, holder = pair.call(scenario())
+        assert most_waiting == 1
+        assert all(len(o["outputs"][-1].token_ids) == 8 for o in outs)
+        assert late["decode_error"].code == ErrorCode.DEADLINE and "no free pages" in late["decode_error"].message
+        assert 0.3 <= late_s < 1.0
+        assert holder["decode_error"].code == ErrorCode.DEADLINE
+        assert pair.free_counts_restored()
+    finally:
+        pair.close()
+
+
+def test_abort_ends_a_waiting_request_at_once_on_either_worker(pair):
+    prompt = random_prompts(1, [40], seed=41)[0]
+    params = SamplingParams(max_tokens=4, seed=2, **GREEDY)
+
+    async def scenario():
+        waiting = asyncio.ensure_future(pair.dispatch(prompt, params, "a", deadline_s=10, skip_prefill=True))
+        await _until(lambda: pair.decode.transfers_in_flight == 1)
+        t0 = time.monotonic()
+        assert pair.decode.abort("a") and not pair.decode.abort("unknown")
+        decode_out = await waiting
+        decode_s = time.monotonic() - t0
+        waiting = asyncio.ensure_future(pair.dispatch(prompt, params, "b", deadline_s=10, skip_decode=True))
+        await _until(lambda: pair.prefill.in_flight == 1)
+        t0 = time.monotonic()
+        assert pair.prefill.abort("b")
+        return decode_out, decode_s, await waiting, time.monotonic() - t0
+
+    decode_out, decode_s, prefill_out, prefill_s = pair.call(scenario())
+    assert decode_out["decode_error"].code == ErrorCode.ABORTED and decode_s < 1.0
+    assert prefill_out["prefill_error"].code == ErrorCode.ABORTED and prefill_s < 1.0
+    assert pair.free_counts_restored()
+
+
+def test_abort_stops_a_running_request_with_an_abort_output(pair):
+    prompt = random_prompts(1, [40], seed=42)[0]
+    params = SamplingParams(max_tokens=200, seed=3, **GREEDY)  # long enough to be still running when aborted
+    deadline = Deadline.after(20)
+
+    async def scenario():
+        prefill = asyncio.ensure_future(pair.prefill.prefill("a", "t-a", prompt, params, deadline))
+        outputs = []
+        async for out in pair.decode.generate("a", "t-a", prompt, params, "peer", deadline):
+            outputs.append(out)
+            if len(outputs) == 2:
+                t0 = time.monotonic()
+                assert pair.decode.abort("a")  # answered at once: the engine is told between two steps
+        await prefill
+        return outputs, time.monotonic() - t0
+
+    outputs, seconds = pair.call(scenario())
+    last = outputs[-1]
+    assert last.finished and last.finish_reason == FinishReason.ABORT and len(last.token_ids) < 200
+    assert seconds < 1.0
+    assert pair.free_counts_restored()
+
+
+async def _until(condition, within_s: float = 10.0) -> None:
+    """Poll an observable condition (on the pair's loop) until it holds; fail after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)

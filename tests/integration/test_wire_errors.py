@@ -12,7 +12,6 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from concurrent import futures
 
 import grpc
 import pytest
@@ -40,8 +39,9 @@ MISLEADING = "DEADLINE: this text is not the code"
 
 class FakePrefillWorker:
     in_flight = 0
+    engine = None  # GetLoad is not called here
 
-    def prefill(self, request_id, transfer_id, prompt_ids, params, deadline):
+    async def prefill(self, request_id, transfer_id, prompt_ids, params, deadline):
         return TransferResult(transfer_id, first_token=7, num_cached_tokens=0, checksum=0, stats=TransferStats())
 
     def abort(self, request_id):
@@ -59,7 +59,7 @@ class FakeDecodeWorker:
         self.fail_with: set[str] | None = None
         self.calls: list[str] = []  # prefill address of each generate
 
-    def generate(self, request_id, transfer_id, prompt_ids, params, prefill_address, deadline):
+    async def generate(self, request_id, transfer_id, prompt_ids, params, prefill_address, deadline):
         self.calls.append(prefill_address)
         if self.failure is not None and (self.fail_with is None or prefill_address in self.fail_with):
             raise self.failure
@@ -80,12 +80,34 @@ class FirstByAddress:
         pass
 
 
-def serve_worker(servicer, add) -> tuple[grpc.Server, str]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    add(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, f"127.0.0.1:{port}"
+class AioServers:
+    """The workers' grpc.aio servers (as in a worker process), on an asyncio loop of their own thread."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servers: list = []
+
+    def serve(self, servicer, add) -> str:
+        async def start() -> int:
+            server = grpc.aio.server()
+            add(servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self.servers.append(server)
+            return port
+
+        return f"127.0.0.1:{asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)}"
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for server in self.servers:
+                await server.stop(None)
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 class InProcessRouter:
@@ -148,16 +170,16 @@ class InProcessRouter:
 @pytest.fixture(scope="module")
 def workers():
     decode = FakeDecodeWorker()
-    servers = {}
+    servers = AioServers()
+    addresses = {}
     for name, servicer, add in (
         ("p1", PrefillServicer(FakePrefillWorker()), worker_pb2_grpc.add_PrefillWorkerServicer_to_server),
         ("p2", PrefillServicer(FakePrefillWorker()), worker_pb2_grpc.add_PrefillWorkerServicer_to_server),
         ("d", DecodeServicer(decode), worker_pb2_grpc.add_DecodeWorkerServicer_to_server),
     ):
-        servers[name] = serve_worker(servicer, add)
-    yield decode, {name: address for name, (_, address) in servers.items()}
-    for server, _ in servers.values():
-        server.stop(None)
+        addresses[name] = servers.serve(servicer, add)
+    yield decode, addresses
+    servers.close()
 
 
 @pytest.fixture

@@ -12,10 +12,12 @@ TORCH_FREE = [
     "pdspark.client",
     "pdspark.rpc.convert",
     "pdspark.rpc.status",
+    "pdspark.rpc.keepalive",
     "pdspark.router.router_server",
     "pdspark.router.http_api",
     "pdspark.router.grpc_api",
     "pdspark.transfer.plan",
+    "pdspark.transfer.plan_validation",
     "pdspark.config",
 ]
 

@@ -22,7 +22,7 @@ from pdspark.engine.sampler import Sampler
 from pdspark.engine.scheduler import ScheduledChunk, Scheduler
 from pdspark.engine.spec_verifier import accept
 from pdspark.engine.stop_checker import StopChecker
-from pdspark.errors import CapacityError, ConfigError, InvalidRequestError
+from pdspark.errors import CapacityError, ConfigError, ErrorCode, InvalidRequestError, RequestFailed
 from pdspark.model.dspark import DSparkDraft
 from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.tokenizer import Tokenizer
@@ -101,13 +101,13 @@ class Engine:
         prompt: str | None = None,
         hold_pages: bool = False,
     ) -> str:
-        """Queue a request; raises `InvalidRequestError` / `CapacityError` for one that can never be served.
+        """Queue a request; raises `InvalidRequestError` / `CapacityError` for one that can never be served, and
+        `RequestFailed` (ALREADY_EXISTS) for an id already in flight.
 
         `hold_pages` (prefill role): keep the request's pages after it finishes until `release_held`.
         """
         req_id = request_id if request_id is not None else str(next(self._ids))
-        if req_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {req_id!r}")
+        self._check_new_id(req_id)
         self.validate(prompt_token_ids, params)
         req = Request(req_id, list(prompt_token_ids), params, prompt=prompt, hold_pages=hold_pages,
                       seed=self._effective_seed(params))
@@ -140,6 +140,12 @@ class Engine:
         c128_need = math.ceil(total / self.kv.group_tokens) if self.model_config.hca_layers else 0
         if c128_need > sizes.num_c128_pages:
             raise CapacityError(f"request needs {c128_need} C128 pages; the pool has {sizes.num_c128_pages}")
+
+    def _check_new_id(self, req_id: str) -> None:
+        # A request is in flight until `release` forgets it (finished ones too: their outputs or held pages are
+        # still being collected). Taking over its id would hand one caller's tokens, abort or pages to another.
+        if req_id in self.requests:
+            raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {req_id!r} is already in flight")
 
     def _effective_seed(self, params: SamplingParams) -> int:
         """The client's seed, else a fresh one (63 bits: it fits the wire's int64 should it ever travel)."""
@@ -189,7 +195,9 @@ class Engine:
         first_logprob=None,
         prompt: str | None = None,
     ) -> RequestOutput:
-        """Continue a request whose prompt cache (and first token) arrived by transfer into `pages`."""
+        """Continue a request whose prompt cache (and first token) arrived by transfer into `pages`. Raises
+        `RequestFailed` (ALREADY_EXISTS) for an id already in flight; `pages` then stay the caller's."""
+        self._check_new_id(request_id)
         req = Request(request_id, list(prompt_token_ids), params, prompt=prompt, seed=self._effective_seed(params))
         req.pages = pages
         req.num_computed_tokens = len(prompt_token_ids)

@@ -20,7 +20,6 @@ import contextlib
 import functools
 import logging
 import secrets
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -148,7 +147,7 @@ class Dispatcher:
     async def _run_pair(self, key: str, request_id: str, prompt_ids, params, prefill: WorkerInfo, decode: WorkerInfo,
                         request_deadline: Deadline) -> AsyncIterator[DispatchChunk]:
         transfer_id = uuid.uuid4().hex
-        deadline = time.time() + self.transfer_timeout_s
+        timeout_ms = convert.timeout_to_ms(self.transfer_timeout_s)  # relative: each worker times it from receipt
         sampling = convert.sampling_to_pb(params)
         active = _Active(prefill, decode)
         self.active[key] = active
@@ -157,13 +156,13 @@ class Dispatcher:
         try:
             active.prefill_call = asyncio.ensure_future(self.registry.prefill_stub(prefill).Prefill(
                 worker_pb2.PrefillRequest(request_id=request_id, transfer_id=transfer_id,
-                                          prompt_token_ids=prompt_ids, sampling=sampling, deadline_unix_s=deadline),
+                                          prompt_token_ids=prompt_ids, sampling=sampling, timeout_ms=timeout_ms),
                 timeout=min(self.transfer_timeout_s + 5, request_deadline.remaining())))
             active.prefill_call.add_done_callback(functools.partial(self._prefill_done, active))
             active.stream = self.registry.decode_stub(decode).Generate(
                 worker_pb2.GenerateRequest(request_id=request_id, transfer_id=transfer_id,
                                            prompt_token_ids=prompt_ids, sampling=sampling,
-                                           prefill_address=prefill.address, deadline_unix_s=deadline),
+                                           prefill_address=prefill.address, timeout_ms=timeout_ms),
                 timeout=request_deadline.remaining())
             completion = 0
             try:

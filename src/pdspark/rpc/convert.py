@@ -27,6 +27,7 @@ FINISH_REASON_TO_PB: dict[FinishReason, int] = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
 FINISH_REASON_FROM_PB = {pb: reason for reason, pb in FINISH_REASON_TO_PB.items()}
+_POOL_KINDS = frozenset(k.value for k in PoolKind)
 # `optional` fields of the SamplingParams message: unset means the engine's default, which may differ from 0.
 _OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs")
 
@@ -83,6 +84,17 @@ def logprob_from_pb(msg: common_pb2.TokenLogprob) -> TokenLogprobs:
     return TokenLogprobs(msg.token_id, msg.logprob, dict(msg.top))
 
 
+def timeout_to_ms(seconds: float) -> int:
+    """A relative timeout as the wire's `timeout_ms`: whole milliseconds, at least 1 (0 means "none given"), at
+    most what a uint32 holds."""
+    return min(max(1, int(seconds * 1000)), 2**32 - 1)
+
+
+def timeout_from_ms(ms: int) -> float:
+    """Seconds of a wire `timeout_ms`; 0 (none given) stays 0."""
+    return ms / 1000
+
+
 def compat_to_pb(c: CompatDescriptor) -> common_pb2.CompatDescriptor:
     return common_pb2.CompatDescriptor(
         schema_version=c.schema_version,
@@ -100,6 +112,7 @@ def compat_to_pb(c: CompatDescriptor) -> common_pb2.CompatDescriptor:
         hca_ring=c.hca_ring,
         sliding_window=c.sliding_window,
         draft_config=c.draft_config,
+        prefix_cache=c.prefix_cache,
     )
 
 
@@ -120,6 +133,7 @@ def compat_from_pb(msg: common_pb2.CompatDescriptor) -> CompatDescriptor:
         hca_ring=msg.hca_ring,
         sliding_window=msg.sliding_window,
         draft_config=msg.draft_config,
+        prefix_cache=msg.prefix_cache,
     )
 
 
@@ -141,11 +155,19 @@ def plan_to_pb(plan: TransferPlan) -> worker_pb2.TransferPlan:
         swa_first_page=plan.swa_first_page,
         c128_pages=list(plan.c128_pages),
         req_slot=plan.req_slot,
-        deadline_unix_s=plan.deadline,
+        timeout_ms=timeout_to_ms(plan.timeout_s),
     )
 
 
 def plan_from_pb(msg: worker_pb2.TransferPlan) -> TransferPlan:
+    """Raises `RequestFailed` (INCOMPATIBLE) for a buffer of a payload kind this version does not know (a newer
+    peer's, or none): we could neither write it nor leave it out without the decode side missing part of its
+    cache."""
+    for i, b in enumerate(msg.buffers):
+        if b.pool not in _POOL_KINDS:
+            known = ", ".join(k.name for k in PoolKind)
+            raise RequestFailed(ErrorCode.INCOMPATIBLE, f"TransferPlan.buffers[{i}].pool: unknown payload kind "
+                                f"{b.pool}; this worker moves {known}")
     return TransferPlan(
         transfer_id=msg.transfer_id,
         request_id=msg.request_id,
@@ -160,7 +182,7 @@ def plan_from_pb(msg: worker_pb2.TransferPlan) -> TransferPlan:
         swa_first_page=msg.swa_first_page,
         c128_pages=tuple(msg.c128_pages),
         req_slot=msg.req_slot,
-        deadline=msg.deadline_unix_s,
+        timeout_s=timeout_from_ms(msg.timeout_ms),
     )
 
 

@@ -1,22 +1,30 @@
 """`DecodeWorker`: receives prompt caches from prefill workers and continues generation (DSpark when enabled).
 
-One request: reserve destination pages (SWA only for the window tail) -> send the plan to the prefill worker,
-which answers once every payload is in our memory -> check the integrity value -> join the running batch and
-stream tokens. A failed or late transfer frees the reservation; nothing waits without a deadline.
+One request: reserve destination pages (SWA only for the window tail), waiting in line while the pools are full
+-> send the plan to the prefill worker, which answers once every payload is in our memory -> check the integrity
+value -> join the running batch and stream tokens. A failed or late transfer frees the reservation; nothing waits
+without a deadline.
+
+Admission: the worker holds as many requests as its engine runs (request slots) plus at most `max_waiting`
+waiting for pages; one more is refused at once with OVERLOADED. Everything here runs on the asyncio loop (no
+locks): a request is a coroutine that holds no thread while it waits (for pages, the plan's answer, tokens).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
-import queue
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import TypeVar
 
-from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
-from pdspark.serving.engine_client import EngineClient, Reservation
+from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.serving.deadline import Deadline
+from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
-from pdspark.serving.prefill_worker import WRITE_GRACE_S
+from pdspark.serving.output_stream import OutputStream
+from pdspark.serving.reservation_queue import Reservation
 from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult
@@ -24,83 +32,158 @@ from pdspark.transfer.transfer_plan import cache_buffers, destination_checksum
 from pdspark.types import RequestOutput, SamplingParams
 
 # submit_plan(prefill_address, plan, timeout_s) -> TransferResult (raises RequestFailed)
-PlanSender = Callable[[str, TransferPlan, float], TransferResult]
-_RESERVE_RETRY_S = 0.02
+PlanSender = Callable[[str, TransferPlan, float], Awaitable[TransferResult]]
+T = TypeVar("T")
+# Of the time left when the plan goes out, the share (at most `_ANSWER_MARGIN_MAX_S`) kept for the last write
+# batch to land and the answer to come back: the prefill side starts no write after the rest has passed.
+_ANSWER_MARGIN = 0.1
+_ANSWER_MARGIN_MAX_S = 1.0
+STALL_TIMEOUT_S = 120.0  # no new token for this long: the engine is stuck, end the stream
+
+
+class _Stream:
+    """One request on this worker: whether its engine request exists yet, and its abort signal."""
+
+    def __init__(self) -> None:
+        # The engine holds (or may hold) a request under our id: abort goes to the engine (the stream then ends with
+        # an ABORT output), and the way out releases it.
+        self.in_engine = False
+        self.aborted = asyncio.get_running_loop().create_future()
+
+    async def guard(self, aw: Awaitable[T], undo: Callable[[T], None] | None = None) -> T:
+        """`await aw`, unless the request is aborted first: then `aw` is cancelled and ABORTED raised. `undo`
+        takes back a result `aw` produced that will not be used (we were cancelled or aborted just as it came)."""
+        task = asyncio.ensure_future(aw)
+        try:
+            done, _ = await asyncio.wait({task, self.aborted}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # our caller went away: take `aw` with us
+            _drop(task, undo)
+            raise
+        if task in done:
+            return task.result()
+        _drop(task, undo)
+        raise RequestFailed(ErrorCode.ABORTED, "request aborted")
+
+
+def _drop(task: asyncio.Future, undo: Callable | None) -> None:
+    """Cancel `task` (it cleans up after itself: a withdrawn reservation, a cancelled call), or undo the result it
+    already produced."""
+    if not task.done():
+        task.cancel()
+    elif undo is not None and not task.cancelled() and task.exception() is None:
+        undo(task.result())
 
 
 class DecodeWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor, send_plan: PlanSender,
-                 metrics: WorkerMetrics | None = None):
-        self.loop = loop
+                 metrics: WorkerMetrics | None = None, max_waiting: int = 1024, executor: Executor | None = None):
         self.engine = EngineClient(loop)
         self.backend = backend
         self.compat = compat
         self.send_plan = send_plan
         self.metrics = metrics
+        self.max_waiting = max_waiting
         self.buffers = cache_buffers(loop.engine.kv.pools)  # fixed at start: the pools never move
+        self._executor = executor or ThreadPoolExecutor(2, thread_name_prefix="checksum")
+        self._active: dict[str, _Stream] = {}
+        self.waiting = 0  # requests waiting for destination pages
         self.transfers_in_flight = 0
-        self.stall_timeout_s = 120.0
+        self.stall_timeout_s = STALL_TIMEOUT_S
 
-    def generate(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
-                 prefill_address: str, deadline: float, prompt: str | None = None) -> Iterator[RequestOutput]:
-        """Yield cumulative outputs until the request finishes; raises `RequestFailed` before the first one."""
-        reservation = self._reserve(prompt_ids, params, deadline)
-        self.transfers_in_flight += 1
+    async def generate(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
+                       prefill_address: str, deadline: Deadline, prompt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes. Raises `RequestFailed` before the first one:
+        OVERLOADED (at once) when `max_waiting` requests already wait for pages, ALREADY_EXISTS for an id in
+        flight here, DEADLINE when the pages or the transfer did not come by `deadline`, or what the prefill side
+        reported. Closing the generator (the caller went away) lets go of everything the request holds."""
+        if request_id in self._active:
+            raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
+        if self.waiting >= self.max_waiting:
+            if self.metrics is not None:
+                self.metrics.refused.inc()
+            raise RequestFailed(ErrorCode.OVERLOADED, f"{self.waiting} requests already wait for pages, the most "
+                                                      "this decode worker queues (max_waiting_streams)")
+        stream = self._active[request_id] = _Stream()
         try:
-            result = self._receive(request_id, transfer_id, prompt_ids, reservation, prefill_address, deadline)
-        except BaseException:
-            self.engine.cancel_reservation(reservation)
-            raise
-        finally:
-            self.transfers_in_flight -= 1
-        outputs: queue.Queue[RequestOutput] = queue.Queue()
-        out = self.engine.adopt(request_id, prompt_ids, params, reservation, result, outputs.put, prompt)
-        try:
+            reservation = await self._reserve(stream, prompt_ids, params, deadline)
+            result = await self._receive(stream, request_id, transfer_id, prompt_ids, reservation, prefill_address,
+                                         deadline)
+            outputs = OutputStream(asyncio.get_running_loop())
+            try:
+                out = await stream.guard(self.engine.adopt(request_id, prompt_ids, params, reservation, result,
+                                                           outputs.put, prompt))
+            except RequestFailed as e:
+                self.engine.cancel_reservation(reservation)  # a no-op if the adopt ran after all
+                # The adopt may have run (aborted as it did); ALREADY_EXISTS: the request under this id is not ours.
+                stream.in_engine = e.code is not ErrorCode.ALREADY_EXISTS
+                raise
+            except BaseException:  # cancelled: the adopt may have run
+                self.engine.cancel_reservation(reservation)
+                stream.in_engine = True
+                raise
+            stream.in_engine = True
             yield out
             while not out.finished:
                 try:
-                    out = outputs.get(timeout=self.stall_timeout_s)
-                except queue.Empty:
+                    out = await outputs.next(self.stall_timeout_s)
+                except TimeoutError:
                     raise RequestFailed(ErrorCode.UNAVAILABLE, f"no token for {self.stall_timeout_s:.0f}s") from None
                 yield out
         finally:
-            # Normal end, client gone or stalled: make sure the engine lets go of the request.
-            self.engine.release(request_id)
+            # Normal end, failure, abort or the caller gone: let go of the engine's request (queued, in order
+            # before anything a later request with this id queues).
+            del self._active[request_id]
+            if stream.in_engine:
+                self.engine.release(request_id)
 
     def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+        """Stop a request now: before it runs, its `generate` raises ABORTED; once it runs, the engine aborts it
+        and its stream ends with an ABORT output. False when it is not in flight here."""
+        stream = self._active.get(request_id)
+        if stream is None:
+            return False
+        if stream.in_engine:
+            self.engine.abort(request_id)
+        elif not stream.aborted.done():
+            stream.aborted.set_result(None)
+        return True
 
-    def _reserve(self, prompt_ids: list[int], params: SamplingParams, deadline: float) -> Reservation:
-        """Destination pages, waiting (until the deadline) while the pools are full."""
-        while True:
-            try:
-                reservation = self.engine.reserve(prompt_ids, params)
-            except PdsparkError as e:
-                raise as_request_failed(e) from e
-            if reservation is not None:
-                return reservation
-            if time.time() + _RESERVE_RETRY_S > deadline:
-                raise RequestFailed(ErrorCode.UNAVAILABLE, "no free pages for the prompt's cache before the deadline")
-            time.sleep(_RESERVE_RETRY_S)
+    async def _reserve(self, stream: _Stream, prompt_ids: list[int], params: SamplingParams,
+                       deadline: Deadline) -> Reservation:
+        self.waiting += 1
+        try:
+            return await stream.guard(self.engine.reserve(prompt_ids, params, deadline.at),
+                                      undo=self.engine.cancel_reservation)
+        finally:
+            self.waiting -= 1
 
-    def _receive(self, request_id: str, transfer_id: str, prompt_ids: list[int], reservation: Reservation,
-                 prefill_address: str, deadline: float) -> TransferResult:
+    async def _receive(self, stream: _Stream, request_id: str, transfer_id: str, prompt_ids: list[int],
+                       reservation: Reservation, prefill_address: str, deadline: Deadline) -> TransferResult:
+        remaining = deadline.remaining()
         plan = TransferPlan(
             transfer_id=transfer_id,
             request_id=request_id,
             session=self.backend.session_id,
             compat=self.compat,
             buffers=tuple(self.buffers),
-            deadline=deadline,
+            timeout_s=remaining - min(_ANSWER_MARGIN_MAX_S, _ANSWER_MARGIN * remaining),
             **reservation.plan_fields,
         )
-        # The prefill side starts writing only before the deadline, and finishes what it started.
-        result = self.send_plan(prefill_address, plan, max(0.0, deadline - time.time()) + WRITE_GRACE_S)
-        arrived = destination_checksum(self.buffers, plan, ctypes.string_at)
-        if arrived != result.checksum:
-            if self.metrics is not None:
-                self.metrics.transfer_failures.labels(reason="checksum").inc()
-            raise RequestFailed(ErrorCode.TRANSFER, f"transfer {transfer_id!r}: integrity check failed")
+        self.transfers_in_flight += 1
+        try:
+            result = await stream.guard(self.send_plan(prefill_address, plan, remaining))
+            arrived = await asyncio.get_running_loop().run_in_executor(
+                self._executor, destination_checksum, self.buffers, plan, ctypes.string_at)
+            if arrived != result.checksum:
+                if self.metrics is not None:
+                    self.metrics.transfer_failures.labels(reason="checksum").inc()
+                raise RequestFailed(ErrorCode.TRANSFER, f"transfer {transfer_id!r}: integrity check failed")
+        except BaseException:
+            self.engine.cancel_reservation(reservation)
+            raise
+        finally:
+            self.transfers_in_flight -= 1
         if self.metrics is not None:
             self.metrics.observe_transfer(result.stats)
         return result

@@ -31,4 +31,5 @@ def describe_engine(engine: Engine) -> CompatDescriptor:
         hca_ring=sizes.hca_ring,
         sliding_window=cfg.sliding_window,
         draft_config=draft,
+        prefix_cache=engine.kv.tree is not None,
     )

@@ -1,9 +1,10 @@
 """`EngineLoop`: runs an `Engine` on one thread; other threads reach it only through `call`/`submit` (wrapped by
-`EngineClient`) and listeners.
+`EngineClient`), listeners, and the published `load`.
 
-The engine is not thread-safe, so every touch of it (adding, aborting, allocating, transferring) happens on the loop
-thread, in order, between steps. Between steps the loop also runs its tickers (deadline checks). A failing step
-never kills the worker: the requests of that step are aborted and their listeners told.
+The engine is not thread-safe, so every touch of it (adding, aborting, allocating, handing out pages) happens on
+the loop thread, in order, between steps. Between steps the loop also runs its tickers (reservations, metrics) and
+publishes an immutable `EngineLoad` snapshot (`load`, one attribute assignment: readers never wait for a step).
+A failing step never kills the worker: the requests of that step are aborted and their listeners told.
 
 NOTE: the loop steps only while a step can make progress. When nothing can run (no requests, or only waiting ones
 that do not fit because pages are held, e.g. for a transfer), it sleeps on its command queue until a command
@@ -22,10 +23,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from pdspark.engine.engine import Engine
+from pdspark.serving.engine_load import EngineLoad
 from pdspark.types import RequestOutput
 
 logger = logging.getLogger(__name__)
 Listener = Callable[[RequestOutput], None]
+# The load snapshot is refreshed at most this often (it walks the prefix tree); readers see it at most this much
+# (plus one step or idle wait) behind.
+_PUBLISH_EVERY_S = 0.01
 
 
 class LoopStopped(RuntimeError):
@@ -43,6 +48,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stalled = False  # the last step could run nothing: wait for a change before stepping again
         self.steps = 0
+        self._changed = False  # a command or a step ran since the last published load
+        self._published_at = 0.0
+        # Written only by the loop thread (taken here before it starts); read by any thread without a lock.
+        self.load: EngineLoad = EngineLoad.of(engine)
+        self._published_usage = engine.kv.usage()
 
     def start(self) -> None:
         self._thread.start()
@@ -93,6 +103,14 @@ class EngineLoop:
     def forget(self, request_id: str) -> None:
         self._listeners.pop(request_id, None)
 
+    def deliver(self, out: RequestOutput) -> None:
+        """Hand `out` to its request's listener (loop thread only); a finished output is the listener's last."""
+        listener = self._listeners.get(out.request_id)
+        if listener is not None:
+            self._guard(lambda: listener(out))
+            if out.finished:
+                self._listeners.pop(out.request_id, None)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain(block=self._stalled or not self.engine.has_unfinished)
@@ -102,6 +120,17 @@ class EngineLoop:
                 self._step()
             else:
                 self._stalled = False
+            self._publish()
+
+    def _publish(self) -> None:
+        # A ticker may change the pools too (handing out a reservation): compare the page counts, which is cheap.
+        now = time.monotonic()
+        if now - self._published_at < _PUBLISH_EVERY_S:
+            return
+        if self._changed or self.engine.kv.usage() != self._published_usage:
+            self._changed, self._published_at = False, now
+            self.load = EngineLoad.of(self.engine)
+            self._published_usage = self.engine.kv.usage()
 
     def _drain(self, block: bool) -> None:
         """Run the queued commands; with `block`, first wait (at most `idle_wait_s`) for one to arrive."""
@@ -114,6 +143,7 @@ class EngineLoop:
                 return
             block = False  # after the first command, take only what is already queued
             self._stalled = False  # a command may have freed pages or added work: try a step again
+            self._changed = True
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
@@ -127,22 +157,17 @@ class EngineLoop:
             logger.exception("engine step failed; aborting the running requests")
             for req in list(self.engine.scheduler.running):
                 self.engine.abort(req.req_id)
-                self._deliver(self.engine.output(req))
+                self.deliver(self.engine.output(req))
+            self._changed = True
             return
         self.steps += 1
+        self._changed = True
         # A step that produced nothing and left nothing running scheduled nothing (a non-empty schedule either
         # leaves its requests running or finishes them with an output): the waiting requests cannot start until
         # something changes, and only a command or the passing of time (tickers) can change it.
         self._stalled = not outputs and not self.engine.scheduler.running
         for out in outputs:
-            self._deliver(out)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        listener = self._listeners.get(out.request_id)
-        if listener is not None:
-            self._guard(lambda: listener(out))
-            if out.finished:
-                self._listeners.pop(out.request_id, None)
+            self.deliver(out)
 
     @staticmethod
     def _guard(fn: Callable[[], None]) -> None:

@@ -1,32 +1,43 @@
-"""gRPC servicers of the workers: message conversion and status mapping only; the work is in the workers."""
+"""gRPC servicers of the workers (grpc.aio): message conversion, deadlines and status mapping only; the work is in
+the workers. Every handler is a coroutine on the server's asyncio loop and holds no thread while it waits.
+
+Deadlines: a request's `timeout_ms` (relative) and the call's own gRPC deadline become one local `Deadline` on
+receipt. Failures: `Generate` ends its stream with the code's gRPC status and the typed `ErrorDetail` trailer;
+`Prefill` and `SubmitPlan` answer with the failure inside their `TransferResult`, except a refusal at admission
+(OVERLOADED), which fails the call at once with RESOURCE_EXHAUSTED and the trailer. `GetLoad` reads the snapshot
+the engine loop publishes and `Abort` only flags the request, so neither waits for an engine step.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
-from pdspark.errors import PdsparkError, as_request_failed
+from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
 from pdspark.rpc import convert, status
+from pdspark.serving.deadline import Deadline
 from pdspark.serving.decode_worker import DecodeWorker
-from pdspark.serving.engine_client import EngineClient
+from pdspark.serving.engine_load import EngineLoad
 from pdspark.serving.prefill_worker import PrefillWorker
 from pdspark.types import RequestOutput
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
-# GetLoad feeds the router's health and load views: answer quickly or fail, never hang a server thread.
-_LOAD_TIMEOUT_S = 10.0
 
-
-def _load(engine: EngineClient, in_flight: int, metrics_url: str) -> worker_pb2.LoadReport:
-    load = engine.load(_LOAD_TIMEOUT_S)
+def _load(load: EngineLoad, in_flight: int, metrics_url: str, queued: int = 0) -> worker_pb2.LoadReport:
     return worker_pb2.LoadReport(
         running=load.running,
         waiting=load.waiting,
-        pages_used=load.pages_used,
-        pages_total=load.pages_total,
+        pages_used=dict(load.pages_used),
+        pages_total=dict(load.pages_total),
         transfers_in_flight=in_flight,
-        pages_cached=load.pages_cached,
+        pages_cached=dict(load.pages_cached),
         metrics_url=metrics_url,
+        queued=queued,
     )
+
+
+def _deadline(timeout_ms: int, context) -> Deadline:
+    return Deadline.on_receipt(convert.timeout_from_ms(timeout_ms), context.time_remaining())
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -34,29 +45,35 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker = worker
         self.metrics_url = ""  # set by the server once its metrics endpoint listens
 
-    def Prefill(self, request, context):
+    async def Prefill(self, request, context):
         try:
-            result = self.worker.prefill(
+            result = await self.worker.prefill(
                 request.request_id, request.transfer_id, list(request.prompt_token_ids),
-                convert.sampling_from_pb(request.sampling), request.deadline_unix_s,
+                convert.sampling_from_pb(request.sampling), _deadline(request.timeout_ms, context),
             )
             return worker_pb2.PrefillResponse(result=convert.result_to_pb(result, None, request.transfer_id))
         except PdsparkError as e:
-            failure = as_request_failed(e)
+            failure = await _refuse_if_overloaded(context, e)
             return worker_pb2.PrefillResponse(result=convert.result_to_pb(None, failure, request.transfer_id))
 
-    def SubmitPlan(self, request, context):
+    async def SubmitPlan(self, request, context):
+        deadline = _deadline(request.timeout_ms, context)
         try:
-            result = self.worker.submit_plan(convert.plan_from_pb(request))
+            plan = convert.plan_from_pb(request)
+        except RequestFailed as e:  # a plan we cannot read: its transfer fails on both legs
+            self.worker.refuse_plan(request.transfer_id, e, deadline)
+            return convert.result_to_pb(None, e, request.transfer_id)
+        try:
+            result = await self.worker.submit_plan(plan, deadline)
             return convert.result_to_pb(result, None, request.transfer_id)
         except PdsparkError as e:
-            return convert.result_to_pb(None, as_request_failed(e), request.transfer_id)
+            return convert.result_to_pb(None, await _refuse_if_overloaded(context, e), request.transfer_id)
 
-    def Abort(self, request, context):
+    async def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
-    def GetLoad(self, request, context):
-        return _load(self.worker.engine, self.worker.in_flight, self.metrics_url)
+    async def GetLoad(self, request, context):
+        return _load(self.worker.engine.load(), self.worker.in_flight, self.metrics_url)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -64,28 +81,37 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker = worker
         self.metrics_url = ""  # set by the server once its metrics endpoint listens
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         try:
             params = convert.sampling_from_pb(request.sampling)
             stream = self.worker.generate(
                 request.request_id, request.transfer_id, list(request.prompt_token_ids), params,
-                request.prefill_address, request.deadline_unix_s,
+                request.prefill_address, _deadline(request.timeout_ms, context),
             )
-            sent, sent_text = 0, ""
-            for out in stream:
-                if not context.is_active():
-                    break  # client gone: leaving the generator aborts the request
-                text = stable_text(out)
-                yield _chunk(out, sent, sent_text, text)
-                sent, sent_text = len(out.token_ids), text
+            # Closed explicitly: a caller that goes away cancels us at a `yield`, where the worker's generator is
+            # suspended; closing it there releases the request now rather than when it is garbage-collected.
+            async with contextlib.aclosing(stream):
+                sent, sent_text = 0, ""
+                async for out in stream:
+                    text = stable_text(out)
+                    yield _chunk(out, sent, sent_text, text)
+                    sent, sent_text = len(out.token_ids), text
         except PdsparkError as e:
-            status.abort(context, as_request_failed(e))
+            await status.abort_async(context, as_request_failed(e))
 
-    def Abort(self, request, context):
+    async def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
-    def GetLoad(self, request, context):
-        return _load(self.worker.engine, self.worker.transfers_in_flight, self.metrics_url)
+    async def GetLoad(self, request, context):
+        return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, self.worker.waiting)
+
+
+async def _refuse_if_overloaded(context, e: PdsparkError) -> RequestFailed:
+    """The failure to answer with in-band; an OVERLOADED refusal instead ends the call with its status."""
+    failure = as_request_failed(e)
+    if failure.code is ErrorCode.OVERLOADED:
+        await status.abort_async(context, failure)
+    return failure
 
 
 def stable_text(out: RequestOutput) -> str:

@@ -20,6 +20,8 @@ class WorkerMetrics:
         self.transfer_failures = Counter("pdspark_transfer_failures_total", "Transfers that failed, by reason",
                                          ["reason"], registry=r)
         self.requests = Counter("pdspark_requests_total", "Requests handled, by outcome", ["outcome"], registry=r)
+        self.refused = Counter("pdspark_requests_refused_total",
+                               "Requests refused at once (OVERLOADED) because the worker's queue was full", registry=r)
         self.queue_size = Gauge("pdspark_queue_size", "Requests waiting, by queue", ["queue"], registry=r)
         self.running = Gauge("pdspark_running_requests", "Requests in the running batch", registry=r)
         self.pages_used = Gauge("pdspark_pool_pages_used", "Pages in use per pool", ["pool"], registry=r)

@@ -1,34 +1,46 @@
-"""`PrefillClients`: the decode worker's gRPC clients of prefill workers (one channel per address)."""
+"""`PrefillClients`: the decode worker's asyncio gRPC clients of prefill workers (one channel per address, with
+keepalive: a prefill worker that hangs without closing its socket breaks the channel instead of holding calls)."""
 
 from __future__ import annotations
 
-import threading
-
 import grpc
 
+from pdspark.errors import RequestFailed
 from pdspark.rpc import convert
-from pdspark.rpc.status import failure_from_rpc_error
+from pdspark.rpc.keepalive import CHANNEL_OPTIONS
+from pdspark.rpc.status import failure_from_rpc_error, reported_failure
 from pdspark.transfer.plan import TransferPlan, TransferResult
 from pdspark.v1 import worker_pb2_grpc
 
-_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-
 
 class PrefillClients:
+    """Channels are made on first use, on the asyncio loop that uses them (a grpc.aio channel belongs to one)."""
+
     def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
-        self._lock = threading.Lock()
 
     def stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        with self._lock:
-            if address not in self._stubs:
-                self._stubs[address] = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(address, _OPTIONS))
-            return self._stubs[address]
+        if address not in self._stubs:
+            self._channels[address] = grpc.aio.insecure_channel(address, CHANNEL_OPTIONS)
+            self._stubs[address] = worker_pb2_grpc.PrefillWorkerStub(self._channels[address])
+        return self._stubs[address]
 
-    def submit_plan(self, address: str, plan: TransferPlan, timeout_s: float) -> TransferResult:
-        """Send the plan and wait for the result; raises `RequestFailed` (the prefill side's, or DEADLINE)."""
+    async def submit_plan(self, address: str, plan: TransferPlan, timeout_s: float) -> TransferResult:
+        """Send the plan and wait (at most `timeout_s`) for the result; raises `RequestFailed` (the prefill
+        side's, or DEADLINE / UNAVAILABLE from the transport). Cancelling the caller cancels the call, which the
+        prefill worker sees."""
         try:
-            msg = self.stub(address).SubmitPlan(convert.plan_to_pb(plan), timeout=max(timeout_s, 0.001))
+            msg = await self.stub(address).SubmitPlan(convert.plan_to_pb(plan), timeout=max(timeout_s, 0.001))
         except grpc.RpcError as e:
-            raise failure_from_rpc_error(e) from e
+            failure = failure_from_rpc_error(e)
+            if reported_failure(e) is None:  # the transport's (no answer in time, unreachable): say from whom
+                failure = RequestFailed(failure.code, f"prefill worker {address}: {failure.message}")
+            raise failure from e
         return convert.result_from_pb(msg)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()

@@ -1,106 +1,145 @@
 """`PrefillWorker`: computes prompts and pushes their DSV4 cache into decode workers' memory.
 
 A transfer is a rendezvous keyed by `transfer_id` between two calls that may arrive in either order:
-`prefill(request)` (from the router) and `submit_plan(plan)` (from the decode worker). The prompt is prefilled as
-soon as the request arrives (its pages held after the first token is sampled); once the plan is there too, and
-the compatibility descriptors match, the engine thread writes every payload and both calls return the result.
-Every wait ends by the request's deadline; on any failure the held pages are released (into the prefix cache).
+`prefill(request)` (from the router) and `submit_plan(plan)` (from the decode worker). Once both are there, and
+the plan passed the checks (compatibility descriptors, then `validate_plan`), the prompt is prefilled (its pages
+held after the first token is sampled), a transfer thread writes every payload, and both calls return the result.
+The rendezvous has one deadline, the earlier of its legs'; when it passes before the writes start, both calls fail
+with DEADLINE. Whatever ends a rendezvous (success, deadline, abort, a caller gone, a refused plan), its held pages
+are released exactly once, when it ends.
 
-NOTE: once writes into the decode worker's memory have started they always run to the end before either call
-returns (an abort or deadline meanwhile turns into an error afterwards), so the decode side never frees pages that
-are still being written. A transfer is never started after the deadline.
+NOTE: the prompt is prefilled only once its plan is here, i.e. once the decode worker has reserved room for its
+cache. Prefilling on arrival would overlap the two, but a prefilled prompt holds its pages and request slot until
+its plan comes; under a flood, the slots fill with prompts whose decode workers are busy, while the requests
+those decode workers did reserve for wait here for a slot: both sides wait until the deadlines (seen with 200
+concurrent requests on 16 slots). Waiting for the plan makes the prefill side follow the decode side's order.
+
+Threads: the rendezvous state lives on the asyncio loop (one thread, no locks); calls await its future; the engine
+thread reports the first token through `call_soon_threadsafe`; reading the pages and writing them runs on the
+transfer executor, never on the engine or asyncio thread.
+
+NOTE: writes into the decode worker's memory never start after the deadline (the backend checks before each
+batch), and a failure that arrives while they run (an abort, the decode side gone) is reported once they stop:
+only then are the pages they read released, and only then does the decode side hear that nothing more will land.
+The decode side gives up at its own deadline regardless, so it asks in its plan for the last write to start a
+margin before that (`TransferPlan.timeout_s`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
+from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.serving.deadline import Deadline
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
 from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult, TransferStats
-from pdspark.transfer.transfer_plan import cache_buffers, plan_writes
+from pdspark.transfer.plan_validation import validate_plan
+from pdspark.transfer.transfer_plan import WriteList, cache_buffers, plan_writes
 from pdspark.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
-# How long a transfer that started before its deadline may still take (the decode side waits this much longer).
+# How long after the deadline a call still waits for writes that started before it (they end within the transfer
+# engine's own timeout); the rendezvous itself ends, and its pages are released, whenever they do.
 WRITE_GRACE_S = 30.0
+# A failed transfer id is remembered this long past its deadline, so that a leg arriving late (stuck in a queue,
+# or sent to a process that was stopped) fails at once instead of prefilling a prompt nobody will collect.
+_REMEMBER_S = 60.0
+_MAX_REMEMBERED = 16384
+TRANSFER_THREADS = 4
 
 
-@dataclass
+@dataclass(eq=False)
 class _Rendezvous:
     transfer_id: str
-    deadline: float
+    deadline: Deadline
+    done: asyncio.Future  # -> TransferResult, or RequestFailed; both legs await it
     created: float = field(default_factory=time.monotonic)
     request_id: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None  # the prefill's: one token
+    submitted: bool = False  # the request was (or may have been) queued in the engine: release it at the end
     plan: TransferPlan | None = None
     plan_at: float | None = None
     first: RequestOutput | None = None
     prefill_s: float = 0.0
-    started: bool = False
-    finished_writing: bool = False
-    pending_failure: RequestFailed | None = None  # a failure that arrived while the writes were in flight
-    result: TransferResult | None = None
-    error: RequestFailed | None = None
-    done: threading.Event = field(default_factory=threading.Event)
+    started: bool = False  # the transfer task runs
+    writing: bool = False  # reads and writes run on the transfer executor
+    pending_failure: RequestFailed | None = None  # a failure that arrived while writing
+    released: bool = False
+    timer: asyncio.TimerHandle | None = None
 
 
 class PrefillWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor,
-                 metrics: WorkerMetrics | None = None):
-        self.loop = loop
+                 metrics: WorkerMetrics | None = None, max_pending: int = 1024, executor: Executor | None = None):
         self.engine = EngineClient(loop)
         self.backend = backend
         self.compat = compat
         self.metrics = metrics
+        self.max_pending = max_pending
         self.buffers = cache_buffers(loop.engine.kv.pools)  # fixed at start: the pools never move
-        self._lock = threading.Lock()
-        self._pending: dict[str, _Rendezvous] = {}
-        # Failed transfer ids, remembered until their deadline: a leg arriving after the failure fails at once.
-        self._failed: dict[str, tuple[RequestFailed, float]] = {}
-        loop.add_ticker(self._expire)
+        self._executor = executor or ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="transfer")
+        self._pending: dict[str, _Rendezvous] = {}  # by transfer id
+        self._by_request: dict[str, _Rendezvous] = {}
+        self._failed: dict[str, tuple[RequestFailed, float]] = {}  # transfer id -> (failure, remembered until)
+        self._tasks: set[asyncio.Task] = set()
 
     # ---- the two legs ------------------------------------------------------------------------------------------------
-    def prefill(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
-                deadline: float) -> TransferResult:
-        """Prefill the prompt and wait (until `deadline`, unix seconds) for the transfer; raises `RequestFailed`."""
-        rv = self._rendezvous(transfer_id, deadline)
-        with self._lock:
-            if rv.request_id is not None:
-                raise RequestFailed(ErrorCode.INVALID_REQUEST,
-                                    f"transfer_id {transfer_id!r} is already being prefilled")
-            rv.request_id = request_id
-        first_only = replace(params, max_tokens=1, stop=(), stop_token_ids=())
-        t0 = time.monotonic()
-        try:
-            self.engine.submit(request_id, prompt_ids, first_only,
-                               lambda out: self._prefilled(rv, out, time.monotonic() - t0), hold_pages=True)
-        except PdsparkError as e:
-            self._fail(rv, as_request_failed(e))
-        return self._wait(rv)
+    async def prefill(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
+                      deadline: Deadline) -> TransferResult:
+        """Prefill the prompt once its plan is here and wait (until `deadline`) for the transfer; raises
+        `RequestFailed`: OVERLOADED at once when `max_pending` transfers are in flight, ALREADY_EXISTS for a
+        request id or transfer id in flight here."""
+        if request_id in self._by_request:
+            raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {request_id!r} is already being prefilled")
+        rv = self._join(transfer_id, deadline)
+        if rv.request_id is not None:
+            raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"transfer_id {transfer_id!r} is already being prefilled")
+        rv.request_id, rv.prompt_ids = request_id, prompt_ids
+        rv.params = replace(params, max_tokens=1, stop=(), stop_token_ids=())
+        self._by_request[request_id] = rv
+        self._maybe_submit(rv)
+        return await self._wait(rv)
 
-    def submit_plan(self, plan: TransferPlan) -> TransferResult:
-        """Accept a decode worker's plan; returns once the cache is in its memory; raises `RequestFailed`."""
-        rv = self._rendezvous(plan.transfer_id, plan.deadline)
-        diff = self.compat.diff(plan.compat)
-        if diff:
-            message = f"prefill and decode workers differ in {', '.join(diff)}; refusing to transfer"
-            self._fail(rv, RequestFailed(ErrorCode.INCOMPATIBLE, message))
+    async def submit_plan(self, plan: TransferPlan, deadline: Deadline) -> TransferResult:
+        """Accept a decode worker's plan; returns once the cache is in its memory; raises `RequestFailed`
+        (INCOMPATIBLE / INVALID_REQUEST for a plan we must not write, naming the field)."""
+        rv = self._join(plan.transfer_id, deadline)
+        if rv.plan is not None:
+            raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"a plan for transfer {plan.transfer_id!r} already arrived")
+        try:
+            mismatched = self.compat.mismatches(plan.compat)
+            if mismatched:
+                raise RequestFailed(ErrorCode.INCOMPATIBLE, f"prefill and decode workers differ in "
+                                                            f"{', '.join(mismatched)}; refusing to transfer")
+            validate_plan(plan, self.buffers)
+        except RequestFailed as e:
+            self._fail(rv, e)
         else:
-            with self._lock:
-                rv.plan, rv.plan_at = plan, time.monotonic()
-            self._maybe_start(rv)
-        return self._wait(rv)
+            rv.plan, rv.plan_at = plan, time.monotonic()
+            self._maybe_submit(rv)
+        return await self._wait(rv)
+
+    def refuse_plan(self, transfer_id: str, failure: RequestFailed, deadline: Deadline) -> None:
+        """A plan that could not even be read (a payload kind we do not know): fail its transfer now, so that the
+        prefill leg does not wait for a plan until its deadline."""
+        rv = self._pending.get(transfer_id)
+        if rv is None:
+            self._remember(transfer_id, failure, deadline)
+        elif rv.plan is None:  # else a second plan for a transfer that has one: only its sender hears of it
+            self._fail(rv, failure)
 
     def abort(self, request_id: str) -> bool:
-        with self._lock:
-            rv = next((r for r in self._pending.values() if r.request_id == request_id), None)
+        """Fail the request's transfer (ABORTED) now; False when it is not in flight here."""
+        rv = self._by_request.get(request_id)
         if rv is None:
             return False
         self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"request {request_id!r} aborted"))
@@ -108,144 +147,200 @@ class PrefillWorker:
 
     @property
     def in_flight(self) -> int:
-        with self._lock:
-            return len(self._pending)
+        return len(self._pending)
 
-    # ---- internals ---------------------------------------------------------------------------------------------------
-    def _rendezvous(self, transfer_id: str, deadline: float) -> _Rendezvous:
-        with self._lock:
-            failed = self._failed.get(transfer_id)
-            if failed is not None:
-                raise failed[0]
-            rv = self._pending.get(transfer_id)
-            if rv is None:
-                rv = self._pending[transfer_id] = _Rendezvous(transfer_id, deadline)
-            rv.deadline = min(rv.deadline, deadline)
-            return rv
+    # ---- the rendezvous ----------------------------------------------------------------------------------------------
+    def _join(self, transfer_id: str, deadline: Deadline) -> _Rendezvous:
+        """The rendezvous of `transfer_id`, made by the first leg; raises the failure of one that already ended,
+        or OVERLOADED when a new one would exceed `max_pending`."""
+        failed = self._failed.get(transfer_id)
+        if failed is not None and failed[1] > time.monotonic():
+            raise failed[0]
+        rv = self._pending.get(transfer_id)
+        if rv is None:
+            if len(self._pending) >= self.max_pending:
+                failure = RequestFailed(ErrorCode.OVERLOADED, f"{len(self._pending)} transfers in flight, the most "
+                                                              "this prefill worker takes (max_pending_prefills)")
+                self._remember(transfer_id, failure, deadline)  # the other leg is refused at once too
+                if self.metrics is not None:
+                    self.metrics.refused.inc()
+                raise failure
+            rv = _Rendezvous(transfer_id, deadline, asyncio.get_running_loop().create_future())
+            rv.done.add_done_callback(_consume)
+            self._pending[transfer_id] = rv
+            self._arm(rv)
+        elif deadline.at < rv.deadline.at:
+            rv.deadline = deadline
+            self._arm(rv)
+        return rv
+
+    def _arm(self, rv: _Rendezvous) -> None:
+        """(Re)start the rendezvous's deadline timer (asyncio's clock is `time.monotonic()`)."""
+        if rv.timer is not None:
+            rv.timer.cancel()
+        rv.timer = asyncio.get_running_loop().call_at(rv.deadline.at, self._expire, rv)
+
+    def _expire(self, rv: _Rendezvous) -> None:
+        # Once the transfer started, it fails on its own: no batch of writes starts after the deadline.
+        if not rv.started:
+            self._fail(rv, RequestFailed(ErrorCode.DEADLINE, _deadline_message(rv)))
+
+    def _maybe_submit(self, rv: _Rendezvous) -> None:
+        """Both legs are here: queue the prompt in the engine (see the NOTE above)."""
+        if rv.submitted or rv.done.done() or rv.plan is None or rv.request_id is None:
+            return
+        if rv.plan.prompt_len != len(rv.prompt_ids):
+            self._fail(rv, RequestFailed(ErrorCode.INVALID_REQUEST, f"TransferPlan.prompt_len: {rv.plan.prompt_len} "
+                                                                    f"tokens; the prompt has {len(rv.prompt_ids)}"))
+            return
+        rv.submitted = True
+        self._spawn(self._submit(rv))
+
+    async def _submit(self, rv: _Rendezvous) -> None:
+        assert rv.request_id is not None and rv.params is not None
+        if rv.done.done():
+            return  # ended before this task ran; its release was queued first and finds nothing
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+
+        def listener(out: RequestOutput) -> None:  # engine thread
+            if out.finished:
+                loop.call_soon_threadsafe(self._prefilled, rv, out, time.monotonic() - t0)
+
+        try:
+            await self.engine.submit(rv.request_id, rv.prompt_ids, rv.params, listener, hold_pages=True)
+        except RequestFailed as e:
+            # ALREADY_EXISTS: the engine holds another request under this id, not ours to release (`prefill`
+            # refuses ids in flight here, and FIFO order runs an ended one's release first: kept for safety).
+            rv.submitted = e.code is not ErrorCode.ALREADY_EXISTS
+            self._fail(rv, e)
 
     def _prefilled(self, rv: _Rendezvous, out: RequestOutput, seconds: float) -> None:
-        """Loop thread: the prompt is computed and the first token sampled (pages held)."""
-        if not out.finished:
-            return
-        if rv.done.is_set():  # failed while the request was being queued: nobody else frees its pages now
-            self._release(rv)
-            return
+        """The prompt is computed and the first token sampled (pages held), as the engine thread reported."""
+        if rv.done.done():
+            return  # ended meanwhile: the release queued when it ended frees the pages
         if out.finish_reason == FinishReason.ABORT:
-            self._fail(rv, RequestFailed(ErrorCode.ABORTED, "prefill aborted"))
+            reason = f": {out.stop_reason}" if out.stop_reason else ""
+            self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"prefill aborted{reason}"))
             return
-        with self._lock:
-            rv.first, rv.prefill_s = out, seconds
-        self._maybe_start(rv)
+        rv.first, rv.prefill_s = out, seconds
+        rv.started = True
+        self._spawn(self._transfer(rv))
 
-    def _maybe_start(self, rv: _Rendezvous) -> None:
-        with self._lock:
-            if rv.started or rv.done.is_set() or rv.plan is None or rv.first is None:
-                return
-            rv.started = True
-        # NOTE: the writes run on the loop thread, between steps, like every other touch of the engine's pages.
-        self.loop.submit(self._transfer, rv)
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)  # a reference, so that the task is not collected while it runs
+        task.add_done_callback(self._tasks.discard)
 
-    def _transfer(self, rv: _Rendezvous) -> None:
-        """Loop thread: write every payload into the decode worker's memory, then release the held pages."""
+    async def _transfer(self, rv: _Rendezvous) -> None:
+        """Read the held pages and write them into the decode worker's memory (on the transfer executor); end the
+        rendezvous when the writes stop, with whatever failure arrived meanwhile."""
         assert rv.plan is not None and rv.first is not None and rv.request_id is not None
-        if rv.done.is_set():  # expired or aborted while queued; the failure path released the pages
-            return
-        with self._lock:
-            queued_failure = rv.pending_failure
-            if queued_failure is not None:  # aborted after the start was queued: write nothing
-                rv.finished_writing = True
-        if queued_failure is not None:
-            self._fail(rv, queued_failure)
-            return
-        if time.time() > rv.deadline:
-            with self._lock:
-                rv.finished_writing = True
-            self._fail(rv, RequestFailed(ErrorCode.DEADLINE,
-                                         f"transfer {rv.transfer_id!r}: deadline passed before writing"))
-            return
+        failure: RequestFailed | None = None
         try:
+            if rv.deadline.expired:
+                raise RequestFailed(ErrorCode.DEADLINE, f"transfer {rv.transfer_id!r}: the deadline passed before "
+                                                        "the first write")
+            pages = await self.engine.held_pages(rv.request_id)
+            if rv.done.done():
+                return  # failed while we asked (an abort): nothing was written, the failure released the pages
+            rv.writing = True
             t0 = time.monotonic()
-            writes = plan_writes(self.buffers, rv.plan, self.engine.held_pages(rv.request_id), _read_memory)
-            self.backend.write(rv.plan.session, writes.writes)
+            writes = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._write, rv.plan, pages, rv.deadline.at)
             seconds = time.monotonic() - t0
-        except Exception as e:  # TransferError, or pages no longer there
+        except RequestFailed as e:
+            failure = e
+        except Exception as e:  # TransferError, or anything unexpected while reading or writing
             logger.warning("transfer %s failed: %s", rv.transfer_id, e)
-            with self._lock:
-                rv.finished_writing = True
-            self._fail(rv, RequestFailed(ErrorCode.TRANSFER, str(e)))
+            failure = RequestFailed(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: {e}")
+        finally:
+            rv.writing = False
+        failure = failure or rv.pending_failure
+        if failure is not None:
+            self._end(rv, failure)
             return
         stats = TransferStats(
             bytes=writes.nbytes, num_writes=len(writes.writes), transfer_s=seconds, prefill_s=rv.prefill_s,
             plan_wait_s=max(0.0, (rv.plan_at or rv.created) - rv.created), bytes_by_pool=writes.bytes_by_pool,
         )
         first = rv.first
-        result = TransferResult(
-            transfer_id=rv.transfer_id, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens,
-            checksum=writes.checksum, stats=stats, first_logprob=first.logprobs[0] if first.logprobs else None,
-        )
         if self.metrics is not None:
             self.metrics.observe_transfer(stats)
-        with self._lock:
-            rv.finished_writing = True
-            late_failure = rv.pending_failure
-        if late_failure is not None:
-            self._fail(rv, late_failure)
-            return
-        self._release(rv)
-        with self._lock:
-            rv.result = result
-            self._pending.pop(rv.transfer_id, None)
-        rv.done.set()
+        self._end(rv, TransferResult(
+            transfer_id=rv.transfer_id, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens,
+            checksum=writes.checksum, stats=stats, first_logprob=first.logprobs[0] if first.logprobs else None,
+        ))
+
+    def _write(self, plan: TransferPlan, pages, deadline: float) -> WriteList:
+        """Transfer thread: the held pages stay as they are until the rendezvous ends (after this returns)."""
+        writes = plan_writes(self.buffers, plan, pages, _read_memory)
+        self.backend.write(plan.session, writes.writes, deadline)
+        return writes
 
     def _fail(self, rv: _Rendezvous, error: RequestFailed) -> None:
-        with self._lock:
-            if rv.done.is_set():
-                return
-            if rv.started and not rv.finished_writing:
-                rv.pending_failure = rv.pending_failure or error  # reported once the writes are done
-                return
-            rv.error = error
-            self._pending.pop(rv.transfer_id, None)
-            self._failed[rv.transfer_id] = (error, rv.deadline)
-        if self.metrics is not None:
-            self.metrics.transfer_failures.labels(reason=error.code.value).inc()
-        self._release(rv)
-        rv.done.set()
+        if rv.done.done():
+            return
+        if rv.writing:
+            rv.pending_failure = rv.pending_failure or error  # reported once the writes stop
+            return
+        self._end(rv, error)
 
-    def _release(self, rv: _Rendezvous) -> None:
-        """Stop the request or free its held pages, whichever state it is in."""
-        if rv.request_id is not None:
-            self.engine.release(rv.request_id)
+    def _end(self, rv: _Rendezvous, outcome: TransferResult | RequestFailed) -> None:
+        """The one place a rendezvous ends: both legs answered, its pages released (once), its id forgotten."""
+        assert not rv.done.done() and not rv.writing
+        if rv.timer is not None:
+            rv.timer.cancel()
+        self._pending.pop(rv.transfer_id, None)
+        if rv.request_id is not None and self._by_request.get(rv.request_id) is rv:
+            del self._by_request[rv.request_id]
+        if isinstance(outcome, RequestFailed):
+            self._remember(rv.transfer_id, outcome, rv.deadline)
+            if self.metrics is not None:
+                self.metrics.transfer_failures.labels(reason=outcome.code.value).inc()
+            rv.done.set_exception(outcome)
+        else:
+            rv.done.set_result(outcome)
+        if rv.submitted and not rv.released:
+            rv.released = True
+            assert rv.request_id is not None
+            self.engine.release(rv.request_id)  # stops the request, or frees the pages it holds
 
-    def _wait(self, rv: _Rendezvous) -> TransferResult:
-        if not rv.done.wait(max(0.0, rv.deadline - time.time())):
-            self._fail(rv, RequestFailed(ErrorCode.DEADLINE, self._deadline_message(rv)))
-            # Writes already in flight finish first (bounded by the transfer engine's own timeouts).
-            if not rv.done.wait(WRITE_GRACE_S):
-                raise RequestFailed(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: writes did not finish")
-        if rv.error is not None:
-            raise rv.error
-        assert rv.result is not None
-        return rv.result
+    async def _wait(self, rv: _Rendezvous) -> TransferResult:
+        try:
+            # Shielded: the rendezvous is shared by both legs; one caller going away must not cancel it.
+            return await asyncio.wait_for(asyncio.shield(rv.done), rv.deadline.remaining() + WRITE_GRACE_S)
+        except TimeoutError:
+            raise RequestFailed(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: writes still running "
+                                                    f"{WRITE_GRACE_S:.0f}s after the deadline") from None
+        except asyncio.CancelledError:
+            self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"transfer {rv.transfer_id!r}: a caller went away"))
+            raise
 
-    def _expire(self) -> None:
-        """Ticker: fail rendezvous whose deadline passed (a plan that never came, a prefill that never came)."""
-        now = time.time()
-        with self._lock:
-            late = [rv for rv in self._pending.values() if rv.deadline < now and not rv.started]
+    def _remember(self, transfer_id: str, failure: RequestFailed, deadline: Deadline) -> None:
+        now = time.monotonic()
+        self._failed[transfer_id] = (failure, max(deadline.at, now) + _REMEMBER_S)
+        if len(self._failed) > _MAX_REMEMBERED:
             self._failed = {k: v for k, v in self._failed.items() if v[1] > now}
-        for rv in late:
-            self._fail(rv, RequestFailed(ErrorCode.DEADLINE, self._deadline_message(rv)))
+            while len(self._failed) > _MAX_REMEMBERED:  # still too many: forget the oldest
+                del self._failed[next(iter(self._failed))]
 
-    @staticmethod
-    def _deadline_message(rv: _Rendezvous) -> str:
-        missing = "the decode worker's transfer plan" if rv.plan is None else "the prefill request"
-        return f"transfer {rv.transfer_id!r}: {missing} did not arrive before the deadline"
+
+def _deadline_message(rv: _Rendezvous) -> str:
+    if rv.plan is None:
+        return f"transfer {rv.transfer_id!r}: the decode worker's transfer plan did not arrive before the deadline"
+    if rv.request_id is None:
+        return f"transfer {rv.transfer_id!r}: the prefill request did not arrive before the deadline"
+    return f"transfer {rv.transfer_id!r}: the prompt was not prefilled before the deadline"
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Mark a rendezvous's outcome as read (a leg that went away no longer reads it)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _read_memory(addr: int, nbytes: int) -> bytes:
     import ctypes
 
     return ctypes.string_at(addr, nbytes)
-
-

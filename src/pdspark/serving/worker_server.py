@@ -1,19 +1,24 @@
 """`run_worker`: the composition of one prefill or decode worker process.
 
-engine (+ draft) -> engine loop thread -> transfer backend with every pool registered -> worker -> gRPC server
-(worker service, standard health checking, reflection) + Prometheus `/metrics`. Prints one JSON "ready" line on
-stdout (with the ports actually bound) and serves until SIGTERM/SIGINT, then drains and stops.
+engine (+ draft) -> engine loop thread -> transfer backend with every pool registered -> worker -> grpc.aio server
+(worker service, standard health checking, reflection; keepalive) + Prometheus `/metrics`. Prints one JSON
+"ready" line on stdout (with the ports actually bound) and serves until SIGTERM/SIGINT, then drains and stops.
+
+Threads: the main thread runs the asyncio loop (every gRPC handler, every rendezvous and stream); the engine loop
+thread runs the engine; a small transfer executor reads and writes cache pages (Mooncake calls block); the
+metrics server has its own thread. None of them waits on another without a deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import logging
 import signal
 import sys
-import threading
 import time
-from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,23 +27,26 @@ from prometheus_client import start_http_server
 
 from pdspark.config import WorkerConfig
 from pdspark.engine.factory import create_engine
+from pdspark.rpc.keepalive import SERVER_OPTIONS
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
 from pdspark.serving.metrics import WorkerMetrics
 from pdspark.serving.prefill_client import PrefillClients
-from pdspark.serving.prefill_worker import PrefillWorker
+from pdspark.serving.prefill_worker import TRANSFER_THREADS, PrefillWorker
 from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import registered_regions
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 _METRICS_EVERY_S = 0.5
+_GIL_SWITCH_S = 0.001
 
 
 class WorkerServer:
     def __init__(self, cfg: WorkerConfig):
+        """Load the engine and build the worker (slow: the model loads); `start` then serves it."""
         self.cfg = cfg
         engine = create_engine(cfg.model, progress=False, config=cfg.engine)
         self.loop = EngineLoop(engine)
@@ -46,39 +54,50 @@ class WorkerServer:
         for addr, nbytes in registered_regions(engine.kv.pools):
             self.backend.register(addr, nbytes)
         self.metrics = WorkerMetrics(cfg.role)
+        self.executor = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="transfer")
         compat = describe_engine(engine)
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_threads))
+        self.prefill_clients: PrefillClients | None = None
         if cfg.role == "prefill":
-            self.worker = PrefillWorker(self.loop, self.backend, compat, self.metrics)
-            self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker)
-            worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.grpc)
-            service = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
-            in_flight = lambda: self.worker.in_flight  # noqa: E731
+            self.worker: PrefillWorker | DecodeWorker = PrefillWorker(
+                self.loop, self.backend, compat, self.metrics, max_pending=cfg.max_pending_prefills,
+                executor=self.executor)
+            self.service = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
         else:
-            self.worker = DecodeWorker(self.loop, self.backend, compat, PrefillClients().submit_plan, self.metrics)
-            self.servicer = DecodeServicer(self.worker)
-            worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.grpc)
-            service = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
-            in_flight = lambda: self.worker.transfers_in_flight  # noqa: E731
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.grpc
-        )
-        self.port = self.grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            self.prefill_clients = PrefillClients()
+            self.worker = DecodeWorker(self.loop, self.backend, compat, self.prefill_clients.submit_plan, self.metrics,
+                                       max_waiting=cfg.max_waiting_streams, executor=self.executor)
+            self.service = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
         self._last_metrics = 0.0
-        self.loop.add_ticker(lambda: self._sample_metrics(in_flight))
-        self.service = service
+        self.loop.add_ticker(self._sample_metrics)
 
-    def _sample_metrics(self, in_flight) -> None:
+    def _in_flight(self) -> int:
+        w = self.worker
+        return w.in_flight if isinstance(w, PrefillWorker) else w.transfers_in_flight
+
+    def _sample_metrics(self) -> None:
         now = time.monotonic()
         if now - self._last_metrics >= _METRICS_EVERY_S:
             self._last_metrics = now
-            self.metrics.sample_engine(self.loop.engine, in_flight())
+            self.metrics.sample_engine(self.loop.engine, self._in_flight())
 
-    def start(self) -> dict:
+    async def start(self) -> dict:
+        """Start the engine loop and serve (on the running asyncio loop); returns the ready line's fields."""
+        self.grpc = grpc.aio.server(options=SERVER_OPTIONS)
+        if isinstance(self.worker, PrefillWorker):
+            self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker)
+            worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.grpc)
+        else:
+            self.servicer = DecodeServicer(self.worker)
+            worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.grpc)
+        # Health answers from the asyncio loop, never behind the engine: a busy worker is still SERVING.
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            (self.service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.grpc)
+        self.port = self.grpc.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
         self.loop.start()
-        self.grpc.start()
+        await self.grpc.start()
         metrics_port = None  # null on the ready line: no metrics server
         if self.cfg.metrics_port is not None:
             server, _ = start_http_server(self.cfg.metrics_port, addr=self.cfg.host, registry=self.metrics.registry)
@@ -86,7 +105,7 @@ class WorkerServer:
             # Reported in GetLoad: the router lists it in /workers without being told.
             self.servicer.metrics_url = f"http://{self.cfg.advertise_host}:{metrics_port}/metrics"
         for name in ("", self.service):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return {
             "event": "ready",
             "role": self.cfg.role,
@@ -96,23 +115,38 @@ class WorkerServer:
             "transfer_session": self.backend.session_id,
         }
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    async def stop(self, grace_s: float = 5.0) -> None:
         for name in ("", self.service):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.grpc.stop(grace_s).wait(grace_s + 1)
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc.stop(grace_s)
+        if self.prefill_clients is not None:
+            await self.prefill_clients.close()
         self.loop.stop()
+        self.executor.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
+
+
+async def _serve(server: WorkerServer) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps(await server.start()), flush=True)
+    await stop.wait()
+    logger.info("%s worker stopping", server.cfg.role)
+    await server.stop()
 
 
 def run_worker(cfg: WorkerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     server = WorkerServer(cfg)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    print(json.dumps(server.start()), flush=True)
-    stop.wait()
-    logger.info("%s worker stopping", cfg.role)
-    server.stop()
+    # NOTE: latency of the asyncio thread (health and load calls answer within 100 ms under any load). The engine
+    # thread runs Python between kernels; a shorter GIL switch interval (5 ms by default) hands the GIL to a woken
+    # asyncio thread sooner. Freezing what the model load allocated keeps full garbage collections (which stop
+    # every thread) from walking the model's objects again and again.
+    sys.setswitchinterval(_GIL_SWITCH_S)
+    gc.collect()
+    gc.freeze()
+    asyncio.run(_serve(server))
     return 0

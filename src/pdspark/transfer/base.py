@@ -3,12 +3,16 @@
 Contract:
 - `register(addr, nbytes)` once per pool at start-up, on both sides (sources and destinations).
 - `session_id` names this side; a peer writes into our memory by naming it.
-- `write(session, writes)` copies every `(src_addr, dst_addr, nbytes)` (src local, dst in the peer's registered
-  memory) and returns only when all bytes landed; raises `TransferError` if anything failed.
+- `write(session, writes, deadline)` copies every `(src_addr, dst_addr, nbytes)` (src local, dst in the peer's
+  registered memory) and returns only when all bytes landed; raises `TransferError` if anything failed. It blocks
+  (callers run it on a transfer thread, never on the engine or asyncio thread) and starts no batch of writes after
+  `deadline` (`time.monotonic()` seconds; None: no deadline); a batch in flight ends within the backend's own
+  timeout. Safe to call from several threads at once.
 """
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple, Protocol
 
 from pdspark.errors import PdsparkError
@@ -16,6 +20,12 @@ from pdspark.errors import PdsparkError
 
 class TransferError(PdsparkError):
     """The transfer engine could not move the bytes."""
+
+
+def check_deadline(deadline: float | None, done: int, total: int) -> None:
+    """Raise `TransferError` when `deadline` has passed, before a backend starts the next batch of writes."""
+    if deadline is not None and time.monotonic() >= deadline:
+        raise TransferError(f"deadline passed after {done} of {total} writes; the rest were not started")
 
 
 class Write(NamedTuple):
@@ -30,6 +40,6 @@ class TransferBackend(Protocol):
 
     def register(self, addr: int, nbytes: int) -> None: ...
 
-    def write(self, session: str, writes: list[Write]) -> None: ...
+    def write(self, session: str, writes: list[Write], deadline: float | None = None) -> None: ...
 
     def close(self) -> None: ...

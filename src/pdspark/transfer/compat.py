@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 1
+# 2: relative timeouts instead of wall-clock deadlines on the wire; the prefix-cache setting in the descriptor.
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,17 @@ class CompatDescriptor:
     hca_ring: int
     sliding_window: int
     draft_config: str
+    # NOTE: with the prefix cache on, a worker keeps the SWA pages of a longer tail (`KVCache.keep_from`: what a
+    # later match at the last cacheable boundary needs), and a decode worker asks for that whole tail. A prefill
+    # worker without the cache has already freed the start of it, so the pair could never transfer a prompt
+    # longer than the window; the other way round (the prefill side keeps more than asked) works.
+    prefix_cache: bool
 
-    def diff(self, other: CompatDescriptor) -> list[str]:
-        """Names of the fields that differ."""
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+    def mismatches(self, decode: CompatDescriptor) -> list[str]:
+        """Names of the fields that keep this (prefill) worker from transferring into `decode`: every field that
+        differs, except `prefix_cache`, which matters only when the decode side has the cache and we do not."""
+        names = [f.name for f in dataclasses.fields(self) if f.name != "prefix_cache"
+                 and getattr(self, f.name) != getattr(decode, f.name)]
+        if decode.prefix_cache and not self.prefix_cache:
+            names.append("prefix_cache")
+        return names

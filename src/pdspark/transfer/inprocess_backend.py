@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 
-from pdspark.transfer.base import TransferError, Write
+from pdspark.transfer.base import TransferError, Write, check_deadline
 
 _SESSIONS: dict[str, InProcessBackend] = {}
 _ids = itertools.count()
@@ -25,10 +25,11 @@ class InProcessBackend:
     def register(self, addr: int, nbytes: int) -> None:
         self.regions.append((addr, addr + nbytes))
 
-    def write(self, session: str, writes: list[Write]) -> None:
+    def write(self, session: str, writes: list[Write], deadline: float | None = None) -> None:
         peer = _SESSIONS.get(session)
         if peer is None:
             raise TransferError(f"no in-process peer {session!r}")
+        check_deadline(deadline, 0, len(writes))
         for w in writes:
             if not any(lo <= w.dst_addr and w.dst_addr + w.nbytes <= hi for lo, hi in peer.regions):
                 raise TransferError(f"write of {w.nbytes} bytes outside {session}'s registered memory")

@@ -51,7 +51,9 @@ class TransferPlan:
     swa_first_page: int
     c128_pages: tuple[int, ...]
     req_slot: int
-    deadline: float  # unix seconds
+    # Relative, as on the wire: seconds from the plan's arrival within which its last write must start. The
+    # receiver turns it into a deadline on its own clock.
+    timeout_s: float
 
 
 @dataclass(frozen=True)

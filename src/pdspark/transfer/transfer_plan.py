@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from pdspark.cache.kv_cache import KVCache, ReqPages
 from pdspark.cache.kv_pools import KVPools
+from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.transfer.base import Write
 from pdspark.transfer.plan import SWA_KINDS, BufferDesc, PoolKind, TransferPlan
+from pdspark.transfer.plan_validation import destination_items
 
 
 @dataclass(frozen=True)
@@ -83,23 +85,36 @@ def destination(kv: KVCache, pages: ReqPages, prompt_len: int) -> dict:
 
 
 def item_pairs(plan: TransferPlan, src: ReqPages, kind: PoolKind) -> list[tuple[int, int]]:
-    """`(source item, destination item)` pairs of one pool kind, in the plan's canonical order."""
+    """`(source item, destination item)` pairs of one pool kind, in the plan's canonical order. Raises
+    `RequestFailed` (naming the plan field) when `src` does not hold an item the plan asks for."""
     if kind in (PoolKind.C4_KV, PoolKind.C4_INDEX):
-        return list(zip(src.full_pages[: len(plan.full_pages)], plan.full_pages))
+        return list(zip(_source(src.full_pages, plan.full_pages, "full_pages"), plan.full_pages))
     if kind == PoolKind.C128_KV:
-        return list(zip(src.c128_pages[: len(plan.c128_pages)], plan.c128_pages))
+        return list(zip(_source(src.c128_pages, plan.c128_pages, "c128_pages"), plan.c128_pages))
     if kind in SWA_KINDS:
         first = plan.swa_first_page
         tail = src.swa_pages[first : first + len(plan.swa_pages)]
         if len(tail) != len(plan.swa_pages) or any(p is None for p in tail):
-            raise ValueError("the prefill side no longer holds the SWA pages of the window tail")
+            kept = next((i for i, p in enumerate(src.swa_pages) if p is not None), len(src.swa_pages))
+            raise RequestFailed(ErrorCode.INCOMPATIBLE, f"TransferPlan.swa_first_page: the plan asks for SWA pages "
+                                f"from prompt page {first}; this worker keeps them from page {kept}")
         return list(zip(tail, plan.swa_pages))  # type: ignore[arg-type]
     return [(src.slot, plan.req_slot)]
 
 
+def _source(held: list[int], wanted: tuple[int, ...], field: str) -> list[int]:
+    """Our items for a plan field, which must name exactly as many destinations as we hold (fewer would leave
+    part of the prompt's cache behind, unnoticed by the checksum, which covers only the plan's items)."""
+    if len(wanted) != len(held):
+        raise RequestFailed(ErrorCode.INVALID_REQUEST, f"TransferPlan.{field}: {len(wanted)} destination items "
+                            f"for the {len(held)} this worker holds for the prompt")
+    return held
+
+
 def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages, read_memory) -> WriteList:
     """The merged writes that copy `src`'s cache into the plan's destination, and a checksum of the source bytes
-    (CRC32 over items in canonical order; the destination recomputes it over what arrived)."""
+    (CRC32 over items in canonical order; the destination recomputes it over what arrived). The plan must have
+    passed `validate_plan` against `local`; raises `RequestFailed` when `src` does not match it."""
     remote = {(b.pool, b.layer): b for b in plan.buffers}
     writes: list[Write] = []
     by_pool: dict[str, int] = {}
@@ -108,7 +123,7 @@ def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages, read
         dst_buf = remote.get((buf.pool, buf.layer))
         if dst_buf is None or buf.num_items == 0:
             continue
-        assert dst_buf.item_bytes == buf.item_bytes, f"{buf.pool.name} item sizes differ"
+        assert dst_buf.item_bytes == buf.item_bytes, f"{buf.pool.name} item sizes differ (validate_plan checks)"
         pairs = item_pairs(plan, src, buf.pool)
         for s, _ in pairs:
             crc = zlib.crc32(read_memory(buf.base_addr + s * buf.item_bytes, buf.item_bytes), crc)
@@ -125,19 +140,9 @@ def destination_checksum(local: list[BufferDesc], plan: TransferPlan, read_memor
     for buf in local:
         if buf.num_items == 0 or not any(b.pool == buf.pool and b.layer == buf.layer for b in plan.buffers):
             continue
-        for d in _destination_items(plan, buf.pool):
+        for d in destination_items(plan, buf.pool):
             crc = zlib.crc32(read_memory(buf.base_addr + d * buf.item_bytes, buf.item_bytes), crc)
     return crc
-
-
-def _destination_items(plan: TransferPlan, kind: PoolKind) -> tuple[int, ...]:
-    if kind in (PoolKind.C4_KV, PoolKind.C4_INDEX):
-        return plan.full_pages
-    if kind == PoolKind.C128_KV:
-        return plan.c128_pages
-    if kind in SWA_KINDS:
-        return plan.swa_pages
-    return (plan.req_slot,)
 
 
 def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:

@@ -81,7 +81,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class CompatDescriptor(_message.Message):
-    __slots__ = ("schema_version", "model_fingerprint", "layer_types", "csa_ratio", "hca_ratio", "head_dim", "index_head_dim", "kv_dtype", "state_dtype", "page_size", "c128_page_size", "csa_ring", "hca_ring", "sliding_window", "draft_config")
+    __slots__ = ("schema_version", "model_fingerprint", "layer_types", "csa_ratio", "hca_ratio", "head_dim", "index_head_dim", "kv_dtype", "state_dtype", "page_size", "c128_page_size", "csa_ring", "hca_ring", "sliding_window", "draft_config", "prefix_cache")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_TYPES_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class CompatDescriptor(_message.Message):
     HCA_RING_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     model_fingerprint: str
     layer_types: _containers.RepeatedScalarFieldContainer[str]
@@ -112,7 +113,8 @@ class CompatDescriptor(_message.Message):
     hca_ring: int
     sliding_window: int
     draft_config: str
-    def __init__(self, schema_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., layer_types: _Optional[_Iterable[str]] = ..., csa_ratio: _Optional[int] = ..., hca_ratio: _Optional[int] = ..., head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., state_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., c128_page_size: _Optional[int] = ..., csa_ring: _Optional[int] = ..., hca_ring: _Optional[int] = ..., sliding_window: _Optional[int] = ..., draft_config: _Optional[str] = ...) -> None: ...
+    prefix_cache: bool
+    def __init__(self, schema_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., layer_types: _Optional[_Iterable[str]] = ..., csa_ratio: _Optional[int] = ..., hca_ratio: _Optional[int] = ..., head_dim: _Optional[int] = ..., index_head_dim: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., state_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., c128_page_size: _Optional[int] = ..., csa_ring: _Optional[int] = ..., hca_ring: _Optional[int] = ..., sliding_window: _Optional[int] = ..., draft_config: _Optional[str] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
     __slots__ = ("code", "message")

@@ -30,18 +30,18 @@ POOL_KIND_C128_STATE: PoolKind
 POOL_KIND_DRAFT_KV: PoolKind
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "sampling", "deadline_unix_s")
+    __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "sampling", "timeout_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    deadline_unix_s: float
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("result",)
@@ -50,20 +50,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "sampling", "prefill_address", "deadline_unix_s")
+    __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "sampling", "prefill_address", "timeout_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prefill_address: str
-    deadline_unix_s: float
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_cached_tokens", "spec_verify_steps", "spec_accepted_tokens")
@@ -88,7 +88,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferPlan(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "session", "compat", "buffers", "prompt_len", "full_pages", "swa_pages", "swa_first_page", "c128_pages", "req_slot", "deadline_unix_s")
+    __slots__ = ("transfer_id", "request_id", "session", "compat", "buffers", "prompt_len", "full_pages", "swa_pages", "swa_first_page", "c128_pages", "req_slot", "timeout_ms")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -100,7 +100,7 @@ class TransferPlan(_message.Message):
     SWA_FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     C128_PAGES_FIELD_NUMBER: _ClassVar[int]
     REQ_SLOT_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     session: str
@@ -112,8 +112,8 @@ class TransferPlan(_message.Message):
     swa_first_page: int
     c128_pages: _containers.RepeatedScalarFieldContainer[int]
     req_slot: int
-    deadline_unix_s: float
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., session: _Optional[str] = ..., compat: _Optional[_Union[_common_pb2.CompatDescriptor, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferDescriptor, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., full_pages: _Optional[_Iterable[int]] = ..., swa_pages: _Optional[_Iterable[int]] = ..., swa_first_page: _Optional[int] = ..., c128_pages: _Optional[_Iterable[int]] = ..., req_slot: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    timeout_ms: int
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., session: _Optional[str] = ..., compat: _Optional[_Union[_common_pb2.CompatDescriptor, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferDescriptor, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., full_pages: _Optional[_Iterable[int]] = ..., swa_pages: _Optional[_Iterable[int]] = ..., swa_first_page: _Optional[int] = ..., c128_pages: _Optional[_Iterable[int]] = ..., req_slot: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class BufferDescriptor(_message.Message):
     __slots__ = ("pool", "layer", "base_addr", "item_bytes", "num_items")
@@ -187,7 +187,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "pages_used", "pages_total", "transfers_in_flight", "pages_cached", "metrics_url")
+    __slots__ = ("running", "waiting", "pages_used", "pages_total", "transfers_in_flight", "pages_cached", "metrics_url", "queued")
     class PagesUsedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class LoadReport(_message.Message):
     TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     pages_used: _containers.ScalarMap[str, int]
@@ -223,4 +224,5 @@ class LoadReport(_message.Message):
     transfers_in_flight: int
     pages_cached: _containers.ScalarMap[str, int]
     metrics_url: str
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_used: _Optional[_Mapping[str, int]] = ..., pages_total: _Optional[_Mapping[str, int]] = ..., transfers_in_flight: _Optional[int] = ..., pages_cached: _Optional[_Mapping[str, int]] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+    queued: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_used: _Optional[_Mapping[str, int]] = ..., pages_total: _Optional[_Mapping[str, int]] = ..., transfers_in_flight: _Optional[int] = ..., pages_cached: _Optional[_Mapping[str, int]] = ..., metrics_url: _Optional[str] = ..., queued: _Optional[int] = ...) -> None: ...
