@@ -31,6 +31,7 @@ generate: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench scripts services
+	$(VENV)/bin/mypy
 
 test: setup lint
 	$(VENV)/bin/pytest -q

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import BufferDesc, PoolKind, TransferPlan, TransferResult, TransferStats
@@ -21,12 +23,12 @@ ERROR_CODE_TO_PB: dict[ErrorCode, int] = {
     ErrorCode.ALREADY_EXISTS: common_pb2.ERROR_CODE_ALREADY_EXISTS,
 }
 ERROR_CODE_FROM_PB = {pb: code for code, pb in ERROR_CODE_TO_PB.items()}
-FINISH_REASON_TO_PB: dict[FinishReason, int] = {
+FINISH_REASON_TO_PB: dict[FinishReason, common_pb2.FinishReason] = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
-FINISH_REASON_FROM_PB = {pb: reason for reason, pb in FINISH_REASON_TO_PB.items()}
+FINISH_REASON_FROM_PB: dict[int, FinishReason] = {pb: reason for reason, pb in FINISH_REASON_TO_PB.items()}
 _POOL_KINDS = frozenset(k.value for k in PoolKind)
 # `optional` fields of the SamplingParams message: unset means the engine's default, which may differ from 0.
 _OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs")
@@ -64,7 +66,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def finish_reason_to_pb(reason: FinishReason | None) -> int:
+def finish_reason_to_pb(reason: FinishReason | None) -> common_pb2.FinishReason:
     return FINISH_REASON_TO_PB[reason] if reason is not None else common_pb2.FINISH_REASON_UNSPECIFIED
 
 
@@ -145,7 +147,8 @@ def plan_to_pb(plan: TransferPlan) -> worker_pb2.TransferPlan:
         compat=compat_to_pb(plan.compat),
         buffers=[
             worker_pb2.BufferDescriptor(
-                pool=int(b.pool), layer=b.layer, base_addr=b.base_addr, item_bytes=b.item_bytes, num_items=b.num_items
+                pool=cast("worker_pb2.PoolKind", int(b.pool)), layer=b.layer, base_addr=b.base_addr,
+                item_bytes=b.item_bytes, num_items=b.num_items,
             )
             for b in plan.buffers
         ],

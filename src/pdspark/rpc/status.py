@@ -42,7 +42,7 @@ async def abort_async(context: grpc.aio.ServicerContext, failure: RequestFailed)
 
 def reported_failure(e: grpc.RpcError) -> RequestFailed | None:
     """The failure the peer attached to its error, or None when the call failed without one."""
-    for key, value in e.trailing_metadata() or ():  # type: ignore[attr-defined]
+    for key, value in e.trailing_metadata() or ():
         if key == ERROR_KEY:
             return convert.failure_from_pb(common_pb2.ErrorDetail.FromString(value))
     return None
@@ -53,5 +53,5 @@ def failure_from_rpc_error(e: grpc.RpcError) -> RequestFailed:
     reported = reported_failure(e)
     if reported is not None:
         return reported
-    status: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
-    return RequestFailed(ErrorCode.of_transport(status.name), f"{status.name}: {e.details() or ''}")  # type: ignore
+    status: grpc.StatusCode = e.code()
+    return RequestFailed(ErrorCode.of_transport(status.name), f"{status.name}: {e.details() or ''}")

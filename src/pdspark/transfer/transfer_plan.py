@@ -77,7 +77,7 @@ def destination(kv: KVCache, pages: ReqPages, prompt_len: int) -> dict:
     return dict(
         prompt_len=prompt_len,
         full_pages=tuple(pages.full_pages[:n]),
-        swa_pages=tuple(swa),  # type: ignore[arg-type]
+        swa_pages=tuple(swa),
         swa_first_page=first,
         c128_pages=tuple(pages.c128_pages),
         req_slot=pages.slot,
