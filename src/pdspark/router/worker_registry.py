@@ -24,21 +24,15 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdspark.rpc.keepalive import CHANNEL_OPTIONS
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
 
-# A ping every 10 s on every router->worker connection, idle or not; one unanswered for 5 s closes it. Workers must
-# accept pings that often (their servers set `grpc.http2.min_ping_interval_without_data_ms` <= 10 s); the
-# health checks every `health_interval_s` also keep a strict server's ping-strike count at zero, since each answer
-# carries data.
-KEEPALIVE_OPTIONS = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),  # 0: no cap on pings between data frames
-)
+# Router->worker channels ping like every channel a pdspark service opens (`rpc/keepalive.py`: the same values as
+# the workers' servers accept); the health checks every `health_interval_s` keep connections busy besides.
+KEEPALIVE_OPTIONS = CHANNEL_OPTIONS
 
 
 @dataclass
