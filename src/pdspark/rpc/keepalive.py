@@ -19,6 +19,11 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),  # 0: no limit on pings between data frames
+    # Reconnect to a peer that came back (a restarted worker at its old address) within about a second: gRPC's
+    # default backoff grows to 120 s, which would keep a healthy worker out of the router for minutes.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
     ("grpc.max_receive_message_length", _MESSAGE_BYTES),
     ("grpc.max_send_message_length", _MESSAGE_BYTES),
 ]
