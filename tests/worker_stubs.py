@@ -18,13 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdspark.errors import RequestFailed
 from pdspark.rpc import status
+from pdspark.rpc.keepalive import SERVER_OPTIONS  # accept the router's pings as a worker does
 from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 OK, HOLD, HANG = "ok", "hold", "hang"
 
-# Accept the router's keepalive pings (every 10 s) as a worker must.
-SERVER_OPTIONS = (("grpc.keepalive_permit_without_calls", 1),
-                  ("grpc.http2.min_ping_interval_without_data_ms", 5_000))
 
 
 @dataclass(frozen=True)

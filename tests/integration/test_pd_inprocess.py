@@ -16,9 +16,9 @@ import torch
 from conftest import random_prompts
 from helpers import GREEDY, make_llm
 from pdspark import SamplingParams
+from pdspark.deadline import Deadline
 from pdspark.engine.factory import create_engine
 from pdspark.errors import ErrorCode, RequestFailed
-from pdspark.serving.deadline import Deadline
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop

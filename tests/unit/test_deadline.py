@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from pdspark.deadline import DEFAULT_TIMEOUT_S, Deadline
 from pdspark.rpc import convert
-from pdspark.serving.deadline import DEFAULT_TIMEOUT_S, Deadline
 from pdspark.v1 import worker_pb2
 
 

@@ -1,5 +1,7 @@
-"""Every gRPC channel argument the router and the SDK set is one gRPC knows: gRPC ignores an unknown key without a
-word, so a misspelt keepalive or ping-policy option would silently leave the default in place."""
+"""Every gRPC channel argument pdspark sets is one gRPC knows (gRPC ignores an unknown key without a word, so a
+misspelt keepalive or ping-policy option would silently leave the default in place), and every worker server
+accepts the pings the channels send (a server that thinks a client pings too often answers GOAWAY
+"too_many_pings", which would break the channel instead)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import pytest
 from grpc._cython import cygrpc
 
 from pdspark.client.client import KEEPALIVE_OPTIONS as SDK_KEEPALIVE
-from pdspark.router.router_server import SERVER_OPTIONS
-from pdspark.router.worker_registry import KEEPALIVE_OPTIONS as WORKER_CHANNEL_KEEPALIVE
+from pdspark.router.router_server import SERVER_OPTIONS as ROUTER_SERVER
+from pdspark.rpc.keepalive import CHANNEL_OPTIONS, SERVER_OPTIONS
+
+ALL_KEYS = sorted({k for k, _ in (*CHANNEL_OPTIONS, *SERVER_OPTIONS, *ROUTER_SERVER, *SDK_KEEPALIVE)})
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +23,18 @@ def known_keys() -> bytes:
     return Path(cygrpc.__file__).read_bytes()
 
 
-@pytest.mark.parametrize("key", sorted({k for k, _ in (*SERVER_OPTIONS, *WORKER_CHANNEL_KEEPALIVE, *SDK_KEEPALIVE)}))
+@pytest.mark.parametrize("key", ALL_KEYS)
 def test_the_option_is_one_grpc_knows(known_keys, key):
     assert key.encode() + b"\0" in known_keys, f"gRPC has no channel argument {key!r}"
 
 
 def test_a_misspelt_option_would_be_caught(known_keys):
     assert b"grpc.http2.min_recv_ping_interval_without_data_ms\0" not in known_keys
+
+
+def test_servers_accept_the_pings_channels_send():
+    channel, server = dict(CHANNEL_OPTIONS), dict(SERVER_OPTIONS)
+    assert channel["grpc.keepalive_permit_without_calls"] == 1  # an idle channel to a hung peer breaks too
+    assert server["grpc.keepalive_permit_without_calls"] == 1
+    assert channel["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
+    assert server["grpc.http2.max_ping_strikes"] == 0 and channel["grpc.http2.max_pings_without_data"] == 0

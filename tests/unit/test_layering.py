@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "v1": 0,  # generated protobuf code
     "types": 1,
+    "deadline": 1,
     "hardware": 1,
     "assets": 1,
     "options": 1,  # the flag/env/keyword generator under config

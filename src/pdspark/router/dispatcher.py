@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, RequestFailed
-from pdspark.router.deadline import Deadline
 from pdspark.router.policies import Policy
 from pdspark.router.worker_registry import ROLES, WorkerInfo, WorkerRegistry
 from pdspark.rpc import convert

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdspark.config import RouterConfig
+from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.tokenizer import Tokenizer
 from pdspark.router.admission_queue import AdmissionQueue, AdmissionTicket
 from pdspark.router.chat_template import ChatTemplate
-from pdspark.router.deadline import Deadline
 from pdspark.router.dispatcher import DispatchChunk, Dispatcher
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry

@@ -30,9 +30,6 @@ from pdspark.v1 import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
 
-# Router->worker channels ping like every channel a pdspark service opens (`rpc/keepalive.py`: the same values as
-# the workers' servers accept); the health checks every `health_interval_s` keep connections busy besides.
-KEEPALIVE_OPTIONS = CHANNEL_OPTIONS
 
 
 @dataclass
@@ -86,7 +83,8 @@ class WorkerRegistry:
 
     def channel(self, w: WorkerInfo) -> grpc.aio.Channel:
         if w.channel is None:
-            w.channel = grpc.aio.insecure_channel(w.address, options=KEEPALIVE_OPTIONS)
+            # Pings and reconnects as every channel a pdspark service opens (`rpc/keepalive.py`).
+            w.channel = grpc.aio.insecure_channel(w.address, options=CHANNEL_OPTIONS)
         return w.channel
 
     def prefill_stub(self, w: WorkerInfo) -> worker_pb2_grpc.PrefillWorkerStub:

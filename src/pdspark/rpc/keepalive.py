@@ -5,7 +5,7 @@ noticed by the pings, not only by the calls' deadlines: the channel breaks after
 KEEPALIVE_TIMEOUT_MS` without an answer, failing every call on it (UNAVAILABLE) and reconnecting for the next.
 Servers accept pings that often, with or without calls in flight; otherwise gRPC answers frequent pings with
 GOAWAY ("too_many_pings") and the client loses the connection instead. gRPC ignores a key it does not know
-without a word: tests/unit/test_keepalive.py checks each one against gRPC core.
+without a word: tests/unit/test_grpc_options.py checks each one against gRPC core.
 """
 
 from __future__ import annotations

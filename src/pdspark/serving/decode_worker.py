@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TypeVar
 
+from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, RequestFailed
-from pdspark.serving.deadline import Deadline
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics

@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import os
 
+from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
 from pdspark.rpc import convert, status
-from pdspark.serving.deadline import Deadline
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_load import EngineLoad
 from pdspark.serving.prefill_worker import PrefillWorker

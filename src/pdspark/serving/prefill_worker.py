@@ -33,8 +33,8 @@ import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, RequestFailed
-from pdspark.serving.deadline import Deadline
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics

@@ -1,8 +1,9 @@
-"""`Deadline`: a point on this process's monotonic clock, made from the relative timeouts the wire carries.
+"""`Deadline`: when something must be over, as a point on this process's monotonic clock.
 
-No wall-clock time crosses hosts: a message carries `timeout_ms` (how long from its arrival), and the receiver
-turns it into a `Deadline` on receipt, the earlier of that and the gRPC call's own deadline. Passing a deadline on
-(the decode worker's plan to the prefill worker) sends what is left of it, again relative.
+No wall-clock time crosses hosts. A message carries a relative timeout (`timeout_ms`, or a gRPC call's own
+deadline); the receiver turns it into a `Deadline` on receipt, and passes on only what is left (`remaining()`).
+The router keeps one per request (its admission queue wait, every attempt on a pair and the whole stream: a retry
+gets what is left, never a fresh timeout); workers keep one per transfer.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ DEFAULT_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class Deadline:
     at: float  # time.monotonic() seconds
+    timeout_s: float  # what it was given, for messages
 
     @classmethod
     def after(cls, seconds: float) -> Deadline:
-        return cls(time.monotonic() + seconds)
+        return cls(time.monotonic() + seconds, seconds)
 
     @classmethod
     def on_receipt(cls, timeout_s: float, call_remaining_s: float | None,
@@ -31,7 +33,7 @@ class Deadline:
         return cls.after(max(0.0, min(given)) if given else default_s)
 
     def remaining(self) -> float:
-        """Seconds left, never negative."""
+        """Seconds left, never negative: the timeout for the next call."""
         return max(0.0, self.at - time.monotonic())
 
     @property
