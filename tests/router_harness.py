@@ -66,7 +66,7 @@ class RouterHarness:
         path = resolve_model("dsv4-tiny")
         metrics = RouterMetrics()
         dispatcher = Dispatcher(h.registry, LowestAddress(), LowestAddress(), transfer_timeout_s=cfg.transfer_timeout_s,
-                                metrics=metrics)
+                                max_attempts=cfg.max_attempts, max_migrations=cfg.max_migrations, metrics=metrics)
         max_len = min(4096, ModelConfig.from_dir(path).max_position_embeddings)
         h.core = RouterCore(path, "tiny", max_len, h.registry, dispatcher, metrics, cfg)
         h.router = grpc.aio.server(options=SERVER_OPTIONS)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdspark.errors import RequestFailed
+from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.rpc import status
 from pdspark.rpc.keepalive import SERVER_OPTIONS  # accept the router's pings as a worker does
 from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -38,6 +38,8 @@ Mode = str | RequestFailed | Delayed
 class Call:
     request_id: str
     timeout_s: float | None  # the caller's deadline as it arrived (relative)
+    prompt_token_ids: tuple[int, ...] = ()
+    generated_token_ids: tuple[int, ...] = ()  # a decode call's (a migrated stream's tokens so far)
 
 
 class _Stub:
@@ -52,7 +54,8 @@ class _Stub:
         self.running = 0
 
     def _next_mode(self, request, context) -> Mode:
-        self.calls.append(Call(request.request_id, context.time_remaining()))
+        self.calls.append(Call(request.request_id, context.time_remaining(), tuple(request.prompt_token_ids),
+                               tuple(getattr(request, "generated_token_ids", ()))))
         return self.script.pop(0) if self.script else self.mode
 
     async def _wait(self, mode: Mode, request_id: str, context) -> None:
@@ -94,17 +97,26 @@ class StubDecode(_Stub, worker_pb2_grpc.DecodeWorkerServicer):
         self.tokens = tokens
         self.delay_s = delay_s  # between tokens
         self.hang_with: set[str] = set()  # prefill addresses whose transfers never come
+        # Per call, in order: the stream breaks (UNAVAILABLE, as a worker that died) after this many chunks;
+        # HANG: it stalls there instead (as a stopped worker's stream).
+        self.breaks: list[int | tuple[int, str]] = []
 
     async def Generate(self, request, context):
         mode = self._next_mode(request, context)
         if request.prefill_address in self.hang_with:
             mode = HANG
         self.running += 1
+        stop_at = self.breaks.pop(0) if self.breaks else None
         try:
             await self._wait(mode, request.request_id, context)
-            for i in range(self.tokens):
-                if i and self.delay_s:
+            # A migrated stream continues the numbering: the client sees 0 .. tokens - 1 once each.
+            for n, i in enumerate(range(len(request.generated_token_ids), self.tokens)):
+                if n and self.delay_s:
                     await asyncio.sleep(self.delay_s)
+                if isinstance(stop_at, tuple) and n == stop_at[0]:
+                    await self._wait(stop_at[1], request.request_id, context)
+                elif n == stop_at:
+                    await status.abort_async(context, RequestFailed(ErrorCode.UNAVAILABLE, "stub decode died"))
                 last = i == self.tokens - 1
                 yield worker_pb2.GenerateChunk(
                     request_id=request.request_id, token_ids=[i], text=request.request_id + ";", finished=last,

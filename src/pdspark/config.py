@@ -146,6 +146,10 @@ class RouterConfig:
         "the workers)", minimum=1)
     transfer_timeout_s: float = option(30.0, "seconds a request's cache transfer may take before the pair is failed",
                                        flag="transfer-timeout")
+    max_attempts: int = option(3, "pairs a request tries before its first token (and after each migration) before "
+                               "it fails", minimum=1)
+    max_migrations: int = option(3, "times a stream whose decode worker failed mid-stream is moved to another pair "
+                                 "(prompt + tokens so far) before it fails; 0: never", minimum=0)
     # Admission. A default 1 prefill + 1 decode cluster runs 64 sequences per engine (max_num_seqs): twice that in
     # flight keeps the decode batch full while the next requests are in prefill and transfer; the queue holds
     # bursts of hundreds of requests, which wait for a turn instead of being refused.

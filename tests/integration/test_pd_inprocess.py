@@ -73,13 +73,15 @@ class Pair:
         """Run a coroutine on the pair's asyncio loop and wait (bounded) for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.aio).result(timeout_s)
 
-    def run(self, prompt, params, request_id="r", deadline_s=20.0, skip_prefill=False, skip_decode=False):
-        return self.call(self.dispatch(prompt, params, request_id, deadline_s, skip_prefill, skip_decode),
-                         deadline_s + 30)
+    def run(self, prompt, params, request_id="r", deadline_s=20.0, skip_prefill=False, skip_decode=False,
+            generated=()):
+        return self.call(self.dispatch(prompt, params, request_id, deadline_s, skip_prefill, skip_decode,
+                                       generated=generated), deadline_s + 30)
 
     async def dispatch(self, prompt, params, request_id="r", deadline_s=20.0, skip_prefill=False,
-                       skip_decode=False, transfer_id=None) -> dict:
-        """Both legs concurrently, tied by one transfer id, as the router sends them."""
+                       skip_decode=False, transfer_id=None, generated=()) -> dict:
+        """Both legs concurrently, tied by one transfer id, as the router sends them (`generated`: a migrated
+        stream's tokens so far: the prefill gets prompt + them, the decode continues after them)."""
         deadline = Deadline.after(deadline_s)
         tid = transfer_id or f"t-{request_id}"
         result: dict = {}
@@ -88,14 +90,15 @@ class Pair:
 
         async def prefill():
             try:
-                result["prefill"] = await self.prefill.prefill(request_id, tid, prompt, params, deadline)
+                result["prefill"] = await self.prefill.prefill(request_id, tid, [*prompt, *generated], params,
+                                                               deadline)
             except RequestFailed as e:
                 result["prefill_error"] = e
 
         async def decode():
             try:
-                result["outputs"] = [out async for out in self.decode.generate(request_id, tid, prompt, params,
-                                                                               "peer", deadline)]
+                result["outputs"] = [out async for out in self.decode.generate(
+                    request_id, tid, prompt, params, "peer", deadline, generated=generated)]
             except RequestFailed as e:
                 result["decode_error"] = e
 
@@ -155,6 +158,26 @@ def test_seeded_disaggregated_equals_offline(ckpt, speculative):
         assert pair.free_counts_restored()
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, dict(SAMPLED, seed=77)], ids=["greedy", "seeded"])
+def test_a_migrated_stream_continues_exactly_where_the_first_decode_stopped(ckpt, pair, sampling):
+    """The rung under live migration: a new pair given prompt + the first k generated tokens produces the rest of
+    the uninterrupted output (DSpark on), and its outputs count the k tokens as output (max_tokens, text) while
+    their logprobs cover only the new ones."""
+    prompt = random_prompts(1, [45], seed=8)[0]
+    params = SamplingParams(max_tokens=40, logprobs=2, **sampling)
+    offline = make_llm(ckpt, **{k: v for k, v in OPTS.items() if k != "speculative"})
+    want = offline.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    for k in (1, 17, 39):
+        got = pair.run(prompt, params, request_id=f"m{k}", generated=want.token_ids[:k])["outputs"][-1]
+        assert got.token_ids == want.token_ids, f"migrated after {k} tokens"
+        assert got.text == want.text and got.finish_reason == FinishReason.LENGTH
+        assert len(got.logprobs) == len(want.token_ids) - k
+        for a, b in zip(got.logprobs, want.logprobs[k:]):  # verify rows vs one-row decode: float noise only
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert a.top == pytest.approx(b.top, abs=1e-4)
+    assert pair.free_counts_restored()
 
 
 def test_decode_draws_fresh_randomness_after_the_prefill_token(ckpt):

@@ -194,13 +194,19 @@ class Engine:
         num_cached_tokens: int = 0,
         first_logprob=None,
         prompt: str | None = None,
+        generated: list[int] | tuple[int, ...] = (),
     ) -> RequestOutput:
         """Continue a request whose prompt cache (and first token) arrived by transfer into `pages`. Raises
-        `RequestFailed` (ALREADY_EXISTS) for an id already in flight; `pages` then stay the caller's."""
+        `RequestFailed` (ALREADY_EXISTS) for an id already in flight; `pages` then stay the caller's.
+
+        `generated`: a migrated request's tokens produced before (elsewhere), after the prompt; the transferred
+        cache covers prompt + generated and `first_token` follows them. They count as output (max_tokens, stop
+        strings, text), as if this engine had produced them."""
         self._check_new_id(request_id)
-        req = Request(request_id, list(prompt_token_ids), params, prompt=prompt, seed=self._effective_seed(params))
+        req = Request(request_id, list(prompt_token_ids), params, prompt=prompt, seed=self._effective_seed(params),
+                      output_token_ids=list(generated))
         req.pages = pages
-        req.num_computed_tokens = len(prompt_token_ids)
+        req.num_computed_tokens = req.num_tokens
         req.num_cached_tokens = num_cached_tokens
         self.requests[request_id] = req
         self.scheduler.adopt(req)

@@ -3,9 +3,17 @@
 Rules:
 - The decode worker's stream is the response. The prefill leg runs beside it; when either leg fails, the other is
   cancelled (the decode stream is closed; the prefill worker gets `Abort`), so no half of a pair is left waiting.
-- A failed pair is retried (new transfer id, another pair when there is one) only before the first token reached
-  the caller; after that the failure ends the request. A worker that is full (`OVERLOADED`) is not tried again for
-  the request: when every worker of a role has answered so, the request fails `OVERLOADED` (HTTP 429).
+- A failed pair is retried (new transfer id, another pair when there is one), up to `max_attempts` times before a
+  token reached the caller. A worker that is full (`OVERLOADED`) is not tried again for the request: when every
+  worker of a role has answered so, the request fails `OVERLOADED` (HTTP 429).
+- A decode leg that fails after tokens reached the caller (its stream broke, its worker died or stopped answering
+  health checks) is migrated, at most `max_migrations` times: a new pair gets prompt + the tokens generated so far;
+  its prefill computes that context and samples the next token at the next position, its decode continues from
+  there. Every draw is a function of (seed, position), so the continuation is the one the first decode worker
+  would have produced (greedy and seeded alike, DSpark on or off), and the caller's stream goes on with no token
+  lost, repeated or changed. Each migration is logged with the request id and counted.
+- A worker the registry marks down ends the attempts on it at once (those that still need it): a hung worker
+  costs a stream the health checks' detection time, not its deadline.
 - Every call to a worker carries a relative gRPC timeout: what is left of the request's one `Deadline`, shared by
   all attempts (the transfer rendezvous keeps its own, shorter, `transfer_timeout_s`). A client that goes away (or
   `abort`) cancels both legs.
@@ -18,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import secrets
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -71,20 +80,39 @@ class _PairFailed(Exception):
         self.avoid = avoid
 
 
+@dataclass
+class _Progress:
+    """What of a request reached the caller: a migrated stream continues after it."""
+
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None  # the first pair's: later pairs' prefix caches hit the generated tokens too
+    finished: bool = False
+    migrations: int = 0
+
+    def record(self, chunk: DispatchChunk) -> DispatchChunk:
+        self.generated += chunk.token_ids
+        self.finished = chunk.finished
+        if self.cached_tokens is None:
+            self.cached_tokens = chunk.cached_tokens
+        return replace(chunk, cached_tokens=self.cached_tokens)
+
+
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
-                 transfer_timeout_s: float = 30.0, max_attempts: int = 3, metrics=None):
+                 transfer_timeout_s: float = 30.0, max_attempts: int = 3, max_migrations: int = 3, metrics=None):
         self.registry = registry
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.transfer_timeout_s = transfer_timeout_s
         self.max_attempts = max_attempts
+        self.max_migrations = max_migrations
         self.metrics = metrics
         self.active: dict[str, _Active] = {}
+        registry.on_down.append(self._worker_down)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, deadline: Deadline,
                        aborted: asyncio.Event | None = None) -> AsyncIterator[DispatchChunk]:
-        """Stream the request's tokens.
+        """Stream the request's tokens, migrating the stream to another pair when its decode leg fails.
 
         Args:
             request_id: the router's id of the request (unique; `abort` takes it).
@@ -92,40 +120,66 @@ class Dispatcher:
             aborted: set when the caller aborted the request: no further attempt starts.
 
         Raises:
-            RequestFailed: no pair could serve it (the last attempt's failure), the deadline passed, or aborted.
+            RequestFailed: no pair could serve it (the last attempt's failure), the deadline passed, aborted, or
+                the stream failed more than `max_migrations` times.
         """
         # One seed for both legs and every attempt: the prefill worker draws token 1, the decode worker the rest.
         params = params if params.seed is not None else replace(params, seed=secrets.randbits(63))
+        progress = _Progress()
         excluded: set[str] = set()
         last: RequestFailed | None = None
-        for attempt in range(self.max_attempts):
+        attempts = 0  # since the last token reached the caller
+        for n in itertools.count():
             if aborted is not None and aborted.is_set():
                 raise RequestFailed(ErrorCode.ABORTED, "aborted by its caller")
             if deadline.expired:
                 raise RequestFailed(ErrorCode.DEADLINE, f"the request's timeout ({deadline.timeout_s:.3g} s) passed "
-                                    f"after {attempt} attempt(s)" + (f"; the last one: {last.message}" if last else ""))
-            prefill, decode = self._pick(prompt_ids, excluded)
-            worker_request_id = request_id if attempt == 0 else f"{request_id}-{attempt}"
-            started = False
+                                    f"after {n} attempt(s)" + (f"; the last one: {last.message}" if last else ""))
+            if attempts >= self.max_attempts:
+                assert last is not None
+                raise last
+            context = [*prompt_ids, *progress.generated]
+            prefill, decode = self._pick(context, excluded)
+            worker_request_id = request_id if n == 0 else f"{request_id}-{n}"
+            produced = False
             try:
-                async for chunk in self._run_pair(request_id, worker_request_id, prompt_ids, params, prefill, decode,
-                                                  deadline):
-                    started = True
-                    yield chunk
+                async for chunk in self._run_pair(request_id, worker_request_id, prompt_ids, progress.generated,
+                                                  params, prefill, decode, deadline):
+                    produced = True
+                    yield progress.record(chunk)
+                    if progress.finished:
+                        return  # whatever the stream does after its last chunk changes nothing for the caller
                 return
             except _PairFailed as e:
                 last = e.failure
-                if started or not e.failure.code.retryable:
+                if not e.failure.code.retryable:
                     raise e.failure from e.__cause__
+                if produced:
+                    self._migrating(request_id, progress, decode, e.failure)
+                    attempts = 0
+                    excluded = {decode.address}
+                    continue
+                attempts += 1
                 excluded.add(e.avoid)
                 if e.failure.code is ErrorCode.OVERLOADED and not self._untried_pair(excluded):
                     raise e.failure from e.__cause__  # every worker of a role is full: 429 now, not a retry on one
                 logger.warning("request %s attempt %d on (%s, %s) failed before its first token: %s", request_id,
-                               attempt + 1, prefill.address, decode.address, e.failure)
+                               n + 1, prefill.address, decode.address, e.failure)
                 if self.metrics is not None:
                     self.metrics.retries.inc()
-        assert last is not None
-        raise last
+        raise AssertionError("unreachable")
+
+    def _migrating(self, request_id: str, progress: _Progress, decode: WorkerInfo, failure: RequestFailed) -> None:
+        """Count a migration of the stream off `decode`, or end the request when it has had its share."""
+        if progress.migrations >= self.max_migrations:
+            raise RequestFailed(failure.code, f"{failure.message} (the stream was already migrated "
+                                              f"{progress.migrations} times, the most allowed: max_migrations)")
+        progress.migrations += 1
+        logger.warning("request %s: decode worker %s failed after %d tokens (%s); migrating the stream to another "
+                       "pair (migration %d of at most %d)", request_id, decode.address, len(progress.generated),
+                       failure, progress.migrations, self.max_migrations)
+        if self.metrics is not None:
+            self.metrics.migrations.inc()
 
     def _untried_pair(self, excluded: set[str]) -> bool:
         return all(any(w.address not in excluded for w in self.registry.healthy(role)) for role in ROLES)
@@ -144,8 +198,11 @@ class Dispatcher:
             self.metrics.selected.labels(role="decode", worker=decode.address).inc()
         return prefill, decode
 
-    async def _run_pair(self, key: str, request_id: str, prompt_ids, params, prefill: WorkerInfo, decode: WorkerInfo,
-                        request_deadline: Deadline) -> AsyncIterator[DispatchChunk]:
+    async def _run_pair(self, key: str, request_id: str, prompt_ids: list[int], generated: list[int], params,
+                        prefill: WorkerInfo, decode: WorkerInfo, request_deadline: Deadline
+                        ) -> AsyncIterator[DispatchChunk]:
+        """One attempt. `generated`: the tokens the caller already has (a migrated stream): the prefill computes
+        prompt + generated, the decode continues after them; the chunks carry only what follows."""
         transfer_id = uuid.uuid4().hex
         timeout_ms = convert.timeout_to_ms(self.transfer_timeout_s)  # relative: each worker times it from receipt
         sampling = convert.sampling_to_pb(params)
@@ -156,17 +213,21 @@ class Dispatcher:
         try:
             active.prefill_call = asyncio.ensure_future(self.registry.prefill_stub(prefill).Prefill(
                 worker_pb2.PrefillRequest(request_id=request_id, transfer_id=transfer_id,
-                                          prompt_token_ids=prompt_ids, sampling=sampling, timeout_ms=timeout_ms),
+                                          prompt_token_ids=[*prompt_ids, *generated], sampling=sampling,
+                                          timeout_ms=timeout_ms),
                 timeout=min(self.transfer_timeout_s + 5, request_deadline.remaining())))
             active.prefill_call.add_done_callback(functools.partial(self._prefill_done, active))
             active.stream = self.registry.decode_stub(decode).Generate(
                 worker_pb2.GenerateRequest(request_id=request_id, transfer_id=transfer_id,
                                            prompt_token_ids=prompt_ids, sampling=sampling,
-                                           prefill_address=prefill.address, timeout_ms=timeout_ms),
+                                           prefill_address=prefill.address, timeout_ms=timeout_ms,
+                                           generated_token_ids=generated),
                 timeout=request_deadline.remaining())
-            completion = 0
+            completion = len(generated)
+            streaming = False
             try:
                 async for msg in active.stream:
+                    streaming = True
                     completion += len(msg.token_ids)
                     yield DispatchChunk(list(msg.token_ids), msg.text, [convert.logprob_from_pb(x) for x in
                                         msg.logprobs], msg.finished, convert.finish_reason_from_pb(msg.finish_reason),
@@ -176,8 +237,9 @@ class Dispatcher:
                 # A failure the decode worker reported is about the transfer, so the prefill worker is the one to
                 # avoid; a call that failed without one never reached a working decode worker.
                 # A full decode worker (OVERLOADED) is itself the one to avoid.
+                # Once tokens flow, the transfer is over: the decode worker is the one that failed.
                 reported = reported_failure(e)
-                transfer_side = reported is not None and reported.code is not ErrorCode.OVERLOADED
+                transfer_side = not streaming and reported is not None and reported.code is not ErrorCode.OVERLOADED
                 avoid = prefill.address if transfer_side else decode.address
                 raise _PairFailed(RequestFailed(failure.code, f"decode worker {decode.address}: {failure.message}"),
                                   avoid) from e
@@ -236,6 +298,17 @@ class Dispatcher:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self.registry.prefill_stub(active.prefill).Abort(
                     worker_pb2.AbortRequest(request_id=request_id), timeout=2)
+
+    def _worker_down(self, worker: WorkerInfo) -> None:
+        """The registry marked `worker` down: end the attempts that still need it (its calls would hang until
+        keepalive or their deadlines). A prefill worker is no longer needed once its leg answered."""
+        failure = RequestFailed(ErrorCode.UNAVAILABLE, f"{worker.role} worker {worker.address} stopped answering "
+                                                       "health checks")
+        for active in list(self.active.values()):
+            needed = active.decode is worker or (active.prefill is worker and not (active.prefill_call is not None
+                                                                                   and active.prefill_call.done()))
+            if needed:
+                self._end_attempt(active, _PairFailed(failure, worker.address))
 
     def abort(self, request_id: str) -> bool:
         """End the running attempt of the request `request_id` (the router's id) with `ABORTED`; the attempt

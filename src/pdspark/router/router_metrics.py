@@ -29,6 +29,8 @@ class RouterMetrics:
         self.cached_tokens = Counter("pdspark_router_cached_tokens_total", "Prompt tokens served from prefix caches",
                                      registry=r)
         self.retries = Counter("pdspark_router_retries_total", "Pair retries before the first token", registry=r)
+        self.migrations = Counter("pdspark_router_migrations_total", "Streams moved to another pair after their "
+                                  "decode leg failed mid-stream", registry=r)
         self.selected = Counter("pdspark_router_worker_selected_total", "Worker selections", ["role", "worker"],
                                 registry=r)
         self.transfer_bytes = Histogram("pdspark_router_transfer_bytes", "Cache bytes moved per request",

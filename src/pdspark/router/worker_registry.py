@@ -62,6 +62,8 @@ class WorkerRegistry:
         self.load_interval_s = load_interval_s
         self.max_failures = max_failures
         self.workers: dict[str, WorkerInfo] = {}
+        # Called (on the loop) when a worker is marked down: the dispatcher ends the attempts that need it.
+        self.on_down: list[Callable[[WorkerInfo], None]] = []
 
     def add(self, role: str, address: str, metrics_url: str = "") -> WorkerInfo:
         if role not in ROLES:
@@ -104,11 +106,15 @@ class WorkerRegistry:
         w.failures = 0 if ok else w.failures + 1
         if ok and not w.healthy:
             logger.info("%s worker %s is healthy again", w.role, w.address)
-        if not ok and w.healthy and w.failures >= self.max_failures:
+        went_down = not ok and w.healthy and w.failures >= self.max_failures
+        if went_down:
             logger.warning("%s worker %s missed %d health checks in a row; marking it unhealthy", w.role, w.address,
                            w.failures)
         w.healthy = ok or (w.healthy and w.failures < self.max_failures)
         w.last_check = time.time()
+        if went_down:
+            for callback in self.on_down:
+                callback(w)
         return ok
 
     async def poll_load(self, w: WorkerInfo) -> bool:

@@ -16,6 +16,7 @@ import asyncio
 import ctypes
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TypeVar
 
 from pdspark.deadline import Deadline
@@ -91,12 +92,15 @@ class DecodeWorker:
         self.stall_timeout_s = STALL_TIMEOUT_S
 
     async def generate(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
-                       prefill_address: str, deadline: Deadline, prompt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       prefill_address: str, deadline: Deadline, prompt: str | None = None,
+                       generated: list[int] | tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes. Raises `RequestFailed` before the first one:
         OVERLOADED (at once) when `max_waiting` requests already wait for pages, ALREADY_EXISTS for an id in
         flight here, DEADLINE when the pages or the transfer did not come by `deadline`, or what the prefill side
-        reported. Closing the generator (the caller went away) lets go of everything the request holds."""
+        reported. Closing the generator (the caller went away) lets go of everything the request holds.
+
+        `generated`: a migrated stream's tokens produced by an earlier decode worker; the transfer brings the cache
+        of prompt + generated, and the outputs' `token_ids` start with them (`logprobs` only cover the new ones)."""
         if request_id in self._active:
             raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
         if self.waiting >= self.max_waiting:
@@ -105,14 +109,17 @@ class DecodeWorker:
             raise RequestFailed(ErrorCode.OVERLOADED, f"{self.waiting} requests already wait for pages, the most "
                                                       "this decode worker queues (max_waiting_streams)")
         stream = self._active[request_id] = _Stream()
+        # The cache to receive covers the context; the room to reserve is what is left to generate.
+        context = [*prompt_ids, *generated]
+        left = replace(params, max_tokens=max(1, params.max_tokens - len(generated)))
         try:
-            reservation = await self._reserve(stream, prompt_ids, params, deadline)
-            result = await self._receive(stream, request_id, transfer_id, prompt_ids, reservation, prefill_address,
+            reservation = await self._reserve(stream, context, left, deadline)
+            result = await self._receive(stream, request_id, transfer_id, context, reservation, prefill_address,
                                          deadline)
             outputs = OutputStream(asyncio.get_running_loop())
             try:
                 out = await stream.guard(self.engine.adopt(request_id, prompt_ids, params, reservation, result,
-                                                           outputs.put, prompt))
+                                                           outputs.put, prompt, generated))
             except RequestFailed as e:
                 self.engine.cancel_reservation(reservation)  # a no-op if the adopt ran after all
                 # The adopt may have run (aborted as it did); ALREADY_EXISTS: the request under this id is not ours.
@@ -136,6 +143,12 @@ class DecodeWorker:
             del self._active[request_id]
             if stream.in_engine:
                 self.engine.release(request_id)
+
+    def stable_text_of(self, token_ids: list[int]) -> str:
+        """The stable text (a trailing incomplete UTF-8 sequence held back) a stream of `token_ids` has sent; ""
+        without a tokenizer."""
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode(token_ids).rstrip("\ufffd") if tokenizer is not None and token_ids else ""
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: before it runs, its `generate` raises ABORTED; once it runs, the engine aborts it

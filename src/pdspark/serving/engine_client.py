@@ -30,6 +30,7 @@ from pdspark.types import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from pdspark.cache.kv_cache import ReqPages
+    from pdspark.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,11 @@ class EngineClient:
         self._engine = loop.engine
         self._reservations = ReservationQueue(loop.engine)
         loop.add_ticker(self._reservations.grant)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The engine's tokenizer (stateless: safe to use from any thread)."""
+        return self._engine.tokenizer
 
     # ---- both roles --------------------------------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, listener: Listener,
@@ -93,11 +99,13 @@ class EngineClient:
         self._queue(self._reservations.cancel, reservation)
 
     async def adopt(self, request_id: str, prompt_ids: list[int], params: SamplingParams, reservation: Reservation,
-                    result: TransferResult, listener: Listener, prompt: str | None = None) -> RequestOutput:
+                    result: TransferResult, listener: Listener, prompt: str | None = None,
+                    generated: list[int] | tuple[int, ...] = ()) -> RequestOutput:
         """Continue a request whose prompt cache (and first token) arrived into `reservation`; returns its first
         output, and delivers the later ones to `listener` (on the loop thread). Raises `RequestFailed`
-        (ALREADY_EXISTS: the reservation is then still the caller's)."""
-        return await self._call(self._adopt, request_id, prompt_ids, params, reservation, result, listener, prompt)
+        (ALREADY_EXISTS: the reservation is then still the caller's). `generated`: see `Engine.adopt`."""
+        return await self._call(self._adopt, request_id, prompt_ids, params, reservation, result, listener, prompt,
+                                generated)
 
     # ---- plumbing ----------------------------------------------------------------------------------------------------
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -149,9 +157,9 @@ class EngineClient:
         return req.pages
 
     def _adopt(self, request_id, prompt_ids, params, reservation: Reservation, result: TransferResult,
-               listener: Listener, prompt) -> RequestOutput:
+               listener: Listener, prompt, generated) -> RequestOutput:
         out = self._engine.adopt(request_id, prompt_ids, params, reservation.pages, result.first_token,
-                                 result.num_cached_tokens, result.first_logprob, prompt)
+                                 result.num_cached_tokens, result.first_logprob, prompt, generated)
         self._reservations.adopted(reservation)
         if not out.finished:
             self.loop.listen(request_id, listener)

@@ -84,17 +84,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Generate(self, request, context):
         try:
             params = convert.sampling_from_pb(request.sampling)
+            generated = list(request.generated_token_ids)
             stream = self.worker.generate(
                 request.request_id, request.transfer_id, list(request.prompt_token_ids), params,
-                request.prefill_address, _deadline(request.timeout_ms, context),
+                request.prefill_address, _deadline(request.timeout_ms, context), generated=generated,
             )
             # Closed explicitly: a caller that goes away cancels us at a `yield`, where the worker's generator is
             # suspended; closing it there releases the request now rather than when it is garbage-collected.
             async with contextlib.aclosing(stream):
-                sent, sent_text = 0, ""
+                # A migrated stream's generated tokens reached the client already, with their stable text (the
+                # earlier worker streamed exactly that): only what follows is new.
+                sent, sent_text = len(generated), self.worker.stable_text_of(generated)
                 async for out in stream:
                     text = stable_text(out)
-                    yield _chunk(out, sent, sent_text, text)
+                    yield _chunk(out, sent, sent_text, text, logprob_base=len(generated))
                     sent, sent_text = len(out.token_ids), text
         except PdsparkError as e:
             await status.abort_async(context, as_request_failed(e))
@@ -121,8 +124,10 @@ def stable_text(out: RequestOutput) -> str:
     return text if out.finished else text.rstrip("\ufffd")
 
 
-def _chunk(out: RequestOutput, sent: int, sent_text: str, text: str) -> worker_pb2.GenerateChunk:
-    """The part of `out` not streamed yet (`text` is its stable text; `sent_text` a prefix of it)."""
+def _chunk(out: RequestOutput, sent: int, sent_text: str, text: str, logprob_base: int = 0
+           ) -> worker_pb2.GenerateChunk:
+    """The part of `out` not streamed yet (`text` is its stable text; `sent_text` a prefix of it). `out.logprobs`
+    start at token `logprob_base` (a migrated stream's, after the tokens generated before)."""
     common = len(sent_text) if text.startswith(sent_text) else len(os.path.commonprefix([text, sent_text]))
     chunk = worker_pb2.GenerateChunk(
         request_id=out.request_id,
@@ -135,6 +140,6 @@ def _chunk(out: RequestOutput, sent: int, sent_text: str, text: str) -> worker_p
         spec_accepted_tokens=out.spec_accepted_tokens,
     )
     if out.logprobs:
-        chunk.logprobs.extend(convert.logprob_to_pb(lp) for lp in out.logprobs[sent:])
+        chunk.logprobs.extend(convert.logprob_to_pb(lp) for lp in out.logprobs[sent - logprob_base:])
     return chunk
 

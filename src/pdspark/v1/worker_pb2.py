@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdspark.v1 import common_pb2 as pdspark_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdspark/v1/worker.proto\x12\npdspark.v1\x1a\x17pdspark/v1/common.proto\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdspark.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x06 \x01(\rJ\x04\x08\x05\x10\x06R\x0f\x64\x65\x61\x64line_unix_s\"=\n\x0fPrefillResponse\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x1a.pdspark.v1.TransferResult\"\xc6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdspark.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\rJ\x04\x08\x06\x10\x07R\x0f\x64\x65\x61\x64line_unix_s\"\xaa\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdspark.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x18.pdspark.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x19\n\x11spec_verify_steps\x18\x08 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\t \x01(\rJ\x04\x08\x06\x10\x07J\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cR\x05\x65rrorR\x08transfer\"\xc9\x02\n\x0cTransferPlan\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\t\x12,\n\x06\x63ompat\x18\x04 \x01(\x0b\x32\x1c.pdspark.v1.CompatDescriptor\x12-\n\x07\x62uffers\x18\x05 \x03(\x0b\x32\x1c.pdspark.v1.BufferDescriptor\x12\x12\n\nprompt_len\x18\x06 \x01(\r\x12\x12\n\nfull_pages\x18\x07 \x03(\x05\x12\x11\n\tswa_pages\x18\x08 \x03(\x05\x12\x16\n\x0eswa_first_page\x18\t \x01(\r\x12\x12\n\nc128_pages\x18\n \x03(\x05\x12\x10\n\x08req_slot\x18\x0b \x01(\r\x12\x12\n\ntimeout_ms\x18\r \x01(\rJ\x04\x08\x0c\x10\rR\x0f\x64\x65\x61\x64line_unix_s\"\x7f\n\x10\x42ufferDescriptor\x12\"\n\x04pool\x18\x01 \x01(\x0e\x32\x14.pdspark.v1.PoolKind\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x12\n\nitem_bytes\x18\x04 \x01(\x04\x12\x11\n\tnum_items\x18\x05 \x01(\x04\"\xe5\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x12\n\nnum_writes\x18\x02 \x01(\r\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x13\n\x0bplan_wait_s\x18\x05 \x01(\x01\x12\x41\n\rbytes_by_pool\x18\x06 \x03(\x0b\x32*.pdspark.v1.TransferStats.BytesByPoolEntry\x1a\x32\n\x10\x42ytesByPoolEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xed\x01\n\x0eTransferResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.pdspark.v1.ErrorDetail\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdspark.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12(\n\x05stats\x18\x06 \x01(\x0b\x32\x19.pdspark.v1.TransferStats\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x06\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xc0\x03\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x39\n\npages_used\x18\x03 \x03(\x0b\x32%.pdspark.v1.LoadReport.PagesUsedEntry\x12;\n\x0bpages_total\x18\x04 \x03(\x0b\x32&.pdspark.v1.LoadReport.PagesTotalEntry\x12\x1b\n\x13transfers_in_flight\x18\x05 \x01(\r\x12=\n\x0cpages_cached\x18\x06 \x03(\x0b\x32\'.pdspark.v1.LoadReport.PagesCachedEntry\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0e\n\x06queued\x18\x08 \x01(\r\x1a\x30\n\x0ePagesUsedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x31\n\x0fPagesTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x32\n\x10PagesCachedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*\xe7\x01\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPOOL_KIND_C4_KV\x10\x01\x12\x16\n\x12POOL_KIND_C4_INDEX\x10\x02\x12\x15\n\x11POOL_KIND_C128_KV\x10\x03\x12\x14\n\x10POOL_KIND_SWA_KV\x10\x04\x12\x16\n\x12POOL_KIND_C4_STATE\x10\x05\x12\x1c\n\x18POOL_KIND_C4_INDEX_STATE\x10\x06\x12\x18\n\x14POOL_KIND_C128_STATE\x10\x07\x12\x16\n\x12POOL_KIND_DRAFT_KV\x10\x08\x32\x91\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdspark.v1.PrefillRequest\x1a\x1b.pdspark.v1.PrefillResponse\x12\x42\n\nSubmitPlan\x12\x18.pdspark.v1.TransferPlan\x1a\x1a.pdspark.v1.TransferResult\x12<\n\x05\x41\x62ort\x12\x18.pdspark.v1.AbortRequest\x1a\x19.pdspark.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdspark.v1.LoadRequest\x1a\x16.pdspark.v1.LoadReport2\xce\x01\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x08Generate\x12\x1b.pdspark.v1.GenerateRequest\x1a\x19.pdspark.v1.GenerateChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdspark.v1.AbortRequest\x1a\x19.pdspark.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdspark.v1.LoadRequest\x1a\x16.pdspark.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdspark/v1/worker.proto\x12\npdspark.v1\x1a\x17pdspark/v1/common.proto\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdspark.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x06 \x01(\rJ\x04\x08\x05\x10\x06R\x0f\x64\x65\x61\x64line_unix_s\"=\n\x0fPrefillResponse\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x1a.pdspark.v1.TransferResult\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdspark.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x1b\n\x13generated_token_ids\x18\x08 \x03(\x05J\x04\x08\x06\x10\x07R\x0f\x64\x65\x61\x64line_unix_s\"\xaa\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdspark.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x18.pdspark.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x19\n\x11spec_verify_steps\x18\x08 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\t \x01(\rJ\x04\x08\x06\x10\x07J\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cR\x05\x65rrorR\x08transfer\"\xc9\x02\n\x0cTransferPlan\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\t\x12,\n\x06\x63ompat\x18\x04 \x01(\x0b\x32\x1c.pdspark.v1.CompatDescriptor\x12-\n\x07\x62uffers\x18\x05 \x03(\x0b\x32\x1c.pdspark.v1.BufferDescriptor\x12\x12\n\nprompt_len\x18\x06 \x01(\r\x12\x12\n\nfull_pages\x18\x07 \x03(\x05\x12\x11\n\tswa_pages\x18\x08 \x03(\x05\x12\x16\n\x0eswa_first_page\x18\t \x01(\r\x12\x12\n\nc128_pages\x18\n \x03(\x05\x12\x10\n\x08req_slot\x18\x0b \x01(\r\x12\x12\n\ntimeout_ms\x18\r \x01(\rJ\x04\x08\x0c\x10\rR\x0f\x64\x65\x61\x64line_unix_s\"\x7f\n\x10\x42ufferDescriptor\x12\"\n\x04pool\x18\x01 \x01(\x0e\x32\x14.pdspark.v1.PoolKind\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x12\n\nitem_bytes\x18\x04 \x01(\x04\x12\x11\n\tnum_items\x18\x05 \x01(\x04\"\xe5\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x12\n\nnum_writes\x18\x02 \x01(\r\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x13\n\x0bplan_wait_s\x18\x05 \x01(\x01\x12\x41\n\rbytes_by_pool\x18\x06 \x03(\x0b\x32*.pdspark.v1.TransferStats.BytesByPoolEntry\x1a\x32\n\x10\x42ytesByPoolEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xed\x01\n\x0eTransferResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.pdspark.v1.ErrorDetail\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdspark.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12(\n\x05stats\x18\x06 \x01(\x0b\x32\x19.pdspark.v1.TransferStats\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x06\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xc0\x03\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x39\n\npages_used\x18\x03 \x03(\x0b\x32%.pdspark.v1.LoadReport.PagesUsedEntry\x12;\n\x0bpages_total\x18\x04 \x03(\x0b\x32&.pdspark.v1.LoadReport.PagesTotalEntry\x12\x1b\n\x13transfers_in_flight\x18\x05 \x01(\r\x12=\n\x0cpages_cached\x18\x06 \x03(\x0b\x32\'.pdspark.v1.LoadReport.PagesCachedEntry\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0e\n\x06queued\x18\x08 \x01(\r\x1a\x30\n\x0ePagesUsedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x31\n\x0fPagesTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x32\n\x10PagesCachedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*\xe7\x01\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPOOL_KIND_C4_KV\x10\x01\x12\x16\n\x12POOL_KIND_C4_INDEX\x10\x02\x12\x15\n\x11POOL_KIND_C128_KV\x10\x03\x12\x14\n\x10POOL_KIND_SWA_KV\x10\x04\x12\x16\n\x12POOL_KIND_C4_STATE\x10\x05\x12\x1c\n\x18POOL_KIND_C4_INDEX_STATE\x10\x06\x12\x18\n\x14POOL_KIND_C128_STATE\x10\x07\x12\x16\n\x12POOL_KIND_DRAFT_KV\x10\x08\x32\x91\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdspark.v1.PrefillRequest\x1a\x1b.pdspark.v1.PrefillResponse\x12\x42\n\nSubmitPlan\x12\x18.pdspark.v1.TransferPlan\x1a\x1a.pdspark.v1.TransferResult\x12<\n\x05\x41\x62ort\x12\x18.pdspark.v1.AbortRequest\x1a\x19.pdspark.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdspark.v1.LoadRequest\x1a\x16.pdspark.v1.LoadReport2\xce\x01\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x08Generate\x12\x1b.pdspark.v1.GenerateRequest\x1a\x19.pdspark.v1.GenerateChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdspark.v1.AbortRequest\x1a\x19.pdspark.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdspark.v1.LoadRequest\x1a\x16.pdspark.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,42 +40,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADREPORT_PAGESTOTALENTRY']._serialized_options = b'8\001'
   _globals['_LOADREPORT_PAGESCACHEDENTRY']._loaded_options = None
   _globals['_LOADREPORT_PAGESCACHEDENTRY']._serialized_options = b'8\001'
-  _globals['_POOLKIND']._serialized_start=2272
-  _globals['_POOLKIND']._serialized_end=2503
+  _globals['_POOLKIND']._serialized_start=2301
+  _globals['_POOLKIND']._serialized_end=2532
   _globals['_PREFILLREQUEST']._serialized_start=65
   _globals['_PREFILLREQUEST']._serialized_end=237
   _globals['_PREFILLRESPONSE']._serialized_start=239
   _globals['_PREFILLRESPONSE']._serialized_end=300
   _globals['_GENERATEREQUEST']._serialized_start=303
-  _globals['_GENERATEREQUEST']._serialized_end=501
-  _globals['_GENERATECHUNK']._serialized_start=504
-  _globals['_GENERATECHUNK']._serialized_end=802
-  _globals['_TRANSFERPLAN']._serialized_start=805
-  _globals['_TRANSFERPLAN']._serialized_end=1134
-  _globals['_BUFFERDESCRIPTOR']._serialized_start=1136
-  _globals['_BUFFERDESCRIPTOR']._serialized_end=1263
-  _globals['_TRANSFERSTATS']._serialized_start=1266
-  _globals['_TRANSFERSTATS']._serialized_end=1495
-  _globals['_TRANSFERSTATS_BYTESBYPOOLENTRY']._serialized_start=1445
-  _globals['_TRANSFERSTATS_BYTESBYPOOLENTRY']._serialized_end=1495
-  _globals['_TRANSFERRESULT']._serialized_start=1498
-  _globals['_TRANSFERRESULT']._serialized_end=1735
-  _globals['_ABORTREQUEST']._serialized_start=1737
-  _globals['_ABORTREQUEST']._serialized_end=1771
-  _globals['_ABORTRESPONSE']._serialized_start=1773
-  _globals['_ABORTRESPONSE']._serialized_end=1803
-  _globals['_LOADREQUEST']._serialized_start=1805
-  _globals['_LOADREQUEST']._serialized_end=1818
-  _globals['_LOADREPORT']._serialized_start=1821
-  _globals['_LOADREPORT']._serialized_end=2269
-  _globals['_LOADREPORT_PAGESUSEDENTRY']._serialized_start=2118
-  _globals['_LOADREPORT_PAGESUSEDENTRY']._serialized_end=2166
-  _globals['_LOADREPORT_PAGESTOTALENTRY']._serialized_start=2168
-  _globals['_LOADREPORT_PAGESTOTALENTRY']._serialized_end=2217
-  _globals['_LOADREPORT_PAGESCACHEDENTRY']._serialized_start=2219
-  _globals['_LOADREPORT_PAGESCACHEDENTRY']._serialized_end=2269
-  _globals['_PREFILLWORKER']._serialized_start=2506
-  _globals['_PREFILLWORKER']._serialized_end=2779
-  _globals['_DECODEWORKER']._serialized_start=2782
-  _globals['_DECODEWORKER']._serialized_end=2988
+  _globals['_GENERATEREQUEST']._serialized_end=530
+  _globals['_GENERATECHUNK']._serialized_start=533
+  _globals['_GENERATECHUNK']._serialized_end=831
+  _globals['_TRANSFERPLAN']._serialized_start=834
+  _globals['_TRANSFERPLAN']._serialized_end=1163
+  _globals['_BUFFERDESCRIPTOR']._serialized_start=1165
+  _globals['_BUFFERDESCRIPTOR']._serialized_end=1292
+  _globals['_TRANSFERSTATS']._serialized_start=1295
+  _globals['_TRANSFERSTATS']._serialized_end=1524
+  _globals['_TRANSFERSTATS_BYTESBYPOOLENTRY']._serialized_start=1474
+  _globals['_TRANSFERSTATS_BYTESBYPOOLENTRY']._serialized_end=1524
+  _globals['_TRANSFERRESULT']._serialized_start=1527
+  _globals['_TRANSFERRESULT']._serialized_end=1764
+  _globals['_ABORTREQUEST']._serialized_start=1766
+  _globals['_ABORTREQUEST']._serialized_end=1800
+  _globals['_ABORTRESPONSE']._serialized_start=1802
+  _globals['_ABORTRESPONSE']._serialized_end=1832
+  _globals['_LOADREQUEST']._serialized_start=1834
+  _globals['_LOADREQUEST']._serialized_end=1847
+  _globals['_LOADREPORT']._serialized_start=1850
+  _globals['_LOADREPORT']._serialized_end=2298
+  _globals['_LOADREPORT_PAGESUSEDENTRY']._serialized_start=2147
+  _globals['_LOADREPORT_PAGESUSEDENTRY']._serialized_end=2195
+  _globals['_LOADREPORT_PAGESTOTALENTRY']._serialized_start=2197
+  _globals['_LOADREPORT_PAGESTOTALENTRY']._serialized_end=2246
+  _globals['_LOADREPORT_PAGESCACHEDENTRY']._serialized_start=2248
+  _globals['_LOADREPORT_PAGESCACHEDENTRY']._serialized_end=2298
+  _globals['_PREFILLWORKER']._serialized_start=2535
+  _globals['_PREFILLWORKER']._serialized_end=2808
+  _globals['_DECODEWORKER']._serialized_start=2811
+  _globals['_DECODEWORKER']._serialized_end=3017
 # @@protoc_insertion_point(module_scope)

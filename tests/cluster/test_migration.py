@@ -1,0 +1,147 @@
+"""Live migration of a decode stream (DESIGN §3 rung 8): SIGKILL the decode worker serving a stream, right after its
+first token or in the middle, and the client's stream goes on on the other decode worker with exactly the tokens an
+uninterrupted offline run produces: greedy and seeded, DSpark on, over HTTP SSE (the official `openai` client) and
+the gRPC SDK. The launcher restarts the killed worker; each case waits for the whole cluster to be healthy again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from helpers import make_llm
+from pdspark import SamplingParams
+from pdspark.client import Client
+from pdspark.service_process import ServiceProcess, start_service
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
+
+ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
+# A killed decode worker is back quickly (same port); the other one serves meanwhile.
+SUPERVISION = ["--restart-backoff-s", "0.5", "--max-restart-backoff-s", "1"]
+PROMPT = "def fibonacci(n):"
+MAX_TOKENS = 96
+GREEDY = dict(temperature=0.0)
+SEEDED = dict(temperature=0.9, top_p=0.95, seed=1234)
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.05)
+    return value
+
+
+@pytest.fixture(scope="module")
+def cluster(draft_ckpt) -> Iterator[ServiceProcess]:
+    service = start_service("pdspark up", ["up", "--model", str(draft_ckpt), "--prefill", "1", "--decode", "2",
+                                           "--port", "0", "--grpc-port", "0", *ENGINE, *SUPERVISION],
+                            timeout=240, env={"OMP_NUM_THREADS": "1"})
+    try:
+        yield service
+    finally:
+        assert service.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def offline(draft_ckpt):
+    """The uninterrupted reference: one engine, no P/D, DSpark off (DSpark and plain give the same tokens)."""
+    return make_llm(draft_ckpt, page_size=16, max_model_len=256)
+
+
+def expected(offline, sampling: dict) -> tuple[list[int], str]:
+    out = offline.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **sampling))[0]
+    return out.token_ids, out.text
+
+
+def decodes(cluster: ServiceProcess) -> dict[str, dict]:
+    """name -> the decode worker's current `{"pid", "address"}` (after any restart)."""
+    out = {}
+    for name, first in cluster.info["services"].items():
+        if name.startswith("decode"):
+            restarts = [e for e in cluster.events if e.get("event") == "restarted" and e.get("service") == name]
+            out[name] = restarts[-1] if restarts else first
+    return out
+
+
+def running(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=5).running
+
+
+def all_healthy(cluster: ServiceProcess) -> bool:
+    with urllib.request.urlopen(cluster.info["http"] + "/workers", timeout=10) as r:
+        workers = json.loads(r.read())
+    return len(workers) == 3 and all(w["healthy"] for w in workers)
+
+
+def migrations(cluster: ServiceProcess) -> float:
+    with urllib.request.urlopen(cluster.info["http"] + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("pdspark_router_migrations_total "):
+                return float(line.split()[1])
+    raise AssertionError("pdspark_router_migrations_total is not exported")
+
+
+def kill_serving_decode(cluster: ServiceProcess) -> str:
+    """SIGKILL the decode worker that runs the (one) request in flight; its name."""
+    serving = wait_until(lambda: [n for n, w in decodes(cluster).items() if running(w["address"])], 10,
+                         "a decode worker runs the request")
+    (name,) = serving
+    os.kill(decodes(cluster)[name]["pid"], signal.SIGKILL)
+    return name
+
+
+def openai_stream(cluster, sampling: dict, kill_after: int) -> tuple[str, str | None]:
+    client = openai.OpenAI(base_url=cluster.info["http"] + "/v1", api_key="none", max_retries=0, timeout=120)
+    extra = {"ignore_eos": True, **({"seed": sampling["seed"]} if "seed" in sampling else {})}
+    kw = {k: v for k, v in sampling.items() if k != "seed"}
+    pieces, finish, received = [], None, 0
+    for chunk in client.completions.create(model=cluster.info["model"], prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                           stream=True, extra_body=extra, **kw):
+        if not chunk.choices:
+            continue
+        pieces.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+        received += 1
+        if received == kill_after:
+            kill_serving_decode(cluster)
+    return "".join(pieces), finish
+
+
+def sdk_stream(cluster, sampling: dict, kill_after: int) -> tuple[list[int], str]:
+    token_ids, text = [], []
+    with Client(cluster.info["grpc"], timeout=120) as client:
+        for chunk in client.stream(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, **sampling):
+            before = len(token_ids)
+            token_ids += chunk.token_ids
+            text.append(chunk.text)
+            if before < kill_after <= len(token_ids):
+                kill_serving_decode(cluster)
+    return token_ids, "".join(text)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kill_after", [1, 24], ids=["after-first-token", "mid-stream"])
+@pytest.mark.parametrize("api", ["openai-sse", "grpc-sdk"])
+def test_stream_survives_decode_sigkill_and_equals_offline(cluster, offline, api, sampling, kill_after):
+    wait_until(lambda: all_healthy(cluster), 60, "every worker healthy before the case")
+    before = migrations(cluster)
+    want_ids, want_text = expected(offline, sampling)
+    if api == "openai-sse":
+        text, finish = openai_stream(cluster, sampling, kill_after)
+        assert finish == "length"
+    else:
+        ids, text = sdk_stream(cluster, sampling, kill_after)
+        assert ids == want_ids
+    assert text == want_text
+    assert migrations(cluster) == before + 1
