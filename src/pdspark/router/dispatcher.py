@@ -11,6 +11,9 @@ Rules:
   `abort`) cancels both legs.
 - Each attempt reaches the workers under its own id (the router's request id, suffixed on retries), so a retry on
   the same worker never meets the previous attempt's request there.
+- A worker that the registry marks unhealthy (dead or hung: see `WorkerRegistry.on_down`) ends every attempt on it
+  that has not streamed a token yet, as a failure of that worker (so retried without it): a hung worker would
+  otherwise hold them until keepalive or the transfer timeout.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class _Active:
     stream: grpc.aio.UnaryStreamCall | None = None
     prefill_call: asyncio.Future | None = None
     failure: _PairFailed | None = None  # why the router itself ended the attempt (its decode stream cancelled)
+    streaming: bool = False  # the decode stream sent its first chunk
 
 
 class _PairFailed(Exception):
@@ -81,6 +85,8 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.metrics = metrics
         self.active: dict[str, _Active] = {}
+        self._background: set[asyncio.Future] = set()  # Aborts sent to workers marked down, not awaited
+        registry.on_down.append(self._worker_down)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, deadline: Deadline,
                        aborted: asyncio.Event | None = None) -> AsyncIterator[DispatchChunk]:
@@ -167,6 +173,7 @@ class Dispatcher:
             completion = 0
             try:
                 async for msg in active.stream:
+                    active.streaming = True
                     completion += len(msg.token_ids)
                     yield DispatchChunk(list(msg.token_ids), msg.text, [convert.logprob_from_pb(x) for x in
                                         msg.logprobs], msg.finished, convert.finish_reason_from_pb(msg.finish_reason),
@@ -233,9 +240,25 @@ class Dispatcher:
             # Also when the call already ended without the worker's answer (its deadline passed, the transport
             # broke): the prefill worker may still hold the request or wait for its plan; Abort drops it.
             active.prefill_call.cancel()
+            abort = asyncio.ensure_future(self.registry.prefill_stub(active.prefill).Abort(
+                worker_pb2.AbortRequest(request_id=request_id), timeout=2))
+            if not active.prefill.healthy:  # maybe hung: the retry does not wait for its answer
+                self._background.add(abort)
+                abort.add_done_callback(self._background.discard)
+                abort.add_done_callback(_consume)
+                return
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await self.registry.prefill_stub(active.prefill).Abort(
-                    worker_pb2.AbortRequest(request_id=request_id), timeout=2)
+                await abort
+
+    def _worker_down(self, w: WorkerInfo) -> None:
+        """`WorkerRegistry.on_down`: end the attempts on a worker that stopped answering health checks and that have
+        not streamed a token yet; they are retried without it, instead of waiting on a dead or hung worker until
+        keepalive or the transfer timeout ends them. An attempt already streaming no longer needs its prefill
+        worker, and its decode stream is left as it is."""
+        failure = RequestFailed(ErrorCode.UNAVAILABLE, f"{w.role} worker {w.address} stopped answering health checks")
+        for active in list(self.active.values()):
+            if not active.streaming and w.address in (active.prefill.address, active.decode.address):
+                self._end_attempt(active, _PairFailed(failure, w.address))
 
     def abort(self, request_id: str) -> bool:
         """End the running attempt of the request `request_id` (the router's id) with `ABORTED`; the attempt
@@ -253,6 +276,12 @@ def _prefill_settled(call: asyncio.Future) -> bool:
         return False
     e = call.exception()
     return e is None or (isinstance(e, grpc.aio.AioRpcError) and reported_failure(e) is not None)
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Read a background call's outcome (a failure is expected and of no use: the worker is down)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _cancelling() -> bool:
