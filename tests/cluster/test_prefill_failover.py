@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -136,40 +137,55 @@ async def one(i: int, http: openai.AsyncOpenAI, sdk: AsyncClient) -> list[int] |
     return (await sdk.generate(PROMPTS[i], ignore_eos=True, **sampling)).token_ids
 
 
+class FaultAtBusy(threading.Thread):
+    """Watches the victim's GetLoad every 2 ms (a thread of its own: no event-loop hop between seeing and acting)
+    and sends `sig` the moment it has two transfers in flight, one of them prefilling."""
+
+    def __init__(self, victim: ServiceProcess, sig: signal.Signals):
+        super().__init__(daemon=True)
+        self.victim, self.sig = victim, sig
+        self.stop = threading.Event()
+        self.seen: worker_pb2.LoadReport | None = None
+        self.at = 0.0  # time.monotonic() of the signal
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.victim.address) as channel:
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+            while not self.stop.wait(0.002):
+                report = stub.GetLoad(worker_pb2.LoadRequest(), timeout=5)
+                if report.transfers_in_flight >= 2 and report.running >= 1:
+                    os.kill(self.victim.pid, self.sig)
+                    self.seen, self.at = report, time.monotonic()
+                    return
+
+
 def run_with_fault(router: ServiceProcess, victim: ServiceProcess, sig: signal.Signals) -> tuple[list, float, Any]:
-    """Send the 16 requests; send `sig` to the victim once its GetLoad shows two transfers in flight. Returns the
-    answers (request order), the seconds from the signal to the last answer, and the victim's load report then."""
-    async def scenario():
-        http = openai.AsyncOpenAI(base_url=router.info["http"] + "/v1", api_key="none", max_retries=0,
-                                  timeout=TIMEOUT_S, default_headers={"X-Request-Timeout": str(TIMEOUT_S)})
-        async with AsyncClient(router.info["grpc"], timeout=TIMEOUT_S) as sdk:
-            tasks = [asyncio.ensure_future(one(i, http, sdk)) for i in range(N)]
-            with grpc.insecure_channel(victim.address) as channel:
-                stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+    """Send the 16 requests, `sig` to the victim once it is busy with them (`FaultAtBusy`). Returns the answers
+    (request order), the seconds from the signal to the last answer, and the victim's load report then."""
+    async def scenario() -> list:
+        async with openai.AsyncOpenAI(base_url=router.info["http"] + "/v1", api_key="none", max_retries=0,
+                                      timeout=TIMEOUT_S, default_headers={"X-Request-Timeout": str(TIMEOUT_S)}
+                                      ) as http, AsyncClient(router.info["grpc"], timeout=TIMEOUT_S) as sdk:
+            return await asyncio.gather(*(one(i, http, sdk) for i in range(N)))
 
-                def busy() -> worker_pb2.LoadReport | None:
-                    report = stub.GetLoad(worker_pb2.LoadRequest(), timeout=5)
-                    return report if report.transfers_in_flight >= 2 and report.running >= 1 else None
-
-                seen = None
-                t0 = time.monotonic()
-                while seen is None:
-                    assert time.monotonic() - t0 < 20, "the victim never had two transfers in flight"
-                    assert not all(t.done() for t in tasks), "every request ended before the victim was busy"
-                    seen = await asyncio.to_thread(busy)
-            os.kill(victim.pid, sig)
-            signalled = time.monotonic()
-            answers = await asyncio.gather(*tasks)
-            return answers, time.monotonic() - signalled, seen
-
-    return asyncio.run(scenario())
+    fault = FaultAtBusy(victim, sig)
+    fault.start()
+    try:
+        answers = asyncio.run(scenario())
+        done = time.monotonic()
+    finally:
+        fault.stop.set()
+        fault.join(10)
+    assert fault.seen is not None, "the victim was never busy with two transfers while the requests ran"
+    return answers, done - fault.at, fault.seen
 
 
 @pytest.fixture
 def victim(cluster):
     """A third prefill worker, admitted by the router for one test; killed (and SIGCONTed first) afterwards."""
     _, _, router = cluster
-    worker = start_worker("prefill", MODEL, *ENGINE)
+    # Prefill chunks of 64 tokens: each prompt stays in its engine for a few steps, a window for the signal.
+    worker = start_worker("prefill", MODEL, *ENGINE, "--max-num-batched-tokens", "64")
     try:
         set_worker(router, "POST", worker.address)
         wait_until(lambda: workers(router)[worker.address], 5, "the new prefill worker healthy in /workers")
@@ -228,6 +244,7 @@ def test_stopped_prefill_worker_its_requests_are_retried_once_it_is_marked_down(
           f"victim: {N} requests done {seconds:.2f}s after the stop; survivors idle {idle_s:.2f}s later; after "
           f"SIGCONT re-admitted in {back_s:.2f}s, idle in {victim_idle_s:.2f}s")
     # Serving on all three again, with the same outputs.
-    answers, _, _ = run_with_fault(router, victim, signal.SIGCONT)  # SIGCONT: a harmless signal to a running one
+    answers, seconds, _ = run_with_fault(router, victim, signal.SIGCONT)  # SIGCONT: harmless to a running one
     check_answers(answers, offline)
     check_survivors_idle(prefill, decode)
+    print(f"without a fault, the {N} requests were done {seconds:.2f}s after the same moment")
