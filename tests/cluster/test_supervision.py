@@ -2,6 +2,9 @@
 re-admits it, while the rest of the cluster keeps serving; a crash loop is reported without taking the cluster
 down; Ctrl-C (and a killed launcher) leaves no child behind.
 
+Liveness (DESIGN.md section 5): a killed worker is marked down in `/workers` within 2 s and is back, restarted and
+re-admitted, within 30 s; a stopped (hung) one is marked down within 2 s and re-admitted once it answers again.
+
 One 2 prefill + 2 decode cluster is shared by the tests below, which run in order and end with its Ctrl-C.
 """
 
@@ -24,12 +27,14 @@ import pytest
 from pdspark.service_process import ServiceProcess, start_service
 
 ENGINE = ["--model", "dsv4-tiny", "--max-model-len", "512", "--max-num-seqs", "4", "--port", "0", "--grpc-port", "0"]
-# The first restart waits long enough that, with the worker's own start (2-3 s), the router (two failed health
-# polls, 2 s apart) has marked it unhealthy before it is back, so the test sees it down; the backoff capped at the
-# same value and a crash loop after 3 failures keep the crash-loop test short.
+# The first restart waits long enough that the router (two failed health checks, 0.5 s apart) has marked the worker
+# unhealthy before it is back, so the test sees it down; the backoff capped at the same value and a crash loop
+# after 3 failures keep the crash-loop test short.
 SUPERVISION = ["--restart-backoff-s", "3", "--max-restart-backoff-s", "3", "--crash-loop-restarts", "3"]
 # Threads: shared 2-core machines; the children inherit the launcher's environment.
 ENV = {"OMP_NUM_THREADS": "1"}
+DETECT_S = 2.0  # a dead or hung worker is marked down within this (DESIGN.md section 5)
+BACK_S = 30.0  # a killed worker is restarted and re-admitted within this
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -118,9 +123,10 @@ def requests_meanwhile(info: dict) -> Iterator[dict]:
 
 
 def kill_and_watch_readmission(cluster: ServiceProcess, name: str) -> str:
-    """SIGKILL worker `name`; check the router marks it unhealthy, the launcher restarts it at the same address and
-    the router marks it healthy again, with requests sent meanwhile succeeding (a request in flight on the killed
-    worker could fail: the requests start after the kill). Returns the timings, for `pytest -s`."""
+    """SIGKILL worker `name`; check the router marks it unhealthy within `DETECT_S`, the launcher restarts it at
+    the same address and the router marks it healthy again, `BACK_S` after the kill at most, with requests sent
+    meanwhile succeeding (a request in flight on the killed worker could fail: the requests start after the kill).
+    Returns the timings, for `pytest -s`."""
     info = cluster.info
     before = current(cluster, name)
     assert health(info)[before["address"]] is True
@@ -128,21 +134,55 @@ def kill_and_watch_readmission(cluster: ServiceProcess, name: str) -> str:
     os.kill(before["pid"], signal.SIGKILL)
     killed = time.monotonic()
     with requests_meanwhile(info) as sent:
-        wait_until(lambda: health(info)[before["address"]] is False, 8, f"/workers shows {name} unhealthy")
+        wait_until(lambda: health(info)[before["address"]] is False, DETECT_S,
+                   f"/workers shows {name} unhealthy after SIGKILL")
         unhealthy_s = time.monotonic() - killed
-        wait_until(lambda: len(events(cluster, "restarted", name)) > restarts, 60, f"the launcher restarts {name}")
+        wait_until(lambda: len(events(cluster, "restarted", name)) > restarts, BACK_S - unhealthy_s,
+                   f"the launcher restarts {name}")
         restarted_s = time.monotonic() - killed
         after = current(cluster, name)
         assert after["address"] == before["address"] and after["pid"] != before["pid"]
-        wait_until(lambda: health(info)[after["address"]], 30, f"/workers shows {name} healthy again")
+        wait_until(lambda: health(info)[after["address"]], BACK_S - restarted_s,
+                   f"/workers shows {name} healthy again, {BACK_S}s after its SIGKILL")
         healthy_s = time.monotonic() - killed
     assert sent["failed"] == [] and sent["ok"] >= 1
     assert all(complete(info) == 4 for _ in range(3))
     (exited,) = [e for e in events(cluster, "exited", name) if e["pid"] == before["pid"]]
     assert exited["returncode"] == -signal.SIGKILL and exited["restart_in_s"] == 3.0
     assert cluster.alive and all(health(info).values())
-    return (f"{name} SIGKILL -> unhealthy in /workers {unhealthy_s:.1f}s, ready again {restarted_s:.1f}s, "
-            f"healthy in /workers {healthy_s:.1f}s; {sent['ok']} requests meanwhile")
+    return (f"{name} SIGKILL -> unhealthy in /workers {unhealthy_s:.2f}s, ready again {restarted_s:.2f}s "
+            f"(restart backoff 3 s), healthy in /workers {healthy_s:.2f}s; {sent['ok']} requests meanwhile")
+
+
+def stop_and_watch_readmission(cluster: ServiceProcess, name: str) -> str:
+    """SIGSTOP worker `name` (hung: its sockets stay open); check the router marks it unhealthy within `DETECT_S`
+    while requests sent meanwhile succeed on the others (one that started on it is retried elsewhere once it is
+    marked down); SIGCONT it and check the router re-admits it (the same process: nothing was restarted), which
+    then serves again. Returns the timings."""
+    info = cluster.info
+    before = current(cluster, name)
+    restarts = len(events(cluster, "restarted", name))
+    assert health(info)[before["address"]] is True
+    os.kill(before["pid"], signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        with requests_meanwhile(info) as sent:
+            wait_until(lambda: health(info)[before["address"]] is False, DETECT_S,
+                       f"/workers shows {name} unhealthy after SIGSTOP")
+            unhealthy_s = time.monotonic() - stopped
+            ok = sent["ok"]
+            wait_until(lambda: sent["ok"] >= ok + 2 or sent["failed"], 30, "requests served without the worker")
+    finally:
+        os.kill(before["pid"], signal.SIGCONT)
+    resumed = time.monotonic()
+    wait_until(lambda: health(info)[before["address"]], DETECT_S, f"/workers shows {name} healthy again after SIGCONT")
+    back_s = time.monotonic() - resumed
+    assert sent["failed"] == [] and sent["ok"] >= 2
+    assert current(cluster, name)["pid"] == before["pid"] and len(events(cluster, "restarted", name)) == restarts
+    assert all(complete(info) == 4 for _ in range(3))
+    assert cluster.alive and all(health(info).values())
+    return (f"{name} SIGSTOP -> unhealthy in /workers {unhealthy_s:.2f}s ({sent['ok']} requests meanwhile); "
+            f"SIGCONT -> healthy in /workers {back_s:.2f}s")
 
 
 def test_ready_line_lists_every_service(cluster):
@@ -159,6 +199,14 @@ def test_killed_decode_worker_is_restarted_and_readmitted(cluster):
 
 def test_killed_prefill_worker_is_restarted_and_readmitted(cluster):
     print(kill_and_watch_readmission(cluster, "prefill-0"))
+
+
+def test_stopped_decode_worker_is_marked_down_and_readmitted_after_sigcont(cluster):
+    print(stop_and_watch_readmission(cluster, "decode-2"))
+
+
+def test_stopped_prefill_worker_is_marked_down_and_readmitted_after_sigcont(cluster):
+    print(stop_and_watch_readmission(cluster, "prefill-1"))
 
 
 def test_killed_router_is_restarted_on_the_same_ports(cluster):

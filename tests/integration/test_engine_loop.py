@@ -60,3 +60,26 @@ def test_loop_sleeps_while_the_only_request_waits_for_held_pages(engine):
     finally:
         loop.stop(timeout=5)
     assert not loop.is_alive(), "stop() did not wake the waiting loop"
+
+
+def test_a_failing_clean_up_is_logged_not_lost(engine, caplog):
+    """Clean-ups are queued and never awaited: a broken invariant in one (a page freed twice, say) must reach the
+    log, or a test that checks the logs for errors could never see it."""
+    loop = EngineLoop(engine)
+    loop.start()
+    client = EngineClient(loop, timeout_s=30)
+    freed = threading.Event()
+
+    def release(request_id: str) -> None:
+        freed.set()
+        raise AssertionError(f"full: double free of page 3 ({request_id})")
+
+    client._release = release  # type: ignore[method-assign]
+    try:
+        with caplog.at_level("ERROR", logger="pdspark.serving.engine_client"):
+            client.release("r1")
+            assert freed.wait(5)
+            loop.call(lambda: None)  # the clean-up's done-callback ran before this command's turn
+        assert "engine-loop clean-up release failed" in caplog.text and "double free of page 3 (r1)" in caplog.text
+    finally:
+        loop.stop(timeout=5)

@@ -4,6 +4,7 @@ released; nothing is ever handed to a caller who has gone; request ids are uniqu
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -106,6 +107,29 @@ def test_a_result_that_arrives_as_its_caller_is_cancelled_is_taken_back():
         return undone
 
     assert asyncio.run(scenario()) == ["pages"]
+
+
+def test_a_failure_that_arrives_as_its_caller_is_cancelled_is_read_not_left_to_the_collector():
+    """`_Stream.guard`: the awaited call (the plan sent to a prefill worker that just died) fails in the same loop
+    iteration as the caller goes away (the router cancelled the stream: the prefill leg failed too). Its failure
+    is of no use to anyone, but left unread asyncio logs it, with a traceback, as "never retrieved"."""
+
+    async def scenario() -> list:
+        unread: list = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unread.append(context["message"]))
+        stream = _Stream()
+        call = asyncio.get_running_loop().create_future()
+        caller = asyncio.ensure_future(stream.guard(call))
+        await asyncio.sleep(0)
+        call.set_exception(RequestFailed(ErrorCode.UNAVAILABLE, "prefill worker gone"))
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        del call, caller
+        gc.collect()
+        return unread
+
+    assert asyncio.run(scenario()) == []
 
 
 def test_the_engine_refuses_a_request_id_in_flight(engine):

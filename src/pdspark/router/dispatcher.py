@@ -12,8 +12,10 @@ Rules:
   there. Every draw is a function of (seed, position), so the continuation is the one the first decode worker
   would have produced (greedy and seeded alike, DSpark on or off), and the caller's stream goes on with no token
   lost, repeated or changed. Each migration is logged with the request id and counted.
-- A worker the registry marks down ends the attempts on it at once (those that still need it): a hung worker
-  costs a stream the health checks' detection time, not its deadline.
+- A worker the registry marks down (dead or hung: `WorkerRegistry.on_down`) ends the attempts that still need it
+  at once, as a failure of that worker: a decode worker's (retried, or migrated once it streamed), and a prefill
+  worker's until its leg answered. A hung worker costs a request the health checks' detection time, not its
+  deadline; the Abort the hung prefill worker is sent is not waited for.
 - Every call to a worker carries a relative gRPC timeout: what is left of the request's one `Deadline`, shared by
   all attempts (the transfer rendezvous keeps its own, shorter, `transfer_timeout_s`). A client that goes away (or
   `abort`) cancels both legs.
@@ -69,6 +71,7 @@ class _Active:
     stream: grpc.aio.UnaryStreamCall | None = None
     prefill_call: asyncio.Future | None = None
     failure: _PairFailed | None = None  # why the router itself ended the attempt (its decode stream cancelled)
+    streaming: bool = False  # the decode stream sent its first chunk
 
 
 class _PairFailed(Exception):
@@ -108,6 +111,7 @@ class Dispatcher:
         self.max_migrations = max_migrations
         self.metrics = metrics
         self.active: dict[str, _Active] = {}
+        self._background: set[asyncio.Future] = set()  # Aborts sent to workers marked down, not awaited
         registry.on_down.append(self._worker_down)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, deadline: Deadline,
@@ -224,10 +228,9 @@ class Dispatcher:
                                            generated_token_ids=generated),
                 timeout=request_deadline.remaining())
             completion = len(generated)
-            streaming = False
             try:
                 async for msg in active.stream:
-                    streaming = True
+                    active.streaming = True
                     completion += len(msg.token_ids)
                     yield DispatchChunk(list(msg.token_ids), msg.text, [convert.logprob_from_pb(x) for x in
                                         msg.logprobs], msg.finished, convert.finish_reason_from_pb(msg.finish_reason),
@@ -239,7 +242,8 @@ class Dispatcher:
                 # A full decode worker (OVERLOADED) is itself the one to avoid.
                 # Once tokens flow, the transfer is over: the decode worker is the one that failed.
                 reported = reported_failure(e)
-                transfer_side = not streaming and reported is not None and reported.code is not ErrorCode.OVERLOADED
+                transfer_side = (not active.streaming and reported is not None
+                                 and reported.code is not ErrorCode.OVERLOADED)
                 avoid = prefill.address if transfer_side else decode.address
                 raise _PairFailed(RequestFailed(failure.code, f"decode worker {decode.address}: {failure.message}"),
                                   avoid) from e
@@ -295,9 +299,15 @@ class Dispatcher:
             # Also when the call already ended without the worker's answer (its deadline passed, the transport
             # broke): the prefill worker may still hold the request or wait for its plan; Abort drops it.
             active.prefill_call.cancel()
+            abort = asyncio.ensure_future(self.registry.prefill_stub(active.prefill).Abort(
+                worker_pb2.AbortRequest(request_id=request_id), timeout=2))
+            if not active.prefill.healthy:  # maybe hung: the retry does not wait for its answer
+                self._background.add(abort)
+                abort.add_done_callback(self._background.discard)
+                abort.add_done_callback(_consume)
+                return
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await self.registry.prefill_stub(active.prefill).Abort(
-                    worker_pb2.AbortRequest(request_id=request_id), timeout=2)
+                await abort
 
     def _worker_down(self, worker: WorkerInfo) -> None:
         """The registry marked `worker` down: end the attempts that still need it (its calls would hang until
@@ -305,8 +315,9 @@ class Dispatcher:
         failure = RequestFailed(ErrorCode.UNAVAILABLE, f"{worker.role} worker {worker.address} stopped answering "
                                                        "health checks")
         for active in list(self.active.values()):
-            needed = active.decode is worker or (active.prefill is worker and not (active.prefill_call is not None
-                                                                                   and active.prefill_call.done()))
+            prefill_answered = active.streaming or (active.prefill_call is not None and active.prefill_call.done())
+            needed = active.decode.address == worker.address or (active.prefill.address == worker.address
+                                                                 and not prefill_answered)
             if needed:
                 self._end_attempt(active, _PairFailed(failure, worker.address))
 
@@ -326,6 +337,12 @@ def _prefill_settled(call: asyncio.Future) -> bool:
         return False
     e = call.exception()
     return e is None or (isinstance(e, grpc.aio.AioRpcError) and reported_failure(e) is not None)
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Read a background call's outcome (a failure is expected and of no use: the worker is down)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _cancelling() -> bool:

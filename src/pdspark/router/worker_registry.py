@@ -4,8 +4,15 @@ Workers come from flags or are added/removed at run time. Busy is not unhealthy,
 each worker on tasks of its own (a slow worker never delays another's checks):
 - liveness: the standard gRPC health `Check`, every `health_interval_s`, each with a short `health_timeout_s`.
   A worker that misses `max_failures` checks in a row (no answer in time, unreachable, or NOT_SERVING) is marked
-  unhealthy and skipped by the policies until a check succeeds again: a dead or hung worker is out within about
+  unhealthy and skipped by the policies until it is re-admitted: a dead or hung worker is out within about
   `health_interval_s + max_failures * health_timeout_s`.
+- re-admission: a worker marked unhealthy is checked on at the same interval and re-admitted once it has answered
+  every check for a while: at once the first time it falls, then for `readmit_backoff_s`, doubled each time it
+  falls again (up to `max_readmit_backoff_s`), so a worker that keeps falling over gets ever fewer requests. A
+  worker that stays healthy for `stable_s` starts over.
+- `on_down`: callbacks told (on the event loop) when a worker is marked unhealthy. With it the dispatcher ends the
+  attempts on that worker that have no token yet, so that they are retried elsewhere now rather than when
+  keepalive or the transfer timeout ends them.
 - load: `GetLoad` every `load_interval_s` (running and waiting requests, and the worker's metrics URL). A slow or
   failed load report keeps the last one and never touches health.
 
@@ -29,7 +36,9 @@ from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
-
+READMIT_BACKOFF_S = 1.0
+MAX_READMIT_BACKOFF_S = 30.0
+STABLE_S = 60.0
 
 
 @dataclass
@@ -43,6 +52,9 @@ class WorkerInfo:
     failures: int = 0  # health checks missed in a row
     last_check: float = 0.0  # time.time() of the last health check
     last_load: float = 0.0  # time.time() of the last load report received
+    downs: int = 0  # times marked unhealthy since it last stayed healthy for `stable_s` (sets the re-admission wait)
+    healthy_since: float = 0.0  # time.monotonic() it was last (re-)admitted
+    answering_since: float | None = None  # while unhealthy: time.monotonic() since when every check succeeded
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
     @property
@@ -56,21 +68,24 @@ class WorkerInfo:
 
 class WorkerRegistry:
     def __init__(self, health_interval_s: float = 0.5, health_timeout_s: float = 0.5, load_interval_s: float = 1.0,
-                 max_failures: int = 2):
+                 max_failures: int = 2, readmit_backoff_s: float = READMIT_BACKOFF_S,
+                 max_readmit_backoff_s: float = MAX_READMIT_BACKOFF_S, stable_s: float = STABLE_S):
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.load_interval_s = load_interval_s
         self.max_failures = max_failures
+        self.readmit_backoff_s = readmit_backoff_s
+        self.max_readmit_backoff_s = max_readmit_backoff_s
+        self.stable_s = stable_s
         self.workers: dict[str, WorkerInfo] = {}
-        # Called (on the loop) when a worker is marked down: the dispatcher ends the attempts that need it.
-        self.on_down: list[Callable[[WorkerInfo], None]] = []
+        self.on_down: list[Callable[[WorkerInfo], None]] = []  # called with a worker as it is marked unhealthy
 
     def add(self, role: str, address: str, metrics_url: str = "") -> WorkerInfo:
         if role not in ROLES:
             raise ValueError(f"unsupported worker role {role!r}; allowed: {', '.join(ROLES)}")
         if address in self.workers:
             raise ValueError(f"worker {address} is already registered")
-        w = WorkerInfo(role, address, metrics_url)
+        w = WorkerInfo(role, address, metrics_url, healthy_since=time.monotonic())
         self.workers[address] = w
         return w
 
@@ -96,26 +111,47 @@ class WorkerRegistry:
         return worker_pb2_grpc.DecodeWorkerStub(self.channel(w))
 
     async def check(self, w: WorkerInfo) -> bool:
-        """One liveness check: True when the worker answered SERVING within `health_timeout_s`."""
+        """One liveness check: True when the worker answered SERVING within `health_timeout_s`. Marks the worker
+        unhealthy after `max_failures` misses in a row, and healthy again as the module doc says."""
         try:
             health = health_pb2_grpc.HealthStub(self.channel(w))
             reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
         except (grpc.aio.AioRpcError, asyncio.TimeoutError):
             ok = False
+        now = time.monotonic()
         w.failures = 0 if ok else w.failures + 1
-        if ok and not w.healthy:
-            logger.info("%s worker %s is healthy again", w.role, w.address)
-        went_down = not ok and w.healthy and w.failures >= self.max_failures
-        if went_down:
-            logger.warning("%s worker %s missed %d health checks in a row; marking it unhealthy", w.role, w.address,
-                           w.failures)
-        w.healthy = ok or (w.healthy and w.failures < self.max_failures)
         w.last_check = time.time()
-        if went_down:
-            for callback in self.on_down:
-                callback(w)
+        if w.healthy:
+            if w.failures >= self.max_failures:
+                self._mark_down(w)
+            elif ok and w.downs and now - w.healthy_since >= self.stable_s:
+                w.downs = 0  # stable again: its next fall counts as a first one
+        elif not ok:
+            w.answering_since = None
+        else:
+            w.answering_since = w.answering_since if w.answering_since is not None else now
+            if now - w.answering_since >= self.readmit_wait_s(w):
+                logger.info("%s worker %s is healthy again", w.role, w.address)
+                w.healthy, w.healthy_since, w.answering_since = True, now, None
         return ok
+
+    def readmit_wait_s(self, w: WorkerInfo) -> float:
+        """How long an unhealthy worker must answer every check before it is re-admitted."""
+        if w.downs <= 1:
+            return 0.0
+        return min(self.readmit_backoff_s * 2.0 ** min(w.downs - 2, 62), self.max_readmit_backoff_s)
+
+    def _mark_down(self, w: WorkerInfo) -> None:
+        w.healthy, w.answering_since = False, None
+        w.downs += 1
+        logger.warning("%s worker %s missed %d health checks in a row; marking it unhealthy (re-admitted after "
+                       "answering for %.1f s)", w.role, w.address, w.failures, self.readmit_wait_s(w))
+        for callback in self.on_down:
+            try:
+                callback(w)
+            except Exception:  # one broken callback must not stop the others, nor the health watch
+                logger.exception("on_down callback for %s worker %s failed", w.role, w.address)
 
     async def poll_load(self, w: WorkerInfo) -> bool:
         """One load report; False when none came within `load_interval_s` (the last one stays)."""

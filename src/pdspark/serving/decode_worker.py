@@ -68,10 +68,11 @@ class _Stream:
 
 def _drop(task: asyncio.Future, undo: Callable | None) -> None:
     """Cancel `task` (it cleans up after itself: a withdrawn reservation, a cancelled call), or undo the result it
-    already produced."""
+    already produced. A failure it already produced is read (and dropped): asyncio would log it as never
+    retrieved."""
     if not task.done():
         task.cancel()
-    elif undo is not None and not task.cancelled() and task.exception() is None:
+    elif not task.cancelled() and task.exception() is None and undo is not None:
         undo(task.result())
 
 

@@ -16,9 +16,11 @@ listener streams tokens) -> `release`; or `cancel_reservation` when the transfer
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
@@ -124,8 +126,9 @@ class EngineClient:
 
     def _queue(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue a clean-up on the loop thread without waiting for it (after the loop stopped there is nothing
-        left to clean up: the future then carries `LoopStopped`, unread)."""
-        self.loop.submit(fn, *args)
+        left to clean up: the future then carries `LoopStopped`, ignored). Nobody reads its result, so a failure
+        (a broken invariant, e.g. a page freed twice) is logged here rather than lost."""
+        self.loop.submit(fn, *args).add_done_callback(functools.partial(_log_failure, fn.__name__))
 
     # ---- on the loop thread ------------------------------------------------------------------------------------------
     def _submit(self, request_id, prompt_ids, params, listener, hold_pages) -> None:
@@ -164,3 +167,11 @@ class EngineClient:
         if not out.finished:
             self.loop.listen(request_id, listener)
         return out
+
+
+def _log_failure(name: str, fut: Future) -> None:
+    if fut.cancelled():
+        return
+    e = fut.exception()
+    if e is not None and not isinstance(e, LoopStopped):
+        logger.error("engine-loop clean-up %s failed", name, exc_info=e)

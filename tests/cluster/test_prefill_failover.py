@@ -1,0 +1,250 @@
+"""Prefill failover on real processes: 2 prefill workers, 1 decode worker (DSpark) and the router, over real gRPC
+and Mooncake. A prefill worker is SIGKILLed, or SIGSTOPped, while 16 concurrent requests are in flight on the
+pair (greedy and seeded, streamed and not, through the official `openai` client and the gRPC SDK), at a moment
+when its GetLoad shows transfers in flight (waiting for their plan, prefilling or writing):
+
+- every request completes, and equals the offline engine's output (same model, same parameters and seed);
+- a stopped (hung) worker's requests are retried on the other prefill worker once the router's health checks mark
+  it down, within their deadline and long before keepalive or the transfer timeout would end them;
+- afterwards every surviving worker holds nothing (no request, no transfer, no page beyond its prefix cache): the
+  decode worker's reservations for the failed attempts were released, once (a second free would be logged as a
+  failed engine-loop clean-up), and it keeps serving.
+
+The victim is a third prefill worker added to the router for one test and removed after it; the router routes
+prefills round-robin, so that half of the requests start on the victim whatever the prefix cache holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from cluster import start_router, start_worker
+from pdspark import LLM, SamplingParams
+from pdspark.client import AsyncClient
+from pdspark.service_process import ServiceProcess
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
+
+MODEL = "dsv4-tiny"
+ENGINE = ["--max-model-len", "256", "--max-num-seqs", "16", "--speculative", "dspark"]
+N = 16
+MAX_TOKENS = 8
+TIMEOUT_S = 30.0  # each request's deadline (the router's default is 600 s)
+DETECT_S = 2.0  # the design's bound for noticing a dead or hung worker
+# Prompts of ~150 tokens, all different (no prefix-cache hits between them), so that prefills take a while.
+PROMPTS = [f"# helpers_{i}.py\n" + "".join(
+    f"def {verb}_{i}_{j}(items, key=None):\n    out = []\n    for item in items:\n"
+    f"        if key is None or key(item):\n            out.append(item)\n    return out\n\n"
+    for j, verb in enumerate(("keep", "pick"))) + f"def main_{i}():\n" for i in range(N)]
+
+
+def params(i: int) -> SamplingParams:
+    """Request `i`'s sampling: every other pair greedy, the rest seeded sampling."""
+    if (i // 4) % 2:
+        return SamplingParams(temperature=0.9, seed=1000 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def offline() -> list[tuple[list[int], str]]:
+    """Each request's token ids and text from the offline engine, with DSpark as the decode worker runs it."""
+    llm = LLM(MODEL, max_model_len=256, max_num_seqs=16, speculative="dspark")
+    outs = llm.generate(PROMPTS, [params(i) for i in range(N)])
+    return [(list(o.token_ids), o.text or "") for o in outs]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """(prefill, decode, router): the workers that survive every test."""
+    prefill = start_worker("prefill", MODEL, *ENGINE)
+    decode = start_worker("decode", MODEL, *ENGINE, "--no-prefix-cache")
+    router = start_router(MODEL, [prefill], [decode], "--prefill-policy", "round_robin")
+    try:
+        yield prefill, decode, router
+    finally:
+        for service in (router, decode, prefill):
+            service.stop()
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> float:
+    """Poll `condition` every 20 ms until it holds; returns the seconds it took; fails after `timeout`."""
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout, f"not within {timeout}s: {what}"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def load_of(worker: ServiceProcess) -> worker_pb2.LoadReport:
+    stub = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    with grpc.insecure_channel(worker.address) as channel:
+        return stub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=5)
+
+
+def idle(worker: ServiceProcess) -> bool:
+    """No request running, waiting or queued, no transfer in flight, and no page held beyond the prefix cache."""
+    r = load_of(worker)
+    return (r.running == r.waiting == r.queued == r.transfers_in_flight == 0
+            and all(r.pages_used[k] == r.pages_cached[k] for k in r.pages_used))
+
+
+def workers(router: ServiceProcess) -> dict[str, bool]:
+    with urllib.request.urlopen(router.info["http"] + "/workers", timeout=10) as r:
+        return {w["address"]: w["healthy"] for w in json.loads(r.read())}
+
+
+def retries(router: ServiceProcess) -> float:
+    with urllib.request.urlopen(router.info["http"] + "/metrics", timeout=10) as r:
+        line = next(x for x in r.read().decode().splitlines() if x.startswith("pdspark_router_retries_total "))
+    return float(line.split()[1])
+
+
+def set_worker(router: ServiceProcess, method: str, address: str) -> None:
+    if method == "POST":
+        req = urllib.request.Request(router.info["http"] + "/workers", method="POST", headers={
+            "Content-Type": "application/json"}, data=json.dumps({"role": "prefill", "address": address}).encode())
+    else:
+        req = urllib.request.Request(router.info["http"] + f"/workers?address={address}", method="DELETE")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status in (200, 201)
+
+
+async def one(i: int, http: openai.AsyncOpenAI, sdk: AsyncClient) -> list[int] | str:
+    """Request `i` through the HTTP API (text) or the SDK (token ids), streamed or not."""
+    p, stream = params(i), i % 2 == 1
+    sampling: dict[str, Any] = dict(max_tokens=p.max_tokens, temperature=p.temperature)
+    if p.seed is not None:
+        sampling["seed"] = p.seed
+    if (i // 2) % 2 == 0:
+        kw = dict(model=MODEL, prompt=PROMPTS[i], extra_body={"ignore_eos": True}, **sampling)
+        if stream:
+            return "".join([c.choices[0].text async for c in await http.completions.create(stream=True, **kw)
+                            if c.choices])
+        return (await http.completions.create(**kw)).choices[0].text
+    if stream:
+        return [t async for c in sdk.stream(PROMPTS[i], ignore_eos=True, **sampling) for t in c.token_ids]
+    return (await sdk.generate(PROMPTS[i], ignore_eos=True, **sampling)).token_ids
+
+
+class FaultAtBusy(threading.Thread):
+    """Watches the victim's GetLoad every 2 ms (a thread of its own: no event-loop hop between seeing and acting)
+    and sends `sig` the moment it has two transfers in flight, one of them prefilling."""
+
+    def __init__(self, victim: ServiceProcess, sig: signal.Signals):
+        super().__init__(daemon=True)
+        self.victim, self.sig = victim, sig
+        self.stop = threading.Event()
+        self.seen: worker_pb2.LoadReport | None = None
+        self.at = 0.0  # time.monotonic() of the signal
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.victim.address) as channel:
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+            while not self.stop.wait(0.002):
+                report = stub.GetLoad(worker_pb2.LoadRequest(), timeout=5)
+                if report.transfers_in_flight >= 2 and report.running >= 1:
+                    os.kill(self.victim.pid, self.sig)
+                    self.seen, self.at = report, time.monotonic()
+                    return
+
+
+def run_with_fault(router: ServiceProcess, victim: ServiceProcess, sig: signal.Signals) -> tuple[list, float, Any]:
+    """Send the 16 requests, `sig` to the victim once it is busy with them (`FaultAtBusy`). Returns the answers
+    (request order), the seconds from the signal to the last answer, and the victim's load report then."""
+    async def scenario() -> list:
+        async with openai.AsyncOpenAI(base_url=router.info["http"] + "/v1", api_key="none", max_retries=0,
+                                      timeout=TIMEOUT_S, default_headers={"X-Request-Timeout": str(TIMEOUT_S)}
+                                      ) as http, AsyncClient(router.info["grpc"], timeout=TIMEOUT_S) as sdk:
+            return await asyncio.gather(*(one(i, http, sdk) for i in range(N)))
+
+    fault = FaultAtBusy(victim, sig)
+    fault.start()
+    try:
+        answers = asyncio.run(scenario())
+        done = time.monotonic()
+    finally:
+        fault.stop.set()
+        fault.join(10)
+    assert fault.seen is not None, "the victim was never busy with two transfers while the requests ran"
+    return answers, done - fault.at, fault.seen
+
+
+@pytest.fixture
+def victim(cluster):
+    """A third prefill worker, admitted by the router for one test; killed (and SIGCONTed first) afterwards."""
+    _, _, router = cluster
+    # Prefill chunks of 64 tokens: each prompt stays in its engine for a few steps, a window for the signal.
+    worker = start_worker("prefill", MODEL, *ENGINE, "--max-num-batched-tokens", "64")
+    try:
+        set_worker(router, "POST", worker.address)
+        wait_until(lambda: workers(router)[worker.address], 5, "the new prefill worker healthy in /workers")
+        yield worker
+    finally:
+        if worker.alive:
+            os.kill(worker.pid, signal.SIGCONT)  # a stopped process cannot exit
+        worker.stop()
+        set_worker(router, "DELETE", worker.address)
+
+
+def check_answers(answers: list, offline: list) -> None:
+    for i, (got, (ids, text)) in enumerate(zip(answers, offline)):
+        assert got == (text if isinstance(got, str) else ids), f"request {i} ({params(i)}): {got!r}"
+
+
+def check_survivors_idle(prefill: ServiceProcess, decode: ServiceProcess) -> float:
+    took = wait_until(lambda: idle(prefill) and idle(decode), 10, "the surviving workers hold nothing")
+    for w in (prefill, decode):
+        assert w.alive, f"{w.name} died:\n{w.tail()}"
+        assert "Traceback" not in w.stderr_tail(400), f"{w.name} logged an error:\n{w.stderr_tail(40)}"
+    return took
+
+
+def test_killed_prefill_worker_its_requests_complete_on_the_other(cluster, offline, victim):
+    prefill, decode, router = cluster
+    retried = retries(router)
+    answers, seconds, seen = run_with_fault(router, victim, signal.SIGKILL)
+    check_answers(answers, offline)
+    assert retries(router) > retried  # requests did start on the victim
+    assert victim.proc.wait(5) == -signal.SIGKILL
+    down_s = wait_until(lambda: not workers(router)[victim.address], DETECT_S, "the killed worker marked down")
+    idle_s = check_survivors_idle(prefill, decode)
+    print(f"\nSIGKILL with {seen.transfers_in_flight} transfers in flight ({seen.running} prefilling) on the "
+          f"victim: {N} requests done {seconds:.2f}s after the kill; marked down within {down_s:.2f}s more; "
+          f"survivors idle {idle_s:.2f}s later")
+
+
+def test_stopped_prefill_worker_its_requests_are_retried_once_it_is_marked_down(cluster, offline, victim):
+    prefill, decode, router = cluster
+    retried = retries(router)
+    try:
+        answers, seconds, seen = run_with_fault(router, victim, signal.SIGSTOP)
+        check_answers(answers, offline)
+        assert retries(router) > retried
+        # Ended by the health checks (DETECT_S), not by keepalive (15 s) or the transfer timeout (30 s).
+        assert seconds < DETECT_S + 3, f"the requests on the stopped worker took {seconds:.1f}s"
+        assert not workers(router)[victim.address]
+        idle_s = check_survivors_idle(prefill, decode)  # while the victim is still stopped
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    back_s = wait_until(lambda: workers(router)[victim.address], 5, "the resumed worker re-admitted")
+    # The resumed worker drops what it held: the router's and the decode worker's calls to it were cancelled.
+    victim_idle_s = wait_until(lambda: idle(victim), 10, "the resumed worker holds nothing")
+    print(f"\nSIGSTOP with {seen.transfers_in_flight} transfers in flight ({seen.running} prefilling) on the "
+          f"victim: {N} requests done {seconds:.2f}s after the stop; survivors idle {idle_s:.2f}s later; after "
+          f"SIGCONT re-admitted in {back_s:.2f}s, idle in {victim_idle_s:.2f}s")
+    # Serving on all three again, with the same outputs.
+    answers, seconds, _ = run_with_fault(router, victim, signal.SIGCONT)  # SIGCONT: harmless to a running one
+    check_answers(answers, offline)
+    check_survivors_idle(prefill, decode)
+    print(f"without a fault, the {N} requests were done {seconds:.2f}s after the same moment")
