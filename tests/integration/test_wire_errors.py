@@ -59,7 +59,7 @@ class FakeDecodeWorker:
         self.fail_with: set[str] | None = None
         self.calls: list[str] = []  # prefill address of each generate
 
-    async def generate(self, request_id, transfer_id, prompt_ids, params, prefill_address, deadline):
+    async def generate(self, request_id, transfer_id, prompt_ids, params, prefill_address, deadline, generated=()):
         self.calls.append(prefill_address)
         if self.failure is not None and (self.fail_with is None or prefill_address in self.fail_with):
             raise self.failure
@@ -68,6 +68,9 @@ class FakeDecodeWorker:
 
     def abort(self, request_id):
         return False
+
+    def stable_text_of(self, token_ids):
+        return ""
 
 
 class FirstByAddress:
