@@ -12,7 +12,10 @@ def start_worker(role: str, model: str, *args: str, timeout: float = 120.0) -> S
     return service
 
 
-def start_router(model: str, prefill: list, decode: list, *args: str, timeout: float = 60.0) -> ServiceProcess:
+def start_router(model: str, prefill: list, decode: list, *args: str, timeout: float = 60.0,
+                 env: dict | None = None) -> ServiceProcess:
+    """`env`: over the test's own (keys travel there: `PDSPARK_ADMIN_API_KEY`, ...)."""
     return start_service("router", ["serve", "router", "--model", model, "--port", "0", "--grpc-port", "0",
                                     "--prefill", ",".join(w.address for w in prefill),
-                                    "--decode", ",".join(w.address for w in decode), *args], timeout=timeout)
+                                    "--decode", ",".join(w.address for w in decode), *args], timeout=timeout,
+                         env=env)

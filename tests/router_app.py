@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from pdspark.assets import resolve_model
+from pdspark.config import RouterConfig
 from pdspark.model.model_config import ModelConfig
+from pdspark.options import build
 from pdspark.router.dispatcher import DispatchChunk
 from pdspark.router.http_api import build_app
 from pdspark.router.router_core import RouterCore
@@ -63,16 +65,17 @@ class RouterApp:
     """`build_app` served on 127.0.0.1 from a thread of its own (so blocking clients, the openai SDK and
     schemathesis can call it)."""
 
-    def __init__(self, max_body_bytes: int | None = None, max_model_len: int = 256):
+    def __init__(self, max_model_len: int = 256, **options):
+        """`options`: `RouterConfig` fields (keys, limits)."""
         path = resolve_model("dsv4-tiny")
         registry = WorkerRegistry()  # no health polling: registered workers count as healthy
         registry.add("prefill", "127.0.0.1:1")
         registry.add("decode", "127.0.0.1:2")
         self.dispatcher = FakeDispatcher()
-        self.core = RouterCore(path, "tiny", max_model_len, registry, self.dispatcher, RouterMetrics())  # type: ignore[arg-type]
+        self.core = RouterCore(path, "tiny", max_model_len, registry, self.dispatcher,  # type: ignore[arg-type]
+                               RouterMetrics(), build(RouterConfig, options))
         self.vocab_size = ModelConfig.from_dir(path).vocab_size
-        kwargs = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
-        self.app = build_app(self.core, **kwargs)
+        self.app = build_app(self.core)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -11,14 +11,13 @@ from aiohttp import web
 from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig
 from pdspark.model.model_config import ModelConfig
+from pdspark.options import build
 from pdspark.router.dispatcher import Dispatcher
-from pdspark.router.grpc_api import RouterServicer
 from pdspark.router.http_api import build_app
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
-from pdspark.router.router_server import SERVER_OPTIONS
+from pdspark.router.router_server import build_grpc_server
 from pdspark.router.worker_registry import WorkerRegistry
-from pdspark.v1 import router_pb2_grpc
 from worker_stubs import StubDecode, StubHealth, StubPrefill, serve_stub
 
 
@@ -46,7 +45,8 @@ class RouterHarness:
     @classmethod
     async def start(cls, prefills: int = 1, decodes: int = 1, tokens: int = 4, poll: bool = False,
                     **options) -> RouterHarness:
-        """`options`: `RouterConfig` fields; `poll`: run the registry's health and load polling."""
+        """`options`: `RouterConfig` options (flat: `api_key=("k",)`); `poll`: run the registry's health and load
+        polling."""
         h = cls()
         served = []
         for stub in [StubPrefill() for _ in range(prefills)] + [StubDecode(tokens) for _ in range(decodes)]:
@@ -56,7 +56,7 @@ class RouterHarness:
             served.append(stub)
         h.prefill = sorted((s for s in served if isinstance(s, StubPrefill)), key=lambda s: h.address[id(s)])
         h.decode = sorted((s for s in served if isinstance(s, StubDecode)), key=lambda s: h.address[id(s)])
-        cfg = RouterConfig(**options)
+        cfg = build(RouterConfig, options)
         h.registry = WorkerRegistry(health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
                                     load_interval_s=cfg.load_interval_s)
         for s in h.prefill:
@@ -69,8 +69,7 @@ class RouterHarness:
                                 max_attempts=cfg.max_attempts, max_migrations=cfg.max_migrations, metrics=metrics)
         max_len = min(4096, ModelConfig.from_dir(path).max_position_embeddings)
         h.core = RouterCore(path, "tiny", max_len, h.registry, dispatcher, metrics, cfg)
-        h.router = grpc.aio.server(options=SERVER_OPTIONS)
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(h.core), h.router)
+        h.router, _ = build_grpc_server(h.core)
         h.grpc_address = f"127.0.0.1:{h.router.add_insecure_port('127.0.0.1:0')}"
         await h.router.start()
         h.runner = web.AppRunner(build_app(h.core), handler_cancellation=True)

@@ -1,9 +1,10 @@
 """Every serving option: frozen dataclasses, each field with its one default and help text, validated once.
 
 The model architecture (`ModelConfig`) comes from the checkpoint; these are the knobs. `EngineConfig` composes the
-cache and scheduler options; `WorkerConfig`, `RouterConfig`, `UpConfig` and `GenerateConfig` are what
-`pdspark serve prefill|decode`, `serve router`, `up` and `generate` run on. Their flags, `PDSPARK_*` variables and
-keyword options are generated from these fields by `pdspark.options` (the only place that reads either).
+cache and scheduler options, `AuthConfig` the router's API keys; `WorkerConfig`, `RouterConfig`, `UpConfig` and
+`GenerateConfig` are what `pdspark serve prefill|decode`, `serve router`, `up` and `generate` run on. Their flags,
+`PDSPARK_*` variables and keyword options are generated from these fields by `pdspark.options` (the only place that
+reads either).
 """
 
 from __future__ import annotations
@@ -128,6 +129,38 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class AuthConfig:
+    """Who may call the router (see `pdspark.router.api_keys`): clients with an API key on `/v1/*` and `/generate`
+    (HTTP `Authorization: Bearer`, gRPC `authorization` metadata), operators with an admin key on `/workers`. Several
+    keys of each kind may be valid at once, so a key is rotated by adding the new one, moving its clients, then
+    removing the old one. Keys in files are read again on SIGHUP."""
+
+    # NOTE: secret options never reach a child's command line (`pdspark.options.secret_env`); a flag given to
+    # `pdspark up` or `serve router` itself is visible in `ps`, which is why the variables and files come first.
+    api_key: tuple[str, ...] = option(
+        (), "API keys clients must present (comma-separated; none: the API is open). Prefer the variable or "
+        "--api-key-file: a flag shows in `ps`", secret=True)
+    api_key_file: str | None = option(None, "file of API keys, one per line (read again on SIGHUP)")
+    admin_api_key: tuple[str, ...] = option(
+        (), "admin keys for /workers (comma-separated; none: registering and removing workers is off)", secret=True)
+    admin_api_key_file: str | None = option(None, "file of admin keys, one per line (read again on SIGHUP)")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        for name in ("api_key", "admin_api_key"):
+            if any(not key or key != key.strip() for key in getattr(self, name)):
+                raise ConfigError(f"`{name}`: a key may not be empty or start or end with whitespace")
+        if set(self.api_key) & set(self.admin_api_key):
+            # An API key that also administers workers is the mistake the admin key exists to prevent.
+            raise ConfigError("a key is both an `api_key` and an `admin_api_key`; give the admin a key of its own")
+
+    @property
+    def configured(self) -> bool:
+        """Whether any key (of either kind, inline or in a file) is configured."""
+        return bool(self.api_key or self.api_key_file or self.admin_api_key or self.admin_api_key_file)
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """`pdspark serve router`."""
 
@@ -137,6 +170,7 @@ class RouterConfig:
     host: str = option(LOOPBACK, "HTTP and gRPC bind address")
     port: int = option(ROUTER_HTTP_PORT, "HTTP port (0: any free port)", **_PORT)
     grpc_port: int = option(0, "gRPC port (0: any free port)", **_PORT)
+    auth: AuthConfig = nested(AuthConfig, "API keys")
     prefill: tuple[str, ...] = option((), "prefill worker addresses (host:port, comma-separated)")
     decode: tuple[str, ...] = option((), "decode worker addresses (host:port, comma-separated)")
     prefill_policy: Policy = option("cache_aware", "how a request's prefill worker is picked")
@@ -156,6 +190,16 @@ class RouterConfig:
     max_in_flight: int = option(128, "requests at the workers at once; more wait in the router's queue", minimum=1)
     max_queued: int = option(1024, "requests waiting for a turn; beyond them a request is refused at once (HTTP 429 "
                              "+ Retry-After, gRPC RESOURCE_EXHAUSTED)", minimum=0)
+    # Limits against one client starving the rest, or the router itself. Per key: half the router's room by default,
+    # so one key cannot fill the router alone, while a benchmark at concurrency 256 still fits.
+    max_in_flight_per_key: int | None = option(
+        None, "requests one API key may have in the router at once, queued or at the workers (default: half of "
+        "max-in-flight + max-queued); more are refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED). "
+        "Requests without a key (an open API) are not counted", minimum=1)
+    # A prompt of DSV4's full 1M-token context fits, as text or as token ids in JSON (about 7 bytes each); anything
+    # larger cannot be served anyway.
+    max_body_bytes: int = option(8 << 20, "largest HTTP request body and gRPC request message read (HTTP 413, gRPC "
+                                 "RESOURCE_EXHAUSTED beyond)", minimum=1024)
     request_timeout_s: float = option(600.0, "a request's timeout when its caller sets none, and the longest one a "
                                       "caller may set (queueing, every attempt and the whole stream)")
     # Liveness: a worker that misses 2 health checks in a row is skipped, so a dead or hung one is detected within
@@ -172,6 +216,13 @@ class RouterConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"invalid value {getattr(self, name)!r} for `{name}`; allowed: a number > 0")
 
+    @property
+    def key_in_flight_limit(self) -> int:
+        """`max_in_flight_per_key`, resolved."""
+        if self.max_in_flight_per_key is not None:
+            return self.max_in_flight_per_key
+        return max(1, (self.max_in_flight + self.max_queued) // 2)
+
 
 @dataclass(frozen=True)
 class UpConfig:
@@ -184,6 +235,8 @@ class UpConfig:
     port: int = option(ROUTER_HTTP_PORT, "router HTTP port (0: any free port)", **_PORT)
     grpc_port: int = option(50050, "router gRPC port (0: any free port)", **_PORT)
     speculative: bool = option(True, "decode with DSpark when the checkpoint ships a draft")
+    # Passed to the router by environment, never on its command line.
+    auth: AuthConfig = nested(AuthConfig, "API keys of the router")
     # Supervision (see `pdspark.launcher`): a service that exits is restarted on the same ports.
     restart: bool = option(True, "restart a service that exits, on the same ports (off: any exit stops the cluster)")
     restart_backoff_s: float = option(1.0, "seconds before restarting a service that exited; doubled per "

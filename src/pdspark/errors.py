@@ -63,6 +63,9 @@ class ErrorCode(enum.Enum):
     # Busy, not broken: the router tries another pair, and answers 429 + Retry-After when every pair is full.
     OVERLOADED = ("overloaded", 429, "RESOURCE_EXHAUSTED", True, "rate_limit_error")
     ALREADY_EXISTS = ("already_exists", 409, "ALREADY_EXISTS", False, "invalid_request_error")
+    # The router's API keys (`pdspark.router.api_keys`): no key or a wrong one; a valid key without the right.
+    UNAUTHENTICATED = ("unauthenticated", 401, "UNAUTHENTICATED", False, "authentication_error")
+    PERMISSION_DENIED = ("permission_denied", 403, "PERMISSION_DENIED", False, "permission_error")
 
     def __new__(cls, value: str, http_status: int, grpc_status: str, retryable: bool, openai_type: str):
         member = object.__new__(cls)
@@ -86,6 +89,8 @@ class ErrorCode(enum.Enum):
             return cls.DEADLINE
         if grpc_status == "CANCELLED":
             return cls.ABORTED
+        if grpc_status in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            return cls[grpc_status]  # retrying cannot help: the caller's key must change
         return cls.UNAVAILABLE
 
 

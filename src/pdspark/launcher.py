@@ -19,6 +19,9 @@ NOTE: supervision.
   to the thread that created it; children die with the launcher, however it ends.
 - Output: stderr gets a line per readiness, exit and restart; stdout gets one JSON line per event (`ready` with
   every service's pid, `exited`, `restarted`, `crash_loop`) for scripts.
+- Keys: the router gets its API and admin keys in its environment (`secret_env`), never on its command line, which
+  every user of the machine can read in `ps`; the workers get those variables blanked. No output shows a key.
+  SIGHUP is passed on to the router, which reads its key files again.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig, UpConfig, WorkerConfig
 from pdspark.model.model_config import ModelConfig
-from pdspark.options import replace_options, to_argv
+from pdspark.options import replace_options, secret_env, to_argv
 from pdspark.service_process import ServiceProcess, spawn_service
 
 STABLE_S = 60.0  # a run ready this long resets its service's failure count (and so its backoff)
@@ -68,8 +71,8 @@ def worker_configs(cfg: UpConfig, has_draft: bool) -> dict[str, WorkerConfig]:
 
 def router_config(cfg: UpConfig, prefill: list[str], decode: list[str]) -> RouterConfig:
     # The router admits what the workers serve: the same max_model_len (None on both sides resolves the same way).
-    return RouterConfig(model=cfg.model, host=cfg.host, port=cfg.port, grpc_port=cfg.grpc_port, prefill=tuple(prefill),
-                        decode=tuple(decode), max_model_len=cfg.engine.scheduler.max_model_len)
+    return RouterConfig(model=cfg.model, host=cfg.host, port=cfg.port, grpc_port=cfg.grpc_port, auth=cfg.auth,
+                        prefill=tuple(prefill), decode=tuple(decode), max_model_len=cfg.engine.scheduler.max_model_len)
 
 
 def restart_delay(cfg: UpConfig, failures: int) -> float:
@@ -100,6 +103,7 @@ class Supervised:
     name: str
     kind: str  # "worker" or "router", for messages
     argv: list[str]
+    env: dict[str, str]  # over the launcher's own: what must not be on the command line (keys)
     process: ServiceProcess | None = None  # None while waiting out a backoff
     started_at: float = 0.0
     ready_at: float | None = None  # None until the current run printed its ready line
@@ -110,7 +114,7 @@ class Supervised:
     def spawn(self) -> None:
         """Start a run. Only from the launcher's main thread (see the NOTE above)."""
         assert threading.current_thread() is threading.main_thread(), "children die with the thread that made them"
-        self.process = spawn_service(self.name, self.argv)
+        self.process = spawn_service(self.name, self.argv, self.env)
         self.started_at, self.ready_at = time.monotonic(), None
 
 
@@ -125,15 +129,23 @@ class Launcher:
         ports = iter(free_ports(self.base["prefill"].host, 2 * len(roles)))
         self.workers: list[Supervised] = []
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        # The workers need no key: blank any the launcher's own environment holds.
+        no_keys = {name: "" for name in secret_env(router_config(cfg, [], []))}
         for i, role in enumerate(roles):
             # Children get every option as a flag, so their config is this one whatever their environment says.
             w = dataclasses.replace(self.base[role], port=next(ports), metrics_port=next(ports))
-            self.workers.append(Supervised(f"{role}-{i}", "worker", ["serve", role, *to_argv(w)]))
+            self.workers.append(Supervised(f"{role}-{i}", "worker", ["serve", role, *to_argv(w)], no_keys))
             addresses[role].append(f"{w.advertise_host}:{w.port}")
         router_ports = iter(free_ports(cfg.host, [cfg.port, cfg.grpc_port].count(0)))
         router = dataclasses.replace(router_config(cfg, addresses["prefill"], addresses["decode"]),
                                      port=cfg.port or next(router_ports), grpc_port=cfg.grpc_port or next(router_ports))
-        self.router = Supervised("router", "router", ["serve", "router", *to_argv(router)])
+        self.router = Supervised("router", "router", ["serve", "router", *to_argv(router)], secret_env(router))
+
+    def reload_keys(self) -> None:
+        """SIGHUP: the router reads its key files again (a restarted router reads them at its start anyway)."""
+        p = self.router.process
+        if p is not None and p.alive:
+            p.proc.send_signal(signal.SIGHUP)
 
     @property
     def services(self) -> list[Supervised]:
@@ -152,7 +164,8 @@ class Launcher:
                 return 0 if self.stop.is_set() else 1
             assert self.router.process is not None
             _print_endpoints(self.router.process.info,
-                             {s.name: {"pid": self._pid(s), "address": self._address(s)} for s in self.services})
+                             {s.name: {"pid": self._pid(s), "address": self._address(s)} for s in self.services},
+                             needs_key=bool(self.cfg.auth.api_key or self.cfg.auth.api_key_file))
             return self._supervise()
         finally:
             self._stop_all()
@@ -266,22 +279,28 @@ def launch(cfg: UpConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    return Launcher(cfg, stop).run()
+    launcher = Launcher(cfg, stop)
+    signal.signal(signal.SIGHUP, lambda *_: launcher.reload_keys())
+    return launcher.run()
 
 
-def _print_endpoints(info: dict, services: dict[str, dict]) -> None:
+def _print_endpoints(info: dict, services: dict[str, dict], needs_key: bool) -> None:
     http, grpc_addr, model = info["http"], info["grpc"], info["model"]
     _event(event="ready", http=http, grpc=grpc_addr, model=model, pid=os.getpid(), services=services)
+    # With API keys, the examples read the key from the environment: it is never printed.
+    auth = " -H \"Authorization: Bearer $PDSPARK_API_KEY\"" if needs_key else ""
+    openai_key = "__import__('os').environ['PDSPARK_API_KEY']" if needs_key else "'none'"
+    keys = "  API keys    : required (the examples send $PDSPARK_API_KEY; the SDK reads it too)\n" if needs_key else ""
     print(f"""
 pdspark cluster is up.
   OpenAI HTTP : {http}/v1   (also {http}/generate, /health, /metrics, /workers)
   gRPC        : {grpc_addr}   (pdspark.v1.Router)
-
+{keys}
 Try it:
-  curl {http}/v1/completions -H 'Content-Type: application/json' \\
+  curl {http}/v1/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{http}/v1', api_key='none'); \\
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{http}/v1', api_key={openai_key}); \\
 print(c.completions.create(model='{model}', prompt='import os', max_tokens=32).choices[0].text)"
 
   python -c "from pdspark.client import Client; \\

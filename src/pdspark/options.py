@@ -12,6 +12,10 @@ field wherever it lives in the tree (a clash is an error when the tree is first 
 environment > the field's default, and the default is written only in the field. Validation lives in the
 dataclasses' `__post_init__` (`validate` checks types, choices and ranges; cross-field rules are the class's own),
 so a bad value is refused the same way whichever way it came in.
+
+A `secret=True` option (an API key) never travels on a command line, where `ps` shows it to every user of the
+machine: `to_argv` leaves it out and `secret_env` gives the variables that carry it to a child process instead. It
+is left out of the config's repr too, and error messages never echo its value.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ _FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def option(default: Any = MISSING, help: str = "", *, flag: str | None = None, cli: bool = True,
-           minimum: float | None = None, maximum: float | None = None) -> Any:
+           minimum: float | None = None, maximum: float | None = None, secret: bool = False) -> Any:
     """A config field with its default and help text.
 
     Args:
@@ -45,9 +49,10 @@ def option(default: Any = MISSING, help: str = "", *, flag: str | None = None, c
         cli: False for fields that code sets (the subcommand's role, values derived at run time): no flag,
             no variable, no keyword option.
         minimum, maximum: inclusive bounds, checked by `validate`.
+        secret: key material: passed to child processes by `secret_env`, never by `to_argv`; not in the repr.
     """
-    meta = {"help": help, "flag": flag, "cli": cli, "minimum": minimum, "maximum": maximum}
-    return dataclasses.field(default=default, metadata=meta)
+    meta = {"help": help, "flag": flag, "cli": cli, "minimum": minimum, "maximum": maximum, "secret": secret}
+    return dataclasses.field(default=default, metadata=meta, repr=not secret)
 
 
 def nested(cls: type, help: str, *, skip: tuple[str, ...] = ()) -> Any:
@@ -71,6 +76,7 @@ class OptionSpec:
     minimum: float | None
     maximum: float | None
     group: str  # the help of the nested config it belongs to ("" at the root)
+    secret: bool
 
     @property
     def name(self) -> str:
@@ -132,7 +138,8 @@ def field_specs(cls: type) -> tuple[OptionSpec, ...]:
         base, item, optional, choices = _shape(hints[f.name])
         m = f.metadata
         out.append(OptionSpec((f.name,), base, item, optional, choices, f.default, m["help"],
-                              m["flag"] or f.name.replace("_", "-"), m["cli"], m["minimum"], m["maximum"], ""))
+                              m["flag"] or f.name.replace("_", "-"), m["cli"], m["minimum"], m["maximum"], "",
+                              m.get("secret", False)))
     return tuple(out)
 
 
@@ -179,7 +186,8 @@ def parse_text(spec: OptionSpec, text: str, source: str) -> Any:
             return tuple(spec.item(part.strip()) for part in word.split(",") if part.strip())
         return spec.base(word)
     except ValueError:
-        raise ConfigError(f"invalid value {text!r} for `{spec.name}` ({source}); allowed: {spec.expects}") from None
+        shown = "(hidden)" if spec.secret else repr(text)
+        raise ConfigError(f"invalid value {shown} for `{spec.name}` ({source}); allowed: {spec.expects}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -296,21 +304,36 @@ def replace_options(config: Any, **options: Any) -> Any:
     return build(type(config), options, base=config)
 
 
+def _value_at(config: Any, spec: OptionSpec) -> Any:
+    value = config
+    for part in spec.path:
+        value = getattr(value, part)
+    return value
+
+
 def to_argv(config: Any) -> list[str]:
-    """Flags that parse back to `config` (every option, so a child process's environment cannot change it)."""
+    """Flags that parse back to `config` (every option, so a child process's environment cannot change it), except
+    the secret ones: `secret_env` carries those."""
     argv: list[str] = []
     cls: type = type(config)
     for spec in specs(cls):
-        if not spec.cli:
+        if not spec.cli or spec.secret:
             continue
-        value = config
-        for part in spec.path:
-            value = getattr(value, part)
+        value = _value_at(config, spec)
         if spec.base is bool and not spec.optional:
             argv.append(("--" if value else "--no-") + spec.flag)
         else:
             argv += ["--" + spec.flag, _flag_text(value)]
     return argv
+
+
+def secret_env(config: Any) -> dict[str, str]:
+    """The `PDSPARK_*` variables that give a child process `config`'s secret options: with `to_argv`, what parses
+    back to `config`. Every secret option is set, unset ones to "" (unset), so the child's inherited environment
+    cannot add a key the parent did not mean."""
+    cls: type = type(config)
+    return {spec.env: "" if (value := _value_at(config, spec)) is None else _flag_text(value)
+            for spec in specs(cls) if spec.cli and spec.secret}
 
 
 def _flag_text(value: Any) -> str:
@@ -340,7 +363,8 @@ def validate(config: Any) -> None:
         if ok and spec.base in (int, float):
             ok = (lo is None or value >= lo) and (hi is None or value <= hi)
         if not ok:
-            raise ConfigError(f"invalid value {value!r} for `{spec.name}`; allowed: {spec.expects}")
+            shown = "(hidden)" if spec.secret else repr(value)
+            raise ConfigError(f"invalid value {shown} for `{spec.name}`; allowed: {spec.expects}")
 
 
 def _is_a(value: Any, kind: type | None) -> bool:

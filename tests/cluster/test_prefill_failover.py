@@ -41,6 +41,8 @@ ENGINE = ["--max-model-len", "256", "--max-num-seqs", "16", "--speculative", "ds
 N = 16
 MAX_TOKENS = 8
 TIMEOUT_S = 30.0  # each request's deadline (the router's default is 600 s)
+ADMIN_KEY = "admin-key-for-failover-tests"  # adding and removing workers needs one
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 DETECT_S = 2.0  # the design's bound for noticing a dead or hung worker
 # Prompts of ~150 tokens, all different (no prefix-cache hits between them), so that prefills take a while.
 PROMPTS = [f"# helpers_{i}.py\n" + "".join(
@@ -69,7 +71,8 @@ def cluster():
     """(prefill, decode, router): the workers that survive every test."""
     prefill = start_worker("prefill", MODEL, *ENGINE)
     decode = start_worker("decode", MODEL, *ENGINE, "--no-prefix-cache")
-    router = start_router(MODEL, [prefill], [decode], "--prefill-policy", "round_robin")
+    router = start_router(MODEL, [prefill], [decode], "--prefill-policy", "round_robin",
+                          env={"PDSPARK_ADMIN_API_KEY": ADMIN_KEY})
     try:
         yield prefill, decode, router
     finally:
@@ -100,7 +103,8 @@ def idle(worker: ServiceProcess) -> bool:
 
 
 def workers(router: ServiceProcess) -> dict[str, bool]:
-    with urllib.request.urlopen(router.info["http"] + "/workers", timeout=10) as r:
+    req = urllib.request.Request(router.info["http"] + "/workers", headers=ADMIN)
+    with urllib.request.urlopen(req, timeout=10) as r:
         return {w["address"]: w["healthy"] for w in json.loads(r.read())}
 
 
@@ -113,9 +117,11 @@ def retries(router: ServiceProcess) -> float:
 def set_worker(router: ServiceProcess, method: str, address: str) -> None:
     if method == "POST":
         req = urllib.request.Request(router.info["http"] + "/workers", method="POST", headers={
-            "Content-Type": "application/json"}, data=json.dumps({"role": "prefill", "address": address}).encode())
+            "Content-Type": "application/json", **ADMIN},
+            data=json.dumps({"role": "prefill", "address": address}).encode())
     else:
-        req = urllib.request.Request(router.info["http"] + f"/workers?address={address}", method="DELETE")
+        req = urllib.request.Request(router.info["http"] + f"/workers?address={address}", method="DELETE",
+                                     headers=ADMIN)
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status in (200, 201)
 

@@ -21,6 +21,9 @@ from pdspark.service_process import start_service
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
+# Worker administration needs an admin key (generation stays open: no API key); it travels by environment.
+ADMIN_KEY = "admin-key-for-router-cluster-tests"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
 
 
@@ -31,7 +34,8 @@ def ckpt(draft_ckpt):
 
 def up(ckpt, prefill: int, decode: int):
     return start_service("pdspark up", ["up", "--model", str(ckpt), "--prefill", str(prefill), "--decode",
-                                        str(decode), "--port", "0", "--grpc-port", "0", *ENGINE], timeout=240)
+                                        str(decode), "--port", "0", "--grpc-port", "0", *ENGINE], timeout=240,
+                         env={"PDSPARK_ADMIN_API_KEY": ADMIN_KEY})
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +119,10 @@ def test_async_sdk(cluster, offline):
     assert streamed == expected(offline, PROMPTS[0], 10)
 
 
-def post(info, path, body: bytes | dict, content_type="application/json"):
+def post(info, path, body: bytes | dict, content_type="application/json", headers: dict | None = None):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(info["http"] + path, data=data, headers={"Content-Type": content_type})
+    req = urllib.request.Request(info["http"] + path, data=data, headers={"Content-Type": content_type,
+                                                                           **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -146,9 +151,13 @@ def test_bad_requests_get_openai_errors(cluster, path, body, status, param):
     assert workers_idle(cluster)
 
 
+def list_workers(info) -> list[dict]:
+    with urllib.request.urlopen(urllib.request.Request(info["http"] + "/workers", headers=ADMIN), timeout=10) as r:
+        return json.loads(r.read())
+
+
 def worker_loads(info) -> list:
-    with urllib.request.urlopen(info["http"] + "/workers", timeout=10) as r:
-        workers = json.loads(r.read())
+    workers = list_workers(info)
     loads = []
     for w in workers:
         stub = worker_pb2_grpc.PrefillWorkerStub if w["role"] == "prefill" else worker_pb2_grpc.DecodeWorkerStub
@@ -184,8 +193,7 @@ def test_models_health_workers_metrics(cluster):
         assert json.loads(r.read())["data"][0]["id"] == cluster["model"]
     with urllib.request.urlopen(cluster["http"] + "/health", timeout=10) as r:
         assert json.loads(r.read())["status"] == "ok"
-    with urllib.request.urlopen(cluster["http"] + "/workers", timeout=10) as r:
-        workers = json.loads(r.read())
+    workers = list_workers(cluster)
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
     assert all({"role", "address", "healthy", "load", "metrics_url"} <= set(w) for w in workers)
     # The router learns each worker's metrics URL from its load reports (health polls every 2 s).
@@ -193,8 +201,7 @@ def test_models_health_workers_metrics(cluster):
     while not all(w["metrics_url"] for w in workers):
         assert time.monotonic() < deadline, f"/workers still lacks metrics URLs: {workers}"
         time.sleep(0.1)
-        with urllib.request.urlopen(cluster["http"] + "/workers", timeout=10) as r:
-            workers = json.loads(r.read())
+        workers = list_workers(cluster)
     for w in workers:
         with urllib.request.urlopen(w["metrics_url"], timeout=10) as r:
             assert "pdspark_pool_pages_used" in r.read().decode()
@@ -210,9 +217,10 @@ def test_two_by_two_cluster_and_cache_aware_routing(ckpt, offline):
         (system,) = random_prompts(1, [120], vocab=256, seed=50)
         outs = []
         for suffix in random_prompts(3, [8, 15, 22], vocab=256, seed=51):
+            # With the admin key: `meta_info` names the workers (for admins only).
             code, reply = post(info, "/generate", {"input_ids": system + suffix,
                                                    "sampling_params": {"max_new_tokens": 12, "temperature": 0,
-                                                                       "ignore_eos": True}})
+                                                                       "ignore_eos": True}}, headers=ADMIN)
             assert code == 200
             outs.append(reply)
             ref = offline.generate(prompt_token_ids=[system + suffix],
@@ -257,22 +265,19 @@ def test_sdk_deadline_is_enforced(cluster):
 
 
 def test_workers_added_and_removed_at_run_time(cluster):
-    code, added = post(cluster, "/workers", {"role": "decode", "address": "127.0.0.1:1"})
+    code, added = post(cluster, "/workers", {"role": "decode", "address": "127.0.0.1:1"}, headers=ADMIN)
     assert code == 201 and added["address"] == "127.0.0.1:1"
-    with urllib.request.urlopen(cluster["http"] + "/workers", timeout=10) as r:
-        listed = {w["address"]: w for w in json.loads(r.read())}
-    assert "127.0.0.1:1" in listed
+    assert "127.0.0.1:1" in {w["address"] for w in list_workers(cluster)}
     # An unreachable decode worker is never picked once marked unhealthy; requests keep being served.
     client = openai_client(cluster)
     for _ in range(3):
         reply = client.completions.create(model=cluster["model"], prompt="x = 1", max_tokens=4)
         assert reply.usage.completion_tokens >= 1
-    req = urllib.request.Request(cluster["http"] + "/workers?address=127.0.0.1:1", method="DELETE")
+    req = urllib.request.Request(cluster["http"] + "/workers?address=127.0.0.1:1", method="DELETE", headers=ADMIN)
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200
-    with urllib.request.urlopen(cluster["http"] + "/workers", timeout=10) as r:
-        assert "127.0.0.1:1" not in {w["address"] for w in json.loads(r.read())}
-    code, reply = post(cluster, "/workers", {"role": "cook", "address": "127.0.0.1:2"})
+    assert "127.0.0.1:1" not in {w["address"] for w in list_workers(cluster)}
+    code, reply = post(cluster, "/workers", {"role": "cook", "address": "127.0.0.1:2"}, headers=ADMIN)
     assert code == 400 and "role" in reply["error"]["message"]
 
 

@@ -29,6 +29,7 @@ from pdspark.options import (
     parse_args,
     parse_options,
     replace_options,
+    secret_env,
     specs,
     to_argv,
 )
@@ -59,7 +60,8 @@ def sample(spec: OptionSpec):
     elif spec.base is bool:
         value = not spec.default
     elif spec.base is tuple:
-        value = (1, 2) if spec.item is int else ("a:1", "b:2")
+        # Secret options (keys) of different kinds may not share a value.
+        value = (1, 2) if spec.item is int else (f"{spec.flag}-1", f"{spec.flag}-2") if spec.secret else ("a:1", "b:2")
     elif spec.base is int:
         value = spec.default + 1 if isinstance(spec.default, int) else (spec.minimum or 0) + 7
     elif spec.base is float:
@@ -295,9 +297,26 @@ def test_to_argv_parses_back_whatever_the_environment(cls):
     cfg = build(cls, values, fixed=FIXED.get(cls))
     # Variables holding the defaults (or anything else) must not change what the flags say.
     hostile = {s.env: "m" if s.default is dataclasses.MISSING else text(s.default) for s in specs(cls) if s.cli}
-    assert parse_args(cls, to_argv(cfg), hostile, **FIXED.get(cls, {})) == cfg
+    # Secret options travel in the child's environment instead (`secret_env`).
+    assert parse_args(cls, to_argv(cfg), {**hostile, **secret_env(cfg)}, **FIXED.get(cls, {})) == cfg
     assert parse_args(cls, to_argv(build(cls, {"model": "m"} if cls is GenerateConfig else {}, fixed=FIXED.get(cls))),
                       {}, **FIXED.get(cls, {})) == parse(cls)
+
+
+def test_keys_never_reach_a_command_line_a_repr_or_an_error_message():
+    cfg = parse(RouterConfig, ["--api-key", "client-key-1,client-key-2"], {"PDSPARK_ADMIN_API_KEY": "admin-key-1"})
+    assert (cfg.auth.api_key, cfg.auth.admin_api_key) == (("client-key-1", "client-key-2"), ("admin-key-1",))
+    argv, shown = to_argv(cfg), repr(cfg)
+    assert not [a for a in argv if "key-1" in a] and "key-1" not in shown and "--api-key" not in argv
+    assert secret_env(cfg) == {"PDSPARK_API_KEY": "client-key-1,client-key-2", "PDSPARK_ADMIN_API_KEY": "admin-key-1"}
+    # Unset keys are set to "" (unset) too, so a child's inherited environment cannot add one.
+    assert secret_env(parse(RouterConfig)) == {"PDSPARK_API_KEY": "", "PDSPARK_ADMIN_API_KEY": ""}
+    for bad in ([" padded-key-1 "], ["same-key-12345", "x"]):
+        with pytest.raises(ConfigError) as e:
+            build(RouterConfig, {"api_key": tuple(bad), "admin_api_key": ("same-key-12345",)})
+        assert "padded-key-1" not in str(e.value) and "same-key-12345" not in str(e.value)
+    with pytest.raises(ConfigError, match="hidden"):
+        build(RouterConfig, {"api_key": "not-a-tuple-key"})
 
 
 def test_up_passes_its_options_to_the_children():
@@ -319,6 +338,13 @@ def test_up_passes_its_options_to_the_children():
     args = parser.parse_args(["serve", "router", *to_argv(router)])
     assert parse_options(RouterConfig, args, {}) == router
     assert router.max_model_len == 256 and router.prefill == ("p:1",) and router.model == "m"
+    # The keys reach the router; the secret ones by its environment.
+    keyed = parse(UpConfig, ["--api-key-file", "/k"], {"PDSPARK_API_KEY": "client-key-1",
+                                                       "PDSPARK_ADMIN_API_KEY": "admin-key-1"})
+    router = router_config(keyed, ["p:1"], ["d:2"])
+    assert router.auth == keyed.auth and router.auth.api_key_file == "/k"
+    args = parser.parse_args(["serve", "router", *to_argv(router)])
+    assert parse_options(RouterConfig, args, secret_env(router)) == router
 
 
 # ---- today's command lines keep working ------------------------------------------------------------------------------

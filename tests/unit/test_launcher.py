@@ -54,3 +54,15 @@ def test_every_service_gets_fixed_distinct_ports():
     chosen = Launcher(parse_args(UpConfig, ["--port", "18123", "--grpc-port", "18124"], {}), threading.Event())
     router = parse_options(RouterConfig, parser.parse_args(chosen.router.argv), {})
     assert (router.port, router.grpc_port) == (18123, 18124)
+
+
+def test_keys_reach_the_router_by_its_environment_only():
+    env = {"PDSPARK_API_KEY": "client-key-0123456789", "PDSPARK_ADMIN_API_KEY": "admin-key-0123456789"}
+    cfg = parse_args(UpConfig, ["--api-key-file", "/run/keys", "--max-model-len", "256"], env)
+    launcher = Launcher(cfg, threading.Event())
+    for s in launcher.services:
+        assert not [a for a in s.argv if "key-0123456789" in a], s.name
+    assert launcher.router.env == env
+    assert all(w.env == {"PDSPARK_API_KEY": "", "PDSPARK_ADMIN_API_KEY": ""} for w in launcher.workers)
+    router = parse_options(RouterConfig, build_parser().parse_args(launcher.router.argv), launcher.router.env)
+    assert router.auth == cfg.auth and router.auth.api_key_file == "/run/keys"

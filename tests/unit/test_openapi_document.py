@@ -44,9 +44,21 @@ def test_every_generation_route_documents_its_body_and_errors(path, model):
     op = DOC["paths"][path]["post"]
     assert op["requestBody"]["required"]
     assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
-    for status in ("400", "404", "413", "415", "422", "5XX"):
+    for status in ("400", "401", "404", "413", "415", "422", "429", "5XX"):
         error = op["responses"][status]["content"]["application/json"]["schema"]
         assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def test_a_router_with_api_keys_documents_which_routes_need_one():
+    keyed = openapi_document(api_keys=True)
+    assert keyed["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+    assert "securitySchemes" not in DOC["components"]  # a router without keys asks for none
+    for path, ops in keyed["paths"].items():
+        for method, op in ops.items():
+            needs_key = path.startswith("/v1/") or path == "/generate"
+            assert op["security"] == ([{"apiKey": []}] if needs_key else []), path
+            assert ("401" in op["responses"]) == needs_key, path
+            assert "security" not in DOC["paths"][path][method]
 
 
 @pytest.mark.parametrize("path, model", sorted(PUBLIC_POSTS.items()))

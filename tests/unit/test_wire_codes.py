@@ -22,6 +22,8 @@ EXPECTED = {
     ErrorCode.UNAVAILABLE: (503, grpc.StatusCode.UNAVAILABLE, True, "server_error"),
     ErrorCode.OVERLOADED: (429, grpc.StatusCode.RESOURCE_EXHAUSTED, True, "rate_limit_error"),
     ErrorCode.ALREADY_EXISTS: (409, grpc.StatusCode.ALREADY_EXISTS, False, "invalid_request_error"),
+    ErrorCode.UNAUTHENTICATED: (401, grpc.StatusCode.UNAUTHENTICATED, False, "authentication_error"),
+    ErrorCode.PERMISSION_DENIED: (403, grpc.StatusCode.PERMISSION_DENIED, False, "permission_error"),
 }
 
 
@@ -51,6 +53,8 @@ def test_an_unknown_or_unset_error_code_reads_as_unavailable():
 def test_transport_statuses_map_to_codes():
     assert ErrorCode.of_transport("DEADLINE_EXCEEDED") == ErrorCode.DEADLINE
     assert ErrorCode.of_transport("CANCELLED") == ErrorCode.ABORTED
+    assert ErrorCode.of_transport("UNAUTHENTICATED") == ErrorCode.UNAUTHENTICATED
+    assert ErrorCode.of_transport("PERMISSION_DENIED") == ErrorCode.PERMISSION_DENIED
     for name in ("UNAVAILABLE", "UNKNOWN", "INTERNAL", "UNIMPLEMENTED"):
         assert ErrorCode.of_transport(name) == ErrorCode.UNAVAILABLE
 

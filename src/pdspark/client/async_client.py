@@ -11,6 +11,7 @@ from pdspark.client.client import (
     GenerateResult,
     StreamChunk,
     TLSOptions,
+    auth_metadata,
     build_request,
     collect,
     make_channel,
@@ -48,16 +49,20 @@ class AsyncStream:
 
 
 class AsyncClient:
-    def __init__(self, target: str, timeout: float | None = 300.0, tls: TLSOptions | None = None):
+    def __init__(self, target: str, timeout: float | None = 300.0, tls: TLSOptions | None = None,
+                 api_key: str | None = None):
+        """`api_key`: sent on every call (None: the `PDSPARK_API_KEY` variable's, if set; "": none)."""
         self.timeout = timeout
         self._channel = make_channel(target, tls, aio=True)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._metadata = auth_metadata(api_key)
 
     async def generate(self, prompt: str | None = None, *, token_ids: list[int] | None = None,
                        request_id: str | None = None, timeout: float | None = None, **sampling) -> GenerateResult:
         msg = build_request(prompt, token_ids, request_id, timeout or self.timeout, sampling)
         try:
-            chunks = [c async for c in self._stub.Generate(msg, timeout=timeout or self.timeout)]
+            call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=self._metadata)
+            chunks = [c async for c in call]
         except grpc.aio.AioRpcError as e:
             raise ClientError.from_rpc_error(e) from e
         return collect(chunks)
@@ -65,11 +70,13 @@ class AsyncClient:
     def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None,
                request_id: str | None = None, timeout: float | None = None, **sampling) -> AsyncStream:
         msg = build_request(prompt, token_ids, request_id, timeout or self.timeout, sampling)
-        return AsyncStream(self, self._stub.Generate(msg, timeout=timeout or self.timeout), msg.request_id)
+        call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=self._metadata)
+        return AsyncStream(self, call, msg.request_id)
 
     async def abort(self, request_id: str) -> bool:
         try:
-            reply = await self._stub.Abort(router_pb2.RouterAbortRequest(request_id=request_id), timeout=5)
+            reply = await self._stub.Abort(router_pb2.RouterAbortRequest(request_id=request_id), timeout=5,
+                                           metadata=self._metadata)
             return reply.found
         except grpc.aio.AioRpcError:
             return False

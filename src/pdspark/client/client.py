@@ -13,10 +13,16 @@ your own stream at any time, before the router's id is known too.
 
 Load: a router with no room even in its queue refuses at once: `ClientError` with `code` RESOURCE_EXHAUSTED,
 `error_code` OVERLOADED (retryable) and `retry_after_s`, the seconds it suggests waiting.
+
+Keys: a router with API keys wants one on every call: `Client(target, api_key=...)`, or the `PDSPARK_API_KEY`
+variable when `api_key` is not given (as the openai client reads `OPENAI_API_KEY`; holding the router's
+comma-separated list, its first key is used); `api_key=""` sends none. A missing or wrong key fails every call with
+`code` UNAUTHENTICATED (`error_code` UNAUTHENTICATED, not retryable).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -32,6 +38,7 @@ from pdspark.v1 import router_pb2, router_pb2_grpc
 # at once in the initial metadata, and the seconds to wait before retrying a refused request.
 REQUEST_ID_KEY = "pdspark-request-id"
 RETRY_AFTER_KEY = "retry-after"
+API_KEY_ENV = "PDSPARK_API_KEY"
 # Ping a quiet connection every 30 s, so a long stream through a NAT or a vanished router fails instead of hanging.
 KEEPALIVE_OPTIONS = (("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000))
 
@@ -139,6 +146,14 @@ def make_channel(target: str, tls: TLSOptions | None, aio: bool = False):
     return module.secure_channel(target, tls.credentials(), options=KEEPALIVE_OPTIONS)
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata every call carries: `authorization: Bearer <key>` when there is a key (`api_key`, else the
+    `PDSPARK_API_KEY` variable's first key), else nothing."""
+    if api_key is None:
+        api_key = next((k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()), "")
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 def request_id_of(initial_metadata) -> str | None:
     return _metadata_value(initial_metadata, REQUEST_ID_KEY) or None
 
@@ -175,10 +190,13 @@ class Stream:
 
 
 class Client:
-    def __init__(self, target: str, timeout: float | None = 300.0, tls: TLSOptions | None = None):
+    def __init__(self, target: str, timeout: float | None = 300.0, tls: TLSOptions | None = None,
+                 api_key: str | None = None):
+        """`api_key`: sent on every call (None: the `PDSPARK_API_KEY` variable's, if set; "": none)."""
         self.timeout = timeout
         self._channel = make_channel(target, tls)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._metadata = auth_metadata(api_key)
 
     def generate(self, prompt: str | None = None, *, token_ids: list[int] | None = None,
                  request_id: str | None = None, timeout: float | None = None, **sampling) -> GenerateResult:
@@ -186,7 +204,7 @@ class Client:
         `request_id` is your label for the request (the router names it: `GenerateResult.request_id`)."""
         msg = build_request(prompt, token_ids, request_id, timeout or self.timeout, sampling)
         try:
-            chunks = list(self._stub.Generate(msg, timeout=timeout or self.timeout))
+            chunks = list(self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=self._metadata))
         except grpc.RpcError as e:
             raise ClientError.from_rpc_error(e) from e
         return collect(chunks)
@@ -195,13 +213,15 @@ class Client:
                request_id: str | None = None, timeout: float | None = None, **sampling) -> Stream:
         """Stream a generation; as `generate`, and `Stream.cancel()` ends it."""
         msg = build_request(prompt, token_ids, request_id, timeout or self.timeout, sampling)
-        return Stream(self, self._stub.Generate(msg, timeout=timeout or self.timeout), msg.request_id)
+        call = self._stub.Generate(msg, timeout=timeout or self.timeout, metadata=self._metadata)
+        return Stream(self, call, msg.request_id)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request by the router's id of it (`Stream.request_id()`, a chunk's or result's `request_id`);
         False when the router serves no request of that id (a label is never one)."""
         try:
-            return self._stub.Abort(router_pb2.RouterAbortRequest(request_id=request_id), timeout=5).found
+            request = router_pb2.RouterAbortRequest(request_id=request_id)
+            return self._stub.Abort(request, timeout=5, metadata=self._metadata).found
         except grpc.RpcError:
             return False
 

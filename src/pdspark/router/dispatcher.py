@@ -198,8 +198,8 @@ class Dispatcher:
         prefill = self.prefill_policy.select(prefills, prompt_ids)
         decode = self.decode_policy.select(decodes, prompt_ids)
         if self.metrics is not None:
-            self.metrics.selected.labels(role="prefill", worker=prefill.address).inc()
-            self.metrics.selected.labels(role="decode", worker=decode.address).inc()
+            self.metrics.selected.labels(role="prefill", worker=prefill.name).inc()
+            self.metrics.selected.labels(role="decode", worker=decode.name).inc()
         return prefill, decode
 
     async def _run_pair(self, key: str, request_id: str, prompt_ids: list[int], generated: list[int], params,

@@ -4,6 +4,11 @@
 `REQUEST_ID_KEY` (and again in every chunk's `request_id`); `Abort` takes only that id (see `RouterCore`).
 A request refused because the router is full ends with RESOURCE_EXHAUSTED, its `ErrorDetail` trailer and a
 `retry-after` trailer (seconds).
+
+Keys: `AuthInterceptor` refuses a call without a valid one before it gets here; a caller who may not list workers
+gets chunks without their `prefill_worker`/`decode_worker`. Values the protobuf message can carry but HTTP's request
+models would refuse (a stop list longer than OpenAI's, a negative seed, an infinite temperature) are refused here
+with the same bounds (`sampling_fields`), so both front ends admit the same requests.
 """
 
 from __future__ import annotations
@@ -11,8 +16,18 @@ from __future__ import annotations
 import math
 
 from pdspark.errors import ErrorCode, InvalidRequestError, RequestFailed, as_request_failed
+from pdspark.router.auth_interceptor import authorization_of
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
+from pdspark.router.sampling_fields import (
+    MAX_PROMPT_CHARS,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+)
 from pdspark.rpc import convert, status
+from pdspark.types import SamplingParams
 from pdspark.v1 import router_pb2, router_pb2_grpc
 
 REQUEST_ID_KEY = "pdspark-request-id"  # initial metadata: the router's id of the request
@@ -28,6 +43,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             ids = self._prompt(request)
             params = convert.sampling_from_pb(request.sampling)
+            _check_bounds(params, core.model_config.vocab_size)
             if len(ids) + params.max_tokens > core.max_model_len:
                 raise InvalidRequestError(f"prompt ({len(ids)} tokens) + `max_tokens` ({params.max_tokens}) exceeds "
                                           f"the maximum context length {core.max_model_len}")
@@ -41,7 +57,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # The caller's own gRPC deadline bounds the request too (the SDK sets both to its `timeout`).
         asked = [t for t in (request.timeout_s, context.time_remaining()) if t is not None and t > 0]
         totals = Totals(len(ids))
-        stream = core.run("grpc", rid, ids, params, totals, timeout_s=min(asked, default=None), label=label)
+        caller = core.keys.identify(authorization_of(context.invocation_metadata()))
+        stream = core.run("grpc", rid, ids, params, totals, timeout_s=min(asked, default=None), label=label,
+                          caller=caller)
         try:
             await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
             async for chunk in stream:
@@ -70,6 +88,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         elif which == "text":
             if self.core.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; send `token_ids`")
+            if len(request.text) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError(f"`text` has {len(request.text)} characters; at most {MAX_PROMPT_CHARS}")
             ids = self.core.tokenizer.encode(request.text)
         else:
             raise InvalidRequestError("`prompt` is required: set `text` or `token_ids`")
@@ -79,3 +99,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"`token_ids` must be in [0, {vocab})")
         return ids
+
+
+def _check_bounds(params: SamplingParams, vocab_size: int) -> None:
+    """The bounds HTTP's request models hold every request to, for what the protobuf message can carry beyond them."""
+    if not params.temperature <= MAX_TEMPERATURE:  # `not <=`: NaN too
+        raise InvalidRequestError(f"`temperature` must be in [0, {MAX_TEMPERATURE}], not {params.temperature}")
+    if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
+        raise InvalidRequestError(f"`seed` must be in [0, {MAX_SEED}], not {params.seed}")
+    stops = params.stop_strings
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidRequestError(f"`stop`: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                                  f"characters each")
+    ids = params.stop_token_ids
+    if len(ids) > MAX_STOP_TOKEN_IDS or any(t >= vocab_size for t in ids):
+        raise InvalidRequestError(f"`stop_token_ids`: at most {MAX_STOP_TOKEN_IDS} token ids in [0, {vocab_size})")

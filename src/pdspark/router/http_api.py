@@ -6,7 +6,10 @@ error is OpenAI's error object (`error_middleware`).
 A request may set its timeout with the `X-Request-Timeout` header (seconds; at most the router's
 `request_timeout_s`, also the default) and name itself with `X-Request-Id` (or the body's `user`, `/generate`'s
 `rid`): a label the router logs and echoes back in the `X-Request-Id` response header; the request's id is the
-router's own. A request the router has no room for gets 429 with `Retry-After` at once."""
+router's own. A request the router has no room for gets 429 with `Retry-After` at once.
+
+Keys (`auth_middleware`, rules in `api_keys`): generation needs an API key when the router has any, `/workers` an
+admin key; a caller who may not list workers sees no worker address in a response either."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router import openai_protocol as oai
 from pdspark.router.api_error import ApiError, error_body
+from pdspark.router.auth_middleware import auth_middleware, current_caller
 from pdspark.router.chat_completion_request import ChatCompletionRequest
 from pdspark.router.completion_request import CompletionRequest
 from pdspark.router.error_middleware import error_middleware, json_error, mark_started
@@ -29,15 +33,12 @@ from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_
 
 logger = logging.getLogger(__name__)
 
-# The largest request body read (413 beyond). A prompt of DSV4's full 1M-token context fits, as text or as token ids
-# in JSON (about 7 bytes each); anything larger cannot be served anyway.
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-
-
-def build_app(core: RouterCore, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
-    """The router's HTTP application. Every error it answers is OpenAI's error object (`error_middleware`)."""
+def build_app(core: RouterCore) -> web.Application:
+    """The router's HTTP application. Every error it answers is OpenAI's error object (`error_middleware`); every
+    request is checked against the router's keys first (`auth_middleware`)."""
     api = HttpApi(core)
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(client_max_size=core.options.max_body_bytes,
+                          middlewares=[error_middleware, auth_middleware(core.keys, core.metrics)])
     app.on_response_prepare.append(mark_started)
     app.on_response_prepare.append(_echo_request_id)
     app.add_routes([
@@ -99,7 +100,7 @@ def _internal_error_event(where: str) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-async def _body(request: web.Request) -> bytes:
+async def _body(request: web.Request, max_bytes: int) -> bytes:
     """The raw JSON body. An absent Content-Type is read as JSON (minimal clients send none); any other type is
     refused, `curl -d` without `-H 'Content-Type: application/json'` (a form) included, with a message saying so."""
     if "Content-Type" in request.headers:
@@ -107,7 +108,11 @@ async def _body(request: web.Request) -> bytes:
         if ctype != "application/json" and not ctype.endswith("+json"):
             raise ApiError(415, f"`Content-Type` must be application/json (got {ctype})",
                            code="unsupported_media_type")
-    return await request.read()  # over `client_max_size`: HTTPRequestEntityTooLarge, a 413 from the middleware
+    # A body announced too large is refused before a byte of it is read; one sent without a length (chunked) is
+    # refused by `read` once it passes the limit (`client_max_size`). Both: a 413 from the middleware.
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=request.content_length)
+    return await request.read()
 
 
 class HttpApi:
@@ -126,7 +131,7 @@ class HttpApi:
     async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
         core = self.core
         try:
-            raw = await _body(request)
+            raw = await _body(request, core.options.max_body_bytes)
             req: ChatCompletionRequest | CompletionRequest
             if chat:
                 req = oai.validate(ChatCompletionRequest, raw)
@@ -141,7 +146,7 @@ class HttpApi:
         rid = oai.new_id(chat)  # minted here: the router's id (uuid4-based), also the response's `id`
         totals = Totals(len(parsed.prompt_ids))
         stream = core.run("chat" if chat else "completions", rid, parsed.prompt_ids, parsed.params, totals,
-                          timeout_s=timeout, label=_label(request, req.user))
+                          timeout_s=timeout, label=_label(request, req.user), caller=current_caller())
         if parsed.stream:
             return await self._sse(request, rid, chat, parsed, stream, totals)
         text, lps = [], []
@@ -204,7 +209,7 @@ class HttpApi:
         """`{"text" | "input_ids", "sampling_params": {...}, "stream"}` -> `{"text", "output_ids", "meta_info"}`."""
         core = self.core
         try:
-            req = oai.validate(GenerateRequest, await _body(request))
+            req = oai.validate(GenerateRequest, await _body(request, core.options.max_body_bytes))
             parsed = oai.parse_generate(req, self.served)
             timeout = _timeout(request)
         except ApiError as e:
@@ -214,8 +219,9 @@ class HttpApi:
         # The body's `rid` is a label like X-Request-Id: a client's name never becomes the request's id.
         totals = Totals(len(parsed.prompt_ids))
         stream = core.run("generate", rid, parsed.prompt_ids, parsed.params, totals, timeout_s=timeout,
-                          label=_label(request, req.rid))
+                          label=_label(request, req.rid), caller=current_caller())
 
+        # The workers' addresses: empty unless the caller may list workers (`RouterCore.run` leaves them out).
         def meta() -> dict:
             return {"id": rid, "prompt_tokens": totals.prompt_tokens, "completion_tokens": totals.completion_tokens,
                     "cached_tokens": totals.cached_tokens,
@@ -257,7 +263,7 @@ class HttpApi:
 
     # ---- operations --------------------------------------------------------------------------------------------------
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi_document())
+        return web.json_response(openapi_document(self.core.keys.generation_needs_key))
 
     async def health(self, request: web.Request) -> web.Response:
         reg, adm = self.core.registry, self.core.admission
@@ -284,7 +290,7 @@ class HttpApi:
 
     async def add_worker(self, request: web.Request) -> web.Response:
         try:
-            body = json.loads(await _body(request))
+            body = json.loads(await _body(request, self.core.options.max_body_bytes))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from e
         if not isinstance(body, dict) or not isinstance(body.get("address"), str):

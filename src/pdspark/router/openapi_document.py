@@ -1,7 +1,9 @@
 """`openapi_document`: the router's public HTTP API as an OpenAPI 3.1 document, generated from the request models
 (so the schema a client or a fuzzer reads is the one the router validates with) and the error model.
 
-Worker administration (`/workers`) is left out: it is not part of the public API.
+Worker administration (`/workers`) is left out: it is not part of the public API. A router with API keys says
+that the generation routes and `/v1/models` need one (HTTP Bearer); `/health`, `/metrics` and this document need
+none. A router without keys documents none: it asks for none.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ _REQUEST_ERRORS = {
     "413": "the request body is over the size limit",
     "415": "the body is not JSON",
     "422": "a field of the wrong type, or a required field missing",
+    "429": "no room for the request in the router, or its API key has too many in flight: retry after `Retry-After` "
+           "seconds",
 }
+# What every keyed route may answer.
+_KEY_ERRORS = {"401": "no API key, or one that is not valid (when the router has API keys)"}
+_SECURITY_SCHEMES = {"apiKey": {"type": "http", "scheme": "bearer",
+                                "description": "an API key of the router (`--api-key`), sent as `Authorization: "
+                                               "Bearer <key>`"}}
 
 
 # One server-sent event of a stream: its `data` is a JSON chunk (or an error object), the last one `[DONE]`.
@@ -85,26 +94,33 @@ def _generation(summary: str, request_model: str, operation_id: str) -> dict[str
                                    "ending with `data: [DONE]`",
                     "content": {"application/json": {"schema": {"type": "object"}},
                                 "text/event-stream": {"schema": _SSE_EVENT}}},
-            **_error_responses(_REQUEST_ERRORS),
+            **_error_responses({**_REQUEST_ERRORS, **_KEY_ERRORS}),
         },
     }}
 
 
-def _get(summary: str, operation_id: str, content_type: str, schema: dict[str, Any]) -> dict[str, Any]:
+def _get(summary: str, operation_id: str, content_type: str, schema: dict[str, Any],
+         keyed: bool = False) -> dict[str, Any]:
     return {"get": {"summary": summary, "operationId": operation_id,
                     "responses": {"200": {"description": summary, "content": {content_type: {"schema": schema}}},
-                                  **_error_responses({})}}}
+                                  **_error_responses(_KEY_ERRORS if keyed else {})}}}
+
+
+def _secured(paths: dict[str, Any]) -> dict[str, Any]:
+    """`paths` with each operation's key requirement: an API key on the routes that answer 401, none elsewhere."""
+    return {path: {method: {**op, "security": [{"apiKey": []}] if "401" in op["responses"] else []}
+                   for method, op in ops.items()} for path, ops in paths.items()}
 
 
 @functools.cache
-def openapi_document() -> dict[str, Any]:
-    """The document (built once; treat it as read-only)."""
+def openapi_document(api_keys: bool = False) -> dict[str, Any]:
+    """The document of a router with API keys or without (built once each; treat it as read-only)."""
     _, defs = models_json_schema(
         [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"), (GenerateRequest, "validation"),
          (ErrorResponse, "serialization")],
         ref_template=_REF,
     )
-    return {
+    doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "pdspark router", "version": _version(),
                  "description": "OpenAI-compatible completions and chat completions, and SGLang-style /generate, "
@@ -115,7 +131,8 @@ def openapi_document() -> dict[str, Any]:
                                                 "createChatCompletion"),
             "/generate": _generation("Generate from text or token ids (SGLang's native shape)", "GenerateRequest",
                                      "generate"),
-            "/v1/models": _get("The served model", "listModels", "application/json", {"type": "object"}),
+            "/v1/models": _get("The served model", "listModels", "application/json", {"type": "object"},
+                               keyed=True),
             "/health": _get("Healthy when a prefill and a decode worker are (503 otherwise)", "health",
                             "application/json", {"type": "object"}),
             "/metrics": _get("Prometheus metrics", "metrics", "text/plain", {"type": "string"}),
@@ -123,3 +140,7 @@ def openapi_document() -> dict[str, Any]:
         },
         "components": {"schemas": defs["$defs"]},
     }
+    if api_keys:
+        doc["paths"] = _secured(doc["paths"])
+        doc["components"]["securitySchemes"] = _SECURITY_SCHEMES
+    return doc

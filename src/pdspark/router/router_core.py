@@ -6,16 +6,22 @@ coordination, and unguessable). The workers see only that id, so two requests ca
 client calls its request (gRPC `request_id`, HTTP `X-Request-Id` or the body's `user`) is a label: logged and
 echoed back, never used to find a request. `abort` takes the router's id, which only the request's own caller
 was told: knowing or guessing another client's label cannot reach its request.
+
+Callers: each request runs for a `Caller` (the key it presented, see `api_keys`). A key has at most
+`max_in_flight_per_key` requests in the router (`KeyQuota`), and a caller who may not see worker addresses gets
+none: not in the chunks (`prefill_worker`/`decode_worker` left empty) and not in a failure's message (each known
+worker's address replaced by its name, any other IP address by `<address>`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdspark.config import RouterConfig
@@ -24,8 +30,10 @@ from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.tokenizer import Tokenizer
 from pdspark.router.admission_queue import AdmissionQueue, AdmissionTicket
+from pdspark.router.api_keys import ANONYMOUS, Access, ApiKeys, Caller
 from pdspark.router.chat_template import ChatTemplate
 from pdspark.router.dispatcher import DispatchChunk, Dispatcher
+from pdspark.router.key_quota import KeyQuota
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry
 from pdspark.types import FinishReason, SamplingParams
@@ -36,6 +44,9 @@ logger = logging.getLogger(__name__)
 # client meets a new state, and a whole second spreads a flood's retries instead of echoing it back at once.
 RETRY_AFTER_S = 1
 MAX_LABEL_LEN = 128  # a client's label is logged and echoed: bounded
+# IP addresses (v4, or v6 in brackets), with a port or not: what a worker's own messages may name (a peer, a
+# transfer endpoint) besides the registered addresses.
+_IP_ADDRESS = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\[[0-9A-Fa-f:.]+\](?::\d+)?")
 
 
 @dataclass
@@ -74,8 +85,11 @@ class RouterCore:
         self.registry = registry
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.options = options
         self.request_timeout_s = options.request_timeout_s
+        self.keys = ApiKeys(options.auth, options.host)
         self.admission = AdmissionQueue(options.max_in_flight, options.max_queued)
+        self.key_quota = KeyQuota(options.key_in_flight_limit)
         self.live: dict[str, _Live] = {}
         # Read at scrape time: the queue is the one source of these numbers.
         metrics.in_flight.set_function(lambda: self.admission.in_flight)
@@ -94,31 +108,49 @@ class RouterCore:
             return self.request_timeout_s
         return min(requested_s, self.request_timeout_s)
 
+    def redact(self, message: str) -> str:
+        """`message` without worker addresses: a registered worker's becomes its name, any other IP address
+        `<address>`."""
+        for w in self.registry.workers.values():
+            message = re.sub(re.escape(w.address) + r"(?!\d)", w.name, message)  # not a longer port's prefix
+        return _IP_ADDRESS.sub("<address>", message)
+
     async def run(self, api: str, request_id: str, prompt_ids: list[int], params: SamplingParams, totals: Totals,
-                  timeout_s: float | None = None, label: str = "") -> AsyncGenerator[DispatchChunk, None]:
+                  timeout_s: float | None = None, label: str = "",
+                  caller: Caller = ANONYMOUS) -> AsyncGenerator[DispatchChunk, None]:
         """Admit, dispatch and account (queue time, TTFT, latency, tokens, outcome).
 
         Args:
             request_id: the router's id, from `new_request_id` (what `abort` takes).
             timeout_s: what the caller asked for; see `timeout_for`.
             label: the client's name for the request, for the logs only.
+            caller: who asked: its key's quota is charged, and unless it may list workers, worker addresses are
+                left out of the chunks and the failure.
 
         Raises:
-            RequestFailed: `OVERLOADED` at once when the admission queue is full; `DEADLINE` when the timeout
-                passed (queued or at the workers); `ABORTED`; or why no pair could serve it.
+            RequestFailed: `OVERLOADED` at once when the caller's key or the admission queue is full; `DEADLINE`
+                when the timeout passed (queued or at the workers); `ABORTED`; or why no pair could serve it.
         """
+        reveal = self.keys.allows(caller, Access.LIST_WORKERS)
         m = self.metrics
         t0 = time.perf_counter()
         deadline = Deadline.after(self.timeout_for(timeout_s))
         outcome = "error"
         assert request_id not in self.live, f"request id {request_id} is in use: ids come from new_request_id"
         try:
-            live = _Live(self.admission.enter())
+            self.key_quota.enter(caller.key_id)
+            try:
+                live = _Live(self.admission.enter())
+            except RequestFailed:
+                self.key_quota.leave(caller.key_id)
+                raise
             self.live[request_id] = live
             try:
                 m.queue_time.observe(await live.ticket.wait(deadline.remaining()))
                 first = True
                 async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, deadline, live.aborted):
+                    if not reveal:
+                        chunk = replace(chunk, prefill_worker="", decode_worker="")
                     if first:
                         m.ttft.observe(time.perf_counter() - t0)
                         first = False
@@ -131,13 +163,16 @@ class RouterCore:
             finally:
                 live.ticket.release()
                 del self.live[request_id]
+                self.key_quota.leave(caller.key_id)
             outcome = "ok"
         except RequestFailed as e:
             outcome = e.code.value
             # A refused request is routine under load: not one log line each.
             log = logger.debug if e.code is ErrorCode.OVERLOADED else logger.info
             log("request %s (label %r, %s) failed: %s", request_id, label, api, e)
-            raise
+            if reveal:
+                raise
+            raise RequestFailed(e.code, self.redact(e.message)) from None
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "cancelled"  # the client went away; the dispatcher cancels both legs
             raise

@@ -36,3 +36,10 @@ class RouterMetrics:
         self.transfer_bytes = Histogram("pdspark_router_transfer_bytes", "Cache bytes moved per request",
                                         buckets=(1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9), registry=r)
         self.workers = Gauge("pdspark_router_workers", "Registered workers", ["role", "healthy"], registry=r)
+        # Requests refused for their key (never the key itself): missing_key, invalid_key, or forbidden (a valid key
+        # without the right: an API key on /workers, or worker administration that is off).
+        self.auth_failures = Counter("pdspark_router_auth_failures_total", "Requests refused for their key",
+                                     ["api", "reason"], registry=r)
+        for api in ("http", "grpc"):
+            for reason in ("missing_key", "invalid_key", "forbidden"):
+                self.auth_failures.labels(api=api, reason=reason)

@@ -1,5 +1,6 @@
 """`run_router`: the router process. HTTP (aiohttp) and gRPC (grpc.aio) on one asyncio loop, the worker registry's
-health polling beside them; one JSON ready line on stdout; SIGTERM/SIGINT drain and stop."""
+health polling beside them; one JSON ready line on stdout; SIGTERM/SIGINT drain and stop; SIGHUP reads the key
+files again (key rotation without a restart)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from grpc_reflection.v1alpha import reflection
 
 from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig, resolve_max_model_len
+from pdspark.errors import ConfigError
 from pdspark.model.model_config import ModelConfig
+from pdspark.router.auth_interceptor import AuthInterceptor
 from pdspark.router.dispatcher import Dispatcher
 from pdspark.router.grpc_api import RouterServicer
 from pdspark.router.http_api import build_app
@@ -28,12 +31,42 @@ from pdspark.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
 # Clients (the SDK pings every 30 s on a long stream) may keep their connections alive; a ping more often than every
 # 5 s is a strike, and a client past the strikes is sent away (gRPC's default policy, with a shorter interval).
 SERVER_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 )
+
+
+def build_grpc_server(core: RouterCore) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The router's gRPC server (no port yet): the `Router` service behind the key check, health and reflection
+    open; requests over `max_body_bytes` are refused by gRPC itself (RESOURCE_EXHAUSTED), as HTTP refuses them."""
+    options = (*SERVER_OPTIONS, ("grpc.max_receive_message_length", core.options.max_body_bytes))
+    server = grpc.aio.server(options=options, interceptors=[AuthInterceptor(core.keys, core.metrics)])
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (ROUTER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    return server, health_servicer
+
+
+def reload_keys(core: RouterCore) -> None:
+    """SIGHUP: the key files again; a file that cannot be read keeps the keys in use (and says why)."""
+    try:
+        core.keys.reload()
+    except ConfigError as e:
+        logger.error("keys not reloaded, the previous ones stay in use: %s", e)
+
+
+def _warn_if_exposed(cfg: RouterConfig, core: RouterCore) -> None:
+    if core.keys.development or core.keys.generation_needs_key:
+        return
+    logger.warning("the router listens on %s without API keys: anyone who can reach it can generate; set "
+                   "--api-key-file or PDSPARK_API_KEY", cfg.host)
 
 
 def build_core(cfg: RouterConfig) -> RouterCore:
@@ -55,21 +88,17 @@ def build_core(cfg: RouterConfig) -> RouterCore:
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     core = build_core(cfg)
+    _warn_if_exposed(cfg, core)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys, core)
     runner = web.AppRunner(build_app(core), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    service = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-    reflection.enable_server_reflection(
-        (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    server, health_servicer = build_grpc_server(core)
     grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
     await server.start()
-    for name in ("", service):
+    for name in ("", ROUTER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     poller = asyncio.create_task(core.registry.poll_forever())
     print(json.dumps({"event": "ready", "role": "router", "http": f"http://{cfg.host}:{http_port}",
@@ -77,7 +106,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
                       "model": core.served_name}), flush=True)
     await stop.wait()
     logger.info("router stopping")
-    for name in ("", service):
+    for name in ("", ROUTER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     poller.cancel()
     await server.stop(5)

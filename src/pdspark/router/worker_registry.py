@@ -56,14 +56,16 @@ class WorkerInfo:
     healthy_since: float = 0.0  # time.monotonic() it was last (re-)admitted
     answering_since: float | None = None  # while unhealthy: time.monotonic() since when every check succeeded
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    # What clients and /metrics call the worker (`prefill-0`): its address is for admins only (see `api_keys`).
+    name: str = ""
 
     @property
     def load(self) -> int:
         return max(self.reported_load, self.in_flight)
 
     def to_json(self) -> dict:
-        return {"role": self.role, "address": self.address, "healthy": self.healthy, "load": self.load,
-                "in_flight": self.in_flight, "metrics_url": self.metrics_url}
+        return {"name": self.name, "role": self.role, "address": self.address, "healthy": self.healthy,
+                "load": self.load, "in_flight": self.in_flight, "metrics_url": self.metrics_url}
 
 
 class WorkerRegistry:
@@ -79,13 +81,15 @@ class WorkerRegistry:
         self.stable_s = stable_s
         self.workers: dict[str, WorkerInfo] = {}
         self.on_down: list[Callable[[WorkerInfo], None]] = []  # called with a worker as it is marked unhealthy
+        self._registered = 0  # numbers the names: workers from flags are named as `pdspark up` names them
 
     def add(self, role: str, address: str, metrics_url: str = "") -> WorkerInfo:
         if role not in ROLES:
             raise ValueError(f"unsupported worker role {role!r}; allowed: {', '.join(ROLES)}")
         if address in self.workers:
             raise ValueError(f"worker {address} is already registered")
-        w = WorkerInfo(role, address, metrics_url, healthy_since=time.monotonic())
+        w = WorkerInfo(role, address, metrics_url, healthy_since=time.monotonic(), name=f"{role}-{self._registered}")
+        self._registered += 1
         self.workers[address] = w
         return w
 

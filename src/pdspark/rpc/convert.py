@@ -21,6 +21,8 @@ ERROR_CODE_TO_PB: dict[ErrorCode, int] = {
     ErrorCode.UNAVAILABLE: common_pb2.ERROR_CODE_UNAVAILABLE,
     ErrorCode.OVERLOADED: common_pb2.ERROR_CODE_OVERLOADED,
     ErrorCode.ALREADY_EXISTS: common_pb2.ERROR_CODE_ALREADY_EXISTS,
+    ErrorCode.UNAUTHENTICATED: common_pb2.ERROR_CODE_UNAUTHENTICATED,
+    ErrorCode.PERMISSION_DENIED: common_pb2.ERROR_CODE_PERMISSION_DENIED,
 }
 ERROR_CODE_FROM_PB = {pb: code for code, pb in ERROR_CODE_TO_PB.items()}
 FINISH_REASON_TO_PB: dict[FinishReason, common_pb2.FinishReason] = {

@@ -19,6 +19,8 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_OVERLOADED: _ClassVar[ErrorCode]
     ERROR_CODE_ALREADY_EXISTS: _ClassVar[ErrorCode]
+    ERROR_CODE_UNAUTHENTICATED: _ClassVar[ErrorCode]
+    ERROR_CODE_PERMISSION_DENIED: _ClassVar[ErrorCode]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +38,8 @@ ERROR_CODE_ABORTED: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_OVERLOADED: ErrorCode
 ERROR_CODE_ALREADY_EXISTS: ErrorCode
+ERROR_CODE_UNAUTHENTICATED: ErrorCode
+ERROR_CODE_PERMISSION_DENIED: ErrorCode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason

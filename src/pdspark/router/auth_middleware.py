@@ -1,0 +1,68 @@
+"""`auth_middleware`: every HTTP request is checked against the router's keys (`ApiKeys`) before its handler runs,
+and so before its body is read: a caller without a valid key costs the router a header, not a body.
+
+What a route needs (`access_of`): generation (`/v1/*`, `/generate`) an API key, `/workers` an admin key (reading
+it: see `api_keys` for a development router), the rest nothing. A refused request gets OpenAI's error object: 401
+(`authentication_error`, with `WWW-Authenticate: Bearer`) or 403 (`permission_error`). The handler finds who called
+with `current_caller()`.
+
+NOTE: no key is ever logged: a refusal logs (at debug level) the route and the peer's address only, and counts in
+`pdspark_router_auth_failures_total`.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+
+from aiohttp import web
+
+from pdspark.errors import ErrorCode
+from pdspark.router.api_error import ApiError
+from pdspark.router.api_keys import ANONYMOUS, Access, ApiKeys, Caller
+from pdspark.router.error_middleware import Handler, json_error
+from pdspark.router.router_metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+# Who sent the request being handled (set per request; a context variable for the reason `error_middleware` gives).
+_caller: ContextVar[Caller] = ContextVar("pdspark_caller")
+
+
+def current_caller() -> Caller:
+    """The caller of the request this handler serves."""
+    return _caller.get(ANONYMOUS)
+
+
+def access_of(request: web.Request) -> Access:
+    """What `request`'s route needs: by the route it matched (the path as registered, whatever the spelling of the
+    request's), else by its path (an unknown `/v1/...` is refused before it is found missing)."""
+    resource = request.match_info.route.resource
+    path = resource.canonical if resource is not None else request.path
+    if path == "/generate" or path.startswith("/v1/") or path == "/v1":
+        return Access.GENERATE
+    if path == "/workers":
+        return Access.LIST_WORKERS if request.method in ("GET", "HEAD") else Access.MANAGE_WORKERS
+    return Access.OPEN
+
+
+def auth_middleware(keys: ApiKeys, metrics: RouterMetrics):
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        caller = keys.identify(request.headers.get("Authorization"))
+        failure = keys.refusal(caller, access_of(request))
+        if failure is not None:
+            unauthenticated = failure.code is ErrorCode.UNAUTHENTICATED
+            reason = ("invalid_key" if caller.presented else "missing_key") if unauthenticated else "forbidden"
+            metrics.auth_failures.labels(api="http", reason=reason).inc()
+            logger.debug("refused %s %s from %s: %s", request.method, request.path, request.remote, reason)
+            error = ApiError(failure.code.http_status, failure.message, code=failure.code.value,
+                             type_=failure.code.openai_type)
+            return json_error(error, {"WWW-Authenticate": "Bearer"} if unauthenticated else None)
+        token = _caller.set(caller)
+        try:
+            return await handler(request)
+        finally:
+            _caller.reset(token)
+
+    return check
