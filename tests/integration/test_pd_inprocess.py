@@ -144,11 +144,12 @@ def test_disaggregated_greedy_equals_offline(ckpt, pair):
 @pytest.mark.parametrize("speculative", [None, "dspark"], ids=["plain", "dspark"])
 def test_seeded_disaggregated_equals_offline(ckpt, speculative):
     """The prefill worker draws token 1, the decode worker every later one: with one seed the tokens are the
-    offline engine's (DSpark against offline DSpark: speculation draws differently, with the same distribution)."""
+    offline engine's without DSpark, whether the decode worker speculates or not."""
     opts = {**OPTS, "speculative": speculative}
     prompts = random_prompts(3, [37, 64, 101], seed=33)
     params = [SamplingParams(max_tokens=24, seed=900 + i, **SAMPLED) for i in range(3)]
-    offline = make_llm(ckpt, **opts).generate(prompt_token_ids=prompts, sampling_params=params)
+    plain = make_llm(ckpt, **{**OPTS, "speculative": None})
+    offline = plain.generate(prompt_token_ids=prompts, sampling_params=params)
     pair = Pair(ckpt, opts=opts)
     try:
         for i, (prompt, p, ref) in enumerate(zip(prompts, params, offline)):

@@ -1,16 +1,36 @@
 """Seeded sampling climbs the equality ladder offline: one seed gives the same tokens alone, batched with seven
-others, through chunked prefill and after a preemption, DSpark on as off; requests without a seed get their own."""
+others, through chunked prefill and after a preemption; with DSpark on they are the tokens of DSpark off, whatever
+the number of drafts per verify step and wherever a stream restarts; requests without a seed get their own."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from conftest import MIXED, random_prompts
+from draft_reference import add_random_draft
 from pdspark import SamplingParams
 from pdspark.engine.factory import create_engine
 
 BASE = dict(page_size=16, max_model_len=256, c128_page_size=2)
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, max_tokens=24, ignore_eos=True)
+# The DSpark-on-equals-off rung: plain temperatures, each filter alone, and both together.
+VARIANTS = {
+    "t1.0": dict(temperature=1.0),
+    "t0.8-top_p": dict(temperature=0.8, top_p=0.9),
+    "t0.8-top_k": dict(temperature=0.8, top_k=20),
+    "t0.7-both": dict(temperature=0.7, top_k=40, top_p=0.95),
+}
+
+
+@pytest.fixture(scope="module")
+def draft5(checkpoints, tmp_path_factory):
+    """MIXED with a random 5-token draft: verify windows of 1 to 5 drafts."""
+    path, _ = checkpoints(MIXED)
+    dst = tmp_path_factory.mktemp("draft5") / "ckpt"
+    add_random_draft(path, dst, gamma=5)
+    return dst
 
 
 def run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list[list[int]], list[int]]:
@@ -46,14 +66,50 @@ def test_seeded_tokens_do_not_depend_on_the_batch(draft_ckpt, speculative):
     *_, last = run(engine, [*companions, prompt], [*companion_params, params])[0]
     assert batched == alone and last == alone
     # Seven decoding companions take 7 x (1 + 3 drafts) = 28 of the 48-token budget, so the prompt is computed in
-    # chunks of about 20 tokens; the budget still leaves every decoding request its full draft window (with DSpark,
-    # the tokens of a seed depend on the window length: a bonus draw and an accept test are different draws).
+    # chunks of about 20 tokens beside their verify steps.
     chunked = create_engine(str(draft_ckpt), speculative=speculative, max_num_batched_tokens=48, max_num_seqs=8,
                             enable_prefix_cache=False, **BASE)
     *_, last = run(chunked, [*companions, prompt], [*companion_params, params])[0]
     assert last == alone
     other_seed = run(engine, [prompt], [SamplingParams(**{**SAMPLED, "seed": 4321})])[0][0]
     assert other_seed != alone
+
+
+@pytest.mark.parametrize("sampling", VARIANTS.values(), ids=VARIANTS.keys())
+def test_dspark_draws_the_tokens_of_plain_seeded_sampling(draft5, sampling):
+    """Several prompts and seeds, batched and one at a time: DSpark on gives DSpark off's tokens, token for token."""
+    prompts = random_prompts(4, [9, 33, 70, 101], seed=63)
+    params = [SamplingParams(seed=70 + i, max_tokens=32, ignore_eos=True, **sampling) for i in range(4)]
+    plain, _ = run(create_engine(str(draft5), **BASE), prompts, params)
+    spec = create_engine(str(draft5), speculative="dspark", **BASE)
+    batched, _ = run(spec, prompts, params)
+    alone = [run(spec, [p], [sp])[0][0] for p, sp in zip(prompts, params)]
+    assert batched == plain
+    assert alone == plain
+    assert spec.spec.verify_steps > 0
+
+
+def test_drafts_per_verify_step_do_not_change_seeded_tokens(draft5):
+    """1, 3 or 5 drafts per verify step group the same positions differently; the tokens are the same."""
+    prompts = random_prompts(3, [21, 64, 45], seed=65)
+    params = [SamplingParams(seed=80 + i, max_tokens=32, ignore_eos=True, **VARIANTS["t0.7-both"]) for i in range(3)]
+    plain, _ = run(create_engine(str(draft5), **BASE), prompts, params)
+    for n in (1, 3, 5):
+        spec = create_engine(str(draft5), speculative="dspark", num_speculative_tokens=n, **BASE)
+        assert run(spec, prompts, params)[0] == plain, n
+
+
+def test_a_stream_restarted_mid_generation_goes_on_with_the_same_tokens(draft5):
+    """A stream moved to another decode worker restarts there from its prompt and the tokens so far: a prefill
+    that samples the next token plainly, at whatever position the move happened, then verify steps from there. Its
+    tokens are those of the uninterrupted run, DSpark on."""
+    (prompt,) = random_prompts(1, [40], seed=66)
+    params = SamplingParams(seed=91, max_tokens=40, ignore_eos=True, **VARIANTS["t1.0"])
+    (full,), _ = run(create_engine(str(draft5), speculative="dspark", **BASE), [prompt], [params])
+    other = create_engine(str(draft5), speculative="dspark", **BASE)
+    for cut in (1, 2, 7, 13, 26):
+        (rest,), _ = run(other, [prompt + full[:cut]], [replace(params, max_tokens=len(full) - cut)])
+        assert rest == full[cut:], cut
 
 
 def test_seeded_tokens_survive_a_preemption(checkpoints):

@@ -1,4 +1,4 @@
-"""Rung 5: DSpark speculative decoding is lossless: greedy tokens equal plain decoding, sampling keeps the
+"""Rung 5: DSpark speculative decoding is lossless: greedy and seeded tokens equal plain decoding, sampling keeps the
 distribution, rolled-back state equals a plain run's, and nothing leaks."""
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from pdspark.engine import drafter as drafter_module
 from pdspark.engine.drafter import DraftProposal
 from pdspark.engine.engine import Engine
 from pdspark.engine.random_stream import Purpose, RandomStream
+from pdspark.engine.sampler import Sampler
 from pdspark.engine.spec_verifier import accept
 from pdspark.model.dspark_weights import draft_state_dict, load_draft_weights
 from pdspark.model.loader import load_checkpoint, load_draft
 
 OPTS = dict(c128_page_size=2, max_model_len=512)
+SEEDED = dict(temperature=0.8, top_k=40, top_p=0.95, seed=17, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +54,12 @@ class OracleProposals:
             cut = self.calls % self.corrupt_every
             if cut < n:
                 tokens[cut] = (tokens[cut] + 1) % 256  # the target will reject this one
-            out.append(DraftProposal(tokens, None))
+            out.append(DraftProposal(tokens))
         return out
 
 
-def greedy_outputs(llm, prompts, n):
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=n, **GREEDY))
+def greedy_outputs(llm, prompts, n, sampling=GREEDY):
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=n, **sampling))
     return [o.token_ids for o in outs], outs
 
 
@@ -73,17 +75,19 @@ def test_greedy_speculative_equals_plain_with_random_draft(draft_ckpt, which):
     assert_no_leaks(spec_llm)
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("corrupt_every", [2, 3, 5])
-def test_greedy_speculative_equals_plain_across_acceptance_lengths(draft_ckpt, monkeypatch, corrupt_every):
-    """Verify windows of every acceptance length cross C4 (4) and C128 (16) group boundaries; prefix cache on."""
+def test_speculative_equals_plain_across_acceptance_lengths(draft_ckpt, monkeypatch, corrupt_every, sampling):
+    """Verify windows of every acceptance length cross C4 (4) and C128 (16) group boundaries; prefix cache on. A
+    seeded draft that is the plain run's token is accepted, so sampled windows get every acceptance length too."""
     path, _ = draft_ckpt[MIXED.seed]
     (system,) = random_prompts(1, [64], seed=21)
     prompts = [system + s for s in random_prompts(5, [3, 14, 29], seed=22)]
-    plain, _ = greedy_outputs(make_llm(path, **OPTS), prompts, 48)
+    plain, _ = greedy_outputs(make_llm(path, **OPTS), prompts, 48, sampling)
     oracle = OracleProposals({tuple(p): o for p, o in zip(prompts, plain)}, corrupt_every)
     monkeypatch.setattr(drafter_module.DSparkDrafter, "propose", lambda self, r, n: oracle(self, r, n))
     spec_llm = make_llm(path, speculative="dspark", max_num_batched_tokens=64, **OPTS)
-    spec, outs = greedy_outputs(spec_llm, prompts, 48)
+    spec, outs = greedy_outputs(spec_llm, prompts, 48, sampling)
     assert spec == plain
     stats = spec_llm.engine.spec
     assert stats.accepted_tokens > 0 and stats.accepted_per_position[0] > stats.accepted_per_position[-1] >= 0
@@ -108,88 +112,88 @@ def test_abort_mid_verify_frees_everything(draft_ckpt):
     assert_no_leaks(llm)
 
 
-def test_chain_rejection_sampling_keeps_the_target_distribution():
-    """Whatever the draft's distribution q, accepted-or-resampled tokens follow the target's p (chi-square); one
-    seed per trial, the draft drawn by the position's DRAFT draw as the drafter does."""
+def target_tokens(logits, params, stream, first_position):
+    """The target's token for each window row, drawn as the engine draws them: one plain sample per row."""
+    n = logits.shape[0]
+    return Sampler().sample(logits, [params] * n, [stream] * n, list(range(first_position, first_position + n)))
+
+
+def coupled_overlap(p, q) -> float:
+    """P(the inverse-CDF picks of p and q by one uniform agree): the overlap of each token's two CDF intervals."""
+    cp, cq = p.cumsum(-1), q.cumsum(-1)
+    return float((torch.minimum(cp, cq) - torch.maximum(cp - p, cq - q)).clamp(min=0).sum())
+
+
+def test_coupled_verification_keeps_the_target_distribution_and_accepts_by_overlap():
+    """Whatever the draft's distribution q, committed tokens follow the target's p (chi-square); one seed per trial,
+    the draft drawn by the position's SAMPLE draw as the drafter does. A draft is accepted as often as the coupled
+    picks agree, which is less than rejection sampling's sum(min(p, q))."""
     V = 6
     p_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
     q = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.05, 0.05])
     params = SamplingParams(temperature=1.0)
     n = 8000
-    counts = torch.zeros(V)
+    counts, accepted = torch.zeros(V), 0
     for seed in range(n):
         stream = RandomStream(seed)
-        d = stream.choice(q, 40, Purpose.DRAFT)
-        acc = accept(torch.stack([p_logits, p_logits]), DraftProposal([d], q[None]), params, stream, 40)
+        d = stream.choice(q, 40, Purpose.SAMPLE)
+        acc = accept([d], target_tokens(torch.stack([p_logits, p_logits]), params, stream, 40))
         counts[acc.tokens[0]] += 1
-    expected = n * p_logits.softmax(-1)
+        accepted += acc.num_accepted
+    p = p_logits.softmax(-1)
+    expected = n * p
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 20.5  # 99.9% quantile of chi-square with 5 degrees of freedom
+    overlap = coupled_overlap(p.double(), q.double())
+    assert abs(accepted - n * overlap) < 4 * (n * overlap * (1 - overlap)) ** 0.5
+    assert overlap < float(torch.minimum(p, q).sum()) - 0.05
 
 
-def test_speculative_chains_over_several_verify_steps_keep_the_joint_distribution():
+def test_speculative_chains_over_several_verify_steps_equal_plain_sampling():
     """Three tokens of a Markov 'model' over V=4 produced by verify steps of two drafts, exactly as the engine draws
-    them: a step that ends in a rejection leaves draft draws unused, and the next step draws its drafts for the
-    same positions again. The joint of the three tokens must still be the target's (chi-square, 63 dof)."""
+    them: a step that ends in a rejection leaves draws of later positions unused, and the next step draws its drafts
+    for the same positions again. Every seed gives plain sampling's tokens, and the joint of the three tokens is the
+    target's (chi-square, 63 dof)."""
     V, gamma, length, first = 4, 2, 3, 17
     g = torch.Generator().manual_seed(5)
     P = torch.randn(V, V, generator=g) * 0.5  # [prev, next] target logits (every one of the 64 cells >= 0.3%)
-    Q = torch.randn(V, V, generator=g)  # [prev, next] draft logits, unrelated to P
+    Q = P + torch.randn(V, V, generator=g) * 0.5  # [prev, next] draft logits, near P: most windows accept some
     params = SamplingParams(temperature=1.0)
     anchor = 2
 
-    def generate(stream: RandomStream) -> list[int]:
-        tokens, prev, position = [], anchor, first
+    def speculative(stream: RandomStream) -> tuple[list[int], int]:
+        tokens, prev, position, accepted = [], anchor, first, 0
         while len(tokens) < length:
-            drafts, qs, d = [], [], prev
+            drafts, d = [], prev
             for k in range(gamma):
-                qs.append(Q[d].softmax(-1))
-                d = stream.choice(qs[-1], position + k, Purpose.DRAFT)
+                d = stream.choice(Q[d].softmax(-1), position + k, Purpose.SAMPLE)
                 drafts.append(d)
             window = [prev, *drafts]  # target row j predicts the token after window row j
-            acc = accept(P[window], DraftProposal(drafts, torch.stack(qs)), params, stream, position)
+            acc = accept(drafts, target_tokens(P[window], params, stream, position))
             tokens += acc.tokens
+            accepted += acc.num_accepted
             position += len(acc.tokens)
             prev = tokens[-1]
-        return tokens[:length]
+        return tokens[:length], accepted
+
+    def plain(stream: RandomStream) -> list[int]:
+        tokens, prev = [], anchor
+        for position in range(first, first + length):
+            prev = target_tokens(P[[prev]], params, stream, position)[0]
+            tokens.append(prev)
+        return tokens
 
     n = 4000
-    outs = [generate(RandomStream(seed)) for seed in range(n)]
+    runs = [speculative(RandomStream(seed)) for seed in range(n)]
+    outs = [tokens for tokens, _ in runs]
+    assert outs == [plain(RandomStream(seed)) for seed in range(n)]
+    assert sum(a for _, a in runs) > n  # drafts were accepted, not just every first draft rejected
     cells = torch.tensor([(a * V + b) * V + c for a, b, c in outs])
     counts = torch.bincount(cells, minlength=V**length).double()
     p = P.softmax(-1).double()  # [prev, next]
     expected = n * (p[anchor][:, None, None] * p[:, :, None] * p[None, :, :]).flatten()  # p(a) p(b|a) p(c|b)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 103.4  # 99.9% quantile of chi-square with 63 degrees of freedom
-
-
-def test_speculative_sampling_matches_plain_sampling(draft_ckpt):
-    """End to end: the second generated token's distribution over many seeds, speculative vs plain."""
-    path, _ = draft_ckpt[MIXED.seed]
-    prompt = random_prompts(1, [12], seed=24)[0]
-    # Token 2 comes out of a verify step (the accepted draft, or the residual resample on rejection).
-    n = 500
-
-    def params(seeds):
-        return [SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=3) for s in seeds]
-
-    spec_llm = make_llm(path, speculative="dspark", num_speculative_tokens=1, **OPTS)
-    plain_llm = make_llm(path, **OPTS)
-    # Disjoint seeds: with one seed both runs draw token 1 alike, and the two samples must be independent.
-    spec = spec_llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params(range(n)))
-    plain = plain_llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params(range(n, 2 * n)))
-    assert all(o.spec_verify_steps >= 1 for o in spec)
-
-    def joint(outs):
-        return torch.bincount(torch.tensor([o.token_ids[0] * 256 + o.token_ids[1] for o in outs]), minlength=65536)
-
-    a, b = joint(spec).float(), joint(plain).float()
-    keep = (a + b) >= 10  # pool rare outcomes so every cell is large enough for the test
-    a = torch.cat([a[keep], a[~keep].sum(0, keepdim=True)])
-    b = torch.cat([b[keep], b[~keep].sum(0, keepdim=True)])
-    chi2 = float((((a - b) ** 2) / (a + b).clamp(min=1)).sum())  # two-sample chi-square, equal sizes
-    dof = int(((a + b) > 0).sum()) - 1
-    assert chi2 < dof + 4 * (2 * dof) ** 0.5 + 10, (chi2, dof)
 
 
 def test_rolled_back_state_equals_plain_run(draft_ckpt, monkeypatch):

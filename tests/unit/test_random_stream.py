@@ -27,9 +27,9 @@ def test_a_draw_is_a_pure_function_of_its_inputs():
     assert all(0.0 <= u < 1.0 for u in forward)
 
 
-def test_draws_differ_across_seeds_positions_and_purposes():
-    draws = {uniform(s, p, k) for s in range(20) for p in range(50) for k in Purpose}
-    assert len(draws) == 20 * 50 * len(Purpose)
+def test_draws_differ_across_seeds_and_positions():
+    draws = {uniform(s, p, Purpose.SAMPLE) for s in range(40) for p in range(100)}
+    assert len(draws) == 40 * 100
 
 
 def test_draws_are_uniform():
@@ -48,9 +48,8 @@ def test_draws_are_uniform():
 @pytest.mark.parametrize("neighbour", [
     lambda s, p: (s, p + 1, Purpose.SAMPLE),  # the next token of the same request
     lambda s, p: (s + 1, p, Purpose.SAMPLE),  # the same position of the next seed
-    lambda s, p: (s, p, Purpose.ACCEPT),  # another purpose at the same position
-    lambda s, p: (s, p, Purpose.DRAFT),
-], ids=["next-position", "next-seed", "accept", "draft"])
+    lambda s, p: (s + 1, p + 1, Purpose.SAMPLE),  # the next token of the next seed
+], ids=["next-position", "next-seed", "next-seed-next-position"])
 def test_neighbouring_draws_are_independent(neighbour):
     """Joint histogram of (u at (seed, p, SAMPLE), u at a neighbouring key) on an 8x8 grid is flat."""
     keys = [(s, p) for s in range(100) for p in range(100)]
@@ -93,7 +92,7 @@ def test_inverse_cdf_follows_the_weights():
     weights = torch.tensor([3.0, 0.0, 1.0, 6.0, 0.0])
     n = 20_000
     rows = weights.expand(n, -1)
-    u = torch.tensor([uniform(4, p, Purpose.RESIDUAL) for p in range(n)], dtype=torch.float64)
+    u = torch.tensor([uniform(4, p, Purpose.SAMPLE) for p in range(n)], dtype=torch.float64)
     counts = torch.bincount(inverse_cdf(rows, u), minlength=5).double()
     assert counts[1] == 0 and counts[4] == 0
     live = weights > 0
@@ -104,9 +103,9 @@ def test_inverse_cdf_follows_the_weights():
 def test_batched_inverse_cdf_equals_row_by_row():
     g = torch.Generator().manual_seed(0)
     weights = torch.rand(16, 50, generator=g) * (torch.rand(16, 50, generator=g) > 0.5)  # [16, 50], half zeros
-    u = torch.tensor([uniform(1, p, Purpose.DRAFT) for p in range(16)], dtype=torch.float64)
+    u = torch.tensor([uniform(1, p, Purpose.SAMPLE) for p in range(16)], dtype=torch.float64)
     batched = inverse_cdf(weights, u)
     rows = [int(inverse_cdf(weights[i : i + 1], u[i : i + 1])) for i in range(16)]
     assert batched.tolist() == rows
     stream = RandomStream(1)
-    assert [stream.choice(weights[i], i, Purpose.DRAFT) for i in range(16)] == rows
+    assert [stream.choice(weights[i], i, Purpose.SAMPLE) for i in range(16)] == rows

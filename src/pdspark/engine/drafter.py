@@ -1,4 +1,8 @@
-"""`DSparkDrafter`: proposes draft tokens for verify steps and keeps the draft's context (injected features)."""
+"""`DSparkDrafter`: proposes draft tokens for verify steps and keeps the draft's context (injected features).
+
+A sampled draft is the draft distribution's pick by the SAMPLE draw of its position, the draw the target samples that
+position with (coupled verification, see `spec_verifier`): the verifier needs the draft tokens only, not q.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,6 @@ from pdspark.model.dspark import DSparkDraft
 @dataclass(frozen=True)
 class DraftProposal:
     tokens: list[int]  # d_1 .. d_g
-    # [g, V] the distribution each draft token was drawn from (None for greedy requests: one-hot at the token).
-    probs: torch.Tensor | None
 
 
 class DSparkDrafter:
@@ -52,17 +54,18 @@ class DSparkDrafter:
 
     def _pick(self, base: torch.Tensor, req: Request, n: int) -> DraftProposal:
         """Left to right: each row's base logits plus the Markov bias of the previous token. Draft k (0-based) is a
-        proposal for position `req.num_tokens + k`, drawn by that position's DRAFT draw."""
+        proposal for position `req.num_tokens + k`, drawn by that position's SAMPLE draw: the very draw the target
+        samples that position with, so the draft is accepted when both inverse-CDF picks land on the same token."""
         prev = req.all_token_ids[-1]
         stream = RandomStream(req.seed)
-        tokens, probs = [], []
+        tokens = []
         for k in range(n):
             logits = base[k] + self.draft.markov_bias(torch.tensor(prev))
             if req.params.greedy:
                 prev = int(logits.argmax())
             else:
+                # The target's filters too: a q that keeps tokens p dropped shifts the CDF and loses agreement.
                 q = filter_logits(logits, req.params).softmax(-1)
-                prev = stream.choice(q, req.num_tokens + k, Purpose.DRAFT)
-                probs.append(q)
+                prev = stream.choice(q, req.num_tokens + k, Purpose.SAMPLE)
             tokens.append(prev)
-        return DraftProposal(tokens, torch.stack(probs) if probs else None)
+        return DraftProposal(tokens)

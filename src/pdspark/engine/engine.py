@@ -1,4 +1,4 @@
-"""`Engine`: the serving loop. One `step()` is `schedule -> draft -> run -> accept/sample -> update`."""
+"""`Engine`: the serving loop. One `step()` is `schedule -> draft -> run -> sample/accept -> update`."""
 
 from __future__ import annotations
 
@@ -259,34 +259,28 @@ class Engine:
     def _decide(
         self, chunks: list[ScheduledChunk], out: RunOutput, proposals: dict[str, DraftProposal]
     ) -> list[_StepTokens]:
-        """Accept drafts of verify chunks, sample the next token of prefill/decode chunks."""
-        # First logits row of each chunk (verify chunks have one per window row, others one or none).
-        offsets = [0]
-        for c in chunks:
-            offsets.append(offsets[-1] + (c.num_tokens if c.num_drafts else int(c.samples)))
-        plain = [i for i, c in enumerate(chunks) if c.samples and not c.num_drafts]
-        # A sampled token goes to position `num_tokens` of its request (drafts of a verify window follow from there).
-        sampled = self.sampler.sample(
-            out.logits[[offsets[i] for i in plain]],
-            [chunks[i].request.params for i in plain],
-            [RandomStream(chunks[i].request.seed) for i in plain],
-            [chunks[i].request.num_tokens for i in plain],
+        """Sample every logits row, then keep each verify window's drafts that match its rows' tokens."""
+        # Logits rows, chunk by chunk: every window row of a verify chunk, one row of a chunk that samples, none of
+        # a prefill chunk that ends before its prompt does. Row j of a chunk predicts position `num_tokens + j` of
+        # its request, and is drawn there exactly as plain decoding would draw it (see `spec_verifier`).
+        num_rows = [c.num_tokens if c.num_drafts else int(c.samples) for c in chunks]
+        rows = [(c, j) for c, n in zip(chunks, num_rows) for j in range(n)]
+        target = self.sampler.sample(
+            out.logits,
+            [c.request.params for c, _ in rows],
+            [RandomStream(c.request.seed) for c, _ in rows],
+            [c.request.num_tokens + j for c, j in rows],
         )
-        sampled_by_chunk = dict(zip(plain, sampled))
-        produced = []
-        for i, c in enumerate(chunks):
-            start = offsets[i]
+        produced, start = [], 0
+        for c, n in zip(chunks, num_rows):
+            logits, tokens = out.logits[start : start + n], target[start : start + n]
+            start += n
             if c.num_drafts:
-                req = c.request
-                logits = out.logits[start : start + c.num_tokens]
-                acc = accept(logits, proposals[req.req_id], req.params, RandomStream(req.seed), req.num_tokens)
-                self._count(req, c.num_drafts, acc.num_accepted)
+                acc = accept(proposals[c.request.req_id].tokens, tokens)
+                self._count(c.request, c.num_drafts, acc.num_accepted)
                 produced.append(_StepTokens(c, acc.tokens, logits[: len(acc.tokens)], acc.num_accepted + 1))
-            elif c.samples:
-                logits = out.logits[start : start + 1]
-                produced.append(_StepTokens(c, [sampled_by_chunk[i]], logits, c.num_tokens))
             else:
-                produced.append(_StepTokens(c, [], out.logits[:0], c.num_tokens))
+                produced.append(_StepTokens(c, tokens, logits, c.num_tokens))
         return produced
 
     def _count(self, req: Request, drafts: int, accepted: int) -> None:

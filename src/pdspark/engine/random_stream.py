@@ -4,10 +4,15 @@ NOTE: counter-based, not stateful. A draw never depends on how many draws came b
 same tokens alone or batched, after chunked prefill or a preemption, and on either side of a prefill/decode split
 (the prefill worker draws token 1 at position `len(prompt)`, the decode worker goes on from the next position;
 nothing is shipped between them). Positions are those of the token being produced: `len(all_token_ids)` when it
-is appended. Each position uses a different draw per purpose, so for one position the draft's proposal, the accept
-test and the residual resample are independent, as the rejection-sampling proof needs. A draw made for a draft
-that was thrown away is made again for the same position in the next verify step; it never influenced a committed
-token (only earlier positions' draws did), so it is still fresh.
+is appended.
+
+NOTE: speculative decoding draws nothing of its own. The token at position t is always the inverse-CDF pick of the
+target's p_t by position t's SAMPLE draw, as in plain sampling; the draft proposes its pick of q_t by the same draw,
+and a draft is kept when the two picks agree (see `spec_verifier`). So no token depends on where a verify step
+started or how many drafts it had: batching, draft counts, and a stream restarted at any position on another worker
+(a plain prefill-sampled token, then verify steps) all give plain sampling's tokens. Purposes 2-5 (draft, accept,
+residual, bonus of chain rejection sampling) are retired; SAMPLE keeps value 1, so plain seeded tokens are
+unchanged.
 """
 
 from __future__ import annotations
@@ -28,11 +33,7 @@ _PURPOSE_KEY = 0xC2B2AE3D27D4EB4F
 class Purpose(enum.IntEnum):
     """What a draw at a position is for; each is an independent stream."""
 
-    SAMPLE = 1  # the next token of a plain (non-speculative) step
-    DRAFT = 2  # the draft's proposal for the position
-    ACCEPT = 3  # the accept test of that proposal
-    RESIDUAL = 4  # the resample from the residual after the proposal was rejected
-    BONUS = 5  # the token after the last draft when every draft was accepted
+    SAMPLE = 1  # the token at the position (plain steps and verify windows alike; the draft's proposal too)
 
 
 def _mix(z: int) -> int:

@@ -1,56 +1,34 @@
-"""Acceptance of a verified draft: greedy prefix match, or chain rejection sampling (lossless for sampling).
+"""Acceptance of a verified draft: the drafts that match the target's own tokens (greedy and sampling alike).
 
-The verify window is `[anchor, d_1 .. d_g]`; target row j (0-based) predicts the token after window row j. Draft
-d_k sits at absolute position `first_position + k - 1`; its accept test and the residual resample after its
-rejection are that position's ACCEPT and RESIDUAL draws, and the bonus after d_g is position
-`first_position + g`'s BONUS draw. Each is an independent draw, so the committed tokens follow the target's
-distribution exactly.
+The verify window is `[anchor, d_1 .. d_g]`; target row j (0-based) predicts the token after window row j, at
+absolute position `num_tokens + j`. The target's token for each row is what plain decoding would produce there
+(argmax, or the inverse-CDF pick of the filtered p by that position's SAMPLE draw: the engine draws every row with
+the one `Sampler`). d_k is kept while it equals row k - 1's token; the first row whose token differs, or the row
+after d_g when all match, gives the last committed token.
+
+NOTE: coupled ("common random numbers") verification, not chain rejection sampling. The drafter picks d_k from its
+q by the same draw the target uses at that position, so when q is close to p the two inverse-CDF picks agree. Every
+committed token is the plain seeded sample, hence lossless, and equal token for token to non-speculative sampling
+whatever the step grouping: draft counts, batching and a stream migrated to another worker mid-generation give the
+same tokens. The cost: a draft is accepted with the probability that the coupled picks coincide (the overlap of
+the token's intervals in the two CDFs), at most rejection sampling's optimum sum(min(p, q)), and lower when p and q
+differ on tokens earlier in vocabulary order, which shifts every later token's interval.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
-from pdspark.engine.drafter import DraftProposal
-from pdspark.engine.random_stream import Purpose, RandomStream
-from pdspark.engine.sampler import filter_logits
-from pdspark.types import SamplingParams
-
 
 class Acceptance(NamedTuple):
-    tokens: list[int]  # accepted drafts then the bonus token (1 .. g + 1 tokens)
+    tokens: list[int]  # accepted drafts then the target's token after them (1 .. g + 1 tokens)
     num_accepted: int  # drafts accepted (len(tokens) - 1)
 
 
-def accept(
-    target_logits: torch.Tensor,
-    proposal: DraftProposal,
-    params: SamplingParams,
-    stream: RandomStream,
-    first_position: int,
-) -> Acceptance:
-    """`target_logits [g + 1, V]` fp32 for the window rows; `first_position` is d_1's (the anchor's + 1)."""
-    drafts = proposal.tokens
-    if params.greedy:
-        target = target_logits.argmax(dim=-1).tolist()
-        k = 0
-        while k < len(drafts) and drafts[k] == target[k]:
-            k += 1
-        return Acceptance(drafts[:k] + [target[k]], k)
-    assert proposal.probs is not None
-    for k, d in enumerate(drafts):
-        position = first_position + k
-        p = filter_logits(target_logits[k], params).softmax(-1)
-        q = proposal.probs[k]
-        # Accept d with probability min(1, p(d) / q(d)).
-        if stream.uniform(position, Purpose.ACCEPT) * float(q[d]) < float(p[d]):
-            continue
-        residual = (p - q).clamp(min=0)  # inverse_cdf takes unnormalised weights
-        if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
-            residual = p
-        return Acceptance(drafts[:k] + [stream.choice(residual, position, Purpose.RESIDUAL)], k)
-    p = filter_logits(target_logits[len(drafts)], params).softmax(-1)
-    bonus = stream.choice(p, first_position + len(drafts), Purpose.BONUS)
-    return Acceptance(drafts + [bonus], len(drafts))
+def accept(drafts: list[int], target: list[int]) -> Acceptance:
+    """`target`: the target's token for each window row (`len(drafts) + 1` of them)."""
+    assert len(target) == len(drafts) + 1, (len(drafts), len(target))
+    k = 0
+    while k < len(drafts) and drafts[k] == target[k]:
+        k += 1
+    return Acceptance(target[: k + 1], k)
