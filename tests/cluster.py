@@ -5,9 +5,10 @@ from __future__ import annotations
 from pdspark.service_process import ServiceProcess, start_service
 
 
-def start_worker(role: str, model: str, *args: str, timeout: float = 120.0) -> ServiceProcess:
+def start_worker(role: str, model: str, *args: str, timeout: float = 120.0, env: dict | None = None
+                 ) -> ServiceProcess:
     service = start_service(role, ["serve", role, "--model", model, "--port", "0", "--metrics-port", "0", *args],
-                            timeout=timeout, env={"OMP_NUM_THREADS": "1"})
+                            timeout=timeout, env={"OMP_NUM_THREADS": "1", **(env or {})})
     service.role = role  # type: ignore[attr-defined]
     return service
 

@@ -104,6 +104,11 @@ class RequestFailed(PdsparkError):
         self.message = message
 
 
+class Unanswered(RequestFailed):
+    """A call that ended without its peer's answer: no answer before the deadline, the connection broke (the peer's
+    lease lapsed), or it was unreachable. Unlike a failure the peer reported, the peer may still be acting on it."""
+
+
 def as_request_failed(e: PdsparkError) -> RequestFailed:
     """The wire-level failure for an engine-side error."""
     if isinstance(e, RequestFailed):

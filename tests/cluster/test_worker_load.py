@@ -6,8 +6,8 @@ sends both legs of every request itself), so what is measured is the workers alo
 - Beyond its queue bound it refuses at once with RESOURCE_EXHAUSTED (+ the OVERLOADED trailer), and serves
   normally once the queue drains.
 - A prefill worker that stops answering without closing its socket (SIGSTOP) fails every affected request with
-  a typed error within the request's deadline; the decode worker's pools return to their initial counts; after
-  SIGCONT the pair serves again.
+  a typed error within the request's deadline; the decode worker's pools return to their initial counts once no
+  write of the stopped worker can land (the plans' deadline + the write grace); after SIGCONT the pair serves again.
 """
 
 from __future__ import annotations
@@ -38,12 +38,16 @@ ARGS = ["--page-size", "16", "--max-model-len", "128", "--max-num-seqs", "16", "
 DECODE = [*ARGS, "--no-prefix-cache", "--max-waiting-streams", "256"]
 PARAMS = SamplingParams(max_tokens=4, **GREEDY)
 CONTROL_BUDGET_S = 0.1  # what a health or load call may take under any load (DESIGN.md section 5)
+# The transfer engine's batch timeout (its least): the decode side's write grace, after which it frees the pages
+# of a transfer the prefill worker did not answer.
+MC_TIMEOUT_S = 5
+ENV = {"MC_TRANSFER_TIMEOUT": str(MC_TIMEOUT_S)}
 
 
 @pytest.fixture(scope="module")
 def pair(draft_ckpt):
-    prefill = start_worker("prefill", str(draft_ckpt), *ARGS)
-    decode = start_worker("decode", str(draft_ckpt), *DECODE)
+    prefill = start_worker("prefill", str(draft_ckpt), *ARGS, env=ENV)
+    decode = start_worker("decode", str(draft_ckpt), *DECODE, env=ENV)
     yield prefill, decode
     assert decode.stop() == 0 and prefill.stop() == 0
 
@@ -227,7 +231,7 @@ def _holds(worker, in_transfer: int, queued: int) -> bool:
 
 def test_a_stopped_prefill_worker_fails_requests_within_their_deadline(draft_ckpt, pair):
     _, decode = pair
-    victim = start_worker("prefill", str(draft_ckpt), *ARGS)
+    victim = start_worker("prefill", str(draft_ckpt), *ARGS, env=ENV)
     k, timeout_ms = 4, 3000
     try:
         assert idle(decode)
@@ -249,8 +253,10 @@ def test_a_stopped_prefill_worker_fails_requests_within_their_deadline(draft_ckp
 
         try:
             outs = asyncio.run(scenario())
-            # The decode worker's pools are back while the prefill worker is still stopped.
-            wait_for(lambda: load_of(decode).pages_used == before, 2, "the decode worker's pools back to initial")
+            # The decode worker's pools are back while the prefill worker is still stopped: its pages quarantined
+            # until no write can land (the plans' deadline, which passed, + the write grace), then freed.
+            wait_for(lambda: load_of(decode).pages_used == before, MC_TIMEOUT_S + 2,
+                     "the decode worker's pools back to initial")
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)
         for out in outs:

@@ -38,8 +38,8 @@ def ckpt(draft_ckpt):
 
 class Pair:
     """A prefill and a decode worker over the in-process backend, on one asyncio loop of their own thread (as in a
-    worker process); the decode worker's plans reach the prefill worker directly, with the relative timeout turned
-    into a deadline on receipt as the servicer does."""
+    worker process); the decode worker's plans (and its aborts of them) reach the prefill worker directly, with the
+    relative timeout turned into a deadline on receipt as the servicer does."""
 
     def __init__(self, path, decode_opts: dict | None = None, opts: dict | None = None, **decode_kw):
         opts = opts or OPTS
@@ -48,7 +48,7 @@ class Pair:
                                                                   **(decode_opts or {})})
         self.prefill = PrefillWorker(self.p_loop, p_backend, describe_engine(self.p_engine))
         self.decode = DecodeWorker(self.d_loop, d_backend, describe_engine(self.d_engine), self.send_plan,
-                                   **decode_kw)
+                                   abort_plan=self.abort_plan, **decode_kw)
         self.aio = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.aio.run_forever, daemon=True)
         self._thread.start()
@@ -58,6 +58,9 @@ class Pair:
         if self.plan_hook is not None:
             plan = self.plan_hook(plan)
         return await self.prefill.submit_plan(plan, Deadline.on_receipt(plan.timeout_s, timeout_s))
+
+    async def abort_plan(self, address, request_id):
+        return self.prefill.abort(request_id)
 
     @staticmethod
     def _side(path, opts):

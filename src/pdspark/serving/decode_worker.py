@@ -5,6 +5,27 @@ One request: reserve destination pages (SWA only for the window tail), waiting i
 value -> join the running batch and stream tokens. A failed or late transfer frees the reservation; nothing waits
 without a deadline.
 
+A plan that is out (its `SubmitPlan` call runs) lets the prefill worker write into the reserved pages; how they
+are freed depends on what we know of its writes:
+- It answered: the cache arrived, or it reported a failure (which it does only once its writes stopped). Freed at
+  once.
+- We give up first (an abort, or our caller went away, e.g. the router's lease lapsed): the request ends at once,
+  but the call is not cancelled: we ask the prefill worker to fail the transfer (`abort_plan`) and free the pages
+  as its answer says. (Without `abort_plan`, the call is cancelled, and nothing is known: as below.)
+- The call ended unanswered (`Unanswered`: the prefill worker's lease lapsed, i.e. it stopped or vanished, see
+  `rpc/keepalive.py`; or the deadline passed): it may still write. It starts no batch of writes after the plan's
+  deadline (`plan.timeout_s` from its receipt, on a monotonic clock that runs on while a process is stopped), and a
+  batch that started lands within the transfer backend's timeout. So the pages are quarantined until
+  `sent + plan.timeout_s + backend.write_grace_s(...)` (the grace also covers the plan's way there), and at least
+  that grace after we learn of the failure (if we were the stopped one, writes held up by us land as we resume,
+  which is when we learn of it); counted in `quarantined_pages` (`pdspark_pool_pages_quarantined`), freed then.
+What this rule does not cover: a prefill process frozen in the middle of a batch for longer than the grace, then
+resumed, or a network path that drops packets for that long and heals (the transfer engine completes the batch
+late, and a first contact's handshake waits for the peer without a timeout); and a plan that waited unread in a
+stopped peer's socket until our lease on it lapsed (on resuming, the peer reads the plan and the closed connection
+together, so its call is cancelled before a write can start, but nothing enforces that order). Both need a fence
+in the transfer engine.
+
 Admission: the worker holds as many requests as its engine runs (request slots) plus at most `max_waiting`
 waiting for pages; one more is refused at once with OVERLOADED. Everything here runs on the asyncio loop (no
 locks): a request is a coroutine that holds no thread while it waits (for pages, the plan's answer, tokens).
@@ -14,13 +35,17 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TypeVar
 
+from pdspark.cache.req_pages import ReqPages
 from pdspark.deadline import Deadline
-from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.errors import ErrorCode, RequestFailed, Unanswered
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
@@ -29,11 +54,15 @@ from pdspark.serving.reservation_queue import Reservation
 from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult
-from pdspark.transfer.transfer_plan import cache_buffers, destination_checksum
+from pdspark.transfer.transfer_plan import cache_buffers, destination_checksum, plan_nbytes
 from pdspark.types import RequestOutput, SamplingParams
 
-# submit_plan(prefill_address, plan, timeout_s) -> TransferResult (raises RequestFailed)
+logger = logging.getLogger(__name__)
+# submit_plan(prefill_address, plan, timeout_s) -> TransferResult (raises RequestFailed; Unanswered when the
+# prefill worker did not answer)
 PlanSender = Callable[[str, TransferPlan, float], Awaitable[TransferResult]]
+# abort_plan(prefill_address, request_id): ask the prefill worker to fail the transfer of `request_id`
+PlanAborter = Callable[[str, str], Awaitable[object]]
 T = TypeVar("T")
 # Of the time left when the plan goes out, the share (at most `_ANSWER_MARGIN_MAX_S`) kept for the last write
 # batch to land and the answer to come back: the prefill side starts no write after the rest has passed.
@@ -78,19 +107,25 @@ def _drop(task: asyncio.Future, undo: Callable | None) -> None:
 
 class DecodeWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor, send_plan: PlanSender,
-                 metrics: WorkerMetrics | None = None, max_waiting: int = 1024, executor: Executor | None = None):
+                 metrics: WorkerMetrics | None = None, max_waiting: int = 1024, executor: Executor | None = None,
+                 abort_plan: PlanAborter | None = None):
         self.engine = EngineClient(loop)
         self.backend = backend
         self.compat = compat
         self.send_plan = send_plan
+        self.abort_plan = abort_plan
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.buffers = cache_buffers(loop.engine.kv.pools)  # fixed at start: the pools never move
         self._executor = executor or ThreadPoolExecutor(2, thread_name_prefix="checksum")
         self._active: dict[str, _Stream] = {}
         self.waiting = 0  # requests waiting for destination pages
-        self.transfers_in_flight = 0
+        self.transfers_in_flight = 0  # plans out: their SubmitPlan calls run
         self.stall_timeout_s = STALL_TIMEOUT_S
+        self._quarantined: dict[int, dict[str, int]] = {}  # request slot -> its pages per pool, until freed
+        self.quarantined_pages = dict.fromkeys(loop.engine.kv.usage(), 0)  # per pool, as `KVCache.usage` names them
+        self._count_quarantined({})  # every pool's gauge exists from the start
+        self._tasks: set[asyncio.Task] = set()
 
     async def generate(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
                        prefill_address: str, deadline: Deadline, prompt: str | None = None,
@@ -184,9 +219,17 @@ class DecodeWorker:
             timeout_s=remaining - min(_ANSWER_MARGIN_MAX_S, _ANSWER_MARGIN * remaining),
             **reservation.plan_fields,
         )
+        sent_at = time.monotonic()
+        call = asyncio.ensure_future(self.send_plan(prefill_address, plan, remaining))
         self.transfers_in_flight += 1
+        call.add_done_callback(self._call_ended)
         try:
-            result = await stream.guard(self.send_plan(prefill_address, plan, remaining))
+            # Shielded: giving up (an abort, our caller gone) must not cancel the call (see the module doc).
+            result = await stream.guard(asyncio.shield(call))
+        except BaseException:
+            self._let_go(call, plan, reservation, prefill_address, sent_at)
+            raise
+        try:
             arrived = await asyncio.get_running_loop().run_in_executor(
                 self._executor, destination_checksum, self.buffers, plan, ctypes.string_at)
             if arrived != result.checksum:
@@ -194,10 +237,81 @@ class DecodeWorker:
                     self.metrics.transfer_failures.labels(reason="checksum").inc()
                 raise RequestFailed(ErrorCode.TRANSFER, f"transfer {transfer_id!r}: integrity check failed")
         except BaseException:
-            self.engine.cancel_reservation(reservation)
+            self.engine.cancel_reservation(reservation)  # the prefill worker answered: nothing more lands
             raise
-        finally:
-            self.transfers_in_flight -= 1
         if self.metrics is not None:
             self.metrics.observe_transfer(result.stats)
         return result
+
+    # ---- a transfer's end -------------------------------------------------------------------------------------------
+    def _call_ended(self, call: asyncio.Future) -> None:
+        self.transfers_in_flight -= 1
+
+    def _let_go(self, call: asyncio.Future, plan: TransferPlan, reservation: Reservation, prefill_address: str,
+                sent_at: float) -> None:
+        """The request ends without its transfer (failed, aborted, or its caller gone): free the reservation as
+        the call's outcome allows, now or once the call ends."""
+        if not call.done():
+            if self.abort_plan is None:
+                call.cancel()
+            else:
+                self._spawn(self.abort_plan(prefill_address, plan.request_id))
+        call.add_done_callback(functools.partial(self._settle, plan=plan, reservation=reservation, sent_at=sent_at))
+
+    def _settle(self, call: asyncio.Future, plan: TransferPlan, reservation: Reservation, sent_at: float) -> None:
+        if _answered(call):
+            self.engine.cancel_reservation(reservation)
+            return
+        # The prefill worker may still write: none of its batches starts after the plan's deadline, and one that
+        # started lands within the backend's grace; or as soon as we answer again, if it is us who were stopped (a
+        # write held up by us then lands on our resuming, which is also when we learn of this): the grace counts
+        # from now at the earliest.
+        until = max(sent_at + plan.timeout_s, time.monotonic()) + self.backend.write_grace_s(plan_nbytes(plan))
+        counts = _page_counts(reservation.pages)
+        self._quarantined[reservation.pages.slot] = counts
+        self._count_quarantined(counts, +1)
+        logger.warning("transfer %s of request %s: no answer from the prefill worker (%s); its %d destination "
+                       "pages stay quarantined for %.1fs", plan.transfer_id, plan.request_id, _outcome(call),
+                       sum(counts.values()), until - time.monotonic())
+        asyncio.get_running_loop().call_at(until, self._end_quarantine, reservation)
+
+    def _end_quarantine(self, reservation: Reservation) -> None:
+        self._count_quarantined(self._quarantined.pop(reservation.pages.slot), -1)
+        self.engine.cancel_reservation(reservation)
+
+    def _count_quarantined(self, counts: dict[str, int], sign: int = 1) -> None:
+        for pool, n in counts.items():
+            self.quarantined_pages[pool] += sign * n
+        if self.metrics is not None:
+            for pool, n in self.quarantined_pages.items():
+                self.metrics.pages_quarantined.labels(pool=pool).set(n)
+
+    def _spawn(self, coro: Awaitable) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # a reference, so that the task is not collected while it runs
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
+
+
+def _answered(call: asyncio.Future) -> bool:
+    """Whether the prefill worker answered the plan: a result, or a failure it reported (it reports one only once
+    its writes stopped). Anything else (cancelled, `Unanswered`, an unexpected error) leaves its writes unknown."""
+    if call.cancelled():
+        return False
+    e = call.exception()
+    return e is None or (isinstance(e, RequestFailed) and not isinstance(e, Unanswered))
+
+
+def _outcome(call: asyncio.Future) -> str:
+    return "cancelled" if call.cancelled() else str(call.exception())
+
+
+def _page_counts(pages: ReqPages) -> dict[str, int]:
+    """The pages a reservation holds, per pool (as `KVCache.usage` names them): it borrows none from the tree."""
+    return {"full": len(pages.full_pages), "swa": sum(p is not None for p in pages.swa_pages),
+            "c128": len(pages.c128_pages), "req_slots": 1}
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.info("asking the prefill worker to drop a transfer failed: %s", task.exception())

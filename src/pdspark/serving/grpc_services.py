@@ -4,8 +4,10 @@ the workers. Every handler is a coroutine on the server's asyncio loop and holds
 Deadlines: a request's `timeout_ms` (relative) and the call's own gRPC deadline become one local `Deadline` on
 receipt. Failures: `Generate` ends its stream with the code's gRPC status and the typed `ErrorDetail` trailer;
 `Prefill` and `SubmitPlan` answer with the failure inside their `TransferResult`, except a refusal at admission
-(OVERLOADED), which fails the call at once with RESOURCE_EXHAUSTED and the trailer. `GetLoad` reads the snapshot
-the engine loop publishes and `Abort` only flags the request, so neither waits for an engine step.
+(OVERLOADED), which fails the call at once with RESOURCE_EXHAUSTED and the trailer, and a `SubmitPlan` whose
+writes were given up on while they may still land (`Unanswered`), which fails without the trailer, as the transport
+would. `GetLoad` reads the snapshot the engine loop publishes and `Abort` only flags the request, so neither waits
+for an engine step.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import contextlib
 import os
 
 from pdspark.deadline import Deadline
-from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
+from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, Unanswered, as_request_failed
 from pdspark.rpc import convert, status
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_load import EngineLoad
@@ -66,6 +68,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             result = await self.worker.submit_plan(plan, deadline)
             return convert.result_to_pb(result, None, request.transfer_id)
+        except Unanswered as e:
+            # Not an answer: the writes may still land. Without the typed trailer the decode worker reads it as the
+            # transport's failure, and keeps its pages until no write can land.
+            await context.abort(status.status_of(e.code), e.message)
         except PdsparkError as e:
             return convert.result_to_pb(None, await _refuse_if_overloaded(context, e), request.transfer_id)
 

@@ -26,6 +26,9 @@ class WorkerMetrics:
         self.running = Gauge("pdspark_running_requests", "Requests in the running batch", registry=r)
         self.pages_used = Gauge("pdspark_pool_pages_used", "Pages in use per pool", ["pool"], registry=r)
         self.pages_total = Gauge("pdspark_pool_pages_total", "Pages per pool", ["pool"], registry=r)
+        self.pages_quarantined = Gauge(
+            "pdspark_pool_pages_quarantined", "Of the pages in use, those of transfers whose prefill worker did not "
+            "answer, held until no write of theirs can land (decode workers)", ["pool"], registry=r)
         self.spec_verify_steps = Counter("pdspark_spec_verify_steps_total", "Speculative verify steps", registry=r)
         self.spec_accepted = Counter("pdspark_spec_accepted_tokens_total", "Draft tokens accepted", registry=r)
         self.spec_draft_tokens = Counter("pdspark_spec_draft_tokens_total", "Draft tokens proposed", registry=r)

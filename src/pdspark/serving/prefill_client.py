@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import grpc
 
-from pdspark.errors import RequestFailed
+from pdspark.errors import Unanswered
 from pdspark.rpc import convert
-from pdspark.rpc.keepalive import CHANNEL_OPTIONS
+from pdspark.rpc.keepalive import CHANNEL_OPTIONS, LEASE_S
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
 from pdspark.transfer.plan import TransferPlan, TransferResult
-from pdspark.v1 import worker_pb2_grpc
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 
 class PrefillClients:
@@ -28,16 +28,26 @@ class PrefillClients:
 
     async def submit_plan(self, address: str, plan: TransferPlan, timeout_s: float) -> TransferResult:
         """Send the plan and wait (at most `timeout_s`) for the result; raises `RequestFailed` (the prefill
-        side's, or DEADLINE / UNAVAILABLE from the transport). Cancelling the caller cancels the call, which the
-        prefill worker sees."""
+        side's), or `Unanswered` (DEADLINE / UNAVAILABLE from the transport: the prefill worker may still be
+        writing). Cancelling the caller cancels the call, which the prefill worker sees."""
         try:
             msg = await self.stub(address).SubmitPlan(convert.plan_to_pb(plan), timeout=max(timeout_s, 0.001))
         except grpc.RpcError as e:
-            failure = failure_from_rpc_error(e)
-            if reported_failure(e) is None:  # the transport's (no answer in time, unreachable): say from whom
-                failure = RequestFailed(failure.code, f"prefill worker {address}: {failure.message}")
-            raise failure from e
+            if (reported := reported_failure(e)) is not None:
+                raise reported from e
+            failure = failure_from_rpc_error(e)  # the transport's (no answer in time, unreachable): say from whom
+            raise Unanswered(failure.code, f"prefill worker {address}: {failure.message}") from e
         return convert.result_from_pb(msg)
+
+    async def abort(self, address: str, request_id: str) -> bool:
+        """Ask the prefill worker to fail the transfer of `request_id` (its plan's `SubmitPlan` call then answers
+        once no more writes can land); True when it had one. Raises `RequestFailed` when it does not answer within
+        a lease."""
+        try:
+            reply = await self.stub(address).Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=LEASE_S)
+        except grpc.RpcError as e:
+            raise failure_from_rpc_error(e) from e
+        return reply.found
 
     async def close(self) -> None:
         for channel in self._channels.values():

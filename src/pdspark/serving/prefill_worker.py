@@ -6,7 +6,9 @@ the plan passed the checks (compatibility descriptors, then `validate_plan`), th
 held after the first token is sampled), a transfer thread writes every payload, and both calls return the result.
 The rendezvous has one deadline, the earlier of its legs'; when it passes before the writes start, both calls fail
 with DEADLINE. Whatever ends a rendezvous (success, deadline, abort, a caller gone, a refused plan), its held pages
-are released exactly once, when it ends.
+are released exactly once, when it ends. A caller that vanished without closing its socket (a stopped process, a
+lost network path) is gone once its lease lapses: gRPC keepalive breaks the connection and cancels its call
+(`rpc/keepalive.py`).
 
 NOTE: the prompt is prefilled only once its plan is here, i.e. once the decode worker has reserved room for its
 cache. Prefilling on arrival would overlap the two, but a prefilled prompt holds its pages and request slot until
@@ -22,7 +24,9 @@ NOTE: writes into the decode worker's memory never start after the deadline (the
 batch), and a failure that arrives while they run (an abort, the decode side gone) is reported once they stop:
 only then are the pages they read released, and only then does the decode side hear that nothing more will land.
 The decode side gives up at its own deadline regardless, so it asks in its plan for the last write to start a
-margin before that (`TransferPlan.timeout_s`).
+margin before that (`TransferPlan.timeout_s`). Writes still running once the transfer backend's grace after the
+deadline passed are stuck (the transfer engine's first contact with a peer waits without a timeout for one that
+stopped): the rendezvous ends without them and releases its pages, and says `Unanswered` (they may still land).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from pdspark.deadline import Deadline
-from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.errors import ErrorCode, RequestFailed, Unanswered
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.metrics import WorkerMetrics
@@ -42,7 +46,7 @@ from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult, TransferStats
 from pdspark.transfer.plan_validation import validate_plan
-from pdspark.transfer.transfer_plan import WriteList, cache_buffers, plan_writes
+from pdspark.transfer.transfer_plan import WriteList, cache_buffers, plan_nbytes, plan_writes
 from pdspark.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -138,8 +142,11 @@ class PrefillWorker:
             self._fail(rv, failure)
 
     def abort(self, request_id: str) -> bool:
-        """Fail the request's transfer (ABORTED) now; False when it is not in flight here."""
-        rv = self._by_request.get(request_id)
+        """Fail the request's transfer (ABORTED) now; False when it is not in flight here. The router aborts its
+        prefill leg; a decode worker that gives up on a request aborts its plan (the prefill leg may not be here
+        yet), and waits for its `SubmitPlan` call to answer, i.e. for the writes to stop."""
+        rv = self._by_request.get(request_id) or next(
+            (rv for rv in self._pending.values() if rv.plan is not None and rv.plan.request_id == request_id), None)
         if rv is None:
             return False
         self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"request {request_id!r} aborted"))
@@ -246,8 +253,8 @@ class PrefillWorker:
                 return  # failed while we asked (an abort): nothing was written, the failure released the pages
             rv.writing = True
             t0 = time.monotonic()
-            writes = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._write, rv.plan, pages, rv.deadline.at)
+            writes = await self._until_stuck(rv, asyncio.get_running_loop().run_in_executor(
+                self._executor, self._write, rv.plan, pages, rv.deadline.at))
             seconds = time.monotonic() - t0
         except RequestFailed as e:
             failure = e
@@ -271,6 +278,23 @@ class PrefillWorker:
             transfer_id=rv.transfer_id, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens,
             checksum=writes.checksum, stats=stats, first_logprob=first.logprobs[0] if first.logprobs else None,
         ))
+
+    async def _until_stuck(self, rv: _Rendezvous, write: asyncio.Future) -> WriteList:
+        """Await the writes, unless they are still running once the backend's grace after the deadline passed: they
+        are stuck then (Mooncake's first contact with a peer, its handshake, waits without a timeout for a peer that
+        stopped), and the rendezvous ends without them, its pages released. Raises `Unanswered`: they may still
+        land, when the peer answers; their thread stays blocked until then."""
+        assert rv.plan is not None
+        stuck_at = rv.deadline.at + self.backend.write_grace_s(plan_nbytes(rv.plan))
+        try:
+            return await asyncio.wait_for(asyncio.shield(write), max(0.0, stuck_at - time.monotonic()))
+        except TimeoutError:
+            write.add_done_callback(_consume)
+            logger.warning("transfer %s: writes still blocked in the transfer engine after the deadline and its "
+                           "grace; given up on (a transfer thread stays blocked until the peer answers)",
+                           rv.transfer_id)
+            raise Unanswered(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: writes blocked past the deadline "
+                                                 "and the transfer engine's grace; given up on") from None
 
     def _write(self, plan: TransferPlan, pages, deadline: float) -> WriteList:
         """Transfer thread: the held pages stay as they are until the rendezvous ends (after this returns)."""
@@ -310,9 +334,9 @@ class PrefillWorker:
         try:
             # Shielded: the rendezvous is shared by both legs; one caller going away must not cancel it.
             return await asyncio.wait_for(asyncio.shield(rv.done), rv.deadline.remaining() + WRITE_GRACE_S)
-        except TimeoutError:
-            raise RequestFailed(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: writes still running "
-                                                    f"{WRITE_GRACE_S:.0f}s after the deadline") from None
+        except TimeoutError:  # no answer of ours: the writes may still land
+            raise Unanswered(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: writes still running "
+                                                 f"{WRITE_GRACE_S:.0f}s after the deadline") from None
         except asyncio.CancelledError:
             self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"transfer {rv.transfer_id!r}: a caller went away"))
             raise
@@ -335,7 +359,7 @@ def _deadline_message(rv: _Rendezvous) -> str:
 
 
 def _consume(fut: asyncio.Future) -> None:
-    """Mark a rendezvous's outcome as read (a leg that went away no longer reads it)."""
+    """Mark a future's outcome as read (a rendezvous's, when a leg went away; writes given up on)."""
     if not fut.cancelled():
         fut.exception()
 

@@ -65,7 +65,8 @@ class WorkerServer:
         else:
             self.prefill_clients = PrefillClients()
             self.worker = DecodeWorker(self.loop, self.backend, compat, self.prefill_clients.submit_plan, self.metrics,
-                                       max_waiting=cfg.max_waiting_streams, executor=self.executor)
+                                       max_waiting=cfg.max_waiting_streams, executor=self.executor,
+                                       abort_plan=self.prefill_clients.abort)
             self.service = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
         self._last_metrics = 0.0
         self.loop.add_ticker(self._sample_metrics)

@@ -8,6 +8,9 @@ Contract:
   (callers run it on a transfer thread, never on the engine or asyncio thread) and starts no batch of writes after
   `deadline` (`time.monotonic()` seconds; None: no deadline); a batch in flight ends within the backend's own
   timeout. Safe to call from several threads at once.
+- `write_grace_s(nbytes)`: that timeout, for a transfer of `nbytes`: how long after the deadline a write that
+  started before it may still land. The decode side keeps a transfer's pages that long when the prefill side did
+  not answer (it assumes the pair runs one backend with one setting, as a deployment does).
 """
 
 from __future__ import annotations
@@ -41,5 +44,7 @@ class TransferBackend(Protocol):
     def register(self, addr: int, nbytes: int) -> None: ...
 
     def write(self, session: str, writes: list[Write], deadline: float | None = None) -> None: ...
+
+    def write_grace_s(self, nbytes: int) -> float: ...
 
     def close(self) -> None: ...

@@ -13,8 +13,11 @@ _ids = itertools.count()
 
 
 class InProcessBackend:
-    def __init__(self) -> None:
+    def __init__(self, write_grace_s: float = 0.5) -> None:
         self._session = f"inprocess:{next(_ids)}"
+        # A write is a memmove of at most a prompt's cache (milliseconds); the rest covers a thread that checked
+        # the deadline and then waited for the GIL on a loaded machine.
+        self._write_grace_s = write_grace_s
         self.regions: list[tuple[int, int]] = []
         _SESSIONS[self._session] = self
 
@@ -36,6 +39,9 @@ class InProcessBackend:
             if not any(lo <= w.src_addr and w.src_addr + w.nbytes <= hi for lo, hi in self.regions):
                 raise TransferError(f"write of {w.nbytes} bytes from unregistered memory")
             ctypes.memmove(w.dst_addr, w.src_addr, w.nbytes)
+
+    def write_grace_s(self, nbytes: int) -> float:
+        return self._write_grace_s
 
     def close(self) -> None:
         _SESSIONS.pop(self._session, None)

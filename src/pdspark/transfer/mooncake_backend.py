@@ -19,11 +19,14 @@ MAX_BATCH = 1024
 # Mooncake's default is 30 s; a hung peer should hold a transfer thread (spinning) for less. An operator's own
 # MC_TRANSFER_TIMEOUT wins.
 BATCH_TIMEOUT_S = 10
+_MIN_TIMEOUT_S = 5.0  # the engine waits at least this long, whatever MC_TRANSFER_TIMEOUT says
+_SECONDS_PER_BYTE = 1 / (1 << 30)  # and 1 s more per GiB of the batch
 
 
 class MooncakeBackend:
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(BATCH_TIMEOUT_S))  # read by TransferEngine()
+        self._batch_timeout_s = max(_MIN_TIMEOUT_S, float(os.environ["MC_TRANSFER_TIMEOUT"]))
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:  # missing wheel, or Debian's libibverbs1 / libnuma1
@@ -57,6 +60,10 @@ class MooncakeBackend:
             )
             if rc != 0:
                 raise TransferError(f"Mooncake batch write of {len(part)} entries to {session} returned {rc}")
+
+    def write_grace_s(self, nbytes: int) -> float:
+        # A batch is at most the whole transfer: its timeout is at most this.
+        return self._batch_timeout_s + nbytes * _SECONDS_PER_BYTE
 
     def close(self) -> None:
         self._engine = None

@@ -145,6 +145,11 @@ def destination_checksum(local: list[BufferDesc], plan: TransferPlan, read_memor
     return crc
 
 
+def plan_nbytes(plan: TransferPlan) -> int:
+    """Bytes the plan asks to be written, over every buffer it names."""
+    return sum(len(destination_items(plan, b.pool)) * b.item_bytes for b in plan.buffers if b.num_items)
+
+
 def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
     """Merge `(src, dst)` item pairs into `(src, dst, count)` runs contiguous on both sides."""
     run = None
