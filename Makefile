@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup run generate test test-fast lint bench bench-serving clean proto
+.PHONY: setup run generate test test-fast lint bench bench-serving bench-failover clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -46,7 +46,15 @@ bench: setup
 	$(PY) bench/bench_dspark.py
 	$(PY) bench/bench_pd_transfer.py
 	$(PY) bench/bench_router.py
+	$(MAKE) bench-failover
 	$(MAKE) bench-serving
+
+# Worker failures on `pdspark up --prefill 2 --decode 2`: time to detect and recover, the gap a migrated stream
+# sees, requests lost (exit 1 unless 0); e.g. BENCH_FAILOVER_ARGS="--trials 3".
+BENCH_FAILOVER_ARGS ?=
+
+bench-failover: setup
+	$(PY) bench/bench_failover.py $(BENCH_FAILOVER_ARGS)
 
 # guidellm (the load generator used on vLLM/SGLang) lives in its own venv: its requirements would move the project's
 # pinned torch/transformers. torch goes in first as the CPU build, which guidellm's bare `torch` requirement accepts
