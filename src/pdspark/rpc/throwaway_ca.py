@@ -73,9 +73,10 @@ class ThrowawayCA:
 
         return cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, name: str, role: str, hosts: tuple[str, ...] = ()) -> IssuedCert:
-        """A certificate for service `name` (its common name and file names) of `role`, valid for `hosts` and
-        this machine's loopback names (127.0.0.1, ::1, localhost), for server and client authentication."""
+    def issue(self, name: str, role: str | None, hosts: tuple[str, ...] = ()) -> IssuedCert:
+        """A certificate for service `name` (its common name and file names) of `role` (None: naming no role),
+        valid for `hosts` and this machine's loopback names (127.0.0.1, ::1, localhost), for server and client
+        authentication."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -88,12 +89,15 @@ class ThrowawayCA:
                 names.append(x509.IPAddress(ipaddress.ip_address(host)))
             except ValueError:
                 names.append(x509.DNSName(host))
-        names.append(x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role))
+        if role is not None:
+            names.append(x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role))
+        subject = [x509.NameAttribute(NameOID.COMMON_NAME, name)]
+        if role is not None:
+            subject.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
         now = datetime.datetime.now(datetime.timezone.utc)
         cert = (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
-                                     x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]))
+            .subject_name(x509.Name(subject))
             .issuer_name(self._subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
