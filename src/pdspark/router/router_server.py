@@ -30,6 +30,7 @@ from pdspark.router.policies import make_policy
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.tls_credentials import public_server_credentials, public_ssl_context
 from pdspark.v1 import router_pb2, router_pb2_grpc
 
@@ -47,9 +48,12 @@ SERVER_OPTIONS = (
 
 def build_grpc_server(core: RouterCore) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """The router's gRPC server (no port yet): the `Router` service behind the key check, health and reflection
-    open; requests over `max_body_bytes` are refused by gRPC itself (RESOURCE_EXHAUSTED), as HTTP refuses them."""
+    open; undecodable requests are INVALID_ARGUMENT; requests over `max_body_bytes` are refused by gRPC itself
+    (RESOURCE_EXHAUSTED), as HTTP refuses them."""
     options = (*SERVER_OPTIONS, ("grpc.max_receive_message_length", core.options.max_body_bytes))
-    server = grpc.aio.server(options=options, interceptors=[AuthInterceptor(core.keys, core.metrics)])
+    # Malformed bytes are INVALID_ARGUMENT, not grpc's UNKNOWN; the key is checked before any handler runs.
+    server = grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor(),
+                                                            AuthInterceptor(core.keys, core.metrics)])
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

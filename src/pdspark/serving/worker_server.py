@@ -29,6 +29,7 @@ from prometheus_client import start_http_server
 from pdspark.config import WorkerConfig
 from pdspark.engine.factory import create_engine
 from pdspark.rpc.keepalive import SERVER_OPTIONS
+from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.peer_roles import PeerRoleInterceptor
 from pdspark.rpc.tls_credentials import channel_credentials, server_credentials
 from pdspark.serving.decode_worker import DecodeWorker
@@ -87,7 +88,11 @@ class WorkerServer:
     async def start(self) -> dict:
         """Start the engine loop and serve (on the running asyncio loop); returns the ready line's fields."""
         tls = self.cfg.tls.enabled
-        self.grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[PeerRoleInterceptor()] if tls else None)
+        # Bytes that are no message of their RPC's type: INVALID_ARGUMENT, not grpc's UNKNOWN.
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if tls:
+            interceptors.append(PeerRoleInterceptor())
+        self.grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         if isinstance(self.worker, PrefillWorker):
             self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker)
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.grpc)
