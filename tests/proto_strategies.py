@@ -19,9 +19,7 @@ MAX_REPEATED = 12
 MAX_DEPTH = 3
 
 
-def _scalar(field: FieldDescriptor, overrides: dict) -> st.SearchStrategy:
-    if field.name in overrides:
-        return overrides[field.name]
+def _scalar(field: FieldDescriptor) -> st.SearchStrategy:
     if field.type in _INTS:
         lo, hi = _INTS[field.type]
         return st.integers(lo, hi)
@@ -45,12 +43,13 @@ def _is_map(field: FieldDescriptor) -> bool:
 
 
 def _field_values(field: FieldDescriptor, depth: int, overrides: dict) -> st.SearchStrategy:
+    if field.name in overrides:  # the whole field's value (a list, for a repeated field)
+        return overrides[field.name]
     if _is_map(field):
         key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
-        return st.dictionaries(_scalar(key, {}), _scalar(value, {}), max_size=4)
-    one = (fields(field.message_type, depth + 1, overrides) if field.type == F.TYPE_MESSAGE
-           else _scalar(field, overrides))
-    if field.label == F.LABEL_REPEATED:
+        return st.dictionaries(_scalar(key), _scalar(value), max_size=4)
+    one = fields(field.message_type, depth + 1, overrides) if field.type == F.TYPE_MESSAGE else _scalar(field)
+    if field.is_repeated:
         return st.lists(one, max_size=MAX_REPEATED)
     return one
 
@@ -71,13 +70,13 @@ def fill(msg, values: dict):
         field = msg.DESCRIPTOR.fields_by_name[name]
         if _is_map(field):
             getattr(msg, name).update(value)
-        elif field.type == F.TYPE_MESSAGE and field.label == F.LABEL_REPEATED:
+        elif field.type == F.TYPE_MESSAGE and field.is_repeated:
             for item in value:
                 fill(getattr(msg, name).add(), item)
         elif field.type == F.TYPE_MESSAGE:
             fill(getattr(msg, name), value)
             getattr(msg, name).SetInParent()  # present even when empty
-        elif field.label == F.LABEL_REPEATED:
+        elif field.is_repeated:
             getattr(msg, name).extend(value)
         else:
             setattr(msg, name, value)

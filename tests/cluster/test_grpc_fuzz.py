@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdspark.service_process import ServiceProcess, spawn_service, wait_ready
-from pdspark.v1 import router_pb2, worker_pb2, worker_pb2_grpc
-from proto_strategies import requests
+from pdspark.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from proto_strategies import fields, requests
 
 ENGINE = ["--model", "dsv4-tiny", "--max-model-len", "256", "--max-num-seqs", "4", "--port", "0"]
 CALL_TIMEOUT_S = 0.3  # a request that waits (for its other leg, for tokens) ends here
@@ -30,7 +30,14 @@ BUG_STATUSES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCo
                 grpc.StatusCode.UNIMPLEMENTED}
 # Ids drawn from a few values, so that a Prefill and a SubmitPlan (or two of either) meet on one transfer.
 IDS = st.one_of(st.sampled_from(["t-1", "t-2", "r-1", ""]), st.text(max_size=12))
-TOKENS = st.lists(st.one_of(st.integers(0, 300), st.integers(-(2**31), 2**31 - 1)), max_size=40)
+# Token ids: a valid prompt half the time, else any int32 (negative, past the vocabulary, none at all).
+TOKENS = st.one_of(st.lists(st.integers(2, 300), min_size=1, max_size=40),
+                   st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40))
+# Sampling options that are valid half the time, so that requests get past the checks into pages and transfers.
+SAMPLING = st.one_of(fields(common_pb2.SamplingParams.DESCRIPTOR), st.fixed_dictionaries(
+    {"max_tokens": st.integers(1, 8), "temperature": st.sampled_from([0.0, 1.0])},
+    optional={"seed": st.integers(0, 2**63 - 1), "logprobs": st.integers(0, 5),
+              "stop": st.lists(st.text(max_size=4), max_size=2)}))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +62,8 @@ def services():
 
 def rpcs(prefill_address: str) -> list[tuple[str, str, type, bool, dict]]:
     """(service, method, request type, streams its answer, field overrides) of every RPC."""
-    ids = {"request_id": IDS, "transfer_id": IDS, "prompt_token_ids": TOKENS, "generated_token_ids": TOKENS}
+    ids = {"request_id": IDS, "transfer_id": IDS, "prompt_token_ids": TOKENS, "sampling": SAMPLING,
+           "generated_token_ids": st.one_of(st.just([]), TOKENS)}
     to_prefill = {**ids, "prefill_address": st.one_of(st.just(prefill_address), st.text(max_size=24))}
     return [
         ("prefill", "/pdspark.v1.PrefillWorker/Prefill", worker_pb2.PrefillRequest, False, ids),
@@ -65,7 +73,8 @@ def rpcs(prefill_address: str) -> list[tuple[str, str, type, bool, dict]]:
         ("decode", "/pdspark.v1.DecodeWorker/Generate", worker_pb2.GenerateRequest, True, to_prefill),
         ("decode", "/pdspark.v1.DecodeWorker/Abort", worker_pb2.AbortRequest, False, ids),
         ("decode", "/pdspark.v1.DecodeWorker/GetLoad", worker_pb2.LoadRequest, False, {}),
-        ("router", "/pdspark.v1.Router/Generate", router_pb2.RouterGenerateRequest, True, {"ids": TOKENS}),
+        ("router", "/pdspark.v1.Router/Generate", router_pb2.RouterGenerateRequest, True,
+         {"ids": TOKENS, "sampling": SAMPLING}),
         ("router", "/pdspark.v1.Router/Abort", router_pb2.RouterAbortRequest, False, ids),
     ]
 
