@@ -1,7 +1,8 @@
 """Every serving option: frozen dataclasses, each field with its one default and help text, validated once.
 
 The model architecture (`ModelConfig`) comes from the checkpoint; these are the knobs. `EngineConfig` composes the
-cache and scheduler options, `AuthConfig` the router's API keys; `WorkerConfig`, `RouterConfig`, `UpConfig` and
+cache and scheduler options, `AuthConfig` the router's API keys, `TLSConfig` the certificates of mutual TLS between
+services; `WorkerConfig`, `RouterConfig`, `UpConfig` and
 `GenerateConfig` are what `pdspark serve prefill|decode`, `serve router`, `up` and `generate` run on. Their flags,
 `PDSPARK_*` variables and keyword options are generated from these fields by `pdspark.options` (the only place that
 reads either).
@@ -100,6 +101,31 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class TLSConfig:
+    """Mutual TLS between the services (see `pdspark.rpc.tls_credentials`): this service's certificate and key, and
+    the CA its peers' certificates must chain to. A worker with them serves gRPC only to peers presenting a
+    certificate of that CA (the router, the other workers) and calls its peers with its own; the router calls the
+    workers with its certificate. Paths only: the files are read at start, their contents never logged."""
+
+    tls_cert: str | None = option(None, "PEM certificate (chain) this service presents to its peers (with "
+                                  "--tls-key and --tls-ca: mutual TLS between services)")
+    tls_key: str | None = option(None, "PEM private key of --tls-cert")
+    tls_ca: str | None = option(None, "PEM CA certificate(s) the peers' certificates must chain to")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        given = [name for name in ("tls_cert", "tls_key", "tls_ca") if getattr(self, name) is not None]
+        if given and len(given) != 3:
+            # Half a configuration would serve plain text (or TLS without checking peers) while looking secured.
+            raise ConfigError(f"`tls_cert`, `tls_key` and `tls_ca` go together (mutual TLS); only "
+                              f"{', '.join(f'`{n}`' for n in given)} given")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tls_cert is not None
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """`pdspark serve prefill|decode`."""
 
@@ -122,6 +148,7 @@ class WorkerConfig:
     max_pending_prefills: int = option(
         1024, "prefill: transfers in flight (queued, prefilling, waiting for their plan, writing); more are "
         "refused at once with OVERLOADED", minimum=1)
+    tls: TLSConfig = nested(TLSConfig, "mutual TLS between services")
     engine: EngineConfig = nested(EngineConfig, "engine")
 
     def __post_init__(self) -> None:
@@ -171,6 +198,12 @@ class RouterConfig:
     port: int = option(ROUTER_HTTP_PORT, "HTTP port (0: any free port)", **_PORT)
     grpc_port: int = option(0, "gRPC port (0: any free port)", **_PORT)
     auth: AuthConfig = nested(AuthConfig, "API keys")
+    # The public ports (HTTP and gRPC) and the calls to the workers are secured apart: clients may trust a public
+    # CA, the workers only the cluster's own.
+    ssl_certfile: str | None = option(None, "PEM certificate (chain) of HTTPS on --port and TLS on --grpc-port "
+                                      "(with --ssl-keyfile; none: plain text)")
+    ssl_keyfile: str | None = option(None, "PEM private key of --ssl-certfile")
+    tls: TLSConfig = nested(TLSConfig, "mutual TLS to the workers")
     prefill: tuple[str, ...] = option((), "prefill worker addresses (host:port, comma-separated)")
     decode: tuple[str, ...] = option((), "decode worker addresses (host:port, comma-separated)")
     prefill_policy: Policy = option("cache_aware", "how a request's prefill worker is picked")
@@ -211,6 +244,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ConfigError("`ssl_certfile` and `ssl_keyfile` go together (HTTPS and TLS on the public ports)")
         for name in ("transfer_timeout_s", "request_timeout_s", "health_interval_s", "health_timeout_s",
                      "load_interval_s"):
             if getattr(self, name) <= 0:
@@ -237,6 +272,8 @@ class UpConfig:
     speculative: bool = option(True, "decode with DSpark when the checkpoint ships a draft")
     # Passed to the router by environment, never on its command line.
     auth: AuthConfig = nested(AuthConfig, "API keys of the router")
+    tls: bool = option(False, "mutual TLS between the services and HTTPS/TLS on the router's ports, with "
+                       "certificates of a throwaway CA made for this run (its path is printed for clients)")
     # Supervision (see `pdspark.launcher`): a service that exits is restarted on the same ports.
     restart: bool = option(True, "restart a service that exits, on the same ports (off: any exit stops the cluster)")
     restart_backoff_s: float = option(1.0, "seconds before restarting a service that exited; doubled per "

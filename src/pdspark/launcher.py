@@ -22,25 +22,33 @@ NOTE: supervision.
 - Keys: the router gets its API and admin keys in its environment (`secret_env`), never on its command line, which
   every user of the machine can read in `ps`; the workers get those variables blanked. No output shows a key.
   SIGHUP is passed on to the router, which reads its key files again.
+- TLS (`--tls`): a throwaway CA (`ThrowawayCA`) issues every service a certificate naming its role, in a private
+  directory (0700, keys 0600) that lives as long as the launcher and is removed when it exits. The services get
+  the paths as flags (`--tls-cert/--tls-key/--tls-ca`; the router also `--ssl-certfile/--ssl-keyfile` for HTTPS and
+  TLS on its gRPC port); clients trust the CA whose path is printed (and is on the `ready` event as `ca`).
+  Readiness is each child's own ready line, so it needs no connection of the launcher's to a service.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import socket
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 from dataclasses import dataclass
 
 from pdspark.assets import resolve_model
-from pdspark.config import RouterConfig, UpConfig, WorkerConfig
+from pdspark.config import RouterConfig, TLSConfig, UpConfig, WorkerConfig
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import replace_options, secret_env, to_argv
+from pdspark.rpc.throwaway_ca import ThrowawayCA
 from pdspark.service_process import ServiceProcess, spawn_service
 
 STABLE_S = 60.0  # a run ready this long resets its service's failure count (and so its backoff)
@@ -119,7 +127,8 @@ class Supervised:
 
 
 class Launcher:
-    def __init__(self, cfg: UpConfig, stop: threading.Event):
+    def __init__(self, cfg: UpConfig, stop: threading.Event, tls_dir: str | None = None):
+        """`tls_dir`: with `cfg.tls`, the private directory the throwaway CA writes the certificates to."""
         self.cfg = cfg
         self.stop = stop
         self.t0 = time.monotonic()
@@ -131,15 +140,28 @@ class Launcher:
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
         # The workers need no key: blank any the launcher's own environment holds.
         no_keys = {name: "" for name in secret_env(router_config(cfg, [], []))}
+        assert not cfg.tls or tls_dir is not None, "--tls needs a directory for the certificates"
+        self.ca = ThrowawayCA(tls_dir) if cfg.tls and tls_dir is not None else None
         for i, role in enumerate(roles):
             # Children get every option as a flag, so their config is this one whatever their environment says.
-            w = dataclasses.replace(self.base[role], port=next(ports), metrics_port=next(ports))
+            w = dataclasses.replace(self.base[role], port=next(ports), metrics_port=next(ports),
+                                    tls=self._tls(f"{role}-{i}", role, self.base[role].advertise_host))
             self.workers.append(Supervised(f"{role}-{i}", "worker", ["serve", role, *to_argv(w)], no_keys))
             addresses[role].append(f"{w.advertise_host}:{w.port}")
         router_ports = iter(free_ports(cfg.host, [cfg.port, cfg.grpc_port].count(0)))
         router = dataclasses.replace(router_config(cfg, addresses["prefill"], addresses["decode"]),
                                      port=cfg.port or next(router_ports), grpc_port=cfg.grpc_port or next(router_ports))
+        if self.ca is not None:
+            # One certificate for both ends: the router's public ports and its calls to the workers.
+            tls = self._tls("router", "router", cfg.host)
+            router = dataclasses.replace(router, tls=tls, ssl_certfile=tls.tls_cert, ssl_keyfile=tls.tls_key)
         self.router = Supervised("router", "router", ["serve", "router", *to_argv(router)], secret_env(router))
+
+    def _tls(self, name: str, role: str, host: str) -> TLSConfig:
+        if self.ca is None:
+            return TLSConfig()
+        issued = self.ca.issue(name, role, (host,))
+        return TLSConfig(tls_cert=issued.cert, tls_key=issued.key, tls_ca=self.ca.ca_path)
 
     def reload_keys(self) -> None:
         """SIGHUP: the router reads its key files again (a restarted router reads them at its start anyway)."""
@@ -165,7 +187,8 @@ class Launcher:
             assert self.router.process is not None
             _print_endpoints(self.router.process.info,
                              {s.name: {"pid": self._pid(s), "address": self._address(s)} for s in self.services},
-                             needs_key=bool(self.cfg.auth.api_key or self.cfg.auth.api_key_file))
+                             needs_key=bool(self.cfg.auth.api_key or self.cfg.auth.api_key_file),
+                             ca=self.ca.ca_path if self.ca is not None else None)
             return self._supervise()
         finally:
             self._stop_all()
@@ -279,32 +302,42 @@ def launch(cfg: UpConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    launcher = Launcher(cfg, stop)
-    signal.signal(signal.SIGHUP, lambda *_: launcher.reload_keys())
-    return launcher.run()
+    # mkdtemp's directory is 0700; it goes, keys and all, however `run` ends (but a SIGKILL).
+    certs = tempfile.TemporaryDirectory(prefix="pdspark-tls-") if cfg.tls else contextlib.nullcontext(None)
+    with certs as tls_dir:
+        launcher = Launcher(cfg, stop, tls_dir)
+        signal.signal(signal.SIGHUP, lambda *_: launcher.reload_keys())
+        return launcher.run()
 
 
-def _print_endpoints(info: dict, services: dict[str, dict], needs_key: bool) -> None:
+def _print_endpoints(info: dict, services: dict[str, dict], needs_key: bool, ca: str | None = None) -> None:
     http, grpc_addr, model = info["http"], info["grpc"], info["model"]
-    _event(event="ready", http=http, grpc=grpc_addr, model=model, pid=os.getpid(), services=services)
+    _event(event="ready", http=http, grpc=grpc_addr, model=model, pid=os.getpid(), services=services, ca=ca)
     # With API keys, the examples read the key from the environment: it is never printed.
     auth = " -H \"Authorization: Bearer $PDSPARK_API_KEY\"" if needs_key else ""
     openai_key = "__import__('os').environ['PDSPARK_API_KEY']" if needs_key else "'none'"
     keys = "  API keys    : required (the examples send $PDSPARK_API_KEY; the SDK reads it too)\n" if needs_key else ""
+    # With TLS, every example trusts the run's CA (and only it).
+    tls = f"  TLS         : every service; clients trust the CA {ca} (removed when the cluster stops)\n" if ca else ""
+    cacert = f" --cacert {ca}" if ca else ""
+    http_client = (f", http_client=__import__('openai').DefaultHttpxClient(verify=__import__('ssl')"
+                   f".create_default_context(cafile='{ca}'))") if ca else ""
+    sdk_tls = f", tls=TLSOptions.from_files(ca='{ca}')" if ca else ""
+    sdk_import = "Client, TLSOptions" if ca else "Client"
     print(f"""
 pdspark cluster is up.
   OpenAI HTTP : {http}/v1   (also {http}/generate, /health, /metrics, /workers)
   gRPC        : {grpc_addr}   (pdspark.v1.Router)
-{keys}
+{keys}{tls}
 Try it:
-  curl {http}/v1/completions -H 'Content-Type: application/json'{auth} \\
+  curl{cacert} {http}/v1/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{http}/v1', api_key={openai_key}); \\
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{http}/v1', api_key={openai_key}{http_client}); \\
 print(c.completions.create(model='{model}', prompt='import os', max_tokens=32).choices[0].text)"
 
-  python -c "from pdspark.client import Client; \\
-print(Client('{grpc_addr}').generate('def fibonacci(n):', max_tokens=48, temperature=0).text)"
+  python -c "from pdspark.client import {sdk_import}; \\
+print(Client('{grpc_addr}'{sdk_tls}).generate('def fibonacci(n):', max_tokens=48, temperature=0).text)"
 
 Press Ctrl-C to stop. Services that exit are restarted on the same ports.
 """, flush=True)

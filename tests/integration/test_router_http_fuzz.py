@@ -4,12 +4,18 @@ get a 5xx, a body the schema forbids must be refused with a 4xx, and every respo
 says (status, content type, error body). Workers are faked, but every request crosses the worker's protobuf
 message, so a value the wire cannot carry fails as it would in a cluster.
 
-Deterministic (`--generation-deterministic`: the same cases every run) and bounded (`--max-examples`), about 10 s
-on 2 cores. `/openapi.json` itself is not among the tested operations (schemathesis skips the document it reads).
+Twice: on an open router, and on one with API keys, called with a key (issue 13: the key check must not change
+what a valid caller gets, nor turn bad input into a server error). Each run generates well over 200 cases over every
+documented route (about 1,100).
+
+Deterministic (`--generation-deterministic`: the same cases every run) and bounded (`--max-examples`), about 15 s
+a run on 2 cores. `/openapi.json` itself is not among the tested operations (schemathesis skips the document it
+reads).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -31,15 +37,22 @@ CHECKS = [
 # prompt plus `max_tokens` over its context, a token id over its vocabulary, another model's name).
 
 
-@pytest.fixture(scope="module")
-def app():
-    r = RouterApp()
-    yield r
+KEY = "k-fuzz-0123456789abcdef"
+MIN_CASES = 200
+
+
+@pytest.fixture(params=["open", "keyed"])
+def app(request):
+    """(the router app, schemathesis's extra arguments)."""
+    keyed = request.param == "keyed"
+    r = RouterApp(api_key=(KEY,)) if keyed else RouterApp()
+    yield r, (["-H", f"Authorization: Bearer {KEY}"] if keyed else [])
     r.close()
 
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(app, tmp_path):
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", app.url + "/openapi.json",
+    app, extra = app
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", app.url + "/openapi.json", *extra,
            "--checks", ",".join(CHECKS), "--phases", "examples,coverage,fuzzing", "--max-examples", "30",
            "--generation-deterministic", "--workers", "1", "--suppress-health-check", "all", "--no-color",
            "--request-timeout", "10"]
@@ -48,3 +61,5 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(app, tmp_pat
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-2000:]
     assert "No issues found" in out.stdout and "Tested: 6" in out.stdout, out.stdout[-3000:]
+    generated = re.search(r"(\d+) generated", out.stdout)
+    assert generated is not None and int(generated.group(1)) >= MIN_CASES, out.stdout[-3000:]

@@ -38,6 +38,8 @@ ROOTS = [EngineConfig, WorkerConfig, RouterConfig, UpConfig, GenerateConfig]
 # What each root needs besides its options (the subcommand decides the worker's role; generate needs a model).
 FIXED: dict[type, dict] = {WorkerConfig: {"role": "decode"}}
 REQUIRED_ENV: dict[type, dict] = {GenerateConfig: {"PDSPARK_MODEL": "m"}}
+# Options valid only together (a cross-field rule): setting one sets the others of its group too.
+TOGETHER = [("tls_cert", "tls_key", "tls_ca"), ("ssl_certfile", "ssl_keyfile")]
 ALL_CONFIGS = sorted(
     {c for _, c in inspect.getmembers(config_module, inspect.isclass) if dataclasses.is_dataclass(c)
      and c.__module__ == config_module.__name__}, key=lambda c: c.__name__)
@@ -122,8 +124,10 @@ def test_every_leaf_field_is_an_option_of_its_root(cls):
 def test_every_option_has_a_flag_and_a_variable(cls, spec):
     value, text = sample(spec)
     flag = (["--" + spec.flag] if value else ["--no-" + spec.flag]) if spec.base is bool else ["--" + spec.flag, text]
-    assert value_at(parse(cls, flag), spec) == value
-    assert value_at(parse(cls, env={spec.env: text}), spec) == value
+    group = next((g for g in TOGETHER if spec.name in g), ())
+    others = {s.env: f"x-{s.name}" for s in specs(cls) if s.name in group and s.name != spec.name}
+    assert value_at(parse(cls, flag, env=others), spec) == value
+    assert value_at(parse(cls, env={**others, spec.env: text}), spec) == value
     assert value_at(parse(cls), spec) == (spec.default if spec.default is not dataclasses.MISSING else "m")
     assert spec.env == "PDSPARK_" + spec.flag.upper().replace("-", "_")
 

@@ -70,6 +70,45 @@ def test_an_item_is_checked_against_the_buffer_the_plan_describes_not_ours():
     assert e.code is ErrorCode.INVALID_REQUEST and "TransferPlan.swa_pages[1]" in e.message
 
 
+@pytest.mark.parametrize("change", [
+    dict(base_addr=0),  # null
+    dict(base_addr=(1 << 64) - 0x80),  # 0x100 bytes: runs past the end of the address space
+    dict(item_bytes=0, num_items=8),
+])
+def test_a_buffer_no_write_can_land_in_is_refused(change):
+    buffers = list(plan().buffers)
+    buffers[1] = dataclasses.replace(buffers[1], **change)
+    e = refusal(plan(buffers=tuple(buffers)))
+    assert e.code in (ErrorCode.INVALID_REQUEST, ErrorCode.INCOMPATIBLE) and "TransferPlan.buffers[1]" in e.message
+
+
+def test_buffers_that_overlap_are_refused():
+    buffers = list(plan().buffers)
+    # The C4 index buffer starts inside the C4 KV one: KV writes would land on index rows (or the other way).
+    buffers[1] = dataclasses.replace(buffers[1], base_addr=buffers[0].base_addr + 64)
+    e = refusal(plan(buffers=tuple(buffers)))
+    assert e.code is ErrorCode.INVALID_REQUEST and "overlaps" in e.message
+
+
+def test_a_zero_page_size_is_refused_not_divided_by():
+    e = refusal(plan(compat=dataclasses.replace(COMPAT, page_size=0)))
+    assert e.code is ErrorCode.INCOMPATIBLE and "page_size" in e.message
+
+
+def test_huge_and_negative_ids_from_the_wire_are_refused():
+    msg = convert.plan_to_pb(plan())
+    msg.full_pages[:] = [2**31 - 1, -2**31, 0]
+    msg.swa_first_page = 2**32 - 1
+    e = refusal(convert.plan_from_pb(msg))
+    assert e.code is ErrorCode.INVALID_REQUEST
+    msg = convert.plan_to_pb(plan())
+    msg.prompt_len = 2**32 - 1  # 2^28 pages: refused by their count, before any is looked at
+    assert refusal(convert.plan_from_pb(msg)).code is ErrorCode.INVALID_REQUEST
+    msg = convert.plan_to_pb(plan())
+    msg.buffers[0].num_items = 2**64 - 1
+    assert refusal(convert.plan_from_pb(msg)).code is ErrorCode.INVALID_REQUEST
+
+
 def test_a_destination_named_twice_is_refused():
     e = refusal(plan(full_pages=(5, 5, 7)))
     assert e.code is ErrorCode.INVALID_REQUEST and "TransferPlan.full_pages" in e.message and "twice" in e.message

@@ -71,11 +71,24 @@ def _metadata_value(metadata, key: str) -> str | None:
 
 @dataclass(frozen=True)
 class TLSOptions:
-    """PEM bytes: the CA to trust, and for mutual TLS this client's key and certificate chain."""
+    """PEM bytes: the CA to trust (None: the system's roots), and for mutual TLS this client's key and certificate
+    chain. The router's TLS gRPC port (`--ssl-certfile`) wants no client certificate: the API key authenticates."""
 
     root_certificates: bytes | None = None
     private_key: bytes | None = None
     certificate_chain: bytes | None = None
+
+    @classmethod
+    def from_files(cls, ca: str | None = None, cert: str | None = None, key: str | None = None) -> TLSOptions:
+        """From PEM files: `ca` to trust (e.g. the one `pdspark up --tls` prints), `cert`/`key` for mutual TLS."""
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        return cls(read(ca), read(key), read(cert))
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)

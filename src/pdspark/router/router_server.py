@@ -1,6 +1,8 @@
 """`run_router`: the router process. HTTP (aiohttp) and gRPC (grpc.aio) on one asyncio loop, the worker registry's
 health polling beside them; one JSON ready line on stdout; SIGTERM/SIGINT drain and stop; SIGHUP reads the key
-files again (key rotation without a restart)."""
+files again (key rotation without a restart). With `--ssl-certfile`/`--ssl-keyfile` both public ports speak TLS
+(HTTPS; gRPC without client certificates: clients authenticate with API keys); with `--tls-*` the calls to the
+workers use mutual TLS (`WorkerRegistry`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import json
 import logging
 import signal
+import ssl
 import sys
 
 import grpc
@@ -27,6 +30,8 @@ from pdspark.router.policies import make_policy
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
+from pdspark.rpc.tls_credentials import public_server_credentials, public_ssl_context
 from pdspark.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -43,9 +48,12 @@ SERVER_OPTIONS = (
 
 def build_grpc_server(core: RouterCore) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """The router's gRPC server (no port yet): the `Router` service behind the key check, health and reflection
-    open; requests over `max_body_bytes` are refused by gRPC itself (RESOURCE_EXHAUSTED), as HTTP refuses them."""
+    open; undecodable requests are INVALID_ARGUMENT; requests over `max_body_bytes` are refused by gRPC itself
+    (RESOURCE_EXHAUSTED), as HTTP refuses them."""
     options = (*SERVER_OPTIONS, ("grpc.max_receive_message_length", core.options.max_body_bytes))
-    server = grpc.aio.server(options=options, interceptors=[AuthInterceptor(core.keys, core.metrics)])
+    # Malformed bytes are INVALID_ARGUMENT, not grpc's UNKNOWN; the key is checked before any handler runs.
+    server = grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor(),
+                                                            AuthInterceptor(core.keys, core.metrics)])
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -73,7 +81,7 @@ def build_core(cfg: RouterConfig) -> RouterCore:
     path = resolve_model(cfg.model)
     model_cfg = ModelConfig.from_dir(path)
     registry = WorkerRegistry(health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
-                              load_interval_s=cfg.load_interval_s)
+                              load_interval_s=cfg.load_interval_s, tls=cfg.tls)
     for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)):
         for address in addresses:
             registry.add(role, address)
@@ -86,24 +94,38 @@ def build_core(cfg: RouterConfig) -> RouterCore:
     return RouterCore(path, name, max_len, registry, dispatcher, metrics, cfg)
 
 
+def _public_tls(cfg: RouterConfig) -> tuple[ssl.SSLContext | None, grpc.ServerCredentials | None]:
+    """HTTPS context and gRPC credentials of the public ports (None, None: plain text)."""
+    if cfg.ssl_certfile is None or cfg.ssl_keyfile is None:
+        return None, None
+    return (public_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile),
+            public_server_credentials(cfg.ssl_certfile, cfg.ssl_keyfile))
+
+
 async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     core = build_core(cfg)
     _warn_if_exposed(cfg, core)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys, core)
+    # Read before anything listens: a bad certificate path is a configuration error at start.
+    ssl_context, grpc_credentials = _public_tls(cfg)
     runner = web.AppRunner(build_app(core), handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
+    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()
     http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     server, health_servicer = build_grpc_server(core)
-    grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    grpc_address = f"{cfg.host}:{cfg.grpc_port}"
+    grpc_port = (server.add_insecure_port(grpc_address) if grpc_credentials is None
+                 else server.add_secure_port(grpc_address, grpc_credentials))
     await server.start()
     for name in ("", ROUTER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     poller = asyncio.create_task(core.registry.poll_forever())
-    print(json.dumps({"event": "ready", "role": "router", "http": f"http://{cfg.host}:{http_port}",
+    public_tls = ssl_context is not None
+    scheme = "https" if public_tls else "http"
+    print(json.dumps({"event": "ready", "role": "router", "http": f"{scheme}://{cfg.host}:{http_port}",
                       "grpc": f"{cfg.host}:{grpc_port}", "http_port": http_port, "grpc_port": grpc_port,
-                      "model": core.served_name}), flush=True)
+                      "model": core.served_name, "tls": public_tls, "worker_tls": cfg.tls.enabled}), flush=True)
     await stop.wait()
     logger.info("router stopping")
     for name in ("", ROUTER_SERVICE):

@@ -17,7 +17,8 @@ each worker on tasks of its own (a slow worker never delays another's checks):
   failed load report keeps the last one and never touches health.
 
 Every channel to a worker has HTTP/2 keepalive, so a connection to a vanished host fails (and the calls on it
-end) instead of hanging until their deadlines.
+end) instead of hanging until their deadlines. With `tls` (mutual TLS) every channel, health checks and load reports
+included, presents the router's certificate and verifies the worker's against the cluster's CA.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdspark.config import TLSConfig
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS
+from pdspark.rpc.tls_credentials import aio_channel, channel_credentials
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -71,7 +74,11 @@ class WorkerInfo:
 class WorkerRegistry:
     def __init__(self, health_interval_s: float = 0.5, health_timeout_s: float = 0.5, load_interval_s: float = 1.0,
                  max_failures: int = 2, readmit_backoff_s: float = READMIT_BACKOFF_S,
-                 max_readmit_backoff_s: float = MAX_READMIT_BACKOFF_S, stable_s: float = STABLE_S):
+                 max_readmit_backoff_s: float = MAX_READMIT_BACKOFF_S, stable_s: float = STABLE_S,
+                 tls: TLSConfig | None = None):
+        self.tls = tls
+        # Read once, here (at start): a missing file is a configuration error, not a failure of every call later.
+        self._credentials = channel_credentials(tls) if tls is not None and tls.enabled else None
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.load_interval_s = load_interval_s
@@ -105,7 +112,7 @@ class WorkerRegistry:
     def channel(self, w: WorkerInfo) -> grpc.aio.Channel:
         if w.channel is None:
             # Pings and reconnects as every channel a pdspark service opens (`rpc/keepalive.py`).
-            w.channel = grpc.aio.insecure_channel(w.address, options=CHANNEL_OPTIONS)
+            w.channel = aio_channel(w.address, self.tls, CHANNEL_OPTIONS, self._credentials)
         return w.channel
 
     def prefill_stub(self, w: WorkerInfo) -> worker_pb2_grpc.PrefillWorkerStub:

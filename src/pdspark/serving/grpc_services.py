@@ -99,9 +99,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # suspended; closing it there releases the request now rather than when it is garbage-collected.
             async with contextlib.aclosing(stream):
                 # A migrated stream's generated tokens reached the client already, with their stable text (the
-                # earlier worker streamed exactly that): only what follows is new.
-                sent, sent_text = len(generated), self.worker.stable_text_of(generated)
+                # earlier worker streamed exactly that): only what follows is new. Decoded once the first output
+                # came: by then the engine has checked that those ids are in the vocabulary.
+                sent, sent_text = len(generated), None
                 async for out in stream:
+                    if sent_text is None:
+                        sent_text = self.worker.stable_text_of(generated)
                     text = stable_text(out)
                     yield _chunk(out, sent, sent_text, text, logprob_base=len(generated))
                     sent, sent_text = len(out.token_ids), text

@@ -1,14 +1,17 @@
 """`PrefillClients`: the decode worker's asyncio gRPC clients of prefill workers (one channel per address, with
-keepalive: a prefill worker that hangs without closing its socket breaks the channel instead of holding calls)."""
+keepalive: a prefill worker that hangs without closing its socket breaks the channel instead of holding calls; mutual
+TLS with the worker's own certificate when it has one)."""
 
 from __future__ import annotations
 
 import grpc
 
+from pdspark.config import TLSConfig
 from pdspark.errors import Unanswered
 from pdspark.rpc import convert
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS, LEASE_S
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
+from pdspark.rpc.tls_credentials import aio_channel
 from pdspark.transfer.plan import TransferPlan, TransferResult
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
@@ -16,13 +19,15 @@ from pdspark.v1 import worker_pb2, worker_pb2_grpc
 class PrefillClients:
     """Channels are made on first use, on the asyncio loop that uses them (a grpc.aio channel belongs to one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TLSConfig | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
+        """`credentials`: made from `tls` once (at start, where a bad file is a configuration error)."""
+        self._tls, self._credentials = tls, credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         if address not in self._stubs:
-            self._channels[address] = grpc.aio.insecure_channel(address, CHANNEL_OPTIONS)
+            self._channels[address] = aio_channel(address, self._tls, CHANNEL_OPTIONS, self._credentials)
             self._stubs[address] = worker_pb2_grpc.PrefillWorkerStub(self._channels[address])
         return self._stubs[address]
 

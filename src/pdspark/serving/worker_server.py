@@ -1,7 +1,8 @@
 """`run_worker`: the composition of one prefill or decode worker process.
 
 engine (+ draft) -> engine loop thread -> transfer backend with every pool registered -> worker -> grpc.aio server
-(worker service, standard health checking, reflection; keepalive) + Prometheus `/metrics`. Prints one JSON
+(worker service, standard health checking, reflection; keepalive; mutual TLS with `--tls-*`: only peers with a
+certificate of the cluster's CA, each RPC only from the role that makes it) + Prometheus `/metrics`. Prints one JSON
 "ready" line on stdout (with the ports actually bound) and serves until SIGTERM/SIGINT, then drains and stops.
 
 Threads: the main thread runs the asyncio loop (every gRPC handler, every rendezvous and stream); the engine loop
@@ -28,6 +29,9 @@ from prometheus_client import start_http_server
 from pdspark.config import WorkerConfig
 from pdspark.engine.factory import create_engine
 from pdspark.rpc.keepalive import SERVER_OPTIONS
+from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
+from pdspark.rpc.peer_roles import PeerRoleInterceptor
+from pdspark.rpc.tls_credentials import channel_credentials, server_credentials
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
@@ -63,7 +67,8 @@ class WorkerServer:
                 executor=self.executor)
             self.service = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
         else:
-            self.prefill_clients = PrefillClients()
+            # Under mutual TLS the decode worker calls prefill workers with its own certificate.
+            self.prefill_clients = PrefillClients(cfg.tls, channel_credentials(cfg.tls) if cfg.tls.enabled else None)
             self.worker = DecodeWorker(self.loop, self.backend, compat, self.prefill_clients.submit_plan, self.metrics,
                                        max_waiting=cfg.max_waiting_streams, executor=self.executor,
                                        abort_plan=self.prefill_clients.abort)
@@ -83,7 +88,12 @@ class WorkerServer:
 
     async def start(self) -> dict:
         """Start the engine loop and serve (on the running asyncio loop); returns the ready line's fields."""
-        self.grpc = grpc.aio.server(options=SERVER_OPTIONS)
+        tls = self.cfg.tls.enabled
+        # Bytes that are no message of their RPC's type: INVALID_ARGUMENT, not grpc's UNKNOWN.
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if tls:
+            interceptors.append(PeerRoleInterceptor())
+        self.grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         if isinstance(self.worker, PrefillWorker):
             self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker)
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.grpc)
@@ -96,7 +106,11 @@ class WorkerServer:
         reflection.enable_server_reflection(
             (self.service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.grpc)
-        self.port = self.grpc.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        # NOTE: with TLS, no plain-text port at all: a client without a certificate of the CA fails the handshake
+        # (the health service too, so a probe must present one).
+        self.port = (self.grpc.add_secure_port(address, server_credentials(self.cfg.tls)) if tls
+                     else self.grpc.add_insecure_port(address))
         self.loop.start()
         await self.grpc.start()
         metrics_port = None  # null on the ready line: no metrics server
@@ -114,6 +128,7 @@ class WorkerServer:
             "grpc_port": self.port,
             "metrics_port": metrics_port,
             "transfer_session": self.backend.session_id,
+            "tls": tls,
         }
 
     async def stop(self, grace_s: float = 5.0) -> None:

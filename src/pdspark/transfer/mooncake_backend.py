@@ -5,6 +5,13 @@ most one `batch_transfer_sync_write` call takes. That call releases the GIL and 
 transfer timeout (`MC_TRANSFER_TIMEOUT` seconds, read when the engine is created, at least 5; plus 1 s per GiB of
 the batch): measured with 0.3.13, a peer that died fails at once (connection refused) and a stopped one after
 that timeout (it busy-polls meanwhile, holding a core). No batch starts after the caller's deadline.
+
+NOTE: security. The data plane has neither TLS nor authentication: a peer that reaches a worker's Mooncake ports can
+write into its registered memory. Peers reach it at `host` (the worker's advertised address, the session id), but
+Mooncake 0.3.13 listens on every interface whatever `host` is (measured: its handshake port on 0.0.0.0 and its TCP
+transport on [::], with or without MC_TCP_BIND_ADDRESS / MC_LEGACY_RPC_PORT_BINDING), and has no option to bind one
+address. Only the network can fence these ports: a private network, a host firewall, a NetworkPolicy (README,
+"Security").
 """
 
 from __future__ import annotations
