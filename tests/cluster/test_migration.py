@@ -73,15 +73,22 @@ def decodes(cluster: ServiceProcess) -> dict[str, dict]:
     return out
 
 
-def running(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=5).running
+def running(address: str) -> int | None:
+    """The decode worker's running requests; None while it does not answer (killed, not restarted yet)."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            return worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=5).running
+    except grpc.RpcError:
+        return None
 
 
 def all_healthy(cluster: ServiceProcess) -> bool:
+    """Every worker healthy in the router's view and every decode worker answering itself (the router's view of a
+    worker killed a moment ago may not have caught up yet)."""
     with urllib.request.urlopen(cluster.info["http"] + "/workers", timeout=10) as r:
         workers = json.loads(r.read())
-    return len(workers) == 3 and all(w["healthy"] for w in workers)
+    answering = all(running(w["address"]) is not None for w in decodes(cluster).values())
+    return answering and len(workers) == 3 and all(w["healthy"] for w in workers)
 
 
 def migrations(cluster: ServiceProcess) -> float:
