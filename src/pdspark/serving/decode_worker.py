@@ -21,9 +21,9 @@ from typing import TypeVar
 
 from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.serving.decode_metrics import CHECKSUM, DecodeMetrics
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
-from pdspark.serving.metrics import WorkerMetrics
 from pdspark.serving.output_stream import OutputStream
 from pdspark.serving.reservation_queue import Reservation
 from pdspark.transfer.base import TransferBackend
@@ -78,7 +78,7 @@ def _drop(task: asyncio.Future, undo: Callable | None) -> None:
 
 class DecodeWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor, send_plan: PlanSender,
-                 metrics: WorkerMetrics | None = None, max_waiting: int = 1024, executor: Executor | None = None):
+                 metrics: DecodeMetrics | None = None, max_waiting: int = 1024, executor: Executor | None = None):
         self.engine = EngineClient(loop)
         self.backend = backend
         self.compat = compat
@@ -191,13 +191,11 @@ class DecodeWorker:
                 self._executor, destination_checksum, self.buffers, plan, ctypes.string_at)
             if arrived != result.checksum:
                 if self.metrics is not None:
-                    self.metrics.transfer_failures.labels(reason="checksum").inc()
+                    self.metrics.transfer_failures.labels(reason=CHECKSUM).inc()
                 raise RequestFailed(ErrorCode.TRANSFER, f"transfer {transfer_id!r}: integrity check failed")
         except BaseException:
             self.engine.cancel_reservation(reservation)
             raise
         finally:
             self.transfers_in_flight -= 1
-        if self.metrics is not None:
-            self.metrics.observe_transfer(result.stats)
-        return result
+        return result  # its statistics are the prefill side's to count (it wrote the cache)

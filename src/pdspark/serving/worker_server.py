@@ -28,12 +28,13 @@ from prometheus_client import start_http_server
 from pdspark.config import WorkerConfig
 from pdspark.engine.factory import create_engine
 from pdspark.rpc.keepalive import SERVER_OPTIONS
+from pdspark.serving.decode_metrics import DecodeMetrics
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
-from pdspark.serving.metrics import WorkerMetrics
 from pdspark.serving.prefill_client import PrefillClients
+from pdspark.serving.prefill_metrics import PrefillMetrics
 from pdspark.serving.prefill_worker import TRANSFER_THREADS, PrefillWorker
 from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import registered_regions
@@ -49,15 +50,16 @@ class WorkerServer:
         """Load the engine and build the worker (slow: the model loads); `start` then serves it."""
         self.cfg = cfg
         engine = create_engine(cfg.model, progress=False, config=cfg.engine)
-        self.loop = EngineLoop(engine)
+        self.metrics: PrefillMetrics | DecodeMetrics = (
+            PrefillMetrics() if cfg.role == "prefill" else DecodeMetrics(engine.scheduler.num_drafts))
+        self.loop = EngineLoop(engine, observer=self.metrics.engine)
         self.backend = create_backend(cfg.transfer_backend, host=cfg.advertise_host, protocol=cfg.transfer_protocol)
         for addr, nbytes in registered_regions(engine.kv.pools):
             self.backend.register(addr, nbytes)
-        self.metrics = WorkerMetrics(cfg.role)
         self.executor = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="transfer")
         compat = describe_engine(engine)
         self.prefill_clients: PrefillClients | None = None
-        if cfg.role == "prefill":
+        if isinstance(self.metrics, PrefillMetrics):
             self.worker: PrefillWorker | DecodeWorker = PrefillWorker(
                 self.loop, self.backend, compat, self.metrics, max_pending=cfg.max_pending_prefills,
                 executor=self.executor)
@@ -67,6 +69,10 @@ class WorkerServer:
             self.worker = DecodeWorker(self.loop, self.backend, compat, self.prefill_clients.submit_plan, self.metrics,
                                        max_waiting=cfg.max_waiting_streams, executor=self.executor)
             self.service = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+            waiting = self.worker
+            self.metrics.waiting_for_pages.set_function(lambda: waiting.waiting)
+        # Read at scrape time: the worker's own counts (asyncio thread) are the one source.
+        self.metrics.transfers_in_flight.set_function(self._in_flight)
         self._last_metrics = 0.0
         self.loop.add_ticker(self._sample_metrics)
 
@@ -78,16 +84,16 @@ class WorkerServer:
         now = time.monotonic()
         if now - self._last_metrics >= _METRICS_EVERY_S:
             self._last_metrics = now
-            self.metrics.sample_engine(self.loop.engine, self._in_flight())
+            self.metrics.sample_engine(self.loop.engine, self.loop.load)
 
     async def start(self) -> dict:
         """Start the engine loop and serve (on the running asyncio loop); returns the ready line's fields."""
         self.grpc = grpc.aio.server(options=SERVER_OPTIONS)
         if isinstance(self.worker, PrefillWorker):
-            self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker)
+            self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker, self.metrics)
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.grpc)
         else:
-            self.servicer = DecodeServicer(self.worker)
+            self.servicer = DecodeServicer(self.worker, self.metrics)
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.grpc)
         # Health answers from the asyncio loop, never behind the engine: a busy worker is still SERVING.
         self.health = health.aio.HealthServicer()
