@@ -69,8 +69,8 @@ class WorkerServer:
             self.worker = DecodeWorker(self.loop, self.backend, compat, self.prefill_clients.submit_plan, self.metrics,
                                        max_waiting=cfg.max_waiting_streams, executor=self.executor)
             self.service = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
-            waiting = self.worker
-            self.metrics.waiting_for_pages.set_function(lambda: waiting.waiting)
+            decode = self.worker
+            self.metrics.waiting_for_pages.set_function(lambda: decode.waiting)
         # Read at scrape time: the worker's own counts (asyncio thread) are the one source.
         self.metrics.transfers_in_flight.set_function(self._in_flight)
         self._last_metrics = 0.0
