@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup run generate test test-fast lint bench bench-serving bench-failover clean proto
+.PHONY: setup prometheus-tools run generate test test-fast lint bench bench-serving bench-failover clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -19,7 +19,16 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
-setup: $(STAMP)
+# Debian's Prometheus 2.42 and promtool: the observability tests run a real Prometheus (started by the test on a
+# free loopback port) and `promtool check metrics`. Checked on every setup (a venv made before still gets them).
+# Installing starts no daemon where there is no init system (these machines); on a systemd host the package enables
+# its own service on :9090, which the tests do not use.
+prometheus-tools:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; fi
+
+setup: $(STAMP) prometheus-tools
 
 # The main job: a local cluster (router + 1 prefill + 1 decode worker) on the shipped model; Ctrl-C stops it.
 run: setup

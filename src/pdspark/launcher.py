@@ -17,8 +17,9 @@ NOTE: supervision.
   configuration error instead: `up` stops everything and exits 1.
 - One thread: every child is spawned (and restarted) from the main thread, because `PR_SET_PDEATHSIG` ties a child
   to the thread that created it; children die with the launcher, however it ends.
-- Output: stderr gets a line per readiness, exit and restart; stdout gets one JSON line per event (`ready` with
-  every service's pid, `exited`, `restarted`, `crash_loop`) for scripts.
+- Output: stderr gets a line per readiness, exit and restart, and a Prometheus scrape config (the router's service
+  discovery); stdout gets one JSON line per event (`ready` with every service's pid, `exited`, `restarted`,
+  `crash_loop`) for scripts.
 - Keys: the router gets its API and admin keys in its environment (`secret_env`), never on its command line, which
   every user of the machine can read in `ps`; the workers get those variables blanked. No output shows a key.
   SIGHUP is passed on to the router, which reads its key files again.
@@ -45,9 +46,10 @@ import time
 from dataclasses import dataclass
 
 from pdspark.assets import resolve_model
-from pdspark.config import RouterConfig, TLSConfig, UpConfig, WorkerConfig
+from pdspark.config import AuthConfig, RouterConfig, TLSConfig, UpConfig, WorkerConfig
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import replace_options, secret_env, to_argv
+from pdspark.router.api_keys import is_loopback
 from pdspark.rpc.throwaway_ca import ThrowawayCA
 from pdspark.service_process import ServiceProcess, spawn_service
 
@@ -189,6 +191,7 @@ class Launcher:
                              {s.name: {"pid": self._pid(s), "address": self._address(s)} for s in self.services},
                              needs_key=bool(self.cfg.auth.api_key or self.cfg.auth.api_key_file),
                              ca=self.ca.ca_path if self.ca is not None else None)
+            _log(scrape_config(self.router.process.info["http"], self.cfg.auth, self.cfg.host))
             return self._supervise()
         finally:
             self._stop_all()
@@ -308,6 +311,30 @@ def launch(cfg: UpConfig) -> int:
         launcher = Launcher(cfg, stop, tls_dir)
         signal.signal(signal.SIGHUP, lambda *_: launcher.reload_keys())
         return launcher.run()
+
+
+def scrape_config(http: str, auth: AuthConfig, host: str) -> str:
+    """A Prometheus scrape config for the cluster (human text): HTTP service discovery at the router, which lists
+    every metrics endpoint. The list names worker addresses, so it takes an admin key unless the router is a
+    development one (no key of either kind, loopback only: see `pdspark.router.api_keys`)."""
+    url = f"{http}/prometheus/targets"
+    lines = ["Prometheus: the router lists every metrics endpoint (its own and each worker's) at",
+             f"  {url}  (HTTP service discovery). A scrape config:",
+             "  scrape_configs:",
+             "    - job_name: pdspark",
+             "      scrape_interval: 15s",
+             "      http_sd_configs:",
+             f"        - url: {url}",
+             "          refresh_interval: 30s"]
+    if auth.admin_api_key or auth.admin_api_key_file:
+        # NOTE: Prometheus sends a credentials file's whole content: a key file of several lines does not do. And
+        # 2.42's HTTP discovery sends no `Bearer` unless `type` says so (the scrape's own default does not apply).
+        lines += ["          authorization:  # an admin key: the list names worker addresses",
+                  "            type: Bearer",
+                  "            credentials_file: /path/to/admin-key  # a file holding one admin key"]
+    elif auth.configured or not is_loopback(host):
+        lines.append("  (the list needs an admin key on this router: start it with --admin-api-key-file)")
+    return "\n".join(lines) + "\n"
 
 
 def _print_endpoints(info: dict, services: dict[str, dict], needs_key: bool, ca: str | None = None) -> None:

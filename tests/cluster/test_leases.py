@@ -92,11 +92,11 @@ def idle(worker) -> bool:
 
 
 def quarantined(worker) -> dict[str, float]:
-    """`pdspark_pool_pages_quarantined` per pool, from the worker's /metrics."""
+    """`pdspark_pool_quarantined_pages` per pool, from the worker's /metrics."""
     url = f"http://127.0.0.1:{worker.info['metrics_port']}/metrics"
     with urllib.request.urlopen(url, timeout=5) as resp:
         lines = resp.read().decode().splitlines()
-    prefix = 'pdspark_pool_pages_quarantined{pool="'
+    prefix = 'pdspark_pool_quarantined_pages{pool="'
     return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in lines
             if line.startswith(prefix)}
 

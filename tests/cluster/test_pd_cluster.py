@@ -174,8 +174,10 @@ def test_workers_serve_health_and_metrics(cluster):
         status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
         assert status == health_pb2.HealthCheckResponse.SERVING
         text = urllib.request.urlopen(f"http://127.0.0.1:{w.info['metrics_port']}/metrics", timeout=5).read().decode()
-        for name in ("pdspark_transfer_bytes_bucket", "pdspark_transfer_seconds_bucket", "pdspark_pool_pages_used",
-                     "pdspark_running_requests", "pdspark_queue_size"):
+        for name in ("pdspark_pool_used_pages", "pdspark_engine_running_requests", "pdspark_worker_transfers_in_flight",
+                     "pdspark_engine_step_seconds_bucket", "pdspark_worker_requests_total"):
             assert name in text, name
+        # Transfers are counted once, by the prefill side (which writes them).
+        assert ("pdspark_transfer_bytes_bucket" in text) == (w.role == "prefill")
         assert ":" not in "".join(line.split("{")[0].split(" ")[0] for line in text.splitlines()
                                   if line and not line.startswith("#"))

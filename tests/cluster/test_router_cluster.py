@@ -204,7 +204,7 @@ def test_models_health_workers_metrics(cluster):
         workers = list_workers(cluster)
     for w in workers:
         with urllib.request.urlopen(w["metrics_url"], timeout=10) as r:
-            assert "pdspark_pool_pages_used" in r.read().decode()
+            assert "pdspark_pool_used_pages" in r.read().decode()
     with urllib.request.urlopen(cluster["http"] + "/metrics", timeout=10) as r:
         text = r.read().decode()
     assert "pdspark_router_requests_total" in text and "pdspark_router_time_to_first_token_seconds" in text

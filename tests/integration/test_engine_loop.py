@@ -83,3 +83,46 @@ def test_a_failing_clean_up_is_logged_not_lost(engine, caplog):
         assert "engine-loop clean-up release failed" in caplog.text and "double free of page 3 (r1)" in caplog.text
     finally:
         loop.stop(timeout=5)
+
+
+class _Observer:
+    """A `StepObserver` that records what the loop tells it."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, int]] = []
+        self.errors: list[str] = []
+
+    def on_step(self, seconds: float, batch_size: int) -> None:
+        self.steps.append((seconds, batch_size))
+
+    def on_error(self, stage: str) -> None:
+        self.errors.append(stage)
+
+
+def test_the_observer_hears_every_step_with_its_batch_and_every_failure(engine):
+    observer = _Observer()
+    loop = EngineLoop(engine, observer=observer)
+    broken = {"once": True}
+
+    def ticker() -> None:
+        if broken.pop("once", False):
+            raise RuntimeError("a broken ticker")
+
+    loop.add_ticker(ticker)
+    loop.start()
+    client = EngineClient(loop, timeout_s=30)
+    done = [threading.Event(), threading.Event()]
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    try:
+        for i, event in enumerate(done):
+            asyncio.run(client.submit(f"r{i}", [5 + i] * 20, params,
+                                      lambda out, e=event: out.finished and e.set()))
+        assert all(e.wait(30) for e in done)
+        steps = loop.call(lambda: loop.steps)
+    finally:
+        loop.stop(timeout=5)
+    # Every step that ran something was observed, with the requests it ran (both fit one batch at most).
+    assert 0 < len(observer.steps) <= steps and all(0 < n <= 2 and s > 0 for s, n in observer.steps)
+    assert max(n for _, n in observer.steps) == 2
+    assert engine.stats.generated_tokens == 6  # 3 tokens each, counted as they were appended
+    assert observer.errors == ["callback"]

@@ -3,14 +3,17 @@ service is started with (what lets a restarted worker keep its address)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import textwrap
 import threading
 
 import pytest
 
 from pdspark.cli import build_parser
-from pdspark.config import RouterConfig, UpConfig, WorkerConfig
+from pdspark.config import AuthConfig, RouterConfig, UpConfig, WorkerConfig
 from pdspark.errors import ConfigError
-from pdspark.launcher import Launcher, restart_delay
+from pdspark.launcher import Launcher, restart_delay, scrape_config
 from pdspark.options import parse_args, parse_options
 
 
@@ -66,3 +69,25 @@ def test_keys_reach_the_router_by_its_environment_only():
     assert all(w.env == {"PDSPARK_API_KEY": "", "PDSPARK_ADMIN_API_KEY": ""} for w in launcher.workers)
     router = parse_options(RouterConfig, build_parser().parse_args(launcher.router.argv), launcher.router.env)
     assert router.auth == cfg.auth and router.auth.api_key_file == "/run/keys"
+
+
+@pytest.mark.parametrize("auth", [AuthConfig(), AuthConfig(admin_api_key=("admin-key-0123456789",))])
+def test_the_printed_scrape_config_is_one_prometheus_takes(auth, tmp_path):
+    text = scrape_config("http://127.0.0.1:8000", auth, "127.0.0.1")
+    assert "url: http://127.0.0.1:8000/prometheus/targets" in text
+    assert ("credentials_file" in text) == bool(auth.admin_api_key)
+    key = tmp_path / "admin-key"
+    key.write_text("admin-key-0123456789")
+    config = textwrap.dedent(text.split("A scrape config:\n", 1)[1]).replace("/path/to/admin-key", str(key))
+    (tmp_path / "prometheus.yml").write_text(config)
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: `make setup` installs Debian's `prometheus` package, which has it"
+    out = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_router_that_needs_an_admin_key_for_discovery_says_so():
+    assert "needs an admin key" in scrape_config("http://10.0.0.1:8000", AuthConfig(), "0.0.0.0")
+    assert "needs an admin key" in scrape_config("http://127.0.0.1:8000", AuthConfig(api_key=("k" * 20,)),
+                                                 "127.0.0.1")

@@ -31,17 +31,53 @@ from pdspark.types import FinishReason, RequestOutput, SamplingParams
 
 @dataclass
 class SpecStats:
-    """Speculative decoding counters since the engine started."""
+    """Speculative decoding counters since the engine started.
+
+    NOTE: a verify step costs two list adds, whatever its length: per-position counts are derived when read (a
+    draft at position k was accepted in every step that accepted at least k drafts)."""
 
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [gamma]: drafts accepted at position k
+    # [num_drafts + 1]: verify steps that proposed (accepted) exactly k drafts
+    steps_by_drafts: list[int] = field(default_factory=list)
+    steps_by_accepted: list[int] = field(default_factory=list)
+
+    @classmethod
+    def for_drafts(cls, num_drafts: int) -> SpecStats:
+        return cls(steps_by_drafts=[0] * (num_drafts + 1), steps_by_accepted=[0] * (num_drafts + 1))
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """[num_drafts]: drafts accepted at position k + 1."""
+        return _tail_sums(self.steps_by_accepted)[1:]
+
+    @property
+    def drafted_per_position(self) -> list[int]:
+        """[num_drafts]: drafts proposed at position k + 1 (a step near `max_tokens` proposes fewer)."""
+        return _tail_sums(self.steps_by_drafts)[1:]
 
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens committed per verify step (accepted drafts + the bonus token)."""
         return (self.accepted_tokens + self.verify_steps) / max(self.verify_steps, 1)
+
+
+@dataclass
+class EngineStats:
+    """Step counters since the engine started (plain ints, read by the serving layer's metrics between steps)."""
+
+    generated_tokens: int = 0  # tokens sampled and appended to outputs (a decode worker's adopted first token not)
+    last_batch_size: int = 0  # requests scheduled by the last step (0: it scheduled nothing)
+
+
+def _tail_sums(counts: list[int]) -> list[int]:
+    """`out[k] = sum(counts[k:])`."""
+    out, acc = [0] * len(counts), 0
+    for k in range(len(counts) - 1, -1, -1):
+        acc += counts[k]
+        out[k] = acc
+    return out
 
 
 @dataclass(frozen=True)
@@ -88,7 +124,8 @@ class Engine:
         # workers never produce the same "random" streams.
         self._seeds = random.Random(secrets.randbits(128) if config.seed is None else config.seed)
         self.stop_checker = StopChecker(tokenizer, model.cfg.eos_token_ids, self.scheduler.max_model_len)
-        self.spec = SpecStats(accepted_per_position=[0] * num_drafts)
+        self.spec = SpecStats.for_drafts(num_drafts)
+        self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -221,6 +258,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One forward pass; returns outputs of requests that got tokens this step (finished ones flagged)."""
         sched = self.scheduler.schedule()
+        self.stats.last_batch_size = len(sched.chunks)
         if sched.empty:
             assert not self.scheduler.running, "running requests but nothing scheduled"
             return self._fail_unadmittable()
@@ -289,8 +327,8 @@ class Engine:
         self.spec.verify_steps += 1
         self.spec.draft_tokens += drafts
         self.spec.accepted_tokens += accepted
-        for k in range(accepted):
-            self.spec.accepted_per_position[k] += 1
+        self.spec.steps_by_drafts[drafts] += 1
+        self.spec.steps_by_accepted[accepted] += 1
 
     def _commit(self, produced: list[_StepTokens], out: RunOutput) -> None:
         """Make the committed rows the request's computed state: draft context, rolled-back rings, page windows."""
@@ -329,6 +367,7 @@ class Engine:
                     req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
                     self.scheduler.finish(req)
                     break
+            self.stats.generated_tokens += j + 1
             outputs.append(self.output(req))
         return outputs
 

@@ -5,9 +5,10 @@ The rules (DESIGN §6, the README's "Security"):
   configured; without any it is open, as a development router is.
 - Registering and removing workers (`POST`/`DELETE /workers`) needs an admin key, and is off while none is
   configured. An API key never administers workers.
-- Listing workers (`GET /workers`) and seeing their addresses anywhere else (`/generate`'s `meta_info`, gRPC chunks,
-  error messages) needs an admin key too, except on a development router: no key of either kind configured and
-  bound to a loopback address, whose only callers are this machine's users.
+- Listing workers (`GET /workers`, and `GET /prometheus/targets`, Prometheus's service discovery) and seeing their
+  addresses anywhere else (`/generate`'s `meta_info`, gRPC chunks, error messages) needs an admin key too, except
+  on a development router: no key of either kind configured and bound to a loopback address, whose only callers are
+  this machine's users.
 - `/health`, `/metrics` and `/openapi.json` are open: probes and scrapers carry no key, and none of them shows a key,
   a prompt or a worker's address (per-worker metrics are labelled by the worker's name).
 

@@ -2,7 +2,8 @@
 and so before its body is read: a caller without a valid key costs the router a header, not a body.
 
 What a route needs (`access_of`): generation (`/v1/*`, `/generate`) an API key, `/workers` an admin key (reading
-it: see `api_keys` for a development router), the rest nothing. A refused request gets OpenAI's error object: 401
+it: see `api_keys` for a development router), `/prometheus/targets` what reading `/workers` needs (it lists the
+workers' addresses), the rest nothing. A refused request gets OpenAI's error object: 401
 (`authentication_error`, with `WWW-Authenticate: Bearer`) or 403 (`permission_error`). The handler finds who called
 with `current_caller()`.
 
@@ -43,6 +44,8 @@ def access_of(request: web.Request) -> Access:
         return Access.GENERATE
     if path == "/workers":
         return Access.LIST_WORKERS if request.method in ("GET", "HEAD") else Access.MANAGE_WORKERS
+    if path == "/prometheus/targets":
+        return Access.LIST_WORKERS
     return Access.OPEN
 
 

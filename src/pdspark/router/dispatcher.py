@@ -198,8 +198,8 @@ class Dispatcher:
         prefill = self.prefill_policy.select(prefills, prompt_ids)
         decode = self.decode_policy.select(decodes, prompt_ids)
         if self.metrics is not None:
-            self.metrics.selected.labels(role="prefill", worker=prefill.name).inc()
-            self.metrics.selected.labels(role="decode", worker=decode.name).inc()
+            self.metrics.selected.labels(worker_role="prefill", worker=prefill.name).inc()
+            self.metrics.selected.labels(worker_role="decode", worker=decode.name).inc()
         return prefill, decode
 
     async def _run_pair(self, key: str, request_id: str, prompt_ids: list[int], generated: list[int], params,
@@ -282,15 +282,12 @@ class Dispatcher:
             active.stream.cancel()  # the attempt's reader sees the cancel and raises `failure`
 
     async def _prefill_outcome(self, active: _Active) -> None:
-        """Collect the prefill leg's answer (metrics only: the decode stream already succeeded)."""
+        """Wait (briefly) for the prefill leg's answer once the decode stream ended, so that a leg about to settle
+        is not sent an Abort. (Its transfer statistics are the prefill worker's metrics.)"""
         if active.prefill_call is None:
             return
-        try:
-            response = await asyncio.wait_for(active.prefill_call, timeout=5)
-            if self.metrics is not None and not response.result.HasField("error"):
-                self.metrics.transfer_bytes.observe(response.result.stats.bytes)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.CancelledError):
-            pass
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(active.prefill_call, timeout=5)
 
     async def _cancel_legs(self, request_id: str, active: _Active) -> None:
         if active.stream is not None and not active.stream.done():

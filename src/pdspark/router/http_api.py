@@ -1,15 +1,15 @@
 """The router's HTTP API (aiohttp): OpenAI-compatible completions and chat completions (JSON or SSE), native
-`/generate`, models, the OpenAPI document, health, metrics and the worker list (GET to list, POST/DELETE to
-add/remove at run time). Request bodies are validated by the pydantic request models (see `openai_protocol`); every
-error is OpenAI's error object (`error_middleware`).
+`/generate`, models, the OpenAPI document, health, metrics, Prometheus service discovery (`/prometheus/targets`) and
+the worker list (GET to list, POST/DELETE to add/remove at run time). Request bodies are validated by the pydantic
+request models (see `openai_protocol`); every error is OpenAI's error object (`error_middleware`).
 
 A request may set its timeout with the `X-Request-Timeout` header (seconds; at most the router's
 `request_timeout_s`, also the default) and name itself with `X-Request-Id` (or the body's `user`, `/generate`'s
 `rid`): a label the router logs and echoes back in the `X-Request-Id` response header; the request's id is the
 router's own. A request the router has no room for gets 429 with `Retry-After` at once.
 
-Keys (`auth_middleware`, rules in `api_keys`): generation needs an API key when the router has any, `/workers` an
-admin key; a caller who may not list workers sees no worker address in a response either."""
+Keys (`auth_middleware`, rules in `api_keys`): generation needs an API key when the router has any, `/workers` and
+`/prometheus/targets` an admin key; a caller who may not list workers sees no worker address in a response either."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from pdspark.router.completion_request import CompletionRequest
 from pdspark.router.error_middleware import error_middleware, json_error, mark_started
 from pdspark.router.generate_request import GenerateRequest
 from pdspark.router.openapi_document import openapi_document
+from pdspark.router.prometheus_targets import prometheus_targets
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def build_app(core: RouterCore) -> web.Application:
         web.get("/openapi.json", api.openapi),
         web.get("/health", api.health),
         web.get("/metrics", api.metrics),
+        web.get("/prometheus/targets", api.prometheus_targets),
         web.get("/workers", api.workers),
         web.post("/workers", api.add_worker),
         web.delete("/workers", api.remove_worker),
@@ -280,10 +282,15 @@ class HttpApi:
         for role in ("prefill", "decode"):
             healthy = len(reg.healthy(role))
             total = sum(1 for w in reg.workers.values() if w.role == role)
-            self.core.metrics.workers.labels(role=role, healthy="true").set(healthy)
-            self.core.metrics.workers.labels(role=role, healthy="false").set(total - healthy)
+            self.core.metrics.workers.labels(worker_role=role, healthy="true").set(healthy)
+            self.core.metrics.workers.labels(worker_role=role, healthy="false").set(total - healthy)
         body = generate_latest(self.core.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def prometheus_targets(self, request: web.Request) -> web.Response:
+        """Prometheus HTTP service discovery: every metrics endpoint of the cluster (see `prometheus_targets`)."""
+        return web.json_response(prometheus_targets(self.core.registry.workers.values(), self.core.served_name,
+                                                    request.host, request.scheme))
 
     async def workers(self, request: web.Request) -> web.Response:
         return web.json_response([w.to_json() for w in self.core.registry.workers.values()])
@@ -299,6 +306,7 @@ class HttpApi:
             w = self.core.registry.add(str(body.get("role")), body["address"], str(body.get("metrics_url", "")))
         except ValueError as e:
             raise ApiError(400, str(e), "role") from e
+        self.core.metrics.worker_added(w.role, w.name)
         await self.core.registry.check(w)
         return web.json_response(w.to_json(), status=201)
 
@@ -307,6 +315,7 @@ class HttpApi:
         if address not in self.core.registry.workers:
             raise ApiError(404, f"no worker {address!r}", "address")
         w = self.core.registry.remove(address)
+        self.core.metrics.worker_removed(w.role, w.name)
         self.core.dispatcher.prefill_policy.forget(address)
         self.core.dispatcher.decode_policy.forget(address)
         return web.json_response(w.to_json())

@@ -1,7 +1,8 @@
 """`openapi_document`: the router's public HTTP API as an OpenAPI 3.1 document, generated from the request models
 (so the schema a client or a fuzzer reads is the one the router validates with) and the error model.
 
-Worker administration (`/workers`) is left out: it is not part of the public API. A router with API keys says
+Worker administration (`/workers`) and Prometheus's service discovery (`/prometheus/targets`) are left out: they
+are for operators with an admin key, not part of the public API. A router with API keys says
 that the generation routes and `/v1/models` need one (HTTP Bearer); `/health`, `/metrics` and this document need
 none. A router without keys documents none: it asks for none.
 """

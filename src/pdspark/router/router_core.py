@@ -96,6 +96,8 @@ class RouterCore:
         metrics.queued.set_function(lambda: self.admission.queued)
         metrics.max_in_flight.set(options.max_in_flight)
         metrics.max_queued.set(options.max_queued)
+        for w in registry.workers.values():
+            metrics.worker_added(w.role, w.name)
 
     @staticmethod
     def new_request_id() -> str:
@@ -118,7 +120,7 @@ class RouterCore:
     async def run(self, api: str, request_id: str, prompt_ids: list[int], params: SamplingParams, totals: Totals,
                   timeout_s: float | None = None, label: str = "",
                   caller: Caller = ANONYMOUS) -> AsyncGenerator[DispatchChunk, None]:
-        """Admit, dispatch and account (queue time, TTFT, latency, tokens, outcome).
+        """Admit, dispatch and account (queue time, TTFT, inter-token latency, latency, tokens, outcome, 429s).
 
         Args:
             request_id: the router's id, from `new_request_id` (what `abort` takes).
@@ -136,24 +138,33 @@ class RouterCore:
         t0 = time.perf_counter()
         deadline = Deadline.after(self.timeout_for(timeout_s))
         outcome = "error"
+        rejected = "key_limit"  # what an OVERLOADED failure from here on is a rejection by
         assert request_id not in self.live, f"request id {request_id} is in use: ids come from new_request_id"
         try:
             self.key_quota.enter(caller.key_id)
+            rejected = "queue_full"
             try:
                 live = _Live(self.admission.enter())
             except RequestFailed:
                 self.key_quota.leave(caller.key_id)
                 raise
+            rejected = "workers_full"
             self.live[request_id] = live
             try:
                 m.queue_time.observe(await live.ticket.wait(deadline.remaining()))
                 first = True
+                last = t0  # when the last chunk with tokens arrived
                 async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, deadline, live.aborted):
                     if not reveal:
                         chunk = replace(chunk, prefill_worker="", decode_worker="")
+                    now = time.perf_counter()
                     if first:
-                        m.ttft.observe(time.perf_counter() - t0)
+                        m.ttft.observe(now - t0)
                         first = False
+                    elif chunk.token_ids:
+                        m.observe_tokens(now - last, len(chunk.token_ids))
+                    if chunk.token_ids:
+                        last = now
                     totals.completion_tokens = chunk.completion_tokens
                     totals.cached_tokens = chunk.cached_tokens
                     totals.prefill_worker, totals.decode_worker = chunk.prefill_worker, chunk.decode_worker
@@ -167,6 +178,8 @@ class RouterCore:
             outcome = "ok"
         except RequestFailed as e:
             outcome = e.code.value
+            if e.code is ErrorCode.OVERLOADED:
+                m.rejected.labels(reason=rejected).inc()
             # A refused request is routine under load: not one log line each.
             log = logger.debug if e.code is ErrorCode.OVERLOADED else logger.info
             log("request %s (label %r, %s) failed: %s", request_id, label, api, e)

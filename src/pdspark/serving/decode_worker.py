@@ -18,7 +18,7 @@ are freed depends on what we know of its writes:
   batch that started lands within the transfer backend's timeout. So the pages are quarantined until
   `sent + plan.timeout_s + backend.write_grace_s(...)` (the grace also covers the plan's way there), and at least
   that grace after we learn of the failure (if we were the stopped one, writes held up by us land as we resume,
-  which is when we learn of it); counted in `quarantined_pages` (`pdspark_pool_pages_quarantined`), freed then.
+  which is when we learn of it); counted in `quarantined_pages` (`pdspark_pool_quarantined_pages`), freed then.
 What this rule does not cover: a prefill process frozen in the middle of a batch for longer than the grace, then
 resumed, or a network path that drops packets for that long and heals (the transfer engine completes the batch
 late, and a first contact's handshake waits for the peer without a timeout); and a plan that waited unread in a
@@ -46,9 +46,9 @@ from typing import TypeVar
 from pdspark.cache.req_pages import ReqPages
 from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, RequestFailed, Unanswered
+from pdspark.serving.decode_metrics import CHECKSUM, DecodeMetrics
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
-from pdspark.serving.metrics import WorkerMetrics
 from pdspark.serving.output_stream import OutputStream
 from pdspark.serving.reservation_queue import Reservation
 from pdspark.transfer.base import TransferBackend
@@ -107,7 +107,7 @@ def _drop(task: asyncio.Future, undo: Callable | None) -> None:
 
 class DecodeWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor, send_plan: PlanSender,
-                 metrics: WorkerMetrics | None = None, max_waiting: int = 1024, executor: Executor | None = None,
+                 metrics: DecodeMetrics | None = None, max_waiting: int = 1024, executor: Executor | None = None,
                  abort_plan: PlanAborter | None = None):
         self.engine = EngineClient(loop)
         self.backend = backend
@@ -234,14 +234,12 @@ class DecodeWorker:
                 self._executor, destination_checksum, self.buffers, plan, ctypes.string_at)
             if arrived != result.checksum:
                 if self.metrics is not None:
-                    self.metrics.transfer_failures.labels(reason="checksum").inc()
+                    self.metrics.transfer_failures.labels(reason=CHECKSUM).inc()
                 raise RequestFailed(ErrorCode.TRANSFER, f"transfer {transfer_id!r}: integrity check failed")
         except BaseException:
             self.engine.cancel_reservation(reservation)  # the prefill worker answered: nothing more lands
             raise
-        if self.metrics is not None:
-            self.metrics.observe_transfer(result.stats)
-        return result
+        return result  # its statistics are the prefill side's to count (it wrote the cache)
 
     # ---- a transfer's end -------------------------------------------------------------------------------------------
     def _call_ended(self, call: asyncio.Future) -> None:
@@ -284,7 +282,7 @@ class DecodeWorker:
             self.quarantined_pages[pool] += sign * n
         if self.metrics is not None:
             for pool, n in self.quarantined_pages.items():
-                self.metrics.pages_quarantined.labels(pool=pool).set(n)
+                self.metrics.quarantined_pages.labels(pool=pool).set(n)
 
     def _spawn(self, coro: Awaitable) -> None:
         task = asyncio.ensure_future(coro)

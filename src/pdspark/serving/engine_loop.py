@@ -4,7 +4,8 @@
 The engine is not thread-safe, so every touch of it (adding, aborting, allocating, handing out pages) happens on
 the loop thread, in order, between steps. Between steps the loop also runs its tickers (reservations, metrics) and
 publishes an immutable `EngineLoad` snapshot (`load`, one attribute assignment: readers never wait for a step).
-A failing step never kills the worker: the requests of that step are aborted and their listeners told.
+A failing step never kills the worker: the requests of that step are aborted and their listeners told. An optional
+`StepObserver` hears of every step that ran (its seconds and batch size) and of every failure, on the loop thread.
 
 NOTE: the loop steps only while a step can make progress. When nothing can run (no requests, or only waiting ones
 that do not fit because pages are held, e.g. for a transfer), it sleeps on its command queue until a command
@@ -20,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from pdspark.engine.engine import Engine
 from pdspark.serving.engine_load import EngineLoad
@@ -33,14 +34,25 @@ Listener = Callable[[RequestOutput], None]
 _PUBLISH_EVERY_S = 0.01
 
 
+class StepObserver(Protocol):
+    """Told on the loop thread, between steps: keep it cheap (a histogram observation, a counter add)."""
+
+    def on_step(self, seconds: float, batch_size: int) -> None:
+        """A step ran `batch_size` (> 0) requests in `seconds`."""
+
+    def on_error(self, stage: str) -> None:
+        """`stage`: "step" (a step raised; its requests were aborted) or "callback" (a listener or ticker raised)."""
+
+
 class LoopStopped(RuntimeError):
     """A command sent to an engine loop that has stopped (the worker is shutting down)."""
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.02):
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.02, observer: StepObserver | None = None):
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.observer = observer
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._listeners: dict[str, Listener] = {}
         self._tickers: list[Callable[[], None]] = []
@@ -151,10 +163,13 @@ class EngineLoop:
                     fut.set_exception(e)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception:
             logger.exception("engine step failed; aborting the running requests")
+            if self.observer is not None:
+                self.observer.on_error("step")
             for req in list(self.engine.scheduler.running):
                 self.engine.abort(req.req_id)
                 self.deliver(self.engine.output(req))
@@ -162,6 +177,9 @@ class EngineLoop:
             return
         self.steps += 1
         self._changed = True
+        batch_size = self.engine.stats.last_batch_size
+        if self.observer is not None and batch_size:
+            self.observer.on_step(time.perf_counter() - t0, batch_size)
         # A step that produced nothing and left nothing running scheduled nothing (a non-empty schedule either
         # leaves its requests running or finishes them with an output): the waiting requests cannot start until
         # something changes, and only a command or the passing of time (tickers) can change it.
@@ -169,9 +187,10 @@ class EngineLoop:
         for out in outputs:
             self.deliver(out)
 
-    @staticmethod
-    def _guard(fn: Callable[[], None]) -> None:
+    def _guard(self, fn: Callable[[], None]) -> None:
         try:
             fn()
         except Exception:
             logger.exception("engine-loop callback failed")
+            if self.observer is not None:
+                self.observer.on_error("callback")

@@ -8,10 +8,14 @@ receipt. Failures: `Generate` ends its stream with the code's gRPC status and th
 writes were given up on while they may still land (`Unanswered`), which fails without the trailer, as the transport
 would. `GetLoad` reads the snapshot the engine loop publishes and `Abort` only flags the request, so neither waits
 for an engine step.
+
+Metrics: each `Prefill` call and `Generate` stream is counted once as it ends, by outcome (`ok`, `cancelled` when
+the caller went away, the failure's code, or `error`: an unexpected exception).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 
@@ -20,6 +24,7 @@ from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, Unanswered, a
 from pdspark.rpc import convert, status
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_load import EngineLoad
+from pdspark.serving.metrics import WorkerMetrics
 from pdspark.serving.prefill_worker import PrefillWorker
 from pdspark.types import RequestOutput
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
@@ -43,20 +48,29 @@ def _deadline(timeout_ms: int, context) -> Deadline:
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker):
+    def __init__(self, worker: PrefillWorker, metrics: WorkerMetrics | None = None):
         self.worker = worker
+        self.metrics = metrics
         self.metrics_url = ""  # set by the server once its metrics endpoint listens
 
     async def Prefill(self, request, context):
+        outcome = "error"
         try:
             result = await self.worker.prefill(
                 request.request_id, request.transfer_id, list(request.prompt_token_ids),
                 convert.sampling_from_pb(request.sampling), _deadline(request.timeout_ms, context),
             )
+            outcome = "ok"
             return worker_pb2.PrefillResponse(result=convert.result_to_pb(result, None, request.transfer_id))
         except PdsparkError as e:
+            outcome = as_request_failed(e).code.value
             failure = await _refuse_if_overloaded(context, e)
             return worker_pb2.PrefillResponse(result=convert.result_to_pb(None, failure, request.transfer_id))
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            _count(self.metrics, outcome)
 
     async def SubmitPlan(self, request, context):
         deadline = _deadline(request.timeout_ms, context)
@@ -83,11 +97,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker):
+    def __init__(self, worker: DecodeWorker, metrics: WorkerMetrics | None = None):
         self.worker = worker
+        self.metrics = metrics
         self.metrics_url = ""  # set by the server once its metrics endpoint listens
 
     async def Generate(self, request, context):
+        outcome = "error"
         try:
             params = convert.sampling_from_pb(request.sampling)
             generated = list(request.generated_token_ids)
@@ -108,14 +124,27 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     text = stable_text(out)
                     yield _chunk(out, sent, sent_text, text, logprob_base=len(generated))
                     sent, sent_text = len(out.token_ids), text
+            outcome = "ok"
         except PdsparkError as e:
-            await status.abort_async(context, as_request_failed(e))
+            failure = as_request_failed(e)
+            outcome = failure.code.value
+            await status.abort_async(context, failure)
+        except (GeneratorExit, asyncio.CancelledError):  # the caller went away
+            outcome = "cancelled"
+            raise
+        finally:
+            _count(self.metrics, outcome)
 
     async def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     async def GetLoad(self, request, context):
         return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, self.worker.waiting)
+
+
+def _count(metrics: WorkerMetrics | None, outcome: str) -> None:
+    if metrics is not None:
+        metrics.requests.labels(outcome=outcome).inc()
 
 
 async def _refuse_if_overloaded(context, e: PdsparkError) -> RequestFailed:

@@ -1,55 +1,63 @@
-"""Every Prometheus metric a worker exports (names without colons; `_total` counters)."""
+"""`WorkerMetrics`: what every worker exports, whatever its role; `PrefillMetrics` and `DecodeMetrics` add their
+role's part. Each worker has its own registry, served on its metrics port.
+
+Rules (the README's metrics catalogue lists every metric; `tests/unit/test_metrics_catalogue.py` keeps the two
+equal): `pdspark_` prefix, the unit last in the name (`_seconds`, `_bytes`, `_tokens`, `_pages`, `_requests`),
+counters end in `_total`, no colons, and every label value a series can take is created at start, so that each
+series exists (at zero) before its first event and `rate()` sees that event.
+
+Threads: the engine's statistics are taken on the engine-loop thread (`sample_engine` as a ticker, `EngineMetrics`
+as the loop's step observer); the workers count on the asyncio thread; the metrics server reads on its own.
+prometheus_client's metrics are thread-safe.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import TYPE_CHECKING
 
-_BYTES = (1e3, 1e4, 1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8, 1e9)
-_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from pdspark.errors import ErrorCode
+from pdspark.serving.engine_metrics import EngineMetrics
+from pdspark.serving.pool_metrics import PoolMetrics
+
+if TYPE_CHECKING:
+    from pdspark.engine.engine import Engine
+    from pdspark.serving.engine_load import EngineLoad
+
+# What a worker can fail a request with (the router's key checks never reach a worker).
+WORKER_FAILURES = tuple(c.value for c in ErrorCode if c not in (ErrorCode.UNAUTHENTICATED,
+                                                                 ErrorCode.PERMISSION_DENIED))
+OUTCOMES = ("ok", "cancelled", "error", *WORKER_FAILURES)  # error: an unexpected exception (a bug)
 
 
 class WorkerMetrics:
     def __init__(self, role: str, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
+        self.registry = r = registry or CollectorRegistry()
         self.role = role
-        self.transfer_bytes = Histogram("pdspark_transfer_bytes", "Bytes of one cache transfer", buckets=_BYTES,
-                                        registry=r)
-        self.transfer_seconds = Histogram("pdspark_transfer_seconds", "Seconds spent writing one cache transfer",
-                                          buckets=_SECONDS, registry=r)
-        self.transfer_failures = Counter("pdspark_transfer_failures_total", "Transfers that failed, by reason",
-                                         ["reason"], registry=r)
-        self.requests = Counter("pdspark_requests_total", "Requests handled, by outcome", ["outcome"], registry=r)
-        self.refused = Counter("pdspark_requests_refused_total",
-                               "Requests refused at once (OVERLOADED) because the worker's queue was full", registry=r)
-        self.queue_size = Gauge("pdspark_queue_size", "Requests waiting, by queue", ["queue"], registry=r)
-        self.running = Gauge("pdspark_running_requests", "Requests in the running batch", registry=r)
-        self.pages_used = Gauge("pdspark_pool_pages_used", "Pages in use per pool", ["pool"], registry=r)
-        self.pages_total = Gauge("pdspark_pool_pages_total", "Pages per pool", ["pool"], registry=r)
-        self.pages_quarantined = Gauge(
-            "pdspark_pool_pages_quarantined", "Of the pages in use, those of transfers whose prefill worker did not "
-            "answer, held until no write of theirs can land (decode workers)", ["pool"], registry=r)
-        self.spec_verify_steps = Counter("pdspark_spec_verify_steps_total", "Speculative verify steps", registry=r)
-        self.spec_accepted = Counter("pdspark_spec_accepted_tokens_total", "Draft tokens accepted", registry=r)
-        self.spec_draft_tokens = Counter("pdspark_spec_draft_tokens_total", "Draft tokens proposed", registry=r)
-        self._spec_seen = (0, 0, 0)
+        self.requests = Counter(
+            "pdspark_worker_requests_total", "Requests this worker ended (prefill: Prefill calls; decode: Generate "
+            "streams), by outcome: ok, cancelled (the caller went away), the failure's error code, or error (an "
+            "unexpected exception)", ["outcome"],
+            registry=r)
+        self.refused = Counter(
+            "pdspark_worker_rejected_requests_total", "Requests refused at once (overloaded) because the worker's "
+            "queue was full (backpressure)", registry=r)
+        self.transfers_in_flight = Gauge(
+            "pdspark_worker_transfers_in_flight", "Cache transfers in flight (prefill: rendezvous waiting or "
+            "writing; decode: transfers being received)", registry=r)
+        # Each side counts what it sees, once: the prefill side every transfer that failed there (by error code),
+        # the decode side the integrity checks that failed on arrival (which the prefill side took for a success).
+        self.transfer_failures = Counter(
+            "pdspark_transfer_failures_total", "Cache transfers that failed, by reason (prefill: the error code; "
+            "decode: checksum, the integrity check on arrival)", ["reason"], registry=r)
+        self.engine = EngineMetrics(r)
+        self.pools = PoolMetrics(r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
 
-    def observe_transfer(self, stats) -> None:
-        self.transfer_bytes.observe(stats.bytes)
-        self.transfer_seconds.observe(stats.transfer_s)
-
-    def sample_engine(self, engine, transfers_in_flight: int = 0) -> None:
-        """Refresh the gauges from the engine (called on the engine thread between steps)."""
-        self.running.set(len(engine.scheduler.running))
-        self.queue_size.labels(queue="waiting").set(len(engine.scheduler.waiting))
-        self.queue_size.labels(queue="transfer").set(transfers_in_flight)
-        for pool, (used, total) in engine.kv.usage().items():
-            self.pages_used.labels(pool=pool).set(used)
-            self.pages_total.labels(pool=pool).set(total)
-        spec = engine.spec
-        now = (spec.verify_steps, spec.accepted_tokens, spec.draft_tokens)
-        for counter, new, old in zip((self.spec_verify_steps, self.spec_accepted, self.spec_draft_tokens), now,
-                                     self._spec_seen):
-            if new > old:
-                counter.inc(new - old)
-        self._spec_seen = now
+    def sample_engine(self, engine: Engine, load: EngineLoad) -> None:
+        """Refresh the gauges and counters read off the engine (on the engine thread, between steps; `load`: the
+        loop's latest published snapshot)."""
+        self.engine.sample(engine, load)
+        self.pools.sample(engine.kv, load)

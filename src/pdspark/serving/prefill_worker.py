@@ -41,7 +41,7 @@ from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, RequestFailed, Unanswered
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
-from pdspark.serving.metrics import WorkerMetrics
+from pdspark.serving.prefill_metrics import PrefillMetrics
 from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult, TransferStats
@@ -83,7 +83,7 @@ class _Rendezvous:
 
 class PrefillWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor,
-                 metrics: WorkerMetrics | None = None, max_pending: int = 1024, executor: Executor | None = None):
+                 metrics: PrefillMetrics | None = None, max_pending: int = 1024, executor: Executor | None = None):
         self.engine = EngineClient(loop)
         self.backend = backend
         self.compat = compat
@@ -232,6 +232,8 @@ class PrefillWorker:
             return
         rv.first, rv.prefill_s = out, seconds
         rv.started = True
+        if self.metrics is not None:
+            self.metrics.observe_prefill(len(rv.prompt_ids), out.num_cached_tokens, seconds)
         self._spawn(self._transfer(rv))
 
     def _spawn(self, coro) -> None:
@@ -273,7 +275,7 @@ class PrefillWorker:
         )
         first = rv.first
         if self.metrics is not None:
-            self.metrics.observe_transfer(stats)
+            self.metrics.observe_transfer(stats, writes.writes_by_pool)
         self._end(rv, TransferResult(
             transfer_id=rv.transfer_id, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens,
             checksum=writes.checksum, stats=stats, first_logprob=first.logprobs[0] if first.logprobs else None,

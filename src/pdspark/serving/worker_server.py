@@ -32,12 +32,13 @@ from pdspark.rpc.keepalive import SERVER_OPTIONS
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.peer_roles import PeerRoleInterceptor
 from pdspark.rpc.tls_credentials import channel_credentials, server_credentials
+from pdspark.serving.decode_metrics import DecodeMetrics
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
-from pdspark.serving.metrics import WorkerMetrics
 from pdspark.serving.prefill_client import PrefillClients
+from pdspark.serving.prefill_metrics import PrefillMetrics
 from pdspark.serving.prefill_worker import TRANSFER_THREADS, PrefillWorker
 from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import registered_regions
@@ -53,15 +54,16 @@ class WorkerServer:
         """Load the engine and build the worker (slow: the model loads); `start` then serves it."""
         self.cfg = cfg
         engine = create_engine(cfg.model, progress=False, config=cfg.engine)
-        self.loop = EngineLoop(engine)
+        self.metrics: PrefillMetrics | DecodeMetrics = (
+            PrefillMetrics() if cfg.role == "prefill" else DecodeMetrics(engine.scheduler.num_drafts))
+        self.loop = EngineLoop(engine, observer=self.metrics.engine)
         self.backend = create_backend(cfg.transfer_backend, host=cfg.advertise_host, protocol=cfg.transfer_protocol)
         for addr, nbytes in registered_regions(engine.kv.pools):
             self.backend.register(addr, nbytes)
-        self.metrics = WorkerMetrics(cfg.role)
         self.executor = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="transfer")
         compat = describe_engine(engine)
         self.prefill_clients: PrefillClients | None = None
-        if cfg.role == "prefill":
+        if isinstance(self.metrics, PrefillMetrics):
             self.worker: PrefillWorker | DecodeWorker = PrefillWorker(
                 self.loop, self.backend, compat, self.metrics, max_pending=cfg.max_pending_prefills,
                 executor=self.executor)
@@ -73,6 +75,10 @@ class WorkerServer:
                                        max_waiting=cfg.max_waiting_streams, executor=self.executor,
                                        abort_plan=self.prefill_clients.abort)
             self.service = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+            decode = self.worker
+            self.metrics.waiting_for_pages.set_function(lambda: decode.waiting)
+        # Read at scrape time: the worker's own counts (asyncio thread) are the one source.
+        self.metrics.transfers_in_flight.set_function(self._in_flight)
         self._last_metrics = 0.0
         self.loop.add_ticker(self._sample_metrics)
 
@@ -84,7 +90,7 @@ class WorkerServer:
         now = time.monotonic()
         if now - self._last_metrics >= _METRICS_EVERY_S:
             self._last_metrics = now
-            self.metrics.sample_engine(self.loop.engine, self._in_flight())
+            self.metrics.sample_engine(self.loop.engine, self.loop.load)
 
     async def start(self) -> dict:
         """Start the engine loop and serve (on the running asyncio loop); returns the ready line's fields."""
@@ -95,10 +101,10 @@ class WorkerServer:
             interceptors.append(PeerRoleInterceptor())
         self.grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         if isinstance(self.worker, PrefillWorker):
-            self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker)
+            self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker, self.metrics)
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.grpc)
         else:
-            self.servicer = DecodeServicer(self.worker)
+            self.servicer = DecodeServicer(self.worker, self.metrics)
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.grpc)
         # Health answers from the asyncio loop, never behind the engine: a busy worker is still SERVING.
         self.health = health.aio.HealthServicer()

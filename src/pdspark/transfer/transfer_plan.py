@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdspark.cache.kv_cache import KVCache, ReqPages
 from pdspark.cache.kv_pools import KVPools
@@ -30,6 +30,7 @@ class WriteList:
     writes: list[Write]
     bytes_by_pool: dict[str, int]
     checksum: int
+    writes_by_pool: dict[str, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -118,6 +119,7 @@ def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages, read
     remote = {(b.pool, b.layer): b for b in plan.buffers}
     writes: list[Write] = []
     by_pool: dict[str, int] = {}
+    writes_by_pool: dict[str, int] = {}
     crc = 0
     for buf in local:
         dst_buf = remote.get((buf.pool, buf.layer))
@@ -131,7 +133,8 @@ def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages, read
             writes.append(Write(buf.base_addr + s * buf.item_bytes, dst_buf.base_addr + d * buf.item_bytes,
                                 n * buf.item_bytes))
             by_pool[buf.pool.name] = by_pool.get(buf.pool.name, 0) + n * buf.item_bytes
-    return WriteList(writes, by_pool, crc)
+            writes_by_pool[buf.pool.name] = writes_by_pool.get(buf.pool.name, 0) + 1
+    return WriteList(writes, by_pool, crc, writes_by_pool)
 
 
 def destination_checksum(local: list[BufferDesc], plan: TransferPlan, read_memory) -> int:

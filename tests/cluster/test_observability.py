@@ -1,0 +1,229 @@
+"""Observability end to end: a real Prometheus (Debian's `prometheus` 2.42, started here on a free loopback port and
+stopped by PID) finds a `pdspark up` cluster through the router's HTTP service discovery, behind the admin key;
+after a little mixed load (streamed and not, chat, a prefix-cache hit, a bad request, a client that drops its
+stream) every target is up under its name and the key series of every service are there; `promtool check
+metrics` finds nothing on any endpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdspark.service_process import start_service
+
+ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
+ADMIN_KEY = "admin-key-for-observability-tests"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+SHARED = list(range(10, 58))  # 48 tokens: a second request with this prefix hits 3 cached pages of 16
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is missing: `make setup` installs Debian's `prometheus` package, which has it"
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(draft_ckpt):
+    service = start_service("pdspark up", ["up", "--model", str(draft_ckpt), "--port", "0", "--grpc-port", "0",
+                                           *ENGINE], timeout=240, env={"PDSPARK_ADMIN_API_KEY": ADMIN_KEY})
+    yield service
+    assert service.stop() == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, headers: dict | None = None, timeout: float = 10):
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+        return r.read()
+
+
+def post(http: str, path: str, body: dict) -> int:
+    req = urllib.request.Request(http + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def drop_a_stream(http: str) -> None:
+    """A client that reads its stream's first events and goes away."""
+    host, port = http.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": [7] * 8, "max_tokens": 200, "stream": True, "ignore_eos": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while received.count(b"data:") < 2:
+            received += sock.recv(4096)
+
+
+def mixed_load(http: str) -> None:
+    completions, chat = "/v1/completions", "/v1/chat/completions"
+    assert post(http, completions, {"prompt": SHARED, "max_tokens": 8, "ignore_eos": True}) == 200
+    assert post(http, completions, {"prompt": SHARED + [3, 4], "max_tokens": 8, "ignore_eos": True}) == 200  # hit
+    assert post(http, completions, {"prompt": "def f(x):", "max_tokens": 12, "stream": True}) == 200
+    assert post(http, chat, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}) == 200
+    assert post(http, chat, {"messages": [{"role": "user", "content": "a stack"}], "max_tokens": 6,
+                             "stream": True}) == 200
+    assert post(http, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}) == 200
+    assert post(http, completions, {"prompt": "x", "temperature": -1}) == 400
+    drop_a_stream(http)
+
+
+class Prometheus:
+    """A Prometheus of our own on a free loopback port, discovering the cluster through the router."""
+
+    def __init__(self, tmp: Path, router_http: str):
+        key_file = tmp / "admin-key"
+        key_file.write_text(ADMIN_KEY)
+        key_file.chmod(0o600)
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "pdspark", "http_sd_configs": [{
+                "url": router_http + "/prometheus/targets", "refresh_interval": "1s",
+                # `type` explicitly: 2.42's HTTP discovery sends no `Bearer` without it.
+                "authorization": {"type": "Bearer", "credentials_file": str(key_file)}}]}],
+        }
+        (tmp / "prometheus.json").write_text(json.dumps(config))  # JSON is YAML
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [binary("prometheus"), f"--config.file={tmp / 'prometheus.json'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address={self.url.removeprefix('http://')}"], stdout=self.log, stderr=subprocess.STDOUT)
+        self.log_path = tmp / "prometheus.log"
+
+    def wait_ready(self, timeout_s: float = 15) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"prometheus exited: {self.log_path.read_text()[-2000:]}"
+            try:
+                get(self.url + "/-/ready", timeout=1)
+                return
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, f"prometheus not ready: {self.log_path.read_text()[-2000:]}"
+                time.sleep(0.1)
+
+    def api(self, path: str, **params) -> dict:
+        reply = json.loads(get(f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"))
+        assert reply["status"] == "success", reply
+        return reply["data"]
+
+    def query(self, promql: str) -> list[dict]:
+        return self.api("query", query=promql)["result"]
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+def until(check, timeout_s: float, what: str):
+    """Poll `check()` (a value, or None/False while not yet) until it gives one; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s (last: {result!r})"
+        time.sleep(0.25)
+
+
+# Series every service has once the load above ran (a query that returns nothing fails): (PromQL, what it shows).
+KEY_SERIES = [
+    ('pdspark_router_requests_total{outcome="ok"} > 0', "served requests"),
+    ('pdspark_router_requests_total{outcome="invalid"} > 0', "the bad request"),
+    ('pdspark_router_requests_total{api="completions",outcome="cancelled"} > 0', "the dropped stream"),
+    ("pdspark_router_inter_token_latency_seconds_count > 0", "inter-token latency"),
+    ("pdspark_router_time_to_first_token_seconds_count > 0", "TTFT"),
+    ('pdspark_router_worker_selected_total{worker_role="decode",worker="decode-1"} > 0', "routing by worker name"),
+    ('pdspark_router_rejected_requests_total{reason="queue_full"}', "a 429 series before any 429"),
+    ('pdspark_prefill_prompt_tokens_total{role="prefill",instance="prefill-0"} > 0', "prompt tokens"),
+    ('pdspark_prefill_prefix_cache_hit_tokens_total{role="prefill"} > 0', "the prefix-cache hit"),
+    ('pdspark_transfer_bytes_count{role="prefill"} > 0', "transfers, on the prefill side"),
+    ('pdspark_transfer_writes_total{kind="swa_kv"} > 0', "writes by payload kind"),
+    ('pdspark_transfer_failures_total{role="decode",reason="checksum"}', "the decode side's check, at 0"),
+    ('pdspark_engine_step_seconds_count{role="decode",instance="decode-1"} > 0', "decode steps"),
+    ('pdspark_engine_batch_requests_count{role="prefill"} > 0', "prefill steps"),
+    ('pdspark_engine_generated_tokens_total{role="decode"} > 0', "tokens/s"),
+    ('pdspark_spec_verify_steps_total{role="decode"} > 0', "DSpark verify steps"),
+    ('pdspark_spec_draft_tokens_total{position="1"} > 0', "drafts by position"),
+    ('pdspark_spec_accepted_tokens_total{position="3"}', "acceptance by position (a series per position)"),
+    ('pdspark_worker_requests_total{role="decode",outcome="ok"} > 0', "worker outcomes"),
+    ('pdspark_pool_capacity_pages{pool="c4"} > 0', "pool sizes"),
+    ('pdspark_pool_capacity_state_rows{ring="c128"} > 0', "state rings"),
+    ('pdspark_engine_errors_total{stage="step"} == 0', "no engine error"),
+]
+
+
+def test_prometheus_discovers_and_scrapes_every_service(cluster, tmp_path):
+    t0 = time.monotonic()
+    http = cluster.info["http"]
+    # `pdspark up` told its user how to scrape it.
+    assert any("http_sd_configs" in line for line in cluster.errors), cluster.errors[-20:]
+    assert any(f"url: {http}/prometheus/targets" in line for line in cluster.errors)
+    prometheus = Prometheus(tmp_path, http)
+    try:
+        prometheus.wait_ready()
+        mixed_load(http)
+
+        seen: list = []
+
+        def all_up() -> bool:
+            active = prometheus.api("targets", state="active")["activeTargets"]
+            seen[:] = [(t["labels"], t["health"], t["lastError"]) for t in active]
+            want = {("router", "router", "up"), ("prefill", "prefill-0", "up"), ("decode", "decode-1", "up")}
+            return ({(t["labels"].get("role"), t["labels"].get("instance"), t["health"]) for t in active} == want
+                    and all(t["labels"]["model"] == cluster.info["model"] for t in active))
+
+        try:
+            until(all_up, 20, "every target up under its name")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the targets: {seen}; prometheus: "
+                                 f"{prometheus.log_path.read_text()[-3000:]}") from None
+        for promql, what in KEY_SERIES:
+            until(lambda q=promql: prometheus.query(q), 15, f"{what}: {promql}")
+        # Nothing Prometheus scraped is down, no series names an address, and no metric's own label clashed with
+        # a target label (Prometheus would have renamed it `exported_...`).
+        assert [r["value"][1] for r in prometheus.query("up")] == ["1"] * 3
+        instances = {r["metric"].get("instance") for r in prometheus.query('{job="pdspark"}')}
+        assert instances == {"router", "prefill-0", "decode-1"}
+        for label in ("role", "model", "instance", "job"):
+            assert prometheus.query(f'{{exported_{label}=~".+"}}') == [], label
+    finally:
+        prometheus.stop()
+    print(f"\nprometheus: every target up and {len(KEY_SERIES)} key series in {time.monotonic() - t0:.1f} s")
+
+
+def test_promtool_finds_nothing_on_any_endpoint(cluster):
+    http = cluster.info["http"]
+    # The router learns each worker's metrics URL from its load reports (every second).
+    workers = until(lambda: (ws := json.loads(get(http + "/workers", ADMIN))) and all(w["metrics_url"] for w in ws)
+                    and ws, 10, "the workers' metrics URLs")
+    urls = [http + "/metrics", *(w["metrics_url"] for w in workers)]
+    assert len(urls) == 3, workers
+    for url in urls:
+        out = subprocess.run([binary("promtool"), "check", "metrics"], input=get(url), capture_output=True,
+                             timeout=60)
+        assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), (url, out.stdout + out.stderr)
