@@ -41,6 +41,10 @@ ENGINE = ["--max-model-len", "256", "--max-num-seqs", "16", "--speculative", "ds
 N = 16
 MAX_TOKENS = 8
 TIMEOUT_S = 30.0  # each request's deadline (the router's default is 600 s)
+# A decode worker keeps the pages of a transfer its prefill worker never answered quarantined until no write of it
+# can land: the plan's deadline (the router's transfer timeout) + the transfer engine's timeout. Both short here.
+TRANSFER_TIMEOUT_S = 8
+WORKER_ENV = {"MC_TRANSFER_TIMEOUT": "3"}
 ADMIN_KEY = "admin-key-for-failover-tests"  # adding and removing workers needs one
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 DETECT_S = 2.0  # the design's bound for noticing a dead or hung worker
@@ -69,10 +73,10 @@ def offline() -> list[tuple[list[int], str]]:
 @pytest.fixture(scope="module")
 def cluster():
     """(prefill, decode, router): the workers that survive every test."""
-    prefill = start_worker("prefill", MODEL, *ENGINE)
-    decode = start_worker("decode", MODEL, *ENGINE, "--no-prefix-cache")
-    router = start_router(MODEL, [prefill], [decode], "--prefill-policy", "round_robin",
-                          env={"PDSPARK_ADMIN_API_KEY": ADMIN_KEY})
+    prefill = start_worker("prefill", MODEL, *ENGINE, env=WORKER_ENV)
+    decode = start_worker("decode", MODEL, *ENGINE, "--no-prefix-cache", env=WORKER_ENV)
+    router = start_router(MODEL, [prefill], [decode], "--prefill-policy", "round_robin", "--transfer-timeout",
+                          str(TRANSFER_TIMEOUT_S), env={"PDSPARK_ADMIN_API_KEY": ADMIN_KEY})
     try:
         yield prefill, decode, router
     finally:
@@ -191,7 +195,7 @@ def victim(cluster):
     """A third prefill worker, admitted by the router for one test; killed (and SIGCONTed first) afterwards."""
     _, _, router = cluster
     # Prefill chunks of 64 tokens: each prompt stays in its engine for a few steps, a window for the signal.
-    worker = start_worker("prefill", MODEL, *ENGINE, "--max-num-batched-tokens", "64")
+    worker = start_worker("prefill", MODEL, *ENGINE, "--max-num-batched-tokens", "64", env=WORKER_ENV)
     try:
         set_worker(router, "POST", worker.address)
         wait_until(lambda: workers(router)[worker.address], 5, "the new prefill worker healthy in /workers")
@@ -209,7 +213,8 @@ def check_answers(answers: list, offline: list) -> None:
 
 
 def check_survivors_idle(prefill: ServiceProcess, decode: ServiceProcess) -> float:
-    took = wait_until(lambda: idle(prefill) and idle(decode), 10, "the surviving workers hold nothing")
+    took = wait_until(lambda: idle(prefill) and idle(decode), TRANSFER_TIMEOUT_S + 3 + 5,
+                      "the surviving workers hold nothing (quarantined pages freed too)")
     for w in (prefill, decode):
         assert w.alive, f"{w.name} died:\n{w.tail()}"
         assert "Traceback" not in w.stderr_tail(400), f"{w.name} logged an error:\n{w.stderr_tail(40)}"
