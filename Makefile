@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup prometheus-tools run generate test test-fast lint bench bench-serving bench-failover clean proto
+.PHONY: setup prometheus-tools run generate dashboards test test-fast lint bench bench-serving bench-failover clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -38,8 +38,12 @@ run: setup
 generate: setup
 	$(VENV)/bin/pdspark generate --model $(MODEL) --max-tokens 64 "$(PROMPT)"
 
+# Regenerate the Grafana dashboards (deploy/grafana/dashboards/*.json; tests/unit/test_dashboards.py checks drift).
+dashboards: setup
+	$(PY) deploy/grafana/generate.py
+
 lint: setup
-	$(VENV)/bin/ruff check src tests bench scripts services
+	$(VENV)/bin/ruff check src tests bench scripts services deploy
 	$(VENV)/bin/mypy
 
 test: setup lint
