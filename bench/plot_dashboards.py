@@ -227,7 +227,8 @@ def main() -> int:
             for path in DASHBOARDS:
                 board = json.loads(path.read_text())
                 per_panel = []
-                record = summary["dashboards"][board["uid"]] = {"queries": [], "no_data": []}
+                record: dict[str, list] = {"queries": [], "no_data": []}
+                summary["dashboards"][board["uid"]] = record
                 for panel in board["panels"]:
                     per_query = []
                     for target in panel["targets"]:

@@ -157,7 +157,9 @@ SPEC_CACHE = [
         "Tokens committed per verify step (PdsparkAcceptanceCollapse)"),
     PanelSpec("Acceptance by draft position", "percentunit", (
         Query(f"{rate('pdspark_spec_accepted_tokens_total', W, 'position')}"
-              f" / {rate('pdspark_spec_draft_tokens_total', W, 'position')}", "position {{position}}"),)),
+              f" / {rate('pdspark_spec_draft_tokens_total', W, 'position')}", "position {{position}}"),),
+        "Drafts accepted over drafts proposed at each position. A step near max_tokens proposes fewer drafts, so "
+        "with short requests of mixed acceptance a later position can read higher than an earlier one"),
     PanelSpec("Verify steps/s and drafts", "ops", (
         Query(rate("pdspark_spec_verify_steps_total", W, "instance"), "verify steps {{instance}}"),
         Query(rate("pdspark_spec_draft_tokens_total", W), "draft tokens"),
