@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup prometheus-tools run generate test test-fast lint bench bench-serving bench-failover clean proto
+.PHONY: setup prometheus-tools run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -38,8 +38,12 @@ run: setup
 generate: setup
 	$(VENV)/bin/pdspark generate --model $(MODEL) --max-tokens 64 "$(PROMPT)"
 
+# Regenerate the Grafana dashboards (deploy/grafana/dashboards/*.json; tests/unit/test_dashboards.py checks drift).
+dashboards: setup
+	$(PY) deploy/grafana/generate.py
+
 lint: setup
-	$(VENV)/bin/ruff check src tests bench scripts services
+	$(VENV)/bin/ruff check src tests bench scripts services deploy
 	$(VENV)/bin/mypy
 
 test: setup lint
@@ -64,6 +68,10 @@ BENCH_FAILOVER_ARGS ?=
 
 bench-failover: setup
 	$(PY) bench/bench_failover.py $(BENCH_FAILOVER_ARGS)
+
+# The dashboards drawn with matplotlib from a real Prometheus after a load run (bench/results/dashboard_*.png).
+bench-dashboards: setup
+	$(PY) bench/plot_dashboards.py
 
 # guidellm (the load generator used on vLLM/SGLang) lives in its own venv: its requirements would move the project's
 # pinned torch/transformers. torch goes in first as the CPU build, which guidellm's bare `torch` requirement accepts

@@ -2,15 +2,19 @@
 stopped by PID) finds a `pdspark up` cluster through the router's HTTP service discovery, behind the admin key;
 after a little mixed load (streamed and not, chat, a prefix-cache hit, a bad request, a client that drops its
 stream) every target is up under its name and the key series of every service are there; `promtool check
-metrics` finds nothing on any endpoint."""
+metrics` finds nothing on any endpoint. Under a running mixed load, every panel query of every Grafana dashboard
+(deploy/grafana/dashboards) returns data, and the alert rules (deploy/prometheus/rules), loaded by the same
+Prometheus, all evaluate with health ok."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -25,6 +29,10 @@ ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
 ADMIN_KEY = "admin-key-for-observability-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SHARED = list(range(10, 58))  # 48 tokens: a second request with this prefix hits 3 cached pages of 16
+ROOT = Path(__file__).resolve().parents[2]
+RULES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))
+DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
+RATE_WINDOW = "30s"  # what the tests put for the panels' $__rate_interval (30 scrapes at 1 s)
 
 
 def binary(name: str) -> str:
@@ -97,6 +105,7 @@ class Prometheus:
         key_file.chmod(0o600)
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(f) for f in RULES],
             "scrape_configs": [{"job_name": "pdspark", "http_sd_configs": [{
                 "url": router_http + "/prometheus/targets", "refresh_interval": "1s",
                 # `type` explicitly: 2.42's HTTP discovery sends no `Bearer` without it.
@@ -150,6 +159,23 @@ def until(check, timeout_s: float, what: str):
         time.sleep(0.25)
 
 
+def wait_all_up(prometheus: Prometheus, model: str) -> None:
+    seen: list = []
+
+    def all_up() -> bool:
+        active = prometheus.api("targets", state="active")["activeTargets"]
+        seen[:] = [(t["labels"], t["health"], t["lastError"]) for t in active]
+        want = {("router", "router", "up"), ("prefill", "prefill-0", "up"), ("decode", "decode-1", "up")}
+        return ({(t["labels"].get("role"), t["labels"].get("instance"), t["health"]) for t in active} == want
+                and all(t["labels"]["model"] == model for t in active))
+
+    try:
+        until(all_up, 20, "every target up under its name")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the targets: {seen}; prometheus: "
+                             f"{prometheus.log_path.read_text()[-3000:]}") from None
+
+
 # Series every service has once the load above ran (a query that returns nothing fails): (PromQL, what it shows).
 KEY_SERIES = [
     ('pdspark_router_requests_total{outcome="ok"} > 0', "served requests"),
@@ -188,20 +214,7 @@ def test_prometheus_discovers_and_scrapes_every_service(cluster, tmp_path):
         prometheus.wait_ready()
         mixed_load(http)
 
-        seen: list = []
-
-        def all_up() -> bool:
-            active = prometheus.api("targets", state="active")["activeTargets"]
-            seen[:] = [(t["labels"], t["health"], t["lastError"]) for t in active]
-            want = {("router", "router", "up"), ("prefill", "prefill-0", "up"), ("decode", "decode-1", "up")}
-            return ({(t["labels"].get("role"), t["labels"].get("instance"), t["health"]) for t in active} == want
-                    and all(t["labels"]["model"] == cluster.info["model"] for t in active))
-
-        try:
-            until(all_up, 20, "every target up under its name")
-        except AssertionError as e:
-            raise AssertionError(f"{e}; the targets: {seen}; prometheus: "
-                                 f"{prometheus.log_path.read_text()[-3000:]}") from None
+        wait_all_up(prometheus, cluster.info["model"])
         for promql, what in KEY_SERIES:
             until(lambda q=promql: prometheus.query(q), 15, f"{what}: {promql}")
         # Nothing Prometheus scraped is down, no series names an address, and no metric's own label clashed with
@@ -227,3 +240,90 @@ def test_promtool_finds_nothing_on_any_endpoint(cluster):
         out = subprocess.run([binary("promtool"), "check", "metrics"], input=get(url), capture_output=True,
                              timeout=60)
         assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), (url, out.stdout + out.stderr)
+
+
+def panel_queries(model: str) -> list[tuple[str, str, str]]:
+    """(dashboard, panel title, PromQL) of every panel query, the template variables substituted: `model` by the
+    cluster's, `role` and `instance` by `.*` (Grafana's "All"), `$__rate_interval` by RATE_WINDOW."""
+    subs = {"$__rate_interval": RATE_WINDOW, "$model": model, "$role": ".*", "$instance": ".*"}
+    out = []
+    for path in DASHBOARDS:
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                expr = target["expr"]
+                for var, value in subs.items():
+                    expr = expr.replace(var, value)
+                assert "$" not in expr, expr
+                out.append((path.stem, panel["title"], expr))
+    return out
+
+
+def has_data(result: list[dict]) -> bool:
+    """A result with at least one sample that is a number (a quantile or ratio of no events is NaN)."""
+    return any(not math.isnan(float(r["value"][1])) for r in result)
+
+
+class BackgroundLoad:
+    """`mixed_load` over and over on a thread, so every rate window the queries look at holds requests."""
+
+    def __init__(self, http: str):
+        self.stop_event = threading.Event()
+        self.rounds = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(http,), daemon=True)
+        self.thread.start()
+
+    def _run(self, http: str) -> None:
+        try:
+            while not self.stop_event.is_set():
+                mixed_load(http)
+                self.rounds += 1
+        except BaseException as e:  # noqa: BLE001 (reported by stop)
+            self.error = e
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=60)
+        assert self.error is None, f"the load failed: {self.error!r}"
+
+
+def test_every_dashboard_query_returns_data_and_every_rule_is_ok(cluster, tmp_path):
+    t0 = time.monotonic()
+    http, model = cluster.info["http"], cluster.info["model"]
+    queries = panel_queries(model)
+    assert len(queries) >= 24 and RULES
+    prometheus = Prometheus(tmp_path, http)
+    load = None
+    try:
+        prometheus.wait_ready()
+        wait_all_up(prometheus, model)
+        load = BackgroundLoad(http)
+        empty: list = []
+
+        def all_have_data() -> bool:
+            empty[:] = [q for q in queries if not has_data(prometheus.query(q[2]))]
+            return not empty and load.rounds >= 2
+
+        try:
+            until(all_have_data, 40, "every panel query returns data")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; {len(empty)} of {len(queries)} without data: "
+                                 + "\n".join(f"{d} / {t}: {q}" for d, t, q in empty)) from None
+        rules: list = []
+
+        def all_rules_ok() -> bool:
+            rules[:] = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
+            return bool(rules) and all(r["health"] == "ok" for r in rules)
+
+        until(all_rules_ok, 15, "every alert rule evaluates with health ok")
+        loaded = {r["name"] for r in rules}
+        assert {"PdsparkHighErrorRate", "PdsparkAcceptanceCollapse", "PdsparkTargetDown"} <= loaded, loaded
+        assert not [r for r in rules if r.get("lastError")], rules
+        firing = [a["labels"]["alertname"] for r in rules for a in r.get("alerts", []) if a["state"] == "firing"]
+        assert "PdsparkTargetDown" not in firing and "PdsparkWorkerUnhealthy" not in firing, firing
+    finally:
+        if load is not None:
+            load.stop()
+        prometheus.stop()
+    print(f"\nprometheus: {len(queries)} panel queries of {len(DASHBOARDS)} dashboards return data, {len(rules)} "
+          f"rules ok, {load.rounds} load rounds, in {time.monotonic() - t0:.1f} s")
