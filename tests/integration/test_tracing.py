@@ -18,7 +18,7 @@ from opentelemetry.trace import StatusCode
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.rpc import tracing
 from router_harness import RouterHarness, until
-from worker_stubs import HOLD
+from worker_stubs import OK, Delayed
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 
@@ -98,7 +98,9 @@ def test_a_retry_and_a_migration_are_events_of_the_request(spans):
     async def scenario():
         async with await RouterHarness.start(prefills=2, decodes=2) as h:
             h.prefill[0].script = [RequestFailed(ErrorCode.UNAVAILABLE, "stub prefill down")]
-            h.decode[0].script = [HOLD]  # until the failed prefill leg ends the attempt
+            # Long enough for the failed prefill leg to end the attempt (a call cancelled before it arrived leaves
+            # the delay to the next one, which then only waits).
+            h.decode[0].script = [Delayed(1.0, OK)]
             await complete(h)
             await until(lambda: named(spans, "request"), 5, "the request span")
             request = one(spans, "request")
@@ -177,3 +179,72 @@ assert value.split("-")[2] == format(span.get_span_context().span_id, "016x")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+OPTS = dict(model="dsv4-tiny", transfer_backend="inprocess", metrics_port=None, page_size=16, max_model_len=256,
+            max_num_seqs=4, speculative="dspark")
+
+
+def test_one_trace_across_router_prefill_transfer_and_decode(spans):
+    """Real prefill and decode workers (gRPC servers, engines, in-process transfer) behind the router's core, all in
+    this process: one trace, each span the child of the one that called it, across the three services."""
+    from pdspark.assets import resolve_model
+    from pdspark.config import RouterConfig, WorkerConfig
+    from pdspark.options import build
+    from pdspark.router.dispatcher import Dispatcher
+    from pdspark.router.router_core import RouterCore, Totals
+    from pdspark.router.router_metrics import RouterMetrics
+    from pdspark.router.worker_registry import WorkerRegistry
+    from pdspark.serving.worker_server import WorkerServer
+    from pdspark.types import SamplingParams
+    from router_harness import LowestAddress
+
+    prefill = WorkerServer(build(WorkerConfig, OPTS, fixed={"role": "prefill"}))
+    decode = WorkerServer(build(WorkerConfig, {**OPTS, "enable_prefix_cache": False}, fixed={"role": "decode"}))
+    prompt = list(range(5, 45))
+
+    async def scenario():
+        registry = WorkerRegistry()
+        for server in (prefill, decode):
+            registry.add(server.cfg.role, (await server.start())["address"])
+        metrics = RouterMetrics()
+        core = RouterCore(resolve_model("dsv4-tiny"), "tiny", 256, registry,
+                          Dispatcher(registry, LowestAddress(), LowestAddress(), metrics=metrics), metrics,
+                          RouterConfig())
+        try:
+            rid, totals = core.new_request_id(), Totals(prompt_tokens=len(prompt))
+            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            tokens = [t async for chunk in core.run("generate", rid, prompt, params, totals) for t in chunk.token_ids]
+            assert len(tokens) == 12
+            names = {"request", "attempt", "prefill", "transfer", "decode", "submit_plan"}
+            await until(lambda: {s.name for s in spans.get_finished_spans()} >= names, 10, "every span")
+            return rid
+        finally:
+            for w in registry.workers.values():
+                if w.channel is not None:
+                    await w.channel.close()
+            for server in (prefill, decode):
+                await server.stop(0.5)
+
+    rid = run(scenario(), 120)
+    request, attempt = one(spans, "request"), one(spans, "attempt")
+    prefill_span, transfer, decode_span, plan = (one(spans, n) for n in ("prefill", "transfer", "decode",
+                                                                         "submit_plan"))
+    # The tree: request -> attempt -> {prefill -> transfer, decode -> submit_plan}.
+    assert request.parent is None
+    assert child_of(attempt, request)
+    assert child_of(prefill_span, attempt) and child_of(transfer, prefill_span)
+    assert child_of(decode_span, attempt) and child_of(plan, decode_span)
+    assert all(s.status.status_code is StatusCode.UNSET for s in spans.get_finished_spans())
+    r, p, t, d = (dict(s.attributes or {}) for s in (request, prefill_span, transfer, decode_span))
+    assert r["pdspark.request_id"] == rid and r["pdspark.prompt_tokens"] == 40
+    assert r["pdspark.completion_tokens"] == 12 and r["pdspark.finish_reason"] == "length"
+    assert p["pdspark.request_id"] == rid and p["pdspark.prompt_tokens"] == 40
+    assert p["pdspark.cached_tokens"] == 0 and p["pdspark.prefill_seconds"] > 0
+    assert t["pdspark.transfer.bytes"] > 0 and t["pdspark.transfer.writes"] > 0 and t["pdspark.transfer.seconds"] >= 0
+    assert d["pdspark.request_id"] == rid and d["pdspark.completion_tokens"] == 12
+    # DSpark: the decode worker verified drafts; each verify step commits 1 to 1 + (draft tokens) tokens.
+    gamma = decode.loop.engine.scheduler.num_drafts
+    assert d["pdspark.spec.verify_steps"] > 0 and d["pdspark.spec.accepted_tokens"] >= 0
+    assert 1.0 <= d["pdspark.spec.acceptance_length"] <= 1 + gamma
+    assert plan.attributes is not None and plan.attributes["pdspark.transfer_id"] == t["pdspark.transfer_id"]

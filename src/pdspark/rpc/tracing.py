@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 # W3C trace context headers: lower case, as gRPC metadata keys must be.
@@ -160,19 +160,30 @@ def parent_of(metadata: Sequence[tuple[str, str | bytes]] | None) -> Any:
     return TraceContextTextMapPropagator().extract(carrier)
 
 
-@contextlib.contextmanager
-def calls_under(span: Span) -> Iterator[None]:
+class calls_under:  # noqa: N801 (a context manager, named as the function it reads as)
     """The gRPC calls made meanwhile by this task (and the tasks it starts) carry `span`'s context
-    (`outgoing_metadata`). A servicer wraps a handler's work in it; a no-op while tracing is off."""
-    if not span.is_recording():
-        yield
-        return
-    token = _calls_under.set(span)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):  # reset from another context (a generator closed elsewhere)
-            _calls_under.reset(token)
+    (`outgoing_metadata`). A servicer wraps a handler's work in it, with `with` or beside other async context
+    managers in an `async with`; a no-op while tracing is off."""
+
+    def __init__(self, span: Span):
+        self.span = span
+        self._token: contextvars.Token[Span] | None = None
+
+    def __enter__(self) -> None:
+        if self.span.is_recording():
+            self._token = _calls_under.set(self.span)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            with contextlib.suppress(ValueError):  # reset from another context (a generator closed elsewhere)
+                _calls_under.reset(self._token)
+            self._token = None
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__(*exc)
 
 
 def outgoing_metadata() -> tuple[tuple[str, str], ...] | None:
