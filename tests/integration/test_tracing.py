@@ -248,3 +248,42 @@ def test_one_trace_across_router_prefill_transfer_and_decode(spans):
     assert d["pdspark.spec.verify_steps"] > 0 and d["pdspark.spec.accepted_tokens"] >= 0
     assert 1.0 <= d["pdspark.spec.acceptance_length"] <= 1 + gamma
     assert plan.attributes is not None and plan.attributes["pdspark.transfer_id"] == t["pdspark.transfer_id"]
+
+
+def test_spans_reach_an_otlp_collector():
+    """`configure` exports over OTLP/gRPC: a collector (this test's) receives the span, with the service's name."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    code = f"""
+from opentelemetry import trace
+from pdspark.rpc import tracing
+assert tracing.configure("http://127.0.0.1:{port}", "pdspark-prefill")
+tracing.finish(tracing.start("prefill", attributes={{"pdspark.request_id": "r-1", "pdspark.prompt_tokens": 7}}))
+assert trace.get_tracer_provider().force_flush(10_000)
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+    finally:
+        server.stop(None)
+    (resource_spans,) = [rs for r in received for rs in r.resource_spans]
+    resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+    assert resource["service.name"] == "pdspark-prefill"
+    ((span,),) = [ss.spans for ss in resource_spans.scope_spans]
+    attributes = {a.key: a.value for a in span.attributes}
+    assert span.name == "prefill" and attributes["pdspark.request_id"].string_value == "r-1"
+    assert attributes["pdspark.prompt_tokens"].int_value == 7
