@@ -55,7 +55,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         outcome = "error"
-        span = tracing.start("prefill", tracing.parent_of(context.invocation_metadata()), {
+        span = tracing.start("prefill", tracing.parent_of(context), {
             "pdspark.request_id": request.request_id, "pdspark.transfer_id": request.transfer_id,
             "pdspark.prompt_tokens": len(request.prompt_token_ids)})
         try:
@@ -82,7 +82,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def SubmitPlan(self, request, context):
         deadline = _deadline(request.timeout_ms, context)
-        span = tracing.start("submit_plan", tracing.parent_of(context.invocation_metadata()), {
+        span = tracing.start("submit_plan", tracing.parent_of(context), {
             "pdspark.request_id": request.request_id, "pdspark.transfer_id": request.transfer_id})
         error = "cancelled"  # None once it answered
         try:
@@ -122,7 +122,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Generate(self, request, context):
         outcome = "error"
-        span = tracing.start("decode", tracing.parent_of(context.invocation_metadata()), {
+        span = tracing.start("decode", tracing.parent_of(context), {
             "pdspark.request_id": request.request_id, "pdspark.transfer_id": request.transfer_id,
             "pdspark.prompt_tokens": len(request.prompt_token_ids),
             "pdspark.generated_tokens": len(request.generated_token_ids)})
