@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from otlp_collector import OtlpCollector
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.rpc import tracing
 from router_harness import RouterHarness, until
@@ -252,38 +253,18 @@ def test_one_trace_across_router_prefill_transfer_and_decode(spans):
 
 def test_spans_reach_an_otlp_collector():
     """`configure` exports over OTLP/gRPC: a collector (this test's) receives the span, with the service's name."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import grpc
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-
-    received: list = []
-
-    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):
-            received.append(request)
-            return trace_service_pb2.ExportTraceServiceResponse()
-
-    server = grpc.server(ThreadPoolExecutor(2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    code = f"""
+    code = """
 from opentelemetry import trace
 from pdspark.rpc import tracing
-assert tracing.configure("http://127.0.0.1:{port}", "pdspark-prefill")
-tracing.finish(tracing.start("prefill", attributes={{"pdspark.request_id": "r-1", "pdspark.prompt_tokens": 7}}))
+import sys
+assert tracing.configure(sys.argv[1], "pdspark-prefill")
+tracing.finish(tracing.start("prefill", attributes={"pdspark.request_id": "r-1", "pdspark.prompt_tokens": 7}))
 assert trace.get_tracer_provider().force_flush(10_000)
 """
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    with OtlpCollector() as collector:
+        out = subprocess.run([sys.executable, "-c", code, collector.endpoint], capture_output=True, text=True,
+                             timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
-    finally:
-        server.stop(None)
-    (resource_spans,) = [rs for r in received for rs in r.resource_spans]
-    resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-    assert resource["service.name"] == "pdspark-prefill"
-    ((span,),) = [ss.spans for ss in resource_spans.scope_spans]
-    attributes = {a.key: a.value for a in span.attributes}
-    assert span.name == "prefill" and attributes["pdspark.request_id"].string_value == "r-1"
-    assert attributes["pdspark.prompt_tokens"].int_value == 7
+        (span,) = collector.spans
+    assert (span.service, span.name, span.parent_span_id) == ("pdspark-prefill", "prefill", "")
+    assert span.attributes == {"pdspark.request_id": "r-1", "pdspark.prompt_tokens": 7}
