@@ -40,7 +40,7 @@ class FakeDispatcher:
     requests: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
     hung_closed: threading.Event = field(default_factory=threading.Event)
 
-    async def generate(self, request_id, prompt_ids, params, deadline=None, aborted=None):
+    async def generate(self, request_id, prompt_ids, params, deadline=None, aborted=None, trace=None):
         msg = worker_pb2.GenerateRequest(request_id=request_id, transfer_id="t", prompt_token_ids=prompt_ids,
                                          sampling=convert.sampling_to_pb(params), prefill_address="p:1")
         self.requests.append((list(msg.prompt_token_ids), convert.sampling_from_pb(msg.sampling)))

@@ -40,6 +40,7 @@ class Call:
     timeout_s: float | None  # the caller's deadline as it arrived (relative)
     prompt_token_ids: tuple[int, ...] = ()
     generated_token_ids: tuple[int, ...] = ()  # a decode call's (a migrated stream's tokens so far)
+    traceparent: str = ""  # the W3C trace context the call carried (tracing on)
 
 
 class _Stub:
@@ -54,8 +55,9 @@ class _Stub:
         self.running = 0
 
     def _next_mode(self, request, context) -> Mode:
+        traceparent = dict(context.invocation_metadata() or ()).get("traceparent", "")
         self.calls.append(Call(request.request_id, context.time_remaining(), tuple(request.prompt_token_ids),
-                               tuple(getattr(request, "generated_token_ids", ()))))
+                               tuple(getattr(request, "generated_token_ids", ())), traceparent))
         return self.script.pop(0) if self.script else self.mode
 
     async def _wait(self, mode: Mode, request_id: str, context) -> None:

@@ -30,6 +30,8 @@ TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfe
 
 _MODEL_HELP = "checkpoint directory (HF-format DSV4) or shipped model name"
 _PORT: dict[str, Any] = {"minimum": 0, "maximum": 65535}
+_OTLP_HELP = ("OTLP/gRPC endpoint spans are exported to (e.g. http://127.0.0.1:4317; https:// for TLS); none: "
+              "tracing off")
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
@@ -149,6 +151,7 @@ class WorkerConfig:
         1024, "prefill: transfers in flight (queued, prefilling, waiting for their plan, writing); more are "
         "refused at once with OVERLOADED", minimum=1)
     tls: TLSConfig = nested(TLSConfig, "mutual TLS between services")
+    otlp_endpoint: str | None = option(None, _OTLP_HELP)
     engine: EngineConfig = nested(EngineConfig, "engine")
 
     def __post_init__(self) -> None:
@@ -241,6 +244,7 @@ class RouterConfig:
                                       flag="health-interval")
     health_timeout_s: float = option(0.5, "seconds a worker's health check may take before it counts as missed")
     load_interval_s: float = option(1.0, "seconds between load reports (GetLoad) polled from each worker")
+    otlp_endpoint: str | None = option(None, _OTLP_HELP)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -281,6 +285,7 @@ class UpConfig:
     max_restart_backoff_s: float = option(30.0, "longest wait between a service's restarts", minimum=0.1)
     crash_loop_restarts: int = option(5, "consecutive failures of one service reported as a crash loop (restarts "
                                       "go on at the longest backoff)", minimum=1)
+    otlp_endpoint: str | None = option(None, _OTLP_HELP + " (passed to the router and every worker)")
     # `speculative` is decided above (from the checkpoint), not passed through.
     engine: EngineConfig = nested(EngineConfig, "engine options passed to every worker", skip=("speculative",))
 

@@ -73,16 +73,19 @@ def worker_configs(cfg: UpConfig, has_draft: bool) -> dict[str, WorkerConfig]:
     prefix cache would only hold memory)."""
     engine = replace_options(cfg.engine, speculative="dspark" if has_draft and cfg.speculative else None)
     return {
-        "prefill": WorkerConfig(role="prefill", model=cfg.model, port=0, metrics_port=0, engine=engine),
+        "prefill": WorkerConfig(role="prefill", model=cfg.model, port=0, metrics_port=0, engine=engine,
+                                otlp_endpoint=cfg.otlp_endpoint),
         "decode": WorkerConfig(role="decode", model=cfg.model, port=0, metrics_port=0,
-                               engine=replace_options(engine, enable_prefix_cache=False)),
+                               engine=replace_options(engine, enable_prefix_cache=False),
+                               otlp_endpoint=cfg.otlp_endpoint),
     }
 
 
 def router_config(cfg: UpConfig, prefill: list[str], decode: list[str]) -> RouterConfig:
     # The router admits what the workers serve: the same max_model_len (None on both sides resolves the same way).
     return RouterConfig(model=cfg.model, host=cfg.host, port=cfg.port, grpc_port=cfg.grpc_port, auth=cfg.auth,
-                        prefill=tuple(prefill), decode=tuple(decode), max_model_len=cfg.engine.scheduler.max_model_len)
+                        prefill=tuple(prefill), decode=tuple(decode), max_model_len=cfg.engine.scheduler.max_model_len,
+                        otlp_endpoint=cfg.otlp_endpoint)
 
 
 def restart_delay(cfg: UpConfig, failures: int) -> float:

@@ -59,6 +59,19 @@ def test_every_service_gets_fixed_distinct_ports():
     assert (router.port, router.grpc_port) == (18123, 18124)
 
 
+@pytest.mark.parametrize("endpoint", [None, "http://collector:4317"])
+def test_the_otlp_endpoint_reaches_the_router_and_every_worker(endpoint):
+    flags = ["--otlp-endpoint", endpoint] if endpoint else []
+    launcher = Launcher(parse_args(UpConfig, [*flags, "--max-model-len", "256"], {}), threading.Event())
+    parser = build_parser()
+    for s in launcher.workers:
+        args = parser.parse_args(s.argv)
+        assert parse_options(WorkerConfig, args, {}, fixed={"role": args.role}).otlp_endpoint == endpoint, s.name
+    assert parse_options(RouterConfig, parser.parse_args(launcher.router.argv), {}).otlp_endpoint == endpoint
+    # And by variable, as every option.
+    assert parse_args(RouterConfig, [], {"PDSPARK_OTLP_ENDPOINT": "http://c:4317"}).otlp_endpoint == "http://c:4317"
+
+
 def test_keys_reach_the_router_by_its_environment_only():
     env = {"PDSPARK_API_KEY": "client-key-0123456789", "PDSPARK_ADMIN_API_KEY": "admin-key-0123456789"}
     cfg = parse_args(UpConfig, ["--api-key-file", "/run/keys", "--max-model-len", "256"], env)

@@ -17,6 +17,7 @@ TORCH_FREE = [
     "pdspark.rpc.peer_roles",
     "pdspark.rpc.malformed_requests",
     "pdspark.rpc.throwaway_ca",
+    "pdspark.rpc.tracing",
     "pdspark.router.router_server",
     "pdspark.router.http_api",
     "pdspark.router.grpc_api",

@@ -41,7 +41,7 @@ from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router.policies import Policy
 from pdspark.router.worker_registry import ROLES, WorkerInfo, WorkerRegistry
-from pdspark.rpc import convert
+from pdspark.rpc import convert, tracing
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 from pdspark.v1 import worker_pb2
@@ -115,13 +115,15 @@ class Dispatcher:
         registry.on_down.append(self._worker_down)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, deadline: Deadline,
-                       aborted: asyncio.Event | None = None) -> AsyncIterator[DispatchChunk]:
+                       aborted: asyncio.Event | None = None,
+                       trace: tracing.Span = tracing.NO_SPAN) -> AsyncIterator[DispatchChunk]:
         """Stream the request's tokens, migrating the stream to another pair when its decode leg fails.
 
         Args:
             request_id: the router's id of the request (unique; `abort` takes it).
             deadline: when the whole request must be over, every attempt included.
             aborted: set when the caller aborted the request: no further attempt starts.
+            trace: the request's span: each attempt's is its child; retries and migrations are its events.
 
         Raises:
             RequestFailed: no pair could serve it (the last attempt's failure), the deadline passed, aborted, or
@@ -133,6 +135,9 @@ class Dispatcher:
         excluded: set[str] = set()
         last: RequestFailed | None = None
         attempts = 0  # since the last token reached the caller
+        retries = 0
+        trace.set_attribute("pdspark.migrations", 0)
+        trace.set_attribute("pdspark.retries", 0)
         for n in itertools.count():
             if aborted is not None and aborted.is_set():
                 raise RequestFailed(ErrorCode.ABORTED, "aborted by its caller")
@@ -148,7 +153,7 @@ class Dispatcher:
             produced = False
             try:
                 async for chunk in self._run_pair(request_id, worker_request_id, prompt_ids, progress.generated,
-                                                  params, prefill, decode, deadline):
+                                                  params, prefill, decode, deadline, trace, n):
                     produced = True
                     yield progress.record(chunk)
                     if progress.finished:
@@ -160,6 +165,10 @@ class Dispatcher:
                     raise e.failure from e.__cause__
                 if produced:
                     self._migrating(request_id, progress, decode, e.failure)
+                    trace.add_event("migration", {"pdspark.from_decode_worker": decode.name,
+                                                  "pdspark.generated_tokens": len(progress.generated),
+                                                  "pdspark.reason": e.failure.code.value})
+                    trace.set_attribute("pdspark.migrations", progress.migrations)
                     attempts = 0
                     excluded = {decode.address}
                     continue
@@ -171,6 +180,10 @@ class Dispatcher:
                                n + 1, prefill.address, decode.address, e.failure)
                 if self.metrics is not None:
                     self.metrics.retries.inc()
+                retries += 1
+                trace.add_event("retry", {"pdspark.avoid": self._name(e.avoid),
+                                          "pdspark.reason": e.failure.code.value})
+                trace.set_attribute("pdspark.retries", retries)
         raise AssertionError("unreachable")
 
     def _migrating(self, request_id: str, progress: _Progress, decode: WorkerInfo, failure: RequestFailed) -> None:
@@ -184,6 +197,11 @@ class Dispatcher:
                        failure, progress.migrations, self.max_migrations)
         if self.metrics is not None:
             self.metrics.migrations.inc()
+
+    def _name(self, address: str) -> str:
+        """A worker's name (what spans and metrics call it, never its address)."""
+        w = self.registry.workers.get(address)
+        return w.name if w is not None else ""
 
     def _untried_pair(self, excluded: set[str]) -> bool:
         return all(any(w.address not in excluded for w in self.registry.healthy(role)) for role in ROLES)
@@ -203,11 +221,17 @@ class Dispatcher:
         return prefill, decode
 
     async def _run_pair(self, key: str, request_id: str, prompt_ids: list[int], generated: list[int], params,
-                        prefill: WorkerInfo, decode: WorkerInfo, request_deadline: Deadline
-                        ) -> AsyncIterator[DispatchChunk]:
+                        prefill: WorkerInfo, decode: WorkerInfo, request_deadline: Deadline,
+                        trace: tracing.Span = tracing.NO_SPAN, number: int = 0) -> AsyncIterator[DispatchChunk]:
         """One attempt. `generated`: the tokens the caller already has (a migrated stream): the prefill computes
         prompt + generated, the decode continues after them; the chunks carry only what follows."""
         transfer_id = uuid.uuid4().hex
+        span = tracing.start("attempt", trace, {
+            "pdspark.attempt": number, "pdspark.worker_request_id": request_id, "pdspark.transfer_id": transfer_id,
+            "pdspark.prefill_worker": prefill.name, "pdspark.decode_worker": decode.name,
+            "pdspark.generated_tokens": len(generated)})
+        metadata = tracing.metadata_of(span)  # the workers' spans are children of the attempt
+        error: str | None = "cancelled"
         timeout_ms = convert.timeout_to_ms(self.transfer_timeout_s)  # relative: each worker times it from receipt
         sampling = convert.sampling_to_pb(params)
         active = _Active(prefill, decode)
@@ -219,19 +243,21 @@ class Dispatcher:
                 worker_pb2.PrefillRequest(request_id=request_id, transfer_id=transfer_id,
                                           prompt_token_ids=[*prompt_ids, *generated], sampling=sampling,
                                           timeout_ms=timeout_ms),
-                timeout=min(self.transfer_timeout_s + 5, request_deadline.remaining())))
+                timeout=min(self.transfer_timeout_s + 5, request_deadline.remaining()), metadata=metadata))
             active.prefill_call.add_done_callback(functools.partial(self._prefill_done, active))
             active.stream = self.registry.decode_stub(decode).Generate(
                 worker_pb2.GenerateRequest(request_id=request_id, transfer_id=transfer_id,
                                            prompt_token_ids=prompt_ids, sampling=sampling,
                                            prefill_address=prefill.address, timeout_ms=timeout_ms,
                                            generated_token_ids=generated),
-                timeout=request_deadline.remaining())
+                timeout=request_deadline.remaining(), metadata=metadata)
             completion = len(generated)
             try:
                 async for msg in active.stream:
                     active.streaming = True
                     completion += len(msg.token_ids)
+                    if msg.finished:
+                        error = None  # the caller may stop reading at the last chunk
                     yield DispatchChunk(list(msg.token_ids), msg.text, [convert.logprob_from_pb(x) for x in
                                         msg.logprobs], msg.finished, convert.finish_reason_from_pb(msg.finish_reason),
                                         completion, msg.num_cached_tokens, prefill.address, decode.address)
@@ -254,7 +280,12 @@ class Dispatcher:
                     raise
                 raise active.failure from None
             await self._prefill_outcome(active)
+            error = None
+        except _PairFailed as e:
+            error = str(e.failure)
+            raise
         finally:
+            tracing.finish(span, error)
             prefill.in_flight -= 1
             decode.in_flight -= 1
             if self.active.get(key) is active:

@@ -36,6 +36,7 @@ from pdspark.router.dispatcher import DispatchChunk, Dispatcher
 from pdspark.router.key_quota import KeyQuota
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.rpc import tracing
 from pdspark.types import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class RouterCore:
         outcome = "error"
         rejected = "key_limit"  # what an OVERLOADED failure from here on is a rejection by
         assert request_id not in self.live, f"request id {request_id} is in use: ids come from new_request_id"
+        span = tracing.start("request", attributes={"pdspark.request_id": request_id, "pdspark.api": api,
+                                                    "pdspark.prompt_tokens": totals.prompt_tokens})
         try:
             self.key_quota.enter(caller.key_id)
             rejected = "queue_full"
@@ -152,9 +155,11 @@ class RouterCore:
             self.live[request_id] = live
             try:
                 m.queue_time.observe(await live.ticket.wait(deadline.remaining()))
+                span.add_event("admitted")
                 first = True
                 last = t0  # when the last chunk with tokens arrived
-                async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, deadline, live.aborted):
+                async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, deadline, live.aborted,
+                                                            trace=span):
                     if not reveal:
                         chunk = replace(chunk, prefill_worker="", decode_worker="")
                     now = time.perf_counter()
@@ -197,6 +202,10 @@ class RouterCore:
             m.cached_tokens.inc(totals.cached_tokens)
             logger.debug("request %s (label %r, %s): %s in %.3f s", request_id, label, api, outcome,
                          time.perf_counter() - t0)
+            tracing.finish(span, None if outcome == "ok" else outcome, {
+                "pdspark.outcome": outcome, "pdspark.completion_tokens": totals.completion_tokens,
+                "pdspark.cached_tokens": totals.cached_tokens,
+                "pdspark.finish_reason": totals.finish_reason.value if totals.finish_reason else ""})
 
     def abort(self, request_id: str) -> bool:
         """Abort the request with the router's id `request_id`, wherever it is (queued or at the workers); it ends

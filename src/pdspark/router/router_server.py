@@ -30,6 +30,7 @@ from pdspark.router.policies import make_policy
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.rpc import tracing
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.tls_credentials import public_server_credentials, public_ssl_context
 from pdspark.v1 import router_pb2, router_pb2_grpc
@@ -138,6 +139,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
 def run_router(cfg: RouterConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    tracing.configure(cfg.otlp_endpoint, "pdspark-router")
 
     async def main() -> None:
         stop = asyncio.Event()

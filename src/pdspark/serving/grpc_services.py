@@ -21,7 +21,7 @@ import os
 
 from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, Unanswered, as_request_failed
-from pdspark.rpc import convert, status
+from pdspark.rpc import convert, status, tracing
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_load import EngineLoad
 from pdspark.serving.metrics import WorkerMetrics
@@ -55,12 +55,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         outcome = "error"
+        span = tracing.start("prefill", tracing.parent_of(context), {
+            "pdspark.request_id": request.request_id, "pdspark.transfer_id": request.transfer_id,
+            "pdspark.prompt_tokens": len(request.prompt_token_ids)})
         try:
             result = await self.worker.prefill(
                 request.request_id, request.transfer_id, list(request.prompt_token_ids),
-                convert.sampling_from_pb(request.sampling), _deadline(request.timeout_ms, context),
+                convert.sampling_from_pb(request.sampling), _deadline(request.timeout_ms, context), trace=span,
             )
             outcome = "ok"
+            if span.is_recording():
+                span.set_attribute("pdspark.cached_tokens", result.num_cached_tokens)
+                span.set_attribute("pdspark.prefill_seconds", result.stats.prefill_s)
+                span.set_attribute("pdspark.plan_wait_seconds", result.stats.plan_wait_s)
             return worker_pb2.PrefillResponse(result=convert.result_to_pb(result, None, request.transfer_id))
         except PdsparkError as e:
             outcome = as_request_failed(e).code.value
@@ -71,23 +78,34 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             raise
         finally:
             _count(self.metrics, outcome)
+            tracing.finish(span, None if outcome == "ok" else outcome)
 
     async def SubmitPlan(self, request, context):
         deadline = _deadline(request.timeout_ms, context)
+        span = tracing.start("submit_plan", tracing.parent_of(context), {
+            "pdspark.request_id": request.request_id, "pdspark.transfer_id": request.transfer_id})
+        error = "cancelled"  # None once it answered
         try:
-            plan = convert.plan_from_pb(request)
-        except RequestFailed as e:  # a plan we cannot read: its transfer fails on both legs
-            self.worker.refuse_plan(request.transfer_id, e, deadline)
-            return convert.result_to_pb(None, e, request.transfer_id)
-        try:
-            result = await self.worker.submit_plan(plan, deadline)
-            return convert.result_to_pb(result, None, request.transfer_id)
-        except Unanswered as e:
-            # Not an answer: the writes may still land. Without the typed trailer the decode worker reads it as the
-            # transport's failure, and keeps its pages until no write can land.
-            await context.abort(status.status_of(e.code), e.message)
-        except PdsparkError as e:
-            return convert.result_to_pb(None, await _refuse_if_overloaded(context, e), request.transfer_id)
+            try:
+                plan = convert.plan_from_pb(request)
+            except RequestFailed as e:  # a plan we cannot read: its transfer fails on both legs
+                error = e.code.value
+                self.worker.refuse_plan(request.transfer_id, e, deadline)
+                return convert.result_to_pb(None, e, request.transfer_id)
+            try:
+                result = await self.worker.submit_plan(plan, deadline)
+                error = None
+                return convert.result_to_pb(result, None, request.transfer_id)
+            except Unanswered as e:
+                # Not an answer: the writes may still land. Without the typed trailer the decode worker reads it as
+                # the transport's failure, and keeps its pages until no write can land.
+                error = e.code.value
+                await context.abort(status.status_of(e.code), e.message)
+            except PdsparkError as e:
+                error = as_request_failed(e).code.value
+                return convert.result_to_pb(None, await _refuse_if_overloaded(context, e), request.transfer_id)
+        finally:
+            tracing.finish(span, error)
 
     async def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
@@ -104,6 +122,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Generate(self, request, context):
         outcome = "error"
+        span = tracing.start("decode", tracing.parent_of(context), {
+            "pdspark.request_id": request.request_id, "pdspark.transfer_id": request.transfer_id,
+            "pdspark.prompt_tokens": len(request.prompt_token_ids),
+            "pdspark.generated_tokens": len(request.generated_token_ids)})
+        out = None  # the last output: the span's closing attributes
         try:
             params = convert.sampling_from_pb(request.sampling)
             generated = list(request.generated_token_ids)
@@ -113,7 +136,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             )
             # Closed explicitly: a caller that goes away cancels us at a `yield`, where the worker's generator is
             # suspended; closing it there releases the request now rather than when it is garbage-collected.
-            async with contextlib.aclosing(stream):
+            # Its SubmitPlan call carries the decode span's trace context.
+            async with contextlib.aclosing(stream), tracing.calls_under(span):
                 # A migrated stream's generated tokens reached the client already, with their stable text (the
                 # earlier worker streamed exactly that): only what follows is new. Decoded once the first output
                 # came: by then the engine has checked that those ids are in the vocabulary.
@@ -134,12 +158,30 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise
         finally:
             _count(self.metrics, outcome)
+            if span.is_recording():
+                tracing.finish(span, None if outcome == "ok" else outcome, _decode_attributes(out, request))
 
     async def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     async def GetLoad(self, request, context):
         return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, self.worker.waiting)
+
+
+def _decode_attributes(out: RequestOutput | None, request) -> dict[str, str | int | float]:
+    """The decode span's closing attributes: tokens decoded here and DSpark's verify steps and acceptance."""
+    if out is None:
+        return {}
+    steps, accepted = out.spec_verify_steps, out.spec_accepted_tokens
+    attributes: dict[str, str | int | float] = {
+        "pdspark.completion_tokens": len(out.token_ids) - len(request.generated_token_ids),
+        "pdspark.cached_tokens": out.num_cached_tokens,
+        "pdspark.finish_reason": out.finish_reason.value if out.finish_reason else "",
+        "pdspark.spec.verify_steps": steps, "pdspark.spec.accepted_tokens": accepted}
+    if steps:
+        # Tokens committed per verify step (accepted drafts + the verifier's own), as the decode metrics'.
+        attributes["pdspark.spec.acceptance_length"] = 1 + accepted / steps
+    return attributes
 
 
 def _count(metrics: WorkerMetrics | None, outcome: str) -> None:

@@ -8,7 +8,7 @@ import grpc
 
 from pdspark.config import TLSConfig
 from pdspark.errors import Unanswered
-from pdspark.rpc import convert
+from pdspark.rpc import convert, tracing
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS, LEASE_S
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
 from pdspark.rpc.tls_credentials import aio_channel
@@ -36,7 +36,8 @@ class PrefillClients:
         side's), or `Unanswered` (DEADLINE / UNAVAILABLE from the transport: the prefill worker may still be
         writing). Cancelling the caller cancels the call, which the prefill worker sees."""
         try:
-            msg = await self.stub(address).SubmitPlan(convert.plan_to_pb(plan), timeout=max(timeout_s, 0.001))
+            msg = await self.stub(address).SubmitPlan(convert.plan_to_pb(plan), timeout=max(timeout_s, 0.001),
+                                                      metadata=tracing.outgoing_metadata())
         except grpc.RpcError as e:
             if (reported := reported_failure(e)) is not None:
                 raise reported from e

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 
 from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, RequestFailed, Unanswered
+from pdspark.rpc import tracing
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.prefill_metrics import PrefillMetrics
@@ -79,6 +80,7 @@ class _Rendezvous:
     pending_failure: RequestFailed | None = None  # a failure that arrived while writing
     released: bool = False
     timer: asyncio.TimerHandle | None = None
+    trace: tracing.Span = tracing.NO_SPAN  # the prefill call's span: the transfer's is its child
 
 
 class PrefillWorker:
@@ -98,16 +100,16 @@ class PrefillWorker:
 
     # ---- the two legs ------------------------------------------------------------------------------------------------
     async def prefill(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
-                      deadline: Deadline) -> TransferResult:
+                      deadline: Deadline, trace: tracing.Span = tracing.NO_SPAN) -> TransferResult:
         """Prefill the prompt once its plan is here and wait (until `deadline`) for the transfer; raises
         `RequestFailed`: OVERLOADED at once when `max_pending` transfers are in flight, ALREADY_EXISTS for a
-        request id or transfer id in flight here."""
+        request id or transfer id in flight here. `trace`: the call's span, the parent of the transfer's."""
         if request_id in self._by_request:
             raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {request_id!r} is already being prefilled")
         rv = self._join(transfer_id, deadline)
         if rv.request_id is not None:
             raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"transfer_id {transfer_id!r} is already being prefilled")
-        rv.request_id, rv.prompt_ids = request_id, prompt_ids
+        rv.request_id, rv.prompt_ids, rv.trace = request_id, prompt_ids, trace
         rv.params = replace(params, max_tokens=1, stop=(), stop_token_ids=())
         self._by_request[request_id] = rv
         self._maybe_submit(rv)
@@ -246,12 +248,14 @@ class PrefillWorker:
         rendezvous when the writes stop, with whatever failure arrived meanwhile."""
         assert rv.plan is not None and rv.first is not None and rv.request_id is not None
         failure: RequestFailed | None = None
+        span = tracing.start("transfer", rv.trace, {"pdspark.transfer_id": rv.transfer_id})
         try:
             if rv.deadline.expired:
                 raise RequestFailed(ErrorCode.DEADLINE, f"transfer {rv.transfer_id!r}: the deadline passed before "
                                                         "the first write")
             pages = await self.engine.held_pages(rv.request_id)
             if rv.done.done():
+                tracing.finish(span, "aborted")
                 return  # failed while we asked (an abort): nothing was written, the failure released the pages
             rv.writing = True
             t0 = time.monotonic()
@@ -267,6 +271,7 @@ class PrefillWorker:
             rv.writing = False
         failure = failure or rv.pending_failure
         if failure is not None:
+            tracing.finish(span, failure.code.value)
             self._end(rv, failure)
             return
         stats = TransferStats(
@@ -276,6 +281,8 @@ class PrefillWorker:
         first = rv.first
         if self.metrics is not None:
             self.metrics.observe_transfer(stats, writes.writes_by_pool)
+        tracing.finish(span, None, {"pdspark.transfer.bytes": stats.bytes, "pdspark.transfer.writes": stats.num_writes,
+                                    "pdspark.transfer.seconds": seconds})
         self._end(rv, TransferResult(
             transfer_id=rv.transfer_id, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens,
             checksum=writes.checksum, stats=stats, first_logprob=first.logprobs[0] if first.logprobs else None,

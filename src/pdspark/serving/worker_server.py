@@ -28,6 +28,7 @@ from prometheus_client import start_http_server
 
 from pdspark.config import WorkerConfig
 from pdspark.engine.factory import create_engine
+from pdspark.rpc import tracing
 from pdspark.rpc.keepalive import SERVER_OPTIONS
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.peer_roles import PeerRoleInterceptor
@@ -162,6 +163,7 @@ async def _serve(server: WorkerServer) -> None:
 def run_worker(cfg: WorkerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    tracing.configure(cfg.otlp_endpoint, f"pdspark-{cfg.role}")
     server = WorkerServer(cfg)
     # NOTE: latency of the asyncio thread (health and load calls answer within 100 ms under any load). The engine
     # thread runs Python between kernels; a shorter GIL switch interval (5 ms by default) hands the GIL to a woken
