@@ -146,8 +146,9 @@ class StubHealth(health_pb2_grpc.HealthServicer):
         return health_pb2.HealthCheckResponse(status=serving)
 
 
-async def serve_stub(stub: StubPrefill | StubDecode, port: int = 0) -> tuple[grpc.aio.Server, StubHealth, str]:
-    """Serve `stub` and a `StubHealth` on 127.0.0.1 (any free port); returns (server, health, address)."""
+async def serve_stub(stub: StubPrefill | StubDecode, port: int = 0, host: str = "127.0.0.1"
+                     ) -> tuple[grpc.aio.Server, StubHealth, str]:
+    """Serve `stub` and a `StubHealth` on `host` (any free port); returns (server, health, address)."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     if isinstance(stub, StubPrefill):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(stub, server)
@@ -155,6 +156,6 @@ async def serve_stub(stub: StubPrefill | StubDecode, port: int = 0) -> tuple[grp
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(stub, server)
     health = StubHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    port = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    return server, health, f"127.0.0.1:{port}"
+    return server, health, f"{host}:{port}"

@@ -11,7 +11,7 @@ reads either).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pdspark.errors import ConfigError
 from pdspark.options import build, nested, option, validate
@@ -190,6 +190,23 @@ class AuthConfig:
         return bool(self.api_key or self.api_key_file or self.admin_api_key or self.admin_api_key_file)
 
 
+class DnsTarget(NamedTuple):
+    """One `--prefill-dns`/`--decode-dns` entry: every address `name` resolves to, on `port`, is a `role` worker."""
+
+    role: str
+    name: str
+    port: int
+
+
+def split_dns_target(target: str, field: str) -> tuple[str, int]:
+    """`name:port` -> (name, port); ConfigError naming `field` otherwise."""
+    name, _, port = target.rpartition(":")
+    if not name or not port.isdigit() or not 0 < int(port) <= 65535 or ":" in name or "/" in name:
+        raise ConfigError(f"invalid value {target!r} for `{field}`; allowed: name:port (a DNS name, a port in "
+                          "[1, 65535])")
+    return name, int(port)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """`pdspark serve router`."""
@@ -209,6 +226,17 @@ class RouterConfig:
     tls: TLSConfig = nested(TLSConfig, "mutual TLS to the workers")
     prefill: tuple[str, ...] = option((), "prefill worker addresses (host:port, comma-separated)")
     decode: tuple[str, ...] = option((), "decode worker addresses (host:port, comma-separated)")
+    # Discovery by DNS (Kubernetes headless Services, or any name with several A/AAAA records): no API access.
+    prefill_dns: tuple[str, ...] = option(
+        (), "DNS names (name:port, comma-separated or repeated) whose addresses are prefill workers, re-resolved "
+        "every --dns-interval-s: a new address is admitted, a vanished one retired; beside --prefill")
+    decode_dns: tuple[str, ...] = option(
+        (), "DNS names (name:port) whose addresses are decode workers, as --prefill-dns; beside --decode")
+    dns_interval_s: float = option(5.0, "seconds between resolutions of --prefill-dns/--decode-dns")
+    # NOTE: a test/dev hook (tests, and a rendered Helm chart run as local processes), not for production.
+    hosts_file: str | None = option(
+        None, "test/dev hook: a file in /etc/hosts format consulted before DNS by --prefill-dns/--decode-dns (a "
+        "name on several lines has several addresses); re-read at every resolution")
     prefill_policy: Policy = option("cache_aware", "how a request's prefill worker is picked")
     decode_policy: Policy = option("power_of_two", "how a request's decode worker is picked")
     max_model_len: int | None = option(
@@ -251,9 +279,18 @@ class RouterConfig:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ConfigError("`ssl_certfile` and `ssl_keyfile` go together (HTTPS and TLS on the public ports)")
         for name in ("transfer_timeout_s", "request_timeout_s", "health_interval_s", "health_timeout_s",
-                     "load_interval_s"):
+                     "load_interval_s", "dns_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"invalid value {getattr(self, name)!r} for `{name}`; allowed: a number > 0")
+        for name in ("prefill_dns", "decode_dns"):
+            for target in getattr(self, name):
+                split_dns_target(target, name)
+
+    @property
+    def dns_targets(self) -> tuple[DnsTarget, ...]:
+        """`prefill_dns` and `decode_dns`, parsed."""
+        return tuple(DnsTarget(role, *split_dns_target(target, f"{role}_dns"))
+                     for role in ("prefill", "decode") for target in getattr(self, f"{role}_dns"))
 
     @property
     def key_in_flight_limit(self) -> int:

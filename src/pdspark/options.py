@@ -3,7 +3,8 @@
 A config field declared with `option(default, help, ...)` is, with nothing else written anywhere:
 - a command-line flag `--<field-name>` (dashes for underscores; `flag=` renames it), typed from the annotation:
   `int`/`float`/`str` take one value; `bool` is `--x` / `--no-x`; `Literal[...]` takes one of its values;
-  `X | None` also takes `none` (or `off`) for None; `tuple[X, ...]` takes comma-separated values;
+  `X | None` also takes `none` (or `off`) for None; `tuple[X, ...]` takes comma-separated values, and its flag
+  may be repeated (`--x a --x b,c` is `a,b,c`);
 - an environment variable `PDSPARK_<FLAG>` (upper case, underscores) with the same syntax, bools as
   1/0, true/false, yes/no or on/off; an empty variable counts as unset;
 - a keyword option of `build` (what `LLM(**options)` and `create_engine(**options)` take), under the field name.
@@ -202,6 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         kw = dict(dest=spec.name, default=argparse.SUPPRESS, help=f"{spec.help} ({_default_text(spec)}env {spec.env})")
         if spec.base is bool and not spec.optional:
             groups[spec.group].add_argument("--" + spec.flag, action=argparse.BooleanOptionalAction, **kw)
+        elif spec.base is tuple:
+            groups[spec.group].add_argument("--" + spec.flag, metavar=_metavar(spec), action="append", **kw)
         else:
             groups[spec.group].add_argument("--" + spec.flag, metavar=_metavar(spec), **kw)
 
@@ -242,6 +245,8 @@ def parse_options(cls: type, namespace: argparse.Namespace, environ: Mapping[str
             continue
         if hasattr(namespace, spec.name):
             raw, source = getattr(namespace, spec.name), "--" + spec.flag
+            if isinstance(raw, list):  # a repeatable (tuple) flag: every occurrence, in order
+                raw = ",".join(raw)
         elif environ.get(spec.env, "") != "":
             raw, source = environ[spec.env], spec.env
         else:

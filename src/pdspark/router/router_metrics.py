@@ -89,7 +89,7 @@ class RouterMetrics:
         self.selected.labels(worker_role=role, worker=name)
 
     def worker_removed(self, role: str, name: str) -> None:
-        """Drop a removed worker's series (its name is never reused)."""
+        """Drop a removed worker's series (its name returns only with the same address, from zero)."""
         with contextlib.suppress(KeyError):
             self.selected.remove(role, name)
 

@@ -1,8 +1,8 @@
 """`run_router`: the router process. HTTP (aiohttp) and gRPC (grpc.aio) on one asyncio loop, the worker registry's
-health polling beside them; one JSON ready line on stdout; SIGTERM/SIGINT drain and stop; SIGHUP reads the key
-files again (key rotation without a restart). With `--ssl-certfile`/`--ssl-keyfile` both public ports speak TLS
-(HTTPS; gRPC without client certificates: clients authenticate with API keys); with `--tls-*` the calls to the
-workers use mutual TLS (`WorkerRegistry`)."""
+health polling and DNS discovery (`--prefill-dns`/`--decode-dns`) beside them; one JSON ready line on stdout;
+SIGTERM/SIGINT drain and stop; SIGHUP reads the key files again (key rotation without a restart). With
+`--ssl-certfile`/`--ssl-keyfile` both public ports speak TLS (HTTPS; gRPC without client certificates: clients
+authenticate with API keys); with `--tls-*` the calls to the workers use mutual TLS (`WorkerRegistry`)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ from pdspark.errors import ConfigError
 from pdspark.model.model_config import ModelConfig
 from pdspark.router.auth_interceptor import AuthInterceptor
 from pdspark.router.dispatcher import Dispatcher
+from pdspark.router.dns_discovery import DnsDiscovery
 from pdspark.router.grpc_api import RouterServicer
 from pdspark.router.http_api import build_app
 from pdspark.router.policies import make_policy
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
-from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.router.worker_registry import WorkerInfo, WorkerRegistry
 from pdspark.rpc import tracing
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.tls_credentials import public_server_credentials, public_ssl_context
@@ -95,6 +96,23 @@ def build_core(cfg: RouterConfig) -> RouterCore:
     return RouterCore(path, name, max_len, registry, dispatcher, metrics, cfg)
 
 
+def build_discovery(cfg: RouterConfig, core: RouterCore) -> DnsDiscovery | None:
+    """The DNS discovery of `--prefill-dns`/`--decode-dns` (None without either): it admits and retires workers
+    as `POST`/`DELETE /workers` do (metrics series, the policies' memory)."""
+    if not cfg.dns_targets:
+        return None
+
+    def admitted(w: WorkerInfo) -> None:
+        core.metrics.worker_added(w.role, w.name)
+
+    def retired(w: WorkerInfo) -> None:
+        core.metrics.worker_removed(w.role, w.name)
+        core.dispatcher.prefill_policy.forget(w.address)
+        core.dispatcher.decode_policy.forget(w.address)
+
+    return DnsDiscovery(core.registry, cfg.dns_targets, cfg.dns_interval_s, cfg.hosts_file, admitted, retired)
+
+
 def _public_tls(cfg: RouterConfig) -> tuple[ssl.SSLContext | None, grpc.ServerCredentials | None]:
     """HTTPS context and gRPC credentials of the public ports (None, None: plain text)."""
     if cfg.ssl_certfile is None or cfg.ssl_keyfile is None:
@@ -122,6 +140,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     for name in ("", ROUTER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     poller = asyncio.create_task(core.registry.poll_forever())
+    discovery = build_discovery(cfg, core)
+    discoverer = asyncio.create_task(discovery.run()) if discovery is not None else None
     public_tls = ssl_context is not None
     scheme = "https" if public_tls else "http"
     print(json.dumps({"event": "ready", "role": "router", "http": f"{scheme}://{cfg.host}:{http_port}",
@@ -132,6 +152,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     for name in ("", ROUTER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     poller.cancel()
+    if discoverer is not None:
+        discoverer.cancel()
     await server.stop(5)
     await runner.cleanup()
 

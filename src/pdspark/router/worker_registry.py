@@ -89,14 +89,19 @@ class WorkerRegistry:
         self.workers: dict[str, WorkerInfo] = {}
         self.on_down: list[Callable[[WorkerInfo], None]] = []  # called with a worker as it is marked unhealthy
         self._registered = 0  # numbers the names: workers from flags are named as `pdspark up` names them
+        # (role, address) -> name: a worker removed and added again (DNS discovery) keeps its name and its series.
+        self._names: dict[tuple[str, str], str] = {}
+        self._draining: set[asyncio.Task] = set()  # retired workers' channels, closed once their calls end
 
     def add(self, role: str, address: str, metrics_url: str = "") -> WorkerInfo:
         if role not in ROLES:
             raise ValueError(f"unsupported worker role {role!r}; allowed: {', '.join(ROLES)}")
         if address in self.workers:
             raise ValueError(f"worker {address} is already registered")
-        w = WorkerInfo(role, address, metrics_url, healthy_since=time.monotonic(), name=f"{role}-{self._registered}")
-        self._registered += 1
+        if (role, address) not in self._names:
+            self._names[role, address] = f"{role}-{self._registered}"
+            self._registered += 1
+        w = WorkerInfo(role, address, metrics_url, healthy_since=time.monotonic(), name=self._names[role, address])
         self.workers[address] = w
         return w
 
@@ -104,6 +109,17 @@ class WorkerRegistry:
         w = self.workers.pop(address)
         if w.channel is not None:
             asyncio.ensure_future(w.channel.close())
+        return w
+
+    def retire(self, address: str, drain_s: float) -> WorkerInfo:
+        """Remove a worker gently: no request picks it from now on, while the calls already on it may go on for up
+        to `drain_s` (its channel is closed when the last one ends, or then). A call cut then fails as a dead
+        worker's would (the dispatcher retries or migrates it)."""
+        w = self.workers.pop(address)
+        if w.channel is not None:
+            task = asyncio.ensure_future(_close_when_idle(w, w.channel, drain_s))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
         return w
 
     def healthy(self, role: str) -> list[WorkerInfo]:
@@ -196,6 +212,13 @@ class WorkerRegistry:
             for _, tasks in watched.values():
                 for t in tasks:
                     t.cancel()
+
+
+async def _close_when_idle(w: WorkerInfo, channel: grpc.aio.Channel, drain_s: float) -> None:
+    deadline = time.monotonic() + drain_s
+    while w.in_flight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await channel.close()
 
 
 async def _every(interval_s: float, poll: Callable[[WorkerInfo], Awaitable[bool]], w: WorkerInfo) -> None:
