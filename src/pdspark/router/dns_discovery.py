@@ -9,7 +9,8 @@ AAAA addresses, `loop.getaddrinfo`):
   within `drain_s`, and the policies forget it, as `DELETE /workers` does;
 - a name that fails to resolve (NXDOMAIN, no answer in time) keeps its last known addresses: a DNS outage never
   empties the cluster. A change of a name's state (failing, resolving again) is logged once, not at every poll.
-Only addresses discovery added are retired by it: workers from `--prefill`/`--decode` or `POST /workers` stay.
+Only addresses discovery added are retired by it: workers from `--prefill`/`--decode` or `POST /workers` stay;
+one of its own removed by `DELETE /workers` stays out until its address vanishes from DNS and appears again.
 A worker's name (`prefill-3`) is the registry's, stable per address, so one that comes back keeps its series.
 
 NOTE: `hosts_file` is a test/dev hook: a file in /etc/hosts format, re-read at every poll and consulted before DNS

@@ -1,7 +1,9 @@
 """`WorkerRegistry`: the prefill and decode workers the router knows, their liveness and their load.
 
-Workers come from flags or are added/removed at run time. Busy is not unhealthy, so the two are watched apart,
-each worker on tasks of its own (a slow worker never delays another's checks):
+Workers come from flags or are added/removed at run time (`/workers`, DNS discovery); a worker's name is stable
+per (role, address), so one that comes back keeps it, and `retire` removes one gently (its calls may end first).
+Busy is not unhealthy, so the two are watched apart, each worker on tasks of its own (a slow worker never delays
+another's checks):
 - liveness: the standard gRPC health `Check`, every `health_interval_s`, each with a short `health_timeout_s`.
   A worker that misses `max_failures` checks in a row (no answer in time, unreachable, or NOT_SERVING) is marked
   unhealthy and skipped by the policies until it is re-admitted: a dead or hung worker is out within about

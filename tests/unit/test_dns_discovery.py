@@ -1,0 +1,78 @@
+"""DNS discovery's pieces: the flags, the hosts-file override, resolution through the system resolver, and the
+registry's stable names."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdspark.config import DnsTarget, RouterConfig
+from pdspark.errors import ConfigError
+from pdspark.options import parse_args
+from pdspark.router.dns_discovery import DnsDiscovery, ResolveError, read_hosts_file, worker_address
+from pdspark.router.worker_registry import WorkerRegistry
+
+
+def test_dns_flags_repeat_or_take_commas_and_come_from_the_environment():
+    cfg = parse_args(RouterConfig, ["--prefill-dns", "pf.a:1,pf.b:2", "--prefill-dns", "pf.c:3",
+                                    "--dns-interval-s", "2.5"], {"PDSPARK_DECODE_DNS": "dc:4",
+                                                                  "PDSPARK_HOSTS_FILE": "/h"})
+    assert cfg.prefill_dns == ("pf.a:1", "pf.b:2", "pf.c:3")
+    assert cfg.dns_targets == (DnsTarget("prefill", "pf.a", 1), DnsTarget("prefill", "pf.b", 2),
+                               DnsTarget("prefill", "pf.c", 3), DnsTarget("decode", "dc", 4))
+    assert cfg.dns_interval_s == 2.5 and cfg.hosts_file == "/h"
+    assert parse_args(RouterConfig, ["--prefill", "a:1", "--prefill", "b:2"]).prefill == ("a:1", "b:2")
+    assert RouterConfig().dns_interval_s == 5.0 and RouterConfig().dns_targets == ()
+
+
+@pytest.mark.parametrize("bad", ["pf", "pf:", ":80", "pf:0", "pf:65536", "pf:http", "a:b:80"])
+def test_a_dns_target_without_name_and_port_is_refused(bad):
+    with pytest.raises(ConfigError, match="name:port"):
+        RouterConfig(decode_dns=(bad,))
+
+
+def test_the_dns_interval_must_be_positive():
+    with pytest.raises(ConfigError, match="dns_interval_s"):
+        RouterConfig(dns_interval_s=0)
+
+
+def test_the_hosts_file_gives_every_address_of_a_name(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("# comment\n127.0.0.2 pf.test other  # trailing\n127.0.0.3 PF.test\nnot-an-ip pf.test\n"
+                    "::1 v6.test\n127.0.0.2 pf.test\n\n")
+    assert read_hosts_file(str(path)) == {"pf.test": ["127.0.0.2", "127.0.0.3"], "other": ["127.0.0.2"],
+                                          "v6.test": ["::1"]}
+    assert worker_address("::1", 9) == "[::1]:9" and worker_address("127.0.0.2", 9) == "127.0.0.2:9"
+
+
+def test_names_resolve_through_the_hosts_file_first_then_the_system_resolver(tmp_path):
+    async def scenario():
+        path = tmp_path / "hosts"
+        path.write_text("127.0.0.9 localhost\n127.0.0.2 pf.test\n")
+        d = DnsDiscovery(WorkerRegistry(), (), interval_s=2.0, hosts_file=str(path))
+        assert await d.resolve("localhost", 9) == {"127.0.0.9:9"}  # the override wins
+        assert await d.resolve("PF.TEST", 7) == {"127.0.0.2:7"}
+        plain = DnsDiscovery(WorkerRegistry(), (), interval_s=2.0)
+        assert "127.0.0.1:9" in await plain.resolve("localhost", 9)  # getaddrinfo
+        with pytest.raises(ResolveError):
+            await plain.resolve("no-such-name.invalid", 9)
+        path.unlink()
+        with pytest.raises(ResolveError, match="hosts file"):
+            await d.resolve("pf.test", 7)
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_added_again_keeps_its_name_and_new_ones_get_new_names():
+    async def scenario():
+        r = WorkerRegistry()
+        a = r.add("decode", "127.0.0.3:1").name
+        b = r.add("decode", "127.0.0.4:1").name
+        r.retire("127.0.0.3:1", drain_s=1.0)
+        assert "127.0.0.3:1" not in r.workers
+        assert r.add("decode", "127.0.0.3:1").name == a
+        assert r.add("prefill", "127.0.0.5:1").name not in (a, b)
+        assert len({a, b}) == 2
+
+    asyncio.run(scenario())
