@@ -149,7 +149,8 @@ class StubHealth(health_pb2_grpc.HealthServicer):
 async def serve_stub(stub: StubPrefill | StubDecode, port: int = 0, host: str = "127.0.0.1"
                      ) -> tuple[grpc.aio.Server, StubHealth, str]:
     """Serve `stub` and a `StubHealth` on `host` (any free port); returns (server, health, address)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    # No SO_REUSEPORT: the port is this stub's alone (another process's listener on it would take its calls).
+    server = grpc.aio.server(options=(*SERVER_OPTIONS, ("grpc.so_reuseport", 0)))
     if isinstance(stub, StubPrefill):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(stub, server)
     else:
