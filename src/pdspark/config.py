@@ -27,6 +27,7 @@ DEFAULT_MAX_MODEL_LEN = 4096
 Dtype = Literal["float32", "bfloat16", "float16"]
 Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # the names of `pdspark.router.policies.POLICIES`
 TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfer.backend.create_backend` takes
+UpBackend = Literal["process", "ray"]  # how `pdspark up` runs its services (`pdspark.launcher`)
 
 _MODEL_HELP = "checkpoint directory (HF-format DSV4) or shipped model name"
 _PORT: dict[str, Any] = {"minimum": 0, "maximum": 65535}
@@ -323,14 +324,42 @@ class UpConfig:
     crash_loop_restarts: int = option(5, "consecutive failures of one service reported as a crash loop (restarts "
                                       "go on at the longest backoff)", minimum=1)
     otlp_endpoint: str | None = option(None, _OTLP_HELP + " (passed to the router and every worker)")
+    # Where the services run: child processes of `up`, or Ray actors (`pdspark.ray_launcher`; the `pdspark[ray]` extra).
+    backend: UpBackend = option("process", "run the services as child processes, or as Ray actors")
+    ray_address: str | None = option(None, "with --backend ray: join this Ray cluster (`auto` or HOST:PORT) instead "
+                                     "of starting a local one")
+    ray_num_cpus: int | None = option(None, "with --backend ray: CPUs of the local Ray started (default: the "
+                                      "machine's)", minimum=1)
+    ray_router_resources: tuple[str, ...] = option(("CPU=0.25",), "with --backend ray: Ray resources the router "
+                                                   "actor takes (NAME=AMOUNT, comma-separated: CPU, GPU or custom)")
+    ray_prefill_resources: tuple[str, ...] = option(("CPU=0.25",), "with --backend ray: Ray resources each prefill "
+                                                    "worker actor takes (e.g. CPU=1,GPU=1)")
+    ray_decode_resources: tuple[str, ...] = option(("CPU=0.25",), "with --backend ray: Ray resources each decode "
+                                                   "worker actor takes (e.g. CPU=1,GPU=1)")
     # `speculative` is decided above (from the checkpoint), not passed through.
     engine: EngineConfig = nested(EngineConfig, "engine options passed to every worker", skip=("speculative",))
 
     def __post_init__(self) -> None:
         validate(self)
+        for role in ("router", "prefill", "decode"):
+            self.ray_resources(role)  # raises ConfigError on a malformed one
         if self.max_restart_backoff_s < self.restart_backoff_s:
             raise ConfigError(f"`max_restart_backoff_s` ({self.max_restart_backoff_s}) must be >= "
                               f"`restart_backoff_s` ({self.restart_backoff_s})")
+
+    def ray_resources(self, role: str) -> dict[str, float]:
+        """A role's `--ray-*-resources` as a name -> amount map (`CPU`, `GPU` or a custom resource)."""
+        out: dict[str, float] = {}
+        for item in getattr(self, f"ray_{role}_resources"):
+            name, sep, amount = item.partition("=")
+            try:
+                value = float(amount)
+            except ValueError:
+                value = -1.0
+            if not sep or not name.strip() or value < 0:
+                raise ConfigError(f"`ray_{role}_resources`: {item!r} is not NAME=AMOUNT (e.g. CPU=0.5, GPU=1)")
+            out[name.strip()] = value
+        return out
 
 
 @dataclass(frozen=True)

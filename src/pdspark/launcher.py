@@ -304,16 +304,73 @@ def _indent(text: str) -> str:
     return textwrap.indent(text.rstrip("\n") or "(none)", "    | ")
 
 
-def launch(cfg: UpConfig) -> int:
-    stop = threading.Event()
+def _stop_on_signals(stop: threading.Event) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+
+
+def launch(cfg: UpConfig) -> int:
+    stop = threading.Event()
+    _stop_on_signals(stop)
     # mkdtemp's directory is 0700; it goes, keys and all, however `run` ends (but a SIGKILL).
     certs = tempfile.TemporaryDirectory(prefix="pdspark-tls-") if cfg.tls else contextlib.nullcontext(None)
     with certs as tls_dir:
         launcher = Launcher(cfg, stop, tls_dir)
+        if cfg.backend == "ray":
+            return run_on_ray(launcher)
         signal.signal(signal.SIGHUP, lambda *_: launcher.reload_keys())
         return launcher.run()
+
+
+def run_on_ray(launcher: Launcher) -> int:
+    """The same plan and output as `Launcher.run`, with each service in a Ray actor that Ray restarts (see
+    `pdspark.ray_launcher`). Ctrl-C / SIGTERM stops the services, their actors and the Ray processes started."""
+    from pdspark.ray_launcher import RayCluster, ServiceStartError
+
+    cfg, stop = launcher.cfg, launcher.stop
+    _log(f"pdspark up: starting Ray ({cfg.ray_address or 'local'}) for {cfg.prefill} prefill + {cfg.decode} "
+         f"decode worker(s) on {cfg.model} (speculative: {launcher.base['decode'].engine.speculative or 'off'})")
+    cluster = RayCluster(cfg)
+    _stop_on_signals(stop)  # `ray.init` installs its own SIGTERM handler
+    workers = [w.name for w in launcher.workers]
+    try:
+        for w in launcher.workers:
+            cluster.start(w.name, w.argv[1], w.argv, w.env)  # argv: serve <role> ...
+        ready = cluster.wait_ready(workers, stop, READY_TIMEOUT_S)
+        if ready is None:
+            return 0
+        r = launcher.router
+        cluster.start(r.name, "router", r.argv, r.env)
+        status = cluster.wait_ready([r.name], stop, READY_TIMEOUT_S)
+        if status is None:
+            return 0
+        ready |= status
+        for name, st in ready.items():
+            _log(f"{launcher._stamp()} {name} ready at {st['info'].get('address') or st['info'].get('grpc')} "
+                 f"(pid {st['pid']}, Ray actor pid {st['actor_pid']})")
+        info = ready["router"]["info"]
+        _print_endpoints(info, {n: {"pid": st["pid"], "address": st["info"].get("address") or st["info"]["grpc"],
+                                    "actor_pid": st["actor_pid"]} for n, st in ready.items()},
+                         needs_key=bool(cfg.auth.api_key or cfg.auth.api_key_file),
+                         ca=launcher.ca.ca_path if launcher.ca is not None else None)
+        _log(scrape_config(info["http"], cfg.auth, cfg.host))
+        while not stop.wait(_TICK_S):
+            for c in cluster.poll():
+                _log(f"{launcher._stamp()} {c.name} {c.event} (pid {c.pid}, restart {c.restarts})")
+                address = c.info.get("address") or c.info.get("grpc", "")
+                _event(event=c.event, service=c.name, pid=c.pid, **({"address": address, "restarts": c.restarts}
+                                                                     if c.event == "restarted" else {}))
+                if cluster.is_down_for_good(c.name):
+                    _log(f"pdspark up: {c.name} exited; shutting down (--no-restart)")
+                    return 1
+        return 0
+    except ServiceStartError as e:
+        _log(f"pdspark up: {e}")
+        return 1
+    finally:
+        _log("pdspark up: stopping all services and Ray...")
+        cluster.shutdown([["router"], workers])
+        _log("pdspark up: stopped")
 
 
 def scrape_config(http: str, auth: AuthConfig, host: str) -> str:

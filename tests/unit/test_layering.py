@@ -34,9 +34,10 @@ LAYERS: dict[str, int] = {
     "router": 7,
     "llm": 7,
     "service_process": 8,
-    "launcher": 9,
-    "cli": 10,
-    "__init__": 10,
+    "ray_launcher": 9,  # `pdspark up --backend ray`: the launcher's Ray backend
+    "launcher": 10,
+    "cli": 11,
+    "__init__": 11,
 }
 
 
