@@ -344,7 +344,7 @@ def run_on_ray(launcher: Launcher) -> int:
         status = cluster.wait_ready([r.name], stop, READY_TIMEOUT_S)
         if status is None:
             return 0
-        ready |= status
+        ready = {n: (ready | status)[n] for n in [*workers, r.name]}  # in the plan's order
         for name, st in ready.items():
             _log(f"{launcher._stamp()} {name} ready at {st['info'].get('address') or st['info'].get('grpc')} "
                  f"(pid {st['pid']}, Ray actor pid {st['actor_pid']})")

@@ -1,0 +1,95 @@
+"""`pdspark up --backend ray`: router, prefill and decode as Ray actors on a local Ray serve the offline engine's
+greedy completions; a killed service comes back at its address; Ctrl-C leaves no Ray or pdspark process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+
+from helpers import make_llm
+from pdspark import SamplingParams
+from pdspark.service_process import ServiceProcess, start_service
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the pdspark[ray] extra")
+
+ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
+TAG = "PDSPARK_RAY_TEST_TAG"  # inherited by every process the launcher starts, Ray's included
+
+
+def tagged_pids(tag: str) -> set[int]:
+    """Processes (not zombies) whose environment carries `TAG=tag`: whatever this test's launcher started."""
+    needle = f"{TAG}={tag}".encode()
+    out = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0") and \
+                    ") Z " not in (proc / "stat").read_text():
+                out.add(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return out
+
+
+def wait_event(service: ServiceProcess, event: str, name: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in service.events:
+            if e.get("event") == event and e.get("service") == name:
+                return e
+        time.sleep(0.2)
+    raise AssertionError(f"no {event} event for {name}:\n{service.tail()}")
+
+
+def test_ray_backend_serves_offline_greedy_restarts_and_ctrl_c_leaves_nothing():
+    tag = uuid.uuid4().hex
+    service = start_service("pdspark up", ["up", "--backend", "ray", "--ray-num-cpus", "2", "--model", "dsv4-tiny",
+                                           "--prefill", "1", "--decode", "2", "--port", "0", "--grpc-port", "0",
+                                           "--restart-backoff-s", "0.2", *ENGINE],
+                            timeout=150, env={TAG: tag})
+    try:
+        info = service.info
+        services = info["services"]
+        assert set(services) == {"prefill-0", "decode-1", "decode-2", "router"}
+        started = tagged_pids(tag)
+        # Ray's own processes, one actor per service and the service under it: the tag does reach them.
+        assert {s["pid"] for s in services.values()} | {s["actor_pid"] for s in services.values()} <= started
+        assert len(started) > 2 * len(services)
+
+        offline = make_llm("dsv4-tiny", page_size=16, max_model_len=256)
+        client = openai.OpenAI(base_url=info["http"] + "/v1", api_key="none", max_retries=0)
+
+        def check(prompts: list[str]) -> None:
+            for prompt in prompts:
+                want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+                got = client.completions.create(model=info["model"], prompt=prompt, max_tokens=16, temperature=0,
+                                                extra_body={"ignore_eos": True})
+                assert got.choices[0].text == want.text
+
+        check(PROMPTS)
+        # A service that dies is restarted by Ray at the same address, and the cluster serves again.
+        os.kill(services["decode-1"]["pid"], signal.SIGKILL)
+        assert wait_event(service, "exited", "decode-1")["pid"] == services["decode-1"]["pid"]
+        again = wait_event(service, "restarted", "decode-1")
+        assert again["address"] == services["decode-1"]["address"] and again["pid"] != services["decode-1"]["pid"]
+        check(PROMPTS[:2])
+    finally:
+        service.proc.send_signal(signal.SIGINT)  # Ctrl-C
+        try:
+            rc = service.proc.wait(60)
+        finally:
+            service.stop()
+    assert rc == 0, service.tail()
+    deadline = time.monotonic() + 30
+    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
