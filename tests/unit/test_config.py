@@ -61,6 +61,8 @@ def sample(spec: OptionSpec):
         value = next(c for c in spec.choices if c != spec.default)
     elif spec.base is bool:
         value = not spec.default
+    elif spec.base is tuple and spec.name.startswith("ray_") and spec.name.endswith("_resources"):
+        value = ("CPU=1", "GPU=0.5")  # NAME=AMOUNT items
     elif spec.base is tuple:
         # Secret options (keys) of different kinds may not share a value.
         value = (1, 2) if spec.item is int else (f"{spec.flag}-1", f"{spec.flag}-2") if spec.secret else ("a:1", "b:2")
@@ -405,3 +407,11 @@ def test_choices_match_the_code_that_uses_them():
 
     assert typing.get_args(config_module.Policy) == POLICIES
     assert typing.get_args(config_module.TransferBackend) == BACKENDS
+
+
+@pytest.mark.parametrize("bad", [("CPU",), ("=1",), ("CPU=lots",), ("GPU=-1",)])
+def test_ray_resources_are_name_amount_pairs(bad):
+    assert UpConfig(ray_decode_resources=("CPU=0.5", "GPU=1", "accel=2")).ray_resources("decode") == \
+        {"CPU": 0.5, "GPU": 1.0, "accel": 2.0}
+    with pytest.raises(ConfigError, match="NAME=AMOUNT"):
+        UpConfig(ray_decode_resources=bad)
