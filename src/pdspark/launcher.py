@@ -332,6 +332,8 @@ def run_on_ray(launcher: Launcher) -> int:
          f"decode worker(s) on {cfg.model} (speculative: {launcher.base['decode'].engine.speculative or 'off'})")
     cluster = RayCluster(cfg)
     _stop_on_signals(stop)  # `ray.init` installs its own SIGTERM handler
+    signal.signal(signal.SIGHUP, lambda *_: cluster.send_signal("router", signal.SIGHUP) if
+                  "router" in cluster.services else None)
     workers = [w.name for w in launcher.workers]
     try:
         for w in launcher.workers:

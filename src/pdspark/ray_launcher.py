@@ -80,6 +80,10 @@ class ServiceActor:
         p = self.process
         return {"pid": p.pid, "ready": p.ready, "info": p.info, "actor_pid": os.getpid()}
 
+    def send_signal(self, signum: int) -> None:
+        if self.process.alive:
+            self.process.proc.send_signal(signum)
+
     def stop(self) -> int:
         self.stopping = True
         return self.process.stop()
@@ -163,6 +167,10 @@ class RayCluster:
                 s.down, s.pid, s.restarts = False, status["pid"], s.restarts + 1
                 changes.append(ServiceChange(name, "restarted", s.pid, status["info"], s.restarts))
         return changes
+
+    def send_signal(self, name: str, signum: int) -> None:
+        """Pass a signal on to a service (SIGHUP: the router reads its key files again); does not wait."""
+        self.services[name].actor.send_signal.remote(signum)
 
     def is_down_for_good(self, name: str) -> bool:
         """With `--no-restart`, a service that exited stays down."""

@@ -82,6 +82,8 @@ def test_ray_backend_serves_offline_greedy_restarts_and_ctrl_c_leaves_nothing():
         again = wait_event(service, "restarted", "decode-1")
         assert again["address"] == services["decode-1"]["address"] and again["pid"] != services["decode-1"]["pid"]
         check(PROMPTS[:2])
+        service.proc.send_signal(signal.SIGHUP)  # passed on to the router (keys reread); the cluster keeps serving
+        check(PROMPTS[2:])
     finally:
         service.proc.send_signal(signal.SIGINT)  # Ctrl-C
         try:
