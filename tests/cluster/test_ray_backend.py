@@ -3,7 +3,6 @@ greedy completions; a killed service comes back at its address; Ctrl-C leaves no
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import time
@@ -11,13 +10,10 @@ import uuid
 from pathlib import Path
 
 import openai
-import pytest
 
 from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.service_process import ServiceProcess, start_service
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the pdspark[ray] extra")
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
