@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup prometheus-tools helm-tools run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards clean proto
+.PHONY: setup prometheus-tools helm-tools helm-copies run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -49,9 +49,16 @@ run: setup
 generate: setup
 	$(VENV)/bin/pdspark generate --model $(MODEL) --max-tokens 64 "$(PROMPT)"
 
-# Regenerate the Grafana dashboards (deploy/grafana/dashboards/*.json; tests/unit/test_dashboards.py checks drift).
+# Regenerate the Grafana dashboards (deploy/grafana/dashboards/*.json; tests/unit/test_dashboards.py checks drift)
+# and refresh the Helm chart's copies of them and of the alert rules (helm reads nothing outside the chart;
+# tests/unit/test_helm_chart.py checks that the copies equal the originals).
 dashboards: setup
 	$(PY) deploy/grafana/generate.py
+	$(MAKE) helm-copies
+
+helm-copies:
+	cp deploy/grafana/dashboards/*.json deploy/helm/pdspark/dashboards/
+	cp deploy/prometheus/rules/pdspark.yml deploy/helm/pdspark/rules/
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench scripts services deploy
