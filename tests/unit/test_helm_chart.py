@@ -6,9 +6,7 @@ skip list in deploy/checkov.yaml."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import json
 import os
 import re
@@ -175,18 +173,29 @@ def test_settings_reach_each_role_as_pdspark_variables():
     assert sums["prefill"] != sums["decode"]
 
 
-def test_the_settings_names_are_flags_of_the_services():
-    """Every PDSPARK_* name the chart sets itself is a variable of `pdspark serve <role>` (config.py)."""
-    from pdspark.cli import main
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "defaults" if v is None else v.name)
+def test_rendered_args_and_env_parse_as_the_services_configs(values: Path | None):
+    """Each container's args and environment, exactly as rendered, go through the services' own parser (flags, then
+    PDSPARK_* variables; config.py validates): a misspelt name or a bad value would stop the pod at start."""
+    from pdspark.config import RouterConfig, WorkerConfig
+    from pdspark.options import parse_args, specs
 
-    for role in ("router", "prefill"):
-        buf = io.StringIO()
-        with pytest.raises(SystemExit), contextlib.redirect_stdout(buf):
-            main(["serve", role, "--help"])
-        text = " ".join(buf.getvalue().split())
-        for name in env(render(), role):
-            if name not in ("PDSPARK_CACHE_DIR",):
-                assert f"env {name}" in text, (role, name)
+    docs = render(values=values)
+    for role in ("router", "prefill", "decode"):
+        c, e = container(docs, role), env(docs, role)
+        unknown = {n for n in e if n.startswith("PDSPARK_")} - {
+            s.env for cls in (RouterConfig, WorkerConfig) for s in specs(cls)
+        } - {"PDSPARK_CACHE_DIR"}  # read by the CPU kernels' compiler cache, not a flag
+        assert not unknown, (role, unknown)
+        environ = {n: v for n, v in e.items() if n.startswith("PDSPARK_") and v != "<from>"}
+        if role == "router":
+            cfg = parse_args(RouterConfig, c.get("args", []), environ)
+            assert (cfg.host, cfg.port, cfg.grpc_port) == ("0.0.0.0", 8000, 50050)
+            assert {t.role for t in cfg.dns_targets} == {"prefill", "decode"}
+        else:
+            cfg = parse_args(WorkerConfig, c.get("args", []), environ, role=role)
+            assert (cfg.host, cfg.port, cfg.metrics_port) == ("0.0.0.0", 50051, 9100)
+        assert cfg.tls.enabled == ("PDSPARK_TLS_CERT" in e)
 
 
 def test_probes_security_context_and_volumes():

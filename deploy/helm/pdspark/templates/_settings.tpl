@@ -8,6 +8,9 @@
 {{- $_ := set $env "PDSPARK_SERVED_MODEL_NAME" (include "pdspark.servedModelName" .ctx) -}}
 {{- $_ := set $env "PDSPARK_PREFILL_POLICY" $v.router.prefillPolicy -}}
 {{- $_ := set $env "PDSPARK_DECODE_POLICY" $v.router.decodePolicy -}}
+{{- if $v.router.dnsDiscovery -}}
+{{- $_ := set $env "PDSPARK_DNS_INTERVAL_S" (toString $v.router.dnsIntervalSeconds) -}}
+{{- end -}}
 {{- else -}}
 {{- $_ := set $env "PDSPARK_PORT" (toString $v.ports.worker) -}}
 {{- $_ := set $env "PDSPARK_METRICS_PORT" (toString $v.ports.metrics) -}}
