@@ -231,6 +231,27 @@ def test_network_policy_fences_worker_ports():
     assert "NetworkPolicy" not in kinds(render("networkPolicy.enabled=false"))
 
 
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "defaults" if v is None else v.name)
+def test_selectors_select_the_pods_they_mean(values: Path | None):
+    """Services, PDBs, NetworkPolicies and HPA/KEDA targets name the role's pods, and only them."""
+    docs = render(values=values)
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in docs
+            if d["kind"] == "Deployment"}
+
+    def selected(selector: dict) -> set[str]:
+        return {name for name, labels in pods.items() if selector.items() <= labels.items()}
+
+    for d in docs:
+        name, spec = d["metadata"]["name"], d.get("spec", {})
+        if d["kind"] == "Service":
+            assert selected(spec["selector"]) == {name}
+        elif d["kind"] in ("PodDisruptionBudget", "NetworkPolicy"):
+            key = "selector" if d["kind"] == "PodDisruptionBudget" else "podSelector"
+            assert selected(spec[key]["matchLabels"]) == {name}
+        elif d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject"):
+            assert spec["scaleTargetRef"]["name"] == name and name in pods
+
+
 # --- toggles ---
 
 
