@@ -163,6 +163,8 @@ class Dispatcher:
                 last = e.failure
                 if not e.failure.code.retryable:
                     raise e.failure from e.__cause__
+                if deadline.expired:
+                    continue  # neither a retry nor a migration: the loop's head ends the request with DEADLINE
                 if produced:
                     self._migrating(request_id, progress, decode, e.failure)
                     trace.add_event("migration", {"pdspark.from_decode_worker": decode.name,
