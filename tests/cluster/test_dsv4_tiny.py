@@ -64,9 +64,10 @@ def test_greedy_matches_transformers(tiny, prompts):
     assert ours == ref[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("params, drafts_per_step", [(GREEDY, 1.0), (SEEDED, 0.25)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params, drafts_per_step", [(GREEDY, 1.0), (SEEDED, 0.75)], ids=["greedy", "seeded"])
 def test_speculative_equals_plain_and_accepts_drafts(tiny, prompts, params, drafts_per_step):
-    """Seeded too: the trained draft's coupled picks agree with the target's often enough to keep drafts."""
+    """Seeded too: the trained draft's races against the target's noise agree often enough to keep drafts (measured
+    1.07 drafts per verify step with seed 5, 0.88-1.43 over 13 seeds; the inverse-CDF coupling got 0.54)."""
     spec = LLM("dsv4-tiny", speculative="dspark", max_model_len=1024, max_num_seqs=8)
     plain = [o.token_ids for o in tiny.generate(prompt_token_ids=prompts, sampling_params=params)]
     outs = spec.generate(prompt_token_ids=prompts, sampling_params=params)

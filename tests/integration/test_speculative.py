@@ -14,7 +14,7 @@ from pdspark.engine import drafter as drafter_module
 from pdspark.engine.drafter import DraftProposal
 from pdspark.engine.engine import Engine
 from pdspark.engine.random_stream import Purpose, RandomStream
-from pdspark.engine.sampler import Sampler
+from pdspark.engine.sampler import Sampler, filter_logits
 from pdspark.engine.spec_verifier import accept
 from pdspark.model.dspark_weights import draft_state_dict, load_draft_weights
 from pdspark.model.loader import load_checkpoint, load_draft
@@ -118,16 +118,25 @@ def target_tokens(logits, params, stream, first_position):
     return Sampler().sample(logits, [params] * n, [stream] * n, list(range(first_position, first_position + n)))
 
 
-def coupled_overlap(p, q) -> float:
-    """P(the inverse-CDF picks of p and q by one uniform agree): the overlap of each token's two CDF intervals."""
+def gumbel_agreement(p, q) -> float:
+    """P(argmax p / E == argmax q / E) for one Exp(1) noise vector E: token i wins both when every E_j exceeds
+    E_i * max(p_j / p_i, q_j / q_i), which has probability 1 / sum_j max(p_j / p_i, q_j / q_i) over E_i."""
+    live = (p > 0) & (q > 0)
+    ratios = torch.maximum(p[None, :] / p[live, None], q[None, :] / q[live, None])  # [live, V]
+    return float((1.0 / ratios.sum(-1)).sum())
+
+
+def inverse_cdf_agreement(p, q) -> float:
+    """The same for the inverse-CDF picks of p and q by one uniform: the overlap of each token's CDF intervals."""
     cp, cq = p.cumsum(-1), q.cumsum(-1)
     return float((torch.minimum(cp, cq) - torch.maximum(cp - p, cq - q)).clamp(min=0).sum())
 
 
-def test_coupled_verification_keeps_the_target_distribution_and_accepts_by_overlap():
+def test_coupled_verification_keeps_the_target_distribution_and_accepts_by_gumbel_agreement():
     """Whatever the draft's distribution q, committed tokens follow the target's p (chi-square); one seed per trial,
-    the draft drawn by the position's SAMPLE draw as the drafter does. A draft is accepted as often as the coupled
-    picks agree, which is less than rejection sampling's sum(min(p, q))."""
+    the draft raced against the position's SAMPLE noise as the drafter does. A draft is accepted as often as the two
+    races agree: between the inverse-CDF coupling's rate and rejection sampling's sum(min(p, q)) for this q, whose
+    mass sits on tokens later in vocabulary order than p's."""
     V = 6
     p_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
     q = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.05, 0.05])
@@ -144,9 +153,30 @@ def test_coupled_verification_keeps_the_target_distribution_and_accepts_by_overl
     expected = n * p
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 20.5  # 99.9% quantile of chi-square with 5 degrees of freedom
-    overlap = coupled_overlap(p.double(), q.double())
-    assert abs(accepted - n * overlap) < 4 * (n * overlap * (1 - overlap)) ** 0.5
-    assert overlap < float(torch.minimum(p, q).sum()) - 0.05
+    agreement = gumbel_agreement(p.double(), q.double())
+    assert abs(accepted - n * agreement) < 4 * (n * agreement * (1 - agreement)) ** 0.5
+    optimum = float(torch.minimum(p, q).sum())
+    assert inverse_cdf_agreement(p.double(), q.double()) + 0.05 < agreement < optimum
+
+
+def test_acceptance_follows_gumbel_agreement_with_filters():
+    """A draft close to the target, both filtered by top-k and top-p as the engine filters them: over many seeds
+    the acceptance rate is the predicted agreement of the filtered p and q."""
+    V = 64
+    g = torch.Generator().manual_seed(9)
+    p_logits = torch.randn(V, generator=g) * 2
+    q_logits = p_logits + torch.randn(V, generator=g) * 0.7
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    p, q = (filter_logits(x, params).softmax(-1) for x in (p_logits, q_logits))
+    n = 4000
+    accepted = 0
+    for seed in range(n):
+        stream = RandomStream(seed)
+        d = stream.choice(q, 7, Purpose.SAMPLE)
+        accepted += accept([d], target_tokens(torch.stack([p_logits, p_logits]), params, stream, 7)).num_accepted
+    agreement = gumbel_agreement(p.double(), q.double())
+    assert abs(accepted - n * agreement) < 4 * (n * agreement * (1 - agreement)) ** 0.5
+    assert 0.5 < agreement < float(torch.minimum(p, q).sum())
 
 
 def test_speculative_chains_over_several_verify_steps_equal_plain_sampling():

@@ -1,7 +1,7 @@
 """`DSparkDrafter`: proposes draft tokens for verify steps and keeps the draft's context (injected features).
 
-A sampled draft is the draft distribution's pick by the SAMPLE draw of its position, the draw the target samples that
-position with (coupled verification, see `spec_verifier`): the verifier needs the draft tokens only, not q.
+A sampled draft is the race of the draft's q by its position's SAMPLE noise, the noise the target samples that position
+with (coupled verification, see `spec_verifier`): the verifier needs the draft tokens only, not q.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pdspark.cache.kv_cache import KVCache
-from pdspark.engine.random_stream import Purpose, RandomStream
+from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.engine.request import Request
 from pdspark.engine.sampler import filter_logits
 from pdspark.model.dspark import DSparkDraft
@@ -50,22 +50,25 @@ class DSparkDrafter:
         rows = torch.where(valid, self.kv.full_to_swa(full), self.kv.pools.swa_dummy_slot)
         ctx_kv = self.kv.pools.draft_kv[:, rows]  # [stages, M, W, d]
         base = self.draft.base_logits(self.draft.block_hidden(anchors, anchor_pos, ctx_kv, valid))  # [M, G, V]
-        return [self._pick(base[i], r, n) for i, (r, n) in enumerate(zip(reqs, num_drafts))]
+        # Draft k (0-based) proposes position `num_tokens + k`, raced with that position's SAMPLE noise: the very noise
+        # the target samples the position with. Every sampled row's noise in one call (it does not depend on the picks).
+        sampled = [0 if r.params.greedy else n for r, n in zip(reqs, num_drafts)]
+        keys = [RandomStream(r.seed).key(r.num_tokens + k) for r, m in zip(reqs, sampled) for k in range(m)]
+        noise = exponentials(keys, base.shape[-1]).split(sampled)  # per request [sampled drafts, V]
+        return [self._pick(base[i], r, n, noise[i]) for i, (r, n) in enumerate(zip(reqs, num_drafts))]
 
-    def _pick(self, base: torch.Tensor, req: Request, n: int) -> DraftProposal:
-        """Left to right: each row's base logits plus the Markov bias of the previous token. Draft k (0-based) is a
-        proposal for position `req.num_tokens + k`, drawn by that position's SAMPLE draw: the very draw the target
-        samples that position with, so the draft is accepted when both inverse-CDF picks land on the same token."""
+    def _pick(self, base: torch.Tensor, req: Request, n: int, noise: torch.Tensor) -> DraftProposal:
+        """Left to right: each row's base logits plus the Markov bias of the previous token; `noise [n, V]` for a
+        sampled request (empty for a greedy one)."""
         prev = req.all_token_ids[-1]
-        stream = RandomStream(req.seed)
         tokens = []
         for k in range(n):
             logits = base[k] + self.draft.markov_bias(torch.tensor(prev))
             if req.params.greedy:
                 prev = int(logits.argmax())
             else:
-                # The target's filters too: a q that keeps tokens p dropped shifts the CDF and loses agreement.
+                # The target's filters too: a token p dropped can never be the target's, so q must not spend mass on it.
                 q = filter_logits(logits, req.params).softmax(-1)
-                prev = stream.choice(q, req.num_tokens + k, Purpose.SAMPLE)
+                prev = int(race(q[None], noise[k : k + 1])[0])
             tokens.append(prev)
         return DraftProposal(tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdspark.engine.random_stream import Purpose, RandomStream, inverse_cdf
+from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.types import SamplingParams, TokenLogprobs
 
 
@@ -34,8 +34,8 @@ class Sampler:
         if not rows:
             return tokens
         probs = torch.stack([filter_logits(logits[i], params[i]).softmax(-1) for i in rows])  # [R, V]
-        u = torch.tensor([streams[i].uniform(positions[i], Purpose.SAMPLE) for i in rows], dtype=torch.float64)
-        for i, token in zip(rows, inverse_cdf(probs, u).tolist()):
+        noise = exponentials([streams[i].key(positions[i]) for i in rows], probs.shape[-1])  # [R, V]
+        for i, token in zip(rows, race(probs, noise).tolist()):
             tokens[i] = token
         return tokens
 
