@@ -143,11 +143,20 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
     return value
 
 
+# Mooncake's transfer timeout short (the write grace of a quarantine): see `cluster`. The plan's deadline is the
+# router's transfer timeout (30 s by default; `pdspark up` passes it on its command line).
+QUARANTINE_ENV = {"MC_TRANSFER_TIMEOUT": "3"}
+FREE_WITHIN_S = 30 + 3 + 10
+
+
 @pytest.fixture(scope="module")
 def cluster(draft_ckpt) -> Iterator[ServiceProcess]:
+    """The children inherit `QUARANTINE_ENV`, so that pages quarantined after a stopped or killed prefill worker
+    (freed once no write of its can land: the plan's deadline + the transfer engine's timeout) come back within
+    `FREE_WITHIN_S`."""
     service = start_service("pdspark up", ["up", "--model", str(draft_ckpt), "--prefill", "2", "--decode", "2",
                                            "--port", "0", "--grpc-port", "0", *ENGINE, *SUPERVISION],
-                            timeout=240, env={"OMP_NUM_THREADS": "1"})
+                            timeout=240, env={"OMP_NUM_THREADS": "1", **QUARANTINE_ENV})
     try:
         yield service
     finally:
@@ -464,8 +473,8 @@ def chaos_example(cluster: ServiceProcess, offline: dict, load: list[Req], fault
         return [f"{worker}: {', '.join(holds)}" for role, names in WORKERS.items() for worker in names
                 if (holds := busy(load_of(role, current(cluster, worker)["address"])))]
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + FREE_WITHIN_S
     while (left := leftovers()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    found += [f"pools not back to their free counts 10s after recovery: {x}" for x in left]
+    found += [f"pools not back to their free counts {FREE_WITHIN_S}s after recovery: {x}" for x in left]
     assert not found, f"{len(found)} problem(s):\n  " + "\n  ".join(found)
