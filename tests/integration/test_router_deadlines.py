@@ -54,6 +54,8 @@ def test_every_call_carries_what_is_left_of_the_callers_timeout():
     async def scenario():
         async with await RouterHarness.start() as h, AsyncClient(h.grpc_address, timeout=5) as client:
             await client.generate(**PROMPT)
+            # The last token can reach the client before the prefill call reaches its worker.
+            await until(lambda: h.prefill[0].calls, 5, "the prefill call")
             for call in (h.decode[0].calls[0], h.prefill[0].calls[0]):
                 assert 4 < call.timeout_s <= 5  # the SDK's timeout, not the router's 600 s default
 
