@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,24 +27,20 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from report import RESULTS, write_json  # noqa: E402
 
 from pdspark.service_process import ServiceProcess, start_service  # noqa: E402
+from prometheus_server import PrometheusServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
-RULES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))
 SHARED = list(range(10, 170))  # a shared 160-token prefix (2.5 pages of 64): later requests hit the prefix cache
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(http: str, path: str, body: dict) -> int:
@@ -103,52 +96,6 @@ def run_load(http: str, clients: int, duration_s: float) -> int:
     for t in threads:
         t.join()
     return sum(rounds)
-
-
-class Prometheus:
-    """Debian's prometheus on a free loopback port, scraping every second what the router's HTTP SD lists."""
-
-    def __init__(self, tmp: Path, router_http: str):
-        config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(f) for f in RULES],
-            "scrape_configs": [{"job_name": "pdspark", "http_sd_configs": [{
-                "url": router_http + "/prometheus/targets", "refresh_interval": "1s"}]}],
-        }
-        (tmp / "prometheus.json").write_text(json.dumps(config))
-        binary = shutil.which("prometheus")
-        assert binary, "prometheus is missing: `make setup` installs Debian's `prometheus` package"
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={tmp / 'prometheus.json'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}"], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/-/ready", timeout=1).read()
-                return
-            except (urllib.error.URLError, ConnectionError):
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError("prometheus did not start") from None
-                time.sleep(0.1)
-
-    def api(self, path: str, **params) -> dict:
-        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-        with urllib.request.urlopen(url, timeout=30) as r:
-            reply = json.loads(r.read())
-        assert reply["status"] == "success", reply
-        return reply["data"]
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.log.close()
 
 
 def substitute(expr: str, rate_window: str) -> str:
@@ -209,13 +156,14 @@ def main() -> int:
     parser.add_argument("--step", default="2", help="query_range step, seconds")
     args = parser.parse_args()
     cluster: ServiceProcess | None = None
-    prometheus: Prometheus | None = None
+    prometheus: PrometheusServer | None = None
     with tempfile.TemporaryDirectory(prefix="pdspark-dashboards-") as tmp:
         try:
             cluster = start_service("pdspark up", ["up", "--model", args.model, "--port", "0", "--grpc-port", "0"],
                                     timeout=240)
             http = cluster.info["http"]
-            prometheus = Prometheus(Path(tmp), http)
+            prometheus = PrometheusServer(Path(tmp), http)
+            prometheus.wait_ready()
             log(f"cluster at {http}, prometheus at {prometheus.url}; {args.duration:.0f} s of load")
             time.sleep(3)  # a few scrapes of the idle cluster first
             t0 = time.time()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 from pdspark.service_process import ServiceProcess, start_service
 
 
@@ -20,3 +24,19 @@ def start_router(model: str, prefill: list, decode: list, *args: str, timeout: f
                                     "--prefill", ",".join(w.address for w in prefill),
                                     "--decode", ",".join(w.address for w in decode), *args], timeout=timeout,
                          env=env)
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval_s: float = 0.05) -> Any:
+    """Poll `condition` until it returns something truthy (returned); fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(interval_s)
+    return value
+
+
+def seconds_until(condition: Callable[[], Any], timeout: float, what: str) -> float:
+    """`wait_until` polling every 20 ms, returning how long the wait took (a detection time)."""
+    t0 = time.monotonic()
+    wait_until(condition, timeout, what, interval_s=0.02)
+    return time.monotonic() - t0

@@ -41,6 +41,7 @@ import pytest
 from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
+from cluster import wait_until
 from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.client import Client, ClientError
@@ -135,14 +136,6 @@ def faults(kind: str, sig: str) -> st.SearchStrategy[Fault]:
 
 
 # ---- the cluster -----------------------------------------------------------------------------------------------------
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.05)
-    return value
-
-
 # Mooncake's transfer timeout short (the write grace of a quarantine): see `cluster`. The plan's deadline is the
 # router's transfer timeout (30 s by default; `pdspark up` passes it on its command line).
 QUARANTINE_ENV = {"MC_TRANSFER_TIMEOUT": "3"}

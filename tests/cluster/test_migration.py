@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import grpc
 import openai
 import pytest
 
+from cluster import wait_until
 from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.client import Client
@@ -31,15 +30,6 @@ PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 96
 GREEDY = dict(temperature=0.0)
 SEEDED = dict(temperature=0.9, top_p=0.95, seed=1234)
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.05)
-    return value
-
 
 @pytest.fixture(scope="module")
 def cluster(draft_ckpt) -> Iterator[ServiceProcess]:

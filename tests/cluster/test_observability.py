@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -24,21 +22,16 @@ from pathlib import Path
 import pytest
 
 from pdspark.service_process import start_service
+from prometheus_server import RULES, PrometheusServer, tool
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
 ADMIN_KEY = "admin-key-for-observability-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SHARED = list(range(10, 58))  # 48 tokens: a second request with this prefix hits 3 cached pages of 16
 ROOT = Path(__file__).resolve().parents[2]
-RULES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 RATE_WINDOW = "30s"  # what the tests put for the panels' $__rate_interval (30 scrapes at 1 s)
 
-
-def binary(name: str) -> str:
-    path = shutil.which(name)
-    assert path, f"{name} is missing: `make setup` installs Debian's `prometheus` package, which has it"
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +41,6 @@ def cluster(draft_ckpt):
     yield service
     assert service.stop() == 0
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, headers: dict | None = None, timeout: float = 10):
@@ -96,57 +84,6 @@ def mixed_load(http: str) -> None:
     drop_a_stream(http)
 
 
-class Prometheus:
-    """A Prometheus of our own on a free loopback port, discovering the cluster through the router."""
-
-    def __init__(self, tmp: Path, router_http: str):
-        key_file = tmp / "admin-key"
-        key_file.write_text(ADMIN_KEY)
-        key_file.chmod(0o600)
-        config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(f) for f in RULES],
-            "scrape_configs": [{"job_name": "pdspark", "http_sd_configs": [{
-                "url": router_http + "/prometheus/targets", "refresh_interval": "1s",
-                # `type` explicitly: 2.42's HTTP discovery sends no `Bearer` without it.
-                "authorization": {"type": "Bearer", "credentials_file": str(key_file)}}]}],
-        }
-        (tmp / "prometheus.json").write_text(json.dumps(config))  # JSON is YAML
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [binary("prometheus"), f"--config.file={tmp / 'prometheus.json'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}"], stdout=self.log, stderr=subprocess.STDOUT)
-        self.log_path = tmp / "prometheus.log"
-
-    def wait_ready(self, timeout_s: float = 15) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, f"prometheus exited: {self.log_path.read_text()[-2000:]}"
-            try:
-                get(self.url + "/-/ready", timeout=1)
-                return
-            except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline, f"prometheus not ready: {self.log_path.read_text()[-2000:]}"
-                time.sleep(0.1)
-
-    def api(self, path: str, **params) -> dict:
-        reply = json.loads(get(f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"))
-        assert reply["status"] == "success", reply
-        return reply["data"]
-
-    def query(self, promql: str) -> list[dict]:
-        return self.api("query", query=promql)["result"]
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.log.close()
-
 
 def until(check, timeout_s: float, what: str):
     """Poll `check()` (a value, or None/False while not yet) until it gives one; fail after `timeout_s`."""
@@ -159,7 +96,7 @@ def until(check, timeout_s: float, what: str):
         time.sleep(0.25)
 
 
-def wait_all_up(prometheus: Prometheus, model: str) -> None:
+def wait_all_up(prometheus: PrometheusServer, model: str) -> None:
     seen: list = []
 
     def all_up() -> bool:
@@ -173,7 +110,7 @@ def wait_all_up(prometheus: Prometheus, model: str) -> None:
         until(all_up, 20, "every target up under its name")
     except AssertionError as e:
         raise AssertionError(f"{e}; the targets: {seen}; prometheus: "
-                             f"{prometheus.log_path.read_text()[-3000:]}") from None
+                             f"{prometheus.tail(3000)}") from None
 
 
 # Series every service has once the load above ran (a query that returns nothing fails): (PromQL, what it shows).
@@ -209,7 +146,7 @@ def test_prometheus_discovers_and_scrapes_every_service(cluster, tmp_path):
     # `pdspark up` told its user how to scrape it.
     assert any("http_sd_configs" in line for line in cluster.errors), cluster.errors[-20:]
     assert any(f"url: {http}/prometheus/targets" in line for line in cluster.errors)
-    prometheus = Prometheus(tmp_path, http)
+    prometheus = PrometheusServer(tmp_path, http, ADMIN_KEY)
     try:
         prometheus.wait_ready()
         mixed_load(http)
@@ -237,7 +174,7 @@ def test_promtool_finds_nothing_on_any_endpoint(cluster):
     urls = [http + "/metrics", *(w["metrics_url"] for w in workers)]
     assert len(urls) == 3, workers
     for url in urls:
-        out = subprocess.run([binary("promtool"), "check", "metrics"], input=get(url), capture_output=True,
+        out = subprocess.run([tool("promtool"), "check", "metrics"], input=get(url), capture_output=True,
                              timeout=60)
         assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), (url, out.stdout + out.stderr)
 
@@ -292,7 +229,7 @@ def test_every_dashboard_query_returns_data_and_every_rule_is_ok(cluster, tmp_pa
     http, model = cluster.info["http"], cluster.info["model"]
     queries = panel_queries(model)
     assert len(queries) >= 24 and RULES
-    prometheus = Prometheus(tmp_path, http)
+    prometheus = PrometheusServer(tmp_path, http, ADMIN_KEY)
     load = None
     try:
         prometheus.wait_ready()

@@ -23,14 +23,13 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 import openai
 import pytest
 
-from cluster import start_router, start_worker
+from cluster import seconds_until, start_router, start_worker
 from pdspark import LLM, SamplingParams
 from pdspark.client import AsyncClient
 from pdspark.service_process import ServiceProcess
@@ -82,16 +81,6 @@ def cluster():
     finally:
         for service in (router, decode, prefill):
             service.stop()
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> float:
-    """Poll `condition` every 20 ms until it holds; returns the seconds it took; fails after `timeout`."""
-    t0 = time.monotonic()
-    while not condition():
-        assert time.monotonic() - t0 < timeout, f"not within {timeout}s: {what}"
-        time.sleep(0.02)
-    return time.monotonic() - t0
-
 
 def load_of(worker: ServiceProcess) -> worker_pb2.LoadReport:
     stub = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
@@ -198,7 +187,7 @@ def victim(cluster):
     worker = start_worker("prefill", MODEL, *ENGINE, "--max-num-batched-tokens", "64", env=WORKER_ENV)
     try:
         set_worker(router, "POST", worker.address)
-        wait_until(lambda: workers(router)[worker.address], 5, "the new prefill worker healthy in /workers")
+        seconds_until(lambda: workers(router)[worker.address], 5, "the new prefill worker healthy in /workers")
         yield worker
     finally:
         if worker.alive:
@@ -213,7 +202,7 @@ def check_answers(answers: list, offline: list) -> None:
 
 
 def check_survivors_idle(prefill: ServiceProcess, decode: ServiceProcess) -> float:
-    took = wait_until(lambda: idle(prefill) and idle(decode), TRANSFER_TIMEOUT_S + 3 + 5,
+    took = seconds_until(lambda: idle(prefill) and idle(decode), TRANSFER_TIMEOUT_S + 3 + 5,
                       "the surviving workers hold nothing (quarantined pages freed too)")
     for w in (prefill, decode):
         assert w.alive, f"{w.name} died:\n{w.tail()}"
@@ -228,7 +217,7 @@ def test_killed_prefill_worker_its_requests_complete_on_the_other(cluster, offli
     check_answers(answers, offline)
     assert retries(router) > retried  # requests did start on the victim
     assert victim.proc.wait(5) == -signal.SIGKILL
-    down_s = wait_until(lambda: not workers(router)[victim.address], DETECT_S, "the killed worker marked down")
+    down_s = seconds_until(lambda: not workers(router)[victim.address], DETECT_S, "the killed worker marked down")
     idle_s = check_survivors_idle(prefill, decode)
     print(f"\nSIGKILL with {seen.transfers_in_flight} transfers in flight ({seen.running} prefilling) on the "
           f"victim: {N} requests done {seconds:.2f}s after the kill; marked down within {down_s:.2f}s more; "
@@ -248,9 +237,9 @@ def test_stopped_prefill_worker_its_requests_are_retried_once_it_is_marked_down(
         idle_s = check_survivors_idle(prefill, decode)  # while the victim is still stopped
     finally:
         os.kill(victim.pid, signal.SIGCONT)
-    back_s = wait_until(lambda: workers(router)[victim.address], 5, "the resumed worker re-admitted")
+    back_s = seconds_until(lambda: workers(router)[victim.address], 5, "the resumed worker re-admitted")
     # The resumed worker drops what it held: the router's and the decode worker's calls to it were cancelled.
-    victim_idle_s = wait_until(lambda: idle(victim), 10, "the resumed worker holds nothing")
+    victim_idle_s = seconds_until(lambda: idle(victim), 10, "the resumed worker holds nothing")
     print(f"\nSIGSTOP with {seen.transfers_in_flight} transfers in flight ({seen.running} prefilling) on the "
           f"victim: {N} requests done {seconds:.2f}s after the stop; survivors idle {idle_s:.2f}s later; after "
           f"SIGCONT re-admitted in {back_s:.2f}s, idle in {victim_idle_s:.2f}s")

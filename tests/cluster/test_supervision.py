@@ -19,11 +19,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
+from cluster import wait_until
 from pdspark.service_process import ServiceProcess, start_service
 
 ENGINE = ["--model", "dsv4-tiny", "--max-model-len", "512", "--max-num-seqs", "4", "--port", "0", "--grpc-port", "0"]
@@ -35,16 +35,6 @@ SUPERVISION = ["--restart-backoff-s", "3", "--max-restart-backoff-s", "3", "--cr
 ENV = {"OMP_NUM_THREADS": "1"}
 DETECT_S = 2.0  # a dead or hung worker is marked down within this (DESIGN.md section 5)
 BACK_S = 30.0  # a killed worker is restarted and re-admitted within this
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll `condition` until it returns something truthy (returned), failing with `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.1)
-    return value
-
 
 def health(info: dict) -> dict[str, bool]:
     """The router's view: worker address -> healthy."""
