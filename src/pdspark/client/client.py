@@ -39,8 +39,11 @@ from pdspark.v1 import router_pb2, router_pb2_grpc
 REQUEST_ID_KEY = "pdspark-request-id"
 RETRY_AFTER_KEY = "retry-after"
 API_KEY_ENV = "PDSPARK_API_KEY"
-# Ping a quiet connection every 30 s, so a long stream through a NAT or a vanished router fails instead of hanging.
-KEEPALIVE_OPTIONS = (("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000))
+# Ping a quiet connection every 30 s, so a long stream through a NAT or a vanished router fails instead of hanging:
+# within 40 s of the router's last sign of life. gRPC core waits `ping_timeout_ms` (default 60 s) for a ping's ack,
+# not `keepalive_timeout_ms` alone (pdspark.rpc.keepalive).
+KEEPALIVE_OPTIONS = (("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+                     ("grpc.http2.ping_timeout_ms", 10_000))
 
 
 class ClientError(Exception):
