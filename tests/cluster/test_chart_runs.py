@@ -65,7 +65,8 @@ def decode_streams_ended(pod: Pod) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """(rendered, pods, router URL, API key, admin key, seconds until the first completion), stopped at the end."""
+    """(rendered, pods, router URL, API key, admin key, the first completion, seconds until it came), stopped at
+    the end."""
     t0 = time.monotonic()
     rendered = helm_template()
     work = tmp_path_factory.mktemp("chart")
