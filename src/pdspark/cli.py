@@ -8,11 +8,13 @@ import time
 from dataclasses import replace
 
 from pdspark.config import GenerateConfig, RouterConfig, UpConfig, WorkerConfig
+from pdspark.engine_extra import require_engine
 from pdspark.errors import PdsparkError
 from pdspark.options import add_arguments, parse_options
 
 
 def _generate(args: argparse.Namespace, cfg: GenerateConfig) -> int:
+    require_engine("`pdspark generate`")
     from pdspark.llm import LLM
     from pdspark.types import SamplingParams
 
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _up(args: argparse.Namespace, cfg: UpConfig) -> int:
+    require_engine("`pdspark up` (its workers)")
     from pdspark.launcher import launch
 
     return launch(cfg)
@@ -86,6 +89,7 @@ def _serve_router(args: argparse.Namespace, cfg: RouterConfig) -> int:
 
 
 def _serve_worker(args: argparse.Namespace, cfg: WorkerConfig) -> int:
+    require_engine(f"`pdspark serve {cfg.role}`")
     from pdspark.serving.worker_server import run_worker
 
     return run_worker(cfg)

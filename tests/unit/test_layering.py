@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "v1": 0,  # generated protobuf code
     "types": 1,
     "deadline": 1,
+    "engine_extra": 1,  # the check that the `engine` extra is installed (cli, the package's LLM)
     "hardware": 1,
     "assets": 1,
     "options": 1,  # the flag/env/keyword generator under config

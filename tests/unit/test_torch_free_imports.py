@@ -24,6 +24,7 @@ TORCH_FREE = [
     "pdspark.transfer.plan",
     "pdspark.transfer.plan_validation",
     "pdspark.config",
+    "pdspark.cli",  # `pdspark serve router` (the router image's entrypoint) and the engine-extra check
 ]
 
 

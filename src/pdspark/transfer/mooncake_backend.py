@@ -38,8 +38,9 @@ class MooncakeBackend:
             from mooncake.engine import TransferEngine
         except ImportError as e:  # missing wheel, or Debian's libibverbs1 / libnuma1
             raise TransferError(
-                f"the Mooncake transfer engine is unavailable ({e}); install `mooncake-transfer-engine-non-cuda` "
-                "and the Debian packages libibverbs1 and libnuma1"
+                f"the Mooncake transfer engine is unavailable ({e}); install the `engine` extra "
+                "(pip install 'pdspark[engine]', which brings `mooncake-transfer-engine-non-cuda` on x86_64) and the "
+                "Debian packages libibverbs1 and libnuma1"
             ) from e
         self._engine = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
