@@ -28,6 +28,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # the names of `pdspark.router.policies.POLICIES`
 TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfer.backend.create_backend` takes
 UpBackend = Literal["process", "ray"]  # how `pdspark up` runs its services (`pdspark.launcher`)
+Device = Literal["cpu", "cuda", "npu"]  # the names `pdspark.hardware.registry.select_backend` takes
 
 _MODEL_HELP = "checkpoint directory (HF-format DSV4) or shipped model name"
 _PORT: dict[str, Any] = {"minimum": 0, "maximum": 65535}
@@ -85,7 +86,7 @@ class SchedulerConfig:
 class EngineConfig:
     cache: CacheConfig = nested(CacheConfig, "cache")
     scheduler: SchedulerConfig = nested(SchedulerConfig, "scheduler")
-    device: str = option("cpu", "torch device the engine runs on")
+    device: Device = option("cpu", "hardware backend the engine runs on (cuda and npu are untested: see the README)")
     dtype: Dtype = option("float32", "compute dtype")
     # Unset: each engine draws its unseeded requests' seeds from OS entropy, so "random" streams differ across
     # workers and runs; set: those seeds derive from it (reproducible runs, tests, benchmarks).

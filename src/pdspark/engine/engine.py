@@ -23,6 +23,7 @@ from pdspark.engine.scheduler import ScheduledChunk, Scheduler
 from pdspark.engine.spec_verifier import accept
 from pdspark.engine.stop_checker import StopChecker
 from pdspark.errors import CapacityError, ConfigError, ErrorCode, InvalidRequestError, RequestFailed
+from pdspark.hardware.registry import select_backend
 from pdspark.model.dspark import DSparkDraft
 from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.tokenizer import Tokenizer
@@ -113,7 +114,8 @@ class Engine:
         self.sizes = PoolSizes.derive(model.cfg, cache, config.scheduler)
         dtype = getattr(torch, config.dtype)
         stages = draft.dcfg.num_stages if num_drafts and draft is not None else 0
-        self.kv = KVCache(model.cfg, self.sizes, dtype, config.device, config.cache.enable_prefix_cache, stages)
+        self.backend = select_backend(config.device)
+        self.kv = KVCache(model.cfg, self.sizes, dtype, self.backend.device, config.cache.enable_prefix_cache, stages)
         self.scheduler = Scheduler(config.scheduler, self.kv, num_drafts)
         self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
         capture = draft.dcfg.target_layer_ids if self.drafter and draft is not None else ()
