@@ -88,6 +88,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = nested(SchedulerConfig, "scheduler")
     device: Device = option("cpu", "hardware backend the engine runs on (cuda and npu are untested: see the README)")
     dtype: Dtype = option("float32", "compute dtype")
+    # Read by `pdspark.hardware.extra_ops` at engine start (the variable is PDSPARK_EXTRA_OPS_SO).
+    extra_ops_so: tuple[str, ...] = option(
+        (), "operator libraries (.so) loaded and checked at engine start (comma- or os.pathsep-separated paths)")
     # Unset: each engine draws its unseeded requests' seeds from OS entropy, so "random" streams differ across
     # workers and runs; set: those seeds derive from it (reproducible runs, tests, benchmarks).
     seed: int | None = option(None, "seed for requests without one (unset: fresh entropy per process)")

@@ -3,8 +3,10 @@ machine lacks (raised before any weight is loaded)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from pdspark.engine.factory import create_engine
 from pdspark.errors import ConfigError
 from pdspark.hardware.backend import DeviceUnavailableError, NullStream
 from pdspark.hardware.cpu.backend import CpuBackend
+from pdspark.hardware.extra_ops import ExtraOpsError, split_paths
 from pdspark.hardware.npu import torch_npu_guard
 from pdspark.hardware.registry import DEVICES, select_backend
 from pdspark.options import parse_args
@@ -83,4 +86,16 @@ def test_engine_refuses_a_missing_device_before_loading(monkeypatch):
             create_engine("dsv4-tiny", device="npu")
     finally:
         torch_npu_guard.import_torch_npu.cache_clear()
+    assert not loaded
+
+
+def test_engine_checks_its_extra_operator_libraries_before_loading(monkeypatch, tmp_path):
+    cfg = parse_args(WorkerConfig, [], environ={"PDSPARK_EXTRA_OPS_SO": f"{tmp_path}/a.so{os.pathsep}b.so"},
+                     role="decode")
+    assert split_paths(cfg.engine.extra_ops_so) == (tmp_path / "a.so", Path("b.so"))
+    loaded = []
+    monkeypatch.setattr("pdspark.engine.factory.load_checkpoint", lambda *a, **k: loaded.append(a))
+    with pytest.raises(ExtraOpsError, match=f"PDSPARK_EXTRA_OPS_SO: extra operator library '{tmp_path}/a.so' does "
+                                            "not exist"):
+        create_engine("dsv4-tiny", config=cfg.engine)
     assert not loaded

@@ -7,6 +7,7 @@ import gc
 from pdspark.assets import resolve_model
 from pdspark.config import EngineConfig
 from pdspark.engine.engine import Engine
+from pdspark.hardware.extra_ops import load_extra_ops
 from pdspark.hardware.registry import select_backend
 from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.model.model_config import ModelConfig
@@ -23,7 +24,10 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     max_len = config.scheduler.max_model_len
     assert max_len is not None  # for_model resolved it
     # The device is checked before anything loads: `--device cuda` without a GPU fails here, naming what is missing.
-    device = str(select_backend(config.device).device)
+    # So are the extra operator libraries, and the operators the backend's features need from them.
+    backend = select_backend(config.device)
+    load_extra_ops(config.extra_ops_so, {f: backend.required_ops(f) for f in backend.op_features}, backend.name)
+    device = str(backend.device)
     ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress)
     draft = load_draft(ckpt, max_len, config.dtype, device) if config.speculative else None
     engine = Engine(ckpt.model, config, ckpt.tokenizer, draft)
