@@ -94,6 +94,10 @@ class EngineConfig:
     # Unset: each engine draws its unseeded requests' seeds from OS entropy, so "random" streams differ across
     # workers and runs; set: those seeds derive from it (reproducible runs, tests, benchmarks).
     seed: int | None = option(None, "seed for requests without one (unset: fresh entropy per process)")
+    # SGLang's NPU path uses 64 (128 on Blackwell); off by default until measured on a device.
+    multi_stream_rows: int = option(
+        0, "decode/verify steps of at most this many token rows prepare attention on two side streams (cuda, npu; "
+        "0: off; on cpu the same work in program order)", minimum=0)
     speculative: Literal["dspark"] | None = option(None, "speculative decoding with the checkpoint's DSpark draft")
     num_speculative_tokens: int | None = option(None, "draft tokens per verify step (default: the draft's gamma)",
                                                 minimum=1)

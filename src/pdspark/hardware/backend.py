@@ -68,6 +68,10 @@ class HardwareBackend(ABC):
         """Run the block's work on `stream` (a no-op without streams)."""
         yield
 
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Mark `tensor` as used on `stream` (a no-op without streams: `Tensor.record_stream` refuses CPU streams)."""
+        return None
+
     def synchronize(self) -> None:
         """Wait for every queued kernel of the device (a no-op on the CPU)."""
         return None

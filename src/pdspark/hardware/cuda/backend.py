@@ -45,5 +45,8 @@ class CudaBackend(HardwareBackend):
         with torch.cuda.stream(stream):
             yield
 
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._device)

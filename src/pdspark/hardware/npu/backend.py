@@ -56,5 +56,8 @@ class NpuBackend(HardwareBackend):
         with self._npu.stream(stream):
             yield
 
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
     def synchronize(self) -> None:
         self._npu.synchronize(self._device)
