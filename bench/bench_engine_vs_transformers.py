@@ -4,6 +4,10 @@ Each measurement runs in its own process (so peak RSS belongs to one system), al
 `--repeats N` the table shows medians. Greedy decoding, EOS ignored, random prompt ids (same for both).
 
     python bench/bench_engine_vs_transformers.py [--model dsv4-tiny] [--prompt-len 512] [--output-len 128]
+        [--device cpu|cuda]
+
+With `--device cuda` both systems run on the GPU, peak memory is the GPU's (`torch.cuda.max_memory_allocated`), and
+the results are written as `engine_vs_transformers_cuda` beside the CPU ones (`scripts/device_check.sh`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(8, vocab, (length,), generator=g).tolist() for _ in range(batch)]
 
 
-def _worker(system: str, model: str, batch: int, prompt_len: int, output_len: int, threads: int) -> dict:
+def _worker(system: str, model: str, batch: int, prompt_len: int, output_len: int, threads: int,
+            device: str = "cpu") -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -43,7 +48,7 @@ def _worker(system: str, model: str, batch: int, prompt_len: int, output_len: in
         from pdspark import LLM, SamplingParams
 
         llm = LLM(path, max_model_len=prompt_len + output_len + 64, max_num_seqs=max(batch, 1),
-                  max_num_batched_tokens=1024)
+                  max_num_batched_tokens=1024, device=device)
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
         llm.generate(prompt_token_ids=[prompts[0][:16]], sampling_params=SamplingParams(max_tokens=2))  # warm-up
         t0 = time.perf_counter()
@@ -53,9 +58,9 @@ def _worker(system: str, model: str, batch: int, prompt_len: int, output_len: in
     else:
         from transformers import DeepseekV4ForCausalLM
 
-        hf = DeepseekV4ForCausalLM.from_pretrained(path).eval()
+        hf = DeepseekV4ForCausalLM.from_pretrained(path).eval().to(device)
         hf.generation_config.eos_token_id = None
-        ids = torch.tensor(prompts)  # equal lengths: one static batch, no padding needed
+        ids = torch.tensor(prompts, device=device)  # equal lengths: one static batch, no padding needed
         with torch.no_grad():
             hf.generate(ids[:1, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
             t0 = time.perf_counter()
@@ -68,13 +73,15 @@ def _worker(system: str, model: str, batch: int, prompt_len: int, output_len: in
         "seconds": seconds,
         "output_tokens": n_out,
         "tokens_per_s": n_out / seconds,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
+                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
 
 
 def _measure(args, system: str, batch: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", system, "--batch", str(batch), "--model", args.model,
-           "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--threads", str(args.threads)]
+           "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--threads", str(args.threads),
+           "--device", args.device]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -95,9 +102,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--worker", choices=["pdspark", "transformers"])
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.model, args.batch, args.prompt_len, args.output_len, args.threads)))
+        print(json.dumps(_worker(args.worker, args.model, args.batch, args.prompt_len, args.output_len, args.threads,
+                                 args.device)))
         return
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -111,14 +120,18 @@ def main() -> None:
     def med(system, batch, key):
         return statistics.median(r[key] for r in rows[(system, batch)])
 
+    memory = "RSS" if args.device == "cpu" else "GPU memory"
     lines = [
         f"model {args.model}, prompt {args.prompt_len}, output {args.output_len}, greedy, "
-        f"{args.threads} threads, {platform.machine()} ({args.repeats} repeat(s), medians)",
+        f"{args.threads} threads, {platform.machine() if args.device == 'cpu' else args.device} "
+        f"({args.repeats} repeat(s), medians)",
         "",
-        "| batch | pdspark tok/s | transformers tok/s | speedup | pdspark peak RSS MB | transformers peak RSS MB |",
+        f"| batch | pdspark tok/s | transformers tok/s | speedup | pdspark peak {memory} MB | transformers peak "
+        f"{memory} MB |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     summary = []
+    name = "engine_vs_transformers" + ("" if args.device == "cpu" else f"_{args.device}")
     for b in batches:
         pd, hf = med("pdspark", b, "tokens_per_s"), med("transformers", b, "tokens_per_s")
         pd_rss, hf_rss = med("pdspark", b, "peak_rss_mb"), med("transformers", b, "peak_rss_mb")
@@ -126,14 +139,14 @@ def main() -> None:
         summary.append({"batch": b, "pdspark_tok_s": pd, "transformers_tok_s": hf, "speedup": pd / hf,
                         "pdspark_peak_rss_mb": pd_rss, "transformers_peak_rss_mb": hf_rss})
     print("\n".join(lines))
-    write_json("engine_vs_transformers",
+    write_json(name,
                {"args": vars(args), "summary": summary, "runs": [r for v in rows.values() for r in v]})
     fig, ax = figure()
     paired_bars(ax, [f"batch {s['batch']}" for s in summary], [s["pdspark_tok_s"] for s in summary],
                 [s["transformers_tok_s"] for s in summary], ("pdspark", "transformers generate"), "output tokens / s")
     for x, s in enumerate(summary):
         ax.annotate(f"{s['speedup']:.1f}x", (x - 0.2, s["pdspark_tok_s"]), ha="center", va="bottom")
-    save_figure(fig, "engine_vs_transformers", lines[0])
+    save_figure(fig, name, lines[0])
 
 
 

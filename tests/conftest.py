@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from draft_reference import add_random_draft
 from hf_reference import CSA, HCA, SLIDING, TinySpec, save_hf_checkpoint, write_byte_tokenizer
+from pdspark.config import EngineConfig
 
 # Tests measure behaviour, not speed: one intra-op thread keeps runs steady on shared 2-core machines.
 torch.set_num_threads(int(os.environ.get("PDSPARK_TEST_THREADS", "1")))
@@ -53,3 +55,26 @@ def draft_ckpt(checkpoints, tmp_path_factory):
 def random_prompts(n: int, lengths: list[int], vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", choices=("cpu", "cuda", "npu"), default="cpu",
+                     help="run the tests' engines on this device (scripts/device_check.sh); default: cpu")
+
+
+def pytest_configure(config):
+    device = config.getoption("--device")
+    if device != "cpu":
+        _run_engines_on(device)
+
+
+def _run_engines_on(device: str) -> None:
+    """Every engine the tests build without naming a device runs on `device`: worker processes read
+    PDSPARK_DEVICE; in-process engines (`LLM(...)`, `create_engine(...)`) get it as `EngineConfig`'s default.
+    NOTE: a test-session switch only: the option's default stays written once, in the field."""
+    os.environ["PDSPARK_DEVICE"] = device
+    init = EngineConfig.__init__
+    names = list(inspect.signature(init).parameters)[1:]  # without self; every field has a default
+    defaults = list(init.__defaults__ or ())
+    defaults[names.index("device") - (len(names) - len(defaults))] = device
+    init.__defaults__ = tuple(defaults)

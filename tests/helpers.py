@@ -30,7 +30,7 @@ def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     try:
         batch = build_forward_batch([Chunk(pages.slot, 0, ids, num_logits=len(ids))], kv)
         model = llm.engine.runner.model
-        return model.logits(model(batch, kv.pools).hidden[batch.logits_rows])
+        return model.logits(model(batch, kv.pools).hidden[batch.logits_rows]).cpu()  # beside the references
     finally:
         kv.close(pages)
 

@@ -28,6 +28,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # the names of `pdspark.router.policies.POLICIES`
 TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfer.backend.create_backend` takes
 UpBackend = Literal["process", "ray"]  # how `pdspark up` runs its services (`pdspark.launcher`)
+Device = Literal["cpu", "cuda", "npu"]  # the names `pdspark.hardware.registry.select_backend` takes
 
 _MODEL_HELP = "checkpoint directory (HF-format DSV4) or shipped model name"
 _PORT: dict[str, Any] = {"minimum": 0, "maximum": 65535}
@@ -85,11 +86,18 @@ class SchedulerConfig:
 class EngineConfig:
     cache: CacheConfig = nested(CacheConfig, "cache")
     scheduler: SchedulerConfig = nested(SchedulerConfig, "scheduler")
-    device: str = option("cpu", "torch device the engine runs on")
+    device: Device = option("cpu", "hardware backend the engine runs on (cuda and npu are untested: see the README)")
     dtype: Dtype = option("float32", "compute dtype")
+    # Read by `pdspark.hardware.extra_ops` at engine start (the variable is PDSPARK_EXTRA_OPS_SO).
+    extra_ops_so: tuple[str, ...] = option(
+        (), "operator libraries (.so) loaded and checked at engine start (comma- or os.pathsep-separated paths)")
     # Unset: each engine draws its unseeded requests' seeds from OS entropy, so "random" streams differ across
     # workers and runs; set: those seeds derive from it (reproducible runs, tests, benchmarks).
     seed: int | None = option(None, "seed for requests without one (unset: fresh entropy per process)")
+    # SGLang's NPU path uses 64 (128 on Blackwell); off by default until measured on a device.
+    multi_stream_rows: int = option(
+        0, "decode/verify steps of at most this many token rows prepare attention on two side streams (cuda, npu; "
+        "0: off; on cpu the same work in program order)", minimum=0)
     speculative: Literal["dspark"] | None = option(None, "speculative decoding with the checkpoint's DSpark draft")
     num_speculative_tokens: int | None = option(None, "draft tokens per verify step (default: the draft's gamma)",
                                                 minimum=1)

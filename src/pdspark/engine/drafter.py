@@ -49,7 +49,10 @@ class DSparkDrafter:
         full = self.kv.req_to_token[slots[:, None], ctx_pos.clamp(min=0)]
         rows = torch.where(valid, self.kv.full_to_swa(full), self.kv.pools.swa_dummy_slot)
         ctx_kv = self.kv.pools.draft_kv[:, rows]  # [stages, M, W, d]
-        base = self.draft.base_logits(self.draft.block_hidden(anchors, anchor_pos, ctx_kv, valid))  # [M, G, V]
+        # Indices are built on the host (from the host tables); the draft runs where the pools are.
+        dev = ctx_kv.device
+        base = self.draft.base_logits(self.draft.block_hidden(anchors.to(dev), anchor_pos.to(dev), ctx_kv,
+                                                              valid.to(dev)))  # [M, G, V]
         # Draft k (0-based) proposes position `num_tokens + k`, raced with that position's SAMPLE noise: the very noise
         # the target samples the position with. Every sampled row's noise in one call (it does not depend on the picks).
         sampled = [0 if r.params.greedy else n for r, n in zip(reqs, num_drafts)]

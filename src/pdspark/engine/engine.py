@@ -23,6 +23,8 @@ from pdspark.engine.scheduler import ScheduledChunk, Scheduler
 from pdspark.engine.spec_verifier import accept
 from pdspark.engine.stop_checker import StopChecker
 from pdspark.errors import CapacityError, ConfigError, ErrorCode, InvalidRequestError, RequestFailed
+from pdspark.hardware.prepare_streams import PrepareStreams
+from pdspark.hardware.registry import select_backend
 from pdspark.model.dspark import DSparkDraft
 from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.tokenizer import Tokenizer
@@ -113,11 +115,13 @@ class Engine:
         self.sizes = PoolSizes.derive(model.cfg, cache, config.scheduler)
         dtype = getattr(torch, config.dtype)
         stages = draft.dcfg.num_stages if num_drafts and draft is not None else 0
-        self.kv = KVCache(model.cfg, self.sizes, dtype, config.device, config.cache.enable_prefix_cache, stages)
+        self.backend = select_backend(config.device)
+        self.kv = KVCache(model.cfg, self.sizes, dtype, self.backend.device, config.cache.enable_prefix_cache, stages)
         self.scheduler = Scheduler(config.scheduler, self.kv, num_drafts)
         self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
         capture = draft.dcfg.target_layer_ids if self.drafter and draft is not None else ()
-        self.runner = ModelRunner(model, self.kv, capture)
+        streams = PrepareStreams(self.backend) if config.multi_stream_rows else None
+        self.runner = ModelRunner(model, self.kv, capture, streams, config.multi_stream_rows)
         self.sampler = Sampler()
         # Seeds for requests that come without one. NOTE: an explicit engine seed is the deterministic mode (tests,
         # benchmarks: the n-th request gets the same seed on every run); without one (None), OS entropy, so that two
@@ -291,8 +295,11 @@ class Engine:
         req = c.request
         tokens = req.all_token_ids[c.start : c.start + c.num_tokens - c.num_drafts]
         if proposal is not None:
-            return Chunk(req.pages.slot, c.start, tokens + proposal.tokens, num_logits=c.num_tokens)  # type: ignore
-        return Chunk(req.pages.slot, c.start, tokens, num_logits=1 if c.samples else 0)  # type: ignore[union-attr]
+            return Chunk(req.pages.slot, c.start, tokens + proposal.tokens, num_logits=c.num_tokens,  # type: ignore
+                         kind="verify")
+        # One token past the prompt: a generated token (or a transferred first one) being decoded.
+        kind = "decode" if c.num_tokens == 1 and c.start >= len(req.prompt_token_ids) else "extend"
+        return Chunk(req.pages.slot, c.start, tokens, num_logits=1 if c.samples else 0, kind=kind)  # type: ignore
 
     def _decide(
         self, chunks: list[ScheduledChunk], out: RunOutput, proposals: dict[str, DraftProposal]

@@ -7,6 +7,8 @@ import gc
 from pdspark.assets import resolve_model
 from pdspark.config import EngineConfig
 from pdspark.engine.engine import Engine
+from pdspark.hardware.extra_ops import load_extra_ops
+from pdspark.hardware.registry import select_backend
 from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
@@ -21,8 +23,13 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     config = build(EngineConfig, options, base=config).for_model(ModelConfig.from_dir(path).max_position_embeddings)
     max_len = config.scheduler.max_model_len
     assert max_len is not None  # for_model resolved it
-    ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=config.device, progress=progress)
-    draft = load_draft(ckpt, max_len, config.dtype, config.device) if config.speculative else None
+    # The device is checked before anything loads: `--device cuda` without a GPU fails here, naming what is missing.
+    # So are the extra operator libraries, and the operators the backend's features need from them.
+    backend = select_backend(config.device)
+    load_extra_ops(config.extra_ops_so, {f: backend.required_ops(f) for f in backend.op_features}, backend.name)
+    device = str(backend.device)
+    ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress)
+    draft = load_draft(ckpt, max_len, config.dtype, device) if config.speculative else None
     engine = Engine(ckpt.model, config, ckpt.tokenizer, draft)
     # What is loaded now lives as long as the process: move it out of the collector's generations, so that the
     # full collections that steps trigger do not walk the model and its tables again and again.

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pdspark.cache.kv_cache import HostTables, KVCache
+from pdspark.hardware.prepare_streams import StepKind
 from pdspark.model.batch import CompressedIndex, CompressPlan, ForwardBatch, Segment, WindowIndex
 
 
@@ -28,6 +29,8 @@ class Chunk:
     token_ids: list[int]
     # Return logits for these trailing rows of the chunk (1 to sample the next token, 0 mid-prefill).
     num_logits: int = 1
+    # What the chunk computes (prompt rows, one generated token, a verify window): picks the multi-stream prepare.
+    kind: StepKind = "extend"
 
 
 # Chunks at least this long attend densely over their window's union (one gather per chunk instead of one window

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdspark.hardware.prepare_streams import PrepareStreams
 from pdspark.model.batch import CompressedIndex, ForwardBatch, LayerCache, Segment, gather_rows
 from pdspark.model.compressor import Compressor
 from pdspark.model.indexer import Indexer
@@ -77,10 +78,34 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
         """`x [T, D]` -> `[T, D]`. `rope_at` holds this layer's rotation factors at the batch positions."""
         xp = self._project_x(x)
-        proj = self._q_from(xp.qa, rope_at)
-        cache.swa_kv[batch.swa_slots] = rope_at.apply(self.kv_norm(xp.kv))
-        compressed = self._update_compressed(xp, proj.qr, batch, cache, rope_at)
+        if batch.prepare_streams is not None:
+            proj, compressed = self._prepare_on_streams(xp, batch, cache, rope_at, batch.prepare_streams)
+        else:
+            proj = self._q_from(xp.qa, rope_at)
+            self._write_kv(xp.kv, batch, cache, rope_at)
+            compressed = self._update_compressed(xp, proj.qr, batch, cache, rope_at)
         return self.project_out(self.attend(proj.q, cache, batch, compressed), rope_at)
+
+    def _prepare_on_streams(
+        self, xp: XProjection, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt, streams: PrepareStreams
+    ) -> tuple[QProjection, CompressedIndex | None]:
+        """The same work as the one-stream prepare, split (decode/verify steps, see `pdspark.hardware.
+        prepare_streams`): the KV write on one side stream, the query heads on another, the compressors and the
+        indexer on the current stream, which then waits for both. Each piece reads only what the others do not
+        write, so the results are those of the one-stream path."""
+        qr = self.q_norm(xp.qa)  # [T, q_lora] on the current stream: the q side and the indexer both read it
+        streams.fork()
+        with streams.on_kv():
+            self._write_kv(xp.kv, batch, cache, rope_at)
+        with streams.on_q():
+            q = self._q_heads(qr, rope_at)
+        compressed = self._update_compressed(xp, qr, batch, cache, rope_at)
+        streams.join(q)
+        return QProjection(q, qr), compressed
+
+    def _write_kv(self, kv: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> None:
+        """Normalise and rotate the raw latents `kv [T, d]` and write them at the step's SWA slots."""
+        cache.swa_kv[batch.swa_slots] = rope_at.apply(self.kv_norm(kv))
 
     def fuse(self) -> None:
         """Inference only: stack every projection of the layer input into one matrix (one matmul instead of up to
@@ -112,8 +137,12 @@ class Attention(nn.Module):
 
     def _q_from(self, qa: torch.Tensor, rope_at: RopeAt) -> QProjection:
         qr = self.q_norm(qa)
-        q = rms_norm(F.linear(qr, self.wq_b).view(qa.shape[0], self.n_heads, self.head_dim), None, self.eps)
-        return QProjection(rope_at.apply(q), qr)
+        return QProjection(self._q_heads(qr, rope_at), qr)
+
+    def _q_heads(self, qr: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
+        """The normalised q latent `qr [T, q_lora]` -> query heads `[T, H, d]`, head-normalised and rotated."""
+        q = rms_norm(F.linear(qr, self.wq_b).view(qr.shape[0], self.n_heads, self.head_dim), None, self.eps)
+        return rope_at.apply(q)
 
     def project_out(self, o: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """Un-rotate `o [T, H, d]` and apply the grouped output projection -> `[T, D]`."""

@@ -11,6 +11,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from pdspark.hardware.prepare_streams import PrepareStreams
+
 
 @dataclass(frozen=True)
 class WindowIndex:
@@ -71,6 +73,8 @@ class ForwardBatch:
     csa_plan: CompressPlan | None
     hca_plan: CompressPlan | None
     logits_rows: torch.Tensor  # [num logits rows] token rows to compute logits for
+    # Decode/verify steps within the row limit: the side streams attention prepares on (None: one stream).
+    prepare_streams: PrepareStreams | None = None
 
     @property
     def num_tokens(self) -> int:

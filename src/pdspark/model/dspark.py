@@ -159,5 +159,5 @@ class DSparkDraft(nn.Module):
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """Low-rank bigram logit bias `w2(w1[prev])`: `prev [...]` -> `[..., V]` fp32."""
         if self.dcfg.markov_rank == 0:
-            return torch.zeros(*prev.shape, self.cfg.vocab_size)
+            return torch.zeros(*prev.shape, self.cfg.vocab_size, device=self.markov_w1.device)
         return F.linear(self.markov_w1[prev].float(), self.markov_w2.float())

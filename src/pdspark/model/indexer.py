@@ -86,7 +86,7 @@ class Indexer(nn.Module):
         q = rope_at.apply(F.linear(qr, self.wq_b).view(T, self.n_heads, self.dim)).float()  # [T, Hi, Di]
         w = head_w.float() * self.n_heads**-0.5  # [T, Hi]
         scale = self.dim**-0.5
-        out = torch.full((T, csa.max_visible), float("-inf"))
+        out = torch.full((T, csa.max_visible), float("-inf"), device=q.device)
         g = batch.gather_rows if batch.segments else None
         if g is None or g.numel():
             rows = csa.rows if g is None else csa.rows[g]
