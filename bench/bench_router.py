@@ -69,14 +69,26 @@ class Load:
     p99_ms: float
     requests: int
     errors: int
+    # CPU seconds the router process (all its threads) spent per request, in ms: unlike req/s, barely moved by
+    # other jobs sharing the cores.
+    cpu_ms_per_request: float | None = None
 
 
-def wrk(url: str, script: Path, threads: int, connections: int, seconds: float) -> Load:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, all threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(url: str, script: Path, threads: int, connections: int, seconds: float, pid: int | None = None) -> Load:
+    """A wrk run; `pid`: the router's process, whose CPU time per request is measured over the run."""
+    before = cpu_s(pid) if pid is not None else 0.0
     out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "-s", str(script), url],
                          capture_output=True, text=True, timeout=seconds + 60, check=True).stdout
     stats = json.loads(out.strip().splitlines()[-1])
+    cpu = (cpu_s(pid) - before) / max(1, stats["requests"]) * 1e3 if pid is not None else None
     return Load(stats["requests"] / (stats["duration_us"] / 1e6), stats["p50_us"] / 1e3, stats["p99_us"] / 1e3,
-                stats["requests"], stats["errors"])
+                stats["requests"], stats["errors"], cpu)
 
 
 def _post_ok(url: str, body: dict) -> bool:
@@ -122,9 +134,9 @@ def free_port() -> int:
 
 
 # ---- pdspark's direct path: the dual dispatch the router makes, from a client in this process ----------------------
-async def direct_p50(prefill: str, decode: str, requests: int) -> Load:
-    """Sequential (one connection's worth) latency of Prefill + Generate sent at once to the stubs, as the router
-    sends them."""
+async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1) -> Load:
+    """Prefill + Generate sent at once to the stubs, as the router sends them, `concurrency` pairs at a time (1:
+    one connection's latency). Its CPU per request is this client's: the gRPC calls alone, a floor for the router."""
     channels = [grpc.aio.insecure_channel(prefill), grpc.aio.insecure_channel(decode)]
     p_stub, d_stub = worker_pb2_grpc.PrefillWorkerStub(channels[0]), worker_pb2_grpc.DecodeWorkerStub(channels[1])
     sampling = convert.sampling_to_pb(SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -143,13 +155,19 @@ async def direct_p50(prefill: str, decode: str, requests: int) -> Load:
 
     for _ in range(20):
         await one()  # warm-up: connections
-    t0 = time.perf_counter()
-    lat = sorted([await one() for _ in range(requests)])
-    elapsed = time.perf_counter() - t0
+    sem = asyncio.Semaphore(concurrency)
+
+    async def limited() -> float:
+        async with sem:
+            return await one()
+
+    cpu0, t0 = cpu_s(os.getpid()), time.perf_counter()
+    lat = sorted(await asyncio.gather(*(limited() for _ in range(requests))))
+    elapsed, cpu = time.perf_counter() - t0, cpu_s(os.getpid()) - cpu0
     for c in channels:
         await c.close()
     return Load(requests / elapsed, lat[len(lat) // 2] * 1e3, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
-                requests, 0)
+                requests, 0, cpu / requests * 1e3)
 
 
 # ---- the two stacks -------------------------------------------------------------------------------------------------
@@ -201,7 +219,7 @@ def side_by_side(args, script: Path) -> dict:
         for n in range(args.rounds):  # alternating: both meet the same contention
             row = {}
             for name, stack in (("sglang", sglang), ("pdspark", pdspark)):
-                row[name] = asdict(wrk(stack.url, script, 2, 16, args.duration))
+                row[name] = asdict(wrk(stack.url, script, 2, 16, args.duration, stack.router.pid))
                 print(f"  round {n + 1} {name}: {row[name]['rps']:.0f} req/s, p50 {row[name]['p50_ms']:.2f} ms",
                       file=sys.stderr)
             rounds.append(row)
@@ -209,12 +227,14 @@ def side_by_side(args, script: Path) -> dict:
             "sglang_router": asdict(wrk(sglang.url, script, 1, 1, args.duration)),
             "sglang_direct": asdict(wrk(sglang.decode_url, script, 1, 1, args.duration)),
             "pdspark_router": asdict(wrk(pdspark.url, script, 1, 1, args.duration)),
-            "pdspark_direct": asdict(asyncio.run(direct_p50(pdspark.prefill, pdspark.decode, args.direct_requests))),
+            "pdspark_direct": asdict(asyncio.run(direct(pdspark.prefill, pdspark.decode, args.direct_requests))),
         }
+        # The gRPC client's own ceiling: the router's two calls per request, from a bare client at 16 at a time.
+        ceiling = asdict(asyncio.run(direct(pdspark.prefill, pdspark.decode, args.direct_requests * 2, 16)))
     finally:
         pdspark.close()
         sglang.close()
-    return {"rounds": rounds, "one_connection": one}
+    return {"rounds": rounds, "one_connection": one, "grpc_client_16": ceiling}
 
 
 def real_cluster(args) -> dict:
@@ -231,7 +251,7 @@ def real_cluster(args) -> dict:
             script.write_text(LUA % json.dumps(BODY))
             return {"router_16": asdict(wrk(url, script, 2, 16, args.duration)),
                     "router_1": asdict(wrk(url, script, 1, 1, args.duration)),
-                    "direct_1": asdict(asyncio.run(direct_p50(p.address, d.address, 50)))}
+                    "direct_1": asdict(asyncio.run(direct(p.address, d.address, 50)))}
     finally:
         for s in (router, d, p):
             s.stop()
@@ -244,13 +264,17 @@ def table(result: dict, args) -> list[str]:
         f"(2 threads, 16 connections, {args.duration:g} s), rounds alternating",
         "",
         "| round | sglang-router req/s | pdspark req/s | ratio | sglang p50 ms | pdspark p50 ms | sglang p99 ms "
-        "| pdspark p99 ms | errors (s/p) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| pdspark p99 ms | sglang CPU ms/req | pdspark CPU ms/req | errors (s/p) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for n, r in enumerate(rounds, 1):
         s, p = r["sglang"], r["pdspark"]
         lines.append(f"| {n} | {s['rps']:.0f} | {p['rps']:.0f} | {p['rps'] / s['rps']:.2f} | {s['p50_ms']:.2f} | "
-                     f"{p['p50_ms']:.2f} | {s['p99_ms']:.2f} | {p['p99_ms']:.2f} | {s['errors']}/{p['errors']} |")
+                     f"{p['p50_ms']:.2f} | {s['p99_ms']:.2f} | {p['p99_ms']:.2f} | {s['cpu_ms_per_request']:.3f} | "
+                     f"{p['cpu_ms_per_request']:.3f} | {s['errors']}/{p['errors']} |")
+    c = result["grpc_client_16"]
+    lines += ["", f"pdspark's gRPC calls alone (a bare grpc.aio client making the router's two calls per request, 16 "
+              f"at a time, no HTTP): {c['rps']:.0f} req/s, {c['cpu_ms_per_request']:.3f} CPU ms per request"]
     lines += [
         "",
         "| one connection | router p50 ms | direct p50 ms | added p50 ms |",
