@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup prometheus-tools helm-tools helm-copies run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards clean proto
+.PHONY: setup prometheus-tools helm-tools sglang-router-tools bench-router helm-copies run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -76,7 +76,7 @@ bench: setup
 	$(PY) bench/bench_prefix_cache.py
 	$(PY) bench/bench_dspark.py
 	$(PY) bench/bench_pd_transfer.py
-	$(PY) bench/bench_router.py
+	$(MAKE) bench-router
 	$(MAKE) bench-failover
 	$(MAKE) bench-serving
 
@@ -90,6 +90,25 @@ bench-failover: setup
 # The dashboards drawn with matplotlib from a real Prometheus after a load run (bench/results/dashboard_*.png).
 bench-dashboards: setup
 	$(PY) bench/plot_dashboards.py
+
+# The router benchmark's peer: sglang-router 0.3.2 (Rust, PyPI) in its own venv (its fastapi/uvicorn/setproctitle
+# requirements stay out of the project's), and Debian's wrk, the load generator both routers meet.
+SGLANG_ROUTER_VENV ?= .venv-sglang-router
+SGLANG_ROUTER_VERSION ?= 0.3.2
+
+sglang-router-tools:
+	@if ! command -v wrk >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends wrk; fi
+	@if ! $(SGLANG_ROUTER_VENV)/bin/pip show sglang-router 2>/dev/null | grep -qx 'Version: $(SGLANG_ROUTER_VERSION)'; then \
+	  python3 -m venv $(SGLANG_ROUTER_VENV) && \
+	  $(SGLANG_ROUTER_VENV)/bin/pip install -q 'sglang-router==$(SGLANG_ROUTER_VERSION)'; fi
+
+# pdspark's router vs sglang-router in PD mode on instant stub workers (wrk); e.g. BENCH_ROUTER_ARGS="--rounds 3".
+BENCH_ROUTER_ARGS ?=
+
+bench-router: setup sglang-router-tools
+	$(PY) bench/bench_router.py --sglang-python $(SGLANG_ROUTER_VENV)/bin/python $(BENCH_ROUTER_ARGS)
 
 # guidellm (the load generator used on vLLM/SGLang) lives in its own venv: its requirements would move the project's
 # pinned torch/transformers. torch goes in first as the CPU build, which guidellm's bare `torch` requirement accepts
@@ -108,7 +127,7 @@ bench-serving: setup $(GUIDELLM)
 	$(PY) bench/bench_serving.py --guidellm $(GUIDELLM) $(BENCH_SERVING_ARGS)
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(SGLANG_ROUTER_VENV) .pytest_cache .ruff_cache
 
 # Regenerate the gRPC/protobuf code from proto/ (committed; tests/test_proto_drift.py checks it is current).
 proto: setup

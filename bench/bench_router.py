@@ -1,8 +1,16 @@
-"""The router's cost: latency it adds (p50/p99) and request throughput, through the router vs calling the workers
-directly (the client doing the dual dispatch itself), on stub workers (no model: the router alone) and on the real
-cluster. Same requests, same client (gRPC, asyncio), one run.
+"""The router's cost, side by side with sglang-router 0.3.2 (Rust) in PD mode, each in front of instant stub workers.
 
-    python bench/bench_router.py [--model dsv4-tiny] [--requests 200] [--concurrency 16] [--tokens 16]
+- Throughput: the same wrk load (2 threads, 16 connections, 8 s, the same `POST /v1/completions` body: a text prompt,
+  one token) on pdspark's router over the gRPC stubs (`stub_workers.py`, 1 token) and on sglang-router over its own
+  HTTP stubs (`http_stub_workers.py`, answering `/generate` and `/v1/completions`). The two runs alternate (`--rounds`),
+  so both meet the same contention on a shared machine; the table has every round.
+- Added latency: p50 at one connection through each router minus p50 calling its stubs directly (sglang: wrk on the
+  decode stub; pdspark: the dual dispatch the router makes, done by a gRPC client in this process, sequentially).
+- Optionally (`--real`), the pdspark router over a real dsv4-tiny pair vs that client's direct dual dispatch.
+
+    python bench/bench_router.py [--rounds 2] [--duration 8] [--sglang-python .venv-sglang-router/bin/python] [--real]
+
+Needs `wrk` (Debian) and sglang-router in its own venv: `make sglang-router-tools` (`make bench-router` runs both).
 """
 
 from __future__ import annotations
@@ -10,10 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
@@ -22,136 +36,315 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from cluster import start_router, start_worker  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import figure, paired_bars, save_figure, write_json  # noqa: E402
+from report import figure, save_figure, write_json  # noqa: E402
 
 from pdspark.rpc import convert  # noqa: E402
 from pdspark.service_process import ServiceProcess  # noqa: E402
 from pdspark.types import SamplingParams  # noqa: E402
-from pdspark.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from pdspark.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
-PROMPT = [11, 12, 13, 14, 15, 16, 17, 18] * 4
-
-
-async def direct(prefill: str, decode: str, params: SamplingParams) -> float:
-    """The client's own dual dispatch (what the router does), timed to the last token."""
-    p_stub = worker_pb2_grpc.PrefillWorkerStub(_channel(prefill))
-    d_stub = worker_pb2_grpc.DecodeWorkerStub(_channel(decode))
-    tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
-    sampling = convert.sampling_to_pb(params)
-    timeout_ms = 60_000  # relative: each worker times it from receipt
-    t0 = time.perf_counter()
-    p_call = asyncio.ensure_future(p_stub.Prefill(worker_pb2.PrefillRequest(
-        request_id=rid, transfer_id=tid, prompt_token_ids=PROMPT, sampling=sampling, timeout_ms=timeout_ms)))
-    async for _ in d_stub.Generate(worker_pb2.GenerateRequest(
-            request_id=rid, transfer_id=tid, prompt_token_ids=PROMPT, sampling=sampling, prefill_address=prefill,
-            timeout_ms=timeout_ms)):
-        pass
-    await p_call
-    return time.perf_counter() - t0
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "stub"  # both routers serve it under this name: one request body for both
+BODY = {"model": MODEL_NAME, "prompt": "def fibonacci(n):", "max_tokens": 1}
+DIRECT_PROMPT = [11, 12, 13, 14, 15, 16]  # the pdspark direct client's prompt: the text's length in tokens, about
+# wrk prints one JSON line at the end: latency percentiles (microseconds), requests, errors (non-2xx included).
+LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [[%s]]
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('{"requests": %%d, "duration_us": %%d, "p50_us": %%d, "p99_us": %%d, "errors": %%d}\\n',
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    e.connect + e.read + e.write + e.status + e.timeout))
+end
+"""
+READY_TIMEOUT_S = 60.0
 
 
-async def routed(router: str, params: SamplingParams) -> float:
-    stub = router_pb2_grpc.RouterStub(_channel(router))
-    req = router_pb2.RouterGenerateRequest(token_ids=router_pb2.TokenIds(ids=PROMPT),
-                                           sampling=convert.sampling_to_pb(params))
-    t0 = time.perf_counter()
-    async for _ in stub.Generate(req):
-        pass
-    return time.perf_counter() - t0
+@dataclass(frozen=True)
+class Load:
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    requests: int
+    errors: int
+    # CPU seconds the router process (all its threads) spent per request, in ms: unlike req/s, barely moved by
+    # other jobs sharing the cores.
+    cpu_ms_per_request: float | None = None
 
 
-_channels: dict[str, grpc.aio.Channel] = {}
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, all threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _channel(address: str) -> grpc.aio.Channel:
-    if address not in _channels:
-        _channels[address] = grpc.aio.insecure_channel(address)
-    return _channels[address]
+def wrk(url: str, script: Path, threads: int, connections: int, seconds: float, pid: int | None = None) -> Load:
+    """A wrk run; `pid`: the router's process, whose CPU time per request is measured over the run."""
+    before = cpu_s(pid) if pid is not None else 0.0
+    out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "-s", str(script), url],
+                         capture_output=True, text=True, timeout=seconds + 60, check=True).stdout
+    stats = json.loads(out.strip().splitlines()[-1])
+    cpu = (cpu_s(pid) - before) / max(1, stats["requests"]) * 1e3 if pid is not None else None
+    return Load(stats["requests"] / (stats["duration_us"] / 1e6), stats["p50_us"] / 1e3, stats["p99_us"] / 1e3,
+                stats["requests"], stats["errors"], cpu)
 
 
-async def measure(fn, requests: int, concurrency: int) -> dict:
-    """Sequential latencies (for percentiles) and concurrent throughput."""
-    for _ in range(5):
-        await fn()  # warm-up: connections, first compilation of paths
-    lat = sorted([await fn() for _ in range(requests)])
+def _post_ok(url: str, body: dict) -> bool:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def wait_serving(url: str) -> None:
+    """Poll until `url` answers the benchmark's body with 200 (sglang-router activates its workers after it listens)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not _post_ok(url, BODY):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer 200 within {READY_TIMEOUT_S:.0f} s")
+        time.sleep(0.2)
+
+
+def start_json_child(argv: list[str], env: dict | None = None) -> tuple[subprocess.Popen, dict]:
+    """A child that prints one JSON ready line (the stub servers)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- pdspark's direct path: the dual dispatch the router makes, from a client in this process ----------------------
+async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1) -> Load:
+    """Prefill + Generate sent at once to the stubs, as the router sends them, `concurrency` pairs at a time (1:
+    one connection's latency). Its CPU per request is this client's: the gRPC calls alone, a floor for the router."""
+    channels = [grpc.aio.insecure_channel(prefill), grpc.aio.insecure_channel(decode)]
+    p_stub, d_stub = worker_pb2_grpc.PrefillWorkerStub(channels[0]), worker_pb2_grpc.DecodeWorkerStub(channels[1])
+    sampling = convert.sampling_to_pb(SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+
+    async def one() -> float:
+        tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
+        t0 = time.perf_counter()
+        p_call = asyncio.ensure_future(p_stub.Prefill(worker_pb2.PrefillRequest(
+            request_id=rid, transfer_id=tid, prompt_token_ids=DIRECT_PROMPT, sampling=sampling, timeout_ms=60_000)))
+        async for _ in d_stub.Generate(worker_pb2.GenerateRequest(
+                request_id=rid, transfer_id=tid, prompt_token_ids=DIRECT_PROMPT, sampling=sampling,
+                prefill_address=prefill, timeout_ms=60_000)):
+            pass
+        await p_call
+        return time.perf_counter() - t0
+
+    for _ in range(20):
+        await one()  # warm-up: connections
     sem = asyncio.Semaphore(concurrency)
 
-    async def one():
+    async def limited() -> float:
         async with sem:
-            await fn()
+            return await one()
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one() for _ in range(requests)))
-    rps = requests / (time.perf_counter() - t0)
-    return {"p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
-            "rps": rps}
+    cpu0, t0 = cpu_s(os.getpid()), time.perf_counter()
+    lat = sorted(await asyncio.gather(*(limited() for _ in range(requests))))
+    elapsed, cpu = time.perf_counter() - t0, cpu_s(os.getpid()) - cpu0
+    for c in channels:
+        await c.close()
+    return Load(requests / elapsed, lat[len(lat) // 2] * 1e3, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
+                requests, 0, cpu / requests * 1e3)
 
 
-async def compare(label: str, prefill: str, decode: str, router: str, args) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    d = await measure(lambda: direct(prefill, decode, params), args.requests, args.concurrency)
-    r = await measure(lambda: routed(router, params), args.requests, args.concurrency)
-    row = {"workers": label, "direct": d, "router": r, "added_p50_ms": r["p50_ms"] - d["p50_ms"],
-           "added_p99_ms": r["p99_ms"] - d["p99_ms"], "throughput_ratio": r["rps"] / d["rps"]}
-    print(f"  {label}: direct p50 {d['p50_ms']:.2f} ms, router p50 {r['p50_ms']:.2f} ms", file=sys.stderr)
-    return row
+# ---- the two stacks -------------------------------------------------------------------------------------------------
+class PdsparkStack:
+    def __init__(self, model: str):
+        self.stubs, info = start_json_child([sys.executable, str(ROOT / "bench" / "stub_workers.py"), "--tokens",
+                                             "1"])
+        self.prefill, self.decode = info["prefill"], info["decode"]
+        fake = [ServiceProcess("p", self.stubs, {"address": self.prefill}),
+                ServiceProcess("d", self.stubs, {"address": self.decode})]
+        self.router = start_router(model, fake[:1], fake[1:], "--served-model-name", MODEL_NAME)
+        self.url = f"{self.router.info['http']}/v1/completions"
+        wait_serving(self.url)
+
+    def close(self) -> None:
+        self.router.stop()
+        stop(self.stubs)
+
+
+class SglangStack:
+    def __init__(self, python: str):
+        self.stubs, info = start_json_child([sys.executable, str(ROOT / "bench" / "http_stub_workers.py"),
+                                             "--tokens", "1"])
+        self.decode_url = f"{info['decode']}/v1/completions"
+        port = free_port()
+        # Warnings only: its per-request log lines would be work pdspark's router does not do.
+        self.router = subprocess.Popen(
+            [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+             "--pd-disaggregation", "--prefill", info["prefill"], "none", "--decode", info["decode"],
+             "--prefill-policy", "round_robin", "--decode-policy", "round_robin", "--log-level", "warn"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}/v1/completions"
+        try:
+            wait_serving(self.url)
+        except TimeoutError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        stop(self.router)
+        stop(self.stubs)
+
+
+def side_by_side(args, script: Path) -> dict:
+    sglang = SglangStack(args.sglang_python)
+    pdspark = PdsparkStack(args.model)
+    rounds: list[dict] = []
+    try:
+        for n in range(args.rounds):  # alternating: both meet the same contention
+            row = {}
+            for name, stack in (("sglang", sglang), ("pdspark", pdspark)):
+                row[name] = asdict(wrk(stack.url, script, 2, 16, args.duration, stack.router.pid))
+                print(f"  round {n + 1} {name}: {row[name]['rps']:.0f} req/s, p50 {row[name]['p50_ms']:.2f} ms",
+                      file=sys.stderr)
+            rounds.append(row)
+        one = {
+            "sglang_router": asdict(wrk(sglang.url, script, 1, 1, args.duration)),
+            "sglang_direct": asdict(wrk(sglang.decode_url, script, 1, 1, args.duration)),
+            "pdspark_router": asdict(wrk(pdspark.url, script, 1, 1, args.duration)),
+            "pdspark_direct": asdict(asyncio.run(direct(pdspark.prefill, pdspark.decode, args.direct_requests))),
+        }
+        # The gRPC client's own ceiling: the router's two calls per request, from a bare client at 16 at a time.
+        ceiling = asdict(asyncio.run(direct(pdspark.prefill, pdspark.decode, args.direct_requests * 2, 16)))
+    finally:
+        pdspark.close()
+        sglang.close()
+    return {"rounds": rounds, "one_connection": one, "grpc_client_16": ceiling}
+
+
+def real_cluster(args) -> dict:
+    """pdspark's router over a real dsv4-tiny pair (wrk, 1 connection and 16) vs the direct dual dispatch."""
+    flags = ["--max-num-seqs", "32", "--max-model-len", "512"]
+    p, d = start_worker("prefill", args.model, *flags), start_worker("decode", args.model, *flags,
+                                                                     "--no-prefix-cache")
+    router = start_router(args.model, [p], [d], "--served-model-name", MODEL_NAME)
+    try:
+        url = f"{router.info['http']}/v1/completions"
+        wait_serving(url)
+        with tempfile.TemporaryDirectory() as tmp:
+            script = Path(tmp) / "post.lua"
+            script.write_text(LUA % json.dumps(BODY))
+            return {"router_16": asdict(wrk(url, script, 2, 16, args.duration)),
+                    "router_1": asdict(wrk(url, script, 1, 1, args.duration)),
+                    "direct_1": asdict(asyncio.run(direct(p.address, d.address, 50)))}
+    finally:
+        for s in (router, d, p):
+            s.stop()
+
+
+def table(result: dict, args) -> list[str]:
+    rounds, one = result["rounds"], result["one_connection"]
+    lines = [
+        f"pdspark router vs sglang-router 0.3.2 (PD mode), instant stub workers, 1 token, wrk POST /v1/completions "
+        f"(2 threads, 16 connections, {args.duration:g} s), rounds alternating",
+        "",
+        "| round | sglang-router req/s | pdspark req/s | ratio | sglang p50 ms | pdspark p50 ms | sglang p99 ms "
+        "| pdspark p99 ms | sglang CPU ms/req | pdspark CPU ms/req | errors (s/p) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for n, r in enumerate(rounds, 1):
+        s, p = r["sglang"], r["pdspark"]
+        lines.append(f"| {n} | {s['rps']:.0f} | {p['rps']:.0f} | {p['rps'] / s['rps']:.2f} | {s['p50_ms']:.2f} | "
+                     f"{p['p50_ms']:.2f} | {s['p99_ms']:.2f} | {p['p99_ms']:.2f} | {s['cpu_ms_per_request']:.3f} | "
+                     f"{p['cpu_ms_per_request']:.3f} | {s['errors']}/{p['errors']} |")
+    c = result["grpc_client_16"]
+    lines += ["", f"pdspark's gRPC calls alone (a bare grpc.aio client making the router's two calls per request, 16 "
+              f"at a time, no HTTP): {c['rps']:.0f} req/s, {c['cpu_ms_per_request']:.3f} CPU ms per request"]
+    lines += [
+        "",
+        "| one connection | router p50 ms | direct p50 ms | added p50 ms |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in ("sglang", "pdspark"):
+        r, d = one[f"{name}_router"], one[f"{name}_direct"]
+        lines.append(f"| {name} | {r['p50_ms']:.2f} | {d['p50_ms']:.2f} | {r['p50_ms'] - d['p50_ms']:.2f} |")
+    if "real" in result:
+        real = result["real"]
+        lines += ["", "| real dsv4-tiny pair | req/s at 16 | p50 ms at 1 | direct p50 ms | added p50 ms |",
+                  "|---|---:|---:|---:|---:|",
+                  f"| pdspark | {real['router_16']['rps']:.1f} | {real['router_1']['p50_ms']:.2f} | "
+                  f"{real['direct_1']['p50_ms']:.2f} | {real['router_1']['p50_ms'] - real['direct_1']['p50_ms']:.2f} |"]
+    return lines
+
+
+def plot(result: dict, title: str) -> None:
+    fig, (ax1, ax2) = figure(ncols=2, width=10)
+    rounds = result["rounds"]
+    xs = range(len(rounds))
+    for offset, name in ((-0.2, "sglang"), (0.2, "pdspark")):
+        ax1.bar([x + offset for x in xs], [r[name]["rps"] for r in rounds], 0.4,
+                label="sglang-router" if name == "sglang" else "pdspark router")
+    ax1.set_xticks(list(xs), [f"round {n + 1}" for n in xs], fontsize=8)
+    ax1.set_ylabel("requests/s (16 connections)")
+    ax1.legend(fontsize=8)
+    one = result["one_connection"]
+    names = ("sglang", "pdspark")
+    ax2.bar([x - 0.2 for x in range(2)], [one[f"{n}_direct"]["p50_ms"] for n in names], 0.4, label="direct")
+    ax2.bar([x + 0.2 for x in range(2)], [one[f"{n}_router"]["p50_ms"] for n in names], 0.4, label="through router")
+    ax2.set_xticks([0, 1], ["sglang-router", "pdspark router"], fontsize=8)
+    ax2.set_ylabel("p50 ms at one connection")
+    ax2.legend(fontsize=8)
+    save_figure(fig, "router", title)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="dsv4-tiny")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=16, help="tokens per request")
-    parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument("--model", default="dsv4-tiny", help="the model whose tokenizer the pdspark router loads")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating wrk runs of each router at 16 connections")
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per wrk run")
+    parser.add_argument("--direct-requests", type=int, default=1000, help="sequential direct gRPC dual dispatches")
+    parser.add_argument("--sglang-python", default=str(ROOT / ".venv-sglang-router" / "bin" / "python"),
+                        help="a python with sglang-router 0.3.2 installed (`make sglang-router-tools`)")
+    parser.add_argument("--real", action="store_true", help="also the pdspark router over a real dsv4-tiny pair")
+    parser.add_argument("--no-save", action="store_true", help="print the table only (no JSON/PNG)")
     args = parser.parse_args()
-    rows = []
-    stubs = subprocess.Popen([sys.executable, str(Path(__file__).with_name("stub_workers.py")), "--tokens",
-                              str(args.tokens)], stdout=subprocess.PIPE, text=True)
-    info = json.loads(stubs.stdout.readline())
-    fake = [ServiceProcess("p", stubs, {"address": info["prefill"]}), ServiceProcess("d", stubs,
-                                                                                   {"address": info["decode"]})]
-    router = start_router(args.model, fake[:1], fake[1:])
-    try:
-        rows.append(asyncio.run(compare("stub", info["prefill"], info["decode"], router.info["grpc"], args)))
-    finally:
-        router.stop()
-        stubs.terminate()
-        stubs.wait(10)
-    if not args.skip_real:
-        flags = ["--max-num-seqs", "32", "--max-model-len", "512"]
-        p, d = start_worker("prefill", args.model, *flags), start_worker("decode", args.model, *flags,
-                                                                         "--no-prefix-cache")
-        router = start_router(args.model, [p], [d])
-        try:
-            _channels.clear()
-            real_args = argparse.Namespace(**{**vars(args), "requests": max(20, args.requests // 5)})
-            rows.append(asyncio.run(compare("real (dsv4-tiny)", p.address, d.address, router.info["grpc"], real_args)))
-        finally:
-            for s in (router, d, p):
-                s.stop()
-    lines = [
-        f"router vs direct dual dispatch, gRPC, {args.tokens} tokens per request, latency over sequential requests, "
-        f"throughput at concurrency {args.concurrency}",
-        "",
-        "| workers | direct p50 ms | router p50 ms | added p50 ms | direct p99 ms | router p99 ms | added p99 ms "
-        "| direct req/s | router req/s | throughput ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        d, ro = r["direct"], r["router"]
-        lines.append(f"| {r['workers']} | {d['p50_ms']:.2f} | {ro['p50_ms']:.2f} | {r['added_p50_ms']:.2f} | "
-                     f"{d['p99_ms']:.2f} | {ro['p99_ms']:.2f} | {r['added_p99_ms']:.2f} | {d['rps']:.1f} | "
-                     f"{ro['rps']:.1f} | {r['throughput_ratio']:.2f} |")
+    if shutil.which("wrk") is None:
+        sys.exit("wrk is not installed: apt-get install wrk (or `make bench-router`)")
+    if not os.path.exists(args.sglang_python):
+        sys.exit(f"{args.sglang_python} does not exist: `make sglang-router-tools` installs sglang-router 0.3.2")
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "post.lua"
+        script.write_text(LUA % json.dumps(BODY))
+        result = side_by_side(args, script)
+    if args.real:
+        result["real"] = real_cluster(args)
+    lines = table(result, args)
+    ratios = [r["pdspark"]["rps"] / r["sglang"]["rps"] for r in result["rounds"]]
+    result["throughput_ratio_median"] = statistics.median(ratios)
+    one = result["one_connection"]
+    result["added_p50_ms"] = {n: one[f"{n}_router"]["p50_ms"] - one[f"{n}_direct"]["p50_ms"]
+                              for n in ("sglang", "pdspark")}
+    lines += ["", "throughput ratio pdspark / sglang-router (median of rounds): "
+              f"{result['throughput_ratio_median']:.2f}"]
     print("\n".join(lines))
-    write_json("router", {"args": vars(args), "rows": rows})
-    fig, ax = figure(width=8)
-    labels = [f"{r['workers']}\n{q}" for r in rows for q in ("p50", "p99")]
-    paired_bars(ax, labels, [r["direct"][k] for r in rows for k in ("p50_ms", "p99_ms")],
-                [r["router"][k] for r in rows for k in ("p50_ms", "p99_ms")], ("direct", "through router"),
-                "latency (ms)")
-    save_figure(fig, "router", lines[0])
-
+    if not args.no_save:
+        write_json("router", {"args": vars(args), **result})
+        plot(result, lines[0])
 
 
 if __name__ == "__main__":

@@ -282,6 +282,9 @@ class RouterConfig:
     health_timeout_s: float = option(0.5, "seconds a worker's health check may take before it counts as missed")
     load_interval_s: float = option(1.0, "seconds between load reports (GetLoad) polled from each worker")
     otlp_endpoint: str | None = option(None, _OTLP_HELP)
+    # Off by default: a line per request costs the router about a tenth of its per-request time at load (formatting
+    # and a write to stderr on the event loop); the metrics count every request anyway.
+    access_log: bool = option(False, "log one line per HTTP request (aiohttp's access log, level INFO)")
 
     def __post_init__(self) -> None:
         validate(self)

@@ -218,8 +218,8 @@ class Dispatcher:
         prefill = self.prefill_policy.select(prefills, prompt_ids)
         decode = self.decode_policy.select(decodes, prompt_ids)
         if self.metrics is not None:
-            self.metrics.selected.labels(worker_role="prefill", worker=prefill.name).inc()
-            self.metrics.selected.labels(worker_role="decode", worker=decode.name).inc()
+            self.metrics.count_selected("prefill", prefill.name)
+            self.metrics.count_selected("decode", decode.name)
         return prefill, decode
 
     async def _run_pair(self, key: str, request_id: str, prompt_ids: list[int], generated: list[int], params,
@@ -317,8 +317,8 @@ class Dispatcher:
     async def _prefill_outcome(self, active: _Active) -> None:
         """Wait (briefly) for the prefill leg's answer once the decode stream ended, so that a leg about to settle
         is not sent an Abort. (Its transfer statistics are the prefill worker's metrics.)"""
-        if active.prefill_call is None:
-            return
+        if active.prefill_call is None or active.prefill_call.done():
+            return  # nothing to wait for (most often: the prefill worker answered before the last token)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(active.prefill_call, timeout=5)
 

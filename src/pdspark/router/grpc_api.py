@@ -51,7 +51,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise InvalidRequestError(f"`timeout_s` must be a number of seconds >= 0 (0: the router's default), "
                                           f"not {request.timeout_s}")
         except InvalidRequestError as e:
-            core.metrics.requests.labels(api="grpc", outcome="invalid").inc()
+            core.metrics.count_request("grpc", "invalid")
             await status.abort_async(context, as_request_failed(e))
         rid = core.new_request_id()
         label = clean_label(request.request_id)

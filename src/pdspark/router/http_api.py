@@ -143,7 +143,7 @@ class HttpApi:
                 parsed = oai.parse_completion(req, self.served)
             timeout = _timeout(request)
         except ApiError as e:
-            core.metrics.requests.labels(api="chat" if chat else "completions", outcome="invalid").inc()
+            core.metrics.count_request("chat" if chat else "completions", "invalid")
             return json_error(e)
         rid = oai.new_id(chat)  # minted here: the router's id (uuid4-based), also the response's `id`
         totals = Totals(len(parsed.prompt_ids))
@@ -215,7 +215,7 @@ class HttpApi:
             parsed = oai.parse_generate(req, self.served)
             timeout = _timeout(request)
         except ApiError as e:
-            core.metrics.requests.labels(api="generate", outcome="invalid").inc()
+            core.metrics.count_request("generate", "invalid")
             return json_error(e)
         rid = core.new_request_id()
         # The body's `rid` is a label like X-Request-Id: a client's name never becomes the request's id.

@@ -70,7 +70,10 @@ class _Live:
 
 def clean_label(label: str | None) -> str:
     """A client's label as the router logs and echoes it: printable ASCII, at most `MAX_LABEL_LEN` characters."""
-    return "".join(c for c in (label or "")[:MAX_LABEL_LEN] if " " <= c <= "~")
+    label = (label or "")[:MAX_LABEL_LEN]
+    if label.isascii() and label.isprintable():  # the common case (and ""): nothing to drop, no loop per character
+        return label
+    return "".join(c for c in label if " " <= c <= "~")
 
 
 class RouterCore:
@@ -196,7 +199,7 @@ class RouterCore:
             raise
         finally:
             m.e2e.observe(time.perf_counter() - t0)
-            m.requests.labels(api=api, outcome=outcome).inc()
+            m.count_request(api, outcome)
             m.prompt_tokens.inc(totals.prompt_tokens)
             m.completion_tokens.inc(totals.completion_tokens)
             m.cached_tokens.inc(totals.cached_tokens)

@@ -72,9 +72,11 @@ class RouterMetrics:
         self.auth_failures = Counter("pdspark_router_auth_failures_total", "Requests refused for their key, by "
                                      "API (http, grpc) and reason (missing_key, invalid_key, forbidden)",
                                      ["api", "reason"], registry=r)
-        for api in APIS:
-            for outcome in OUTCOMES:
-                self.requests.labels(api=api, outcome=outcome)
+        # Bound children of the series counted on every request, looked up once here (or at their first use):
+        # `labels()` checks its arguments and takes a lock on each call.
+        self._requests = {(api, outcome): self.requests.labels(api=api, outcome=outcome)
+                          for api in APIS for outcome in OUTCOMES}
+        self._selected: dict[tuple[str, str], Counter] = {}
         for reason in REJECTIONS:
             self.rejected.labels(reason=reason)
         for role in ROLES:
@@ -86,12 +88,27 @@ class RouterMetrics:
 
     def worker_added(self, role: str, name: str) -> None:
         """Create a newly registered worker's series (at zero)."""
-        self.selected.labels(worker_role=role, worker=name)
+        self._selected[role, name] = self.selected.labels(worker_role=role, worker=name)
 
     def worker_removed(self, role: str, name: str) -> None:
         """Drop a removed worker's series (its name returns only with the same address, from zero)."""
+        self._selected.pop((role, name), None)
         with contextlib.suppress(KeyError):
             self.selected.remove(role, name)
+
+    def count_request(self, api: str, outcome: str) -> None:
+        """One request of `api` ended with `outcome` (`pdspark_router_requests_total`)."""
+        child = self._requests.get((api, outcome))
+        if child is None:
+            child = self._requests[api, outcome] = self.requests.labels(api=api, outcome=outcome)
+        child.inc()
+
+    def count_selected(self, role: str, name: str) -> None:
+        """The worker `name` of `role` was picked for an attempt (`pdspark_router_worker_selected_total`)."""
+        child = self._selected.get((role, name))
+        if child is None:
+            child = self._selected[role, name] = self.selected.labels(worker_role=role, worker=name)
+        child.inc()
 
     def observe_tokens(self, gap_s: float, num_tokens: int) -> None:
         """A stream chunk of `num_tokens` (> 0) tokens arrived `gap_s` after the previous chunk."""

@@ -1,5 +1,5 @@
-"""`run_router`: the router process. HTTP (aiohttp) and gRPC (grpc.aio) on one asyncio loop, the worker registry's
-health polling and DNS discovery (`--prefill-dns`/`--decode-dns`) beside them; one JSON ready line on stdout;
+"""`run_router`: the router process. HTTP (aiohttp) and gRPC (grpc.aio) on one asyncio loop (uvloop's), the worker
+registry's health polling and DNS discovery (`--prefill-dns`/`--decode-dns`) beside them; one JSON ready line on stdout;
 SIGTERM/SIGINT drain and stop; SIGHUP reads the key files again (key rotation without a restart). With
 `--ssl-certfile`/`--ssl-keyfile` both public ports speak TLS (HTTPS; gRPC without client certificates: clients
 authenticate with API keys); with `--tls-*` the calls to the workers use mutual TLS (`WorkerRegistry`)."""
@@ -14,6 +14,7 @@ import ssl
 import sys
 
 import grpc
+import uvloop
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -127,7 +128,9 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys, core)
     # Read before anything listens: a bad certificate path is a configuration error at start.
     ssl_context, grpc_credentials = _public_tls(cfg)
-    runner = web.AppRunner(build_app(core), handler_cancellation=True)
+    app = build_app(core)
+    runner = (web.AppRunner(app, handler_cancellation=True) if cfg.access_log
+              else web.AppRunner(app, handler_cancellation=True, access_log=None))
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()
@@ -170,5 +173,7 @@ def run_router(cfg: RouterConfig) -> int:
             loop.add_signal_handler(sig, stop.set)
         await serve(cfg, stop)
 
-    asyncio.run(main())
+    # uvloop: the loop's own work (callbacks, socket reads and writes) in C; grpc.aio runs on it as on asyncio's.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
     return 0

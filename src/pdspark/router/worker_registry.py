@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,6 +39,8 @@ from pdspark.config import TLSConfig
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS
 from pdspark.rpc.tls_credentials import aio_channel, channel_credentials
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
+
+S = TypeVar("S")
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -61,6 +64,8 @@ class WorkerInfo:
     healthy_since: float = 0.0  # time.monotonic() it was last (re-)admitted
     answering_since: float | None = None  # while unhealthy: time.monotonic() since when every check succeeded
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    # The stubs on `channel`, by class, made once: a stub builds a callable per method of its service.
+    stubs: dict[Callable, Any] = field(default_factory=dict, repr=False)
     # What clients and /metrics call the worker (`prefill-0`): its address is for admins only (see `api_keys`).
     name: str = ""
 
@@ -134,16 +139,22 @@ class WorkerRegistry:
         return w.channel
 
     def prefill_stub(self, w: WorkerInfo) -> worker_pb2_grpc.PrefillWorkerStub:
-        return worker_pb2_grpc.PrefillWorkerStub(self.channel(w))
+        return self._stub(w, worker_pb2_grpc.PrefillWorkerStub)
 
     def decode_stub(self, w: WorkerInfo) -> worker_pb2_grpc.DecodeWorkerStub:
-        return worker_pb2_grpc.DecodeWorkerStub(self.channel(w))
+        return self._stub(w, worker_pb2_grpc.DecodeWorkerStub)
+
+    def _stub(self, w: WorkerInfo, kind: Callable[[grpc.aio.Channel], S]) -> S:
+        stub = w.stubs.get(kind)
+        if stub is None:
+            stub = w.stubs[kind] = kind(self.channel(w))
+        return stub
 
     async def check(self, w: WorkerInfo) -> bool:
         """One liveness check: True when the worker answered SERVING within `health_timeout_s`. Marks the worker
         unhealthy after `max_failures` misses in a row, and healthy again as the module doc says."""
         try:
-            health = health_pb2_grpc.HealthStub(self.channel(w))
+            health = self._stub(w, health_pb2_grpc.HealthStub)
             reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
         except (grpc.aio.AioRpcError, asyncio.TimeoutError):

@@ -1,0 +1,52 @@
+"""The router as its own process (`pdspark serve router`, on uvloop) over stub workers: it serves completions, and
+logs a line per HTTP request only when started with `--access-log`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cluster import start_router
+from pdspark.service_process import ServiceProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def stub_pair():
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "stub_workers.py"), "--tokens", "2"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        yield (ServiceProcess("prefill", proc, {"address": info["prefill"]}),
+               ServiceProcess("decode", proc, {"address": info["decode"]}))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _complete(router: ServiceProcess) -> dict:
+    body = json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"{router.info['http']}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.parametrize("flags, logged", [((), False), (("--access-log",), True)], ids=["default", "access-log"])
+def test_the_router_process_serves_and_logs_requests_only_when_asked(stub_pair, flags, logged):
+    router = start_router("dsv4-tiny", [stub_pair[0]], [stub_pair[1]], *flags)
+    try:
+        reply = _complete(router)
+    finally:
+        router.stop()
+        router.drain()
+    assert reply["usage"]["completion_tokens"] == 2
+    assert reply["choices"][0]["finish_reason"] == "length"
+    access = [line for line in router.errors if "aiohttp.access" in line and "/v1/completions" in line]
+    assert len(access) == (1 if logged else 0), router.stderr_tail()
