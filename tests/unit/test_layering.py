@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "types": 1,
     "deadline": 1,
     "hardware": 1,
+    "quant": 1,  # quantized checkpoints (ModelSlim) and their reference kernels, under model
     "assets": 1,
     "options": 1,  # the flag/env/keyword generator under config
     "model": 2,
