@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +56,29 @@ def draft_ckpt(checkpoints, tmp_path_factory):
 def random_prompts(n: int, lengths: list[int], vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _modelslim_generator():
+    spec = importlib.util.spec_from_file_location("make_modelslim_fixtures", REPO / "scripts" /
+                                                  "make_modelslim_fixtures.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # stdlib imports only: msmodelslim runs in its own venv
+    return module
+
+
+@pytest.fixture(scope="session")
+def modelslim_dir() -> Path:
+    """The msmodelslim-made fixtures (`float/`, `w8a8_dynamic/`, `w8a8/`, `w4a8_dynamic/`; see
+    scripts/make_modelslim_fixtures.py): `make setup` makes them; made here when missing (minutes)."""
+    gen = _modelslim_generator()
+    out = gen.fixture_dir()
+    if not (out / gen.DONE).is_file():
+        python = REPO / ".venv-modelslim" / "bin" / "python"
+        if not python.is_file():
+            pytest.fail(f"no ModelSlim fixtures in {out} and no {python.parent.parent}: run `make modelslim-fixtures`")
+        subprocess.run([str(python), gen.__file__], check=True, timeout=1800)
+    return out

@@ -12,14 +12,9 @@ from pdspark.quant.fused_linear import FusedLinear
 from pdspark.quant.quant_experts import QuantExperts
 from pdspark.quant.quant_linear import QuantLinear
 from pdspark.quant.scheme import QuantDescription
+from quant_reference import assert_fp32_close, experts_reference, fake_quant_rows
 
 SHAPES = [(1, 64, 32), (3, 7, 5), (17, 96, 48)]  # (M, K, N): decode row, odd sizes, a prefill chunk
-
-
-def fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
-    """Per-token quantize-dequantize in float: what the int8 activations stand for."""
-    rows = kernels.quantize_per_token(x)
-    return rows.values.float() * rows.scale
 
 
 def quantize_weight(w: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,11 +22,6 @@ def quantize_weight(w: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch
     qmax = 2 ** (bits - 1) - 1
     scale = w.abs().amax(dim=1) / qmax
     return torch.round(w / scale[:, None]).clamp(-qmax, qmax).to(torch.int8), scale
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Equal up to fp32 rounding of a K-term sum (relative to the output's magnitude)."""
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
 def dynamic_linear(w: torch.Tensor, scheme: str = "W8A8_DYNAMIC") -> QuantLinear:
@@ -65,7 +55,7 @@ def test_dynamic_linear_equals_dequantized_float(scheme, m, k, n):
     w, x = torch.randn(n * 2, k, generator=g), torch.randn(m, k, generator=g) * 3
     lin = dynamic_linear(w, scheme)
     assert lin.weight.shape == (n * 2, k) and lin.weight.dtype == torch.int8
-    close(lin(x), F.linear(fake_quant_rows(x), lin.dequantized_weight()))
+    assert_fp32_close(lin(x), F.linear(fake_quant_rows(x), lin.dequantized_weight()))
     # ... and quantization itself is close to the float linear (int4 much less so)
     err = (lin(x) - F.linear(x, w)).norm() / F.linear(x, w).norm()
     assert err < (0.03 if scheme == "W8A8_DYNAMIC" else 0.25), err
@@ -94,7 +84,7 @@ def test_static_linear_folds_the_zero_point(m, k, n, deq_dtype):
     assert torch.equal(lin.deq_scale, deq)  # the int64 bit pattern decodes to the same fp32 values
     x_deq = (kernels.quantize_static(x, in_scale, in_offset).float() - in_offset) * in_scale
     expected = F.linear(x_deq, wq.float() * w_scale[:, None]) + torch.round(bias / deq) * deq
-    close(lin(x), expected)
+    assert_fp32_close(lin(x), expected)
     err = (lin(x) - F.linear(x, w, bias)).norm() / F.linear(x, w, bias).norm()
     assert err < 0.03, err
 
@@ -109,7 +99,7 @@ def test_fused_linear_equals_each_alone():
     fused = FusedLinear(weights)
     assert len(fused.groups) == 3  # floats, W8A8_DYNAMIC pair, W4A8 alone
     for part, w in zip(fused(x), weights):
-        close(part, w(x) if isinstance(w, QuantLinear) else F.linear(x, w))
+        assert_fp32_close(part, w(x) if isinstance(w, QuantLinear) else F.linear(x, w))
     only_float = FusedLinear(floats)(x)
     assert torch.equal(torch.cat(only_float, dim=-1), F.linear(x, torch.cat(floats)))
 
@@ -129,15 +119,8 @@ def test_quant_experts_equal_dequantized_float(tokens):
     x = torch.randn(tokens, D, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=g)
-    w13f, w2f = experts.dequantized()
-    expected = torch.zeros(tokens, D)
-    for t in range(tokens):
-        xt = fake_quant_rows(x[t : t + 1])
-        for e, wt in zip(ids[t].tolist(), weights[t].tolist()):
-            h = F.linear(xt, w13f[e])
-            a = fake_quant_rows(swiglu(h[:, :inter], h[:, inter:]))
-            expected[t] += F.linear(a, w2f[e])[0] * wt
-    close(experts(x, ids, weights, swiglu), expected)
+    expected = experts_reference(experts, x, ids, weights, swiglu)
+    assert_fp32_close(experts(x, ids, weights, swiglu), expected)
 
 
 def test_description_names_the_bad_field():

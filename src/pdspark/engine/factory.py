@@ -21,7 +21,8 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     config = build(EngineConfig, options, base=config).for_model(ModelConfig.from_dir(path).max_position_embeddings)
     max_len = config.scheduler.max_model_len
     assert max_len is not None  # for_model resolved it
-    ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=config.device, progress=progress)
+    ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=config.device, progress=progress,
+                           quantization=config.quantization)
     draft = load_draft(ckpt, max_len, config.dtype, config.device) if config.speculative else None
     engine = Engine(ckpt.model, config, ckpt.tokenizer, draft)
     # What is loaded now lives as long as the process: move it out of the collector's generations, so that the

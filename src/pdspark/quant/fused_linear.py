@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -13,7 +15,7 @@ class FusedLinear:
     (they share the input's per-token scales); a static quantized linear runs alone. With float weights only this
     is exactly one `F.linear` and a split. Built once the weights are final; holds views, not copies, where it can."""
 
-    def __init__(self, weights: list[torch.Tensor | QuantLinear]):
+    def __init__(self, weights: Sequence[torch.Tensor | QuantLinear]):
         self.sizes = [w.out_features if isinstance(w, QuantLinear) else w.shape[0] for w in weights]
         # Each group: (positions in `weights`, the fused weight or linear).
         self.groups: list[tuple[list[int], torch.Tensor | QuantLinear]] = []

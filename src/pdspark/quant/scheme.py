@@ -76,6 +76,13 @@ class QuantDescription:
             raise CheckpointError(f"{self.source} has no entry for {name!r}")
         return self.schemes[name]
 
+    def quantized_linear(self, tensor: str) -> str | None:
+        """The quantized linear a checkpoint tensor belongs to (`layers.0.attn.wq_a` for `...wq_a.weight_scale`),
+        or None for a float tensor."""
+        prefix = tensor.rsplit(".", 1)[0]
+        scheme = self.schemes.get(f"{prefix}.weight")
+        return prefix if scheme is not None and scheme != FLOAT else None
+
     @property
     def quarot(self) -> bool:
         """The residual stream is rotated (the checkpoint's embed and head are its own, rotated ones)."""
