@@ -8,6 +8,7 @@ and projection and stacked here (`w1`/`w3` rows into w13, `w2`); every expert of
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -17,8 +18,9 @@ from pdspark.errors import CheckpointError
 from pdspark.model.weights import Piece, map_name
 from pdspark.quant.quant_experts import QuantExperts
 from pdspark.quant.quant_linear import QuantLinear
-from pdspark.quant.scheme import QuantDescription
+from pdspark.quant.scheme import DYNAMIC_SCHEMES, QuantDescription
 
+_EXPERT_RE = re.compile(r"^(layers\.\d+)\.ffn\.experts\.\d+\.w[123]$")
 _EXPERT_PROJ = {("ffn.w13", 0): "w1", ("ffn.w13", 1): "w3", ("ffn.w2", None): "w2"}
 
 
@@ -39,6 +41,8 @@ class QuantizedWeights:
             prefix = desc.quantized_linear(name)
             assert prefix is not None, name
             by_prefix.setdefault(prefix, {})[name[len(prefix) + 1 :]] = t
+        for layer in {m.group(1) for p in by_prefix if (m := _EXPERT_RE.match(p))}:
+            _check_experts_agree(layer, desc, n_experts)
         out = cls()
         per_expert: dict[str, dict[tuple[int, str], QuantLinear]] = {}  # "layers.3.ffn" -> {(e, "w1"): ...}
         for prefix, parts in by_prefix.items():
@@ -56,7 +60,7 @@ class QuantizedWeights:
                 out.linears[piece.param] = q
                 out.filled.add(piece)
         for layer, experts in per_expert.items():
-            out.experts[layer] = _stack(layer, experts, desc, n_experts)
+            out.experts[layer] = _stack(layer, experts, n_experts)
             out.filled |= {Piece(f"{layer}.w13", e, h) for e in range(n_experts) for h in (0, 1)}
             out.filled |= {Piece(f"{layer}.w2", e) for e in range(n_experts)}
         return out
@@ -76,24 +80,28 @@ class QuantizedWeights:
             moe.experts = experts.to(device)
 
 
-def _stack(layer: str, experts: dict[tuple[int, str], QuantLinear], desc: QuantDescription,
-           n_experts: int) -> QuantExperts:
-    """One layer's routed experts, every one checked against expert 0's scheme (loaders pick the kernel by
-    expert 0: a disagreeing expert would silently run the wrong math)."""
-    ckpt_layer = layer.replace(".ffn", "")
-    first = desc.scheme_of(f"{ckpt_layer}.ffn.experts.0.w1")
+def _check_experts_agree(layer: str, desc: QuantDescription, n_experts: int) -> None:
+    """Every routed expert of `layer` (`layers.N`) has expert 0's scheme, as the description says (loaders pick
+    the kernel by expert 0: a disagreeing expert would silently run the wrong math)."""
+    first = desc.scheme_of(f"{layer}.ffn.experts.0.w1")
     for e in range(n_experts):
         for proj in ("w1", "w3", "w2"):
-            name = f"{ckpt_layer}.ffn.experts.{e}.{proj}"
+            name = f"{layer}.ffn.experts.{e}.{proj}"
             scheme = desc.scheme_of(name)
             if scheme != first:
                 raise CheckpointError(f"{name} is {scheme} but expert 0 is {first}: every routed expert of a layer "
                                       "must share one scheme")
+    if first not in DYNAMIC_SCHEMES:
+        raise CheckpointError(f"{layer}.ffn.experts are {first}: routed experts must be one of "
+                              f"{list(DYNAMIC_SCHEMES)}")
+
+
+def _stack(layer: str, experts: dict[tuple[int, str], QuantLinear], n_experts: int) -> QuantExperts:
+    """One layer's routed experts (`layer` is `layers.N.ffn`), stacked."""
+    for e in range(n_experts):
+        for proj in ("w1", "w3", "w2"):
             if (e, proj) not in experts:
-                raise CheckpointError(f"checkpoint is missing {name}.weight")
-    if not experts[(0, "w1")].dynamic:
-        raise CheckpointError(f"{ckpt_layer}.ffn.experts are {first}: routed experts must be W8A8_DYNAMIC or "
-                              "W4A8_DYNAMIC")
+                raise CheckpointError(f"checkpoint is missing {layer}.experts.{e}.{proj}.weight")
     return QuantExperts.stack([experts[(e, "w1")] for e in range(n_experts)],
                               [experts[(e, "w3")] for e in range(n_experts)],
                               [experts[(e, "w2")] for e in range(n_experts)])
