@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from helpers import greedy, make_llm, prompt_logits
+from helpers import GREEDY, greedy, make_llm, prompt_logits
+from pdspark import SamplingParams
 from pdspark.errors import CheckpointError, ConfigError
 from pdspark.model.loader import load_checkpoint
 from pdspark.model.moe import MoE, swiglu
@@ -169,3 +170,21 @@ def test_moe_layers_run_quantized_experts_only(llms):
     for layer in llms["w8a8"].engine.runner.model.layers:
         assert isinstance(layer.ffn, MoE) and isinstance(layer.ffn.experts, QuantExperts)
         assert not hasattr(layer.ffn, "w13")  # the float stacks are gone, not kept beside the int8 ones
+
+
+def test_disaggregated_greedy_equals_one_shot(modelslim_dir, llms):
+    """Prefill and decode workers on the quantized checkpoint (in-process transfer): the cache they hand over
+    continues into the offline tokens (both sides hold the same int8 weights: their fingerprints agree)."""
+    from test_pd_inprocess import Pair
+
+    ps = prompts(2, seed=2)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    pair = Pair(modelslim_dir / "w8a8_dynamic", opts=dict(page_size=16, max_model_len=256, max_num_seqs=4))
+    try:
+        for i, p in enumerate(ps):
+            llms["w8a8_dynamic"].flush_cache()
+            offline = greedy(llms["w8a8_dynamic"], [p], 8)[0]
+            assert pair.run(p, params, request_id=str(i))["outputs"][-1].token_ids == offline
+        assert pair.free_counts_restored()
+    finally:
+        pair.close()
