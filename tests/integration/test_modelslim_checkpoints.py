@@ -160,7 +160,7 @@ def test_description_decides_and_bad_checkpoints_name_the_tensor(modelslim_dir, 
         load_checkpoint(bad, 64)
     with pytest.raises(ConfigError, match="has no quant_model_description.json"):
         load_checkpoint(modelslim_dir / "float", 64, quantization="modelslim")
-    with pytest.raises(ConfigError, match=r"allowed: \['modelslim', 'none'\]"):
+    with pytest.raises(ConfigError, match=r"allowed: \['auto', 'modelslim', 'none'\]"):
         load_checkpoint(src, 64, quantization="int8")
     with pytest.raises(CheckpointError, match="unexpected tensor"):  # read as float: the scales fit nowhere
         load_checkpoint(src, 64, quantization="none")

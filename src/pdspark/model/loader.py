@@ -18,7 +18,7 @@ from pdspark.model.tokenizer import Tokenizer
 from pdspark.model.weights import check_complete, load_weights
 from pdspark.quant.scheme import DESCRIPTION_FILE, QuantDescription, is_modelslim_dir
 
-QUANTIZATIONS = ("modelslim", "none")
+QUANTIZATIONS = ("auto", "modelslim", "none")
 
 
 @dataclass
@@ -31,9 +31,9 @@ class Checkpoint:
 
 def load_checkpoint(
     path: str | Path, max_len: int, dtype: str = "float32", device: str = "cpu", progress: bool = False,
-    quantization: str | None = None,
+    quantization: str = "auto",
 ) -> Checkpoint:
-    """Load a float or ModelSlim-quantized checkpoint. `quantization`: None detects a ModelSlim checkpoint by its
+    """Load a float or ModelSlim-quantized checkpoint. `quantization`: "auto" detects a ModelSlim checkpoint by its
     `quant_model_description.json`; "modelslim" requires one; "none" reads the directory as a float checkpoint."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
@@ -55,10 +55,10 @@ def load_checkpoint(
     return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path)
 
 
-def quant_description(path: Path, quantization: str | None) -> QuantDescription | None:
+def quant_description(path: Path, quantization: str) -> QuantDescription | None:
     """The checkpoint's quantization description, as `quantization` asks (see `load_checkpoint`)."""
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ConfigError(f"`quantization` is {quantization!r}; allowed: {list(QUANTIZATIONS)} (or unset: detect)")
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"`quantization` is {quantization!r}; allowed: {list(QUANTIZATIONS)}")
     if quantization == "none":
         return None
     if is_modelslim_dir(path):
