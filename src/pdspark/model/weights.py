@@ -181,7 +181,9 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
     for f, name in names:
         bar.update(1)
         if quant is not None and quant.quantized_linear(name) is not None:
-            quantized[name] = handles[f].get_tensor(name)
+            # A copy: kept as is (not copied into a parameter), a view of the mapped file would keep all of it
+            # resident for the life of the model.
+            quantized[name] = handles[f].get_tensor(name).clone()
             continue
         if name.endswith((".scale", "_scale_inv")):  # FP8/FP4 block scales, not mHC `*_scale` parameters
             raise CheckpointError(f"quantized tensor {name!r}: FP8/FP4 checkpoints are not supported")

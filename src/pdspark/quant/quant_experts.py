@@ -60,13 +60,20 @@ class QuantExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: Activation) -> torch.Tensor:
         """`x [T, D]`, each token's experts `ids [T, k]` and routing weights `[T, k]` -> `[T, D]` in x's dtype."""
         rows = kernels.quantize_per_token(x)
+        if x.shape[0] == 1:  # one decode token: its k experts in turn, no grouping
+            acc = None
+            for e, w in zip(ids[0].tolist(), weights[0].tolist()):
+                y = self.expert(e, rows, act) * w
+                acc = y if acc is None else acc + y
+            assert acc is not None  # every token routes to >= 1 expert
+            return acc.to(x.dtype)
         k = ids.shape[1]
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         token_of = order // k
         weight_of = weights.flatten()[order].float()
-        out = torch.zeros(x.shape, dtype=torch.float32)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
