@@ -15,7 +15,7 @@ from safetensors import safe_open
 from helpers import GREEDY, greedy, make_llm, prompt_logits
 from pdspark import SamplingParams
 from pdspark.errors import CheckpointError, ConfigError
-from pdspark.model.loader import load_checkpoint
+from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.model.moe import MoE, swiglu
 from pdspark.model.weights import describe, map_name
 from pdspark.quant.quant_experts import QuantExperts
@@ -188,3 +188,16 @@ def test_disaggregated_greedy_equals_one_shot(modelslim_dir, llms):
         assert pair.free_counts_restored()
     finally:
         pair.close()
+
+
+def test_a_quarot_target_refuses_a_draft_sharing_its_rotated_vocab_modules(modelslim_dir, tmp_path):
+    ckpt_dir = tmp_path / "quarot_with_draft"
+    shutil.copytree(modelslim_dir / "w8a8_dynamic", ckpt_dir)
+    cfg = json.loads((ckpt_dir / "config.json").read_text())
+    cfg["dspark"] = {"num_stages": 1, "target_layer_ids": [1, 3], "gamma": 3, "mask_token_id": 2,
+                     "uses_own_vocab_modules": False}
+    (ckpt_dir / "config.json").write_text(json.dumps(cfg))
+    ckpt = load_checkpoint(ckpt_dir, 64)
+    assert ckpt.quarot and not load_checkpoint(modelslim_dir / "w8a8", 64).quarot
+    with pytest.raises(ConfigError, match="QuaRot-rotated: its DSpark draft needs its own embed and head"):
+        load_draft(ckpt, 64)

@@ -27,6 +27,7 @@ class Checkpoint:
     tokenizer: Tokenizer | None
     extra: dict[str, torch.Tensor]  # mtp.* tensors (the speculative draft)
     path: Path
+    quarot: bool = False  # a QuaRot-rotated residual stream (its embed and head are rotated)
 
 
 def load_checkpoint(
@@ -52,7 +53,8 @@ def load_checkpoint(
     model.requires_grad_(False)
     model.eval()
     model.prepare_inference()
-    return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path)
+    return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path,
+                      quarot=quant is not None and quant.quarot)
 
 
 def quant_description(path: Path, quantization: str) -> QuantDescription | None:
@@ -73,6 +75,11 @@ def load_draft(ckpt: Checkpoint, max_len: int, dtype: str = "float32", device: s
     dcfg = DSparkConfig.from_model_config(ckpt.model.cfg)
     if dcfg is None:
         raise ConfigError(f"{ckpt.path} has no DSpark draft (no `dspark` entry in config.json)")
+    if ckpt.quarot and not dcfg.uses_own_vocab_modules:
+        # The target's embed and head are rotated: a draft sharing them must have been rotated with them, as
+        # ModelSlim's NPU DSpark checkpoints are, which carry their own vocab modules.
+        raise ConfigError(f"{ckpt.path} is QuaRot-rotated: its DSpark draft needs its own embed and head "
+                          "(`dspark.uses_own_vocab_modules: true` in config.json)")
     draft = DSparkDraft(ckpt.model.cfg, dcfg, max_len)
     load_draft_weights(draft, ckpt.extra)
     draft = draft.to(device=device, dtype=getattr(torch, dtype))
