@@ -18,6 +18,7 @@ from pdspark.errors import CheckpointError, ConfigError
 from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.model.moe import MoE, swiglu
 from pdspark.model.weights import describe, map_name
+from pdspark.quant import kernels
 from pdspark.quant.quant_experts import QuantExperts
 from pdspark.quant.quant_linear import QuantLinear
 from quant_reference import assert_fp32_close, experts_reference, linear_reference
@@ -63,6 +64,9 @@ def test_every_quantized_linear_equals_its_dequantized_float(modelslim_dir, llms
         ckpt_name = name.replace(".ffn.shared.", ".ffn.shared_experts.")
         if isinstance(m, QuantLinear):
             assert m.scheme == desc[f"{ckpt_name}.weight"], name
+            if not m.dynamic:  # DSV4 linears have no bias: quant_bias is the folded zero point alone
+                assert torch.equal(m.quant_bias, kernels.fold_zero_point(None, m.weight, m.input_offset,
+                                                                          m.deq_scale)), name
     g = torch.Generator().manual_seed(0)
     for name, m in modules.items():
         if isinstance(m, QuantLinear):
