@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup prometheus-tools helm-tools sglang-router-tools bench-router helm-copies run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards clean proto
+.PHONY: setup prometheus-tools helm-tools sglang-router-tools modelslim-fixtures bench-router helm-copies run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -39,7 +39,22 @@ helm-tools: $(STAMP)
 	@if ! $(CHECKOV_VENV)/bin/checkov --version 2>/dev/null | grep -qx '$(CHECKOV_VERSION)'; then \
 	  python3 -m venv $(CHECKOV_VENV) && $(CHECKOV_VENV)/bin/pip install -q 'checkov==$(CHECKOV_VERSION)'; fi
 
-setup: $(STAMP) prometheus-tools helm-tools
+# The ModelSlim fixtures (tests/integration/test_modelslim_*.py): tiny DSV4 checkpoints quantized on CPU by the real
+# msmodelslim, made by scripts/make_modelslim_fixtures.py into ~/.cache/pdspark/modelslim/<hash of the script>
+# (~300 MB, a few minutes on 2 cores; never committed; skipped when up to date). msmodelslim lives in its own venv: it
+# declares neither torch (the CPU build goes in first, so that pip never pulls a CUDA build) nor the transformers
+# its DSV4 adapter imports.
+MODELSLIM_VENV ?= .venv-modelslim
+MODELSLIM_VERSION ?= 26.1.0
+
+modelslim-fixtures:
+	@if ! $(MODELSLIM_VENV)/bin/python -c "import importlib.metadata as m, transformers; \
+	  assert m.version('msmodelslim') == '$(MODELSLIM_VERSION)'" 2>/dev/null; then \
+	  python3 -m venv $(MODELSLIM_VENV) && $(MODELSLIM_VENV)/bin/pip install -q torch==2.13.0 && \
+	  $(MODELSLIM_VENV)/bin/pip install -q 'msmodelslim==$(MODELSLIM_VERSION)' transformers==5.23.0; fi
+	$(MODELSLIM_VENV)/bin/python scripts/make_modelslim_fixtures.py
+
+setup: $(STAMP) prometheus-tools helm-tools modelslim-fixtures
 
 # The main job: a local cluster (router + 1 prefill + 1 decode worker) on the shipped model; Ctrl-C stops it.
 run: setup

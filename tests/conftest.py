@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +81,27 @@ def _run_engines_on(device: str) -> None:
     defaults = list(init.__defaults__ or ())
     defaults[names.index("device") - (len(names) - len(defaults))] = device
     init.__defaults__ = tuple(defaults)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _modelslim_generator():
+    spec = importlib.util.spec_from_file_location("make_modelslim_fixtures", REPO / "scripts" /
+                                                  "make_modelslim_fixtures.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # stdlib imports only: msmodelslim runs in its own venv
+    return module
+
+
+@pytest.fixture(scope="session")
+def modelslim_dir() -> Path:
+    """The msmodelslim-made fixtures (`float/`, `w8a8_dynamic/`, `w8a8/`, `w4a8_dynamic/`; see
+    scripts/make_modelslim_fixtures.py): `make setup` makes them; made here when missing (minutes)."""
+    gen = _modelslim_generator()
+    out = gen.fixture_dir()
+    if not (out / gen.DONE).is_file():
+        python = REPO / ".venv-modelslim" / "bin" / "python"
+        if not python.is_file():
+            pytest.fail(f"no ModelSlim fixtures in {out} and no {python.parent.parent}: run `make modelslim-fixtures`")
+        subprocess.run([str(python), gen.__file__], check=True, timeout=1800)
+    return out

@@ -25,6 +25,7 @@ ROUTER_HTTP_PORT = 8000
 DEFAULT_MAX_MODEL_LEN = 4096
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "modelslim", "none"]  # `pdspark.model.loader.QUANTIZATIONS`
 Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # the names of `pdspark.router.policies.POLICIES`
 TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfer.backend.create_backend` takes
 UpBackend = Literal["process", "ray"]  # how `pdspark up` runs its services (`pdspark.launcher`)
@@ -91,6 +92,10 @@ class EngineConfig:
     # Read by `pdspark.hardware.extra_ops` at engine start (the variable is PDSPARK_EXTRA_OPS_SO).
     extra_ops_so: tuple[str, ...] = option(
         (), "operator libraries (.so) loaded and checked at engine start (comma- or os.pathsep-separated paths)")
+    # auto: a ModelSlim checkpoint is recognised by its quant_model_description.json (no flag needed).
+    quantization: Quantization = option(
+        "auto", "checkpoint quantization: auto (detect), modelslim (ModelSlim W8A8/W8A8_DYNAMIC/W4A8_DYNAMIC on "
+        "int8 CPU kernels; the description file must exist) or none (read as a float checkpoint)")
     # Unset: each engine draws its unseeded requests' seeds from OS entropy, so "random" streams differ across
     # workers and runs; set: those seeds derive from it (reproducible runs, tests, benchmarks).
     seed: int | None = option(None, "seed for requests without one (unset: fresh entropy per process)")

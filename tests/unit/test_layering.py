@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "deadline": 1,
     "engine_extra": 1,  # the check that the `engine` extra is installed (cli, the package's LLM)
     "hardware": 1,
+    "quant": 1,  # quantized checkpoints (ModelSlim) and their reference kernels, under model
     "assets": 1,
     "options": 1,  # the flag/env/keyword generator under config
     "model": 2,

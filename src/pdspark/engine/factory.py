@@ -28,7 +28,8 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     backend = select_backend(config.device)
     load_extra_ops(config.extra_ops_so, {f: backend.required_ops(f) for f in backend.op_features}, backend.name)
     device = str(backend.device)
-    ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress)
+    ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress,
+                           quantization=config.quantization)
     draft = load_draft(ckpt, max_len, config.dtype, device) if config.speculative else None
     engine = Engine(ckpt.model, config, ckpt.tokenizer, draft)
     # What is loaded now lives as long as the process: move it out of the collector's generations, so that the

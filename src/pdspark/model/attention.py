@@ -21,6 +21,8 @@ from pdspark.model.indexer import Indexer
 from pdspark.model.model_config import CSA, HCA, ModelConfig
 from pdspark.model.norm import RMSNorm, rms_norm
 from pdspark.model.rope import RopeAt, RotaryTable
+from pdspark.quant.fused_linear import FusedLinear
+from pdspark.quant.quant_linear import linear
 
 
 class XProjection(NamedTuple):
@@ -73,7 +75,7 @@ class Attention(nn.Module):
 
     def project_kv(self, x: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """The raw K=V latent `[T, d]` of each token (normalised and rotated), as written to the SWA pool."""
-        return rope_at.apply(self.kv_norm(F.linear(x, self.wkv)))
+        return rope_at.apply(self.kv_norm(linear(x, self.wkv)))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
         """`x [T, D]` -> `[T, D]`. `rope_at` holds this layer's rotation factors at the batch positions."""
@@ -109,21 +111,21 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """Inference only: stack every projection of the layer input into one matrix (one matmul instead of up to
-        five). Call after the weights are final (loaded, moved, cast); training keeps the separate parameters."""
+        five; quantized ones into one int8 matmul per scheme). Call after the weights are final (loaded, moved,
+        cast, quantized linears installed); training keeps the separate parameters."""
         parts = [self.wq_a, self.wkv]
         if self.compressor is not None:
             parts.append(self.compressor.wkv_gate)
         if self.indexer is not None:
             parts += [self.indexer.compressor.wkv_gate, self.indexer.weights_proj]
-        self._fused_x = torch.cat([p.detach() for p in parts])
-        self._fused_sizes = [p.shape[0] for p in parts]
+        self._fused_x = FusedLinear(parts)
 
     def _project_x(self, x: torch.Tensor) -> XProjection:
         fused = getattr(self, "_fused_x", None)
         if fused is not None and not torch.is_grad_enabled():
-            parts = list(F.linear(x, fused).split(self._fused_sizes, dim=-1))
+            parts = list(fused(x))
         else:
-            parts = [F.linear(x, self.wq_a), F.linear(x, self.wkv)]
+            parts = [linear(x, self.wq_a), linear(x, self.wkv)]
             if self.compressor is not None:
                 parts.append(F.linear(x, self.compressor.wkv_gate))
             if self.indexer is not None:
@@ -133,7 +135,7 @@ class Attention(nn.Module):
 
     def project_q(self, x: torch.Tensor, rope_at: RopeAt) -> QProjection:
         """The queries of `x [T, D]`."""
-        return self._q_from(F.linear(x, self.wq_a), rope_at)
+        return self._q_from(linear(x, self.wq_a), rope_at)
 
     def _q_from(self, qa: torch.Tensor, rope_at: RopeAt) -> QProjection:
         qr = self.q_norm(qa)
@@ -141,7 +143,7 @@ class Attention(nn.Module):
 
     def _q_heads(self, qr: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """The normalised q latent `qr [T, q_lora]` -> query heads `[T, H, d]`, head-normalised and rotated."""
-        q = rms_norm(F.linear(qr, self.wq_b).view(qr.shape[0], self.n_heads, self.head_dim), None, self.eps)
+        q = rms_norm(linear(qr, self.wq_b).view(qr.shape[0], self.n_heads, self.head_dim), None, self.eps)
         return rope_at.apply(q)
 
     def project_out(self, o: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
@@ -26,6 +25,7 @@ from pdspark.model.batch import CompressedIndex, ForwardBatch, gather_rows
 from pdspark.model.compressor import Compressor
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.rope import RopeAt, RotaryTable
+from pdspark.quant.quant_linear import linear
 
 
 class TopK(NamedTuple):
@@ -83,7 +83,7 @@ class Indexer(nn.Module):
         csa = batch.csa
         assert csa is not None
         T = qr.shape[0]
-        q = rope_at.apply(F.linear(qr, self.wq_b).view(T, self.n_heads, self.dim)).float()  # [T, Hi, Di]
+        q = rope_at.apply(linear(qr, self.wq_b).view(T, self.n_heads, self.dim)).float()  # [T, Hi, Di]
         w = head_w.float() * self.n_heads**-0.5  # [T, Hi]
         scale = self.dim**-0.5
         out = torch.full((T, csa.max_visible), float("-inf"), device=q.device)

@@ -13,8 +13,12 @@ from pdspark.model.dspark_config import DSparkConfig
 from pdspark.model.dspark_weights import load_draft_weights
 from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.model_config import ModelConfig
+from pdspark.model.quant_weights import QuantizedWeights
 from pdspark.model.tokenizer import Tokenizer
-from pdspark.model.weights import load_weights
+from pdspark.model.weights import check_complete, load_weights
+from pdspark.quant.scheme import DESCRIPTION_FILE, QuantDescription, is_modelslim_dir
+
+QUANTIZATIONS = ("auto", "modelslim", "none")
 
 
 @dataclass
@@ -23,21 +27,47 @@ class Checkpoint:
     tokenizer: Tokenizer | None
     extra: dict[str, torch.Tensor]  # mtp.* tensors (the speculative draft)
     path: Path
+    quarot: bool = False  # a QuaRot-rotated residual stream (its embed and head are rotated)
 
 
 def load_checkpoint(
-    path: str | Path, max_len: int, dtype: str = "float32", device: str = "cpu", progress: bool = False
+    path: str | Path, max_len: int, dtype: str = "float32", device: str = "cpu", progress: bool = False,
+    quantization: str = "auto",
 ) -> Checkpoint:
+    """Load a float or ModelSlim-quantized checkpoint. `quantization`: "auto" detects a ModelSlim checkpoint by its
+    `quant_model_description.json`; "modelslim" requires one; "none" reads the directory as a float checkpoint."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     model = DSV4Model(cfg, max_len)
-    report = load_weights(model, path, progress=progress)
+    quant = quant_description(path, quantization)
+    report = load_weights(model, path, progress=progress, quant=quant, check=quant is None)
+    quantized = None
+    if quant is not None:
+        assert report.quantized is not None and report.filled is not None  # load_weights sets both with `quant`
+        quantized = QuantizedWeights.build(report.quantized, quant, cfg.n_routed_experts)
+        check_complete(model, report.filled | quantized.filled, cfg.n_routed_experts)
     model = model.to(device=device, dtype=getattr(torch, dtype))
+    if quantized is not None:
+        quantized.install(model)
     # The compressor state, sinks and norms stay fp32 in DSV4; tid2eid stays integer.
     model.requires_grad_(False)
     model.eval()
     model.prepare_inference()
-    return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path)
+    return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path,
+                      quarot=quant is not None and quant.quarot)
+
+
+def quant_description(path: Path, quantization: str) -> QuantDescription | None:
+    """The checkpoint's quantization description, as `quantization` asks (see `load_checkpoint`)."""
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"`quantization` is {quantization!r}; allowed: {list(QUANTIZATIONS)}")
+    if quantization == "none":
+        return None
+    if is_modelslim_dir(path):
+        return QuantDescription.from_dir(path)
+    if quantization == "modelslim":
+        raise ConfigError(f"`quantization` is 'modelslim' but {path} has no {DESCRIPTION_FILE}")
+    return None
 
 
 def load_draft(ckpt: Checkpoint, max_len: int, dtype: str = "float32", device: str = "cpu") -> DSparkDraft:
@@ -45,6 +75,11 @@ def load_draft(ckpt: Checkpoint, max_len: int, dtype: str = "float32", device: s
     dcfg = DSparkConfig.from_model_config(ckpt.model.cfg)
     if dcfg is None:
         raise ConfigError(f"{ckpt.path} has no DSpark draft (no `dspark` entry in config.json)")
+    if ckpt.quarot and not dcfg.uses_own_vocab_modules:
+        # The target's embed and head are rotated: a draft sharing them must have been rotated with them, as
+        # ModelSlim's NPU DSpark checkpoints are, which carry their own vocab modules.
+        raise ConfigError(f"{ckpt.path} is QuaRot-rotated: its DSpark draft needs its own embed and head "
+                          "(`dspark.uses_own_vocab_modules: true` in config.json)")
     draft = DSparkDraft(ckpt.model.cfg, dcfg, max_len)
     load_draft_weights(draft, ckpt.extra)
     draft = draft.to(device=device, dtype=getattr(torch, dtype))

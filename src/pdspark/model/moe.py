@@ -6,6 +6,7 @@ Routing weights are the router scores of the chosen experts, renormalised and mu
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -13,6 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdspark.model.model_config import ModelConfig
+from pdspark.quant.fused_linear import FusedLinear
+from pdspark.quant.quant_experts import QuantExperts
+from pdspark.quant.quant_linear import linear
 
 # Up to this many (token, expert) pairs, a loop over the pairs beats grouping tokens by expert.
 _PAIR_LOOP_MAX = 8
@@ -45,7 +49,7 @@ class SharedExpert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(swiglu(F.linear(x, self.w1), F.linear(x, self.w3), self.limit), self.w2)
+        return linear(swiglu(linear(x, self.w1), linear(x, self.w3), self.limit), self.w2)
 
 
 class MoE(nn.Module):
@@ -67,10 +71,14 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.zeros(n_exp, 2 * inter, d))  # [E, gate rows ; up rows, D]
         self.w2 = nn.Parameter(torch.zeros(n_exp, d, inter))  # [E, D, I]
         self.shared = SharedExpert(d, inter, cfg.swiglu_limit)
+        # Quantized checkpoints: the routed experts as int8 (the loader installs them and drops w13/w2).
+        self.experts: QuantExperts | None = None
 
     def fuse(self) -> None:
         """Inference only: the router and the shared expert's gate/up read the same input: one matmul."""
-        self._fused_in = torch.cat([self.gate.detach(), self.shared.w1.detach(), self.shared.w3.detach()])
+        self._fused_in = FusedLinear([self.gate, self.shared.w1, self.shared.w3])
+        if self.experts is not None:
+            return
         # Per-expert views in Python lists: picking an expert is then a list lookup, not a tensor op.
         self._expert_w13 = list(self.w13.detach().unbind(0))
         self._expert_w2 = list(self.w2.detach().unbind(0))
@@ -96,14 +104,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         fused = getattr(self, "_fused_in", None) if not torch.is_grad_enabled() else None
         if fused is not None:
-            logits, gate, up = F.linear(x, fused).split([self.n_experts, *[self.shared.w1.shape[0]] * 2], dim=-1)
-            shared = F.linear(swiglu(gate, up, self.limit), self.shared.w2)
+            logits, gate, up = fused(x)
+            shared = linear(swiglu(gate, up, self.limit), self.shared.w2)
             ids, weights = self._route_logits(logits, input_ids)
         else:
             shared = self.shared(x)
             ids, weights = self.route(x, input_ids)
         T = x.shape[0]
-        if fused is not None and hasattr(self, "_dense_w13") and T > 1 and T * self.n_experts <= _DENSE_MAX_ROWS:
+        if self.experts is not None:
+            routed = self.experts(x, ids, weights, partial(swiglu, limit=self.limit))
+        elif fused is not None and hasattr(self, "_dense_w13") and T > 1 and T * self.n_experts <= _DENSE_MAX_ROWS:
             routed = self._routed_dense(x, ids, weights)
         elif ids.numel() <= _PAIR_LOOP_MAX:
             routed = self._routed_by_pair(x, ids, weights)

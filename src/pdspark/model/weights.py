@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from pdspark.errors import CheckpointError
 from pdspark.model.dsv4 import DSV4Model
+from pdspark.quant.scheme import QuantDescription
 
 # checkpoint name (after an optional leading "model.") -> parameter name, or (parameter, row half)
 _TOP_LEVEL = {
@@ -148,6 +149,8 @@ def describe(piece: Piece) -> str:
 class LoadReport:
     extra: dict[str, torch.Tensor]  # mtp.* tensors, for the speculative decoder
     num_tensors: int
+    quantized: dict[str, torch.Tensor] | None = None  # a ModelSlim checkpoint's quantized linears' tensors
+    filled: set[Piece] | None = None  # the pieces loaded as float
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -161,16 +164,27 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: DSV4Model, path: str | Path, progress: bool = False) -> LoadReport:
-    """Copy every tensor of the checkpoint at `path` into `model`; raises `CheckpointError` on any mismatch."""
+def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
+                 quant: QuantDescription | None = None, check: bool = True) -> LoadReport:
+    """Copy every tensor of the checkpoint at `path` into `model`; raises `CheckpointError` on any mismatch.
+
+    With `quant` (a ModelSlim checkpoint's description), the tensors of quantized linears are returned aside in
+    `LoadReport.quantized` (see `quant_weights.QuantizedWeights`), and `check` False leaves the completeness check
+    to the caller (which knows the pieces they stand for)."""
     files = checkpoint_files(Path(path))
     handles = {f: safe_open(str(f), "pt") for f in files}
     names = [(f, n) for f, h in handles.items() for n in h.keys()]  # noqa: SIM118 (a safetensors handle)
     extra: dict[str, torch.Tensor] = {}
     own: dict[str, torch.Tensor] = {}
+    quantized: dict[str, torch.Tensor] = {}
     bar = _progress(len(names), progress)
     for f, name in names:
         bar.update(1)
+        if quant is not None and quant.quantized_linear(name) is not None:
+            # A copy: kept as is (not copied into a parameter), a view of the mapped file would keep all of it
+            # resident for the life of the model.
+            quantized[name] = handles[f].get_tensor(name).clone()
+            continue
         if name.endswith((".scale", "_scale_inv")):  # FP8/FP4 block scales, not mHC `*_scale` parameters
             raise CheckpointError(f"quantized tensor {name!r}: FP8/FP4 checkpoints are not supported")
         if name.startswith(("mtp.", "model.mtp.")):
@@ -183,8 +197,10 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False) -> 
         with torch.no_grad():
             model.head.copy_(model.embed)
         filled.add(Piece("head"))
-    check_complete(model, filled, model.cfg.n_routed_experts)
-    return LoadReport(extra=extra, num_tensors=len(names))
+    if check:
+        check_complete(model, filled, model.cfg.n_routed_experts)
+    return LoadReport(extra=extra, num_tensors=len(names), quantized=quantized if quant else None, filled=filled)
+
 
 
 def assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor], mapper) -> set[Piece]:

@@ -1,0 +1,44 @@
+"""`FusedLinear`: several linears that read the same input, run as few matmuls as their kinds allow."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pdspark.quant.quant_linear import QuantLinear
+
+
+class FusedLinear:
+    """Float weights are stacked into one matmul; dynamic quantized linears of one scheme into one int8 matmul
+    (they share the input's per-token scales); a static quantized linear runs alone. With float weights only this
+    is exactly one `F.linear` and a split. Built once the weights are final; holds views, not copies, where it can."""
+
+    def __init__(self, weights: Sequence[torch.Tensor | QuantLinear]):
+        self.sizes = [w.out_features if isinstance(w, QuantLinear) else w.shape[0] for w in weights]
+        # Each group: (positions in `weights`, the fused weight or linear).
+        self.groups: list[tuple[list[int], torch.Tensor | QuantLinear]] = []
+        floats = [(i, w.detach()) for i, w in enumerate(weights) if not isinstance(w, QuantLinear)]
+        if floats:
+            self.groups.append(([i for i, _ in floats], torch.cat([w for _, w in floats])))
+        by_scheme: dict[str, list[int]] = {}
+        for i, w in enumerate(weights):
+            if isinstance(w, QuantLinear):
+                if w.dynamic:
+                    by_scheme.setdefault(w.scheme, []).append(i)
+                else:
+                    self.groups.append(([i], w))
+        for idx in by_scheme.values():
+            self.groups.append((idx, QuantLinear.concat([weights[i] for i in idx])))  # type: ignore[misc]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """`x [T, K]` -> one `[T, N_i]` output per weight, in the order given."""
+        if len(self.groups) == 1 and isinstance(self.groups[0][1], torch.Tensor):
+            return list(F.linear(x, self.groups[0][1]).split(self.sizes, dim=-1))
+        out: list[torch.Tensor | None] = [None] * len(self.sizes)
+        for idx, w in self.groups:
+            y = w(x) if isinstance(w, QuantLinear) else F.linear(x, w)
+            for i, part in zip(idx, y.split([self.sizes[i] for i in idx], dim=-1)):
+                out[i] = part
+        return out  # type: ignore[return-value]  # every position belongs to one group
