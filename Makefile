@@ -41,27 +41,30 @@ helm-tools: $(STAMP)
 
 # The ModelSlim fixtures (tests/integration/test_modelslim_*.py): tiny DSV4 checkpoints quantized on CPU by the real
 # msmodelslim, made by scripts/make_modelslim_fixtures.py into ~/.cache/pdspark/modelslim/<hash of the script>
-# (~300 MB, a few minutes on 2 cores; never committed; skipped when up to date). msmodelslim lives in its own venv: it
-# declares neither torch (the CPU build goes in first, so that pip never pulls a CUDA build) nor the transformers
-# its DSV4 adapter imports.
+# (~300 MB, a few minutes on 2 cores; never committed; when they are up to date, nothing is installed or made).
+# msmodelslim lives in its own venv: it declares neither torch (the CPU build goes in first, so that pip never
+# pulls a CUDA build) nor the transformers its DSV4 adapter imports.
 MODELSLIM_VENV ?= .venv-modelslim
 MODELSLIM_VERSION ?= 26.1.0
 
 modelslim-fixtures:
-	@if ! $(MODELSLIM_VENV)/bin/python -c "import importlib.metadata as m, transformers; \
+	@if [ -f "$$(python3 scripts/make_modelslim_fixtures.py --print-dir)/DONE" ]; then \
+	  echo "ModelSlim fixtures up to date in $$(python3 scripts/make_modelslim_fixtures.py --print-dir)"; exit 0; fi; \
+	if ! $(MODELSLIM_VENV)/bin/python -c "import importlib.metadata as m, transformers; \
 	  assert m.version('msmodelslim') == '$(MODELSLIM_VERSION)'" 2>/dev/null; then \
 	  python3 -m venv $(MODELSLIM_VENV) && $(MODELSLIM_VENV)/bin/pip install -q torch==2.13.0 && \
-	  $(MODELSLIM_VENV)/bin/pip install -q 'msmodelslim==$(MODELSLIM_VERSION)' transformers==5.23.0; fi
+	  $(MODELSLIM_VENV)/bin/pip install -q 'msmodelslim==$(MODELSLIM_VERSION)' transformers==5.23.0; fi; \
 	$(MODELSLIM_VENV)/bin/python scripts/make_modelslim_fixtures.py
 
 setup: $(STAMP) prometheus-tools helm-tools modelslim-fixtures
 
 # The main job: a local cluster (router + 1 prefill + 1 decode worker) on the shipped model; Ctrl-C stops it.
-run: setup
+# The package and its engine only: the test tools of `setup` are not needed to run it.
+run: $(STAMP)
 	$(VENV)/bin/pdspark up --model $(MODEL)
 
 # One offline completion, no cluster.
-generate: setup
+generate: $(STAMP)
 	$(VENV)/bin/pdspark generate --model $(MODEL) --max-tokens 64 "$(PROMPT)"
 
 # Regenerate the Grafana dashboards (deploy/grafana/dashboards/*.json; tests/unit/test_dashboards.py checks drift)
