@@ -34,6 +34,16 @@ def test_page_allocator_never_loses_pages(actions):
     assert alloc.num_free == 16
 
 
+def test_freed_pages_come_back_as_an_ascending_run():
+    """A request that reuses pages another freed gets them in ascending order (one transfer write per run),
+    whatever order they were freed in."""
+    alloc = PageAllocator(16)
+    first = alloc.allocate(6)
+    assert first == list(range(6))
+    alloc.free([3, 0, 5, 1, 4, 2])
+    assert alloc.allocate(6) == list(range(6))
+
+
 @given(ops)
 def test_refcounted_pages_free_only_at_zero(actions):
     alloc = RefCountedPageAllocator(8)

@@ -49,7 +49,9 @@ class PageAllocator:
         for p in pages:
             assert p in self._used, f"{self.name}: double free of page {p}"
             self._used.remove(p)
-            self._free.append(p)
+        # Pushed highest first, so that the next allocation pops them back in ascending order: a request that
+        # reuses a freed run gets it contiguous again (one transfer write per run).
+        self._free.extend(sorted(pages, reverse=True))
 
     def check_integrity(self) -> None:
         free = set(self._free)

@@ -307,7 +307,7 @@ class PrefillWorker:
 
     def _write(self, plan: TransferPlan, pages, deadline: float) -> WriteList:
         """Transfer thread: the held pages stay as they are until the rendezvous ends (after this returns)."""
-        writes = plan_writes(self.buffers, plan, pages, _read_memory)
+        writes = plan_writes(self.buffers, plan, pages)
         self.backend.write(plan.session, writes.writes, deadline)
         return writes
 
@@ -371,9 +371,3 @@ def _consume(fut: asyncio.Future) -> None:
     """Mark a future's outcome as read (a rendezvous's, when a leg went away; writes given up on)."""
     if not fut.cancelled():
         fut.exception()
-
-
-def _read_memory(addr: int, nbytes: int) -> bytes:
-    import ctypes
-
-    return ctypes.string_at(addr, nbytes)

@@ -27,6 +27,9 @@ SWA_KINDS = (PoolKind.SWA_KV, PoolKind.C4_STATE, PoolKind.C4_INDEX_STATE, PoolKi
 
 @dataclass(frozen=True)
 class BufferDesc:
+    """One registered buffer of a pool kind. The pools are page-major (`cache/kv_pools.py`), so one buffer holds
+    every layer of its kind (`layer` 0) and an item is a page (or ring) of all of them."""
+
     pool: PoolKind
     layer: int
     base_addr: int

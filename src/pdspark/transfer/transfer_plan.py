@@ -8,13 +8,15 @@ Payloads and their item unit (one item = one contiguous region of a registered b
 | SWA_KV, C4_STATE, | one SWA page (rows or state ring)    | window-tail SWA pages -> plan.swa_pages     |
 |   C4_INDEX_STATE, DRAFT_KV |                           |                                             |
 | C128_STATE      | one request slot's HCA ring          | prefill slot -> plan.req_slot               |
-Runs of items contiguous on both sides merge into one write (the transfer engine's cost is per entry).
+Runs of items contiguous on both sides merge into one write (the transfer engine's cost is per entry); the pools
+are page-major, so an item holds every layer and a run of pages is one write per pool kind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pdspark.cache.kv_cache import KVCache, ReqPages
@@ -38,16 +40,21 @@ class WriteList:
 
 
 def cache_buffers(pools: KVPools) -> list[BufferDesc]:
-    """Every transferable buffer of `pools`, one per (pool, layer), with its item geometry."""
+    """Every transferable buffer of `pools`: one per pool kind, covering all of its layers (`layer` 0), since the
+    pools are page-major (`cache/kv_pools.py`): an item (a page, a state ring) of every layer is one contiguous
+    span, and a run of items too, so a transfer writes one span per pool kind per run of pages."""
     s = pools.sizes
     P = s.page_size
     out: list[BufferDesc] = []
 
-    def add(kind: PoolKind, tensor, item_rows: int, num_items: int) -> None:
-        for layer in range(tensor.shape[0]):
-            t = tensor[layer]
-            row_bytes = t.stride(0) * t.element_size()
-            out.append(BufferDesc(kind, layer, t.data_ptr(), item_rows * row_bytes, num_items))
+    def add(kind: PoolKind, view, item_rows: int, num_items: int) -> None:
+        # `view [layers, rows, width]` over storage `[rows, layers, width]`
+        layers, _, width = view.shape
+        if layers == 0:
+            return  # a pool this model does not have (no HCA layers, no draft)
+        assert view.stride(0) == width and view.stride(1) == layers * width and view.stride(2) == 1, (
+            f"{kind.name} pool is not page-major")
+        out.append(BufferDesc(kind, 0, view.data_ptr(), item_rows * layers * width * view.element_size(), num_items))
 
     rows_per_page = P // pools.model.csa_ratio
     add(PoolKind.C4_KV, pools.c4_kv, rows_per_page, s.num_full_pages)
@@ -112,7 +119,13 @@ def _source(held: list[int], wanted: tuple[int, ...], field: str) -> list[int]:
     return held
 
 
-def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages, read_memory) -> WriteList:
+def read_memory(addr: int, nbytes: int) -> memoryview:
+    """`nbytes` of our own memory at `addr`, without a copy (what the checksums read)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+
+
+def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages,
+                read: Callable[[int, int], bytes | memoryview] = read_memory) -> WriteList:
     """The merged writes that copy `src`'s cache into the plan's destination, and a checksum of the source bytes
     (CRC32 over items in canonical order; the destination recomputes it over what arrived). The plan must have
     passed `validate_plan` against `local`; raises `RequestFailed` when `src` does not match it."""
@@ -127,8 +140,7 @@ def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages, read
             continue
         assert dst_buf.item_bytes == buf.item_bytes, f"{buf.pool.name} item sizes differ (validate_plan checks)"
         pairs = item_pairs(plan, src, buf.pool)
-        for s, _ in pairs:
-            crc = zlib.crc32(read_memory(buf.base_addr + s * buf.item_bytes, buf.item_bytes), crc)
+        crc = _crc_items(buf, [s for s, _ in pairs], read, crc)
         for s, d, n in _runs(pairs):
             writes.append(Write(buf.base_addr + s * buf.item_bytes, dst_buf.base_addr + d * buf.item_bytes,
                                 n * buf.item_bytes))
@@ -137,14 +149,27 @@ def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages, read
     return WriteList(writes, by_pool, crc, writes_by_pool)
 
 
-def destination_checksum(local: list[BufferDesc], plan: TransferPlan, read_memory) -> int:
+def destination_checksum(local: list[BufferDesc], plan: TransferPlan,
+                         read: Callable[[int, int], bytes | memoryview] = read_memory) -> int:
     """The decode side's CRC32 over the destination items, in the same canonical order as `plan_writes`."""
     crc = 0
     for buf in local:
         if buf.num_items == 0 or not any(b.pool == buf.pool and b.layer == buf.layer for b in plan.buffers):
             continue
-        for d in destination_items(plan, buf.pool):
-            crc = zlib.crc32(read_memory(buf.base_addr + d * buf.item_bytes, buf.item_bytes), crc)
+        crc = _crc_items(buf, list(destination_items(plan, buf.pool)), read, crc)
+    return crc
+
+
+def _crc_items(buf: BufferDesc, items: list[int], read: Callable[[int, int], bytes | memoryview], crc: int) -> int:
+    """CRC32 of `buf`'s items in the given order, continuing `crc`: one call per run of consecutive items (the
+    same value as item by item, since CRC32 streams)."""
+    i = 0
+    while i < len(items):
+        j = i + 1
+        while j < len(items) and items[j] == items[j - 1] + 1:
+            j += 1
+        crc = zlib.crc32(read(buf.base_addr + items[i] * buf.item_bytes, (j - i) * buf.item_bytes), crc)
+        i = j
     return crc
 
 
