@@ -153,6 +153,7 @@ def test_a_transfer_writes_one_span_per_pool_kind(pair):
     for i, prompt in enumerate(random_prompts(3, [101, 64, 101], seed=35)):
         stats = pair.run(prompt, params, request_id=f"w{i}")["prefill"].stats
         assert stats.num_writes == len(kinds) == len(stats.bytes_by_pool), f"request {i}"
+        assert 0 < stats.write_s <= stats.transfer_s
     assert pair.free_counts_restored()
 
 

@@ -34,14 +34,16 @@ def test_page_allocator_never_loses_pages(actions):
     assert alloc.num_free == 16
 
 
-def test_freed_pages_come_back_as_an_ascending_run():
-    """A request that reuses pages another freed gets them in ascending order (one transfer write per run),
-    whatever order they were freed in."""
+def test_allocations_take_the_lowest_free_pages_in_order():
+    """One request's pages form few contiguous runs (one transfer write per run), also when it reuses pages others
+    freed, in whatever order they freed them."""
     alloc = PageAllocator(16)
-    first = alloc.allocate(6)
-    assert first == list(range(6))
-    alloc.free([3, 0, 5, 1, 4, 2])
     assert alloc.allocate(6) == list(range(6))
+    held = alloc.allocate(3)
+    alloc.free([3, 0, 5, 1, 4, 2])
+    assert alloc.allocate(8) == [0, 1, 2, 3, 4, 5, 9, 10]
+    alloc.free(held)
+    assert alloc.allocate(2) == [6, 7]
 
 
 @given(ops)

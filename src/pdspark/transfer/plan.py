@@ -67,6 +67,9 @@ class TransferStats:
     prefill_s: float = 0.0
     plan_wait_s: float = 0.0
     bytes_by_pool: dict[str, int] | None = None
+    # Seconds inside the transfer backend's write calls; `transfer_s` also covers planning the writes and waiting
+    # for the source checksum (computed while the writes run) and the hops between threads.
+    write_s: float = 0.0
 
 
 @dataclass(frozen=True)

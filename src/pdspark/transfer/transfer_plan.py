@@ -31,7 +31,6 @@ from pdspark.transfer.plan_validation import destination_items
 class WriteList:
     writes: list[Write]
     bytes_by_pool: dict[str, int]
-    checksum: int
     writes_by_pool: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -124,29 +123,36 @@ def read_memory(addr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
 
 
-def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages,
-                read: Callable[[int, int], bytes | memoryview] = read_memory) -> WriteList:
-    """The merged writes that copy `src`'s cache into the plan's destination, and a checksum of the source bytes
-    (CRC32 over items in canonical order; the destination recomputes it over what arrived). The plan must have
-    passed `validate_plan` against `local`; raises `RequestFailed` when `src` does not match it."""
+def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages) -> WriteList:
+    """The merged writes that copy `src`'s cache into the plan's destination. The plan must have passed
+    `validate_plan` against `local`; raises `RequestFailed` when `src` does not match it."""
     remote = {(b.pool, b.layer): b for b in plan.buffers}
     writes: list[Write] = []
     by_pool: dict[str, int] = {}
     writes_by_pool: dict[str, int] = {}
-    crc = 0
     for buf in local:
         dst_buf = remote.get((buf.pool, buf.layer))
         if dst_buf is None or buf.num_items == 0:
             continue
         assert dst_buf.item_bytes == buf.item_bytes, f"{buf.pool.name} item sizes differ (validate_plan checks)"
-        pairs = item_pairs(plan, src, buf.pool)
-        crc = _crc_items(buf, [s for s, _ in pairs], read, crc)
-        for s, d, n in _runs(pairs):
+        for s, d, n in _runs(item_pairs(plan, src, buf.pool)):
             writes.append(Write(buf.base_addr + s * buf.item_bytes, dst_buf.base_addr + d * buf.item_bytes,
                                 n * buf.item_bytes))
             by_pool[buf.pool.name] = by_pool.get(buf.pool.name, 0) + n * buf.item_bytes
             writes_by_pool[buf.pool.name] = writes_by_pool.get(buf.pool.name, 0) + 1
-    return WriteList(writes, by_pool, crc, writes_by_pool)
+    return WriteList(writes, by_pool, writes_by_pool)
+
+
+def source_checksum(local: list[BufferDesc], plan: TransferPlan, src: ReqPages,
+                    read: Callable[[int, int], bytes | memoryview] = read_memory) -> int:
+    """CRC32 of the source bytes `plan_writes` copies, over items in the plan's canonical order (the destination
+    recomputes it over what arrived: `destination_checksum`)."""
+    remote = {(b.pool, b.layer) for b in plan.buffers}
+    crc = 0
+    for buf in local:
+        if (buf.pool, buf.layer) in remote and buf.num_items:
+            crc = _crc_items(buf, [s for s, _ in item_pairs(plan, src, buf.pool)], read, crc)
+    return crc
 
 
 def destination_checksum(local: list[BufferDesc], plan: TransferPlan,
