@@ -75,6 +75,51 @@ def raw_tcp_gbps(nbytes: int, rounds: int = 5) -> float:
     return statistics.median(rates)
 
 
+def _mooncake_peer(q: mp.Queue, done: mp.Queue, nbytes: int) -> None:
+    import numpy as np
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    assert te.register_memory(buf.ctypes.data, buf.nbytes) == 0
+    q.put((f"127.0.0.1:{te.get_rpc_port()}", buf.ctypes.data))
+    done.get(timeout=600)
+
+
+def mooncake_floor_gbps(nbytes: int, entries: tuple[int, ...], rounds: int = 12) -> dict[int, float]:
+    """Median GB/s of bare Mooncake batch writes of `nbytes` split into n equal entries, between two fresh
+    processes (no pools, no checksum): what the transfer engine itself does for a payload this size."""
+    import numpy as np
+    from mooncake.engine import TransferEngine
+
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_mooncake_peer, args=(q, done, nbytes))
+    proc.start()
+    try:
+        session, dst = q.get(timeout=60)
+        te = TransferEngine()
+        assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        src = np.ones(nbytes, dtype=np.uint8)
+        assert te.register_memory(src.ctypes.data, src.nbytes) == 0
+        out = {}
+        for n in entries:
+            size = nbytes // n
+            srcs = [src.ctypes.data + i * size for i in range(n)]
+            dsts = [dst + i * size for i in range(n)]
+            times = []
+            for _ in range(rounds + 1):
+                t0 = time.perf_counter()
+                assert te.batch_transfer_sync_write(session, srcs, dsts, [size] * n) == 0
+                times.append(time.perf_counter() - t0)
+            out[n] = size * n / statistics.median(times[1:]) / 1e9  # the first round connects
+        return out
+    finally:
+        done.put(None)
+        proc.join(10)
+
+
 def dual_dispatch(p_stub, d_stub, prefill_addr: str, prompt: list[int], params: SamplingParams) -> dict:
     tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
     timeout_ms = 120_000  # relative: each worker times it from receipt
@@ -149,11 +194,13 @@ def main() -> None:
             mooncake = statistics.median(x["bytes"] / x["transfer_s"] / 1e9 for x in runs)
             engine = statistics.median(x["bytes"] / x["write_s"] / 1e9 for x in runs)
             raw = raw_tcp_gbps(nbytes)
+            floor = mooncake_floor_gbps(nbytes, (1, int(statistics.median(x["writes"] for x in runs)), 43))
             ttft = statistics.median(x["ttft"] for x in runs)
             share = statistics.median(x["transfer_s"] / x["ttft"] for x in runs)
             rows.append({"prompt_len": length, "bytes": nbytes, "writes": int(statistics.median(x["writes"]
                          for x in runs)), "mooncake_gbps": mooncake, "raw_tcp_gbps": raw, "ratio": mooncake / raw,
                          "write_gbps": engine, "write_ratio": engine / raw,
+                         "bare_mooncake_gbps_by_entries": floor,
                          "write_ms": statistics.median(x["write_s"] for x in runs) * 1e3,
                          "ttft_ms": ttft * 1e3, "transfer_ms": statistics.median(x["transfer_s"] for x in runs) * 1e3,
                          "transfer_share": share,
@@ -178,6 +225,9 @@ def main() -> None:
                      f"{r['transfer_ms']:.2f} | "
                      f"{r['transfer_share']:.1%} | {r['ttft_ms']:.0f} | {r['colocated_ttft_ms']:.0f} | "
                      f"{r['ttft_vs_colocated']:.2f} |")
+    lines += ["", "Bare Mooncake batch writes of the same bytes between two fresh processes (GB/s, by entries per "
+              "batch): " + "; ".join(f"{r['prompt_len']} tokens: " + ", ".join(
+                  f"{n} -> {g:.2f}" for n, g in r["bare_mooncake_gbps_by_entries"].items()) for r in rows)]
     print("\n".join(lines))
     write_json("pd_transfer", {"args": vars(args), "rows": rows})
     fig, (a1, a2) = figure(ncols=2, width=10)
