@@ -188,7 +188,8 @@ def main() -> None:
                              "prefill_s": s.prefill_s, "colocated_ttft": colocated_ttft(colocated, prompt, params)})
                 print(f"  prompt {length}: request {i + 1}/{args.requests} TTFT {r['ttft'] * 1e3:.0f} ms "
                       f"(colocated {runs[-1]['colocated_ttft'] * 1e3:.0f} ms), transfer {s.bytes / 1e6:.2f} MB "
-                      f"in {s.num_writes} writes, {s.transfer_s * 1e3:.2f} ms (writes {s.write_s * 1e3:.2f} ms)",
+                      f"in {s.num_writes} writes, {s.transfer_s * 1e3:.2f} ms (writes {s.write_s * 1e3:.2f} ms); "
+                      f"prefill {s.prefill_s * 1e3:.0f} ms, plan wait {s.plan_wait_s * 1e3:.0f} ms",
                       file=sys.stderr, flush=True)
             nbytes = int(statistics.median(x["bytes"] for x in runs))
             mooncake = statistics.median(x["bytes"] / x["transfer_s"] / 1e9 for x in runs)
