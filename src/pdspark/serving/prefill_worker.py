@@ -170,6 +170,10 @@ class PrefillWorker:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    def close(self) -> None:
+        """Stop the checksum threads (a transfer still writing finishes its checksum first)."""
+        self._checksums.shutdown(wait=False)
+
     # ---- the rendezvous ----------------------------------------------------------------------------------------------
     def _join(self, transfer_id: str, deadline: Deadline) -> _Rendezvous:
         """The rendezvous of `transfer_id`, made by the first leg; raises the failure of one that already ended,
