@@ -1,9 +1,13 @@
-"""Prefill -> decode cache transfer over Mooncake (TCP, loopback) vs a raw loopback TCP copy, and the share of
-TTFT spent in the transfer, for 512- and 2,048-token prompts.
+"""Prefill -> decode cache transfer over Mooncake (TCP, loopback) vs a raw loopback TCP copy, the share of TTFT
+spent in the transfer, and P/D TTFT vs a colocated engine's, for 512- and 2,048-token prompts.
 
 One run starts a prefill and a decode worker (separate processes), sends requests with the router's dual
-dispatch, and reads each transfer's bytes and seconds from the prefill worker's result. The raw copy moves the same
-number of bytes between two processes over a loopback socket (recv_into a preallocated buffer).
+dispatch, and reads each transfer's bytes, writes and seconds from the prefill worker's result: the whole transfer
+(planning the writes, the writes, the source checksum computed meanwhile, thread hops) and the seconds inside the
+transfer engine's write calls alone. The raw copy moves the same number of bytes
+between two processes over a loopback socket (recv_into a preallocated buffer). The colocated engine (`colocated.py`,
+one process, the same engine options and one torch thread like each worker) gets the same prompts, interleaved
+request by request with the P/D pair so that both see the same load on a shared machine.
 
     python bench/bench_pd_transfer.py [--model dsv4-tiny] [--lengths 512,2048] [--requests 6]
 """
@@ -27,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from cluster import start_worker  # noqa: E402  (worker processes started and stopped by PID)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from colocated import ColocatedWorker  # noqa: E402
 from report import figure, paired_bars, save_figure, write_json  # noqa: E402
 
 from pdspark import SamplingParams  # noqa: E402
@@ -70,6 +75,51 @@ def raw_tcp_gbps(nbytes: int, rounds: int = 5) -> float:
     return statistics.median(rates)
 
 
+def _mooncake_peer(q: mp.Queue, done: mp.Queue, nbytes: int) -> None:
+    import numpy as np
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    assert te.register_memory(buf.ctypes.data, buf.nbytes) == 0
+    q.put((f"127.0.0.1:{te.get_rpc_port()}", buf.ctypes.data))
+    done.get(timeout=600)
+
+
+def mooncake_floor_gbps(nbytes: int, entries: tuple[int, ...], rounds: int = 12) -> dict[int, float]:
+    """Median GB/s of bare Mooncake batch writes of `nbytes` split into n equal entries, between two fresh
+    processes (no pools, no checksum): what the transfer engine itself does for a payload this size."""
+    import numpy as np
+    from mooncake.engine import TransferEngine
+
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_mooncake_peer, args=(q, done, nbytes))
+    proc.start()
+    try:
+        session, dst = q.get(timeout=60)
+        te = TransferEngine()
+        assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        src = np.ones(nbytes, dtype=np.uint8)
+        assert te.register_memory(src.ctypes.data, src.nbytes) == 0
+        out = {}
+        for n in entries:
+            size = nbytes // n
+            srcs = [src.ctypes.data + i * size for i in range(n)]
+            dsts = [dst + i * size for i in range(n)]
+            times = []
+            for _ in range(rounds + 1):
+                t0 = time.perf_counter()
+                assert te.batch_transfer_sync_write(session, srcs, dsts, [size] * n) == 0
+                times.append(time.perf_counter() - t0)
+            out[n] = size * n / statistics.median(times[1:]) / 1e9  # the first round connects
+        return out
+    finally:
+        done.put(None)
+        proc.join(10)
+
+
 def dual_dispatch(p_stub, d_stub, prefill_addr: str, prompt: list[int], params: SamplingParams) -> dict:
     tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
     timeout_ms = 120_000  # relative: each worker times it from receipt
@@ -92,6 +142,15 @@ def dual_dispatch(p_stub, d_stub, prefill_addr: str, prompt: list[int], params: 
     return out
 
 
+def colocated_ttft(worker: ColocatedWorker, prompt: list[int], params: SamplingParams) -> float:
+    t0 = time.perf_counter()
+    ttft = None
+    for event in worker.generate(uuid.uuid4().hex, prompt, params):
+        ttft = ttft if ttft is not None else event.at - t0
+    assert ttft is not None
+    return ttft
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="dsv4-tiny")
@@ -103,15 +162,20 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     common = ["--max-model-len", str(max(lengths) + 64), "--max-num-seqs", "4", "--max-num-batched-tokens", "2048",
               "--no-prefix-cache"]
+    options = dict(max_model_len=max(lengths) + 64, max_num_seqs=4, max_num_batched_tokens=2048,
+                   enable_prefix_cache=False)
     print("starting workers...", file=sys.stderr, flush=True)
     prefill = start_worker("prefill", path, *common)
     decode = start_worker("decode", path, *common)
+    colocated = ColocatedWorker(str(path), options, threads=1)
     try:
         p_stub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(prefill.address))
         d_stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode.address))
         g = torch.Generator().manual_seed(0)
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        dual_dispatch(p_stub, d_stub, prefill.address, torch.randint(8, vocab, (64,)).tolist(), params)  # warm-up
+        warm = torch.randint(8, vocab, (64,)).tolist()
+        dual_dispatch(p_stub, d_stub, prefill.address, warm, params)  # warm-up
+        colocated_ttft(colocated, warm, params)
         rows = []
         for length in lengths:
             runs = []
@@ -119,44 +183,61 @@ def main() -> None:
                 prompt = torch.randint(8, vocab, (length,), generator=g).tolist()
                 r = dual_dispatch(p_stub, d_stub, prefill.address, prompt, params)
                 s = r["result"].stats
-                runs.append({"ttft": r["ttft"], "bytes": s.bytes, "transfer_s": s.transfer_s, "writes": s.num_writes,
-                             "prefill_s": s.prefill_s})
-                print(f"  prompt {length}: request {i + 1}/{args.requests} TTFT {r['ttft'] * 1e3:.0f} ms, "
-                      f"transfer {s.bytes / 1e6:.2f} MB in {s.transfer_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
+                runs.append({"ttft": r["ttft"], "bytes": s.bytes, "transfer_s": s.transfer_s, "write_s": s.write_s,
+                             "writes": s.num_writes,
+                             "prefill_s": s.prefill_s, "colocated_ttft": colocated_ttft(colocated, prompt, params)})
+                print(f"  prompt {length}: request {i + 1}/{args.requests} TTFT {r['ttft'] * 1e3:.0f} ms "
+                      f"(colocated {runs[-1]['colocated_ttft'] * 1e3:.0f} ms), transfer {s.bytes / 1e6:.2f} MB "
+                      f"in {s.num_writes} writes, {s.transfer_s * 1e3:.2f} ms (writes {s.write_s * 1e3:.2f} ms); "
+                      f"prefill {s.prefill_s * 1e3:.0f} ms, plan wait {s.plan_wait_s * 1e3:.0f} ms",
+                      file=sys.stderr, flush=True)
             nbytes = int(statistics.median(x["bytes"] for x in runs))
             mooncake = statistics.median(x["bytes"] / x["transfer_s"] / 1e9 for x in runs)
+            engine = statistics.median(x["bytes"] / x["write_s"] / 1e9 for x in runs)
             raw = raw_tcp_gbps(nbytes)
+            floor = mooncake_floor_gbps(nbytes, (1, int(statistics.median(x["writes"] for x in runs)), 43))
             ttft = statistics.median(x["ttft"] for x in runs)
             share = statistics.median(x["transfer_s"] / x["ttft"] for x in runs)
             rows.append({"prompt_len": length, "bytes": nbytes, "writes": int(statistics.median(x["writes"]
                          for x in runs)), "mooncake_gbps": mooncake, "raw_tcp_gbps": raw, "ratio": mooncake / raw,
+                         "write_gbps": engine, "write_ratio": engine / raw,
+                         "bare_mooncake_gbps_by_entries": floor,
+                         "write_ms": statistics.median(x["write_s"] for x in runs) * 1e3,
                          "ttft_ms": ttft * 1e3, "transfer_ms": statistics.median(x["transfer_s"] for x in runs) * 1e3,
-                         "transfer_share": share})
+                         "transfer_share": share,
+                         "colocated_ttft_ms": statistics.median(x["colocated_ttft"] for x in runs) * 1e3,
+                         "ttft_vs_colocated": statistics.median(x["ttft"] / x["colocated_ttft"] for x in runs)})
     finally:
+        colocated.stop()
         decode.stop()
         prefill.stop()
     lines = [
         f"model {args.model}: prefill and decode workers on loopback, Mooncake TCP, {args.requests} requests per "
         "length (medians)",
         "",
-        "| prompt | bytes moved | writes | Mooncake GB/s | raw TCP GB/s (same bytes) | ratio | TTFT ms | transfer ms "
-        "| transfer share of TTFT |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt | bytes moved | writes | transfer GB/s (all of it) | Mooncake write GB/s | raw TCP GB/s (same bytes) "
+        "| ratio: transfer / raw, write / raw | transfer ms | transfer share of TTFT | P/D TTFT ms | colocated TTFT ms "
+        "| P/D / colocated |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['prompt_len']} | {r['bytes'] / 1e6:.2f} MB | {r['writes']} | {r['mooncake_gbps']:.2f} | "
-                     f"{r['raw_tcp_gbps']:.2f} | {r['ratio']:.2f} | {r['ttft_ms']:.0f} | {r['transfer_ms']:.2f} | "
-                     f"{r['transfer_share']:.1%} |")
+                     f"{r['write_gbps']:.2f} | {r['raw_tcp_gbps']:.2f} | {r['ratio']:.2f}, {r['write_ratio']:.2f} | "
+                     f"{r['transfer_ms']:.2f} | "
+                     f"{r['transfer_share']:.1%} | {r['ttft_ms']:.0f} | {r['colocated_ttft_ms']:.0f} | "
+                     f"{r['ttft_vs_colocated']:.2f} |")
+    lines += ["", "Bare Mooncake batch writes of the same bytes between two fresh processes (GB/s, by entries per "
+              "batch): " + "; ".join(f"{r['prompt_len']} tokens: " + ", ".join(
+                  f"{n} -> {g:.2f}" for n, g in r["bare_mooncake_gbps_by_entries"].items()) for r in rows)]
     print("\n".join(lines))
     write_json("pd_transfer", {"args": vars(args), "rows": rows})
     fig, (a1, a2) = figure(ncols=2, width=10)
     labels = [f"{r['prompt_len']} tokens" for r in rows]
-    paired_bars(a1, labels, [r["mooncake_gbps"] for r in rows], [r["raw_tcp_gbps"] for r in rows],
-                ("Mooncake TCP", "raw loopback socket"), "GB/s")
-    a2.bar(labels, [r["transfer_share"] * 100 for r in rows])
-    a2.set_ylabel("transfer share of TTFT (%)")
+    paired_bars(a1, labels, [r["write_gbps"] for r in rows], [r["raw_tcp_gbps"] for r in rows],
+                ("Mooncake TCP writes", "raw loopback socket"), "GB/s")
+    paired_bars(a2, labels, [r["ttft_ms"] for r in rows], [r["colocated_ttft_ms"] for r in rows],
+                ("P/D (prefill + transfer + decode)", "colocated engine"), "TTFT (ms)")
     save_figure(fig, "pd_transfer", lines[0])
-
 
 
 if __name__ == "__main__":

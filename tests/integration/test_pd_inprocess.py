@@ -144,6 +144,19 @@ def test_disaggregated_greedy_equals_offline(ckpt, pair):
     assert pair.free_counts_restored()
 
 
+def test_a_transfer_writes_one_span_per_pool_kind(pair):
+    """The pools are page-major and freed pages come back in ascending order, so each request's pages of every
+    layer form one run per pool kind on both sides: one write per kind (not one per layer and kind), also for the
+    requests that reuse the pages an earlier one freed."""
+    kinds = {b.pool.name for b in cache_buffers(pair.p_engine.kv.pools) if b.num_items}
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    for i, prompt in enumerate(random_prompts(3, [101, 64, 101], seed=35)):
+        stats = pair.run(prompt, params, request_id=f"w{i}")["prefill"].stats
+        assert stats.num_writes == len(kinds) == len(stats.bytes_by_pool), f"request {i}"
+        assert 0 < stats.write_s <= stats.transfer_s
+    assert pair.free_counts_restored()
+
+
 @pytest.mark.parametrize("speculative", [None, "dspark"], ids=["plain", "dspark"])
 def test_seeded_disaggregated_equals_offline(ckpt, speculative):
     """The prefill worker draws token 1, the decode worker every later one: with one seed the tokens are the

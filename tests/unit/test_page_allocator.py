@@ -34,6 +34,18 @@ def test_page_allocator_never_loses_pages(actions):
     assert alloc.num_free == 16
 
 
+def test_allocations_take_the_lowest_free_pages_in_order():
+    """One request's pages form few contiguous runs (one transfer write per run), also when it reuses pages others
+    freed, in whatever order they freed them."""
+    alloc = PageAllocator(16)
+    assert alloc.allocate(6) == list(range(6))
+    held = alloc.allocate(3)
+    alloc.free([3, 0, 5, 1, 4, 2])
+    assert alloc.allocate(8) == [0, 1, 2, 3, 4, 5, 9, 10]
+    alloc.free(held)
+    assert alloc.allocate(2) == [6, 7]
+
+
 @given(ops)
 def test_refcounted_pages_free_only_at_zero(actions):
     alloc = RefCountedPageAllocator(8)

@@ -116,3 +116,11 @@ def test_top_k_off_is_none_and_zero_is_rejected_naming_the_field():
     msg = common_pb2.SamplingParams(top_k=0)  # set to 0 explicitly: a bad value, not "unset"
     with pytest.raises(InvalidRequestError, match="`top_k`"):
         convert.sampling_from_pb(msg)
+
+
+def test_transfer_stats_round_trip():
+    from pdspark.transfer.plan import TransferStats
+
+    stats = TransferStats(bytes=1 << 20, num_writes=8, transfer_s=0.004, prefill_s=0.8, plan_wait_s=0.01,
+                          bytes_by_pool={"SWA_KV": 4096}, write_s=0.002)
+    assert convert.stats_from_pb(convert.stats_to_pb(stats)) == stats

@@ -14,6 +14,13 @@
 Every pool ends with a dummy row (the SWA pool with a dummy page) that padded or invalid positions map to, so
 gathers never see a negative index. State dummy rows hold `kv = 0, score = -inf`, which gives them zero weight in
 the compressor softmax.
+
+Layout: row-major over layers ("page-major"). Each pool's storage is `[rows, layers, width]`: one row of every
+layer is contiguous, so one page (a run of rows) of every layer is one contiguous span, and a run of pages too. A
+transfer then moves one span per pool kind per run of pages, not one per layer (the transfer engine's cost is per
+entry). The attributes below are the per-layer views `[layers, rows, width]` of that storage (`storage.permute`):
+`pools.swa_kv[layer]` is a `[rows, width]` view with a row stride of `layers * width`, so the attention code
+indexes rows exactly as it would a contiguous per-layer tensor.
 """
 
 from __future__ import annotations
@@ -42,14 +49,14 @@ class KVPools:
         c4_rows = sizes.num_full_slots // model.csa_ratio
         c128_rows = sizes.num_c128_pages * sizes.c128_page_size
         # [layers, (num_swa_pages + 1 dummy page) * page_size, head_dim]
-        self.swa_kv = torch.zeros(model.num_hidden_layers, (sizes.num_swa_pages + 1) * P, d, dtype=dtype, device=device)
+        self.swa_kv = _page_major(model.num_hidden_layers, (sizes.num_swa_pages + 1) * P, d, dtype, device)
         # [draft stages, same rows as swa_kv, head_dim]: the drafter's context, at the target's SWA slots
-        self.draft_kv = torch.zeros(draft_stages, (sizes.num_swa_pages + 1) * P, d, dtype=dtype, device=device)
+        self.draft_kv = _page_major(draft_stages, (sizes.num_swa_pages + 1) * P, d, dtype, device)
         # [csa layers, c4 rows + 1, head_dim] and [csa layers, c4 rows + 1, index_head_dim]
-        self.c4_kv = torch.zeros(n_csa, c4_rows + 1, d, dtype=dtype, device=device)
-        self.c4_index = torch.zeros(n_csa, c4_rows + 1, di, dtype=dtype, device=device)
+        self.c4_kv = _page_major(n_csa, c4_rows + 1, d, dtype, device)
+        self.c4_index = _page_major(n_csa, c4_rows + 1, di, dtype, device)
         # [hca layers, c128 rows + 1, head_dim]
-        self.c128_kv = torch.zeros(n_hca, c128_rows + 1, d, dtype=dtype, device=device)
+        self.c128_kv = _page_major(n_hca, c128_rows + 1, d, dtype, device)
         # Compressor states: [layers, rows + 1, 2 * coff * dim]; CSA overlaps (coff 2), HCA does not (coff 1).
         self.c4_state = _state(n_csa, sizes.num_swa_pages * sizes.csa_ring, 2 * d, device)
         self.c4_index_state = _state(n_csa, sizes.num_swa_pages * sizes.csa_ring, 2 * di, device)
@@ -111,9 +118,15 @@ class KVPools:
                 assert torch.isneginf(state[:, -1, half:]).all(), "state dummy row score written"
 
 
+def _page_major(n_layers: int, rows: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeroed storage `[rows, layers, width]` (one row of every layer contiguous), returned as the per-layer view
+    `[layers, rows, width]`. `transfer_plan.cache_buffers` relies on this layout (it checks the strides)."""
+    return torch.zeros(rows, n_layers, width, dtype=dtype, device=device).permute(1, 0, 2)
+
+
 def _state(n_layers: int, rows: int, kv_width: int, device) -> torch.Tensor:
-    # [layers, rows + 1 dummy, kv_width (kv) + kv_width (score)], fp32 as DSV4 keeps compressor state.
-    state = torch.zeros(n_layers, rows + 1, 2 * kv_width, dtype=torch.float32, device=device)
+    # [layers, rows + 1 dummy, kv_width (kv) + kv_width (score)], fp32 as DSV4 keeps compressor state; page-major.
+    state = _page_major(n_layers, rows + 1, 2 * kv_width, torch.float32, device)
     _clear(state)
     return state
 

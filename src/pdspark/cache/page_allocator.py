@@ -5,6 +5,7 @@ Pure Python bookkeeping (no tensors): the pools that hold data are addressed by 
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from typing import NamedTuple
 
@@ -19,9 +20,10 @@ class PageAllocator:
         assert num_pages >= 0
         self.name = name
         self.num_pages = num_pages
-        # Free pages are popped from the end; reversed so that fresh allocations come out in ascending order,
-        # which keeps one request's pages contiguous (the transfer engine merges contiguous runs).
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        # A min-heap: an allocation takes the lowest free pages, in ascending order. One request's pages then form
+        # few contiguous runs, on a fresh pool and after others freed theirs (a transfer writes one span per pool
+        # kind per run; the pools are page-major, `kv_pools.py`).
+        self._free: list[int] = list(range(num_pages))
         self._used: set[int] = set()
 
     @property
@@ -41,7 +43,7 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         """Take `n` pages. The caller checks `can_allocate` first; running short is a bug here."""
         assert n <= len(self._free), f"{self.name}: asked for {n} pages, {len(self._free)} free"
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [heapq.heappop(self._free) for _ in range(n)]
         self._used.update(pages)
         return pages
 
@@ -49,7 +51,7 @@ class PageAllocator:
         for p in pages:
             assert p in self._used, f"{self.name}: double free of page {p}"
             self._used.remove(p)
-            self._free.append(p)
+            heapq.heappush(self._free, p)
 
     def check_integrity(self) -> None:
         free = set(self._free)

@@ -203,13 +203,13 @@ def failure_from_pb(msg: common_pb2.ErrorDetail) -> RequestFailed:
 def stats_to_pb(s: TransferStats) -> worker_pb2.TransferStats:
     return worker_pb2.TransferStats(
         bytes=s.bytes, num_writes=s.num_writes, transfer_s=s.transfer_s, prefill_s=s.prefill_s,
-        plan_wait_s=s.plan_wait_s, bytes_by_pool=s.bytes_by_pool or {},
+        plan_wait_s=s.plan_wait_s, bytes_by_pool=s.bytes_by_pool or {}, write_s=s.write_s,
     )
 
 
 def stats_from_pb(msg: worker_pb2.TransferStats) -> TransferStats:
     return TransferStats(msg.bytes, msg.num_writes, msg.transfer_s, msg.prefill_s, msg.plan_wait_s,
-                         dict(msg.bytes_by_pool))
+                         dict(msg.bytes_by_pool), msg.write_s)
 
 
 def result_to_pb(r: TransferResult | None, error: RequestFailed | None, transfer_id: str) -> worker_pb2.TransferResult:

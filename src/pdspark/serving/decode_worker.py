@@ -34,7 +34,6 @@ locks): a request is a coroutine that holds no thread while it waits (for pages,
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import logging
 import time
@@ -231,7 +230,7 @@ class DecodeWorker:
             raise
         try:
             arrived = await asyncio.get_running_loop().run_in_executor(
-                self._executor, destination_checksum, self.buffers, plan, ctypes.string_at)
+                self._executor, destination_checksum, self.buffers, plan)
             if arrived != result.checksum:
                 if self.metrics is not None:
                     self.metrics.transfer_failures.labels(reason=CHECKSUM).inc()

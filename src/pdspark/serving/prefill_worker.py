@@ -47,7 +47,7 @@ from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult, TransferStats
 from pdspark.transfer.plan_validation import validate_plan
-from pdspark.transfer.transfer_plan import WriteList, cache_buffers, plan_nbytes, plan_writes
+from pdspark.transfer.transfer_plan import WriteList, cache_buffers, plan_nbytes, plan_writes, source_checksum
 from pdspark.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,15 @@ WRITE_GRACE_S = 30.0
 _REMEMBER_S = 60.0
 _MAX_REMEMBERED = 16384
 TRANSFER_THREADS = 4
+# The source checksum of a prompt's cache (at most a few MB of CRC32) ends well within this.
+_CHECKSUM_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class _Written:
+    writes: WriteList
+    checksum: int
+    write_s: float  # inside the backend's write calls
 
 
 @dataclass(eq=False)
@@ -93,6 +102,9 @@ class PrefillWorker:
         self.max_pending = max_pending
         self.buffers = cache_buffers(loop.engine.kv.pools)  # fixed at start: the pools never move
         self._executor = executor or ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="transfer")
+        # Source checksums, computed while their writes run; a task here never waits for anything (no deadlock
+        # with the transfer threads that wait for it).
+        self._checksums = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="checksum")
         self._pending: dict[str, _Rendezvous] = {}  # by transfer id
         self._by_request: dict[str, _Rendezvous] = {}
         self._failed: dict[str, tuple[RequestFailed, float]] = {}  # transfer id -> (failure, remembered until)
@@ -157,6 +169,10 @@ class PrefillWorker:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+    def close(self) -> None:
+        """Stop the checksum threads (a transfer still writing finishes its checksum first)."""
+        self._checksums.shutdown(wait=False)
 
     # ---- the rendezvous ----------------------------------------------------------------------------------------------
     def _join(self, transfer_id: str, deadline: Deadline) -> _Rendezvous:
@@ -259,7 +275,7 @@ class PrefillWorker:
                 return  # failed while we asked (an abort): nothing was written, the failure released the pages
             rv.writing = True
             t0 = time.monotonic()
-            writes = await self._until_stuck(rv, asyncio.get_running_loop().run_in_executor(
+            written = await self._until_stuck(rv, asyncio.get_running_loop().run_in_executor(
                 self._executor, self._write, rv.plan, pages, rv.deadline.at))
             seconds = time.monotonic() - t0
         except RequestFailed as e:
@@ -274,9 +290,11 @@ class PrefillWorker:
             tracing.finish(span, failure.code.value)
             self._end(rv, failure)
             return
+        writes = written.writes
         stats = TransferStats(
             bytes=writes.nbytes, num_writes=len(writes.writes), transfer_s=seconds, prefill_s=rv.prefill_s,
             plan_wait_s=max(0.0, (rv.plan_at or rv.created) - rv.created), bytes_by_pool=writes.bytes_by_pool,
+            write_s=written.write_s,
         )
         first = rv.first
         if self.metrics is not None:
@@ -285,10 +303,10 @@ class PrefillWorker:
                                     "pdspark.transfer.seconds": seconds})
         self._end(rv, TransferResult(
             transfer_id=rv.transfer_id, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens,
-            checksum=writes.checksum, stats=stats, first_logprob=first.logprobs[0] if first.logprobs else None,
+            checksum=written.checksum, stats=stats, first_logprob=first.logprobs[0] if first.logprobs else None,
         ))
 
-    async def _until_stuck(self, rv: _Rendezvous, write: asyncio.Future) -> WriteList:
+    async def _until_stuck(self, rv: _Rendezvous, write: asyncio.Future) -> _Written:
         """Await the writes, unless they are still running once the backend's grace after the deadline passed: they
         are stuck then (Mooncake's first contact with a peer, its handshake, waits without a timeout for a peer that
         stopped), and the rendezvous ends without them, its pages released. Raises `Unanswered`: they may still
@@ -305,11 +323,20 @@ class PrefillWorker:
             raise Unanswered(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: writes blocked past the deadline "
                                                  "and the transfer engine's grace; given up on") from None
 
-    def _write(self, plan: TransferPlan, pages, deadline: float) -> WriteList:
-        """Transfer thread: the held pages stay as they are until the rendezvous ends (after this returns)."""
-        writes = plan_writes(self.buffers, plan, pages, _read_memory)
-        self.backend.write(plan.session, writes.writes, deadline)
-        return writes
+    def _write(self, plan: TransferPlan, pages, deadline: float) -> _Written:
+        """Transfer thread: the held pages stay as they are until the rendezvous ends (after this returns). The
+        source checksum runs on its own thread while the writes run (zlib and the transfer engine both release the
+        GIL), so a transfer takes the longer of the two, not their sum; this returns only once both stopped reading
+        the pages, whatever happened."""
+        writes = plan_writes(self.buffers, plan, pages)
+        checksum = self._checksums.submit(source_checksum, self.buffers, plan, pages)
+        t0 = time.monotonic()
+        try:
+            self.backend.write(plan.session, writes.writes, deadline)
+        finally:
+            write_s = time.monotonic() - t0
+            crc = checksum.result(_CHECKSUM_TIMEOUT_S)
+        return _Written(writes, crc, write_s)
 
     def _fail(self, rv: _Rendezvous, error: RequestFailed) -> None:
         if rv.done.done():
@@ -371,9 +398,3 @@ def _consume(fut: asyncio.Future) -> None:
     """Mark a future's outcome as read (a rendezvous's, when a leg went away; writes given up on)."""
     if not fut.cancelled():
         fut.exception()
-
-
-def _read_memory(addr: int, nbytes: int) -> bytes:
-    import ctypes
-
-    return ctypes.string_at(addr, nbytes)

@@ -146,6 +146,8 @@ class WorkerServer:
             await self.prefill_clients.close()
         self.loop.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if isinstance(self.worker, PrefillWorker):
+            self.worker.close()
         self.backend.close()
 
 

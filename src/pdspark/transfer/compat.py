@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 # 2: relative timeouts instead of wall-clock deadlines on the wire; the prefix-cache setting in the descriptor.
-SCHEMA_VERSION = 2
+# 3: page-major pools: one buffer per pool kind (layer 0) whose items hold every layer, not one buffer per layer.
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)

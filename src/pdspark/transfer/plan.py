@@ -27,6 +27,9 @@ SWA_KINDS = (PoolKind.SWA_KV, PoolKind.C4_STATE, PoolKind.C4_INDEX_STATE, PoolKi
 
 @dataclass(frozen=True)
 class BufferDesc:
+    """One registered buffer of a pool kind. The pools are page-major (`cache/kv_pools.py`), so one buffer holds
+    every layer of its kind (`layer` 0) and an item is a page (or ring) of all of them."""
+
     pool: PoolKind
     layer: int
     base_addr: int
@@ -64,6 +67,9 @@ class TransferStats:
     prefill_s: float = 0.0
     plan_wait_s: float = 0.0
     bytes_by_pool: dict[str, int] | None = None
+    # Seconds inside the transfer backend's write calls; `transfer_s` also covers planning the writes and waiting
+    # for the source checksum (computed while the writes run) and the hops between threads.
+    write_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,15 @@ Payloads and their item unit (one item = one contiguous region of a registered b
 | SWA_KV, C4_STATE, | one SWA page (rows or state ring)    | window-tail SWA pages -> plan.swa_pages     |
 |   C4_INDEX_STATE, DRAFT_KV |                           |                                             |
 | C128_STATE      | one request slot's HCA ring          | prefill slot -> plan.req_slot               |
-Runs of items contiguous on both sides merge into one write (the transfer engine's cost is per entry).
+Runs of items contiguous on both sides merge into one write (the transfer engine's cost is per entry); the pools
+are page-major, so an item holds every layer and a run of pages is one write per pool kind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pdspark.cache.kv_cache import KVCache, ReqPages
@@ -29,7 +31,6 @@ from pdspark.transfer.plan_validation import destination_items
 class WriteList:
     writes: list[Write]
     bytes_by_pool: dict[str, int]
-    checksum: int
     writes_by_pool: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -38,16 +39,21 @@ class WriteList:
 
 
 def cache_buffers(pools: KVPools) -> list[BufferDesc]:
-    """Every transferable buffer of `pools`, one per (pool, layer), with its item geometry."""
+    """Every transferable buffer of `pools`: one per pool kind, covering all of its layers (`layer` 0), since the
+    pools are page-major (`cache/kv_pools.py`): an item (a page, a state ring) of every layer is one contiguous
+    span, and a run of items too, so a transfer writes one span per pool kind per run of pages."""
     s = pools.sizes
     P = s.page_size
     out: list[BufferDesc] = []
 
-    def add(kind: PoolKind, tensor, item_rows: int, num_items: int) -> None:
-        for layer in range(tensor.shape[0]):
-            t = tensor[layer]
-            row_bytes = t.stride(0) * t.element_size()
-            out.append(BufferDesc(kind, layer, t.data_ptr(), item_rows * row_bytes, num_items))
+    def add(kind: PoolKind, view, item_rows: int, num_items: int) -> None:
+        # `view [layers, rows, width]` over storage `[rows, layers, width]`
+        layers, _, width = view.shape
+        if layers == 0:
+            return  # a pool this model does not have (no HCA layers, no draft)
+        assert view.stride(0) == width and view.stride(1) == layers * width and view.stride(2) == 1, (
+            f"{kind.name} pool is not page-major")
+        out.append(BufferDesc(kind, 0, view.data_ptr(), item_rows * layers * width * view.element_size(), num_items))
 
     rows_per_page = P // pools.model.csa_ratio
     add(PoolKind.C4_KV, pools.c4_kv, rows_per_page, s.num_full_pages)
@@ -112,39 +118,64 @@ def _source(held: list[int], wanted: tuple[int, ...], field: str) -> list[int]:
     return held
 
 
-def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages, read_memory) -> WriteList:
-    """The merged writes that copy `src`'s cache into the plan's destination, and a checksum of the source bytes
-    (CRC32 over items in canonical order; the destination recomputes it over what arrived). The plan must have
-    passed `validate_plan` against `local`; raises `RequestFailed` when `src` does not match it."""
+def read_memory(addr: int, nbytes: int) -> memoryview:
+    """`nbytes` of our own memory at `addr`, without a copy (what the checksums read)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+
+
+def plan_writes(local: list[BufferDesc], plan: TransferPlan, src: ReqPages) -> WriteList:
+    """The merged writes that copy `src`'s cache into the plan's destination. The plan must have passed
+    `validate_plan` against `local`; raises `RequestFailed` when `src` does not match it."""
     remote = {(b.pool, b.layer): b for b in plan.buffers}
     writes: list[Write] = []
     by_pool: dict[str, int] = {}
     writes_by_pool: dict[str, int] = {}
-    crc = 0
     for buf in local:
         dst_buf = remote.get((buf.pool, buf.layer))
         if dst_buf is None or buf.num_items == 0:
             continue
         assert dst_buf.item_bytes == buf.item_bytes, f"{buf.pool.name} item sizes differ (validate_plan checks)"
-        pairs = item_pairs(plan, src, buf.pool)
-        for s, _ in pairs:
-            crc = zlib.crc32(read_memory(buf.base_addr + s * buf.item_bytes, buf.item_bytes), crc)
-        for s, d, n in _runs(pairs):
+        for s, d, n in _runs(item_pairs(plan, src, buf.pool)):
             writes.append(Write(buf.base_addr + s * buf.item_bytes, dst_buf.base_addr + d * buf.item_bytes,
                                 n * buf.item_bytes))
             by_pool[buf.pool.name] = by_pool.get(buf.pool.name, 0) + n * buf.item_bytes
             writes_by_pool[buf.pool.name] = writes_by_pool.get(buf.pool.name, 0) + 1
-    return WriteList(writes, by_pool, crc, writes_by_pool)
+    return WriteList(writes, by_pool, writes_by_pool)
 
 
-def destination_checksum(local: list[BufferDesc], plan: TransferPlan, read_memory) -> int:
+def source_checksum(local: list[BufferDesc], plan: TransferPlan, src: ReqPages,
+                    read: Callable[[int, int], bytes | memoryview] = read_memory) -> int:
+    """CRC32 of the source bytes `plan_writes` copies, over items in the plan's canonical order (the destination
+    recomputes it over what arrived: `destination_checksum`)."""
+    remote = {(b.pool, b.layer) for b in plan.buffers}
+    crc = 0
+    for buf in local:
+        if (buf.pool, buf.layer) in remote and buf.num_items:
+            crc = _crc_items(buf, [s for s, _ in item_pairs(plan, src, buf.pool)], read, crc)
+    return crc
+
+
+def destination_checksum(local: list[BufferDesc], plan: TransferPlan,
+                         read: Callable[[int, int], bytes | memoryview] = read_memory) -> int:
     """The decode side's CRC32 over the destination items, in the same canonical order as `plan_writes`."""
     crc = 0
     for buf in local:
         if buf.num_items == 0 or not any(b.pool == buf.pool and b.layer == buf.layer for b in plan.buffers):
             continue
-        for d in destination_items(plan, buf.pool):
-            crc = zlib.crc32(read_memory(buf.base_addr + d * buf.item_bytes, buf.item_bytes), crc)
+        crc = _crc_items(buf, list(destination_items(plan, buf.pool)), read, crc)
+    return crc
+
+
+def _crc_items(buf: BufferDesc, items: list[int], read: Callable[[int, int], bytes | memoryview], crc: int) -> int:
+    """CRC32 of `buf`'s items in the given order, continuing `crc`: one call per run of consecutive items (the
+    same value as item by item, since CRC32 streams)."""
+    i = 0
+    while i < len(items):
+        j = i + 1
+        while j < len(items) and items[j] == items[j - 1] + 1:
+            j += 1
+        crc = zlib.crc32(read(buf.base_addr + items[i] * buf.item_bytes, (j - i) * buf.item_bytes), crc)
+        i = j
     return crc
 
 

@@ -132,7 +132,7 @@ class BufferDescriptor(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolKind, str]] = ..., layer: _Optional[int] = ..., base_addr: _Optional[int] = ..., item_bytes: _Optional[int] = ..., num_items: _Optional[int] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("bytes", "num_writes", "transfer_s", "prefill_s", "plan_wait_s", "bytes_by_pool")
+    __slots__ = ("bytes", "num_writes", "transfer_s", "prefill_s", "plan_wait_s", "bytes_by_pool", "write_s")
     class BytesByPoolEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -146,13 +146,15 @@ class TransferStats(_message.Message):
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     PLAN_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_BY_POOL_FIELD_NUMBER: _ClassVar[int]
+    WRITE_S_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     num_writes: int
     transfer_s: float
     prefill_s: float
     plan_wait_s: float
     bytes_by_pool: _containers.ScalarMap[str, int]
-    def __init__(self, bytes: _Optional[int] = ..., num_writes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., plan_wait_s: _Optional[float] = ..., bytes_by_pool: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    write_s: float
+    def __init__(self, bytes: _Optional[int] = ..., num_writes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., plan_wait_s: _Optional[float] = ..., bytes_by_pool: _Optional[_Mapping[str, int]] = ..., write_s: _Optional[float] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("transfer_id", "error", "first_token_id", "first_logprob", "num_cached_tokens", "stats", "checksum")
