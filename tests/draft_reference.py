@@ -19,6 +19,13 @@ def add_random_draft(src: Path, dst: Path, gamma: int = 3, own_vocab: bool = Fal
                      seed: int = 0) -> DSparkDraft:
     """Copy the checkpoint at `src` to `dst` and give it a random draft; returns the draft module."""
     shutil.copytree(src, dst)
+    return write_random_draft(dst, gamma, own_vocab, moe, seed)
+
+
+def write_random_draft(dst: Path, gamma: int = 3, own_vocab: bool = False, moe: bool = False,
+                       seed: int = 0) -> DSparkDraft:
+    """Give the checkpoint at `dst` a random draft: a `dspark` entry in its config.json (rewritten: a real file, not
+    a link into a shared fixture) and the `mtp.*` tensors in `dspark.safetensors`; returns the draft module."""
     cfg = json.loads((dst / "config.json").read_text())
     target = ModelConfig.from_dict(cfg)
     layers = target.num_hidden_layers
@@ -28,6 +35,7 @@ def add_random_draft(src: Path, dst: Path, gamma: int = 3, own_vocab: bool = Fal
         uses_own_vocab_modules=own_vocab,
     )
     cfg["dspark"] = dcfg.to_dict()
+    (dst / "config.json").unlink()  # never write through a link
     (dst / "config.json").write_text(json.dumps(cfg))
     draft = DSparkDraft(target, dcfg, 64)
     g = torch.Generator().manual_seed(seed)

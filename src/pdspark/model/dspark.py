@@ -29,6 +29,7 @@ from pdspark.model.model_config import SLIDING, ModelConfig
 from pdspark.model.moe import MoE, SharedExpert
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RopeAt, RotaryTable
+from pdspark.quant.quant_linear import QuantLinear
 
 
 class DraftAttention(Attention):
@@ -123,7 +124,10 @@ class DSparkDraft(nn.Module):
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Target features `[N, D*L]` at `positions [N]` -> each stage's injected K=V rows `[stages, N, d]`."""
-        main_x = self.main_norm(F.linear(features.to(self.main_proj.dtype), self.main_proj))
+        if isinstance(self.main_proj, QuantLinear):  # a quantized checkpoint's: int8 math, output in x's dtype
+            main_x = self.main_norm(self.main_proj(features))
+        else:
+            main_x = self.main_norm(F.linear(features.to(self.main_proj.dtype), self.main_proj))
         rope_at = self.rope.at(positions)
         return torch.stack([stage.attn.project_kv(main_x, rope_at) for stage in self.draft_stages])
 

@@ -10,6 +10,9 @@
 | `mtp.markov_head.{w1,embed}.weight`          | `markov_w1` `[V, r]`                        |
 | `mtp.markov_head.{w2,head}.weight`           | `markov_w2` `[V, r]`                        |
 | `mtp.embed.weight`, `mtp.head.weight`        | `embed`, `head` (drafts with their own vocab modules) |
+
+In a ModelSlim checkpoint a draft linear listed as quantized in `quant_model_description.json` loads as the
+target's do (`quant_weights.QuantizedWeights`, through this map).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import re
 import torch
 
 from pdspark.model.dspark import DSparkDraft
+from pdspark.model.quant_weights import QuantizedWeights
 from pdspark.model.weights import Piece, assign, check_complete, map_name
+from pdspark.quant.scheme import QuantDescription
 
 _TOP = {
     "markov_head.w1.weight": "markov_w1",
@@ -62,11 +67,24 @@ def map_draft_name(name: str) -> Piece | None:
     return Piece("stages." + layer_piece.param.removeprefix("layers."), layer_piece.expert, layer_piece.half)
 
 
-def load_draft_weights(draft: DSparkDraft, tensors: dict[str, torch.Tensor]) -> None:
-    """Fill `draft` from the checkpoint's `mtp.*` tensors; raises `CheckpointError` on any mismatch."""
+def load_draft_weights(draft: DSparkDraft, tensors: dict[str, torch.Tensor],
+                       quant: QuantDescription | None = None) -> QuantizedWeights | None:
+    """Fill `draft` from the checkpoint's `mtp.*` tensors; raises `CheckpointError` on any mismatch.
+
+    With `quant` (a ModelSlim checkpoint's description), the linears it lists as quantized are returned as
+    `QuantizedWeights`, to install once the draft is moved and cast. A draft tensor the description does not list is
+    FLOAT: old ModelSlim output left the MTP entries out (vllm-ascend adds them by hand as FLOAT); an int8 one among
+    them still fails, in `assign`."""
+    quantized = None
+    if quant is not None:
+        names = {n for n in tensors if quant.quantized_linear(n) is not None}
+        quantized = QuantizedWeights.build({n: tensors[n] for n in names}, quant, draft.dcfg.n_routed_experts,
+                                           map_draft_name)
+        tensors = {n: t for n, t in tensors.items() if n not in names}
     filled = assign(draft, tensors, map_draft_name)
     skip = () if draft.dcfg.uses_own_vocab_modules else ("embed", "head")
-    check_complete(draft, filled, draft.dcfg.n_routed_experts, skip=skip)
+    check_complete(draft, filled | (quantized.filled if quantized else set()), draft.dcfg.n_routed_experts, skip=skip)
+    return quantized
 
 
 def draft_state_dict(draft: DSparkDraft) -> dict[str, torch.Tensor]:

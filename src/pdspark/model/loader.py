@@ -27,7 +27,12 @@ class Checkpoint:
     tokenizer: Tokenizer | None
     extra: dict[str, torch.Tensor]  # mtp.* tensors (the speculative draft)
     path: Path
-    quarot: bool = False  # a QuaRot-rotated residual stream (its embed and head are rotated)
+    quant: QuantDescription | None = None  # a ModelSlim checkpoint's description
+
+    @property
+    def quarot(self) -> bool:
+        """A QuaRot-rotated residual stream (its embed and head are rotated)."""
+        return self.quant is not None and self.quant.quarot
 
 
 def load_checkpoint(
@@ -53,8 +58,7 @@ def load_checkpoint(
     model.requires_grad_(False)
     model.eval()
     model.prepare_inference()
-    return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path,
-                      quarot=quant is not None and quant.quarot)
+    return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path, quant)
 
 
 def quant_description(path: Path, quantization: str) -> QuantDescription | None:
@@ -81,8 +85,10 @@ def load_draft(ckpt: Checkpoint, max_len: int, dtype: str = "float32", device: s
         raise ConfigError(f"{ckpt.path} is QuaRot-rotated: its DSpark draft needs its own embed and head "
                           "(`dspark.uses_own_vocab_modules: true` in config.json)")
     draft = DSparkDraft(ckpt.model.cfg, dcfg, max_len)
-    load_draft_weights(draft, ckpt.extra)
+    quantized = load_draft_weights(draft, ckpt.extra, ckpt.quant)
     draft = draft.to(device=device, dtype=getattr(torch, dtype))
+    if quantized is not None:
+        quantized.install(draft)
     draft.requires_grad_(False)
     draft.eval()
     draft.bind_target(ckpt.model.embed, ckpt.model.head)

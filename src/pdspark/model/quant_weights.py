@@ -1,5 +1,6 @@
 """`QuantizedWeights`: the quantized linears of a ModelSlim checkpoint, mapped onto `DSV4Model` through the one name
-map (`weights.map_name`), and installed in place of the float parameters they stand for.
+map (`weights.map_name`), and installed in place of the float parameters they stand for. A DSpark draft's quantized
+`mtp.*` linears go the same way through its own map (`dspark_weights.map_draft_name`) onto `DSparkDraft`.
 
 A linear is quantized when its own `.weight` entry in `quant_model_description.json` says so; its tensors are
 `<prefix>.weight` plus the scheme's scales (`weight_scale`, `input_scale`, ...). Routed experts are stored per expert
@@ -9,6 +10,7 @@ and projection and stacked here (`w1`/`w3` rows into w13, `w2`); every expert of
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +22,11 @@ from pdspark.quant.quant_experts import QuantExperts
 from pdspark.quant.quant_linear import QuantLinear
 from pdspark.quant.scheme import DYNAMIC_SCHEMES, QuantDescription
 
-_EXPERT_RE = re.compile(r"^(layers\.\d+)\.ffn\.experts\.\d+\.w[123]$")
+_EXPERT_RE = re.compile(r"^((?:layers|mtp)\.\d+)\.ffn\.experts\.\d+\.w[123]$")  # target layer or draft stage
+# The parameters the model runs through `quant_linear.linear` (the others are plain `F.linear`s or lookups: a
+# quantized module there would fail at run time, far from the checkpoint entry that caused it).
+_RUNS_QUANTIZED = re.compile(r"(^|\.)(attn\.wq_a|attn\.wq_b|attn\.wkv|attn\.indexer\.wq_b|ffn\.shared\.w[123]|"
+                             r"ffn\.w[123]|main_proj)$")
 _EXPERT_PROJ = {("ffn.w13", 0): "w1", ("ffn.w13", 1): "w3", ("ffn.w2", None): "w2"}
 
 
@@ -34,8 +40,10 @@ class QuantizedWeights:
     filled: set[Piece] = field(default_factory=set)  # the float pieces they stand for
 
     @classmethod
-    def build(cls, tensors: dict[str, torch.Tensor], desc: QuantDescription, n_experts: int) -> QuantizedWeights:
-        """From every quantized tensor of the checkpoint (by its full name)."""
+    def build(cls, tensors: dict[str, torch.Tensor], desc: QuantDescription, n_experts: int,
+              mapper: Callable[[str], Piece | None] = map_name) -> QuantizedWeights:
+        """From every quantized tensor of the checkpoint (by its full name); `mapper` is the model's name map
+        (the target's, or the draft's with `n_experts` its routed experts per stage)."""
         by_prefix: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
             prefix = desc.quantized_linear(name)
@@ -46,12 +54,15 @@ class QuantizedWeights:
         out = cls()
         per_expert: dict[str, dict[tuple[int, str], QuantLinear]] = {}  # "layers.3.ffn" -> {(e, "w1"): ...}
         for prefix, parts in by_prefix.items():
-            piece = map_name(f"{prefix}.weight")
+            piece = mapper(f"{prefix}.weight")
             if piece is None:
                 raise CheckpointError(f"unexpected quantized tensor {prefix}.weight (not part of this model)")
+            if piece.expert is None and piece.half is None and not _RUNS_QUANTIZED.search(piece.param):
+                raise CheckpointError(f"{prefix}.weight is {desc.scheme_of(prefix)} in the description; pdspark "
+                                      "runs it in float only (FLOAT in ModelSlim's DSV4 recipes)")
             q = QuantLinear.from_tensors(prefix, desc.scheme_of(prefix), parts)
             if piece.expert is not None:
-                layer = piece.param.rsplit(".", 1)[0]  # layers.N.ffn
+                layer = piece.param.rsplit(".", 1)[0]  # layers.N.ffn (stages.N.ffn in a draft)
                 proj = _EXPERT_PROJ[("ffn." + piece.param.rsplit(".", 1)[1], piece.half)]
                 per_expert.setdefault(layer, {})[(piece.expert, proj)] = q
             elif piece.half is not None:
@@ -70,7 +81,7 @@ class QuantizedWeights:
         weights and fp32 scales keep their dtypes)."""
         device = next(model.parameters()).device
         for path, q in self.linears.items():
-            owner, name = path.rsplit(".", 1)
+            owner, _, name = path.rpartition(".")  # owner "" for a top-level weight (a draft's main_proj)
             module = model.get_submodule(owner)
             delattr(module, name)
             setattr(module, name, q.to(device))
@@ -81,8 +92,8 @@ class QuantizedWeights:
 
 
 def _check_experts_agree(layer: str, desc: QuantDescription, n_experts: int) -> None:
-    """Every routed expert of `layer` (`layers.N`) has expert 0's scheme, as the description says (loaders pick
-    the kernel by expert 0: a disagreeing expert would silently run the wrong math)."""
+    """Every routed expert of `layer` (`layers.N`, or a draft's `mtp.N`) has expert 0's scheme, as the description
+    says (loaders pick the kernel by expert 0: a disagreeing expert would silently run the wrong math)."""
     first = desc.scheme_of(f"{layer}.ffn.experts.0.w1")
     for e in range(n_experts):
         for proj in ("w1", "w3", "w2"):

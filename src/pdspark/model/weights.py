@@ -182,8 +182,9 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
         bar.update(1)
         if quant is not None and quant.quantized_linear(name) is not None:
             # A copy: kept as is (not copied into a parameter), a view of the mapped file would keep all of it
-            # resident for the life of the model.
-            quantized[name] = handles[f].get_tensor(name).clone()
+            # resident for the life of the model. A quantized draft linear goes aside with the other `mtp.*`.
+            is_draft = name.startswith(("mtp.", "model.mtp."))
+            (extra if is_draft else quantized)[name.removeprefix("model.")] = handles[f].get_tensor(name).clone()
             continue
         if name.endswith((".scale", "_scale_inv")):  # FP8/FP4 block scales, not mHC `*_scale` parameters
             raise CheckpointError(f"quantized tensor {name!r}: FP8/FP4 checkpoints are not supported")
@@ -229,6 +230,10 @@ def check_complete(module: torch.nn.Module, filled: set[Piece], n_experts: int, 
 def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dest.shape) != tuple(src.shape):
         raise CheckpointError(f"tensor {name!r} has shape {tuple(src.shape)}; the config implies {tuple(dest.shape)}")
+    if src.dtype == torch.int8 and dest.is_floating_point():
+        # A quantized weight read as float would be cast silently, scales ignored.
+        raise CheckpointError(f"tensor {name!r} is int8 but stands for a float parameter: a quantized linear needs "
+                              "its scheme in quant_model_description.json")
     dest.copy_(src.to(dest.dtype))
 
 
