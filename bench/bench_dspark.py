@@ -3,12 +3,17 @@
 Decode tokens/s counts tokens after each request's first one, over the time after that first token (prefill is
 excluded). Greedy, EOS ignored. Both modes run in this process, alternating, with `--repeats` medians.
 
+Where a step goes at batch 1: the forward of a plain decode step (1 row) and of a verify step (gamma + 1 rows), and
+the draft's proposal, medians over the steps. The roofline (`roofline.py`: fp32 GEMV GB/s measured in this run,
+before and after) puts plain decode and DSpark's committed tokens as fractions of the memory limit.
+
     python bench/bench_dspark.py [--model dsv4-tiny] [--prompts 8] [--prompt-len 128] [--output-len 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -24,29 +29,65 @@ from train_dspark_draft import heldout_prompts  # noqa: E402  (the held-out spli
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import figure, paired_bars, save_figure, write_json  # noqa: E402
+from roofline import machine_limits, work_per_token  # noqa: E402
+
+
+class StepTimer:
+    """Wall time of every call of `obj.name` while active, keyed by the call's row count (`rows_of(args)`)."""
+
+    def __init__(self, obj, name: str, rows_of):
+        self.obj, self.name, self.rows_of = obj, name, rows_of
+        self.times: dict[int, list[float]] = {}
+
+    def __enter__(self):
+        inner = getattr(self.obj, self.name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.times.setdefault(self.rows_of(args), []).append(time.perf_counter() - t0)
+            return out
+
+        setattr(self.obj, self.name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        delattr(self.obj, self.name)  # back to the class's method
 
 
 def run(llm: LLM, prompts: list[list[int]], batch: int, output_len: int) -> dict:
-    """Requests in groups of `batch`; decode time of a group runs from its first token to its last."""
+    """Requests in groups of `batch`; decode time of a group runs from its first token to its last. Also the
+    medians of the step forwards by row count (up to 16 rows: decode and verify steps) and of the proposals."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     decode_s, n_tokens = 0.0, 0
     verify0 = engine.spec.verify_steps
-    for i in range(0, len(prompts), batch):
-        ids = [engine.add_request(p, params) for p in prompts[i : i + batch]]
-        first = last = None
-        while engine.has_unfinished:
-            outs = engine.step()
-            now = time.perf_counter()
-            if outs and first is None:
-                first = now
-            last = now
-        decode_s += last - first
-        n_tokens += sum(len(engine.requests[r].output_token_ids) - 1 for r in ids)
-        for r in ids:
-            engine.release(r)
+    forward = StepTimer(engine.runner, "run", lambda a: sum(len(c.token_ids) for c in a[0]))
+    propose = StepTimer(engine.drafter, "propose", lambda a: len(a[0])) if engine.drafter is not None else None
+    with contextlib.ExitStack() as timers:
+        for timer in (forward, propose):
+            if timer is not None:
+                timers.enter_context(timer)
+        for i in range(0, len(prompts), batch):
+            ids = [engine.add_request(p, params) for p in prompts[i : i + batch]]
+            first = last = None
+            while engine.has_unfinished:
+                outs = engine.step()
+                now = time.perf_counter()
+                if outs and first is None:
+                    first = now
+                last = now
+            decode_s += last - first
+            n_tokens += sum(len(engine.requests[r].output_token_ids) - 1 for r in ids)
+            for r in ids:
+                engine.release(r)
+    medians = {f"forward_ms_{rows}_rows": 1e3 * statistics.median(ts)
+               for rows, ts in sorted(forward.times.items()) if rows <= 16}
+    if propose is not None:
+        medians.update({f"propose_ms_{m}_blocks": 1e3 * statistics.median(ts)
+                        for m, ts in sorted(propose.times.items())})
     return {"decode_tok_s": n_tokens / decode_s, "verify_steps": engine.spec.verify_steps - verify0,
-            "tokens": n_tokens}
+            "tokens": n_tokens, **medians}
 
 
 def main() -> None:
@@ -66,6 +107,7 @@ def main() -> None:
     plain = LLM(path, **opts)
     spec = LLM(path, speculative="dspark", **opts)
     batches = [int(b) for b in args.batches.split(",")]
+    limits = [machine_limits(args.threads)]
     rows: dict[tuple[str, int], list[dict]] = {}
     for rep in range(args.repeats):
         for b in batches:
@@ -98,9 +140,39 @@ def main() -> None:
         f"mean acceptance length (tokens per verify step, bonus included): {acc_len:.2f}",
         "acceptance per draft position: " + ", ".join(f"{x:.2f}" for x in per_pos),
     ]
+    # Batch 1, where a step goes: medians over the repeats of the per-run step medians.
+    limits.append(machine_limits(args.threads))
+    gemv = statistics.median(m["gemv_gb_s"] for m in limits)
+    step_bytes = work_per_token(path, 1)["decode_step_bytes"]
+    gamma = spec.engine.drafter.gamma
+
+    def med_key(name, key):
+        vals = [r[key] for r in rows.get((name, 1), []) if key in r]
+        return statistics.median(vals) if vals else float("nan")
+
+    decode_ms = med_key("plain", "forward_ms_1_rows")
+    verify_ms = med_key("dspark", f"forward_ms_{gamma + 1}_rows")
+    propose_ms = med_key("dspark", "propose_ms_1_blocks")
+    steps = {"decode_forward_ms": decode_ms, "verify_forward_ms": verify_ms, "propose_ms": propose_ms,
+             "verify_over_decode": verify_ms / decode_ms, "gemv_gb_s": gemv, "decode_step_bytes": step_bytes,
+             "measured": limits}
+    if 1 in batches:
+        plain_gb_s = med("plain", 1) * step_bytes / 1e9
+        steps.update(plain_fraction=plain_gb_s / gemv, dspark_equivalent_fraction=med("dspark", 1) * step_bytes / 1e9
+                     / gemv)
+        lines += [
+            "",
+            f"batch 1, where a step goes (medians): plain decode forward {decode_ms:.2f} ms; DSpark verify forward "
+            f"({gamma + 1} rows) {verify_ms:.2f} ms = {verify_ms / decode_ms:.2f}x a decode forward; proposal "
+            f"{propose_ms:.2f} ms",
+            f"roofline (measured in this run): fp32 GEMV {gemv:.1f} GB/s; {step_bytes / 1e6:.1f} MB of active weights "
+            f"per plain step: plain decode at {plain_gb_s / gemv:.0%} of it, DSpark's committed tokens x those bytes "
+            f"at {steps['dspark_equivalent_fraction']:.0%}",
+        ]
     print("\n".join(lines))
     write_json("dspark", {"args": vars(args), "summary": summary, "mean_acceptance_length": acc_len,
-                          "acceptance_per_position": per_pos})
+                          "acceptance_per_position": per_pos, "batch1_steps": steps,
+                          "runs": {f"{n} b{b}": v for (n, b), v in rows.items()}})
     fig, (a1, a2) = figure(ncols=2, width=10)
     paired_bars(a1, [f"batch {s['batch']}" for s in summary], [s["plain_tok_s"] for s in summary],
                 [s["dspark_tok_s"] for s in summary], ("plain", "DSpark"), "decode tokens / s")
@@ -109,7 +181,6 @@ def main() -> None:
     a2.set_ylabel("P(accepted)")
     a2.set_ylim(0, 1)
     save_figure(fig, "dspark", lines[0])
-
 
 
 if __name__ == "__main__":

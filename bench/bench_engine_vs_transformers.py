@@ -2,9 +2,15 @@
 
 Each measurement runs in its own process (so peak RSS belongs to one system), alternating the two systems; with
 `--repeats N` the table shows medians. Greedy decoding, EOS ignored, random prompt ids (same for both).
+`--config big` runs a bigger random DSV4 (`random_checkpoint.py`) instead of `--model`.
 
-    python bench/bench_engine_vs_transformers.py [--model dsv4-tiny] [--prompt-len 512] [--output-len 128]
-        [--device cpu|cuda]
+The roofline (`roofline.py`) is measured in the same run, before and after the measurements (medians): fp32 GEMM
+GFLOP/s and GEMV GB/s. pdspark's decode is reported as a fraction of the GEMV limit (active weight bytes per step x
+steps/s) and its prefill as a fraction of the GEMM limit (matmul FLOPs per token x prompt tokens/s; the prompts
+prefilled alone, timed before the generate run).
+
+    python bench/bench_engine_vs_transformers.py [--model dsv4-tiny | --config big] [--prompt-len 512]
+        [--output-len 128] [--device cpu|cuda]
 
 With `--device cuda` both systems run on the GPU, peak memory is the GPU's (`torch.cuda.max_memory_allocated`), and
 the results are written as `engine_vs_transformers_cuda` beside the CPU ones (`scripts/device_check.sh`).
@@ -23,7 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_checkpoint import CONFIGS, random_checkpoint  # noqa: E402
 from report import figure, paired_bars, save_figure, write_json  # noqa: E402
+from roofline import machine_limits, work_per_token  # noqa: E402
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -51,10 +59,16 @@ def _worker(system: str, model: str, batch: int, prompt_len: int, output_len: in
                   max_num_batched_tokens=1024, device=device)
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
         llm.generate(prompt_token_ids=[prompts[0][:16]], sampling_params=SamplingParams(max_tokens=2))  # warm-up
+        t0 = time.perf_counter()  # the prefill alone (one token each), for the prefill roofline
+        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
+        prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - t0
         n_out = sum(len(o.token_ids) for o in outs)
+        extra = {"prefill_tok_s": batch * prompt_len / prefill_s,
+                 # decode steps after the first token, over the time after the prefill
+                 "decode_steps_s": (output_len - 1) / max(seconds - prefill_s, 1e-9)}
     else:
         from transformers import DeepseekV4ForCausalLM
 
@@ -67,7 +81,8 @@ def _worker(system: str, model: str, batch: int, prompt_len: int, output_len: in
             out = hf.generate(ids, max_new_tokens=output_len, do_sample=False, pad_token_id=0)
             seconds = time.perf_counter() - t0
         n_out = int(out.shape[0] * (out.shape[1] - prompt_len))
-    return {
+        extra = {}
+    return {**extra,
         "system": system,
         "batch": batch,
         "seconds": seconds,
@@ -95,6 +110,7 @@ def _measure(args, system: str, batch: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="dsv4-tiny")
+    parser.add_argument("--config", choices=sorted(CONFIGS), help="a bigger random DSV4 instead of --model")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batches", default="1,32")
@@ -109,7 +125,12 @@ def main() -> None:
                                  args.device)))
         return
 
+    if args.config:
+        args.model = str(random_checkpoint(args.config))
+    from pdspark.assets import resolve_model  # (after the worker branch: only the parent needs it here)
+
     batches = [int(b) for b in args.batches.split(",")]
+    limits = [machine_limits(args.threads)] if args.device == "cpu" else []
     rows = {}
     for rep in range(args.repeats):
         for batch in batches:
@@ -121,8 +142,9 @@ def main() -> None:
         return statistics.median(r[key] for r in rows[(system, batch)])
 
     memory = "RSS" if args.device == "cpu" else "GPU memory"
+    label = f"random DSV4 '{args.config}'" if args.config else args.model
     lines = [
-        f"model {args.model}, prompt {args.prompt_len}, output {args.output_len}, greedy, "
+        f"model {label}, prompt {args.prompt_len}, output {args.output_len}, greedy, "
         f"{args.threads} threads, {platform.machine() if args.device == 'cpu' else args.device} "
         f"({args.repeats} repeat(s), medians)",
         "",
@@ -131,23 +153,44 @@ def main() -> None:
         "|---:|---:|---:|---:|---:|---:|",
     ]
     summary = []
-    name = "engine_vs_transformers" + ("" if args.device == "cpu" else f"_{args.device}")
+    name = ("engine_vs_transformers" + (f"_{args.config}" if args.config else "")
+            + ("" if args.device == "cpu" else f"_{args.device}"))
     for b in batches:
         pd, hf = med("pdspark", b, "tokens_per_s"), med("transformers", b, "tokens_per_s")
         pd_rss, hf_rss = med("pdspark", b, "peak_rss_mb"), med("transformers", b, "peak_rss_mb")
         lines.append(f"| {b} | {pd:.1f} | {hf:.1f} | {pd / hf:.2f}x | {pd_rss:.0f} | {hf_rss:.0f} |")
         summary.append({"batch": b, "pdspark_tok_s": pd, "transformers_tok_s": hf, "speedup": pd / hf,
                         "pdspark_peak_rss_mb": pd_rss, "transformers_peak_rss_mb": hf_rss})
+    roofline = None
+    if limits:
+        limits.append(machine_limits(args.threads))
+        gemm = statistics.median(m["gemm_gflops"] for m in limits)
+        gemv = statistics.median(m["gemv_gb_s"] for m in limits)
+        roofline = {"gemm_gflops": gemm, "gemv_gb_s": gemv, "measured": limits, "batches": []}
+        lines += ["", f"roofline, measured in this run: fp32 GEMM {gemm:.1f} GFLOP/s, GEMV {gemv:.1f} GB/s "
+                  f"({args.threads} threads)", "",
+                  "| batch | decode steps/s | active weight MB / step | decode GB/s | of GEMV roofline | "
+                  "prefill tok/s | prefill GFLOP/s | of GEMM roofline |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for b in batches:
+            work = work_per_token(resolve_model(args.model), b)
+            steps, prefill = med("pdspark", b, "decode_steps_s"), med("pdspark", b, "prefill_tok_s")
+            gb_s = steps * work["decode_step_bytes"] / 1e9
+            gflops = prefill * work["prefill_flops_per_token"] / 1e9
+            lines.append(f"| {b} | {steps:.1f} | {work['decode_step_bytes'] / 1e6:.1f} | {gb_s:.2f} | "
+                         f"{gb_s / gemv:.0%} | {prefill:.0f} | {gflops:.1f} | {gflops / gemm:.0%} |")
+            roofline["batches"].append({"batch": b, **work, "decode_steps_s": steps, "decode_gb_s": gb_s,
+                                        "decode_fraction": gb_s / gemv, "prefill_tok_s": prefill,
+                                        "prefill_gflops": gflops, "prefill_fraction": gflops / gemm})
     print("\n".join(lines))
-    write_json(name,
-               {"args": vars(args), "summary": summary, "runs": [r for v in rows.values() for r in v]})
+    write_json(name, {"args": vars(args), "summary": summary, "roofline": roofline,
+                      "runs": [r for v in rows.values() for r in v]})
     fig, ax = figure()
     paired_bars(ax, [f"batch {s['batch']}" for s in summary], [s["pdspark_tok_s"] for s in summary],
                 [s["transformers_tok_s"] for s in summary], ("pdspark", "transformers generate"), "output tokens / s")
     for x, s in enumerate(summary):
         ax.annotate(f"{s['speedup']:.1f}x", (x - 0.2, s["pdspark_tok_s"]), ha="center", va="bottom")
     save_figure(fig, name, lines[0])
-
 
 
 if __name__ == "__main__":

@@ -304,3 +304,14 @@ def test_draft_weights_round_trip(checkpoints, tmp_path, own_vocab, moe):
     for name, p in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], p), name
     load_draft_weights(loaded, draft_state_dict(draft))  # names are stable both ways
+
+
+def test_cached_markov_rows_equal_the_uncached_bias_and_stay_bounded(draft_ckpt, monkeypatch):
+    """The drafter's Markov rows come from a cache: bit for bit the uncached bias; the least recently used row
+    goes first when full."""
+    monkeypatch.setattr(drafter_module, "_MARKOV_CACHE_BYTES", 3 * 4 * 256)  # 3 rows of a 256-token vocabulary
+    drafter = make_llm(draft_ckpt[MIXED.seed][0], speculative="dspark", **OPTS).engine.drafter
+    with torch.inference_mode():
+        for prev in (5, 9, 5, 200, 7, 9):
+            assert torch.equal(drafter._markov_row(prev), drafter.draft.markov_bias(torch.tensor(prev)))
+    assert list(drafter._markov) == [200, 7, 9]

@@ -16,6 +16,9 @@ from pdspark.engine.request import Request
 from pdspark.engine.sampler import filter_logits
 from pdspark.model.dspark import DSparkDraft
 
+# Memory for cached Markov bias rows (fp32, one `[vocab]` row per previous token): 2,048 rows at dsv4-tiny's 4,096.
+_MARKOV_CACHE_BYTES = 32 << 20
+
 
 @dataclass(frozen=True)
 class DraftProposal:
@@ -29,6 +32,10 @@ class DSparkDrafter:
         self.gamma = draft.dcfg.gamma
         W = draft.cfg.sliding_window
         self._ctx_offsets = torch.arange(-W, 0)  # context rows a - W .. a - 1
+        # Markov bias rows `[V]` by previous token, computed once each (the same op on the same row as uncached, so
+        # the same bits): a block picks gamma tokens one after another, each needing the row of the one before.
+        self._markov: dict[int, torch.Tensor] = {}
+        self._markov_max = max(1, _MARKOV_CACHE_BYTES // (4 * draft.cfg.vocab_size))
 
     @torch.inference_mode()
     def inject(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
@@ -66,7 +73,7 @@ class DSparkDrafter:
         prev = req.all_token_ids[-1]
         tokens = []
         for k in range(n):
-            logits = base[k] + self.draft.markov_bias(torch.tensor(prev))
+            logits = base[k] + self._markov_row(prev)
             if req.params.greedy:
                 prev = int(logits.argmax())
             else:
@@ -75,3 +82,14 @@ class DSparkDrafter:
                 prev = int(race(q[None], noise[k : k + 1])[0])
             tokens.append(prev)
         return DraftProposal(tokens)
+
+    def _markov_row(self, prev: int) -> torch.Tensor:
+        """The Markov bias `[V]` after token `prev`, cached (least recently used evicted first when full)."""
+        row = self._markov.pop(prev, None)
+        if row is not None:
+            self._markov[prev] = row  # most recent last
+        else:
+            if len(self._markov) >= self._markov_max:
+                del self._markov[next(iter(self._markov))]
+            row = self._markov[prev] = self.draft.markov_bias(torch.tensor(prev))
+        return row

@@ -1,0 +1,46 @@
+"""A bigger random DSV4 checkpoint for the engine benchmarks: dsv4-tiny's architecture, wider and with more
+experts, random weights written by transformers' `DeepseekV4ForCausalLM` (so both systems load the same file).
+
+`big`: hidden 256, 16 routed experts (top-2) of intermediate 256, vocab 4,096, 6 layers. Built once into
+`~/.cache/pdspark-bench/<name>` (seeded: the same weights every time) and reused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONFIGS = {
+    "big": {"hidden_size": 256, "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+            "vocab_size": 4096, "q_lora_rank": 192, "o_lora_rank": 96},
+}
+_CACHE = Path.home() / ".cache" / "pdspark-bench"
+
+
+def random_checkpoint(name: str, seed: int = 0) -> Path:
+    """The directory of the random checkpoint `name` (one of `CONFIGS`), built on first use."""
+    out = _CACHE / name
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from pdspark.assets import resolve_model
+
+    base = json.loads((Path(resolve_model("dsv4-tiny")) / "config.json").read_text())
+    base.pop("dspark", None)
+    base.update(CONFIGS[name])
+    base["dtype"] = "float32"
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**base)).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        for layer in model.model.layers:
+            if layer.mlp.is_hash:  # distinct experts per token id, as the trained table has
+                E, k = base["n_routed_experts"], base["num_experts_per_tok"]
+                layer.mlp.gate.tid2eid.copy_(
+                    torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(base["vocab_size"])]))
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
