@@ -1,5 +1,5 @@
 """The extra operator library loader against a real `TORCH_LIBRARY` library, compiled here once per machine with
-the system C++ compiler against torch's headers (cached by a hash of the source, the compiler command and torch's
+the system C++ compiler against torch's headers (cached by a hash of the source, the compiler and torch's
 version). Loading is process-wide and a double registration terminates the process, so every load happens in a
 fresh interpreter."""
 
@@ -40,14 +40,18 @@ def _compile_command(source: Path, out: Path) -> list[str]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = cpp_extension.library_paths()
     return [cxx, "-std=c++17", "-O0", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(source),
-            "-o", str(out), *[f"-L{p}" for p in libs], *[f"-Wl,-rpath,{p}" for p in libs], "-lc10", "-ltorch_cpu"]
+            "-o", str(out), *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu"]
+    # No rpath: the library is only ever loaded into a process that imported torch, whose libc10 and libtorch_cpu
+    # then satisfy it by soname (as torch's own extensions are loaded), so one build serves every venv.
 
 
 @pytest.fixture(scope="session")
 def ops_library() -> Path:
     """The compiled library (untagged name), built once per source/compiler/torch and reused across sessions."""
     root = Path(os.environ.get("PDSPARK_CACHE_DIR") or Path.home() / ".cache" / "pdspark") / "test-ops"
-    key = hashlib.sha256("\0".join([SOURCE, torch.__version__, *_compile_command(Path("s"), Path("o"))]).encode())
+    # Keyed by what the binary depends on, not by where this venv lives (a fresh clone's venv reuses the build).
+    cxx = os.environ.get("CXX") or shutil.which("g++") or "c++"
+    key = hashlib.sha256("\0".join([SOURCE, torch.__version__, cxx, str(torch._C._GLIBCXX_USE_CXX11_ABI)]).encode())
     out = root / key.hexdigest()[:16] / f"lib{NAMESPACE}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
