@@ -16,6 +16,7 @@ from pdspark.engine.engine import Engine
 from pdspark.engine.random_stream import Purpose, RandomStream
 from pdspark.engine.sampler import Sampler, filter_logits
 from pdspark.engine.spec_verifier import accept
+from pdspark.errors import CheckpointError
 from pdspark.model.dspark_weights import draft_state_dict, load_draft_weights
 from pdspark.model.loader import load_checkpoint, load_draft
 
@@ -304,6 +305,11 @@ def test_draft_weights_round_trip(checkpoints, tmp_path, own_vocab, moe):
     for name, p in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], p), name
     load_draft_weights(loaded, draft_state_dict(draft))  # names are stable both ways
+    # A checkpoint trained with the confidence head carries it; it is left out, and only it.
+    with_head = {**draft_state_dict(draft), "mtp.confidence_head.weight": torch.ones(3, 8)}
+    load_draft_weights(loaded, with_head)
+    with pytest.raises(CheckpointError, match="mtp.confidence_heads.weight"):
+        load_draft_weights(loaded, {**draft_state_dict(draft), "mtp.confidence_heads.weight": torch.ones(3, 8)})
 
 
 def test_cached_markov_rows_equal_the_uncached_bias_and_stay_bounded(draft_ckpt, monkeypatch):

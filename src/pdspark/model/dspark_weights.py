@@ -10,6 +10,7 @@
 | `mtp.markov_head.{w1,embed}.weight`          | `markov_w1` `[V, r]`                        |
 | `mtp.markov_head.{w2,head}.weight`           | `markov_w2` `[V, r]`                        |
 | `mtp.embed.weight`, `mtp.head.weight`        | `embed`, `head` (drafts with their own vocab modules) |
+| `mtp.confidence_head.*`                      | not loaded (no confidence-scheduled verify)  |
 
 In a ModelSlim checkpoint a draft linear listed as quantized in `quant_model_description.json` loads as the
 target's do (`quant_weights.QuantizedWeights`, through this map).
@@ -17,6 +18,7 @@ target's do (`quant_weights.QuantizedWeights`, through this map).
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -25,6 +27,8 @@ from pdspark.model.dspark import DSparkDraft
 from pdspark.model.quant_weights import QuantizedWeights
 from pdspark.model.weights import Piece, assign, check_complete, map_name
 from pdspark.quant.scheme import QuantDescription
+
+logger = logging.getLogger(__name__)
 
 _TOP = {
     "markov_head.w1.weight": "markov_w1",
@@ -42,6 +46,7 @@ _STAGE_EXTRA = {
     "hc_head_base": "hc_head.base",
     "hc_head_scale": "hc_head.scale",
 }
+CONFIDENCE_HEAD = "mtp.confidence_head."
 _DENSE_MLP = re.compile(r"^ffn\.(w[123])\.weight$")
 _STAGE = re.compile(r"^(\d+)\.(.+)$")
 
@@ -75,6 +80,13 @@ def load_draft_weights(draft: DSparkDraft, tensors: dict[str, torch.Tensor],
     `QuantizedWeights`, to install once the draft is moved and cast. A draft tensor the description does not list is
     FLOAT: old ModelSlim output left the MTP entries out (vllm-ascend adds them by hand as FLOAT); an int8 one among
     them still fails, in `assign`."""
+    # DSpark checkpoints trained with the confidence head carry it (`mtp.confidence_head.*`): it only feeds a
+    # confidence-scheduled (ragged) verify, which pdspark does not run; every verify takes all the drafts.
+    unused = sorted(n for n in tensors if n.startswith(CONFIDENCE_HEAD))
+    if unused:
+        logger.info("the draft's confidence head (%d tensors) is not used: every verify step takes all the drafts",
+                    len(unused))
+        tensors = {n: t for n, t in tensors.items() if not n.startswith(CONFIDENCE_HEAD)}
     quantized = None
     if quant is not None:
         names = {n for n in tensors if quant.quantized_linear(n) is not None}
