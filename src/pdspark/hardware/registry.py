@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from functools import cache
-from typing import Literal
 
 from pdspark.errors import check_choice
 from pdspark.hardware.backend import HardwareBackend
 
-Device = Literal["cpu", "cuda", "npu"]  # the values of `--device` (`EngineConfig.device`)
+# The values of `--device`: `pdspark.config.Device` names the same (a test checks), without importing this module
+# (the router's config must not import torch).
 DEVICES: tuple[str, ...] = ("cpu", "cuda", "npu")
 
 
