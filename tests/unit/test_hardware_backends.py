@@ -3,6 +3,7 @@ machine lacks (raised before any weight is loaded)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import typing
@@ -14,7 +15,7 @@ import torch
 from pdspark.config import Device, EngineConfig, WorkerConfig
 from pdspark.engine.factory import create_engine
 from pdspark.errors import ConfigError
-from pdspark.hardware.backend import DeviceUnavailableError, NullStream
+from pdspark.hardware.backend import DeviceModuleBackend, DeviceUnavailableError, NullStream
 from pdspark.hardware.cpu.backend import CpuBackend
 from pdspark.hardware.extra_ops import ExtraOpsError, split_paths
 from pdspark.hardware.npu import torch_npu_guard
@@ -99,3 +100,36 @@ def test_engine_checks_its_extra_operator_libraries_before_loading(monkeypatch, 
                                             "not exist"):
         create_engine("dsv4-tiny", config=cfg.engine)
     assert not loaded
+
+
+def test_a_device_module_backend_drives_the_module_it_was_given():
+    """CUDA and NPU share `DeviceModuleBackend`: every stream call goes to their device module (here a recorder)."""
+    calls: list[tuple] = []
+
+    class Api:
+        def Stream(self, device):  # noqa: N802 (the device modules' name)
+            calls.append(("Stream", device))
+            return "side"
+
+        def current_stream(self, device):
+            calls.append(("current_stream", device))
+            return "main"
+
+        @contextlib.contextmanager
+        def stream(self, s):
+            calls.append(("enter", s))
+            yield
+            calls.append(("exit", s))
+
+        def synchronize(self, device):
+            calls.append(("synchronize", device))
+
+    dev = torch.device("cpu")
+    backend = DeviceModuleBackend(Api(), dev)
+    assert backend.device == dev and backend.kernels() == frozenset() and backend.has_streams
+    assert backend.new_stream() == "side" and backend.current_stream() == "main"
+    with backend.use_stream("side"):
+        calls.append(("work",))
+    backend.synchronize()
+    assert calls == [("Stream", dev), ("current_stream", dev), ("enter", "side"), ("work",), ("exit", "side"),
+                     ("synchronize", dev)]

@@ -75,3 +75,38 @@ class HardwareBackend(ABC):
     def synchronize(self) -> None:
         """Wait for every queued kernel of the device (a no-op on the CPU)."""
         return None
+
+
+class DeviceModuleBackend(HardwareBackend):
+    """An accelerator reached through a torch device module (`torch.cuda`, or `torch.npu` that `torch_npu`
+    registers): both expose the same stream API, so streams, events and synchronisation are written once here."""
+
+    has_streams = True
+
+    def __init__(self, api: Any, device: torch.device) -> None:
+        self._api = api  # the device module: Stream, current_stream, stream, synchronize
+        self._device = device
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def kernels(self) -> frozenset[str]:
+        return frozenset()  # the PyTorch path: the C kernels are host-only
+
+    def new_stream(self) -> Any:
+        return self._api.Stream(self._device)
+
+    def current_stream(self) -> Any:
+        return self._api.current_stream(self._device)
+
+    @contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        with self._api.stream(stream):
+            yield
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+    def synchronize(self) -> None:
+        self._api.synchronize(self._device)

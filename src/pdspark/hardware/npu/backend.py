@@ -9,13 +9,11 @@ NOTE: untested (no Ascend machine has run it)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from pdspark.hardware.backend import DeviceUnavailableError, HardwareBackend
+from pdspark.hardware.backend import DeviceModuleBackend, DeviceUnavailableError
 from pdspark.hardware.npu.torch_npu_guard import import_torch_npu
 
 # Operators each feature needs from an extra operator library on the NPU (`namespace::op`).
@@ -24,40 +22,15 @@ NPU_REQUIRED_OPS: dict[str, tuple[str, ...]] = {
 }
 
 
-class NpuBackend(HardwareBackend):
+class NpuBackend(DeviceModuleBackend):
     name = "npu"
-    has_streams = True
 
     def __init__(self) -> None:
         module, missing = import_torch_npu()
         if module is None:
             raise DeviceUnavailableError(f"`device='npu'` is unavailable: {missing}; allowed here: 'cpu'")
-        self._npu: Any = torch.npu  # type: ignore[attr-defined]  # registered by torch_npu
-        self._device = torch.device("npu", self._npu.current_device())
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def kernels(self) -> frozenset[str]:
-        return frozenset()
+        npu: Any = torch.npu  # type: ignore[attr-defined]  # registered by torch_npu
+        super().__init__(npu, torch.device("npu", npu.current_device()))
 
     def required_ops(self, feature: str) -> tuple[str, ...]:
         return NPU_REQUIRED_OPS.get(feature, ())
-
-    def new_stream(self) -> Any:
-        return self._npu.Stream(self._device)
-
-    def current_stream(self) -> Any:
-        return self._npu.current_stream(self._device)
-
-    @contextmanager
-    def use_stream(self, stream: Any) -> Iterator[None]:
-        with self._npu.stream(stream):
-            yield
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        tensor.record_stream(stream)
-
-    def synchronize(self) -> None:
-        self._npu.synchronize(self._device)
