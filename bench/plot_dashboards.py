@@ -14,16 +14,13 @@ children of this script, on free loopback ports, stopped by PID at the end and o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
-import socket
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,6 +29,7 @@ from report import RESULTS, write_json  # noqa: E402
 
 from pdspark.service_process import ServiceProcess, start_service  # noqa: E402
 from prometheus_server import PrometheusServer  # noqa: E402
+from router_http import drop_a_stream, post  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
@@ -42,41 +40,18 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-
-def post(http: str, path: str, body: dict) -> int:
-    req = urllib.request.Request(http + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            r.read()
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def drop_a_stream(http: str) -> None:
-    """A client that reads its stream's first events and goes away."""
-    host, port = http.removeprefix("http://").split(":")
-    body = json.dumps({"prompt": [7] * 8, "max_tokens": 200, "stream": True, "ignore_eos": True}).encode()
-    with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        received = b""
-        while received.count(b"data:") < 2 and (chunk := sock.recv(4096)):
-            received += chunk
-
-
 def one_round(http: str, i: int) -> None:
     """Streamed and not, chat, a prefix-cache hit, a bad request and (every fourth round) a dropped stream; greedy
     and sampled (temperature 1, the API's default: the draft's acceptance is lower)."""
     completions, chat = "/v1/completions", "/v1/chat/completions"
-    post(http, completions, {"prompt": SHARED + [i % 200 + 2], "max_tokens": 16, "ignore_eos": True})
-    post(http, completions, {"prompt": "def fibonacci(n):", "max_tokens": 48, "stream": True, "temperature": 0})
-    post(http, chat, {"messages": [{"role": "user", "content": f"a stack {i}"}], "max_tokens": 24, "stream": True})
-    post(http, chat, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12})
-    post(http, completions, {"prompt": "x", "temperature": -1})
+    send = functools.partial(post, http, timeout=120)  # generous: the machine is loaded on purpose
+    send(completions, {"prompt": SHARED + [i % 200 + 2], "max_tokens": 16, "ignore_eos": True})
+    send(completions, {"prompt": "def fibonacci(n):", "max_tokens": 48, "stream": True, "temperature": 0})
+    send(chat, {"messages": [{"role": "user", "content": f"a stack {i}"}], "max_tokens": 24, "stream": True})
+    send(chat, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12})
+    send(completions, {"prompt": "x", "temperature": -1})
     if i % 4 == 0:
-        drop_a_stream(http)
+        drop_a_stream(http, timeout=60)
 
 
 def run_load(http: str, clients: int, duration_s: float) -> int:

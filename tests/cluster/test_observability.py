@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import threading
 import time
@@ -23,6 +22,7 @@ import pytest
 
 from pdspark.service_process import start_service
 from prometheus_server import RULES, PrometheusServer, tool
+from router_http import drop_a_stream, post
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
 ADMIN_KEY = "admin-key-for-observability-tests"
@@ -42,33 +42,9 @@ def cluster(draft_ckpt):
     assert service.stop() == 0
 
 
-
 def get(url: str, headers: dict | None = None, timeout: float = 10):
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
         return r.read()
-
-
-def post(http: str, path: str, body: dict) -> int:
-    req = urllib.request.Request(http + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            r.read()
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def drop_a_stream(http: str) -> None:
-    """A client that reads its stream's first events and goes away."""
-    host, port = http.removeprefix("http://").split(":")
-    body = json.dumps({"prompt": [7] * 8, "max_tokens": 200, "stream": True, "ignore_eos": True}).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        received = b""
-        while received.count(b"data:") < 2:
-            received += sock.recv(4096)
 
 
 def mixed_load(http: str) -> None:
@@ -82,7 +58,6 @@ def mixed_load(http: str) -> None:
     assert post(http, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}) == 200
     assert post(http, completions, {"prompt": "x", "temperature": -1}) == 400
     drop_a_stream(http)
-
 
 
 def until(check, timeout_s: float, what: str):
