@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster import wait_until
 from pdspark.service_process import start_service
 from prometheus_server import RULES, PrometheusServer, tool
 from router_http import drop_a_stream, post
@@ -60,17 +61,6 @@ def mixed_load(http: str) -> None:
     drop_a_stream(http)
 
 
-def until(check, timeout_s: float, what: str):
-    """Poll `check()` (a value, or None/False while not yet) until it gives one; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s (last: {result!r})"
-        time.sleep(0.25)
-
-
 def wait_all_up(prometheus: PrometheusServer, model: str) -> None:
     seen: list = []
 
@@ -82,7 +72,7 @@ def wait_all_up(prometheus: PrometheusServer, model: str) -> None:
                 and all(t["labels"]["model"] == model for t in active))
 
     try:
-        until(all_up, 20, "every target up under its name")
+        wait_until(all_up, 20, "every target up under its name", interval_s=0.25)
     except AssertionError as e:
         raise AssertionError(f"{e}; the targets: {seen}; prometheus: "
                              f"{prometheus.tail(3000)}") from None
@@ -128,7 +118,7 @@ def test_prometheus_discovers_and_scrapes_every_service(cluster, tmp_path):
 
         wait_all_up(prometheus, cluster.info["model"])
         for promql, what in KEY_SERIES:
-            until(lambda q=promql: prometheus.query(q), 15, f"{what}: {promql}")
+            wait_until(lambda q=promql: prometheus.query(q), 15, f"{what}: {promql}", interval_s=0.25)
         # Nothing Prometheus scraped is down, no series names an address, and no metric's own label clashed with
         # a target label (Prometheus would have renamed it `exported_...`).
         assert [r["value"][1] for r in prometheus.query("up")] == ["1"] * 3
@@ -144,8 +134,8 @@ def test_prometheus_discovers_and_scrapes_every_service(cluster, tmp_path):
 def test_promtool_finds_nothing_on_any_endpoint(cluster):
     http = cluster.info["http"]
     # The router learns each worker's metrics URL from its load reports (every second).
-    workers = until(lambda: (ws := json.loads(get(http + "/workers", ADMIN))) and all(w["metrics_url"] for w in ws)
-                    and ws, 10, "the workers' metrics URLs")
+    workers = wait_until(lambda: (ws := json.loads(get(http + "/workers", ADMIN))) and all(w["metrics_url"] for w in ws)
+                         and ws, 10, "the workers' metrics URLs", interval_s=0.25)
     urls = [http + "/metrics", *(w["metrics_url"] for w in workers)]
     assert len(urls) == 3, workers
     for url in urls:
@@ -217,7 +207,7 @@ def test_every_dashboard_query_returns_data_and_every_rule_is_ok(cluster, tmp_pa
             return not empty and load.rounds >= 2
 
         try:
-            until(all_have_data, 40, "every panel query returns data")
+            wait_until(all_have_data, 40, "every panel query returns data", interval_s=0.25)
         except AssertionError as e:
             raise AssertionError(f"{e}; {len(empty)} of {len(queries)} without data: "
                                  + "\n".join(f"{d} / {t}: {q}" for d, t, q in empty)) from None
@@ -227,7 +217,7 @@ def test_every_dashboard_query_returns_data_and_every_rule_is_ok(cluster, tmp_pa
             rules[:] = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
             return bool(rules) and all(r["health"] == "ok" for r in rules)
 
-        until(all_rules_ok, 15, "every alert rule evaluates with health ok")
+        wait_until(all_rules_ok, 15, "every alert rule evaluates with health ok", interval_s=0.25)
         loaded = {r["name"] for r in rules}
         assert {"PdsparkHighErrorRate", "PdsparkAcceptanceCollapse", "PdsparkTargetDown"} <= loaded, loaded
         assert not [r for r in rules if r.get("lastError")], rules
