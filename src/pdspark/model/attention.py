@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.hardware.prepare_streams import PrepareStreams
 from pdspark.model.batch import CompressedIndex, ForwardBatch, LayerCache, Segment, gather_rows
 from pdspark.model.compressor import Compressor
@@ -192,14 +193,23 @@ class Attention(nn.Module):
 
     def _attend_gathered(self, q, cache: LayerCache, window, compressed: CompressedIndex | None,
                          token_rows: torch.Tensor | None) -> torch.Tensor:
-        """Short chunks: gather every token's own window `[Tg, W, d]` (and its compressed entries)."""
-        kv = gather_rows(cache.swa_kv, window.rows)
-        valid = window.valid
+        """Short chunks: every token over its own window `[Tg, W]` rows (and its compressed entries)."""
+        rows = ok = None
         if compressed is not None and compressed.max_visible:
             assert cache.comp_kv is not None
             rows, ok = compressed.rows, compressed.valid
             if token_rows is not None:
                 rows, ok = rows[token_rows], ok[token_rows]
+        if not torch.is_grad_enabled():  # the C kernel reads the rows in place (fp32 CPU pools)
+            fused = cpu_kernels.sink_attend(q, cache.swa_kv, window.rows, window.valid,
+                                            None if rows is None else cache.comp_kv, rows, ok, self.attn_sink,
+                                            self.scale)
+            if fused is not None:
+                return fused
+        kv = gather_rows(cache.swa_kv, window.rows)
+        valid = window.valid
+        if rows is not None:
+            assert cache.comp_kv is not None and ok is not None
             kv = torch.cat([kv, gather_rows(cache.comp_kv, rows)], dim=1)  # [Tg, W + V, d]
             valid = torch.cat([valid, ok], dim=1)
         return sink_attention(q, kv, valid, self.attn_sink, self.scale)

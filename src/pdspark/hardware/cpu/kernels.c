@@ -163,18 +163,21 @@ static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
  * same entries. Vector lanes run over entries (32 at a time, four independent accumulators), not channels, with
  * each block of keys transposed channel-major once per block (once for all queries when they share the keys).
  * relu is `x > 0 ? x : +0`. out [T, V]. */
-void index_scores(const float *q, const float *w, const float *k, long kstride, int T, int H, int V, int D,
-                  float scale, float *out) {
+static void index_scores_from(const float *q, const float *w, const float *k, long kstride, const long *rows,
+                              long row_stride, int T, int H, int V, int D, float scale, float *out) {
     enum { NV = 4, NB = 8 * NV };
     v8f kt[D * NV]; /* [D, NB]: one block of keys, channel-major */
     const v8f zero = splat(0.0f), vscale = splat(scale);
     for (int g0 = 0; g0 < V; g0 += NB) {
         const int m = V - g0 < NB ? V - g0 : NB;
         for (int t = 0; t < T; t++) {
-            if (t == 0 || kstride != 0) {
+            if (t == 0 || kstride != 0 || rows != 0) {
                 const float *kb = k + (long)t * kstride + (long)g0 * D;
-                for (int l = 0; l < NB; l++)
-                    for (int d = 0; d < D; d++) kt[d * NV + l / 8][l % 8] = l < m ? kb[(long)l * D + d] : 0.0f;
+                for (int l = 0; l < NB; l++) {
+                    const float *kl = rows == 0 ? kb + (long)l * D
+                                                : k + rows[(long)t * V + g0 + (l < m ? l : 0)] * row_stride;
+                    for (int d = 0; d < D; d++) kt[d * NV + l / 8][l % 8] = l < m ? kl[d] : 0.0f;
+                }
             }
             v8f o[NV];
             for (int i = 0; i < NV; i++) o[i] = zero;
@@ -195,5 +198,220 @@ void index_scores(const float *q, const float *w, const float *k, long kstride, 
             float *ot = out + (long)t * V + g0;
             for (int l = 0; l < m; l++) ot[l] = o[l / 8][l % 8];
         }
+    }
+}
+
+void index_scores(const float *q, const float *w, const float *k, long kstride, int T, int H, int V, int D,
+                  float scale, float *out) {
+    index_scores_from(q, w, k, kstride, 0, 0, T, H, V, D, scale, out);
+}
+
+/* The k-th largest of n floats (quickselect over a scratch copy `a`, which it reorders). */
+static float kth_largest(float *a, int n, int k) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const float pivot = a[(lo + hi) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) { const float tmp = a[i]; a[i] = a[j]; a[j] = tmp; i++; j--; }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
+    return a[k - 1];
+}
+
+/* The lightning indexer's pick for a few decode/verify tokens, keys read in place from the pool (rows `row_stride`
+ * floats apart): the scores of `index_scores` (the same bits) against each token's rows [T, V], then the top `topk`
+ * among its valid entries by the tie rule (higher score first, equal scores: lower entry first).
+ * picked [T, V] (bytes) = valid and among the top. scratch holds 2 * V floats. */
+void index_pick(const float *q, const float *w, const float *k, long row_stride, const long *rows,
+                const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
+                unsigned char *picked) {
+    float *sc = scratch, *tmp = scratch + V;
+    for (int t = 0; t < T; t++) {
+        index_scores_from(q + (long)t * H * D, w + (long)t * H, k, 0, rows + (long)t * V, row_stride, 1, H, V, D,
+                          scale, sc);
+        const unsigned char *ok = valid + (long)t * V;
+        unsigned char *pk = picked + (long)t * V;
+        int n = 0;
+        for (int g = 0; g < V; g++)
+            if (ok[g]) tmp[n++] = sc[g];
+        if (n <= topk) {
+            for (int g = 0; g < V; g++) pk[g] = ok[g];
+            continue;
+        }
+        const float kth = kth_largest(tmp, n, topk);
+        int above = 0;
+        for (int g = 0; g < V; g++) above += ok[g] && sc[g] > kth;
+        int ties = topk - above; /* equal to the k-th score: the lowest entries first */
+        for (int g = 0; g < V; g++) {
+            pk[g] = ok[g] && (sc[g] > kth || (sc[g] == kth && ties-- > 0));
+        }
+    }
+}
+
+/* ---- decode-step kernels: a few tokens, many tiny ops in PyTorch ------------------------------------------------ */
+
+/* SwiGLU with DSV4's clamps, as `moe.swiglu`: silu(min(g, limit)) * clamp(u, -limit, limit). */
+static float swiglu1(float g, float u, float limit) {
+    g = g > limit ? limit : g;
+    u = u > limit ? limit : (u < -limit ? -limit : u);
+    return g / (1.0f + expf(-g)) * u;
+}
+
+/* The routed experts and the shared expert's down projection of a few tokens, after the one fused matmul that
+ * gives each token its router logits, shared gate and shared up: lgu [T, E + 2I] (rows `lstride` apart).
+ *   routing: score = sqrt(softplus(logit)) (sqrtsoftplus) or sigmoid(logit); experts = tid2eid[input_id] (hash
+ *            layers, tid2eid != NULL) or the top-k of score + bias (highest first, lower index on ties);
+ *            weight = score / (sum of the k scores + 1e-20) * scaling.
+ *   out[t] = sum_j weight_j * w2[e_j] @ swiglu(w13[e_j] @ x[t]) + w2s @ swiglu(shared gate, shared up),
+ * the routed terms summed in slot order, then the shared term added (as `MoE.forward`'s pair loop).
+ * x [T, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], w2s [D, I]; scratch 3I + D floats, ids k
+ * words, ws k floats. */
+void moe_decode(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
+                const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E, int I,
+                int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids, float *ws, float *out) {
+    float *h = scratch, *act = scratch + 2 * I, *acc = scratch + 3 * I;
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (long)t * D, *lt = lgu + (long)t * lstride;
+        float *ot = out + (long)t * D;
+        /* routing */
+        if (tid2eid != 0) {
+            for (int j = 0; j < k; j++) ids[j] = tid2eid[input_ids[t] * k + j];
+        } else {
+            for (int j = 0; j < k; j++) {
+                int best = -1;
+                float bv = -INFINITY;
+                for (int e = 0; e < E; e++) {
+                    int taken = 0;
+                    for (int i = 0; i < j; i++) taken |= ids[i] == e;
+                    if (taken) continue;
+                    const float s = (sqrtsoftplus ? sqrtf(lt[e] > 20.0f ? lt[e] : log1pf(expf(lt[e])))
+                                                  : 1.0f / (1.0f + expf(-lt[e]))) + bias[e];
+                    if (best < 0 || s > bv) { best = e; bv = s; }
+                }
+                ids[j] = best;
+            }
+        }
+        float wsum = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const float l = lt[ids[j]];
+            ws[j] = sqrtsoftplus ? sqrtf(l > 20.0f ? l : log1pf(expf(l))) : 1.0f / (1.0f + expf(-l));
+            wsum += ws[j];
+        }
+        for (int j = 0; j < k; j++) ws[j] = ws[j] / (wsum + 1e-20f) * scaling;
+        /* routed experts, in slot order */
+        for (int j = 0; j < k; j++) {
+            const float *we = w13 + ids[j] * 2L * I * D, *w2e = w2 + ids[j] * (long)D * I;
+            for (int r = 0; r < 2 * I; r++) h[r] = dot(we + (long)r * D, xt, D);
+            for (int i = 0; i < I; i++) act[i] = swiglu1(h[i], h[I + i], limit);
+            for (int d = 0; d < D; d++) {
+                const float y = dot(w2e + (long)d * I, act, I) * ws[j];
+                acc[d] = j == 0 ? y : acc[d] + y;
+            }
+        }
+        /* shared expert */
+        const float *sg = lt + E, *su = lt + E + I;
+        for (int i = 0; i < I; i++) act[i] = swiglu1(sg[i], su[i], limit);
+        for (int d = 0; d < D; d++) ot[d] = acc[d] + dot(w2s + (long)d * I, act, I);
+    }
+}
+
+/* Sink attention of a few tokens straight from the pools (no gathered copies): token t's H query heads
+ * q [T, H, d] attend to the K=V rows swa[win_rows[t, :W]] (where win_valid) and comp[comp_rows[t, :V]] (where
+ * comp_valid; comp may be NULL with V = 0; pool rows `*_stride` floats apart), plus one sink logit per head that
+ * takes mass but adds no value:
+ *   s_k = (q . kv_k) * scale; p = softmax([s, sink[h]]); out[t, h] = sum_k p_k kv_k (keys in window-then-comp order).
+ * scratch holds W + V floats. out [T, H, d]. */
+void sink_attend(const float *q, const float *swa, long swa_stride, const long *win_rows,
+                 const unsigned char *win_valid, int W, const float *comp, long comp_stride, const long *comp_rows,
+                 const unsigned char *comp_valid, int V, const float *sink, float scale, int T, int H, int d,
+                 float *scratch, float *out) {
+    const int K = W + V;
+    for (int t = 0; t < T; t++) {
+        for (int h = 0; h < H; h++) {
+            const float *qh = q + ((long)t * H + h) * d;
+            float *oh = out + ((long)t * H + h) * d;
+            float m = sink[h];
+            for (int j = 0; j < K; j++) {
+                const int win = j < W;
+                const long idx = (long)t * (win ? W : V) + (win ? j : j - W);
+                if (!(win ? win_valid[idx] : comp_valid[idx])) { scratch[j] = -INFINITY; continue; }
+                const float *kv = win ? swa + win_rows[idx] * swa_stride : comp + comp_rows[idx] * comp_stride;
+                scratch[j] = dot(qh, kv, d) * scale;
+                if (scratch[j] > m) m = scratch[j];
+            }
+            float z = expf(sink[h] - m);
+            for (int j = 0; j < K; j++) {
+                scratch[j] = scratch[j] == -INFINITY ? 0.0f : expf(scratch[j] - m);
+                z += scratch[j];
+            }
+            for (int c = 0; c < d; c++) oh[c] = 0.0f;
+            for (int j = 0; j < K; j++) {
+                if (scratch[j] == 0.0f) continue;
+                const int win = j < W;
+                const long idx = (long)t * (win ? W : V) + (win ? j : j - W);
+                const float *kv = win ? swa + win_rows[idx] * swa_stride : comp + comp_rows[idx] * comp_stride;
+                const float p = scratch[j] / z;
+                for (int c = 0; c < d; c++) oh[c] += p * kv[c];
+            }
+        }
+    }
+}
+
+/* One compressor's step (`model.compressor.Compressor.run`) in one call. w = coff * dim (coff 2 with overlap).
+ *   rows [T, 2w] = proj (rows `pstride` apart) with ape[pos % ratio] added to the score half: [kv | score];
+ *   each closing group g pools its `span` source rows (use_cur: rows[cur_rows], else state[hist_rows]); with overlap
+ *   source row s < ratio reads channels [0, dim) and the others [dim, 2 dim); per channel a softmax of the scores
+ *   over the rows weights the kv values (summed in row order); the entry is RMS-normalised (times norm_w) and
+ *   rotated at gpos (tables [max_len, r]) into pool[out_rows[g]] (rows of `dim`);
+ *   then state[write_rows[n]] = rows[write_tokens[n]] (after the groups: writes may reuse rows they read).
+ * state and pool rows are `*_stride` floats apart. scratch holds 3 * dim floats. */
+void compressor_run(const float *proj, long pstride, const long *positions, int T, const float *ape, int ratio,
+                    int dim, int overlap, int G, const long *out_rows, const long *gpos, const unsigned char *use_cur,
+                    const long *cur_rows, const long *hist_rows, int N, const long *write_tokens,
+                    const long *write_rows, const float *norm_w, float eps, const float *cos_table,
+                    const float *sin_table, int r, float *rows, float *state, long state_stride, float *pool,
+                    long pool_stride, float *scratch) {
+    const int w = (overlap ? 2 : 1) * dim, span = (overlap ? 2 : 1) * ratio;
+    for (int t = 0; t < T; t++) {
+        const float *p = proj + (long)t * pstride, *a = ape + (positions[t] % ratio) * w;
+        float *o = rows + (long)t * 2 * w;
+        for (int c = 0; c < w; c++) o[c] = p[c];
+        for (int c = 0; c < w; c++) o[w + c] = p[w + c] + a[c];
+    }
+    float *mx = scratch, *z = scratch + dim, *pooled = scratch + 2 * dim;
+    for (int g = 0; g < G; g++) {
+        const long base = (long)g * span;
+        for (int pass = 0; pass < 3; pass++) {
+            for (int c = 0; c < dim; c++) {
+                if (pass == 0) mx[c] = -INFINITY;
+                if (pass == 1) z[c] = 0.0f;
+                if (pass == 2) pooled[c] = 0.0f;
+            }
+            for (int s = 0; s < span; s++) {
+                const float *src = use_cur[base + s] ? rows + cur_rows[base + s] * 2 * w
+                                                  : state + hist_rows[base + s] * state_stride;
+                const int off = overlap && s >= ratio ? dim : 0;
+                const float *kv = src + off, *sc = src + w + off;
+                for (int c = 0; c < dim; c++) {
+                    if (pass == 0) mx[c] = sc[c] > mx[c] ? sc[c] : mx[c];
+                    else if (pass == 1) z[c] += expf(sc[c] - mx[c]);
+                    else pooled[c] += kv[c] * (expf(sc[c] - mx[c]) / z[c]);
+                }
+            }
+        }
+        float *entry = pool + out_rows[g] * pool_stride;
+        rms_norm(pooled, dim, norm_w, 1, dim, eps, pooled);
+        rope_rotate(pooled, cos_table + gpos[g] * r, sin_table + gpos[g] * r, 1, 1, dim, r, 1.0f, entry);
+    }
+    for (int n = 0; n < N; n++) {
+        const float *src = rows + write_tokens[n] * 2 * w;
+        float *dst = state + write_rows[n] * state_stride;
+        for (int c = 0; c < 2 * w; c++) dst[c] = src[c];
     }
 }

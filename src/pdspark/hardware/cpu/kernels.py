@@ -17,11 +17,31 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("kernels.c")
+
+
+class CompressPlanLike(Protocol):
+    """The index tensors of `model.batch.CompressPlan` (the model layer sits above this one)."""
+
+    @property
+    def out_rows(self) -> torch.Tensor: ...
+    @property
+    def positions(self) -> torch.Tensor: ...
+    @property
+    def use_cur(self) -> torch.Tensor: ...
+    @property
+    def cur_rows(self) -> torch.Tensor: ...
+    @property
+    def hist_rows(self) -> torch.Tensor: ...
+    @property
+    def write_tokens(self) -> torch.Tensor: ...
+    @property
+    def write_rows(self) -> torch.Tensor: ...
 
 
 def _cache_dir() -> Path:
@@ -81,6 +101,15 @@ def load() -> ctypes.CDLL | None:
     lib.rope_rotate.restype = None
     lib.index_scores.argtypes = [f, f, f, ctypes.c_long, i, i, i, i, fl, f]
     lib.index_scores.restype = None
+    lib.moe_decode.argtypes = [f, f, ctypes.c_long, f, f, f, f, f, f, i, i, i, i, i, i, fl, fl, f, f, f, f]
+    lib.moe_decode.restype = None
+    lib.sink_attend.argtypes = [f, f, ctypes.c_long, f, f, i, f, ctypes.c_long, f, f, i, f, fl, i, i, i, f, f]
+    lib.sink_attend.restype = None
+    lib.compressor_run.argtypes = [f, ctypes.c_long, f, i, f, i, i, i, i, f, f, f, f, f, i, f, f, f, fl, f, f, i,
+                                   f, f, ctypes.c_long, f, ctypes.c_long, f]
+    lib.compressor_run.restype = None
+    lib.index_pick.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, f]
+    lib.index_pick.restype = None
     return lib
 
 
@@ -93,6 +122,11 @@ def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
         if not (t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()):
             return None
     return lib
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """A 2-D fp32 CPU matrix whose rows are contiguous (a per-layer view of a page-major pool, a column slice)."""
+    return t.is_cpu and t.dtype is torch.float32 and t.dim() == 2 and t.stride(1) == 1
 
 
 def hc_collapse(
@@ -192,3 +226,107 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
         kstride = V * D if keys.dim() == 3 else 0
         lib.index_scores(q.data_ptr(), w.data_ptr(), keys.data_ptr(), kstride, T, H, V, D, scale, out.data_ptr())
     return out
+
+
+def moe_decode(
+    x: torch.Tensor, lgu: torch.Tensor, input_ids: torch.Tensor, tid2eid: torch.Tensor | None,
+    bias: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, w2s: torch.Tensor, top_k: int,
+    sqrtsoftplus: bool, scaling: float, limit: float,
+) -> torch.Tensor | None:
+    """A few tokens' whole MoE after the fused router + shared gate/up matmul `lgu [T, E + 2I]` (a row-contiguous
+    matrix, possibly a column slice): routing, the routed experts `w13 [E, 2I, D]`, `w2 [E, D, I]` and the shared
+    expert's down projection `w2s [D, I]`, in one call -> `[T, D]`. None when the C path does not apply."""
+    if not _row_major(lgu):
+        return None
+    lib = _usable(x, w13, w2, w2s) if bias is None else _usable(x, w13, w2, w2s, bias)
+    if lib is None or input_ids.dtype is not torch.int64 or not input_ids.is_contiguous():
+        return None
+    T, D = x.shape
+    E, I2, _ = w13.shape
+    I = I2 // 2
+    ids = torch.empty(top_k, dtype=torch.int64)  # the current token's experts
+    out = torch.empty(T, D)
+    scratch = torch.empty(3 * I + D + top_k)  # gate|up, act, acc, then the token's routing weights
+    lib.moe_decode(
+        x.data_ptr(), lgu.data_ptr(), lgu.stride(0), input_ids.data_ptr(),
+        None if tid2eid is None else tid2eid.data_ptr(), None if bias is None else bias.data_ptr(),
+        w13.data_ptr(), w2.data_ptr(), w2s.data_ptr(), T, D, E, I, top_k, int(sqrtsoftplus), scaling, limit,
+        scratch.data_ptr(), ids.data_ptr(), scratch[3 * I + D :].data_ptr(), out.data_ptr(),
+    )
+    return out
+
+
+def sink_attend(
+    q: torch.Tensor, swa: torch.Tensor, win_rows: torch.Tensor, win_valid: torch.Tensor, comp: torch.Tensor | None,
+    comp_rows: torch.Tensor | None, comp_valid: torch.Tensor | None, sink: torch.Tensor, scale: float,
+) -> torch.Tensor | None:
+    """`model.attention.sink_attention` of `q [T, H, d]` over each token's window rows of the pool `swa`
+    (`win_rows/win_valid [T, W]`) and its compressed rows of `comp` (`comp_rows/comp_valid [T, V]`, or None), read
+    in place (pools may be per-layer views with a row stride) -> `[T, H, d]`. None when the C path does not apply."""
+    lib = _usable(q, sink)
+    if lib is None or not _row_major(swa) or (comp is not None and not _row_major(comp)):
+        return None
+    T, H, d = q.shape
+    W = win_rows.shape[1]
+    V = 0 if comp_rows is None else comp_rows.shape[1]
+    for idx in (win_rows, win_valid, comp_rows, comp_valid):
+        if idx is not None and not (idx.is_cpu and idx.is_contiguous()):
+            return None
+    out = torch.empty(T, H, d)
+    scratch = torch.empty(W + V)
+    lib.sink_attend(
+        q.data_ptr(), swa.data_ptr(), swa.stride(0), win_rows.data_ptr(), win_valid.data_ptr(), W,
+        None if comp is None else comp.data_ptr(), 0 if comp is None else comp.stride(0),
+        None if comp_rows is None else comp_rows.data_ptr(), None if comp_valid is None else comp_valid.data_ptr(),
+        V, sink.data_ptr(), scale, T, H, d, scratch.data_ptr(), out.data_ptr(),
+    )
+    return out
+
+
+def compressor_run(
+    projected: torch.Tensor, positions: torch.Tensor, ape: torch.Tensor, ratio: int, dim: int, overlap: bool,
+    plan: CompressPlanLike, norm_w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    state: torch.Tensor, pool: torch.Tensor,
+) -> bool:
+    """`model.compressor.Compressor.run` in one call: state rows of `projected [T, 2w]` (a row-contiguous matrix,
+    possibly a column slice), the closing groups of `plan` pooled, normalised and rotated (tables `cos/sin
+    [max_len, r]`) into `pool`, and the rows to keep written to `state`. False when the C path does not apply."""
+    if not (_row_major(projected) and _row_major(state) and _row_major(pool)):
+        return False
+    lib = _usable(ape, norm_w, cos, sin)
+    if lib is None or not (positions.dtype is torch.int64 and positions.is_contiguous()):
+        return False
+    for idx in (plan.out_rows, plan.positions, plan.use_cur, plan.cur_rows, plan.hist_rows, plan.write_tokens,
+                plan.write_rows):
+        if not (idx.is_cpu and idx.is_contiguous()):
+            return False
+    T = projected.shape[0]
+    w = ape.shape[1]
+    rows = torch.empty(T * 2 * w + 3 * dim)  # [T, 2w] state rows, then the kernel's scratch
+    G, N = plan.out_rows.shape[0], plan.write_tokens.shape[0]
+    lib.compressor_run(
+        projected.data_ptr(), projected.stride(0), positions.data_ptr(), T, ape.data_ptr(), ratio, dim, int(overlap),
+        G, plan.out_rows.data_ptr(), plan.positions.data_ptr(), plan.use_cur.data_ptr(), plan.cur_rows.data_ptr(),
+        plan.hist_rows.data_ptr(), N, plan.write_tokens.data_ptr(), plan.write_rows.data_ptr(), norm_w.data_ptr(),
+        eps, cos.data_ptr(), sin.data_ptr(), cos.shape[1], rows.data_ptr(), state.data_ptr(), state.stride(0),
+        pool.data_ptr(), pool.stride(0), rows[T * 2 * w :].data_ptr(),
+    )
+    return True
+
+
+def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
+               scale: float, topk: int) -> torch.Tensor | None:
+    """The indexer's pick for decode/verify tokens in one call: `index_scores` of `q [T, H, D]`, `w [T, H]` against
+    the pool rows `keys[rows]` (`rows/valid [T, V]`, read in place), then the top `topk` valid entries of each token
+    under the tie rule (`model.indexer.select_topk`) -> the mask `[T, V]` bool. None when the C path does not
+    apply."""
+    lib = _usable(q, w)
+    if lib is None or not _row_major(keys) or not (rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
+        return None
+    T, H, D = q.shape
+    V = rows.shape[1]
+    picked = torch.empty(T, V, dtype=torch.bool)
+    scratch = torch.empty(2 * V)
+    lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(), valid.data_ptr(),
+                   T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
+    return picked
