@@ -209,3 +209,48 @@ def test_c_index_pick_is_the_torch_top_k_under_the_tie_rule():
     top = select_topk(scores, valid, k)
     assert torch.equal(picked, torch.zeros_like(valid).scatter_(1, top.columns, top.valid))
     assert (scores == 0).sum() > 2 * k  # the ties were there
+
+
+def test_c_attention_projections_match_the_torch_steps():
+    from pdspark.model.model_config import RopeConfig
+    from pdspark.model.norm import rms_norm
+    from pdspark.model.rope import RotaryTable
+
+    torch.manual_seed(7)
+    T, H, d, G, L, Dm = 3, 4, 32, 2, 16, 24
+    at = RotaryTable(RopeConfig(theta=10000.0), 8, 64).at(torch.tensor([1, 9, 40]))
+    w = torch.rand(d) + 0.5
+    # Query heads: per-head norm, then rotation -> [T, H, d] (the same bits as the two separate C calls).
+    y = torch.randn(T, H * d)
+    with torch.inference_mode():
+        assert torch.equal(kernels.norm_rope(y, H, None, 1e-6, at.cos, at.sin),
+                           at.apply(rms_norm(y.view(T, H, d), None, 1e-6)))
+        # The raw latent: weighted norm and rotation of a column slice, written to pool rows.
+        wide = torch.randn(T, 3 * d)
+        pool, ref_pool = torch.zeros(10, 2, d)[:, 0], torch.zeros(10, d)
+        slots = torch.tensor([7, 2, 5])
+        kernels.norm_rope(wide[:, d : 2 * d], 1, w, 1e-6, at.cos, at.sin, pool, slots)
+        ref_pool[slots] = at.apply(rms_norm(wide[:, d : 2 * d], w, 1e-6))
+        assert torch.equal(pool, ref_pool)
+        # Output projection: un-rotate, grouped wo_a, wo_b.
+        o, wo_a, wo_b = torch.randn(T, H, d), torch.randn(G * L, H * d // G), torch.randn(Dm, G * L)
+        fast = kernels.attn_out(o, at.cos, at.sin, wo_a, G, wo_b)
+        un = at.apply(o, inverse=True).reshape(T, G, -1)
+        ref = torch.einsum("tgc,glc->tgl", un, wo_a.view(G, L, -1)).reshape(T, -1) @ wo_b.t()
+    torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-5)
+
+
+def test_c_collapse_applies_the_sublayer_norm_in_the_same_call():
+    from pdspark.model.norm import RMSNorm
+
+    torch.manual_seed(8)
+    mod, norm = HyperConnection(4, 48, 20, 1e-6, 1e-6), RMSNorm(48, 1e-6)
+    with torch.no_grad():
+        mod.fn.normal_(0, 0.05)
+        norm.weight.uniform_(0.5, 1.5)
+    mod.freeze()
+    h = torch.randn(2, 4, 48)
+    with torch.inference_mode():
+        x, post, comb = mod.collapse(h)
+        xn, post_n, comb_n = mod.collapse(h, norm)
+        assert torch.equal(xn, norm(x)) and torch.equal(post, post_n) and torch.equal(comb, comb_n)

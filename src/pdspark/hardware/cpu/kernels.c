@@ -104,11 +104,12 @@ static void collapse_token(const float *ht, const float *mixes, const float *sca
 
 /* The whole collapse of the mHC streams for a few tokens: h [T, hc, D] ->
  *   flat = h[t] * rsqrt(mean(h[t]^2) + norm_eps) over the hc*D values; mixes = fn [M, hc*D] @ flat;
- *   (pre, post, comb) from the mixes; x [T, D] = sum_i pre[i] * h[t, i, :].
+ *   (pre, post, comb) from the mixes; x [T, D] = sum_i pre[i] * h[t, i, :], then RMS-normalised with the
+ *   sublayer's norm weight x_norm_w when given (NULL: x as collapsed).
  * scratch holds hc*D + M floats. */
 void hc_collapse(const float *h, const float *fn, const float *scale, const float *base, int T, int hc, int D,
                  int iters, float eps, float norm_eps, float *scratch, float *x, float *pre, float *post,
-                 float *comb) {
+                 float *comb, const float *x_norm_w, float x_norm_eps) {
     const int N = hc * D, M = (2 + hc) * hc;
     float *flat = scratch, *mixes = scratch + N;
     for (int t = 0; t < T; t++) {
@@ -118,6 +119,7 @@ void hc_collapse(const float *h, const float *fn, const float *scale, const floa
         for (int m = 0; m < M; m++) mixes[m] = dot(fn + (long)m * N, flat, N);
         collapse_token(ht, mixes, scale, base, hc, D, iters, eps, x + (long)t * D, pre + (long)t * hc,
                        post + (long)t * hc, comb + (long)t * hc * hc);
+        if (x_norm_w != 0) rms_norm(x + (long)t * D, D, x_norm_w, 1, D, x_norm_eps, x + (long)t * D);
     }
 }
 
@@ -413,5 +415,32 @@ void compressor_run(const float *proj, long pstride, const long *positions, int 
         const float *src = rows + write_tokens[n] * 2 * w;
         float *dst = state + write_rows[n] * state_stride;
         for (int c = 0; c < 2 * w; c++) dst[c] = src[c];
+    }
+}
+
+/* RMS normalisation (times w when not NULL) then rotation of the trailing r channels, for N rows of D channels:
+ * row n = token n / H (its rope tables cos/sin [r] at cos + (n / H) * r), read `x_stride` floats apart; written
+ * packed into out (out_rows NULL) or to out + out_rows[n] * out_stride (a pool's rows). scratch holds D floats. */
+void norm_rope(const float *x, long x_stride, const float *w, int N, int H, int D, float eps, const float *cos,
+               const float *sin, int r, float *out, const long *out_rows, long out_stride, float *scratch) {
+    for (int n = 0; n < N; n++) {
+        rms_norm(x + (long)n * x_stride, D, w, 1, D, eps, scratch);
+        float *o = out_rows == 0 ? out + (long)n * D : out + out_rows[n] * out_stride;
+        rope_rotate(scratch, cos + (long)(n / H) * r, sin + (long)(n / H) * r, 1, 1, D, r, 1.0f, o);
+    }
+}
+
+/* The attention output projection of a few tokens: o [T, H, d] rotated back by -position (tables [T, r]), the
+ * grouped low-rank projection (head group g's H*d/G channels through wo_a rows [g*L, (g+1)*L)) and wo_b [Dm, G*L]:
+ *   out [T, Dm] = wo_b @ concat_g(wo_a_g @ unrotate(o)_g). scratch holds H*d + G*L floats. */
+void attn_out(const float *o, const float *cos, const float *sin, int T, int H, int d, int r, const float *wo_a,
+              int G, int L, const float *wo_b, int Dm, float *scratch, float *out) {
+    const int C = H * d / G;
+    float *un = scratch, *mid = scratch + H * d;
+    for (int t = 0; t < T; t++) {
+        rope_rotate(o + (long)t * H * d, cos + (long)t * r, sin + (long)t * r, 1, H, d, r, -1.0f, un);
+        for (int g = 0; g < G; g++)
+            for (int l = 0; l < L; l++) mid[g * L + l] = dot(wo_a + ((long)g * L + l) * C, un + (long)g * C, C);
+        for (int m = 0; m < Dm; m++) out[(long)t * Dm + m] = dot(wo_b + (long)m * G * L, mid, G * L);
     }
 }

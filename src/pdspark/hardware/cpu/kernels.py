@@ -89,7 +89,7 @@ def load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(lib_path))
     f = ctypes.c_void_p
     i, fl = ctypes.c_int, ctypes.c_float
-    lib.hc_collapse.argtypes = [f, f, f, f, i, i, i, i, fl, fl, f, f, f, f, f]
+    lib.hc_collapse.argtypes = [f, f, f, f, i, i, i, i, fl, fl, f, f, f, f, f, f, fl]
     lib.hc_collapse.restype = None
     lib.hc_collapse_mixed.argtypes = [f, f, f, f, i, i, i, i, fl, f, f, f, f]
     lib.hc_collapse_mixed.restype = None
@@ -110,6 +110,10 @@ def load() -> ctypes.CDLL | None:
     lib.compressor_run.restype = None
     lib.index_pick.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, f]
     lib.index_pick.restype = None
+    lib.norm_rope.argtypes = [f, ctypes.c_long, f, i, i, i, fl, f, f, i, f, f, ctypes.c_long, f]
+    lib.norm_rope.restype = None
+    lib.attn_out.argtypes = [f, f, f, i, i, i, i, f, i, i, f, i, f, f]
+    lib.attn_out.restype = None
     return lib
 
 
@@ -131,13 +135,14 @@ def _row_major(t: torch.Tensor) -> bool:
 
 def hc_collapse(
     h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
-    norm_eps: float,
+    norm_eps: float, x_norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The whole mHC collapse in one call: `h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])`.
+    """The whole mHC collapse in one call: `h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])`; with
+    `x_norm = (weight [D], eps)` x comes back RMS-normalised (the sublayer's input norm, in the same call).
 
     `fn [M, hc*D]`, `scale [3]`, `base [M]` must already be contiguous fp32 (see `HyperConnection.freeze`);
     None when the C path does not apply."""
-    lib = _usable(h, fn, scale, base)
+    lib = _usable(h, fn, scale, base) if x_norm is None else _usable(h, fn, scale, base, x_norm[0])
     if lib is None:
         return None
     T, hc, D = h.shape
@@ -148,6 +153,7 @@ def hc_collapse(
     lib.hc_collapse(
         h.data_ptr(), fn.data_ptr(), scale.data_ptr(), base.data_ptr(), T, hc, D, iters, eps, norm_eps,
         scratch.data_ptr(), x.data_ptr(), pre.data_ptr(), post.data_ptr(), comb.data_ptr(),
+        None if x_norm is None else x_norm[0].data_ptr(), 0.0 if x_norm is None else x_norm[1],
     )
     return x.view(T, D), post.view(T, hc), comb.view(T, hc, hc)
 
@@ -330,3 +336,46 @@ def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch
     lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(), valid.data_ptr(),
                    T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
     return picked
+
+
+def norm_rope(x: torch.Tensor, heads: int, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor, out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None
+              ) -> torch.Tensor | None:
+    """RMS-normalise (times `weight` when given) and rotate rows of `d` channels in one call: `x [T, heads * d]`
+    (row-contiguous, possibly a column slice) with rope tables `cos/sin [T, 1, r]` -> `[T, heads, d]` packed, or,
+    with `out` (a pool `[rows, d]`) and `out_rows [T]` (heads 1), written to those pool rows (returns `out`).
+    None when the C path does not apply."""
+    if not _row_major(x) or (heads > 1 and not x.is_contiguous()):
+        return None
+    if out is not None and not (_row_major(out) and out_rows is not None and out_rows.is_contiguous()
+                                and out_rows.is_cpu):
+        return None
+    lib = _usable(cos, sin) if weight is None else _usable(cos, sin, weight)
+    if lib is None:
+        return None
+    T = x.shape[0]
+    d = x.shape[1] // heads
+    dst = torch.empty(T, heads, d) if out is None else out
+    scratch = torch.empty(d)
+    lib.norm_rope(x.data_ptr(), d if heads > 1 else x.stride(0), None if weight is None else weight.data_ptr(),
+                  T * heads, heads, d, eps, cos.data_ptr(), sin.data_ptr(), cos.shape[-1], dst.data_ptr(),
+                  None if out_rows is None else out_rows.data_ptr(), dst.stride(0) if out is not None else d,
+                  scratch.data_ptr())
+    return dst
+
+
+def attn_out(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int,
+             wo_b: torch.Tensor) -> torch.Tensor | None:
+    """`model.attention.Attention.project_out` in one call: `o [T, H, d]` rotated back by the tables
+    `cos/sin [T, 1, r]`, the grouped `wo_a [G * L, H * d / G]` and `wo_b [Dm, G * L]` -> `[T, Dm]`. None when the
+    C path does not apply."""
+    lib = _usable(o, cos, sin, wo_a, wo_b)
+    if lib is None:
+        return None
+    T, H, d = o.shape
+    L, Dm = wo_a.shape[0] // groups, wo_b.shape[0]
+    out = torch.empty(T, Dm)
+    scratch = torch.empty(H * d + groups * L)
+    lib.attn_out(o.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, H, d, cos.shape[-1], wo_a.data_ptr(), groups, L,
+                 wo_b.data_ptr(), Dm, scratch.data_ptr(), out.data_ptr())
+    return out
