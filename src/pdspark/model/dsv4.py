@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdspark.model.batch import ForwardBatch, LayerCaches
+from pdspark.model.decode_step import DecodeStep
 from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.hyper_connection import HyperHead
 from pdspark.model.model_config import SLIDING, ModelConfig
@@ -39,6 +40,7 @@ class DSV4Model(nn.Module):
         self.hc_head = HyperHead(cfg.hc_mult, D, cfg.hc_eps, cfg.rms_norm_eps)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = nn.Parameter(torch.zeros(cfg.vocab_size, D))
+        self._decode_step: DecodeStep | None = None  # set by `prepare_inference`
 
     def forward(self, batch: ForwardBatch, pools: LayerCaches, capture: tuple[int, ...] = ()) -> ForwardOutput:
         """Run every layer over the step's tokens; `capture` lists layers whose output (the mean over the mHC
@@ -49,8 +51,15 @@ class DSV4Model(nn.Module):
         rope_at = {SLIDING: self.rope_main.at(batch.positions)}
         compress_at = self.rope_compress.at(batch.positions)
         captured: dict[int, torch.Tensor] = {}
+        decode = self._decode_step if self._decode_step is not None and DecodeStep.applies(batch) else None
+        step = None if decode is None else decode.step_table(batch, self.rope_main, self.rope_compress,
+                                                             rope_at[SLIDING], compress_at)
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, pools.layer(i), rope_at.get(self.cfg.layer_types[i], compress_at))
+            out = None if decode is None or step is None else decode.run_layer(i, h, pools, step)
+            if out is None:
+                step = None  # (pools the C layer cannot read: the module path for every layer)
+                out = layer(h, batch, pools.layer(i), rope_at.get(self.cfg.layer_types[i], compress_at))
+            h = out
             if i in capture:
                 captured[i] = h.mean(dim=1)
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
@@ -65,6 +74,8 @@ class DSV4Model(nn.Module):
             layer.ffn.fuse()
             layer.attn_hc.freeze()
             layer.ffn_hc.freeze()
+        # Small decode steps: each layer as one C call over these weights (None where they do not allow it).
+        self._decode_step = DecodeStep.build(list(self.layers), self.cfg)  # type: ignore[arg-type]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams `[N, hc, D]` -> fp32 logits `[N, vocab]`."""

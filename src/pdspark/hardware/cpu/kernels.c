@@ -444,3 +444,143 @@ void attn_out(const float *o, const float *cos, const float *sin, int T, int H, 
         for (int m = 0; m < Dm; m++) out[(long)t * Dm + m] = dot(wo_b + (long)m * G * L, mid, G * L);
     }
 }
+
+/* ---- one whole decoder layer of a decode step ---------------------------------------------------------------- */
+
+/* out [N] = w [N, K] @ x [K] (each row a `dot`). */
+static void gemv(const float *w, const float *x, int N, int K, float *out) {
+    for (int n = 0; n < N; n++) out[n] = dot(w + (long)n * K, x, K);
+}
+
+/* Slots of the arrays `decode_layer` reads. Keep in step with `pdspark.hardware.cpu.kernels.DECODE_*`. */
+enum { /* the layer's weights (pointers, fixed once the weights are final) */
+    W_ATTN_FN, W_ATTN_SCALE, W_ATTN_BASE, W_ATTN_NORM, W_FFN_FN, W_FFN_SCALE, W_FFN_BASE, W_FFN_NORM,
+    W_X, W_Q_NORM, W_Q_B, W_KV_NORM, W_SINK, W_O_A, W_O_B, W_C_APE, W_C_NORM, W_I_Q_B, W_I_APE, W_I_NORM,
+    W_MOE_IN, W_13, W_2, W_2S, W_BIAS, W_TID2EID, W_COUNT
+};
+enum { /* the layer's sizes */
+    I_KIND, I_HC, I_ITERS, I_D, I_QL, I_H, I_HD, I_G, I_L, I_C_RATIO, I_C_DIM, I_I_HEADS, I_I_DIM, I_I_TOPK,
+    I_E, I_INTER, I_K, I_SQRTSP, I_COUNT
+};
+enum { /* the layer's scalars */
+    F_HC_EPS, F_HC_NORM_EPS, F_ATTN_NORM_EPS, F_FFN_NORM_EPS, F_Q_EPS, F_HEAD_EPS, F_KV_EPS, F_SCALE, F_C_EPS,
+    F_I_EPS, F_I_WSCALE, F_I_SCALE, F_SCALING, F_LIMIT, F_COUNT
+};
+enum { /* the step's indices (pointers, shared by every layer) */
+    S_POS, S_IDS, S_SLOTS, S_WIN_ROWS, S_WIN_VALID, S_CSA_ROWS, S_CSA_VALID, S_HCA_ROWS, S_HCA_VALID,
+    S_COS_MAIN, S_SIN_MAIN, S_COS_COMP, S_SIN_COMP, S_TAB_COS, S_TAB_SIN,
+    S_CP_OUT, S_CP_POS, S_CP_USE, S_CP_CUR, S_CP_HIST, S_CP_WTOK, S_CP_WROW,
+    S_HP_OUT, S_HP_POS, S_HP_USE, S_HP_CUR, S_HP_HIST, S_HP_WTOK, S_HP_WROW, S_COUNT
+};
+enum { SI_T, SI_W, SI_R, SI_V_CSA, SI_V_HCA, SI_G_CSA, SI_N_CSA, SI_G_HCA, SI_N_HCA, SI_COUNT };
+enum { /* the layer's pools: pointer, row stride (floats) */
+    P_SWA, P_SWA_STRIDE, P_COMP, P_COMP_STRIDE, P_STATE, P_STATE_STRIDE, P_IDX, P_IDX_STRIDE, P_IDX_STATE,
+    P_IDX_STATE_STRIDE, P_COUNT
+};
+enum { KIND_SLIDING, KIND_CSA, KIND_HCA };
+
+#define PTR(a, i) ((const float *)(a)[i])
+#define LPTR(a, i) ((const long *)(a)[i])
+#define BPTR(a, i) ((const unsigned char *)(a)[i])
+
+/* A bump allocator over the caller's scratch (floats). */
+static float *take(float **at, long n) {
+    float *p = *at;
+    *at += (n + 15) & ~15L;
+    return p;
+}
+
+/* `DecoderLayer.forward` for a few decode tokens that gather their own windows (no dense segments): the mHC
+ * collapse (with the sublayer norm), the fused x projection, the queries, the raw latent written to its SWA rows,
+ * the compressors and the CSA indexer's pick, the sink attention read from the pools, the output projection, the
+ * expand; then the FFN collapse, the MoE and the expand. The same steps, in the same order, as the separate calls
+ * (BLAS matmuls become `dot` GEMVs). h and h_out [T, hc, D]. scratch: see `kernels.decode_scratch_floats`. */
+void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp, const int *si, const long *pp,
+                  const float *h, float *h_out, float *scratch, long *ids_buf) {
+    const int T = si[SI_T], W = si[SI_W], r = si[SI_R];
+    const int kind = wi[I_KIND], hc = wi[I_HC], D = wi[I_D], QL = wi[I_QL], H = wi[I_H], HD = wi[I_HD];
+    const int cdim = wi[I_C_DIM], cw = kind == KIND_CSA ? 2 * cdim : cdim; /* compressor width (coff * dim) */
+    const int Hi = wi[I_I_HEADS], Di = wi[I_I_DIM], iw = 2 * Di;
+    const int E = wi[I_E], I = wi[I_INTER], K = wi[I_K];
+    const int NX = QL + HD + (kind != KIND_SLIDING ? 2 * cw : 0) + (kind == KIND_CSA ? 2 * iw + Hi : 0);
+    const int M = (2 + hc) * hc;
+    const float *cos = kind == KIND_SLIDING ? PTR(sp, S_COS_MAIN) : PTR(sp, S_COS_COMP);
+    const float *sin = kind == KIND_SLIDING ? PTR(sp, S_SIN_MAIN) : PTR(sp, S_SIN_COMP);
+    float *at = scratch;
+    float *x = take(&at, (long)T * D), *pre = take(&at, (long)T * hc), *post = take(&at, (long)T * hc);
+    float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)hc * D + M);
+    float *xp = take(&at, (long)T * NX), *qr = take(&at, (long)T * QL), *qh = take(&at, (long)T * H * HD);
+    float *q = take(&at, (long)T * H * HD), *o = take(&at, (long)T * H * HD), *y = take(&at, (long)T * D);
+    float *hm = take(&at, (long)T * hc * D), *small = take(&at, 4L * (HD > 3 * Di ? HD : 3 * Di) + 64);
+
+    /* attention sublayer */
+    hc_collapse(h, PTR(wp, W_ATTN_FN), PTR(wp, W_ATTN_SCALE), PTR(wp, W_ATTN_BASE), T, hc, D, wi[I_ITERS],
+                wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_ATTN_NORM), wf[F_ATTN_NORM_EPS]);
+    for (int t = 0; t < T; t++) gemv(PTR(wp, W_X), x + (long)t * D, NX, D, xp + (long)t * NX);
+    rms_norm(xp, NX, PTR(wp, W_Q_NORM), T, QL, wf[F_Q_EPS], qr);
+    for (int t = 0; t < T; t++) gemv(PTR(wp, W_Q_B), qr + (long)t * QL, H * HD, QL, qh + (long)t * H * HD);
+    norm_rope(qh, HD, 0, T * H, H, HD, wf[F_HEAD_EPS], cos, sin, r, q, 0, 0, small);
+    norm_rope(xp + QL, NX, PTR(wp, W_KV_NORM), T, 1, HD, wf[F_KV_EPS], cos, sin, r, (float *)pp[P_SWA],
+              LPTR(sp, S_SLOTS), pp[P_SWA_STRIDE], small);
+    const float *comp = 0;
+    const long *comp_rows = 0;
+    const unsigned char *comp_valid = 0;
+    int V = 0;
+    if (kind != KIND_SLIDING) {
+        const int csa = kind == KIND_CSA;
+        const int p0 = csa ? S_CP_OUT : S_HP_OUT;
+        float *rows = take(&at, (long)T * 2 * (cw > iw ? cw : iw));
+        compressor_run(xp + QL + HD, NX, LPTR(sp, S_POS), T, PTR(wp, W_C_APE), wi[I_C_RATIO], cdim, csa,
+                       si[csa ? SI_G_CSA : SI_G_HCA], LPTR(sp, p0), LPTR(sp, p0 + 1), BPTR(sp, p0 + 2),
+                       LPTR(sp, p0 + 3), LPTR(sp, p0 + 4), si[csa ? SI_N_CSA : SI_N_HCA], LPTR(sp, p0 + 5),
+                       LPTR(sp, p0 + 6), PTR(wp, W_C_NORM), wf[F_C_EPS], PTR(sp, S_TAB_COS), PTR(sp, S_TAB_SIN), r,
+                       rows, (float *)pp[P_STATE], pp[P_STATE_STRIDE], (float *)pp[P_COMP], pp[P_COMP_STRIDE], small);
+        comp = (const float *)pp[P_COMP];
+        if (csa) {
+            compressor_run(xp + QL + HD + 2 * cw, NX, LPTR(sp, S_POS), T, PTR(wp, W_I_APE), wi[I_C_RATIO], Di, 1,
+                           si[SI_G_CSA], LPTR(sp, S_CP_OUT), LPTR(sp, S_CP_POS), BPTR(sp, S_CP_USE),
+                           LPTR(sp, S_CP_CUR), LPTR(sp, S_CP_HIST), si[SI_N_CSA], LPTR(sp, S_CP_WTOK),
+                           LPTR(sp, S_CP_WROW), PTR(wp, W_I_NORM), wf[F_I_EPS], PTR(sp, S_TAB_COS),
+                           PTR(sp, S_TAB_SIN), r, rows, (float *)pp[P_IDX_STATE], pp[P_IDX_STATE_STRIDE],
+                           (float *)pp[P_IDX], pp[P_IDX_STRIDE], small);
+            V = si[SI_V_CSA];
+            comp_rows = LPTR(sp, S_CSA_ROWS);
+            comp_valid = BPTR(sp, S_CSA_VALID);
+            if (V > wi[I_I_TOPK]) { /* the indexer picks; otherwise every visible entry */
+                float *iq = take(&at, (long)T * Hi * Di), *iqr = take(&at, (long)T * Hi * Di);
+                float *iwt = take(&at, (long)T * Hi), *isc = take(&at, 2L * V);
+                unsigned char *picked = (unsigned char *)take(&at, ((long)T * V + 3) / 4);
+                for (int t = 0; t < T; t++) {
+                    gemv(PTR(wp, W_I_Q_B), qr + (long)t * QL, Hi * Di, QL, iq + (long)t * Hi * Di);
+                    const float *hw = xp + (long)t * NX + QL + HD + 2 * cw + 2 * iw;
+                    for (int j = 0; j < Hi; j++) iwt[t * Hi + j] = hw[j] * wf[F_I_WSCALE];
+                }
+                rope_rotate(iq, cos, sin, T, Hi, Di, r, 1.0f, iqr);
+                index_pick(iqr, iwt, (const float *)pp[P_IDX], pp[P_IDX_STRIDE], comp_rows, comp_valid, T, Hi, V,
+                           Di, wf[F_I_SCALE], wi[I_I_TOPK], isc, picked);
+                comp_valid = picked;
+            }
+        } else {
+            V = si[SI_V_HCA];
+            comp_rows = LPTR(sp, S_HCA_ROWS);
+            comp_valid = BPTR(sp, S_HCA_VALID);
+        }
+        if (V == 0) comp = 0;
+    }
+    float *ascr = take(&at, (long)W + V + 16);
+    sink_attend(q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS), BPTR(sp, S_WIN_VALID), W, comp,
+                pp[P_COMP_STRIDE], comp_rows, comp_valid, V, PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o);
+    float *oscr = take(&at, (long)H * HD + wi[I_G] * wi[I_L]);
+    attn_out(o, cos, sin, T, H, HD, r, PTR(wp, W_O_A), wi[I_G], wi[I_L], PTR(wp, W_O_B), D, oscr, y);
+    hc_expand(y, h, post, comb, T, hc, D, hm);
+
+    /* FFN sublayer */
+    hc_collapse(hm, PTR(wp, W_FFN_FN), PTR(wp, W_FFN_SCALE), PTR(wp, W_FFN_BASE), T, hc, D, wi[I_ITERS],
+                wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_FFN_NORM), wf[F_FFN_NORM_EPS]);
+    float *lgu = take(&at, (long)T * (E + 2 * I)), *mscr = take(&at, 3L * I + D + K);
+    for (int t = 0; t < T; t++) gemv(PTR(wp, W_MOE_IN), x + (long)t * D, E + 2 * I, D, lgu + (long)t * (E + 2 * I));
+    moe_decode(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
+               PTR(wp, W_2), PTR(wp, W_2S), T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], mscr, ids_buf,
+               mscr + 3 * I + D, y);
+    hc_expand(y, hm, post, comb, T, hc, D, h_out);
+}

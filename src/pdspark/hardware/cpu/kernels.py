@@ -114,6 +114,8 @@ def load() -> ctypes.CDLL | None:
     lib.norm_rope.restype = None
     lib.attn_out.argtypes = [f, f, f, i, i, i, i, f, i, i, f, i, f, f]
     lib.attn_out.restype = None
+    lib.decode_layer.argtypes = [f, f, f, f, f, f, f, f, f, f]
+    lib.decode_layer.restype = None
     return lib
 
 
@@ -378,4 +380,38 @@ def attn_out(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.
     scratch = torch.empty(H * d + groups * L)
     lib.attn_out(o.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, H, d, cos.shape[-1], wo_a.data_ptr(), groups, L,
                  wo_b.data_ptr(), Dm, scratch.data_ptr(), out.data_ptr())
+    return out
+
+
+# The slots of `decode_layer`'s arrays, in the order of the enums in kernels.c.
+DECODE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base", "ffn_norm",
+                  "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "c_ape", "c_norm", "i_wq_b", "i_ape",
+                  "i_norm", "moe_in", "w13", "w2", "w2s", "bias", "tid2eid")
+DECODE_SIZES = ("kind", "hc", "iters", "hidden", "q_lora", "heads", "head_dim", "o_groups", "o_lora", "c_ratio",
+                "c_dim", "i_heads", "i_dim", "i_topk", "experts", "inter", "top_k", "sqrtsoftplus")
+DECODE_SCALARS = ("hc_eps", "hc_norm_eps", "attn_norm_eps", "ffn_norm_eps", "q_eps", "head_eps", "kv_eps", "scale",
+                  "c_eps", "i_eps", "i_wscale", "i_scale", "scaling", "limit")
+DECODE_STEP = ("positions", "input_ids", "swa_slots", "win_rows", "win_valid", "csa_rows", "csa_valid", "hca_rows",
+               "hca_valid", "cos_main", "sin_main", "cos_comp", "sin_comp", "table_cos", "table_sin",
+               *(f"csa_{n}" for n in ("out", "pos", "use", "cur", "hist", "wtok", "wrow")),
+               *(f"hca_{n}" for n in ("out", "pos", "use", "cur", "hist", "wtok", "wrow")))
+DECODE_STEP_SIZES = ("tokens", "window", "rope_dim", "csa_visible", "hca_visible", "csa_groups", "csa_writes",
+                     "hca_groups", "hca_writes")
+DECODE_POOLS = ("swa", "swa_stride", "comp", "comp_stride", "state", "state_stride", "index", "index_stride",
+                "index_state", "index_state_stride")
+# Layer kinds (`kind` above).
+DECODE_SLIDING, DECODE_CSA, DECODE_HCA = 0, 1, 2
+
+
+def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tensor, step: torch.Tensor,
+                 step_sizes: torch.Tensor, pools: torch.Tensor, h: torch.Tensor, scratch: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor:
+    """One decoder layer of a decode step in one call: `h [T, hc, D]` -> `[T, hc, D]`. The arrays hold pointers
+    (int64) and sizes (int32) and scalars (fp32) in the slots named by `DECODE_*`; the caller checked that every
+    tensor behind them is what the C loops read (see `model.decode_step`)."""
+    lib = load()
+    assert lib is not None
+    out = torch.empty_like(h)
+    lib.decode_layer(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
+                     pools.data_ptr(), h.data_ptr(), out.data_ptr(), scratch.data_ptr(), ids.data_ptr())
     return out
