@@ -254,3 +254,20 @@ def test_c_collapse_applies_the_sublayer_norm_in_the_same_call():
         x, post, comb = mod.collapse(h)
         xn, post_n, comb_n = mod.collapse(h, norm)
         assert torch.equal(xn, norm(x)) and torch.equal(post, post_n) and torch.equal(comb, comb_n)
+
+
+def test_c_lm_head_matches_the_torch_steps():
+    from pdspark.model.hyper_connection import HyperHead
+    from pdspark.model.norm import RMSNorm
+
+    torch.manual_seed(9)
+    head_hc, norm, head = HyperHead(4, 48, 1e-6, 1e-6), RMSNorm(48, 1e-6), torch.randn(100, 48)
+    with torch.no_grad():
+        head_hc.fn.normal_(0, 0.1)
+        head_hc.base.normal_()
+        norm.weight.uniform_(0.5, 1.5)
+    h = torch.randn(3, 4, 48)
+    with torch.inference_mode():
+        fast = kernels.lm_head(h, head_hc.fn, head_hc.scale, head_hc.base, 1e-6, 1e-6, norm.weight, 1e-6, head)
+        ref = torch.nn.functional.linear(norm(head_hc(h)), head)
+    torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-5)

@@ -123,6 +123,7 @@ class DecodeStep:
         self.cfg = cfg
         self.scratch = torch.empty(0)
         self.ids = torch.empty(max(cfg.num_experts_per_tok, 1), dtype=torch.int64)
+        self._pools: tuple[list[int], list[torch.Tensor]] | None = None  # (layer 0's pointers, every layer's table)
 
     @classmethod
     def build(cls, layers: list[DecoderLayer], cfg: ModelConfig) -> DecodeStep | None:
@@ -140,7 +141,7 @@ class DecodeStep:
         return (batch.num_tokens <= MAX_TOKENS and not batch.segments and batch.prepare_streams is None
                 and batch.positions.is_cpu and not torch.is_grad_enabled())
 
-    def step_table(self, batch: ForwardBatch, rope_main: RotaryTable, rope_compress: RotaryTable,
+    def step_table(self, batch: ForwardBatch, rope_compress: RotaryTable,
                    main_at: tuple[torch.Tensor, torch.Tensor], comp_at: tuple[torch.Tensor, torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's pointer and size arrays (`kernels.DECODE_STEP/STEP_SIZES`), shared by every layer."""
@@ -178,19 +179,35 @@ class DecodeStep:
                  + c.o_groups * c.o_lora_rank + 3 * c.moe_intermediate_size + D + c.num_experts_per_tok)
         return T * per_token + fixed + 16 * 24  # (each carve is rounded up to 16 floats)
 
-    def run_layer(self, i: int, h: torch.Tensor, pools: LayerCaches, step: tuple[torch.Tensor, torch.Tensor]
-                  ) -> torch.Tensor | None:
-        """Layer `i` on the streams `h [T, hc, D]`, or None where its pools are not fp32 row-major CPU tensors."""
+    def pool_tables(self, pools: LayerCaches) -> list[torch.Tensor] | None:
+        """Each layer's pool pointers and row strides (`kernels.DECODE_POOLS`), or None where the pools are not fp32
+        row-major CPU tensors. Cached: the pools never move, and layer 0's views identify them."""
+        first = self._pool_pointers(pools, 0)
+        if first is None:
+            return None
+        if self._pools is None or self._pools[0] != first:
+            tables = [self._pool_pointers(pools, i) for i in range(len(self.tables))]
+            if any(t is None for t in tables):
+                return None
+            self._pools = (first, [torch.tensor(t, dtype=torch.int64) for t in tables])
+        return self._pools[1]
+
+    @staticmethod
+    def _pool_pointers(pools: LayerCaches, i: int) -> list[int] | None:
         cache = pools.layer(i)
-        views = [cache.swa_kv, cache.comp_kv, cache.comp_state, cache.index_kv, cache.index_state]
         ptrs: list[int] = []
-        for v in views:
+        for v in (cache.swa_kv, cache.comp_kv, cache.comp_state, cache.index_kv, cache.index_state):
             if v is None:
                 ptrs += [0, 0]
             elif v.is_cpu and v.dtype is torch.float32 and v.dim() == 2 and v.stride(1) == 1:
                 ptrs += [v.data_ptr(), v.stride(0)]
             else:
                 return None
+        return ptrs
+
+    def run_layer(self, i: int, h: torch.Tensor, pools: torch.Tensor, step: tuple[torch.Tensor, torch.Tensor]
+                  ) -> torch.Tensor:
+        """Layer `i` on the streams `h [T, hc, D]` (`pools`: its entry of `pool_tables`)."""
         t = self.tables[i]
-        return cpu_kernels.decode_layer(t.weights, t.sizes, t.scalars, step[0], step[1],
-                                        torch.tensor(ptrs, dtype=torch.int64), h, self.scratch, self.ids)
+        return cpu_kernels.decode_layer(t.weights, t.sizes, t.scalars, step[0], step[1], pools, h, self.scratch,
+                                        self.ids)

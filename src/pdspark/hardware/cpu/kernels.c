@@ -584,3 +584,26 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
                mscr + 3 * I + D, y);
     hc_expand(y, hm, post, comb, T, hc, D, h_out);
 }
+
+/* The model's head for a few rows: the final mHC collapse (`HyperHead`: no Sinkhorn), the final RMSNorm and the
+ * LM head. Per row of streams h [N, hc, D]: flat = h * rsqrt(mean(h^2) + norm_eps); pre_i = sigmoid(fn_i . flat *
+ * scale + base_i) + hc_eps; y = sum_i pre_i h_i (in stream order); y = rms_norm(y) * norm_w; out [N, V] = head @ y.
+ * scratch holds hc*D + D floats. */
+void lm_head(const float *h, int N, int hc, int D, const float *fn, const float *scale, const float *base,
+             float hc_eps, float norm_eps, const float *norm_w, float eps, const float *head, int V, float *scratch,
+             float *out) {
+    const int HD = hc * D;
+    float *flat = scratch, *y = scratch + HD;
+    for (int n = 0; n < N; n++) {
+        const float *hn = h + (long)n * HD;
+        const float r = 1.0f / sqrtf(dot(hn, hn, HD) / (float)HD + norm_eps);
+        for (int k = 0; k < HD; k++) flat[k] = hn[k] * r;
+        for (int d = 0; d < D; d++) y[d] = 0.0f;
+        for (int i = 0; i < hc; i++) {
+            const float pre = sigmoidf(dot(fn + (long)i * HD, flat, HD) * scale[0] + base[i]) + hc_eps;
+            for (int d = 0; d < D; d++) y[d] = i == 0 ? pre * hn[d] : y[d] + pre * hn[i * D + d];
+        }
+        rms_norm(y, D, norm_w, 1, D, eps, y);
+        gemv(head, y, V, D, out + (long)n * V);
+    }
+}

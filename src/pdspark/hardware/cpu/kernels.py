@@ -116,6 +116,8 @@ def load() -> ctypes.CDLL | None:
     lib.attn_out.restype = None
     lib.decode_layer.argtypes = [f, f, f, f, f, f, f, f, f, f]
     lib.decode_layer.restype = None
+    lib.lm_head.argtypes = [f, i, i, i, f, f, f, fl, fl, f, fl, f, i, f, f]
+    lib.lm_head.restype = None
     return lib
 
 
@@ -414,4 +416,20 @@ def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
     out = torch.empty_like(h)
     lib.decode_layer(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
                      pools.data_ptr(), h.data_ptr(), out.data_ptr(), scratch.data_ptr(), ids.data_ptr())
+    return out
+
+
+def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+            norm_eps: float, norm_w: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor | None:
+    """`DSV4Model.logits` of a few rows of streams `h [N, hc, D]` in one call (the final mHC collapse, the final
+    norm, the LM head `head [V, D]` as GEMVs) -> fp32 `[N, V]`. None when the C path does not apply."""
+    lib = _usable(h, fn, scale, base, norm_w, head)
+    if lib is None:
+        return None
+    N, hc, D = h.shape
+    V = head.shape[0]
+    out = torch.empty(N, V)
+    scratch = torch.empty(hc * D + D)
+    lib.lm_head(h.data_ptr(), N, hc, D, fn.data_ptr(), scale.data_ptr(), base.data_ptr(), hc_eps, norm_eps,
+                norm_w.data_ptr(), eps, head.data_ptr(), V, scratch.data_ptr(), out.data_ptr())
     return out
