@@ -18,6 +18,45 @@ static float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* Four `dot`s of a[j] with the same b, each with the very same arithmetic as `dot` (the four chains of partial
+ * sums and their final additions interleave, which hides the adds' latency on short rows). */
+static void dot4(const float *a0, const float *a1, const float *a2, const float *a3, const float *b, int n,
+                 float *out) {
+    float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};
+    int k = 0;
+    for (; k + 16 <= n; k += 16)
+        for (int l = 0; l < 16; l++) {
+            c0[l] += a0[k + l] * b[k + l];
+            c1[l] += a1[k + l] * b[k + l];
+            c2[l] += a2[k + l] * b[k + l];
+            c3[l] += a3[k + l] * b[k + l];
+        }
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    for (int l = 0; l < 16; l++) {
+        s0 += c0[l];
+        s1 += c1[l];
+        s2 += c2[l];
+        s3 += c3[l];
+    }
+    for (; k < n; k++) {
+        s0 += a0[k] * b[k];
+        s1 += a1[k] * b[k];
+        s2 += a2[k] * b[k];
+        s3 += a3[k] * b[k];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+/* out [N] = w [N, K] @ x [K] (each row exactly a `dot`). */
+static void gemv(const float *w, const float *x, int N, int K, float *out) {
+    int n = 0;
+    for (; n + 4 <= N; n += 4) {
+        const float *r = w + (long)n * K;
+        dot4(r, r + K, r + 2L * K, r + 3L * K, x, K, out + n);
+    }
+    for (; n < N; n++) out[n] = dot(w + (long)n * K, x, K);
+}
+
 /* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL); input
  * rows start `stride` floats apart (a column slice of a wider matrix), output rows are packed. */
 void rms_norm(const float *x, long stride, const float *w, int N, int D, float eps, float *out) {
@@ -116,7 +155,7 @@ void hc_collapse(const float *h, const float *fn, const float *scale, const floa
         const float *ht = h + (long)t * N;
         const float r = 1.0f / sqrtf(dot(ht, ht, N) / (float)N + norm_eps);
         for (int k = 0; k < N; k++) flat[k] = ht[k] * r;
-        for (int m = 0; m < M; m++) mixes[m] = dot(fn + (long)m * N, flat, N);
+        gemv(fn, flat, M, N, mixes);
         collapse_token(ht, mixes, scale, base, hc, D, iters, eps, x + (long)t * D, pre + (long)t * hc,
                        post + (long)t * hc, comb + (long)t * hc * hc);
         if (x_norm_w != 0) rms_norm(x + (long)t * D, D, x_norm_w, 1, D, x_norm_eps, x + (long)t * D);
@@ -272,12 +311,12 @@ static float swiglu1(float g, float u, float limit) {
  *            weight = score / (sum of the k scores + 1e-20) * scaling.
  *   out[t] = sum_j weight_j * w2[e_j] @ swiglu(w13[e_j] @ x[t]) + w2s @ swiglu(shared gate, shared up),
  * the routed terms summed in slot order, then the shared term added (as `MoE.forward`'s pair loop).
- * x [T, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], w2s [D, I]; scratch 3I + D floats, ids k
+ * x [T, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], w2s [D, I]; scratch 3I + 2D floats, ids k
  * words, ws k floats. */
 void moe_decode(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
                 const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E, int I,
                 int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids, float *ws, float *out) {
-    float *h = scratch, *act = scratch + 2 * I, *acc = scratch + 3 * I;
+    float *h = scratch, *act = scratch + 2 * I, *acc = scratch + 3 * I, *y = scratch + 3 * I + D;
     for (int t = 0; t < T; t++) {
         const float *xt = x + (long)t * D, *lt = lgu + (long)t * lstride;
         float *ot = out + (long)t * D;
@@ -309,17 +348,16 @@ void moe_decode(const float *x, const float *lgu, long lstride, const long *inpu
         /* routed experts, in slot order */
         for (int j = 0; j < k; j++) {
             const float *we = w13 + ids[j] * 2L * I * D, *w2e = w2 + ids[j] * (long)D * I;
-            for (int r = 0; r < 2 * I; r++) h[r] = dot(we + (long)r * D, xt, D);
+            gemv(we, xt, 2 * I, D, h);
             for (int i = 0; i < I; i++) act[i] = swiglu1(h[i], h[I + i], limit);
-            for (int d = 0; d < D; d++) {
-                const float y = dot(w2e + (long)d * I, act, I) * ws[j];
-                acc[d] = j == 0 ? y : acc[d] + y;
-            }
+            gemv(w2e, act, D, I, y);
+            for (int d = 0; d < D; d++) acc[d] = j == 0 ? y[d] * ws[j] : acc[d] + y[d] * ws[j];
         }
         /* shared expert */
         const float *sg = lt + E, *su = lt + E + I;
         for (int i = 0; i < I; i++) act[i] = swiglu1(sg[i], su[i], limit);
-        for (int d = 0; d < D; d++) ot[d] = acc[d] + dot(w2s + (long)d * I, act, I);
+        gemv(w2s, act, D, I, y);
+        for (int d = 0; d < D; d++) ot[d] = acc[d] + y[d];
     }
 }
 
@@ -328,37 +366,49 @@ void moe_decode(const float *x, const float *lgu, long lstride, const long *inpu
  * comp_valid; comp may be NULL with V = 0; pool rows `*_stride` floats apart), plus one sink logit per head that
  * takes mass but adds no value:
  *   s_k = (q . kv_k) * scale; p = softmax([s, sink[h]]); out[t, h] = sum_k p_k kv_k (keys in window-then-comp order).
- * scratch holds W + V floats. out [T, H, d]. */
+ * scratch holds H * (W + V) floats. out [T, H, d]. */
 void sink_attend(const float *q, const float *swa, long swa_stride, const long *win_rows,
                  const unsigned char *win_valid, int W, const float *comp, long comp_stride, const long *comp_rows,
                  const unsigned char *comp_valid, int V, const float *sink, float scale, int T, int H, int d,
                  float *scratch, float *out) {
     const int K = W + V;
     for (int t = 0; t < T; t++) {
-        for (int h = 0; h < H; h++) {
-            const float *qh = q + ((long)t * H + h) * d;
-            float *oh = out + ((long)t * H + h) * d;
-            float m = sink[h];
-            for (int j = 0; j < K; j++) {
-                const int win = j < W;
-                const long idx = (long)t * (win ? W : V) + (win ? j : j - W);
-                if (!(win ? win_valid[idx] : comp_valid[idx])) { scratch[j] = -INFINITY; continue; }
-                const float *kv = win ? swa + win_rows[idx] * swa_stride : comp + comp_rows[idx] * comp_stride;
-                scratch[j] = dot(qh, kv, d) * scale;
-                if (scratch[j] > m) m = scratch[j];
+        const float *qt = q + (long)t * H * d;
+        /* scores [H, K]: each key row read once for every head */
+        for (int j = 0; j < K; j++) {
+            const int win = j < W;
+            const long idx = (long)t * (win ? W : V) + (win ? j : j - W);
+            if (!(win ? win_valid[idx] : comp_valid[idx])) {
+                for (int h = 0; h < H; h++) scratch[(long)h * K + j] = -INFINITY;
+                continue;
             }
+            const float *kv = win ? swa + win_rows[idx] * swa_stride : comp + comp_rows[idx] * comp_stride;
+            int h = 0;
+            float s4[4];
+            for (; h + 4 <= H; h += 4) {
+                dot4(qt + (long)h * d, qt + (long)(h + 1) * d, qt + (long)(h + 2) * d, qt + (long)(h + 3) * d, kv,
+                     d, s4);
+                for (int i = 0; i < 4; i++) scratch[(long)(h + i) * K + j] = s4[i] * scale;
+            }
+            for (; h < H; h++) scratch[(long)h * K + j] = dot(qt + (long)h * d, kv, d) * scale;
+        }
+        for (int h = 0; h < H; h++) {
+            float *sc = scratch + (long)h * K, *oh = out + ((long)t * H + h) * d;
+            float m = sink[h];
+            for (int j = 0; j < K; j++)
+                if (sc[j] > m) m = sc[j];
             float z = expf(sink[h] - m);
             for (int j = 0; j < K; j++) {
-                scratch[j] = scratch[j] == -INFINITY ? 0.0f : expf(scratch[j] - m);
-                z += scratch[j];
+                sc[j] = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - m);
+                z += sc[j];
             }
             for (int c = 0; c < d; c++) oh[c] = 0.0f;
             for (int j = 0; j < K; j++) {
-                if (scratch[j] == 0.0f) continue;
+                if (sc[j] == 0.0f) continue;
                 const int win = j < W;
                 const long idx = (long)t * (win ? W : V) + (win ? j : j - W);
                 const float *kv = win ? swa + win_rows[idx] * swa_stride : comp + comp_rows[idx] * comp_stride;
-                const float p = scratch[j] / z;
+                const float p = sc[j] / z;
                 for (int c = 0; c < d; c++) oh[c] += p * kv[c];
             }
         }
@@ -439,18 +489,14 @@ void attn_out(const float *o, const float *cos, const float *sin, int T, int H, 
     float *un = scratch, *mid = scratch + H * d;
     for (int t = 0; t < T; t++) {
         rope_rotate(o + (long)t * H * d, cos + (long)t * r, sin + (long)t * r, 1, H, d, r, -1.0f, un);
-        for (int g = 0; g < G; g++)
-            for (int l = 0; l < L; l++) mid[g * L + l] = dot(wo_a + ((long)g * L + l) * C, un + (long)g * C, C);
-        for (int m = 0; m < Dm; m++) out[(long)t * Dm + m] = dot(wo_b + (long)m * G * L, mid, G * L);
+        for (int g = 0; g < G; g++) gemv(wo_a + (long)g * L * C, un + (long)g * C, L, C, mid + g * L);
+        gemv(wo_b, mid, Dm, G * L, out + (long)t * Dm);
     }
 }
 
 /* ---- one whole decoder layer of a decode step ---------------------------------------------------------------- */
 
-/* out [N] = w [N, K] @ x [K] (each row a `dot`). */
-static void gemv(const float *w, const float *x, int N, int K, float *out) {
-    for (int n = 0; n < N; n++) out[n] = dot(w + (long)n * K, x, K);
-}
+
 
 /* Slots of the arrays `decode_layer` reads. Keep in step with `pdspark.hardware.cpu.kernels.DECODE_*`. */
 enum { /* the layer's weights (pointers, fixed once the weights are final) */
@@ -567,7 +613,7 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
         }
         if (V == 0) comp = 0;
     }
-    float *ascr = take(&at, (long)W + V + 16);
+    float *ascr = take(&at, (long)H * (W + V) + 16);
     sink_attend(q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS), BPTR(sp, S_WIN_VALID), W, comp,
                 pp[P_COMP_STRIDE], comp_rows, comp_valid, V, PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o);
     float *oscr = take(&at, (long)H * HD + wi[I_G] * wi[I_L]);
@@ -577,11 +623,11 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
     /* FFN sublayer */
     hc_collapse(hm, PTR(wp, W_FFN_FN), PTR(wp, W_FFN_SCALE), PTR(wp, W_FFN_BASE), T, hc, D, wi[I_ITERS],
                 wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_FFN_NORM), wf[F_FFN_NORM_EPS]);
-    float *lgu = take(&at, (long)T * (E + 2 * I)), *mscr = take(&at, 3L * I + D + K);
+    float *lgu = take(&at, (long)T * (E + 2 * I)), *mscr = take(&at, 3L * I + 2L * D + K);
     for (int t = 0; t < T; t++) gemv(PTR(wp, W_MOE_IN), x + (long)t * D, E + 2 * I, D, lgu + (long)t * (E + 2 * I));
     moe_decode(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
                PTR(wp, W_2), PTR(wp, W_2S), T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], mscr, ids_buf,
-               mscr + 3 * I + D, y);
+               mscr + 3 * I + 2 * D, y);
     hc_expand(y, hm, post, comb, T, hc, D, h_out);
 }
 

@@ -256,12 +256,12 @@ def moe_decode(
     I = I2 // 2
     ids = torch.empty(top_k, dtype=torch.int64)  # the current token's experts
     out = torch.empty(T, D)
-    scratch = torch.empty(3 * I + D + top_k)  # gate|up, act, acc, then the token's routing weights
+    scratch = torch.empty(3 * I + 2 * D + top_k)  # gate|up, act, acc, y, then the token's routing weights
     lib.moe_decode(
         x.data_ptr(), lgu.data_ptr(), lgu.stride(0), input_ids.data_ptr(),
         None if tid2eid is None else tid2eid.data_ptr(), None if bias is None else bias.data_ptr(),
         w13.data_ptr(), w2.data_ptr(), w2s.data_ptr(), T, D, E, I, top_k, int(sqrtsoftplus), scaling, limit,
-        scratch.data_ptr(), ids.data_ptr(), scratch[3 * I + D :].data_ptr(), out.data_ptr(),
+        scratch.data_ptr(), ids.data_ptr(), scratch[3 * I + 2 * D :].data_ptr(), out.data_ptr(),
     )
     return out
 
@@ -283,7 +283,7 @@ def sink_attend(
         if idx is not None and not (idx.is_cpu and idx.is_contiguous()):
             return None
     out = torch.empty(T, H, d)
-    scratch = torch.empty(W + V)
+    scratch = torch.empty(H * (W + V))
     lib.sink_attend(
         q.data_ptr(), swa.data_ptr(), swa.stride(0), win_rows.data_ptr(), win_valid.data_ptr(), W,
         None if comp is None else comp.data_ptr(), 0 if comp is None else comp.stride(0),
