@@ -22,9 +22,10 @@ from pdspark.model.model_config import CSA, HCA, ModelConfig
 from pdspark.model.moe import MoE
 from pdspark.model.rope import RotaryTable
 
-# Decode/verify steps up to this many tokens run through the C layer (GEMV loops; larger steps share each weight
-# read across tokens in BLAS matmuls).
-MAX_TOKENS = 4
+# Decode/verify steps up to this many tokens run through the C layer. Its GEMVs read the weights once per token,
+# which stays cheaper than the module path's per-op cost up to here (dsv4-tiny and the bench's big config, batch 8:
+# ~2x); beyond it BLAS matmuls that share each weight read across tokens take over.
+MAX_TOKENS = 8
 
 
 class LayerTable(NamedTuple):
