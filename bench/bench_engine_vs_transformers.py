@@ -58,10 +58,13 @@ def _worker(system: str, model: str, batch: int, prompt_len: int, output_len: in
         llm = LLM(path, max_model_len=prompt_len + output_len + 64, max_num_seqs=max(batch, 1),
                   max_num_batched_tokens=1024, device=device)
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-        llm.generate(prompt_token_ids=[prompts[0][:16]], sampling_params=SamplingParams(max_tokens=2))  # warm-up
+        # Warm-up at full length (other ids): the first prefill of a shape pays one-time costs (allocator, BLAS).
+        warm = _prompts(1, prompt_len, ModelConfig.from_dir(path).vocab_size, seed=1)
+        llm.generate(prompt_token_ids=warm, sampling_params=SamplingParams(max_tokens=2))
         t0 = time.perf_counter()  # the prefill alone (one token each), for the prefill roofline
         llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
         prefill_s = time.perf_counter() - t0
+        llm.flush_cache()  # the timed run prefills again (no prefix-cache hit), so its decode = seconds - prefill_s
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - t0

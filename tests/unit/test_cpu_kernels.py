@@ -117,3 +117,157 @@ def test_index_scores_are_the_same_bits_in_c_and_torch_whatever_the_batch():
             dots = torch.einsum("thd,tvd->thv", q.double(), exact)
             ref = (dots.clamp_min(0) * scale * w.double()[:, :, None]).sum(1)
             torch.testing.assert_close(fast.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_c_decode_attention_reads_the_pools_in_place():
+    from pdspark.model.attention import sink_attention
+
+    torch.manual_seed(3)
+    T, H, d, W, V = 3, 4, 64, 16, 10
+    swa, comp = torch.randn(50, 3, d)[:, 1], torch.randn(30, 2, d)[:, 0]  # per-layer views of page-major pools
+    q, sink = torch.randn(T, H, d), torch.randn(H)
+    win_rows, comp_rows = torch.randint(0, 50, (T, W)), torch.randint(0, 30, (T, V))
+    win_ok, comp_ok = torch.rand(T, W) > 0.3, torch.rand(T, V) > 0.5
+    fast = kernels.sink_attend(q, swa, win_rows, win_ok, comp, comp_rows, comp_ok, sink, 0.125)
+    ref = sink_attention(q, torch.cat([swa[win_rows], comp[comp_rows]], 1), torch.cat([win_ok, comp_ok], 1), sink,
+                         0.125)
+    torch.testing.assert_close(fast, ref, atol=2e-6, rtol=1e-5)
+    fast = kernels.sink_attend(q, swa, win_rows, win_ok, None, None, None, sink, 0.125)
+    torch.testing.assert_close(fast, sink_attention(q, swa[win_rows], win_ok, sink, 0.125), atol=2e-6, rtol=1e-5)
+
+
+def test_c_decode_moe_matches_the_pair_loop():
+    from pdspark.assets import resolve_model
+    from pdspark.model.model_config import ModelConfig
+    from pdspark.model.moe import MoE
+
+    cfg = ModelConfig.from_dir(resolve_model("dsv4-tiny"))
+    torch.manual_seed(4)
+    for is_hash, scoring in ((True, "sqrtsoftplus"), (False, "sqrtsoftplus"), (False, "sigmoid")):
+        moe = MoE(cfg, is_hash)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.normal_(0, 0.1)
+            if is_hash:
+                moe.get_buffer("tid2eid").copy_(torch.randint(0, cfg.n_routed_experts, (cfg.vocab_size, 2)))
+        moe.scoring_func = scoring
+        x, ids = torch.randn(1, cfg.hidden_size) * 3, torch.tensor([17])
+        with torch.inference_mode():
+            ref = moe(x, ids)  # unfused: the PyTorch router and pair loop
+            moe.fuse()
+            fast = moe(x, ids)  # one matmul + one C call
+        assert moe._c_decode is not None
+        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_c_compressor_matches_the_torch_steps():
+    from pdspark.model.batch import CompressPlan
+    from pdspark.model.compressor import Compressor
+    from pdspark.model.model_config import RopeConfig
+    from pdspark.model.rope import RotaryTable
+
+    torch.manual_seed(5)
+    rope = RotaryTable(RopeConfig(theta=10000.0), 8, 64)
+    for overlap in (True, False):
+        comp = Compressor(24, 16, 4, overlap, 1e-6, rope)
+        with torch.no_grad():
+            comp.ape.normal_()
+            comp.norm.weight.uniform_(0.5, 1.5)
+        w, span = comp.width, (8 if overlap else 4)
+        T, G = 6, 2
+        positions = torch.arange(10, 16)
+        plan = CompressPlan(
+            out_rows=torch.tensor([3, 1]), positions=torch.tensor([8, 12]),
+            use_cur=torch.rand(G, span) > 0.5, cur_rows=torch.randint(0, T, (G, span)),
+            hist_rows=torch.randint(0, 9, (G, span)), write_tokens=torch.tensor([0, 4, 5]),
+            write_rows=torch.tensor([2, 7, 0]))
+        state, pool = torch.randn(9, 3, 2 * w)[:, 2], torch.zeros(5, 2, 16)[:, 1]  # page-major pools' layer views
+        projected = torch.randn(T, 3 * 2 * w)[:, 2 * w : 4 * w]  # a column slice of a fused projection
+        ref_state, ref_pool = state.clone(), pool.clone()
+        with torch.enable_grad():
+            comp.run(projected.clone(), positions, plan, ref_state, ref_pool)  # PyTorch
+        with torch.inference_mode():
+            assert comp._run_in_c(projected, positions, plan, state, pool)  # what `run` calls without autograd
+        torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
+        assert torch.equal(state, ref_state)
+        assert pool[[0, 2, 4]].abs().sum() == 0  # only the closing groups' rows are written
+
+
+def test_c_index_pick_is_the_torch_top_k_under_the_tie_rule():
+    from pdspark.model.indexer import index_scores, select_topk
+
+    torch.manual_seed(6)
+    H, D, T, V, k = 4, 32, 5, 40, 8
+    pool = torch.randn(60, 2, D)[:, 1]  # a page-major pool's layer view
+    pool[:20] = -pool[:20].abs()  # many keys score exactly 0 after the ReLU: ties the rule must break
+    q, w = torch.rand(T, H, D), torch.rand(T, H)
+    rows = torch.randint(0, 60, (T, V))
+    valid = torch.rand(T, V) > 0.2
+    valid[0, k:] = False  # one token with at most k entries: all of its valid ones
+    picked = kernels.index_pick(q, w, pool, rows, valid, D**-0.5, k)
+    scores = index_scores(q, w, pool[rows].contiguous(), D**-0.5)
+    top = select_topk(scores, valid, k)
+    assert torch.equal(picked, torch.zeros_like(valid).scatter_(1, top.columns, top.valid))
+    assert (scores == 0).sum() > 2 * k  # the ties were there
+
+
+def test_c_attention_projections_match_the_torch_steps():
+    from pdspark.model.model_config import RopeConfig
+    from pdspark.model.norm import rms_norm
+    from pdspark.model.rope import RotaryTable
+
+    torch.manual_seed(7)
+    T, H, d, G, L, Dm = 3, 4, 32, 2, 16, 24
+    at = RotaryTable(RopeConfig(theta=10000.0), 8, 64).at(torch.tensor([1, 9, 40]))
+    w = torch.rand(d) + 0.5
+    # Query heads: per-head norm, then rotation -> [T, H, d] (the same bits as the two separate C calls).
+    y = torch.randn(T, H * d)
+    with torch.inference_mode():
+        assert torch.equal(kernels.norm_rope(y, H, None, 1e-6, at.cos, at.sin),
+                           at.apply(rms_norm(y.view(T, H, d), None, 1e-6)))
+        # The raw latent: weighted norm and rotation of a column slice, written to pool rows.
+        wide = torch.randn(T, 3 * d)
+        pool, ref_pool = torch.zeros(10, 2, d)[:, 0], torch.zeros(10, d)
+        slots = torch.tensor([7, 2, 5])
+        kernels.norm_rope(wide[:, d : 2 * d], 1, w, 1e-6, at.cos, at.sin, pool, slots)
+        ref_pool[slots] = at.apply(rms_norm(wide[:, d : 2 * d], w, 1e-6))
+        assert torch.equal(pool, ref_pool)
+        # Output projection: un-rotate, grouped wo_a, wo_b.
+        o, wo_a, wo_b = torch.randn(T, H, d), torch.randn(G * L, H * d // G), torch.randn(Dm, G * L)
+        fast = kernels.attn_out(o, at.cos, at.sin, wo_a, G, wo_b)
+        un = at.apply(o, inverse=True).reshape(T, G, -1)
+        ref = torch.einsum("tgc,glc->tgl", un, wo_a.view(G, L, -1)).reshape(T, -1) @ wo_b.t()
+    torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-5)
+
+
+def test_c_collapse_applies_the_sublayer_norm_in_the_same_call():
+    from pdspark.model.norm import RMSNorm
+
+    torch.manual_seed(8)
+    mod, norm = HyperConnection(4, 48, 20, 1e-6, 1e-6), RMSNorm(48, 1e-6)
+    with torch.no_grad():
+        mod.fn.normal_(0, 0.05)
+        norm.weight.uniform_(0.5, 1.5)
+    mod.freeze()
+    h = torch.randn(2, 4, 48)
+    with torch.inference_mode():
+        x, post, comb = mod.collapse(h)
+        xn, post_n, comb_n = mod.collapse(h, norm)
+        assert torch.equal(xn, norm(x)) and torch.equal(post, post_n) and torch.equal(comb, comb_n)
+
+
+def test_c_lm_head_matches_the_torch_steps():
+    from pdspark.model.hyper_connection import HyperHead
+    from pdspark.model.norm import RMSNorm
+
+    torch.manual_seed(9)
+    head_hc, norm, head = HyperHead(4, 48, 1e-6, 1e-6), RMSNorm(48, 1e-6), torch.randn(100, 48)
+    with torch.no_grad():
+        head_hc.fn.normal_(0, 0.1)
+        head_hc.base.normal_()
+        norm.weight.uniform_(0.5, 1.5)
+    h = torch.randn(3, 4, 48)
+    with torch.inference_mode():
+        fast = kernels.lm_head(h, head_hc.fn, head_hc.scale, head_hc.base, 1e-6, 1e-6, norm.weight, 1e-6, head)
+        ref = torch.nn.functional.linear(norm(head_hc(h)), head)
+    torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-5)

@@ -41,7 +41,8 @@ def test_cpu_backend_streams_are_no_ops_in_program_order():
     assert x.tolist() == [1.0, 1.0, 1.0]
     assert cpu.required_ops("sparse_attention") == ()
     assert cpu.kernels() <= {"hc_collapse", "hc_collapse_mixed", "hc_expand", "rms_norm", "rope_rotate",
-                             "index_scores"}
+                             "index_scores", "index_pick", "sink_attend", "moe_decode", "compressor_run", "norm_rope",
+                             "attn_out"}
 
 
 def test_unknown_device_names_the_allowed_ones():

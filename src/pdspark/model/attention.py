@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.hardware.prepare_streams import PrepareStreams
 from pdspark.model.batch import CompressedIndex, ForwardBatch, LayerCache, Segment, gather_rows
 from pdspark.model.compressor import Compressor
@@ -46,6 +47,8 @@ class QProjection(NamedTuple):
 # Queries of a long chunk are processed in blocks this long: a block reads its own window union (block + W - 1
 # rows) rather than one union for the whole chunk, so little of the score matrix is masked away.
 _QUERY_BLOCK = 128
+# Up to this many tokens the output projection runs as C GEMVs in one call (decode); more use BLAS matmuls.
+_C_OUT_MAX_TOKENS = 4
 
 
 class Attention(nn.Module):
@@ -107,6 +110,10 @@ class Attention(nn.Module):
 
     def _write_kv(self, kv: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> None:
         """Normalise and rotate the raw latents `kv [T, d]` and write them at the step's SWA slots."""
+        if not torch.is_grad_enabled() and cpu_kernels.norm_rope(kv, 1, self.kv_norm.weight, self.kv_norm.eps,
+                                                                 rope_at.cos, rope_at.sin, cache.swa_kv,
+                                                                 batch.swa_slots) is not None:
+            return  # one C call wrote the rows
         cache.swa_kv[batch.swa_slots] = rope_at.apply(self.kv_norm(kv))
 
     def fuse(self) -> None:
@@ -143,12 +150,20 @@ class Attention(nn.Module):
 
     def _q_heads(self, qr: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """The normalised q latent `qr [T, q_lora]` -> query heads `[T, H, d]`, head-normalised and rotated."""
-        q = rms_norm(linear(qr, self.wq_b).view(qr.shape[0], self.n_heads, self.head_dim), None, self.eps)
-        return rope_at.apply(q)
+        y = linear(qr, self.wq_b)
+        if not torch.is_grad_enabled():
+            fused = cpu_kernels.norm_rope(y, self.n_heads, None, self.eps, rope_at.cos, rope_at.sin)  # one C call
+            if fused is not None:
+                return fused
+        return rope_at.apply(rms_norm(y.view(qr.shape[0], self.n_heads, self.head_dim), None, self.eps))
 
     def project_out(self, o: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """Un-rotate `o [T, H, d]` and apply the grouped output projection -> `[T, D]`."""
         T = o.shape[0]
+        if T <= _C_OUT_MAX_TOKENS and not torch.is_grad_enabled():  # a few tokens: one C call (GEMVs)
+            fused = cpu_kernels.attn_out(o, rope_at.cos, rope_at.sin, self.wo_a, self.o_groups, self.wo_b)
+            if fused is not None:
+                return fused
         o = rope_at.apply(o, inverse=True)
         # [T, H, d] -> [G, T, H*d/G] @ [G, H*d/G, o_lora] -> [T, G * o_lora]
         grouped = o.reshape(T, self.o_groups, -1).transpose(0, 1)
@@ -192,14 +207,23 @@ class Attention(nn.Module):
 
     def _attend_gathered(self, q, cache: LayerCache, window, compressed: CompressedIndex | None,
                          token_rows: torch.Tensor | None) -> torch.Tensor:
-        """Short chunks: gather every token's own window `[Tg, W, d]` (and its compressed entries)."""
-        kv = gather_rows(cache.swa_kv, window.rows)
-        valid = window.valid
+        """Short chunks: every token over its own window `[Tg, W]` rows (and its compressed entries)."""
+        rows = ok = None
         if compressed is not None and compressed.max_visible:
             assert cache.comp_kv is not None
             rows, ok = compressed.rows, compressed.valid
             if token_rows is not None:
                 rows, ok = rows[token_rows], ok[token_rows]
+        if not torch.is_grad_enabled():  # the C kernel reads the rows in place (fp32 CPU pools)
+            fused = cpu_kernels.sink_attend(q, cache.swa_kv, window.rows, window.valid,
+                                            None if rows is None else cache.comp_kv, rows, ok, self.attn_sink,
+                                            self.scale)
+            if fused is not None:
+                return fused
+        kv = gather_rows(cache.swa_kv, window.rows)
+        valid = window.valid
+        if rows is not None:
+            assert cache.comp_kv is not None and ok is not None
             kv = torch.cat([kv, gather_rows(cache.comp_kv, rows)], dim=1)  # [Tg, W + V, d]
             valid = torch.cat([valid, ok], dim=1)
         return sink_attention(q, kv, valid, self.attn_sink, self.scale)

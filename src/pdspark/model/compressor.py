@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.batch import CompressPlan
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RotaryTable
@@ -54,9 +55,22 @@ class Compressor(nn.Module):
         if plan.write_tokens.numel():
             state[plan.write_rows] = rows[plan.write_tokens]
 
+    def _run_in_c(self, projected: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, state: torch.Tensor,
+                  pool: torch.Tensor) -> bool:
+        """The same steps as one C call (fp32 CPU weights and pools, index tensors on the CPU)."""
+        if positions.device.type != "cpu":
+            return False
+        table = self.rope.cos
+        if table.device.type != "cpu":
+            return False
+        return cpu_kernels.compressor_run(projected, positions, self.ape, self.ratio, self.dim, self.overlap, plan,
+                                          self.norm.weight, self.norm.eps, table, self.rope.sin, state, pool)
+
     def run(self, projected: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, state: torch.Tensor,
             pool: torch.Tensor) -> None:
         """From the layer input's projection `x @ wkv_gate.T`: pool closing groups into `pool`, update `state`."""
+        if not torch.is_grad_enabled() and self._run_in_c(projected, positions, plan, state, pool):
+            return
         rows = self.state_rows(projected, positions)
         if plan.num_groups:
             pool[plan.out_rows] = self.compress(rows, plan, state).to(pool.dtype)

@@ -33,7 +33,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
         """`h [T, hc, D]` -> `[T, hc, D]`."""
-        x, post, comb = self.attn_hc.collapse(h)
-        h = HyperConnection.expand(self.attn(self.attn_norm(x), batch, cache, rope_at), h, post, comb)
-        x, post, comb = self.ffn_hc.collapse(h)
-        return HyperConnection.expand(self.ffn(self.ffn_norm(x), batch.input_ids), h, post, comb)
+        x, post, comb = self.attn_hc.collapse(h, self.attn_norm)  # x: the normalised sublayer input
+        h = HyperConnection.expand(self.attn(x, batch, cache, rope_at), h, post, comb)
+        x, post, comb = self.ffn_hc.collapse(h, self.ffn_norm)
+        return HyperConnection.expand(self.ffn(x, batch.input_ids), h, post, comb)

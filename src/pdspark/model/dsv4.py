@@ -8,13 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.batch import ForwardBatch, LayerCaches
+from pdspark.model.decode_step import DecodeStep
 from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.hyper_connection import HyperHead
 from pdspark.model.model_config import SLIDING, ModelConfig
 from pdspark.model.moe import MoE
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RotaryTable
+
+# Up to this many rows the head runs as GEMVs in one C call; more share each weight read in a BLAS matmul.
+_C_HEAD_MAX_ROWS = 4
 
 
 class ForwardOutput(NamedTuple):
@@ -39,6 +44,7 @@ class DSV4Model(nn.Module):
         self.hc_head = HyperHead(cfg.hc_mult, D, cfg.hc_eps, cfg.rms_norm_eps)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = nn.Parameter(torch.zeros(cfg.vocab_size, D))
+        self._decode_step: DecodeStep | None = None  # set by `prepare_inference`
 
     def forward(self, batch: ForwardBatch, pools: LayerCaches, capture: tuple[int, ...] = ()) -> ForwardOutput:
         """Run every layer over the step's tokens; `capture` lists layers whose output (the mean over the mHC
@@ -49,8 +55,16 @@ class DSV4Model(nn.Module):
         rope_at = {SLIDING: self.rope_main.at(batch.positions)}
         compress_at = self.rope_compress.at(batch.positions)
         captured: dict[int, torch.Tensor] = {}
+        decode = self._decode_step if self._decode_step is not None and DecodeStep.applies(batch) else None
+        pool_tables = None if decode is None else decode.pool_tables(pools)
+        step = None
+        if decode is not None and pool_tables is not None:
+            step = decode.step_table(batch, self.rope_compress, rope_at[SLIDING], compress_at)
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, pools.layer(i), rope_at.get(self.cfg.layer_types[i], compress_at))
+            if decode is not None and pool_tables is not None and step is not None:
+                h = decode.run_layer(i, h, pool_tables[i], step)  # one C call
+            else:
+                h = layer(h, batch, pools.layer(i), rope_at.get(self.cfg.layer_types[i], compress_at))
             if i in capture:
                 captured[i] = h.mean(dim=1)
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
@@ -65,7 +79,15 @@ class DSV4Model(nn.Module):
             layer.ffn.fuse()
             layer.attn_hc.freeze()
             layer.ffn_hc.freeze()
+        # Small decode steps: each layer as one C call over these weights (None where they do not allow it).
+        self._decode_step = DecodeStep.build(list(self.layers), self.cfg)  # type: ignore[arg-type]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams `[N, hc, D]` -> fp32 logits `[N, vocab]`."""
+        if h.shape[0] <= _C_HEAD_MAX_ROWS and not torch.is_grad_enabled():  # a decode step's rows: one C call
+            hh = self.hc_head
+            fused = cpu_kernels.lm_head(h.contiguous(), hh.fn, hh.scale, hh.base, hh.hc_eps, hh.norm_eps,
+                                        self.norm.weight, self.norm.eps, self.head)
+            if fused is not None:
+                return fused
         return F.linear(self.norm(self.hc_head(h)), self.head).float()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
-from pdspark.model.norm import rms_norm
+from pdspark.model.norm import RMSNorm, rms_norm
 
 # Up to this many tokens, the whole collapse runs as one C call (decode steps are bound by per-op overhead);
 # longer chunks compute the mixes with a BLAS matmul, which is faster there, and the rest in C.
@@ -23,7 +23,7 @@ _C_COLLAPSE_MAX_TOKENS = 64
 class Collapsed(NamedTuple):
     """The streams collapsed into one sublayer input, and the weights that write its output back."""
 
-    x: torch.Tensor  # [T, D] the sublayer's input (the `pre`-weighted sum of the streams), in the streams' dtype
+    x: torch.Tensor  # [T, D] the sublayer's input (the `pre`-weighted sum of the streams, normalised when asked)
     post: torch.Tensor  # [T, hc] fp32: how much of the output each stream receives
     comb: torch.Tensor  # [T, hc, hc] fp32: the doubly stochastic mix of the residual streams
 
@@ -47,21 +47,27 @@ class HyperConnection(nn.Module):
         fn, scale, base = (p.detach().float().contiguous() for p in (self.fn, self.scale, self.base))
         self._frozen = (fn, scale, base)
 
-    def collapse(self, h: torch.Tensor) -> Collapsed:
-        """The sublayer input of the streams `h [T, hc, D]` and the weights to expand its output with."""
+    def collapse(self, h: torch.Tensor, norm: RMSNorm | None = None) -> Collapsed:
+        """The sublayer input of the streams `h [T, hc, D]` and the weights to expand its output with; with `norm`,
+        the input comes back through that RMSNorm (in the same C call for a few tokens)."""
         if self._frozen is not None and h.dtype == torch.float32 and not torch.is_grad_enabled():
             fn, scale, base = self._frozen
             if h.shape[0] <= _C_COLLAPSE_MAX_TOKENS:
-                fused = cpu_kernels.hc_collapse(h, fn, scale, base, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+                x_norm = None if norm is None else (norm.weight, norm.eps)
+                fused = cpu_kernels.hc_collapse(h, fn, scale, base, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
+                                                x_norm)
+                if fused is not None:
+                    return Collapsed(*fused)
             else:
                 mixes = F.linear(rms_norm(h.flatten(1), None, self.norm_eps), fn)  # [T, (2+hc)*hc]
                 fused = cpu_kernels.hc_collapse_mixed(h, mixes, scale, base, self.sinkhorn_iters, self.hc_eps)
-            if fused is not None:
-                return Collapsed(*fused)
+                if fused is not None:
+                    x, post, comb = fused
+                    return Collapsed(x if norm is None else norm(x), post, comb)
         flat = rms_norm(h.flatten(1).float(), None, self.norm_eps)
         pre, post, comb = self.split_sinkhorn(F.linear(flat, self.fn.float()))
         x = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
-        return Collapsed(x, post, comb)
+        return Collapsed(x if norm is None else norm(x), post, comb)
 
     def split_sinkhorn(self, mixes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """PyTorch reference of the mHC weights: `mixes [T, (2+hc)*hc]` -> pre, post, comb."""

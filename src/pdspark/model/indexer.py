@@ -83,8 +83,7 @@ class Indexer(nn.Module):
         csa = batch.csa
         assert csa is not None
         T = qr.shape[0]
-        q = rope_at.apply(linear(qr, self.wq_b).view(T, self.n_heads, self.dim)).float()  # [T, Hi, Di]
-        w = head_w.float() * self.n_heads**-0.5  # [T, Hi]
+        q, w = self._queries(head_w, qr, rope_at)  # [T, Hi, Di], [T, Hi]
         scale = self.dim**-0.5
         out = torch.full((T, csa.max_visible), float("-inf"), device=q.device)
         g = batch.gather_rows if batch.segments else None
@@ -104,6 +103,17 @@ class Indexer(nn.Module):
             out[sl, :V] = index_scores(q[sl], w[sl], keys, scale)
         return out
 
+    def _queries(self, head_w: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries `[T, Hi, Di]` and head weights `[T, Hi]`, fp32."""
+        q = rope_at.apply(linear(qr, self.wq_b).view(qr.shape[0], self.n_heads, self.dim)).float()
+        return q, head_w.float() * self.n_heads**-0.5
+
+    def _pick_in_c(self, head_w: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt, csa: CompressedIndex,
+                   index_kv: torch.Tensor) -> torch.Tensor | None:
+        """`select`'s mask for tokens that gather their own entries: the same scores and tie rule, in C."""
+        q, w = self._queries(head_w, qr, rope_at)
+        return cpu_kernels.index_pick(q, w.contiguous(), index_kv, csa.rows, csa.valid, self.dim**-0.5, self.topk)
+
     def select(
         self, head_w: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, index_kv: torch.Tensor, rope_at: RopeAt
     ) -> CompressedIndex:
@@ -113,6 +123,10 @@ class Indexer(nn.Module):
         assert csa is not None
         if csa.max_visible <= self.topk:
             return csa
+        if not batch.segments and not torch.is_grad_enabled():  # decode/verify tokens: one C call
+            picked = self._pick_in_c(head_w, qr, rope_at, csa, index_kv)
+            if picked is not None:
+                return CompressedIndex(csa.rows, picked, csa.max_visible)
         top = select_topk(self.scores(head_w, qr, rope_at, batch, index_kv), csa.valid, self.topk)
         picked = torch.zeros_like(csa.valid).scatter_(1, top.columns, top.valid)
         return CompressedIndex(csa.rows, picked, csa.max_visible)

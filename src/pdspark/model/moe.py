@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.model_config import ModelConfig
 from pdspark.quant.fused_linear import FusedLinear
 from pdspark.quant.quant_experts import QuantExperts
@@ -79,6 +80,11 @@ class MoE(nn.Module):
         self._fused_in = FusedLinear([self.gate, self.shared.w1, self.shared.w3])
         if self.experts is not None:
             return
+        # Float router, shared expert and experts: a decode token's whole MoE is one matmul and one C call.
+        (_, w_in), *rest = self._fused_in.groups
+        w2s = self.shared.w2
+        self._c_decode = (w_in.detach(), w2s.detach()) if not rest and isinstance(w_in, torch.Tensor) and isinstance(
+            w2s, torch.Tensor) else None
         # Per-expert views in Python lists: picking an expert is then a list lookup, not a tensor op.
         self._expert_w13 = list(self.w13.detach().unbind(0))
         self._expert_w2 = list(self.w2.detach().unbind(0))
@@ -103,6 +109,12 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         fused = getattr(self, "_fused_in", None) if not torch.is_grad_enabled() else None
+        c_decode = getattr(self, "_c_decode", None) if fused is not None else None
+        if c_decode is not None and x.shape[0] * self.top_k <= _PAIR_LOOP_MAX and (
+                x.shape[0] == 1 or not hasattr(self, "_dense_w13")):
+            out = self._decode_in_c(x, input_ids, *c_decode)
+            if out is not None:
+                return out
         if fused is not None:
             logits, gate, up = fused(x)
             shared = linear(swiglu(gate, up, self.limit), self.shared.w2)
@@ -120,6 +132,16 @@ class MoE(nn.Module):
         else:
             routed = self._routed_by_expert(x, ids, weights)
         return routed + shared
+
+    def _decode_in_c(self, x: torch.Tensor, input_ids: torch.Tensor, w_in: torch.Tensor,
+                     w2s: torch.Tensor) -> torch.Tensor | None:
+        """The pair loop's arithmetic (routing, routed experts in slot order, then the shared expert) as one C call
+        after the fused router + shared gate/up matmul; None where the C path does not apply."""
+        return cpu_kernels.moe_decode(
+            x, F.linear(x, w_in), input_ids, self.get_buffer("tid2eid") if self.is_hash else None,
+            None if self.is_hash else self.bias, self.w13, self.w2, w2s, self.top_k,
+            self.scoring_func == "sqrtsoftplus", self.scaling, self.limit,
+        )
 
     def _routed_by_pair(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Few (token, expert) pairs (decode): run each pair against its expert's weights in place."""

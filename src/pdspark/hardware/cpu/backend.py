@@ -8,7 +8,8 @@ from pdspark.hardware.backend import HardwareBackend
 from pdspark.hardware.cpu import kernels
 
 # The C loops `kernels.load()` provides (each falls back to the PyTorch path when the library cannot be built).
-CPU_KERNELS = frozenset({"hc_collapse", "hc_collapse_mixed", "hc_expand", "rms_norm", "rope_rotate", "index_scores"})
+CPU_KERNELS = frozenset({"hc_collapse", "hc_collapse_mixed", "hc_expand", "rms_norm", "rope_rotate", "index_scores",
+                         "index_pick", "sink_attend", "moe_decode", "compressor_run", "norm_rope", "attn_out"})
 
 
 class CpuBackend(HardwareBackend):

@@ -18,6 +18,45 @@ static float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* Four `dot`s of a[j] with the same b, each with the very same arithmetic as `dot` (the four chains of partial
+ * sums and their final additions interleave, which hides the adds' latency on short rows). */
+static void dot4(const float *a0, const float *a1, const float *a2, const float *a3, const float *b, int n,
+                 float *out) {
+    float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};
+    int k = 0;
+    for (; k + 16 <= n; k += 16)
+        for (int l = 0; l < 16; l++) {
+            c0[l] += a0[k + l] * b[k + l];
+            c1[l] += a1[k + l] * b[k + l];
+            c2[l] += a2[k + l] * b[k + l];
+            c3[l] += a3[k + l] * b[k + l];
+        }
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    for (int l = 0; l < 16; l++) {
+        s0 += c0[l];
+        s1 += c1[l];
+        s2 += c2[l];
+        s3 += c3[l];
+    }
+    for (; k < n; k++) {
+        s0 += a0[k] * b[k];
+        s1 += a1[k] * b[k];
+        s2 += a2[k] * b[k];
+        s3 += a3[k] * b[k];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+/* out [N] = w [N, K] @ x [K] (each row exactly a `dot`). */
+static void gemv(const float *w, const float *x, int N, int K, float *out) {
+    int n = 0;
+    for (; n + 4 <= N; n += 4) {
+        const float *r = w + (long)n * K;
+        dot4(r, r + K, r + 2L * K, r + 3L * K, x, K, out + n);
+    }
+    for (; n < N; n++) out[n] = dot(w + (long)n * K, x, K);
+}
+
 /* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL); input
  * rows start `stride` floats apart (a column slice of a wider matrix), output rows are packed. */
 void rms_norm(const float *x, long stride, const float *w, int N, int D, float eps, float *out) {
@@ -104,20 +143,22 @@ static void collapse_token(const float *ht, const float *mixes, const float *sca
 
 /* The whole collapse of the mHC streams for a few tokens: h [T, hc, D] ->
  *   flat = h[t] * rsqrt(mean(h[t]^2) + norm_eps) over the hc*D values; mixes = fn [M, hc*D] @ flat;
- *   (pre, post, comb) from the mixes; x [T, D] = sum_i pre[i] * h[t, i, :].
+ *   (pre, post, comb) from the mixes; x [T, D] = sum_i pre[i] * h[t, i, :], then RMS-normalised with the
+ *   sublayer's norm weight x_norm_w when given (NULL: x as collapsed).
  * scratch holds hc*D + M floats. */
 void hc_collapse(const float *h, const float *fn, const float *scale, const float *base, int T, int hc, int D,
                  int iters, float eps, float norm_eps, float *scratch, float *x, float *pre, float *post,
-                 float *comb) {
+                 float *comb, const float *x_norm_w, float x_norm_eps) {
     const int N = hc * D, M = (2 + hc) * hc;
     float *flat = scratch, *mixes = scratch + N;
     for (int t = 0; t < T; t++) {
         const float *ht = h + (long)t * N;
         const float r = 1.0f / sqrtf(dot(ht, ht, N) / (float)N + norm_eps);
         for (int k = 0; k < N; k++) flat[k] = ht[k] * r;
-        for (int m = 0; m < M; m++) mixes[m] = dot(fn + (long)m * N, flat, N);
+        gemv(fn, flat, M, N, mixes);
         collapse_token(ht, mixes, scale, base, hc, D, iters, eps, x + (long)t * D, pre + (long)t * hc,
                        post + (long)t * hc, comb + (long)t * hc * hc);
+        if (x_norm_w != 0) rms_norm(x + (long)t * D, D, x_norm_w, 1, D, x_norm_eps, x + (long)t * D);
     }
 }
 
@@ -163,18 +204,21 @@ static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
  * same entries. Vector lanes run over entries (32 at a time, four independent accumulators), not channels, with
  * each block of keys transposed channel-major once per block (once for all queries when they share the keys).
  * relu is `x > 0 ? x : +0`. out [T, V]. */
-void index_scores(const float *q, const float *w, const float *k, long kstride, int T, int H, int V, int D,
-                  float scale, float *out) {
+static void index_scores_from(const float *q, const float *w, const float *k, long kstride, const long *rows,
+                              long row_stride, int T, int H, int V, int D, float scale, float *out) {
     enum { NV = 4, NB = 8 * NV };
     v8f kt[D * NV]; /* [D, NB]: one block of keys, channel-major */
     const v8f zero = splat(0.0f), vscale = splat(scale);
     for (int g0 = 0; g0 < V; g0 += NB) {
         const int m = V - g0 < NB ? V - g0 : NB;
         for (int t = 0; t < T; t++) {
-            if (t == 0 || kstride != 0) {
+            if (t == 0 || kstride != 0 || rows != 0) {
                 const float *kb = k + (long)t * kstride + (long)g0 * D;
-                for (int l = 0; l < NB; l++)
-                    for (int d = 0; d < D; d++) kt[d * NV + l / 8][l % 8] = l < m ? kb[(long)l * D + d] : 0.0f;
+                for (int l = 0; l < NB; l++) {
+                    const float *kl = rows == 0 ? kb + (long)l * D
+                                                : k + rows[(long)t * V + g0 + (l < m ? l : 0)] * row_stride;
+                    for (int d = 0; d < D; d++) kt[d * NV + l / 8][l % 8] = l < m ? kl[d] : 0.0f;
+                }
             }
             v8f o[NV];
             for (int i = 0; i < NV; i++) o[i] = zero;
@@ -195,5 +239,417 @@ void index_scores(const float *q, const float *w, const float *k, long kstride, 
             float *ot = out + (long)t * V + g0;
             for (int l = 0; l < m; l++) ot[l] = o[l / 8][l % 8];
         }
+    }
+}
+
+void index_scores(const float *q, const float *w, const float *k, long kstride, int T, int H, int V, int D,
+                  float scale, float *out) {
+    index_scores_from(q, w, k, kstride, 0, 0, T, H, V, D, scale, out);
+}
+
+/* The k-th largest of n floats (quickselect over a scratch copy `a`, which it reorders). */
+static float kth_largest(float *a, int n, int k) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const float pivot = a[(lo + hi) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) { const float tmp = a[i]; a[i] = a[j]; a[j] = tmp; i++; j--; }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
+    return a[k - 1];
+}
+
+/* The lightning indexer's pick for a few decode/verify tokens, keys read in place from the pool (rows `row_stride`
+ * floats apart): the scores of `index_scores` (the same bits) against each token's rows [T, V], then the top `topk`
+ * among its valid entries by the tie rule (higher score first, equal scores: lower entry first).
+ * picked [T, V] (bytes) = valid and among the top. scratch holds 2 * V floats. */
+void index_pick(const float *q, const float *w, const float *k, long row_stride, const long *rows,
+                const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
+                unsigned char *picked) {
+    float *sc = scratch, *tmp = scratch + V;
+    for (int t = 0; t < T; t++) {
+        index_scores_from(q + (long)t * H * D, w + (long)t * H, k, 0, rows + (long)t * V, row_stride, 1, H, V, D,
+                          scale, sc);
+        const unsigned char *ok = valid + (long)t * V;
+        unsigned char *pk = picked + (long)t * V;
+        int n = 0;
+        for (int g = 0; g < V; g++)
+            if (ok[g]) tmp[n++] = sc[g];
+        if (n <= topk) {
+            for (int g = 0; g < V; g++) pk[g] = ok[g];
+            continue;
+        }
+        const float kth = kth_largest(tmp, n, topk);
+        int above = 0;
+        for (int g = 0; g < V; g++) above += ok[g] && sc[g] > kth;
+        int ties = topk - above; /* equal to the k-th score: the lowest entries first */
+        for (int g = 0; g < V; g++) {
+            pk[g] = ok[g] && (sc[g] > kth || (sc[g] == kth && ties-- > 0));
+        }
+    }
+}
+
+/* ---- decode-step kernels: a few tokens, many tiny ops in PyTorch ------------------------------------------------ */
+
+/* SwiGLU with DSV4's clamps, as `moe.swiglu`: silu(min(g, limit)) * clamp(u, -limit, limit). */
+static float swiglu1(float g, float u, float limit) {
+    g = g > limit ? limit : g;
+    u = u > limit ? limit : (u < -limit ? -limit : u);
+    return g / (1.0f + expf(-g)) * u;
+}
+
+/* The routed experts and the shared expert's down projection of a few tokens, after the one fused matmul that
+ * gives each token its router logits, shared gate and shared up: lgu [T, E + 2I] (rows `lstride` apart).
+ *   routing: score = sqrt(softplus(logit)) (sqrtsoftplus) or sigmoid(logit); experts = tid2eid[input_id] (hash
+ *            layers, tid2eid != NULL) or the top-k of score + bias (highest first, lower index on ties);
+ *            weight = score / (sum of the k scores + 1e-20) * scaling.
+ *   out[t] = sum_j weight_j * w2[e_j] @ swiglu(w13[e_j] @ x[t]) + w2s @ swiglu(shared gate, shared up),
+ * the routed terms summed in slot order, then the shared term added (as `MoE.forward`'s pair loop).
+ * x [T, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], w2s [D, I]; scratch 3I + 2D floats, ids k
+ * words, ws k floats. */
+void moe_decode(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
+                const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E, int I,
+                int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids, float *ws, float *out) {
+    float *h = scratch, *act = scratch + 2 * I, *acc = scratch + 3 * I, *y = scratch + 3 * I + D;
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (long)t * D, *lt = lgu + (long)t * lstride;
+        float *ot = out + (long)t * D;
+        /* routing */
+        if (tid2eid != 0) {
+            for (int j = 0; j < k; j++) ids[j] = tid2eid[input_ids[t] * k + j];
+        } else {
+            for (int j = 0; j < k; j++) {
+                int best = -1;
+                float bv = -INFINITY;
+                for (int e = 0; e < E; e++) {
+                    int taken = 0;
+                    for (int i = 0; i < j; i++) taken |= ids[i] == e;
+                    if (taken) continue;
+                    const float s = (sqrtsoftplus ? sqrtf(lt[e] > 20.0f ? lt[e] : log1pf(expf(lt[e])))
+                                                  : 1.0f / (1.0f + expf(-lt[e]))) + bias[e];
+                    if (best < 0 || s > bv) { best = e; bv = s; }
+                }
+                ids[j] = best;
+            }
+        }
+        float wsum = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const float l = lt[ids[j]];
+            ws[j] = sqrtsoftplus ? sqrtf(l > 20.0f ? l : log1pf(expf(l))) : 1.0f / (1.0f + expf(-l));
+            wsum += ws[j];
+        }
+        for (int j = 0; j < k; j++) ws[j] = ws[j] / (wsum + 1e-20f) * scaling;
+        /* routed experts, in slot order */
+        for (int j = 0; j < k; j++) {
+            const float *we = w13 + ids[j] * 2L * I * D, *w2e = w2 + ids[j] * (long)D * I;
+            gemv(we, xt, 2 * I, D, h);
+            for (int i = 0; i < I; i++) act[i] = swiglu1(h[i], h[I + i], limit);
+            gemv(w2e, act, D, I, y);
+            for (int d = 0; d < D; d++) acc[d] = j == 0 ? y[d] * ws[j] : acc[d] + y[d] * ws[j];
+        }
+        /* shared expert */
+        const float *sg = lt + E, *su = lt + E + I;
+        for (int i = 0; i < I; i++) act[i] = swiglu1(sg[i], su[i], limit);
+        gemv(w2s, act, D, I, y);
+        for (int d = 0; d < D; d++) ot[d] = acc[d] + y[d];
+    }
+}
+
+/* Sink attention of a few tokens straight from the pools (no gathered copies): token t's H query heads
+ * q [T, H, d] attend to the K=V rows swa[win_rows[t, :W]] (where win_valid) and comp[comp_rows[t, :V]] (where
+ * comp_valid; comp may be NULL with V = 0; pool rows `*_stride` floats apart), plus one sink logit per head that
+ * takes mass but adds no value:
+ *   s_k = (q . kv_k) * scale; p = softmax([s, sink[h]]); out[t, h] = sum_k p_k kv_k (keys in window-then-comp order).
+ * scratch holds H * (W + V) floats. out [T, H, d]. */
+void sink_attend(const float *q, const float *swa, long swa_stride, const long *win_rows,
+                 const unsigned char *win_valid, int W, const float *comp, long comp_stride, const long *comp_rows,
+                 const unsigned char *comp_valid, int V, const float *sink, float scale, int T, int H, int d,
+                 float *scratch, float *out) {
+    const int K = W + V;
+    for (int t = 0; t < T; t++) {
+        const float *qt = q + (long)t * H * d;
+        /* scores [H, K]: each key row read once for every head */
+        for (int j = 0; j < K; j++) {
+            const int win = j < W;
+            const long idx = (long)t * (win ? W : V) + (win ? j : j - W);
+            if (!(win ? win_valid[idx] : comp_valid[idx])) {
+                for (int h = 0; h < H; h++) scratch[(long)h * K + j] = -INFINITY;
+                continue;
+            }
+            const float *kv = win ? swa + win_rows[idx] * swa_stride : comp + comp_rows[idx] * comp_stride;
+            int h = 0;
+            float s4[4];
+            for (; h + 4 <= H; h += 4) {
+                dot4(qt + (long)h * d, qt + (long)(h + 1) * d, qt + (long)(h + 2) * d, qt + (long)(h + 3) * d, kv,
+                     d, s4);
+                for (int i = 0; i < 4; i++) scratch[(long)(h + i) * K + j] = s4[i] * scale;
+            }
+            for (; h < H; h++) scratch[(long)h * K + j] = dot(qt + (long)h * d, kv, d) * scale;
+        }
+        for (int h = 0; h < H; h++) {
+            float *sc = scratch + (long)h * K, *oh = out + ((long)t * H + h) * d;
+            float m = sink[h];
+            for (int j = 0; j < K; j++)
+                if (sc[j] > m) m = sc[j];
+            float z = expf(sink[h] - m);
+            for (int j = 0; j < K; j++) {
+                sc[j] = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - m);
+                z += sc[j];
+            }
+            for (int c = 0; c < d; c++) oh[c] = 0.0f;
+            for (int j = 0; j < K; j++) {
+                if (sc[j] == 0.0f) continue;
+                const int win = j < W;
+                const long idx = (long)t * (win ? W : V) + (win ? j : j - W);
+                const float *kv = win ? swa + win_rows[idx] * swa_stride : comp + comp_rows[idx] * comp_stride;
+                const float p = sc[j] / z;
+                for (int c = 0; c < d; c++) oh[c] += p * kv[c];
+            }
+        }
+    }
+}
+
+/* One compressor's step (`model.compressor.Compressor.run`) in one call. w = coff * dim (coff 2 with overlap).
+ *   rows [T, 2w] = proj (rows `pstride` apart) with ape[pos % ratio] added to the score half: [kv | score];
+ *   each closing group g pools its `span` source rows (use_cur: rows[cur_rows], else state[hist_rows]); with overlap
+ *   source row s < ratio reads channels [0, dim) and the others [dim, 2 dim); per channel a softmax of the scores
+ *   over the rows weights the kv values (summed in row order); the entry is RMS-normalised (times norm_w) and
+ *   rotated at gpos (tables [max_len, r]) into pool[out_rows[g]] (rows of `dim`);
+ *   then state[write_rows[n]] = rows[write_tokens[n]] (after the groups: writes may reuse rows they read).
+ * state and pool rows are `*_stride` floats apart. scratch holds 3 * dim floats. */
+void compressor_run(const float *proj, long pstride, const long *positions, int T, const float *ape, int ratio,
+                    int dim, int overlap, int G, const long *out_rows, const long *gpos, const unsigned char *use_cur,
+                    const long *cur_rows, const long *hist_rows, int N, const long *write_tokens,
+                    const long *write_rows, const float *norm_w, float eps, const float *cos_table,
+                    const float *sin_table, int r, float *rows, float *state, long state_stride, float *pool,
+                    long pool_stride, float *scratch) {
+    const int w = (overlap ? 2 : 1) * dim, span = (overlap ? 2 : 1) * ratio;
+    for (int t = 0; t < T; t++) {
+        const float *p = proj + (long)t * pstride, *a = ape + (positions[t] % ratio) * w;
+        float *o = rows + (long)t * 2 * w;
+        for (int c = 0; c < w; c++) o[c] = p[c];
+        for (int c = 0; c < w; c++) o[w + c] = p[w + c] + a[c];
+    }
+    float *mx = scratch, *z = scratch + dim, *pooled = scratch + 2 * dim;
+    for (int g = 0; g < G; g++) {
+        const long base = (long)g * span;
+        for (int pass = 0; pass < 3; pass++) {
+            for (int c = 0; c < dim; c++) {
+                if (pass == 0) mx[c] = -INFINITY;
+                if (pass == 1) z[c] = 0.0f;
+                if (pass == 2) pooled[c] = 0.0f;
+            }
+            for (int s = 0; s < span; s++) {
+                const float *src = use_cur[base + s] ? rows + cur_rows[base + s] * 2 * w
+                                                  : state + hist_rows[base + s] * state_stride;
+                const int off = overlap && s >= ratio ? dim : 0;
+                const float *kv = src + off, *sc = src + w + off;
+                for (int c = 0; c < dim; c++) {
+                    if (pass == 0) mx[c] = sc[c] > mx[c] ? sc[c] : mx[c];
+                    else if (pass == 1) z[c] += expf(sc[c] - mx[c]);
+                    else pooled[c] += kv[c] * (expf(sc[c] - mx[c]) / z[c]);
+                }
+            }
+        }
+        float *entry = pool + out_rows[g] * pool_stride;
+        rms_norm(pooled, dim, norm_w, 1, dim, eps, pooled);
+        rope_rotate(pooled, cos_table + gpos[g] * r, sin_table + gpos[g] * r, 1, 1, dim, r, 1.0f, entry);
+    }
+    for (int n = 0; n < N; n++) {
+        const float *src = rows + write_tokens[n] * 2 * w;
+        float *dst = state + write_rows[n] * state_stride;
+        for (int c = 0; c < 2 * w; c++) dst[c] = src[c];
+    }
+}
+
+/* RMS normalisation (times w when not NULL) then rotation of the trailing r channels, for N rows of D channels:
+ * row n = token n / H (its rope tables cos/sin [r] at cos + (n / H) * r), read `x_stride` floats apart; written
+ * packed into out (out_rows NULL) or to out + out_rows[n] * out_stride (a pool's rows). scratch holds D floats. */
+void norm_rope(const float *x, long x_stride, const float *w, int N, int H, int D, float eps, const float *cos,
+               const float *sin, int r, float *out, const long *out_rows, long out_stride, float *scratch) {
+    for (int n = 0; n < N; n++) {
+        rms_norm(x + (long)n * x_stride, D, w, 1, D, eps, scratch);
+        float *o = out_rows == 0 ? out + (long)n * D : out + out_rows[n] * out_stride;
+        rope_rotate(scratch, cos + (long)(n / H) * r, sin + (long)(n / H) * r, 1, 1, D, r, 1.0f, o);
+    }
+}
+
+/* The attention output projection of a few tokens: o [T, H, d] rotated back by -position (tables [T, r]), the
+ * grouped low-rank projection (head group g's H*d/G channels through wo_a rows [g*L, (g+1)*L)) and wo_b [Dm, G*L]:
+ *   out [T, Dm] = wo_b @ concat_g(wo_a_g @ unrotate(o)_g). scratch holds H*d + G*L floats. */
+void attn_out(const float *o, const float *cos, const float *sin, int T, int H, int d, int r, const float *wo_a,
+              int G, int L, const float *wo_b, int Dm, float *scratch, float *out) {
+    const int C = H * d / G;
+    float *un = scratch, *mid = scratch + H * d;
+    for (int t = 0; t < T; t++) {
+        rope_rotate(o + (long)t * H * d, cos + (long)t * r, sin + (long)t * r, 1, H, d, r, -1.0f, un);
+        for (int g = 0; g < G; g++) gemv(wo_a + (long)g * L * C, un + (long)g * C, L, C, mid + g * L);
+        gemv(wo_b, mid, Dm, G * L, out + (long)t * Dm);
+    }
+}
+
+/* ---- one whole decoder layer of a decode step ---------------------------------------------------------------- */
+
+
+
+/* Slots of the arrays `decode_layer` reads. Keep in step with `pdspark.hardware.cpu.kernels.DECODE_*`. */
+enum { /* the layer's weights (pointers, fixed once the weights are final) */
+    W_ATTN_FN, W_ATTN_SCALE, W_ATTN_BASE, W_ATTN_NORM, W_FFN_FN, W_FFN_SCALE, W_FFN_BASE, W_FFN_NORM,
+    W_X, W_Q_NORM, W_Q_B, W_KV_NORM, W_SINK, W_O_A, W_O_B, W_C_APE, W_C_NORM, W_I_Q_B, W_I_APE, W_I_NORM,
+    W_MOE_IN, W_13, W_2, W_2S, W_BIAS, W_TID2EID, W_COUNT
+};
+enum { /* the layer's sizes */
+    I_KIND, I_HC, I_ITERS, I_D, I_QL, I_H, I_HD, I_G, I_L, I_C_RATIO, I_C_DIM, I_I_HEADS, I_I_DIM, I_I_TOPK,
+    I_E, I_INTER, I_K, I_SQRTSP, I_COUNT
+};
+enum { /* the layer's scalars */
+    F_HC_EPS, F_HC_NORM_EPS, F_ATTN_NORM_EPS, F_FFN_NORM_EPS, F_Q_EPS, F_HEAD_EPS, F_KV_EPS, F_SCALE, F_C_EPS,
+    F_I_EPS, F_I_WSCALE, F_I_SCALE, F_SCALING, F_LIMIT, F_COUNT
+};
+enum { /* the step's indices (pointers, shared by every layer) */
+    S_POS, S_IDS, S_SLOTS, S_WIN_ROWS, S_WIN_VALID, S_CSA_ROWS, S_CSA_VALID, S_HCA_ROWS, S_HCA_VALID,
+    S_COS_MAIN, S_SIN_MAIN, S_COS_COMP, S_SIN_COMP, S_TAB_COS, S_TAB_SIN,
+    S_CP_OUT, S_CP_POS, S_CP_USE, S_CP_CUR, S_CP_HIST, S_CP_WTOK, S_CP_WROW,
+    S_HP_OUT, S_HP_POS, S_HP_USE, S_HP_CUR, S_HP_HIST, S_HP_WTOK, S_HP_WROW, S_COUNT
+};
+enum { SI_T, SI_W, SI_R, SI_V_CSA, SI_V_HCA, SI_G_CSA, SI_N_CSA, SI_G_HCA, SI_N_HCA, SI_COUNT };
+enum { /* the layer's pools: pointer, row stride (floats) */
+    P_SWA, P_SWA_STRIDE, P_COMP, P_COMP_STRIDE, P_STATE, P_STATE_STRIDE, P_IDX, P_IDX_STRIDE, P_IDX_STATE,
+    P_IDX_STATE_STRIDE, P_COUNT
+};
+enum { KIND_SLIDING, KIND_CSA, KIND_HCA };
+
+#define PTR(a, i) ((const float *)(a)[i])
+#define LPTR(a, i) ((const long *)(a)[i])
+#define BPTR(a, i) ((const unsigned char *)(a)[i])
+
+/* A bump allocator over the caller's scratch (floats). */
+static float *take(float **at, long n) {
+    float *p = *at;
+    *at += (n + 15) & ~15L;
+    return p;
+}
+
+/* `DecoderLayer.forward` for a few decode tokens that gather their own windows (no dense segments): the mHC
+ * collapse (with the sublayer norm), the fused x projection, the queries, the raw latent written to its SWA rows,
+ * the compressors and the CSA indexer's pick, the sink attention read from the pools, the output projection, the
+ * expand; then the FFN collapse, the MoE and the expand. The same steps, in the same order, as the separate calls
+ * (BLAS matmuls become `dot` GEMVs). h and h_out [T, hc, D]. scratch: see `kernels.decode_scratch_floats`. */
+void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp, const int *si, const long *pp,
+                  const float *h, float *h_out, float *scratch, long *ids_buf) {
+    const int T = si[SI_T], W = si[SI_W], r = si[SI_R];
+    const int kind = wi[I_KIND], hc = wi[I_HC], D = wi[I_D], QL = wi[I_QL], H = wi[I_H], HD = wi[I_HD];
+    const int cdim = wi[I_C_DIM], cw = kind == KIND_CSA ? 2 * cdim : cdim; /* compressor width (coff * dim) */
+    const int Hi = wi[I_I_HEADS], Di = wi[I_I_DIM], iw = 2 * Di;
+    const int E = wi[I_E], I = wi[I_INTER], K = wi[I_K];
+    const int NX = QL + HD + (kind != KIND_SLIDING ? 2 * cw : 0) + (kind == KIND_CSA ? 2 * iw + Hi : 0);
+    const int M = (2 + hc) * hc;
+    const float *cos = kind == KIND_SLIDING ? PTR(sp, S_COS_MAIN) : PTR(sp, S_COS_COMP);
+    const float *sin = kind == KIND_SLIDING ? PTR(sp, S_SIN_MAIN) : PTR(sp, S_SIN_COMP);
+    float *at = scratch;
+    float *x = take(&at, (long)T * D), *pre = take(&at, (long)T * hc), *post = take(&at, (long)T * hc);
+    float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)hc * D + M);
+    float *xp = take(&at, (long)T * NX), *qr = take(&at, (long)T * QL), *qh = take(&at, (long)T * H * HD);
+    float *q = take(&at, (long)T * H * HD), *o = take(&at, (long)T * H * HD), *y = take(&at, (long)T * D);
+    float *hm = take(&at, (long)T * hc * D), *small = take(&at, 4L * (HD > 3 * Di ? HD : 3 * Di) + 64);
+
+    /* attention sublayer */
+    hc_collapse(h, PTR(wp, W_ATTN_FN), PTR(wp, W_ATTN_SCALE), PTR(wp, W_ATTN_BASE), T, hc, D, wi[I_ITERS],
+                wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_ATTN_NORM), wf[F_ATTN_NORM_EPS]);
+    for (int t = 0; t < T; t++) gemv(PTR(wp, W_X), x + (long)t * D, NX, D, xp + (long)t * NX);
+    rms_norm(xp, NX, PTR(wp, W_Q_NORM), T, QL, wf[F_Q_EPS], qr);
+    for (int t = 0; t < T; t++) gemv(PTR(wp, W_Q_B), qr + (long)t * QL, H * HD, QL, qh + (long)t * H * HD);
+    norm_rope(qh, HD, 0, T * H, H, HD, wf[F_HEAD_EPS], cos, sin, r, q, 0, 0, small);
+    norm_rope(xp + QL, NX, PTR(wp, W_KV_NORM), T, 1, HD, wf[F_KV_EPS], cos, sin, r, (float *)pp[P_SWA],
+              LPTR(sp, S_SLOTS), pp[P_SWA_STRIDE], small);
+    const float *comp = 0;
+    const long *comp_rows = 0;
+    const unsigned char *comp_valid = 0;
+    int V = 0;
+    if (kind != KIND_SLIDING) {
+        const int csa = kind == KIND_CSA;
+        const int p0 = csa ? S_CP_OUT : S_HP_OUT;
+        float *rows = take(&at, (long)T * 2 * (cw > iw ? cw : iw));
+        compressor_run(xp + QL + HD, NX, LPTR(sp, S_POS), T, PTR(wp, W_C_APE), wi[I_C_RATIO], cdim, csa,
+                       si[csa ? SI_G_CSA : SI_G_HCA], LPTR(sp, p0), LPTR(sp, p0 + 1), BPTR(sp, p0 + 2),
+                       LPTR(sp, p0 + 3), LPTR(sp, p0 + 4), si[csa ? SI_N_CSA : SI_N_HCA], LPTR(sp, p0 + 5),
+                       LPTR(sp, p0 + 6), PTR(wp, W_C_NORM), wf[F_C_EPS], PTR(sp, S_TAB_COS), PTR(sp, S_TAB_SIN), r,
+                       rows, (float *)pp[P_STATE], pp[P_STATE_STRIDE], (float *)pp[P_COMP], pp[P_COMP_STRIDE], small);
+        comp = (const float *)pp[P_COMP];
+        if (csa) {
+            compressor_run(xp + QL + HD + 2 * cw, NX, LPTR(sp, S_POS), T, PTR(wp, W_I_APE), wi[I_C_RATIO], Di, 1,
+                           si[SI_G_CSA], LPTR(sp, S_CP_OUT), LPTR(sp, S_CP_POS), BPTR(sp, S_CP_USE),
+                           LPTR(sp, S_CP_CUR), LPTR(sp, S_CP_HIST), si[SI_N_CSA], LPTR(sp, S_CP_WTOK),
+                           LPTR(sp, S_CP_WROW), PTR(wp, W_I_NORM), wf[F_I_EPS], PTR(sp, S_TAB_COS),
+                           PTR(sp, S_TAB_SIN), r, rows, (float *)pp[P_IDX_STATE], pp[P_IDX_STATE_STRIDE],
+                           (float *)pp[P_IDX], pp[P_IDX_STRIDE], small);
+            V = si[SI_V_CSA];
+            comp_rows = LPTR(sp, S_CSA_ROWS);
+            comp_valid = BPTR(sp, S_CSA_VALID);
+            if (V > wi[I_I_TOPK]) { /* the indexer picks; otherwise every visible entry */
+                float *iq = take(&at, (long)T * Hi * Di), *iqr = take(&at, (long)T * Hi * Di);
+                float *iwt = take(&at, (long)T * Hi), *isc = take(&at, 2L * V);
+                unsigned char *picked = (unsigned char *)take(&at, ((long)T * V + 3) / 4);
+                for (int t = 0; t < T; t++) {
+                    gemv(PTR(wp, W_I_Q_B), qr + (long)t * QL, Hi * Di, QL, iq + (long)t * Hi * Di);
+                    const float *hw = xp + (long)t * NX + QL + HD + 2 * cw + 2 * iw;
+                    for (int j = 0; j < Hi; j++) iwt[t * Hi + j] = hw[j] * wf[F_I_WSCALE];
+                }
+                rope_rotate(iq, cos, sin, T, Hi, Di, r, 1.0f, iqr);
+                index_pick(iqr, iwt, (const float *)pp[P_IDX], pp[P_IDX_STRIDE], comp_rows, comp_valid, T, Hi, V,
+                           Di, wf[F_I_SCALE], wi[I_I_TOPK], isc, picked);
+                comp_valid = picked;
+            }
+        } else {
+            V = si[SI_V_HCA];
+            comp_rows = LPTR(sp, S_HCA_ROWS);
+            comp_valid = BPTR(sp, S_HCA_VALID);
+        }
+        if (V == 0) comp = 0;
+    }
+    float *ascr = take(&at, (long)H * (W + V) + 16);
+    sink_attend(q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS), BPTR(sp, S_WIN_VALID), W, comp,
+                pp[P_COMP_STRIDE], comp_rows, comp_valid, V, PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o);
+    float *oscr = take(&at, (long)H * HD + wi[I_G] * wi[I_L]);
+    attn_out(o, cos, sin, T, H, HD, r, PTR(wp, W_O_A), wi[I_G], wi[I_L], PTR(wp, W_O_B), D, oscr, y);
+    hc_expand(y, h, post, comb, T, hc, D, hm);
+
+    /* FFN sublayer */
+    hc_collapse(hm, PTR(wp, W_FFN_FN), PTR(wp, W_FFN_SCALE), PTR(wp, W_FFN_BASE), T, hc, D, wi[I_ITERS],
+                wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_FFN_NORM), wf[F_FFN_NORM_EPS]);
+    float *lgu = take(&at, (long)T * (E + 2 * I)), *mscr = take(&at, 3L * I + 2L * D + K);
+    for (int t = 0; t < T; t++) gemv(PTR(wp, W_MOE_IN), x + (long)t * D, E + 2 * I, D, lgu + (long)t * (E + 2 * I));
+    moe_decode(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
+               PTR(wp, W_2), PTR(wp, W_2S), T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], mscr, ids_buf,
+               mscr + 3 * I + 2 * D, y);
+    hc_expand(y, hm, post, comb, T, hc, D, h_out);
+}
+
+/* The model's head for a few rows: the final mHC collapse (`HyperHead`: no Sinkhorn), the final RMSNorm and the
+ * LM head. Per row of streams h [N, hc, D]: flat = h * rsqrt(mean(h^2) + norm_eps); pre_i = sigmoid(fn_i . flat *
+ * scale + base_i) + hc_eps; y = sum_i pre_i h_i (in stream order); y = rms_norm(y) * norm_w; out [N, V] = head @ y.
+ * scratch holds hc*D + D floats. */
+void lm_head(const float *h, int N, int hc, int D, const float *fn, const float *scale, const float *base,
+             float hc_eps, float norm_eps, const float *norm_w, float eps, const float *head, int V, float *scratch,
+             float *out) {
+    const int HD = hc * D;
+    float *flat = scratch, *y = scratch + HD;
+    for (int n = 0; n < N; n++) {
+        const float *hn = h + (long)n * HD;
+        const float r = 1.0f / sqrtf(dot(hn, hn, HD) / (float)HD + norm_eps);
+        for (int k = 0; k < HD; k++) flat[k] = hn[k] * r;
+        for (int d = 0; d < D; d++) y[d] = 0.0f;
+        for (int i = 0; i < hc; i++) {
+            const float pre = sigmoidf(dot(fn + (long)i * HD, flat, HD) * scale[0] + base[i]) + hc_eps;
+            for (int d = 0; d < D; d++) y[d] = i == 0 ? pre * hn[d] : y[d] + pre * hn[i * D + d];
+        }
+        rms_norm(y, D, norm_w, 1, D, eps, y);
+        gemv(head, y, V, D, out + (long)n * V);
     }
 }

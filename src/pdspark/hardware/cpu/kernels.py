@@ -17,11 +17,31 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("kernels.c")
+
+
+class CompressPlanLike(Protocol):
+    """The index tensors of `model.batch.CompressPlan` (the model layer sits above this one)."""
+
+    @property
+    def out_rows(self) -> torch.Tensor: ...
+    @property
+    def positions(self) -> torch.Tensor: ...
+    @property
+    def use_cur(self) -> torch.Tensor: ...
+    @property
+    def cur_rows(self) -> torch.Tensor: ...
+    @property
+    def hist_rows(self) -> torch.Tensor: ...
+    @property
+    def write_tokens(self) -> torch.Tensor: ...
+    @property
+    def write_rows(self) -> torch.Tensor: ...
 
 
 def _cache_dir() -> Path:
@@ -69,7 +89,7 @@ def load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(lib_path))
     f = ctypes.c_void_p
     i, fl = ctypes.c_int, ctypes.c_float
-    lib.hc_collapse.argtypes = [f, f, f, f, i, i, i, i, fl, fl, f, f, f, f, f]
+    lib.hc_collapse.argtypes = [f, f, f, f, i, i, i, i, fl, fl, f, f, f, f, f, f, fl]
     lib.hc_collapse.restype = None
     lib.hc_collapse_mixed.argtypes = [f, f, f, f, i, i, i, i, fl, f, f, f, f]
     lib.hc_collapse_mixed.restype = None
@@ -81,6 +101,23 @@ def load() -> ctypes.CDLL | None:
     lib.rope_rotate.restype = None
     lib.index_scores.argtypes = [f, f, f, ctypes.c_long, i, i, i, i, fl, f]
     lib.index_scores.restype = None
+    lib.moe_decode.argtypes = [f, f, ctypes.c_long, f, f, f, f, f, f, i, i, i, i, i, i, fl, fl, f, f, f, f]
+    lib.moe_decode.restype = None
+    lib.sink_attend.argtypes = [f, f, ctypes.c_long, f, f, i, f, ctypes.c_long, f, f, i, f, fl, i, i, i, f, f]
+    lib.sink_attend.restype = None
+    lib.compressor_run.argtypes = [f, ctypes.c_long, f, i, f, i, i, i, i, f, f, f, f, f, i, f, f, f, fl, f, f, i,
+                                   f, f, ctypes.c_long, f, ctypes.c_long, f]
+    lib.compressor_run.restype = None
+    lib.index_pick.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, f]
+    lib.index_pick.restype = None
+    lib.norm_rope.argtypes = [f, ctypes.c_long, f, i, i, i, fl, f, f, i, f, f, ctypes.c_long, f]
+    lib.norm_rope.restype = None
+    lib.attn_out.argtypes = [f, f, f, i, i, i, i, f, i, i, f, i, f, f]
+    lib.attn_out.restype = None
+    lib.decode_layer.argtypes = [f, f, f, f, f, f, f, f, f, f]
+    lib.decode_layer.restype = None
+    lib.lm_head.argtypes = [f, i, i, i, f, f, f, fl, fl, f, fl, f, i, f, f]
+    lib.lm_head.restype = None
     return lib
 
 
@@ -95,15 +132,21 @@ def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     return lib
 
 
+def _row_major(t: torch.Tensor) -> bool:
+    """A 2-D fp32 CPU matrix whose rows are contiguous (a per-layer view of a page-major pool, a column slice)."""
+    return t.is_cpu and t.dtype is torch.float32 and t.dim() == 2 and t.stride(1) == 1
+
+
 def hc_collapse(
     h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
-    norm_eps: float,
+    norm_eps: float, x_norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The whole mHC collapse in one call: `h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])`.
+    """The whole mHC collapse in one call: `h [T, hc, D]` -> `(x [T, D], post [T, hc], comb [T, hc, hc])`; with
+    `x_norm = (weight [D], eps)` x comes back RMS-normalised (the sublayer's input norm, in the same call).
 
     `fn [M, hc*D]`, `scale [3]`, `base [M]` must already be contiguous fp32 (see `HyperConnection.freeze`);
     None when the C path does not apply."""
-    lib = _usable(h, fn, scale, base)
+    lib = _usable(h, fn, scale, base) if x_norm is None else _usable(h, fn, scale, base, x_norm[0])
     if lib is None:
         return None
     T, hc, D = h.shape
@@ -114,6 +157,7 @@ def hc_collapse(
     lib.hc_collapse(
         h.data_ptr(), fn.data_ptr(), scale.data_ptr(), base.data_ptr(), T, hc, D, iters, eps, norm_eps,
         scratch.data_ptr(), x.data_ptr(), pre.data_ptr(), post.data_ptr(), comb.data_ptr(),
+        None if x_norm is None else x_norm[0].data_ptr(), 0.0 if x_norm is None else x_norm[1],
     )
     return x.view(T, D), post.view(T, hc), comb.view(T, hc, hc)
 
@@ -191,4 +235,201 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
     if T and V:
         kstride = V * D if keys.dim() == 3 else 0
         lib.index_scores(q.data_ptr(), w.data_ptr(), keys.data_ptr(), kstride, T, H, V, D, scale, out.data_ptr())
+    return out
+
+
+def moe_decode(
+    x: torch.Tensor, lgu: torch.Tensor, input_ids: torch.Tensor, tid2eid: torch.Tensor | None,
+    bias: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, w2s: torch.Tensor, top_k: int,
+    sqrtsoftplus: bool, scaling: float, limit: float,
+) -> torch.Tensor | None:
+    """A few tokens' whole MoE after the fused router + shared gate/up matmul `lgu [T, E + 2I]` (a row-contiguous
+    matrix, possibly a column slice): routing, the routed experts `w13 [E, 2I, D]`, `w2 [E, D, I]` and the shared
+    expert's down projection `w2s [D, I]`, in one call -> `[T, D]`. None when the C path does not apply."""
+    if not _row_major(lgu):
+        return None
+    lib = _usable(x, w13, w2, w2s) if bias is None else _usable(x, w13, w2, w2s, bias)
+    if lib is None or input_ids.dtype is not torch.int64 or not input_ids.is_contiguous():
+        return None
+    T, D = x.shape
+    E, I2, _ = w13.shape
+    I = I2 // 2
+    ids = torch.empty(top_k, dtype=torch.int64)  # the current token's experts
+    out = torch.empty(T, D)
+    scratch = torch.empty(3 * I + 2 * D + top_k)  # gate|up, act, acc, y, then the token's routing weights
+    lib.moe_decode(
+        x.data_ptr(), lgu.data_ptr(), lgu.stride(0), input_ids.data_ptr(),
+        None if tid2eid is None else tid2eid.data_ptr(), None if bias is None else bias.data_ptr(),
+        w13.data_ptr(), w2.data_ptr(), w2s.data_ptr(), T, D, E, I, top_k, int(sqrtsoftplus), scaling, limit,
+        scratch.data_ptr(), ids.data_ptr(), scratch[3 * I + 2 * D :].data_ptr(), out.data_ptr(),
+    )
+    return out
+
+
+def sink_attend(
+    q: torch.Tensor, swa: torch.Tensor, win_rows: torch.Tensor, win_valid: torch.Tensor, comp: torch.Tensor | None,
+    comp_rows: torch.Tensor | None, comp_valid: torch.Tensor | None, sink: torch.Tensor, scale: float,
+) -> torch.Tensor | None:
+    """`model.attention.sink_attention` of `q [T, H, d]` over each token's window rows of the pool `swa`
+    (`win_rows/win_valid [T, W]`) and its compressed rows of `comp` (`comp_rows/comp_valid [T, V]`, or None), read
+    in place (pools may be per-layer views with a row stride) -> `[T, H, d]`. None when the C path does not apply."""
+    lib = _usable(q, sink)
+    if lib is None or not _row_major(swa) or (comp is not None and not _row_major(comp)):
+        return None
+    T, H, d = q.shape
+    W = win_rows.shape[1]
+    V = 0 if comp_rows is None else comp_rows.shape[1]
+    for idx in (win_rows, win_valid, comp_rows, comp_valid):
+        if idx is not None and not (idx.is_cpu and idx.is_contiguous()):
+            return None
+    out = torch.empty(T, H, d)
+    scratch = torch.empty(H * (W + V))
+    lib.sink_attend(
+        q.data_ptr(), swa.data_ptr(), swa.stride(0), win_rows.data_ptr(), win_valid.data_ptr(), W,
+        None if comp is None else comp.data_ptr(), 0 if comp is None else comp.stride(0),
+        None if comp_rows is None else comp_rows.data_ptr(), None if comp_valid is None else comp_valid.data_ptr(),
+        V, sink.data_ptr(), scale, T, H, d, scratch.data_ptr(), out.data_ptr(),
+    )
+    return out
+
+
+def compressor_run(
+    projected: torch.Tensor, positions: torch.Tensor, ape: torch.Tensor, ratio: int, dim: int, overlap: bool,
+    plan: CompressPlanLike, norm_w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    state: torch.Tensor, pool: torch.Tensor,
+) -> bool:
+    """`model.compressor.Compressor.run` in one call: state rows of `projected [T, 2w]` (a row-contiguous matrix,
+    possibly a column slice), the closing groups of `plan` pooled, normalised and rotated (tables `cos/sin
+    [max_len, r]`) into `pool`, and the rows to keep written to `state`. False when the C path does not apply."""
+    if not (_row_major(projected) and _row_major(state) and _row_major(pool)):
+        return False
+    lib = _usable(ape, norm_w, cos, sin)
+    if lib is None or not (positions.dtype is torch.int64 and positions.is_contiguous()):
+        return False
+    for idx in (plan.out_rows, plan.positions, plan.use_cur, plan.cur_rows, plan.hist_rows, plan.write_tokens,
+                plan.write_rows):
+        if not (idx.is_cpu and idx.is_contiguous()):
+            return False
+    T = projected.shape[0]
+    w = ape.shape[1]
+    rows = torch.empty(T * 2 * w + 3 * dim)  # [T, 2w] state rows, then the kernel's scratch
+    G, N = plan.out_rows.shape[0], plan.write_tokens.shape[0]
+    lib.compressor_run(
+        projected.data_ptr(), projected.stride(0), positions.data_ptr(), T, ape.data_ptr(), ratio, dim, int(overlap),
+        G, plan.out_rows.data_ptr(), plan.positions.data_ptr(), plan.use_cur.data_ptr(), plan.cur_rows.data_ptr(),
+        plan.hist_rows.data_ptr(), N, plan.write_tokens.data_ptr(), plan.write_rows.data_ptr(), norm_w.data_ptr(),
+        eps, cos.data_ptr(), sin.data_ptr(), cos.shape[1], rows.data_ptr(), state.data_ptr(), state.stride(0),
+        pool.data_ptr(), pool.stride(0), rows[T * 2 * w :].data_ptr(),
+    )
+    return True
+
+
+def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
+               scale: float, topk: int) -> torch.Tensor | None:
+    """The indexer's pick for decode/verify tokens in one call: `index_scores` of `q [T, H, D]`, `w [T, H]` against
+    the pool rows `keys[rows]` (`rows/valid [T, V]`, read in place), then the top `topk` valid entries of each token
+    under the tie rule (`model.indexer.select_topk`) -> the mask `[T, V]` bool. None when the C path does not
+    apply."""
+    lib = _usable(q, w)
+    if lib is None or not _row_major(keys) or not (rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
+        return None
+    T, H, D = q.shape
+    V = rows.shape[1]
+    picked = torch.empty(T, V, dtype=torch.bool)
+    scratch = torch.empty(2 * V)
+    lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(), valid.data_ptr(),
+                   T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
+    return picked
+
+
+def norm_rope(x: torch.Tensor, heads: int, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor, out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None
+              ) -> torch.Tensor | None:
+    """RMS-normalise (times `weight` when given) and rotate rows of `d` channels in one call: `x [T, heads * d]`
+    (row-contiguous, possibly a column slice) with rope tables `cos/sin [T, 1, r]` -> `[T, heads, d]` packed, or,
+    with `out` (a pool `[rows, d]`) and `out_rows [T]` (heads 1), written to those pool rows (returns `out`).
+    None when the C path does not apply."""
+    if not _row_major(x) or (heads > 1 and not x.is_contiguous()):
+        return None
+    if out is not None and not (_row_major(out) and out_rows is not None and out_rows.is_contiguous()
+                                and out_rows.is_cpu):
+        return None
+    lib = _usable(cos, sin) if weight is None else _usable(cos, sin, weight)
+    if lib is None:
+        return None
+    T = x.shape[0]
+    d = x.shape[1] // heads
+    dst = torch.empty(T, heads, d) if out is None else out
+    scratch = torch.empty(d)
+    lib.norm_rope(x.data_ptr(), d if heads > 1 else x.stride(0), None if weight is None else weight.data_ptr(),
+                  T * heads, heads, d, eps, cos.data_ptr(), sin.data_ptr(), cos.shape[-1], dst.data_ptr(),
+                  None if out_rows is None else out_rows.data_ptr(), dst.stride(0) if out is not None else d,
+                  scratch.data_ptr())
+    return dst
+
+
+def attn_out(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int,
+             wo_b: torch.Tensor) -> torch.Tensor | None:
+    """`model.attention.Attention.project_out` in one call: `o [T, H, d]` rotated back by the tables
+    `cos/sin [T, 1, r]`, the grouped `wo_a [G * L, H * d / G]` and `wo_b [Dm, G * L]` -> `[T, Dm]`. None when the
+    C path does not apply."""
+    lib = _usable(o, cos, sin, wo_a, wo_b)
+    if lib is None:
+        return None
+    T, H, d = o.shape
+    L, Dm = wo_a.shape[0] // groups, wo_b.shape[0]
+    out = torch.empty(T, Dm)
+    scratch = torch.empty(H * d + groups * L)
+    lib.attn_out(o.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, H, d, cos.shape[-1], wo_a.data_ptr(), groups, L,
+                 wo_b.data_ptr(), Dm, scratch.data_ptr(), out.data_ptr())
+    return out
+
+
+# The slots of `decode_layer`'s arrays, in the order of the enums in kernels.c.
+DECODE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base", "ffn_norm",
+                  "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "c_ape", "c_norm", "i_wq_b", "i_ape",
+                  "i_norm", "moe_in", "w13", "w2", "w2s", "bias", "tid2eid")
+DECODE_SIZES = ("kind", "hc", "iters", "hidden", "q_lora", "heads", "head_dim", "o_groups", "o_lora", "c_ratio",
+                "c_dim", "i_heads", "i_dim", "i_topk", "experts", "inter", "top_k", "sqrtsoftplus")
+DECODE_SCALARS = ("hc_eps", "hc_norm_eps", "attn_norm_eps", "ffn_norm_eps", "q_eps", "head_eps", "kv_eps", "scale",
+                  "c_eps", "i_eps", "i_wscale", "i_scale", "scaling", "limit")
+DECODE_STEP = ("positions", "input_ids", "swa_slots", "win_rows", "win_valid", "csa_rows", "csa_valid", "hca_rows",
+               "hca_valid", "cos_main", "sin_main", "cos_comp", "sin_comp", "table_cos", "table_sin",
+               *(f"csa_{n}" for n in ("out", "pos", "use", "cur", "hist", "wtok", "wrow")),
+               *(f"hca_{n}" for n in ("out", "pos", "use", "cur", "hist", "wtok", "wrow")))
+DECODE_STEP_SIZES = ("tokens", "window", "rope_dim", "csa_visible", "hca_visible", "csa_groups", "csa_writes",
+                     "hca_groups", "hca_writes")
+DECODE_POOLS = ("swa", "swa_stride", "comp", "comp_stride", "state", "state_stride", "index", "index_stride",
+                "index_state", "index_state_stride")
+# Layer kinds (`kind` above).
+DECODE_SLIDING, DECODE_CSA, DECODE_HCA = 0, 1, 2
+
+
+def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tensor, step: torch.Tensor,
+                 step_sizes: torch.Tensor, pools: torch.Tensor, h: torch.Tensor, scratch: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor:
+    """One decoder layer of a decode step in one call: `h [T, hc, D]` -> `[T, hc, D]`. The arrays hold pointers
+    (int64) and sizes (int32) and scalars (fp32) in the slots named by `DECODE_*`; the caller checked that every
+    tensor behind them is what the C loops read (see `model.decode_step`)."""
+    lib = load()
+    assert lib is not None
+    out = torch.empty_like(h)
+    lib.decode_layer(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
+                     pools.data_ptr(), h.data_ptr(), out.data_ptr(), scratch.data_ptr(), ids.data_ptr())
+    return out
+
+
+def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+            norm_eps: float, norm_w: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor | None:
+    """`DSV4Model.logits` of a few rows of streams `h [N, hc, D]` in one call (the final mHC collapse, the final
+    norm, the LM head `head [V, D]` as GEMVs) -> fp32 `[N, V]`. None when the C path does not apply."""
+    lib = _usable(h, fn, scale, base, norm_w, head)
+    if lib is None:
+        return None
+    N, hc, D = h.shape
+    V = head.shape[0]
+    out = torch.empty(N, V)
+    scratch = torch.empty(hc * D + D)
+    lib.lm_head(h.data_ptr(), N, hc, D, fn.data_ptr(), scale.data_ptr(), base.data_ptr(), hc_eps, norm_eps,
+                norm_w.data_ptr(), eps, head.data_ptr(), V, scratch.data_ptr(), out.data_ptr())
     return out

@@ -1,0 +1,214 @@
+"""`DecodeStep`: the layers of a small decode step as one C call each (`hardware.cpu.kernels.decode_layer`).
+
+A decode token's layer is ~40 small operations in PyTorch, each costing more in dispatch than in arithmetic. Here
+each layer's weights are laid out once as a table of pointers (the weights are final after `prepare_inference`),
+the step's indices once per step (shared by every layer), and a layer is one call with the same steps in the same
+order as `DecoderLayer.forward` (its BLAS matmuls become GEMV loops). Steps it does not cover (prefill chunks,
+more than `MAX_TOKENS` tokens, other dtypes or devices, quantized weights, the multi-stream prepare) keep the
+module path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pdspark.hardware.cpu import kernels as cpu_kernels
+from pdspark.model.attention import Attention
+from pdspark.model.batch import CompressPlan, ForwardBatch, LayerCaches
+from pdspark.model.decoder_layer import DecoderLayer
+from pdspark.model.model_config import CSA, HCA, ModelConfig
+from pdspark.model.moe import MoE
+from pdspark.model.rope import RotaryTable
+
+# Decode/verify steps up to this many tokens run through the C layer. Its GEMVs read the weights once per token,
+# which stays cheaper than the module path's per-op cost up to here (dsv4-tiny and the bench's big config, batch 8:
+# ~2x); beyond it BLAS matmuls that share each weight read across tokens take over.
+MAX_TOKENS = 8
+
+
+class LayerTable(NamedTuple):
+    """One layer's arrays for `decode_layer`, in the slots of `kernels.DECODE_WEIGHTS/SIZES/SCALARS`."""
+
+    weights: torch.Tensor  # [len(DECODE_WEIGHTS)] int64 data pointers (0: absent)
+    sizes: torch.Tensor  # int32
+    scalars: torch.Tensor  # fp32
+    keep: tuple[torch.Tensor, ...]  # the tensors behind the pointers, held while the table lives
+
+
+def _fp32(t: object) -> torch.Tensor | None:
+    """`t` when it is a contiguous fp32 CPU tensor (what the C loops read), else None."""
+    if isinstance(t, torch.Tensor) and t.is_cpu and t.dtype is torch.float32 and t.is_contiguous():
+        return t.detach()
+    return None
+
+
+def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | None:
+    """The table of one target layer, or None where some weight is not a plain fp32 CPU tensor."""
+    attn, moe = layer.attn, layer.ffn
+    if not (isinstance(attn, Attention) and isinstance(moe, MoE)):
+        return None
+    fused_x = getattr(attn, "_fused_x", None)
+    c_decode = getattr(moe, "_c_decode", None)
+    frozen = (layer.attn_hc._frozen, layer.ffn_hc._frozen)
+    if fused_x is None or len(fused_x.groups) != 1 or c_decode is None or None in frozen:
+        return None
+    w: dict[str, torch.Tensor | None] = {
+        "attn_fn": frozen[0][0], "attn_scale": frozen[0][1], "attn_base": frozen[0][2],  # type: ignore[index]
+        "ffn_fn": frozen[1][0], "ffn_scale": frozen[1][1], "ffn_base": frozen[1][2],  # type: ignore[index]
+        "attn_norm": layer.attn_norm.weight, "ffn_norm": layer.ffn_norm.weight, "wx": fused_x.groups[0][1],
+        "q_norm": attn.q_norm.weight, "wq_b": attn.wq_b, "kv_norm": attn.kv_norm.weight, "sink": attn.attn_sink,
+        "wo_a": attn.wo_a, "wo_b": attn.wo_b, "moe_in": c_decode[0], "w13": moe.w13, "w2": moe.w2,
+        "w2s": c_decode[1],
+    }
+    if attn.compressor is not None:
+        w |= {"c_ape": attn.compressor.ape, "c_norm": attn.compressor.norm.weight}
+    if attn.indexer is not None:
+        w |= {"i_wq_b": attn.indexer.wq_b, "i_ape": attn.indexer.compressor.ape,
+              "i_norm": attn.indexer.compressor.norm.weight}
+    if not moe.is_hash:
+        w["bias"] = moe.bias
+    checked = {k: _fp32(v) for k, v in w.items()}
+    if any(v is None for v in checked.values()):
+        return None
+    tid2eid = moe.get_buffer("tid2eid") if moe.is_hash else None
+    if tid2eid is not None:
+        if not (tid2eid.dtype is torch.int64 and tid2eid.is_contiguous() and tid2eid.is_cpu):
+            return None
+        checked["tid2eid"] = tid2eid
+    weights = [0 if checked.get(n) is None else checked[n].data_ptr()  # type: ignore[union-attr]
+               for n in cpu_kernels.DECODE_WEIGHTS]
+    kind = {CSA: cpu_kernels.DECODE_CSA, HCA: cpu_kernels.DECODE_HCA}.get(attn.layer_type, cpu_kernels.DECODE_SLIDING)
+    comp = attn.compressor
+    idx = attn.indexer
+    sizes = {
+        "kind": kind, "hc": cfg.hc_mult, "iters": cfg.hc_sinkhorn_iters, "hidden": cfg.hidden_size,
+        "q_lora": cfg.q_lora_rank, "heads": attn.n_heads, "head_dim": attn.head_dim, "o_groups": attn.o_groups,
+        "o_lora": cfg.o_lora_rank, "c_ratio": 0 if comp is None else comp.ratio,
+        "c_dim": 0 if comp is None else comp.dim,
+        "i_heads": 0 if idx is None else idx.n_heads, "i_dim": 0 if idx is None else idx.dim,
+        "i_topk": 0 if idx is None else idx.topk, "experts": moe.n_experts, "inter": moe.w2.shape[2],
+        "top_k": moe.top_k, "sqrtsoftplus": int(moe.scoring_func == "sqrtsoftplus"),
+    }
+    scalars = {
+        "hc_eps": layer.attn_hc.hc_eps, "hc_norm_eps": layer.attn_hc.norm_eps, "attn_norm_eps": layer.attn_norm.eps,
+        "ffn_norm_eps": layer.ffn_norm.eps, "q_eps": attn.q_norm.eps, "head_eps": attn.eps,
+        "kv_eps": attn.kv_norm.eps, "scale": attn.scale, "c_eps": 0.0 if comp is None else comp.norm.eps,
+        "i_eps": 0.0 if idx is None else idx.compressor.norm.eps,
+        "i_wscale": 0.0 if idx is None else idx.n_heads**-0.5, "i_scale": 0.0 if idx is None else idx.dim**-0.5,
+        "scaling": moe.scaling, "limit": moe.limit,
+    }
+    if layer.attn_hc.hc_eps != layer.ffn_hc.hc_eps or layer.attn_hc.norm_eps != layer.ffn_hc.norm_eps:
+        return None
+    return LayerTable(
+        torch.tensor(weights, dtype=torch.int64),
+        torch.tensor([sizes[n] for n in cpu_kernels.DECODE_SIZES], dtype=torch.int32),
+        torch.tensor([scalars[n] for n in cpu_kernels.DECODE_SCALARS], dtype=torch.float32),
+        tuple(v for v in checked.values() if v is not None),
+    )
+
+
+def _plan_pointers(plan: CompressPlan | None) -> list[int]:
+    if plan is None:
+        return [0] * 7
+    return [t.data_ptr() for t in (plan.out_rows, plan.positions, plan.use_cur, plan.cur_rows, plan.hist_rows,
+                                   plan.write_tokens, plan.write_rows)]
+
+
+class DecodeStep:
+    """Every layer's table, and the step path that uses them."""
+
+    def __init__(self, tables: list[LayerTable], cfg: ModelConfig):
+        self.tables = tables
+        self.cfg = cfg
+        self.scratch = torch.empty(0)
+        self.ids = torch.empty(max(cfg.num_experts_per_tok, 1), dtype=torch.int64)
+        self._pools: tuple[list[int], list[torch.Tensor]] | None = None  # (layer 0's pointers, every layer's table)
+
+    @classmethod
+    def build(cls, layers: list[DecoderLayer], cfg: ModelConfig) -> DecodeStep | None:
+        """None where some layer has no table or the C kernels cannot be built here."""
+        if cpu_kernels.load() is None:
+            return None
+        tables = [layer_table(layer, cfg) for layer in layers]
+        if any(t is None for t in tables):
+            return None
+        return cls(tables, cfg)  # type: ignore[arg-type]
+
+    @staticmethod
+    def applies(batch: ForwardBatch) -> bool:
+        """A step of a few tokens, each gathering its own window, with every index on the CPU."""
+        return (batch.num_tokens <= MAX_TOKENS and not batch.segments and batch.prepare_streams is None
+                and batch.positions.is_cpu and not torch.is_grad_enabled())
+
+    def step_table(self, batch: ForwardBatch, rope_compress: RotaryTable,
+                   main_at: tuple[torch.Tensor, torch.Tensor], comp_at: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's pointer and size arrays (`kernels.DECODE_STEP/STEP_SIZES`), shared by every layer."""
+        csa, hca = batch.csa, batch.hca
+        ptrs = [batch.positions.data_ptr(), batch.input_ids.data_ptr(), batch.swa_slots.data_ptr(),
+                batch.window.rows.data_ptr(), batch.window.valid.data_ptr(),
+                0 if csa is None else csa.rows.data_ptr(), 0 if csa is None else csa.valid.data_ptr(),
+                0 if hca is None else hca.rows.data_ptr(), 0 if hca is None else hca.valid.data_ptr(),
+                main_at[0].data_ptr(), main_at[1].data_ptr(), comp_at[0].data_ptr(), comp_at[1].data_ptr(),
+                rope_compress.cos.data_ptr(), rope_compress.sin.data_ptr(),
+                *_plan_pointers(batch.csa_plan), *_plan_pointers(batch.hca_plan)]
+        sizes = [batch.num_tokens, batch.window.rows.shape[1], rope_compress.cos.shape[1],
+                 0 if csa is None else csa.max_visible, 0 if hca is None else hca.max_visible,
+                 0 if batch.csa_plan is None else batch.csa_plan.num_groups,
+                 0 if batch.csa_plan is None else int(batch.csa_plan.write_tokens.shape[0]),
+                 0 if batch.hca_plan is None else batch.hca_plan.num_groups,
+                 0 if batch.hca_plan is None else int(batch.hca_plan.write_tokens.shape[0])]
+        need = self._scratch_floats(batch)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(2 * need)  # persistent: reused by every layer of every step
+        return torch.tensor(ptrs, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int32)
+
+    def _scratch_floats(self, batch: ForwardBatch) -> int:
+        """An upper bound of what `decode_layer` carves from its scratch (see the `take` calls there)."""
+        c = self.cfg
+        T, D, hc = batch.num_tokens, c.hidden_size, c.hc_mult
+        V = max(0 if batch.csa is None else batch.csa.max_visible, 0 if batch.hca is None else batch.hca.max_visible)
+        W = batch.window.rows.shape[1]
+        HD, H, QL = c.head_dim, c.num_attention_heads, c.q_lora_rank
+        widths = 2 * HD + 2 * c.index_head_dim
+        nx = QL + HD + 2 * 2 * HD + 2 * 2 * c.index_head_dim + c.index_n_heads
+        per_token = (2 * D + 2 * hc + hc * hc + nx + QL + 3 * H * HD + hc * D + 2 * widths + 2 * c.index_n_heads
+                     * c.index_head_dim + c.index_n_heads + V + c.n_routed_experts + 2 * c.moe_intermediate_size)
+        fixed = (hc * D + (2 + hc) * hc + 4 * max(HD, 3 * c.index_head_dim) + 64 + 2 * V + H * (W + V) + H * HD
+                 + c.o_groups * c.o_lora_rank + 3 * c.moe_intermediate_size + 2 * D + c.num_experts_per_tok)
+        return T * per_token + fixed + 16 * 24  # (each carve is rounded up to 16 floats)
+
+    def pool_tables(self, pools: LayerCaches) -> list[torch.Tensor] | None:
+        """Each layer's pool pointers and row strides (`kernels.DECODE_POOLS`), or None where the pools are not fp32
+        row-major CPU tensors. Cached: the pools never move, and layer 0's views identify them."""
+        first = self._pool_pointers(pools, 0)
+        if first is None:
+            return None
+        if self._pools is None or self._pools[0] != first:
+            tables = [self._pool_pointers(pools, i) for i in range(len(self.tables))]
+            if any(t is None for t in tables):
+                return None
+            self._pools = (first, [torch.tensor(t, dtype=torch.int64) for t in tables])
+        return self._pools[1]
+
+    @staticmethod
+    def _pool_pointers(pools: LayerCaches, i: int) -> list[int] | None:
+        cache = pools.layer(i)
+        ptrs: list[int] = []
+        for v in (cache.swa_kv, cache.comp_kv, cache.comp_state, cache.index_kv, cache.index_state):
+            if v is None:
+                ptrs += [0, 0]
+            elif v.is_cpu and v.dtype is torch.float32 and v.dim() == 2 and v.stride(1) == 1:
+                ptrs += [v.data_ptr(), v.stride(0)]
+            else:
+                return None
+        return ptrs
+
+    def run_layer(self, i: int, h: torch.Tensor, pools: torch.Tensor, step: tuple[torch.Tensor, torch.Tensor]
+                  ) -> torch.Tensor:
+        """Layer `i` on the streams `h [T, hc, D]` (`pools`: its entry of `pool_tables`)."""
+        t = self.tables[i]
+        return cpu_kernels.decode_layer(t.weights, t.sizes, t.scalars, step[0], step[1], pools, h, self.scratch,
+                                        self.ids)

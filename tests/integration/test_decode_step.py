@@ -1,0 +1,32 @@
+"""The C decode layer (`model.decode_step`) is the module path of a small decode step, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import HC4, MIXED, SPARSE, random_prompts
+from helpers import make_llm
+from pdspark import SamplingParams
+
+
+@pytest.mark.parametrize("spec", [MIXED, HC4, SPARSE], ids=["mixed", "hc4", "sparse"])
+def test_c_decode_layers_give_the_module_paths_tokens_and_logprobs(checkpoints, spec):
+    path, _ = checkpoints(spec)
+    llm = make_llm(path)
+    model = llm.engine.runner.model
+    assert model._decode_step is not None  # fp32 CPU weights: every layer has a table
+    calls = []
+    run_layer = model._decode_step.run_layer
+    model._decode_step.run_layer = lambda *a: calls.append(1) or run_layer(*a)
+    # Batches of 1 and of 3 decode tokens; prompts long enough that the sparse indexer picks among more entries.
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for prompts in (random_prompts(1, [90], seed=5), random_prompts(3, [70, 100, 53], seed=6)):
+        fast = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        saved, model._decode_step = model._decode_step, None
+        slow = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        model._decode_step = saved
+        for a, b in zip(fast, slow):
+            assert a.token_ids == b.token_ids
+            for la, lb in zip(a.logprobs, b.logprobs):
+                assert la.logprob == pytest.approx(lb.logprob, abs=1e-5)
+    assert len(calls) >= 11 * len(model.layers)  # the decode steps went through the C layers
