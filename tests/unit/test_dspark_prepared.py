@@ -1,5 +1,6 @@
 """The draft's prepared inference path (`DSparkDraft.prepare_inference`: fused matmuls, per-block inputs built
-once) computes the reference path's logits bit for bit: the proposals, hence acceptance, cannot change."""
+once) computes the reference path's block logits and injected context rows bit for bit: the proposals, hence
+acceptance, cannot change."""
 
 from __future__ import annotations
 
@@ -54,3 +55,17 @@ def test_prepared_blocks_equal_the_reference_bit_for_bit(moe, monkeypatch):
         assert got.shape == (M, 5, reference.cfg.vocab_size)
         assert torch.equal(got, want)
     assert len(calls) == 2 * 2  # the prepared path ran: two stages, two calls
+
+
+def test_prepared_context_rows_equal_the_reference_bit_for_bit():
+    reference = random_draft(moe=False)
+    prepared = copy.deepcopy(reference)
+    prepared.prepare_inference()
+    g = torch.Generator().manual_seed(3)
+    features = torch.randn(7, reference.cfg.hidden_size * 2, generator=g)  # [N, D*L]
+    positions = torch.tensor([0, 1, 2, 50, 51, 200, 201])
+    with torch.inference_mode():
+        want = reference.context_kv(features, positions)
+        got = prepared.context_kv(features, positions)
+    assert got.shape == (2, 7, reference.cfg.head_dim)
+    assert torch.equal(got, want)

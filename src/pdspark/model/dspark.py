@@ -157,6 +157,7 @@ class DSparkDraft(nn.Module):
             self.head = nn.Parameter(torch.zeros(V, D))
         self._target_vocab: tuple[torch.Tensor, torch.Tensor] | None = None
         self._block_offsets: torch.Tensor | None = None  # [G] 0 .. G-1, set by prepare_inference
+        self._stage_latents: FusedLinear | None = None  # every stage's wkv in one matmul, set by prepare_inference
 
     def bind_target(self, embed: torch.Tensor, head: torch.Tensor) -> None:
         """Share the target's embedding and LM head (unless this draft ships its own)."""
@@ -168,6 +169,7 @@ class DSparkDraft(nn.Module):
         for stage in self.draft_stages:
             stage.prepare_inference(self.dcfg.gamma)
         self._block_offsets = torch.arange(self.dcfg.gamma, device=self.markov_w1.device)
+        self._stage_latents = FusedLinear([stage.attn.wkv for stage in self.draft_stages])
 
     @property
     def draft_stages(self) -> list[DraftStage]:
@@ -187,7 +189,12 @@ class DSparkDraft(nn.Module):
         else:
             main_x = self.main_norm(F.linear(features.to(self.main_proj.dtype), self.main_proj))
         rope_at = self.rope.at(positions)
-        return torch.stack([stage.attn.project_kv(main_x, rope_at) for stage in self.draft_stages])
+        if self._stage_latents is None or torch.is_grad_enabled():
+            return torch.stack([stage.attn.project_kv(main_x, rope_at) for stage in self.draft_stages])
+        # Prepared: every stage's latent in one matmul (the same bits per column), then each stage's project_kv rest.
+        latents = self._stage_latents(main_x)
+        return torch.stack([rope_at.apply(stage.attn.kv_norm(latent))
+                            for stage, latent in zip(self.draft_stages, latents)])
 
     def block_hidden(
         self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor
