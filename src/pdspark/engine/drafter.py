@@ -62,8 +62,8 @@ class DSparkDrafter:
                 for i, (r, a, n) in enumerate(zip(reqs, anchors, num_drafts))]
 
     def _block(self, anchors: list[int], reqs: list[Request]) -> torch.Tensor:
-        """The draft blocks' last streams `[M, G, hc, D]`. Context indices come from the host tables in NumPy
-        (a few microseconds each, where the same ops on tensors cost tens); the draft runs where the pools are."""
+        """The draft blocks' last streams `[M, G, hc, D]`. Context indices come from the host tables in NumPy (small
+        NumPy ops cost a fraction of the same ops on tensors); the draft runs where the pools are."""
         tables = self.kv.host_tables()
         anchor_pos = np.array([r.num_tokens - 1 for r in reqs])  # [M]
         slots = np.array([r.pages.slot for r in reqs])  # type: ignore[union-attr]
@@ -72,15 +72,15 @@ class DSparkDrafter:
         full = tables.req_to_token[slots[:, None], np.maximum(ctx_pos, 0)]
         rows = np.where(valid, self.kv.full_to_swa(full, tables), self.kv.pools.swa_dummy_slot)
         pool = self.kv.pools.draft_kv
-        ctx_kv = pool[:, torch.from_numpy(rows.astype(np.int64)).to(pool.device)]  # [stages, M, W, d]
         dev = pool.device
+        ctx_kv = pool[:, torch.from_numpy(rows.astype(np.int64)).to(dev)]  # [stages, M, W, d]
         return self.draft.block_hidden(torch.tensor(anchors, device=dev), torch.from_numpy(anchor_pos).to(dev),
                                        ctx_kv, torch.from_numpy(valid).to(dev))
 
     def _pick(self, base: torch.Tensor, req: Request, anchor: int, n: int, noise: torch.Tensor | None
               ) -> DraftProposal:
         """Left to right from the anchor: each row's base logits plus the Markov bias of the previous token;
-        `noise [n, V]` for a sampled request (empty or None for a greedy one)."""
+        `noise [n, V]` for a sampled request (None or empty for a greedy one)."""
         prev = anchor
         tokens = []
         for k in range(n):
