@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdspark.cache.kv_cache import KVCache
@@ -31,7 +32,7 @@ class DSparkDrafter:
         self.kv = kv
         self.gamma = draft.dcfg.gamma
         W = draft.cfg.sliding_window
-        self._ctx_offsets = torch.arange(-W, 0)  # context rows a - W .. a - 1
+        self._ctx_offsets = np.arange(-W, 0)  # context rows a - W .. a - 1
         # Markov bias rows `[V]` by previous token, computed once each (the same op on the same row as uncached, so
         # the same bits): a block picks gamma tokens one after another, each needing the row of the one before.
         self._markov: dict[int, torch.Tensor] = {}
@@ -48,29 +49,39 @@ class DSparkDrafter:
     @torch.inference_mode()
     def propose(self, reqs: list[Request], num_drafts: list[int]) -> list[DraftProposal]:
         """One draft block per request, anchored at its last (not yet computed) token."""
-        anchors = torch.tensor([r.all_token_ids[-1] for r in reqs], dtype=torch.long)
-        anchor_pos = torch.tensor([r.num_tokens - 1 for r in reqs], dtype=torch.long)
-        slots = torch.tensor([r.pages.slot for r in reqs], dtype=torch.long)  # type: ignore[union-attr]
-        ctx_pos = anchor_pos[:, None] + self._ctx_offsets[None, :]  # [M, W]
-        valid = ctx_pos >= 0
-        full = self.kv.req_to_token[slots[:, None], ctx_pos.clamp(min=0)]
-        rows = torch.where(valid, self.kv.full_to_swa(full), self.kv.pools.swa_dummy_slot)
-        ctx_kv = self.kv.pools.draft_kv[:, rows]  # [stages, M, W, d]
-        # Indices are built on the host (from the host tables); the draft runs where the pools are.
-        dev = ctx_kv.device
-        base = self.draft.base_logits(self.draft.block_hidden(anchors.to(dev), anchor_pos.to(dev), ctx_kv,
-                                                              valid.to(dev)))  # [M, G, V]
+        anchors = [_last_token(r) for r in reqs]
+        base = self.draft.base_logits(self._block(anchors, reqs))  # [M, G, V]
         # Draft k (0-based) proposes position `num_tokens + k`, raced with that position's SAMPLE noise: the very noise
         # the target samples the position with. Every sampled row's noise in one call (it does not depend on the picks).
         sampled = [0 if r.params.greedy else n for r, n in zip(reqs, num_drafts)]
+        if not any(sampled):
+            return [self._pick(base[i], r, a, n, None) for i, (r, a, n) in enumerate(zip(reqs, anchors, num_drafts))]
         keys = [RandomStream(r.seed).key(r.num_tokens + k) for r, m in zip(reqs, sampled) for k in range(m)]
         noise = exponentials(keys, base.shape[-1]).split(sampled)  # per request [sampled drafts, V]
-        return [self._pick(base[i], r, n, noise[i]) for i, (r, n) in enumerate(zip(reqs, num_drafts))]
+        return [self._pick(base[i], r, a, n, noise[i])
+                for i, (r, a, n) in enumerate(zip(reqs, anchors, num_drafts))]
 
-    def _pick(self, base: torch.Tensor, req: Request, n: int, noise: torch.Tensor) -> DraftProposal:
-        """Left to right: each row's base logits plus the Markov bias of the previous token; `noise [n, V]` for a
-        sampled request (empty for a greedy one)."""
-        prev = req.all_token_ids[-1]
+    def _block(self, anchors: list[int], reqs: list[Request]) -> torch.Tensor:
+        """The draft blocks' last streams `[M, G, hc, D]`. Context indices come from the host tables in NumPy (small
+        NumPy ops cost a fraction of the same ops on tensors); the draft runs where the pools are."""
+        tables = self.kv.host_tables()
+        anchor_pos = np.array([r.num_tokens - 1 for r in reqs])  # [M]
+        slots = np.array([r.pages.slot for r in reqs])  # type: ignore[union-attr]
+        ctx_pos = anchor_pos[:, None] + self._ctx_offsets[None, :]  # [M, W]
+        valid = ctx_pos >= 0
+        full = tables.req_to_token[slots[:, None], np.maximum(ctx_pos, 0)]
+        rows = np.where(valid, self.kv.full_to_swa(full, tables), self.kv.pools.swa_dummy_slot)
+        pool = self.kv.pools.draft_kv
+        dev = pool.device
+        ctx_kv = pool[:, torch.from_numpy(rows.astype(np.int64)).to(dev)]  # [stages, M, W, d]
+        return self.draft.block_hidden(torch.tensor(anchors, device=dev), torch.from_numpy(anchor_pos).to(dev),
+                                       ctx_kv, torch.from_numpy(valid).to(dev))
+
+    def _pick(self, base: torch.Tensor, req: Request, anchor: int, n: int, noise: torch.Tensor | None
+              ) -> DraftProposal:
+        """Left to right from the anchor: each row's base logits plus the Markov bias of the previous token;
+        `noise [n, V]` for a sampled request (None or empty for a greedy one)."""
+        prev = anchor
         tokens = []
         for k in range(n):
             logits = base[k] + self._markov_row(prev)
@@ -79,6 +90,7 @@ class DSparkDrafter:
             else:
                 # The target's filters too: a token p dropped can never be the target's, so q must not spend mass on it.
                 q = filter_logits(logits, req.params).softmax(-1)
+                assert noise is not None
                 prev = int(race(q[None], noise[k : k + 1])[0])
             tokens.append(prev)
         return DraftProposal(tokens)
@@ -93,3 +105,8 @@ class DSparkDrafter:
                 del self._markov[next(iter(self._markov))]
             row = self._markov[prev] = self.draft.markov_bias(torch.tensor(prev))
         return row
+
+
+def _last_token(req: Request) -> int:
+    """`req.all_token_ids[-1]` without building the whole list."""
+    return req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]

@@ -16,6 +16,7 @@ Data flow for one draft block of a request whose next token (the anchor) sits at
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +27,19 @@ from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.dspark_config import DSparkConfig
 from pdspark.model.hyper_connection import HyperConnection, HyperHead
 from pdspark.model.model_config import SLIDING, ModelConfig
-from pdspark.model.moe import MoE, SharedExpert
-from pdspark.model.norm import RMSNorm
+from pdspark.model.moe import MoE, SharedExpert, swiglu
+from pdspark.model.norm import RMSNorm, rms_norm
 from pdspark.model.rope import RopeAt, RotaryTable
-from pdspark.quant.quant_linear import QuantLinear
+from pdspark.quant.fused_linear import FusedLinear
+from pdspark.quant.quant_linear import QuantLinear, linear
+
+
+class BlockInputs(NamedTuple):
+    """What every stage reads in one prepared `block_hidden` call, built once per call, not per stage."""
+
+    ids: torch.Tensor  # [M*G] block token ids: the anchor, then MASKs
+    rope_at: RopeAt  # rotation factors at the block positions
+    masked: torch.Tensor  # [M, 1, W + G] bool: True where a key is not valid (context rows, then the block's)
 
 
 class DraftAttention(Attention):
@@ -37,6 +47,7 @@ class DraftAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, SLIDING, rope=None)  # type: ignore[arg-type]  # SWA only: no compressor
+        self._block_sinks: torch.Tensor | None = None  # [1, G*H, 1] once prepared
 
     def forward_block(
         self, x: torch.Tensor, rope_at: RopeAt, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor
@@ -50,6 +61,28 @@ class DraftAttention(Attention):
         valid = torch.cat([ctx_valid, ctx_valid.new_ones(M, G)], dim=1)
         o = sink_attention(q.reshape(M, G * self.n_heads, -1), kv, valid, self.attn_sink.repeat(G), self.scale)
         return self.project_out(o.reshape(M * G, self.n_heads, -1), rope_at)
+
+    def prepare_block(self, gamma: int) -> None:
+        """Inference only: one matmul for q_a and the latent (`Attention.fuse`) and the block's sink logits laid
+        out once (`[1, gamma * H, 1]`), not per call. Call once the weights are final."""
+        self.fuse()
+        self._block_sinks = self.attn_sink.detach().repeat(gamma).view(1, -1, 1)
+
+    def forward_prepared(self, x: torch.Tensor, block: BlockInputs, ctx_kv: torch.Tensor) -> torch.Tensor:
+        """`forward_block` with fewer ops, bit for bit: `x [M*G, D]`, `ctx_kv [M, W, d]` -> `[M*G, D]`."""
+        M, T, H = ctx_kv.shape[0], x.shape[0], self.n_heads
+        assert self._block_sinks is not None, "prepare_block() first"
+        qa, latent = self._fused_x(x)  # one matmul: the same bits per column as two
+        q = self._q_from(qa, block.rope_at).q  # [T, H, d]
+        kv = torch.cat([ctx_kv, block.rope_at.apply(self.kv_norm(latent)).view(M, T // M, -1)], dim=1)  # [M, K, d]
+        # sink_attention's ops, in place where it allocated, and the mask inverted once per block, not per stage.
+        scores = torch.bmm(q.view(M, -1, q.shape[-1]), kv.transpose(1, 2)).mul_(self.scale)  # [M, G*H, K]
+        scores.masked_fill_(block.masked, float("-inf"))
+        logits = torch.cat([scores, self._block_sinks.to(scores.dtype).expand(M, -1, 1)], dim=-1)
+        # NOTE: no `logits - amax` first: softmax subtracts the same maximum itself, so the bits are the same.
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        o = torch.bmm(probs.to(kv.dtype), kv)  # [M, G*H, d]
+        return self.project_out(o.view(T, H, -1), block.rope_at)
 
 
 class DraftStage(DecoderLayer):
@@ -81,6 +114,29 @@ class DraftStage(DecoderLayer):
         y = self.ffn(self.ffn_norm(x), ids) if isinstance(self.ffn, MoE) else self.ffn(self.ffn_norm(x))
         return HyperConnection.expand(y, h, post, comb)
 
+    def prepare_inference(self, gamma: int) -> None:
+        """Inference only: freeze the mHC mixes for the C collapse, fuse the matmuls that read one input
+        (attention: q_a and the latent; a dense SwiGLU: gate and up) and lay out the block's sink logits."""
+        self.attn_hc.freeze()
+        self.ffn_hc.freeze()
+        self.attn.prepare_block(gamma)
+        if isinstance(self.ffn, SharedExpert):
+            self._gate_up = FusedLinear([self.ffn.w1, self.ffn.w3])
+
+    def forward_prepared(self, h: torch.Tensor, block: BlockInputs, ctx_kv: torch.Tensor) -> torch.Tensor:
+        """`forward` with fewer ops (after `prepare_inference`), bit for bit: `h [M*G, hc, D]` -> `[M*G, hc, D]`."""
+        x, post, comb = self.attn_hc.collapse(h)
+        y = self.attn.forward_prepared(rms_norm(x, self.attn_norm.weight, self.attn_norm.eps), block, ctx_kv)
+        h = HyperConnection.expand(y, h, post, comb)
+        x, post, comb = self.ffn_hc.collapse(h)
+        x = rms_norm(x, self.ffn_norm.weight, self.ffn_norm.eps)
+        if isinstance(self.ffn, MoE):
+            y = self.ffn(x, block.ids)
+        else:
+            gate, up = self._gate_up(x)  # one matmul: the same bits per column as two
+            y = linear(swiglu(gate, up, self.ffn.limit), self.ffn.w2)
+        return HyperConnection.expand(y, h, post, comb)
+
 
 class DSparkDraft(nn.Module):
     def __init__(self, cfg: ModelConfig, dcfg: DSparkConfig, max_len: int):
@@ -100,16 +156,20 @@ class DSparkDraft(nn.Module):
             self.embed = nn.Parameter(torch.zeros(V, D))
             self.head = nn.Parameter(torch.zeros(V, D))
         self._target_vocab: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._block_offsets: torch.Tensor | None = None  # [G] 0 .. G-1, set by prepare_inference
+        self._stage_latents: FusedLinear | None = None  # every stage's wkv in one matmul, set by prepare_inference
 
     def bind_target(self, embed: torch.Tensor, head: torch.Tensor) -> None:
         """Share the target's embedding and LM head (unless this draft ships its own)."""
         self._target_vocab = (embed, head)
 
     def prepare_inference(self) -> None:
-        """Freeze the stages' mHC mix parameters for the C collapse (call once the weights are final)."""
+        """Inference only: prepare every stage (`DraftStage.prepare_inference`); `block_hidden` then runs the
+        prepared path when autograd is off. Call once the weights are final and on their device."""
         for stage in self.draft_stages:
-            stage.attn_hc.freeze()
-            stage.ffn_hc.freeze()
+            stage.prepare_inference(self.dcfg.gamma)
+        self._block_offsets = torch.arange(self.dcfg.gamma, device=self.markov_w1.device)
+        self._stage_latents = FusedLinear([stage.attn.wkv for stage in self.draft_stages])
 
     @property
     def draft_stages(self) -> list[DraftStage]:
@@ -129,7 +189,12 @@ class DSparkDraft(nn.Module):
         else:
             main_x = self.main_norm(F.linear(features.to(self.main_proj.dtype), self.main_proj))
         rope_at = self.rope.at(positions)
-        return torch.stack([stage.attn.project_kv(main_x, rope_at) for stage in self.draft_stages])
+        if self._stage_latents is None or torch.is_grad_enabled():
+            return torch.stack([stage.attn.project_kv(main_x, rope_at) for stage in self.draft_stages])
+        # Prepared: every stage's latent in one matmul (the same bits per column), then each stage's project_kv rest.
+        latents = self._stage_latents(main_x)
+        return torch.stack([rope_at.apply(stage.attn.kv_norm(latent))
+                            for stage, latent in zip(self.draft_stages, latents)])
 
     def block_hidden(
         self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor
@@ -142,6 +207,8 @@ class DSparkDraft(nn.Module):
         Returns:
             The last stage's streams `[M, G, hc, D]` (G = gamma).
         """
+        if self._block_offsets is not None and not torch.is_grad_enabled():
+            return self._block_hidden_prepared(anchors, anchor_pos, ctx_kv, ctx_valid)
         M, G = anchors.shape[0], self.dcfg.gamma
         ids = torch.full((M, G), self.dcfg.mask_token_id, dtype=torch.long, device=anchors.device)
         ids[:, 0] = anchors
@@ -152,6 +219,22 @@ class DSparkDraft(nn.Module):
         rope_at = self.rope.at(positions)
         for s, stage in enumerate(self.stages):
             h = stage(h, ids, rope_at, ctx_kv[s], ctx_valid)
+        return h.view(M, G, self.cfg.hc_mult, -1)
+
+    def _block_hidden_prepared(
+        self, anchors: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """`block_hidden` after `prepare_inference`, bit for bit: per-call inputs built once for all stages."""
+        M, G = anchors.shape[0], self.dcfg.gamma
+        assert self._block_offsets is not None
+        ids = torch.full((M, G), self.dcfg.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[:, 0] = anchors
+        ids = ids.view(-1)  # [M*G]
+        masked = F.pad(~ctx_valid, (0, G), value=False).unsqueeze(1)  # [M, 1, W + G]: block rows are all valid
+        block = BlockInputs(ids, self.rope.at((anchor_pos[:, None] + self._block_offsets).view(-1)), masked)
+        h = F.embedding(ids, self.vocab[0]).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for s, stage in enumerate(self.draft_stages):
+            h = stage.forward_prepared(h, block, ctx_kv[s])  # [M*G, hc, D]
         return h.view(M, G, self.cfg.hc_mult, -1)
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
