@@ -58,7 +58,8 @@ class RouterHarness:
         h.decode = sorted((s for s in served if isinstance(s, StubDecode)), key=lambda s: h.address[id(s)])
         cfg = build(RouterConfig, options)
         h.registry = WorkerRegistry(health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
-                                    load_interval_s=cfg.load_interval_s)
+                                    load_interval_s=cfg.load_interval_s,
+                                    multiplexed=cfg.worker_calls == "multiplexed")
         for s in h.prefill:
             h.registry.add("prefill", h.address[id(s)])
         for s in h.decode:
