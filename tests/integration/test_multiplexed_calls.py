@@ -56,7 +56,7 @@ async def served(stub, method: str):
     server, _, address = await serve_stub(stub)
     channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:
-        yield MultiplexedClient(channel, method), server, address
+        yield MultiplexedClient(channel, method), server, channel
     finally:
         await channel.close()
         await server.stop(None)
@@ -143,6 +143,19 @@ def test_a_cancel_reaches_the_worker():
     run(scenario())
 
 
+def test_cancelling_a_unary_calls_future_before_it_was_awaited_cancels_the_call():
+    async def scenario():
+        stub = StubPrefill()
+        stub.mode = HOLD
+        async with served(stub, PREFILL) as (client, _, _):
+            response = client.call("prefill", worker_pb2.PrefillRequest(request_id="r"), timeout=10).response()
+            await until(lambda: len(stub.calls) == 1, 5, "the call at the worker")
+            response.cancel()
+            await until(lambda: stub.cancelled == ["r"], 5, "the call cancelled on the worker")
+
+    run(scenario())
+
+
 def test_a_broken_stream_ends_every_call_on_it_and_a_later_call_opens_a_new_one():
     async def scenario():
         stub = StubDecode(tokens=2)
@@ -188,6 +201,10 @@ def test_a_client_that_goes_away_ends_its_calls_on_the_worker():
             await until(lambda: len(stub.calls) == 2, 5, "the calls at the worker")
             await client.close()
             assert all(c.done() for c in calls)
+            for call in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await texts(call)
+                assert e.value.code() is grpc.StatusCode.CANCELLED
             await until(lambda: sorted(stub.cancelled) == ["r0", "r1"], 5, "the calls cancelled on the worker")
 
     run(scenario())
@@ -199,3 +216,18 @@ def test_batches_hold_at_most_their_bytes_and_a_larger_frame_alone():
     runs = batches(frames, max_bytes=100)
     assert [[f.call_id for f in run] for run in runs] == [[0, 1], [2], [3, 4]]
     assert all(sum(f.ByteSize() for f in run) <= 100 for run in runs if len(run) > 1)
+
+
+def test_calls_on_a_closed_channel_fail_as_a_dead_workers_so_the_router_retries_them():
+    async def scenario():
+        stub = StubDecode(tokens=2)
+        stub.mode = HOLD
+        async with served(stub, GENERATE) as (client, _, channel):
+            call = client.call("generate", generate("r"), timeout=10)
+            await until(lambda: len(stub.calls) == 1, 5, "the call at the worker")
+            await channel.close()  # what the registry does to a removed or retired worker's channel
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await texts(call)
+            assert failure_from_rpc_error(e.value).code is ErrorCode.UNAVAILABLE
+
+    run(scenario())

@@ -6,7 +6,7 @@ per step), the worker about as much; a frame on an open stream costs a tenth of 
 meanwhile leaves in one message (bench/bench_worker_rpc.py: 8x less router CPU at 16 requests in flight).
 
 Each call is a `MultiplexedCall`, which offers what the router uses of grpc.aio's call objects and fails the same
-way: iterate it (a streaming call's replies), `await response()` (a unary call's), `cancel()` and `done()`; a
+way: iterate it (a streaming call's replies), `response()` (a unary call's, a future), `cancel()` and `done()`; a
 failure raises `grpc.aio.AioRpcError` with the status, details and trailing metadata (the typed `ErrorDetail`) the
 worker ended the call with. `timeout` is the call's deadline, kept here (DEADLINE_EXCEEDED, and the worker is told
 to cancel) and sent along (the worker cancels the call at it too, as a gRPC server does).
@@ -43,7 +43,7 @@ _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 class MultiplexedCall:
     """One call on a `Calls` stream: its replies as they arrive, then its end (OK, or an `AioRpcError`)."""
 
-    __slots__ = ("_stream", "call_id", "_replies", "_waiter", "_ended", "_error", "_timer")
+    __slots__ = ("_stream", "call_id", "_replies", "_waiter", "_ended", "_error", "_timer", "_response")
 
     def __init__(self, stream: _Stream, call_id: int):
         self._stream = stream
@@ -53,6 +53,7 @@ class MultiplexedCall:
         self._ended = False
         self._error: BaseException | None = None  # an AioRpcError, or a CancelledError once cancelled
         self._timer: asyncio.TimerHandle | None = None
+        self._response: asyncio.Future | None = None  # a unary call's (`response`)
 
     def done(self) -> bool:
         return self._ended
@@ -87,12 +88,30 @@ class MultiplexedCall:
             finally:
                 self._waiter = None
 
-    async def response(self) -> Any:
-        """A unary call's reply."""
-        last = None
-        async for reply in self:
-            last = reply
-        return last
+    def response(self) -> asyncio.Future:
+        """A unary call's reply, as a future: it fails as the call does, and cancelling it cancels the call (also
+        before anything awaited it, unlike a coroutine's task)."""
+        if self._response is None:
+            self._response = asyncio.get_running_loop().create_future()
+            self._response.add_done_callback(self._response_done)
+            if self._ended:
+                self._settle()
+        return self._response
+
+    def _response_done(self, future: asyncio.Future) -> None:
+        if future.cancelled():
+            self.cancel()
+
+    def _settle(self) -> None:
+        future = self._response
+        if future is None or future.done():
+            return
+        if self._error is None:
+            future.set_result(self._replies[-1] if self._replies else None)
+        elif isinstance(self._error, asyncio.CancelledError):
+            future.cancel()
+        else:
+            future.set_exception(self._error)
 
     # -- fed by the stream ------------------------------------------------------------------------------------------
     def _reply(self, message: Any) -> None:
@@ -107,6 +126,7 @@ class MultiplexedCall:
             self._timer.cancel()
         self._stream.calls.pop(self.call_id, None)
         self._wake()
+        self._settle()
 
     def _expire(self) -> None:
         if not self._ended:
@@ -172,7 +192,8 @@ class _Stream:
         except asyncio.CancelledError:
             if self.broken or not self.call.cancelled():
                 raise  # this task was cancelled (`close`)
-            error = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, details="the calls stream was cancelled")
+            # Its channel was closed (the worker removed or retired): its calls fail as a dead worker's would.
+            error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details="the channel to the worker was closed")
         self.close(error)
 
     def close(self, error: grpc.aio.AioRpcError) -> None:
