@@ -30,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import figure, save_figure, write_json  # noqa: E402
 
 from pdspark.rpc import convert  # noqa: E402
+from pdspark.rpc.multiplexed_client import MultiplexedClient  # noqa: E402
 from pdspark.service_process import ServiceProcess  # noqa: E402
 from pdspark.types import SamplingParams  # noqa: E402
 from pdspark.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -137,21 +139,31 @@ def free_port() -> int:
 
 
 # ---- pdspark's direct path: the dual dispatch the router makes, from a client in this process ----------------------
-async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1) -> Load:
-    """Prefill + Generate sent at once to the stubs, as the router sends them, `concurrency` pairs at a time (1:
-    one connection's latency). Its CPU per request is this client's: the gRPC calls alone, a floor for the router."""
+async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1,
+                 worker_calls: str = "per-request") -> Load:
+    """Prefill + Generate sent at once to the stubs, as the router sends them (one gRPC call each, or multiplexed on
+    the workers' `Calls` streams), `concurrency` pairs at a time (1: one connection's latency). Its CPU per request is
+    this client's: the calls alone, a floor for the router."""
     channels = [grpc.aio.insecure_channel(prefill), grpc.aio.insecure_channel(decode)]
     p_stub, d_stub = worker_pb2_grpc.PrefillWorkerStub(channels[0]), worker_pb2_grpc.DecodeWorkerStub(channels[1])
+    p_calls = MultiplexedClient(channels[0], "/pdspark.v1.PrefillWorker/Calls")
+    d_calls = MultiplexedClient(channels[1], "/pdspark.v1.DecodeWorker/Calls")
     sampling = convert.sampling_to_pb(SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
 
     async def one() -> float:
         tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
         t0 = time.perf_counter()
-        p_call = asyncio.ensure_future(p_stub.Prefill(worker_pb2.PrefillRequest(
-            request_id=rid, transfer_id=tid, prompt_token_ids=DIRECT_PROMPT, sampling=sampling, timeout_ms=60_000)))
-        async for _ in d_stub.Generate(worker_pb2.GenerateRequest(
-                request_id=rid, transfer_id=tid, prompt_token_ids=DIRECT_PROMPT, sampling=sampling,
-                prefill_address=prefill, timeout_ms=60_000)):
+        p_request = worker_pb2.PrefillRequest(request_id=rid, transfer_id=tid, prompt_token_ids=DIRECT_PROMPT,
+                                              sampling=sampling, timeout_ms=60_000)
+        g_request = worker_pb2.GenerateRequest(request_id=rid, transfer_id=tid, prompt_token_ids=DIRECT_PROMPT,
+                                               sampling=sampling, prefill_address=prefill, timeout_ms=60_000)
+        if worker_calls == "multiplexed":
+            p_call: asyncio.Future = p_calls.call("prefill", p_request, 65.0).response()
+            stream: AsyncIterator = d_calls.call("generate", g_request, 60.0)
+        else:
+            p_call = asyncio.ensure_future(p_stub.Prefill(p_request))
+            stream = d_stub.Generate(g_request)
+        async for _ in stream:
             pass
         await p_call
         return time.perf_counter() - t0
@@ -167,6 +179,8 @@ async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1)
     cpu0, t0 = cpu_s(os.getpid()), time.perf_counter()
     lat = sorted(await asyncio.gather(*(limited() for _ in range(requests))))
     elapsed, cpu = time.perf_counter() - t0, cpu_s(os.getpid()) - cpu0
+    await p_calls.close()
+    await d_calls.close()
     for c in channels:
         await c.close()
     return Load(requests / elapsed, lat[len(lat) // 2] * 1e3, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
@@ -236,18 +250,21 @@ def side_by_side(args, script: Path) -> dict:
             rounds.append(row)
         one = {"sglang_router": asdict(wrk(sglang.url, script, 1, 1, args.duration)),
                "sglang_direct": asdict(wrk(sglang.decode_url, script, 1, 1, args.duration))}
-        pdspark = next(s for n, s in stacks.items() if n != "sglang")
-        assert isinstance(pdspark, PdsparkStack)
-        for name, stack in stacks.items():
-            if name != "sglang":
-                one[f"{name}_router"] = asdict(wrk(stack.url, script, 1, 1, args.duration))
-        one["pdspark_direct"] = asdict(asyncio.run(direct(pdspark.prefill, pdspark.decode, args.direct_requests)))
-        # The gRPC client's own ceiling: the router's two calls per request, from a bare client at 16 at a time.
-        ceiling = asdict(asyncio.run(direct(pdspark.prefill, pdspark.decode, args.direct_requests * 2, 16)))
+        ceiling = {}
+        for calls in args.worker_calls:
+            name = stack_name(calls)
+            stack = stacks[name]
+            assert isinstance(stack, PdsparkStack)
+            one[f"{name}_router"] = asdict(wrk(stack.url, script, 1, 1, args.duration))
+            one[f"{name}_direct"] = asdict(asyncio.run(direct(stack.prefill, stack.decode, args.direct_requests,
+                                                              worker_calls=calls)))
+            # The calls' own ceiling: the router's two calls per request, from a bare client at 16 at a time.
+            ceiling[name] = asdict(asyncio.run(direct(stack.prefill, stack.decode, args.direct_requests * 2, 16,
+                                                      worker_calls=calls)))
     finally:
         for stack in stacks.values():
             stack.close()
-    return {"rounds": rounds, "one_connection": one, "grpc_client_16": ceiling}
+    return {"rounds": rounds, "one_connection": one, "calls_client_16": ceiling}
 
 
 def real_cluster(args) -> dict:
@@ -285,16 +302,16 @@ def table(result: dict, args) -> list[str]:
             x = r[name]
             lines.append(f"| {n} | {name} | {x['rps']:.0f} | {x['rps'] / r['sglang']['rps']:.2f} | {x['p50_ms']:.2f} | "
                          f"{x['p99_ms']:.2f} | {x['cpu_ms_per_request']:.3f} | {x['errors']} |")
-    c = result["grpc_client_16"]
-    lines += ["", f"pdspark's gRPC calls alone (a bare grpc.aio client making the router's two calls per request, 16 "
-              f"at a time, no HTTP): {c['rps']:.0f} req/s, {c['cpu_ms_per_request']:.3f} CPU ms per request"]
+    for name, c in result["calls_client_16"].items():
+        lines += ["", f"{name}'s calls alone (a bare client making the router's two calls per request the same way, "
+                  f"16 at a time, no HTTP): {c['rps']:.0f} req/s, {c['cpu_ms_per_request']:.3f} CPU ms per request"]
     lines += [
         "",
         "| one connection | router p50 ms | direct p50 ms | added p50 ms |",
         "|---|---:|---:|---:|",
     ]
     for name in ("sglang", *names):
-        r, d = one[f"{name}_router"], one["sglang_direct" if name == "sglang" else "pdspark_direct"]
+        r, d = one[f"{name}_router"], one[f"{name}_direct"]
         lines.append(f"| {name} | {r['p50_ms']:.2f} | {d['p50_ms']:.2f} | {r['p50_ms'] - d['p50_ms']:.2f} |")
     if "real" in result:
         real = result["real"]
@@ -305,6 +322,13 @@ def table(result: dict, args) -> list[str]:
     return lines
 
 
+def label(name: str) -> str:
+    """`pdspark_multiplexed` -> `pdspark router (multiplexed)`."""
+    if name == "sglang":
+        return "sglang-router"
+    return "pdspark router" + (f" ({name.split('_', 1)[1]})" if "_" in name else "")
+
+
 def plot(result: dict, title: str) -> None:
     fig, (ax1, ax2) = figure(ncols=2, width=10)
     rounds = result["rounds"]
@@ -313,16 +337,16 @@ def plot(result: dict, title: str) -> None:
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         ax1.bar([x + (i - (len(names) - 1) / 2) * width for x in xs], [r[name]["rps"] for r in rounds], width,
-                label="sglang-router" if name == "sglang" else name.replace("pdspark", "pdspark router"))
+                label=label(name))
     ax1.set_xticks(list(xs), [f"round {n + 1}" for n in xs], fontsize=8)
     ax1.set_ylabel("requests/s (16 connections)")
     ax1.legend(fontsize=8)
     one = result["one_connection"]
-    direct_of = {n: one["sglang_direct" if n == "sglang" else "pdspark_direct"]["p50_ms"] for n in names}
+    direct_of = {n: one[f"{n}_direct"]["p50_ms"] for n in names}
     ax2.bar([x - 0.2 for x in range(len(names))], [direct_of[n] for n in names], 0.4, label="direct")
     ax2.bar([x + 0.2 for x in range(len(names))], [one[f"{n}_router"]["p50_ms"] for n in names], 0.4,
             label="through router")
-    ax2.set_xticks(list(range(len(names))), ["sglang-router" if n == "sglang" else n for n in names], fontsize=8)
+    ax2.set_xticks(list(range(len(names))), [label(n) for n in names], fontsize=8)
     ax2.set_ylabel("p50 ms at one connection")
     ax2.legend(fontsize=8)
     save_figure(fig, "router", title)
@@ -356,7 +380,7 @@ def main() -> None:
     result["throughput_ratio_median"] = {
         n: statistics.median(r[n]["rps"] / r["sglang"]["rps"] for r in result["rounds"]) for n in names}
     one = result["one_connection"]
-    result["added_p50_ms"] = {n: one[f"{n}_router"]["p50_ms"] - one[f"{n.split('_')[0]}_direct"]["p50_ms"]
+    result["added_p50_ms"] = {n: one[f"{n}_router"]["p50_ms"] - one[f"{n}_direct"]["p50_ms"]
                               for n in ("sglang", *names)}
     lines += [""] + [f"throughput ratio {n} / sglang-router (median of rounds): "
                      f"{result['throughput_ratio_median'][n]:.2f}" for n in names]

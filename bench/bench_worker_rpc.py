@@ -14,6 +14,8 @@ all threads, is the "client" column: the router's share). Transports:
   task per stream resolving the request's future/queue; a per-request deadline timer on the client.
 - `mux-batched`: `mux`, but each writer sends every frame queued when it wakes as one message (a repeated field),
   on both sides: under concurrency, one message carries several requests.
+- `pdspark-multiplexed`: what the router's `--worker-calls multiplexed` runs: `MultiplexedClient` on the workers'
+  `Calls` method served by `MultiplexedServer` (the `mux-batched` design with deadlines, cancels and statuses).
 - `sync-threads`: grpc's synchronous stubs: Prefill as a `.future()` (resolved on the loop by a thread-safe
   callback), Generate iterated on an executor thread.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -51,6 +54,8 @@ from report import figure, save_figure, write_json  # noqa: E402
 
 from pdspark.rpc import convert  # noqa: E402
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
+from pdspark.rpc.multiplexed_client import MultiplexedClient  # noqa: E402
+from pdspark.rpc.multiplexed_server import CallHandler, MultiplexedServer  # noqa: E402
 from pdspark.types import SamplingParams  # noqa: E402
 from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -58,7 +63,7 @@ MUX_STREAM = "/pdspark.bench.Mux/Stream"
 UNARY_GENERATE = "/pdspark.bench.Mux/GenerateUnary"
 PROMPT = [11, 12, 13, 14, 15, 16]
 TIMEOUT_S = 60.0
-VARIANTS = ("unary+stream", "unary+unary", "mux", "mux-batched", "sync-threads")
+VARIANTS = ("unary+stream", "unary+unary", "mux", "mux-batched", "pdspark-multiplexed", "sync-threads")
 
 
 def _envelope_classes():
@@ -109,13 +114,29 @@ def _chunk(request) -> worker_pb2.GenerateChunk:
 
 
 class _Prefill(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self) -> None:
+        self.calls = MultiplexedServer({"prefill": CallHandler(self.Prefill, "prefill", streaming=False)})
+
     async def Prefill(self, request, context):
         return _prefill_response(request)
 
+    async def Calls(self, request_iterator, context):
+        async with contextlib.aclosing(self.calls.serve(request_iterator, context)) as replies:
+            async for message in replies:
+                yield message
+
 
 class _Decode(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self) -> None:
+        self.calls = MultiplexedServer({"generate": CallHandler(self.Generate, "chunk", streaming=True)})
+
     async def Generate(self, request, context):
         yield _chunk(request)
+
+    async def Calls(self, request_iterator, context):
+        async with contextlib.aclosing(self.calls.serve(request_iterator, context)) as replies:
+            async for message in replies:
+                yield message
 
 
 async def _mux_handler(requests, context):
@@ -302,6 +323,27 @@ class MuxBatched(Mux):
         super().__init__(prefill, decode, batched=True)
 
 
+class PdsparkMultiplexed:
+    """The router's `--worker-calls multiplexed`, called as `Dispatcher._run_pair` calls it."""
+
+    def __init__(self, prefill: str, decode: str):
+        self.channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in (prefill, decode)]
+        self.prefill = MultiplexedClient(self.channels[0], "/pdspark.v1.PrefillWorker/Calls")
+        self.decode = MultiplexedClient(self.channels[1], "/pdspark.v1.DecodeWorker/Calls")
+
+    async def one(self) -> None:
+        p, g = _requests()
+        response = self.prefill.call("prefill", p, TIMEOUT_S + 5).response()
+        async for chunk in self.decode.call("generate", g, TIMEOUT_S):
+            assert chunk.token_ids
+        await response
+
+    async def close(self) -> None:
+        await self.prefill.close()
+        await self.decode.close()
+        await asyncio.gather(*(c.close() for c in self.channels))
+
+
 class SyncThreads:
     def __init__(self, prefill: str, decode: str):
         self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in (prefill, decode)]
@@ -328,7 +370,8 @@ class SyncThreads:
 
 
 CLIENTS: dict[str, Callable] = {"unary+stream": UnaryStream, "unary+unary": UnaryUnary, "mux": Mux,
-                                "mux-batched": MuxBatched, "sync-threads": SyncThreads}
+                                "mux-batched": MuxBatched, "pdspark-multiplexed": PdsparkMultiplexed,
+                                "sync-threads": SyncThreads}
 
 
 async def _run(one: Callable[[], Awaitable[None]], requests: int, concurrency: int) -> float:
