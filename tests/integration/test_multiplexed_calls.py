@@ -231,3 +231,21 @@ def test_calls_on_a_closed_channel_fail_as_a_dead_workers_so_the_router_retries_
             assert failure_from_rpc_error(e.value).code is ErrorCode.UNAVAILABLE
 
     run(scenario())
+
+
+def test_a_stopping_worker_refuses_new_calls_and_finishes_the_running_ones():
+    async def scenario():
+        stub = StubDecode(tokens=2)
+        stub.mode = HOLD
+        async with served(stub, GENERATE) as (client, _, _):
+            running = client.call("generate", generate("r"), timeout=10)
+            await until(lambda: len(stub.calls) == 1, 5, "the call at the worker")
+            stub.calls_server.stop_taking_calls()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await texts(client.call("generate", generate("late"), timeout=10))
+            assert failure_from_rpc_error(e.value).code is ErrorCode.UNAVAILABLE  # retried on another worker
+            assert [c.request_id for c in stub.calls] == ["r"]
+            stub.release.set()
+            assert await texts(running) == ["r;", "r;"]
+
+    run(scenario())

@@ -7,7 +7,8 @@ time remaining (the frame's `timeout_ms`, from receipt) and `abort` (the call en
 trailing metadata, e.g. the typed `ErrorDetail`). An exception the handler lets out ends the call UNKNOWN, as grpc
 ends it. A call is cancelled (its task, as grpc cancels a handler) when its caller sends `cancel`, when its timeout
 passes, and when the stream ends: every call on a stream that goes away (the router died, or its connection broke)
-is cancelled, as the calls of a broken connection are.
+is cancelled, as the calls of a broken connection are. A worker that is stopping (`stop_taking_calls`) refuses new
+calls UNAVAILABLE, as a gRPC server in its grace period refuses new calls, while the running ones go on.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class CallContext:
 class _Calls:
     """One stream's running calls and the replies waiting for the writer."""
 
-    def __init__(self, handlers: Mapping[str, CallHandler], context: Any):
-        self.handlers = handlers
+    def __init__(self, server: MultiplexedServer, context: Any):
+        self.server = server
+        self.handlers = server.handlers
         self.context = context
         self.tasks: dict[int, asyncio.Task] = {}
         self.pending: list[worker_pb2.ReplyFrame] = []
@@ -101,6 +103,9 @@ class _Calls:
                         task = self.tasks.get(frame.call_id)
                         if task is not None:
                             task.cancel()
+                        continue
+                    if not self.server.taking_calls:
+                        self.reply(_ended(frame.call_id, grpc.StatusCode.UNAVAILABLE, "the worker is stopping"))
                         continue
                     handler = self.handlers.get(kind) if kind is not None else None
                     if handler is None or frame.call_id in self.tasks:
@@ -152,11 +157,16 @@ class MultiplexedServer:
     def __init__(self, handlers: Mapping[str, CallHandler]):
         """`handlers`: by `CallFrame.body` field (`prefill`, `generate`), what a call of that kind runs."""
         self.handlers = handlers
+        self.taking_calls = True
+
+    def stop_taking_calls(self) -> None:
+        """From now on new calls are refused UNAVAILABLE (the worker is stopping); running calls go on."""
+        self.taking_calls = False
 
     async def serve(self, frames: AsyncIterator[worker_pb2.CallFrames], context: Any
                     ) -> AsyncIterator[worker_pb2.ReplyFrames]:
         """The `Calls` handler: until the caller goes away, or it stopped sending and every call ended."""
-        calls = _Calls(self.handlers, context)
+        calls = _Calls(self, context)
         reader = asyncio.ensure_future(calls.read(frames))
         try:
             while calls.reading or calls.tasks or calls.pending:
