@@ -14,9 +14,10 @@ import pytest
 
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS
+from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.multiplexed_client import MultiplexedClient, batches
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
-from pdspark.v1 import worker_pb2
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
 from router_harness import until
 from worker_stubs import HANG, HOLD, StubDecode, StubPrefill, serve_stub
 
@@ -247,5 +248,43 @@ def test_a_stopping_worker_refuses_new_calls_and_finishes_the_running_ones():
             assert [c.request_id for c in stub.calls] == ["r"]
             stub.release.set()
             assert await texts(running) == ["r;", "r;"]
+
+    run(scenario())
+
+
+def test_bad_input_on_a_calls_stream_is_invalid_argument():
+    async def scenario():
+        stub = StubDecode(tokens=2)
+        server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()])  # as a worker serves
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(stub, server)
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                # A call of a kind this worker does not take.
+                client = MultiplexedClient(channel, GENERATE)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await client.call("prefill", worker_pb2.PrefillRequest(), timeout=10).response()
+                assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert reported_failure(e.value).code is ErrorCode.INVALID_REQUEST
+                # A second call under a running call's id: refused (under that id), never reaching the servicer.
+                stub.mode = HOLD
+                running = client.call("generate", generate("r"), timeout=10)
+                await until(lambda: len(stub.calls) == 1, 5, "the call at the worker")
+                assert client._stream is not None
+                client._stream.send(worker_pb2.CallFrame(call_id=running.call_id, generate=generate("again")))
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await texts(running)
+                assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "running already" in e.value.details()
+                assert [c.request_id for c in stub.calls] == ["r"]
+                # Bytes that are no CallFrames: the stream ends INVALID_ARGUMENT, with the typed trailer.
+                raw = channel.stream_stream(GENERATE)(iter([b"\xff\xff\xff"]))
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in raw:
+                        pass
+                assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert reported_failure(e.value).code is ErrorCode.INVALID_REQUEST
+        finally:
+            await server.stop(None)
 
     run(scenario())

@@ -23,6 +23,8 @@ from typing import Any, NoReturn
 
 import grpc
 
+from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.rpc import status
 from pdspark.rpc.multiplexed_client import batches
 from pdspark.v1 import worker_pb2
 
@@ -108,9 +110,12 @@ class _Calls:
                         self.reply(_ended(frame.call_id, grpc.StatusCode.UNAVAILABLE, "the worker is stopping"))
                         continue
                     handler = self.handlers.get(kind) if kind is not None else None
-                    if handler is None or frame.call_id in self.tasks:
-                        self.reply(_ended(frame.call_id, grpc.StatusCode.UNIMPLEMENTED,
-                                          f"no call {kind!r} on this stream, or call {frame.call_id} is running"))
+                    if handler is None or frame.call_id in self.tasks:  # the caller's mistake: bad input
+                        failure = RequestFailed(ErrorCode.INVALID_REQUEST, f"no call {kind!r} on this stream"
+                                                if handler is None else f"call {frame.call_id} is running already")
+                        frame_end = _ended(frame.call_id, status.status_of(failure.code), failure.message)
+                        frame_end.trailing_metadata.update(status.trailers(failure))
+                        self.reply(frame_end)
                         continue
                     deadline = loop.time() + frame.timeout_ms / 1000 if frame.timeout_ms else None
                     context = CallContext(tuple(frame.metadata.items()), deadline, self.context)
