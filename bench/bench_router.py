@@ -6,9 +6,12 @@
   so both meet the same contention on a shared machine; the table has every round.
 - Added latency: p50 at one connection through each router minus p50 calling its stubs directly (sglang: wrk on the
   decode stub; pdspark: the dual dispatch the router makes, done by a gRPC client in this process, sequentially).
+- pdspark's router runs once per `--worker-calls` setting (per-request gRPC calls to the workers, and multiplexed on
+  one stream per worker), each its own router and stubs, alternating with the others in every round.
 - Optionally (`--real`), the pdspark router over a real dsv4-tiny pair vs that client's direct dual dispatch.
 
     python bench/bench_router.py [--rounds 2] [--duration 8] [--sglang-python .venv-sglang-router/bin/python] [--real]
+        [--worker-calls per-request multiplexed]
 
 Needs `wrk` (Debian) and sglang-router in its own venv: `make sglang-router-tools` (`make bench-router` runs both).
 """
@@ -27,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import figure, save_figure, write_json  # noqa: E402
 
 from pdspark.rpc import convert  # noqa: E402
+from pdspark.rpc.multiplexed_client import MultiplexedClient  # noqa: E402
 from pdspark.service_process import ServiceProcess  # noqa: E402
 from pdspark.types import SamplingParams  # noqa: E402
 from pdspark.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -134,21 +139,31 @@ def free_port() -> int:
 
 
 # ---- pdspark's direct path: the dual dispatch the router makes, from a client in this process ----------------------
-async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1) -> Load:
-    """Prefill + Generate sent at once to the stubs, as the router sends them, `concurrency` pairs at a time (1:
-    one connection's latency). Its CPU per request is this client's: the gRPC calls alone, a floor for the router."""
+async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1,
+                 worker_calls: str = "per-request") -> Load:
+    """Prefill + Generate sent at once to the stubs, as the router sends them (one gRPC call each, or multiplexed on
+    the workers' `Calls` streams), `concurrency` pairs at a time (1: one connection's latency). Its CPU per request is
+    this client's: the calls alone, a floor for the router."""
     channels = [grpc.aio.insecure_channel(prefill), grpc.aio.insecure_channel(decode)]
     p_stub, d_stub = worker_pb2_grpc.PrefillWorkerStub(channels[0]), worker_pb2_grpc.DecodeWorkerStub(channels[1])
+    p_calls = MultiplexedClient(channels[0], "/pdspark.v1.PrefillWorker/Calls")
+    d_calls = MultiplexedClient(channels[1], "/pdspark.v1.DecodeWorker/Calls")
     sampling = convert.sampling_to_pb(SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
 
     async def one() -> float:
         tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
         t0 = time.perf_counter()
-        p_call = asyncio.ensure_future(p_stub.Prefill(worker_pb2.PrefillRequest(
-            request_id=rid, transfer_id=tid, prompt_token_ids=DIRECT_PROMPT, sampling=sampling, timeout_ms=60_000)))
-        async for _ in d_stub.Generate(worker_pb2.GenerateRequest(
-                request_id=rid, transfer_id=tid, prompt_token_ids=DIRECT_PROMPT, sampling=sampling,
-                prefill_address=prefill, timeout_ms=60_000)):
+        p_request = worker_pb2.PrefillRequest(request_id=rid, transfer_id=tid, prompt_token_ids=DIRECT_PROMPT,
+                                              sampling=sampling, timeout_ms=60_000)
+        g_request = worker_pb2.GenerateRequest(request_id=rid, transfer_id=tid, prompt_token_ids=DIRECT_PROMPT,
+                                               sampling=sampling, prefill_address=prefill, timeout_ms=60_000)
+        if worker_calls == "multiplexed":
+            p_call: asyncio.Future = p_calls.call("prefill", p_request, 65.0).response()
+            stream: AsyncIterator = d_calls.call("generate", g_request, 60.0)
+        else:
+            p_call = asyncio.ensure_future(p_stub.Prefill(p_request))
+            stream = d_stub.Generate(g_request)
+        async for _ in stream:
             pass
         await p_call
         return time.perf_counter() - t0
@@ -164,6 +179,8 @@ async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1)
     cpu0, t0 = cpu_s(os.getpid()), time.perf_counter()
     lat = sorted(await asyncio.gather(*(limited() for _ in range(requests))))
     elapsed, cpu = time.perf_counter() - t0, cpu_s(os.getpid()) - cpu0
+    await p_calls.close()
+    await d_calls.close()
     for c in channels:
         await c.close()
     return Load(requests / elapsed, lat[len(lat) // 2] * 1e3, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
@@ -172,13 +189,14 @@ async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1)
 
 # ---- the two stacks -------------------------------------------------------------------------------------------------
 class PdsparkStack:
-    def __init__(self, model: str):
+    def __init__(self, model: str, worker_calls: str = "per-request"):
         self.stubs, info = start_json_child([sys.executable, str(ROOT / "bench" / "stub_workers.py"), "--tokens",
                                              "1"])
         self.prefill, self.decode = info["prefill"], info["decode"]
         fake = [ServiceProcess("p", self.stubs, {"address": self.prefill}),
                 ServiceProcess("d", self.stubs, {"address": self.decode})]
-        self.router = start_router(model, fake[:1], fake[1:], "--served-model-name", MODEL_NAME)
+        self.router = start_router(model, fake[:1], fake[1:], "--served-model-name", MODEL_NAME, "--worker-calls",
+                                   worker_calls)
         self.url = f"{self.router.info['http']}/v1/completions"
         wait_serving(self.url)
 
@@ -211,30 +229,42 @@ class SglangStack:
         stop(self.stubs)
 
 
+def stack_name(worker_calls: str) -> str:
+    """The name of a pdspark run in the results: `pdspark` (per-request calls, the default), `pdspark_multiplexed`."""
+    return "pdspark" if worker_calls == "per-request" else f"pdspark_{worker_calls}"
+
+
 def side_by_side(args, script: Path) -> dict:
     sglang = SglangStack(args.sglang_python)
-    pdspark = PdsparkStack(args.model)
+    stacks: dict[str, SglangStack | PdsparkStack] = {"sglang": sglang}
     rounds: list[dict] = []
     try:
-        for n in range(args.rounds):  # alternating: both meet the same contention
+        for calls in args.worker_calls:
+            stacks[stack_name(calls)] = PdsparkStack(args.model, calls)
+        for n in range(args.rounds):  # alternating: all meet the same contention
             row = {}
-            for name, stack in (("sglang", sglang), ("pdspark", pdspark)):
+            for name, stack in stacks.items():
                 row[name] = asdict(wrk(stack.url, script, 2, 16, args.duration, stack.router.pid))
-                print(f"  round {n + 1} {name}: {row[name]['rps']:.0f} req/s, p50 {row[name]['p50_ms']:.2f} ms",
-                      file=sys.stderr)
+                print(f"  round {n + 1} {name}: {row[name]['rps']:.0f} req/s, p50 {row[name]['p50_ms']:.2f} ms, "
+                      f"{row[name]['cpu_ms_per_request']:.3f} CPU ms/req", file=sys.stderr)
             rounds.append(row)
-        one = {
-            "sglang_router": asdict(wrk(sglang.url, script, 1, 1, args.duration)),
-            "sglang_direct": asdict(wrk(sglang.decode_url, script, 1, 1, args.duration)),
-            "pdspark_router": asdict(wrk(pdspark.url, script, 1, 1, args.duration)),
-            "pdspark_direct": asdict(asyncio.run(direct(pdspark.prefill, pdspark.decode, args.direct_requests))),
-        }
-        # The gRPC client's own ceiling: the router's two calls per request, from a bare client at 16 at a time.
-        ceiling = asdict(asyncio.run(direct(pdspark.prefill, pdspark.decode, args.direct_requests * 2, 16)))
+        one = {"sglang_router": asdict(wrk(sglang.url, script, 1, 1, args.duration)),
+               "sglang_direct": asdict(wrk(sglang.decode_url, script, 1, 1, args.duration))}
+        ceiling = {}
+        for calls in args.worker_calls:
+            name = stack_name(calls)
+            stack = stacks[name]
+            assert isinstance(stack, PdsparkStack)
+            one[f"{name}_router"] = asdict(wrk(stack.url, script, 1, 1, args.duration))
+            one[f"{name}_direct"] = asdict(asyncio.run(direct(stack.prefill, stack.decode, args.direct_requests,
+                                                              worker_calls=calls)))
+            # The calls' own ceiling: the router's two calls per request, from a bare client at 16 at a time.
+            ceiling[name] = asdict(asyncio.run(direct(stack.prefill, stack.decode, args.direct_requests * 2, 16,
+                                                      worker_calls=calls)))
     finally:
-        pdspark.close()
-        sglang.close()
-    return {"rounds": rounds, "one_connection": one, "grpc_client_16": ceiling}
+        for stack in stacks.values():
+            stack.close()
+    return {"rounds": rounds, "one_connection": one, "calls_client_16": ceiling}
 
 
 def real_cluster(args) -> dict:
@@ -259,28 +289,28 @@ def real_cluster(args) -> dict:
 
 def table(result: dict, args) -> list[str]:
     rounds, one = result["rounds"], result["one_connection"]
+    names = [n for n in rounds[0] if n != "sglang"]
     lines = [
         f"pdspark router vs sglang-router 0.3.2 (PD mode), instant stub workers, 1 token, wrk POST /v1/completions "
         f"(2 threads, 16 connections, {args.duration:g} s), rounds alternating",
         "",
-        "| round | sglang-router req/s | pdspark req/s | ratio | sglang p50 ms | pdspark p50 ms | sglang p99 ms "
-        "| pdspark p99 ms | sglang CPU ms/req | pdspark CPU ms/req | errors (s/p) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| round | router | req/s | ratio to sglang-router | p50 ms | p99 ms | router CPU ms/req | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n, r in enumerate(rounds, 1):
-        s, p = r["sglang"], r["pdspark"]
-        lines.append(f"| {n} | {s['rps']:.0f} | {p['rps']:.0f} | {p['rps'] / s['rps']:.2f} | {s['p50_ms']:.2f} | "
-                     f"{p['p50_ms']:.2f} | {s['p99_ms']:.2f} | {p['p99_ms']:.2f} | {s['cpu_ms_per_request']:.3f} | "
-                     f"{p['cpu_ms_per_request']:.3f} | {s['errors']}/{p['errors']} |")
-    c = result["grpc_client_16"]
-    lines += ["", f"pdspark's gRPC calls alone (a bare grpc.aio client making the router's two calls per request, 16 "
-              f"at a time, no HTTP): {c['rps']:.0f} req/s, {c['cpu_ms_per_request']:.3f} CPU ms per request"]
+        for name in ("sglang", *names):
+            x = r[name]
+            lines.append(f"| {n} | {name} | {x['rps']:.0f} | {x['rps'] / r['sglang']['rps']:.2f} | {x['p50_ms']:.2f} | "
+                         f"{x['p99_ms']:.2f} | {x['cpu_ms_per_request']:.3f} | {x['errors']} |")
+    for name, c in result["calls_client_16"].items():
+        lines += ["", f"{name}'s calls alone (a bare client making the router's two calls per request the same way, "
+                  f"16 at a time, no HTTP): {c['rps']:.0f} req/s, {c['cpu_ms_per_request']:.3f} CPU ms per request"]
     lines += [
         "",
         "| one connection | router p50 ms | direct p50 ms | added p50 ms |",
         "|---|---:|---:|---:|",
     ]
-    for name in ("sglang", "pdspark"):
+    for name in ("sglang", *names):
         r, d = one[f"{name}_router"], one[f"{name}_direct"]
         lines.append(f"| {name} | {r['p50_ms']:.2f} | {d['p50_ms']:.2f} | {r['p50_ms'] - d['p50_ms']:.2f} |")
     if "real" in result:
@@ -292,21 +322,31 @@ def table(result: dict, args) -> list[str]:
     return lines
 
 
+def label(name: str) -> str:
+    """`pdspark_multiplexed` -> `pdspark router (multiplexed)`."""
+    if name == "sglang":
+        return "sglang-router"
+    return "pdspark router" + (f" ({name.split('_', 1)[1]})" if "_" in name else "")
+
+
 def plot(result: dict, title: str) -> None:
     fig, (ax1, ax2) = figure(ncols=2, width=10)
     rounds = result["rounds"]
+    names = list(rounds[0])
     xs = range(len(rounds))
-    for offset, name in ((-0.2, "sglang"), (0.2, "pdspark")):
-        ax1.bar([x + offset for x in xs], [r[name]["rps"] for r in rounds], 0.4,
-                label="sglang-router" if name == "sglang" else "pdspark router")
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax1.bar([x + (i - (len(names) - 1) / 2) * width for x in xs], [r[name]["rps"] for r in rounds], width,
+                label=label(name))
     ax1.set_xticks(list(xs), [f"round {n + 1}" for n in xs], fontsize=8)
     ax1.set_ylabel("requests/s (16 connections)")
     ax1.legend(fontsize=8)
     one = result["one_connection"]
-    names = ("sglang", "pdspark")
-    ax2.bar([x - 0.2 for x in range(2)], [one[f"{n}_direct"]["p50_ms"] for n in names], 0.4, label="direct")
-    ax2.bar([x + 0.2 for x in range(2)], [one[f"{n}_router"]["p50_ms"] for n in names], 0.4, label="through router")
-    ax2.set_xticks([0, 1], ["sglang-router", "pdspark router"], fontsize=8)
+    direct_of = {n: one[f"{n}_direct"]["p50_ms"] for n in names}
+    ax2.bar([x - 0.2 for x in range(len(names))], [direct_of[n] for n in names], 0.4, label="direct")
+    ax2.bar([x + 0.2 for x in range(len(names))], [one[f"{n}_router"]["p50_ms"] for n in names], 0.4,
+            label="through router")
+    ax2.set_xticks(list(range(len(names))), [label(n) for n in names], fontsize=8)
     ax2.set_ylabel("p50 ms at one connection")
     ax2.legend(fontsize=8)
     save_figure(fig, "router", title)
@@ -321,6 +361,8 @@ def main() -> None:
     parser.add_argument("--sglang-python", default=str(ROOT / ".venv-sglang-router" / "bin" / "python"),
                         help="a python with sglang-router 0.3.2 installed (`make sglang-router-tools`)")
     parser.add_argument("--real", action="store_true", help="also the pdspark router over a real dsv4-tiny pair")
+    parser.add_argument("--worker-calls", nargs="+", default=["per-request", "multiplexed"],
+                        choices=["per-request", "multiplexed"], help="pdspark routers to run (their --worker-calls)")
     parser.add_argument("--no-save", action="store_true", help="print the table only (no JSON/PNG)")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
@@ -334,13 +376,14 @@ def main() -> None:
     if args.real:
         result["real"] = real_cluster(args)
     lines = table(result, args)
-    ratios = [r["pdspark"]["rps"] / r["sglang"]["rps"] for r in result["rounds"]]
-    result["throughput_ratio_median"] = statistics.median(ratios)
+    names = [stack_name(c) for c in args.worker_calls]
+    result["throughput_ratio_median"] = {
+        n: statistics.median(r[n]["rps"] / r["sglang"]["rps"] for r in result["rounds"]) for n in names}
     one = result["one_connection"]
     result["added_p50_ms"] = {n: one[f"{n}_router"]["p50_ms"] - one[f"{n}_direct"]["p50_ms"]
-                              for n in ("sglang", "pdspark")}
-    lines += ["", "throughput ratio pdspark / sglang-router (median of rounds): "
-              f"{result['throughput_ratio_median']:.2f}"]
+                              for n in ("sglang", *names)}
+    lines += [""] + [f"throughput ratio {n} / sglang-router (median of rounds): "
+                     f"{result['throughput_ratio_median'][n]:.2f}" for n in names]
     print("\n".join(lines))
     if not args.no_save:
         write_json("router", {"args": vars(args), **result})

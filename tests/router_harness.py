@@ -4,6 +4,7 @@ all on the running event loop, so a test drives clients, router and workers from
 from __future__ import annotations
 
 import asyncio
+import os
 
 import grpc
 from aiohttp import web
@@ -46,7 +47,9 @@ class RouterHarness:
     async def start(cls, prefills: int = 1, decodes: int = 1, tokens: int = 4, poll: bool = False,
                     **options) -> RouterHarness:
         """`options`: `RouterConfig` options (flat: `api_key=("k",)`); `poll`: run the registry's health and load
-        polling."""
+        polling. `worker_calls` not given: `PDSPARK_WORKER_CALLS` decides, as in a router process (so that one
+        variable runs every router test, harness and processes, over either transport)."""
+        options.setdefault("worker_calls", os.environ.get("PDSPARK_WORKER_CALLS") or "per-request")
         h = cls()
         served = []
         for stub in [StubPrefill() for _ in range(prefills)] + [StubDecode(tokens) for _ in range(decodes)]:
@@ -58,7 +61,8 @@ class RouterHarness:
         h.decode = sorted((s for s in served if isinstance(s, StubDecode)), key=lambda s: h.address[id(s)])
         cfg = build(RouterConfig, options)
         h.registry = WorkerRegistry(health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
-                                    load_interval_s=cfg.load_interval_s)
+                                    load_interval_s=cfg.load_interval_s,
+                                    multiplexed=cfg.worker_calls == "multiplexed")
         for s in h.prefill:
             h.registry.add("prefill", h.address[id(s)])
         for s in h.decode:

@@ -11,6 +11,7 @@ a prefill address in `hang_with` (as a real one waits for a transfer that prefil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 import grpc
@@ -19,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.rpc import status
 from pdspark.rpc.keepalive import SERVER_OPTIONS  # accept the router's pings as a worker does
+from pdspark.rpc.multiplexed_server import CallHandler, MultiplexedServer
 from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 OK, HOLD, HANG = "ok", "hold", "hang"
@@ -87,6 +89,15 @@ class _Stub:
 
 
 class StubPrefill(_Stub, worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls_server = MultiplexedServer({"prefill": CallHandler(self.Prefill, "prefill", streaming=False)})
+
+    async def Calls(self, request_iterator, context):  # Prefill calls multiplexed, as a worker takes them
+        async with contextlib.aclosing(self.calls_server.serve(request_iterator, context)) as replies:
+            async for message in replies:
+                yield message
+
     async def Prefill(self, request, context):
         await self._wait(self._next_mode(request, context), request.request_id, context)
         return worker_pb2.PrefillResponse(result=worker_pb2.TransferResult(transfer_id=request.transfer_id,
@@ -102,6 +113,12 @@ class StubDecode(_Stub, worker_pb2_grpc.DecodeWorkerServicer):
         # Per call, in order: the stream breaks (UNAVAILABLE, as a worker that died) after this many chunks;
         # HANG: it stalls there instead (as a stopped worker's stream).
         self.breaks: list[int | tuple[int, str]] = []
+        self.calls_server = MultiplexedServer({"generate": CallHandler(self.Generate, "chunk", streaming=True)})
+
+    async def Calls(self, request_iterator, context):  # Generate calls multiplexed, as a worker takes them
+        async with contextlib.aclosing(self.calls_server.serve(request_iterator, context)) as replies:
+            async for message in replies:
+                yield message
 
     async def Generate(self, request, context):
         mode = self._next_mode(request, context)

@@ -29,6 +29,9 @@ Quantization = Literal["auto", "modelslim", "none"]  # `pdspark.model.loader.QUA
 Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # the names of `pdspark.router.policies.POLICIES`
 TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfer.backend.create_backend` takes
 UpBackend = Literal["process", "ray"]  # how `pdspark up` runs its services (`pdspark.launcher`)
+# How the router's Prefill and Generate calls reach a worker: one gRPC call each, or multiplexed on one stream per
+# worker (`pdspark.rpc.multiplexed_client`).
+WorkerCalls = Literal["per-request", "multiplexed"]
 Device = Literal["cpu", "cuda", "npu"]  # the names `pdspark.hardware.registry.select_backend` takes
 
 _MODEL_HELP = "checkpoint directory (HF-format DSV4) or shipped model name"
@@ -258,6 +261,11 @@ class RouterConfig:
         "the workers)", minimum=1)
     transfer_timeout_s: float = option(30.0, "seconds a request's cache transfer may take before the pair is failed",
                                        flag="transfer-timeout")
+    # Multiplexed: 'Calls' streams (worker.proto), several times less CPU per request on both sides under load
+    # (bench/bench_worker_rpc.py); the workers must serve `Calls` (every pdspark worker of this version does).
+    worker_calls: WorkerCalls = option(
+        "per-request", "how Prefill and Generate calls reach the workers: one gRPC call each (per-request), or "
+        "multiplexed on one long-lived stream per worker, every call queued meanwhile in one message")
     max_attempts: int = option(3, "pairs a request tries before its first token (and after each migration) before "
                                "it fails", minimum=1)
     max_migrations: int = option(3, "times a stream whose decode worker failed mid-stream is moved to another pair "

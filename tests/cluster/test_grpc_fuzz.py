@@ -28,6 +28,7 @@ EXAMPLES = 30
 # What a server bug looks like from outside; every refusal of bad input has a status of its own.
 BUG_STATUSES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS,
                 grpc.StatusCode.UNIMPLEMENTED}
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 # Ids drawn from a few values, so that a Prefill and a SubmitPlan (or two of either) meet on one transfer.
 IDS = st.one_of(st.sampled_from(["t-1", "t-2", "r-1", ""]), st.text(max_size=12))
 # Token ids: a valid prompt half the time, else any int32 (negative, past the vocabulary, none at all).
@@ -65,6 +66,9 @@ def rpcs(prefill_address: str) -> list[tuple[str, str, type, bool, dict]]:
     ids = {"request_id": IDS, "transfer_id": IDS, "prompt_token_ids": TOKENS, "sampling": SAMPLING,
            "generated_token_ids": st.one_of(st.just([]), TOKENS)}
     to_prefill = {**ids, "prefill_address": st.one_of(st.just(prefill_address), st.text(max_size=24))}
+    # `Calls` streams: frames whose ids collide (a cancel meets its call, a second call a running one).
+    frames = {"call_id": st.one_of(st.sampled_from([0, 1, 2]), st.integers(0, 2**64 - 1)),
+              "timeout_ms": st.one_of(st.just(0), st.integers(0, 2**32 - 1))}
     return [
         ("prefill", "/pdspark.v1.PrefillWorker/Prefill", worker_pb2.PrefillRequest, False, ids),
         ("prefill", "/pdspark.v1.PrefillWorker/SubmitPlan", worker_pb2.TransferPlan, False, ids),
@@ -73,6 +77,8 @@ def rpcs(prefill_address: str) -> list[tuple[str, str, type, bool, dict]]:
         ("decode", "/pdspark.v1.DecodeWorker/Generate", worker_pb2.GenerateRequest, True, to_prefill),
         ("decode", "/pdspark.v1.DecodeWorker/Abort", worker_pb2.AbortRequest, False, ids),
         ("decode", "/pdspark.v1.DecodeWorker/GetLoad", worker_pb2.LoadRequest, False, {}),
+        ("prefill", "/pdspark.v1.PrefillWorker/Calls", worker_pb2.CallFrames, True, {**ids, **frames}),
+        ("decode", "/pdspark.v1.DecodeWorker/Calls", worker_pb2.CallFrames, True, {**to_prefill, **frames}),
         ("router", "/pdspark.v1.Router/Generate", router_pb2.RouterGenerateRequest, True,
          {"ids": TOKENS, "sampling": SAMPLING}),
         ("router", "/pdspark.v1.Router/Abort", router_pb2.RouterAbortRequest, False, ids),
@@ -80,8 +86,15 @@ def rpcs(prefill_address: str) -> list[tuple[str, str, type, bool, dict]]:
 
 
 def call(channel: grpc.Channel, method: str, streams: bool, data: bytes) -> grpc.StatusCode:
+    """The call's status; on a `Calls` stream, the first bug status a call on it ended with, if any."""
     try:
-        if streams:
+        if method.endswith("/Calls"):  # one message of frames, then the end of the caller's side
+            for reply in channel.stream_stream(method)(iter([data]), timeout=CALL_TIMEOUT_S):
+                for frame in worker_pb2.ReplyFrames.FromString(reply).frames:
+                    code = STATUS_CODES.get(frame.status_code, grpc.StatusCode.UNKNOWN)
+                    if code in BUG_STATUSES:
+                        return code
+        elif streams:
             for _ in channel.unary_stream(method)(data, timeout=CALL_TIMEOUT_S):
                 pass
         else:

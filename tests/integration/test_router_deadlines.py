@@ -1,6 +1,7 @@
 """Deadlines through the router's real front ends, on stub workers that record the timeout each call carried:
 one deadline per request (the caller's timeout, or the router's default), shared by every attempt, on every call
-to a worker; a worker that never answers ends the request with DEADLINE in bounded time, both legs cancelled."""
+to a worker; a worker that never answers ends the request with DEADLINE in bounded time, both legs cancelled. The
+cases on the calls to the workers run with those calls made one gRPC call each and multiplexed (`worker_calls`)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,18 @@ PROMPT = dict(token_ids=[5, 6, 7], max_tokens=4)
 SLACK_S = 0.3  # how late past its timeout a request may end (scheduling on a shared 2-core machine)
 
 
+@pytest.fixture(params=["per-request", "multiplexed"])
+def worker_calls(request) -> str:
+    return request.param
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
-def test_a_decode_that_never_answers_ends_the_request_at_the_routers_timeout_with_both_legs_cancelled():
+def test_a_decode_that_never_answers_ends_the_request_at_the_routers_timeout_with_both_legs_cancelled(worker_calls):
     async def scenario():
-        async with await RouterHarness.start(request_timeout_s=0.5) as h, \
+        async with await RouterHarness.start(worker_calls=worker_calls, request_timeout_s=0.5) as h, \
                 AsyncClient(h.grpc_address, timeout=30) as client:
             h.prefill[0].mode = h.decode[0].mode = HANG
             t0 = time.perf_counter()
@@ -50,9 +56,10 @@ def test_a_decode_that_never_answers_ends_the_request_at_the_routers_timeout_wit
     run(scenario())
 
 
-def test_every_call_carries_what_is_left_of_the_callers_timeout():
+def test_every_call_carries_what_is_left_of_the_callers_timeout(worker_calls):
     async def scenario():
-        async with await RouterHarness.start() as h, AsyncClient(h.grpc_address, timeout=5) as client:
+        async with await RouterHarness.start(worker_calls=worker_calls) as h, \
+                AsyncClient(h.grpc_address, timeout=5) as client:
             await client.generate(**PROMPT)
             # The last token can reach the client before the prefill call reaches its worker.
             await until(lambda: h.prefill[0].calls, 5, "the prefill call")
@@ -62,9 +69,9 @@ def test_every_call_carries_what_is_left_of_the_callers_timeout():
     run(scenario())
 
 
-def test_retries_share_one_deadline():
+def test_retries_share_one_deadline(worker_calls):
     async def scenario():
-        async with await RouterHarness.start(request_timeout_s=1.0) as h, \
+        async with await RouterHarness.start(worker_calls=worker_calls, request_timeout_s=1.0) as h, \
                 AsyncClient(h.grpc_address, timeout=30) as client:
             # The first attempt fails retryably after 0.4 s; the second never answers.
             h.decode[0].script = [Delayed(0.4, RequestFailed(ErrorCode.UNAVAILABLE, "restarting")), HANG]

@@ -1,7 +1,8 @@
 """Stream migration in the router's dispatcher, on stub workers (the real-process rung is
 tests/cluster/test_migration.py): a decode stream that breaks or stalls after tokens reached the client moves to
 another pair carrying prompt + the tokens so far; the client sees every token once; the migrations are counted and
-bounded; failures before the first token stay plain retries."""
+bounded; failures before the first token stay plain retries. Every case runs with the router's calls to the workers
+made one gRPC call each and multiplexed on one stream per worker (`worker_calls`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ from worker_stubs import HANG
 PROMPT = [5, 6, 7]
 
 
+@pytest.fixture(params=["per-request", "multiplexed"])
+def worker_calls(request) -> str:
+    return request.param
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
@@ -28,9 +34,9 @@ async def stream_ids(client: AsyncClient, **kw) -> list[int]:
     return [t async for chunk in client.stream(token_ids=PROMPT, max_tokens=8, **kw) for t in chunk.token_ids]
 
 
-def test_a_stream_that_breaks_mid_way_continues_on_another_pair_with_the_tokens_so_far():
+def test_a_stream_that_breaks_mid_way_continues_on_another_pair_with_the_tokens_so_far(worker_calls):
     async def scenario():
-        async with await RouterHarness.start(prefills=2, decodes=2, tokens=8) as h, \
+        async with await RouterHarness.start(worker_calls=worker_calls, prefills=2, decodes=2, tokens=8) as h, \
                 AsyncClient(h.grpc_address, timeout=30) as client:
             h.decode[0].breaks = [3]  # the first decode worker dies after 3 tokens
             assert await stream_ids(client) == list(range(8))  # nothing lost, nothing repeated
@@ -45,9 +51,10 @@ def test_a_stream_that_breaks_mid_way_continues_on_another_pair_with_the_tokens_
     run(scenario())
 
 
-def test_http_sse_stream_survives_a_migration():
+def test_http_sse_stream_survives_a_migration(worker_calls):
     async def scenario():
-        async with await RouterHarness.start(decodes=2, tokens=6) as h, aiohttp.ClientSession() as http:
+        async with await RouterHarness.start(worker_calls=worker_calls, decodes=2, tokens=6) as h, \
+                aiohttp.ClientSession() as http:
             h.decode[0].breaks = [1]
             body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "stream": True}
             texts = []
@@ -63,9 +70,9 @@ def test_http_sse_stream_survives_a_migration():
     run(scenario())
 
 
-def test_the_migrations_of_a_request_are_bounded():
+def test_the_migrations_of_a_request_are_bounded(worker_calls):
     async def scenario():
-        async with await RouterHarness.start(decodes=2, tokens=8, max_migrations=2) as h, \
+        async with await RouterHarness.start(worker_calls=worker_calls, decodes=2, tokens=8, max_migrations=2) as h, \
                 AsyncClient(h.grpc_address, timeout=30) as client:
             for stub in h.decode:
                 stub.breaks = [1, 1, 1]  # every stream dies after one token
@@ -78,9 +85,9 @@ def test_the_migrations_of_a_request_are_bounded():
     run(scenario())
 
 
-def test_no_migration_when_disabled():
+def test_no_migration_when_disabled(worker_calls):
     async def scenario():
-        async with await RouterHarness.start(decodes=2, tokens=8, max_migrations=0) as h, \
+        async with await RouterHarness.start(worker_calls=worker_calls, decodes=2, tokens=8, max_migrations=0) as h, \
                 AsyncClient(h.grpc_address, timeout=30) as client:
             h.decode[0].breaks = [2]
             with pytest.raises(ClientError) as e:
@@ -91,9 +98,9 @@ def test_no_migration_when_disabled():
     run(scenario())
 
 
-def test_a_stalled_stream_on_a_worker_that_stops_answering_health_checks_migrates_within_two_seconds():
+def test_a_stalled_stream_on_a_worker_that_stops_answering_health_checks_migrates_within_two_seconds(worker_calls):
     async def scenario():
-        async with await RouterHarness.start(decodes=2, tokens=8, poll=True) as h, \
+        async with await RouterHarness.start(worker_calls=worker_calls, decodes=2, tokens=8, poll=True) as h, \
                 AsyncClient(h.grpc_address, timeout=30) as client:
             h.decode[0].breaks = [(2, HANG)]  # two tokens, then the stream stalls ...
             received: list[int] = []
@@ -113,9 +120,9 @@ def test_a_stalled_stream_on_a_worker_that_stops_answering_health_checks_migrate
     run(scenario())
 
 
-def test_a_failure_before_the_first_token_is_a_retry_not_a_migration():
+def test_a_failure_before_the_first_token_is_a_retry_not_a_migration(worker_calls):
     async def scenario():
-        async with await RouterHarness.start(decodes=2, tokens=4) as h, \
+        async with await RouterHarness.start(worker_calls=worker_calls, decodes=2, tokens=4) as h, \
                 AsyncClient(h.grpc_address, timeout=30) as client:
             h.decode[0].breaks = [0]
             assert await stream_ids(client) == list(range(4))

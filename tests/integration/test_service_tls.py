@@ -24,6 +24,7 @@ from pdspark.launcher import Launcher
 from pdspark.options import parse_args, parse_options
 from pdspark.router.worker_registry import WorkerRegistry
 from pdspark.rpc.keepalive import SERVER_OPTIONS
+from pdspark.rpc.multiplexed_client import MultiplexedClient
 from pdspark.rpc.peer_roles import PeerRoleInterceptor
 from pdspark.rpc.status import failure_from_rpc_error
 from pdspark.rpc.throwaway_ca import ROLE_URI_PREFIX, ThrowawayCA
@@ -78,13 +79,21 @@ def test_each_rpc_only_from_the_role_that_makes_it(pki):
     async def call(role: str, address: str) -> tuple[list[str], ErrorCode | None]:
         async with aio_channel(address, pki[role], []) as channel:
             stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            # The Generate call as it is, and multiplexed on a `Calls` stream (`--worker-calls multiplexed`).
+            calls = MultiplexedClient(channel, "/pdspark.v1.DecodeWorker/Calls")
+            chunks, codes = [], set()
+            for call in (lambda: stub.Generate(worker_pb2.GenerateRequest(request_id="r"), timeout=10),
+                         lambda: calls.call("generate", worker_pb2.GenerateRequest(request_id="m"), timeout=10)):
+                try:
+                    chunks += [c.text async for c in call()]
+                except grpc.aio.AioRpcError as e:
+                    codes.add(failure_from_rpc_error(e).code)
             try:
-                chunks = [c.text async for c in stub.Generate(worker_pb2.GenerateRequest(request_id="r"),
-                                                               timeout=10)]
                 await stub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
-                return chunks, None
             except grpc.aio.AioRpcError as e:
-                return [], failure_from_rpc_error(e).code
+                codes.add(failure_from_rpc_error(e).code)
+            assert len(codes) <= 1, codes  # each call refused alike, or none
+            return chunks, codes.pop() if codes else None
 
     async def main():
         server, stub, address = await serve_decode(pki["decode"])
@@ -94,12 +103,12 @@ def test_each_rpc_only_from_the_role_that_makes_it(pki):
             await server.stop(None)
 
     results, stub = asyncio.run(main())
-    assert results["router"] == (["r;"] * 3, None)  # the stream passes through the check whole
+    assert results["router"] == (["r;"] * 3 + ["m;"] * 3, None)  # the streams pass through the check whole
     assert results["prefill"] == results["decode"] == ([], ErrorCode.PERMISSION_DENIED)
     # A certificate naming no role: the CA is the whole boundary (README, Security).
-    assert results["unnamed"] == (["r;"] * 3, None)
+    assert results["unnamed"] == (["r;"] * 3 + ["m;"] * 3, None)
     # Refused before the handler ran: the worker never saw those calls.
-    assert [c.request_id for c in stub.calls] == ["r", "r"]
+    assert [c.request_id for c in stub.calls] == ["r", "m", "r", "m"]
 
 
 def test_half_a_tls_configuration_is_refused():

@@ -187,9 +187,11 @@ OPTS = dict(model="dsv4-tiny", transfer_backend="inprocess", metrics_port=None, 
             max_num_seqs=4, speculative="dspark")
 
 
-def test_one_trace_across_router_prefill_transfer_and_decode(spans):
+@pytest.mark.parametrize("worker_calls", ["per-request", "multiplexed"])
+def test_one_trace_across_router_prefill_transfer_and_decode(spans, worker_calls):
     """Real prefill and decode workers (gRPC servers, engines, in-process transfer) behind the router's core, all in
-    this process: one trace, each span the child of the one that called it, across the three services."""
+    this process: one trace, each span the child of the one that called it, across the three services, whether the
+    router's calls to the workers are gRPC calls of their own or multiplexed on a stream per worker."""
     from pdspark.assets import resolve_model
     from pdspark.config import RouterConfig, WorkerConfig
     from pdspark.options import build
@@ -206,7 +208,7 @@ def test_one_trace_across_router_prefill_transfer_and_decode(spans):
     prompt = list(range(5, 45))
 
     async def scenario():
-        registry = WorkerRegistry()
+        registry = WorkerRegistry(multiplexed=worker_calls == "multiplexed")
         for server in (prefill, decode):
             registry.add(server.cfg.role, (await server.start())["address"])
         metrics = RouterMetrics()

@@ -2,7 +2,8 @@
 as data (the `ErrorDetail` trailer), and the router retries and avoids workers by that code.
 
 Real gRPC servicers, dispatcher, router APIs and SDK in one process; the workers behind the servicers are fakes
-that fail (or answer) on cue, so no model runs.
+that fail (or answer) on cue, so no model runs. The router reaches the servicers one gRPC call each and multiplexed
+on one stream per worker (`worker_calls`): the failures read the same.
 """
 
 from __future__ import annotations
@@ -116,9 +117,10 @@ class AioServers:
 class InProcessRouter:
     """The router's gRPC and HTTP front ends over a real dispatcher, on an asyncio loop of their own thread."""
 
-    def __init__(self, prefill: list[str], decode: list[str]):
+    def __init__(self, prefill: list[str], decode: list[str], worker_calls: str = "per-request"):
         path = resolve_model("dsv4-tiny")
-        self.registry = WorkerRegistry()  # no health polling: every registered worker counts as healthy
+        # No health polling: every registered worker counts as healthy.
+        self.registry = WorkerRegistry(multiplexed=worker_calls == "multiplexed")
         for role, addresses in (("prefill", prefill), ("decode", decode)):
             for address in addresses:
                 self.registry.add(role, address)
@@ -192,10 +194,15 @@ def decode(workers):
     return fake
 
 
+@pytest.fixture(scope="module", params=["per-request", "multiplexed"])
+def worker_calls(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def router(workers):
+def router(workers, worker_calls):
     _, addr = workers
-    r = InProcessRouter([addr["p1"]], [addr["d"]])
+    r = InProcessRouter([addr["p1"]], [addr["d"]], worker_calls)
     yield r
     r.close()
 
@@ -234,11 +241,11 @@ def test_the_finish_reason_reaches_the_sdk_and_http(router, decode):
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_reported_failure_retries_on_another_prefill_worker(workers, decode):
+def test_a_reported_failure_retries_on_another_prefill_worker(workers, decode, worker_calls):
     _, addr = workers
     first, second = sorted([addr["p1"], addr["p2"]])
     decode.failure, decode.fail_with = RequestFailed(ErrorCode.TRANSFER, "the prefill side failed to write"), {first}
-    r = InProcessRouter([first, second], [addr["d"]])
+    r = InProcessRouter([first, second], [addr["d"]], worker_calls)
     try:
         with Client(r.grpc_address, timeout=30) as client:
             result = client.generate(token_ids=[5, 6, 7], max_tokens=4)
@@ -248,9 +255,9 @@ def test_a_reported_failure_retries_on_another_prefill_worker(workers, decode):
     assert decode.calls == [first, second]  # the decode worker reported it: the prefill worker was avoided
 
 
-def test_an_unreachable_decode_worker_is_avoided_on_retry(workers, decode):
+def test_an_unreachable_decode_worker_is_avoided_on_retry(workers, decode, worker_calls):
     _, addr = workers
-    r = InProcessRouter([addr["p1"]], [UNREACHABLE, addr["d"]])
+    r = InProcessRouter([addr["p1"]], [UNREACHABLE, addr["d"]], worker_calls)
     try:
         with Client(r.grpc_address, timeout=30) as client:
             result = client.generate(token_ids=[5, 6, 7], max_tokens=4)

@@ -42,6 +42,7 @@ from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router.policies import Policy
 from pdspark.router.worker_registry import ROLES, WorkerInfo, WorkerRegistry
 from pdspark.rpc import convert, tracing
+from pdspark.rpc.multiplexed_client import MultiplexedCall
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 from pdspark.v1 import worker_pb2
@@ -68,7 +69,7 @@ class DispatchChunk:
 class _Active:
     prefill: WorkerInfo
     decode: WorkerInfo
-    stream: grpc.aio.UnaryStreamCall | None = None
+    stream: grpc.aio.UnaryStreamCall | MultiplexedCall | None = None
     prefill_call: asyncio.Future | None = None
     failure: _PairFailed | None = None  # why the router itself ended the attempt (its decode stream cancelled)
     streaming: bool = False  # the decode stream sent its first chunk
@@ -241,18 +242,18 @@ class Dispatcher:
         prefill.in_flight += 1
         decode.in_flight += 1
         try:
-            active.prefill_call = asyncio.ensure_future(self.registry.prefill_stub(prefill).Prefill(
-                worker_pb2.PrefillRequest(request_id=request_id, transfer_id=transfer_id,
-                                          prompt_token_ids=[*prompt_ids, *generated], sampling=sampling,
-                                          timeout_ms=timeout_ms),
-                timeout=min(self.transfer_timeout_s + 5, request_deadline.remaining()), metadata=metadata))
+            active.prefill_call = asyncio.ensure_future(self.registry.prefill_call(
+                prefill, worker_pb2.PrefillRequest(request_id=request_id, transfer_id=transfer_id,
+                                                   prompt_token_ids=[*prompt_ids, *generated], sampling=sampling,
+                                                   timeout_ms=timeout_ms),
+                min(self.transfer_timeout_s + 5, request_deadline.remaining()), metadata))
             active.prefill_call.add_done_callback(functools.partial(self._prefill_done, active))
-            active.stream = self.registry.decode_stub(decode).Generate(
-                worker_pb2.GenerateRequest(request_id=request_id, transfer_id=transfer_id,
-                                           prompt_token_ids=prompt_ids, sampling=sampling,
-                                           prefill_address=prefill.address, timeout_ms=timeout_ms,
-                                           generated_token_ids=generated),
-                timeout=request_deadline.remaining(), metadata=metadata)
+            active.stream = self.registry.generate_call(
+                decode, worker_pb2.GenerateRequest(request_id=request_id, transfer_id=transfer_id,
+                                                   prompt_token_ids=prompt_ids, sampling=sampling,
+                                                   prefill_address=prefill.address, timeout_ms=timeout_ms,
+                                                   generated_token_ids=generated),
+                request_deadline.remaining(), metadata)
             completion = len(generated)
             try:
                 async for msg in active.stream:

@@ -84,7 +84,8 @@ def build_core(cfg: RouterConfig) -> RouterCore:
     path = resolve_model(cfg.model)
     model_cfg = ModelConfig.from_dir(path)
     registry = WorkerRegistry(health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
-                              load_interval_s=cfg.load_interval_s, tls=cfg.tls)
+                              load_interval_s=cfg.load_interval_s, tls=cfg.tls,
+                              multiplexed=cfg.worker_calls == "multiplexed")
     for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)):
         for address in addresses:
             registry.add(role, address)

@@ -18,6 +18,9 @@ another's checks):
 - load: `GetLoad` every `load_interval_s` (running and waiting requests, and the worker's metrics URL). A slow or
   failed load report keeps the last one and never touches health.
 
+Calls: `prefill_call` and `generate_call` make a request's two calls to its workers, one gRPC call each, or with
+`multiplexed` on one long-lived `Calls` stream per worker (`rpc/multiplexed_client.py`), which fail alike.
+
 Every channel to a worker has HTTP/2 keepalive, so a connection to a vanished host fails (and the calls on it
 end) instead of hanging until their deadlines. With `tls` (mutual TLS) every channel, health checks and load reports
 included, presents the router's certificate and verifies the worker's against the cluster's CA.
@@ -28,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -37,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdspark.config import TLSConfig
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS
+from pdspark.rpc.multiplexed_client import MultiplexedCall, MultiplexedClient
 from pdspark.rpc.tls_credentials import aio_channel, channel_credentials
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
@@ -44,6 +48,9 @@ S = TypeVar("S")
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
+# Each role's `Calls` method: the Prefill (prefill worker) or Generate (decode worker) calls, multiplexed.
+_CALLS_METHOD = {role: f"/{worker_pb2.DESCRIPTOR.services_by_name[service].full_name}/Calls"
+                 for role, service in (("prefill", "PrefillWorker"), ("decode", "DecodeWorker"))}
 READMIT_BACKOFF_S = 1.0
 MAX_READMIT_BACKOFF_S = 30.0
 STABLE_S = 60.0
@@ -66,6 +73,7 @@ class WorkerInfo:
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
     # The stubs on `channel`, by class, made once: a stub builds a callable per method of its service.
     stubs: dict[Callable, Any] = field(default_factory=dict, repr=False)
+    calls: MultiplexedClient | None = field(default=None, repr=False)  # on `channel`, made by the first call
     # What clients and /metrics call the worker (`prefill-0`): its address is for admins only (see `api_keys`).
     name: str = ""
 
@@ -82,8 +90,9 @@ class WorkerRegistry:
     def __init__(self, health_interval_s: float = 0.5, health_timeout_s: float = 0.5, load_interval_s: float = 1.0,
                  max_failures: int = 2, readmit_backoff_s: float = READMIT_BACKOFF_S,
                  max_readmit_backoff_s: float = MAX_READMIT_BACKOFF_S, stable_s: float = STABLE_S,
-                 tls: TLSConfig | None = None):
+                 tls: TLSConfig | None = None, multiplexed: bool = False):
         self.tls = tls
+        self.multiplexed = multiplexed
         # Read once, here (at start): a missing file is a configuration error, not a failure of every call later.
         self._credentials = channel_credentials(tls) if tls is not None and tls.enabled else None
         self.health_interval_s = health_interval_s
@@ -143,6 +152,26 @@ class WorkerRegistry:
 
     def decode_stub(self, w: WorkerInfo) -> worker_pb2_grpc.DecodeWorkerStub:
         return self._stub(w, worker_pb2_grpc.DecodeWorkerStub)
+
+    def prefill_call(self, w: WorkerInfo, request: worker_pb2.PrefillRequest, timeout: float,
+                     metadata: Sequence[tuple[str, str]] | None) -> Awaitable[worker_pb2.PrefillResponse]:
+        """A Prefill call to `w`: awaited, its response; a failure raises `grpc.aio.AioRpcError`."""
+        if self.multiplexed:
+            return self._calls(w).call("prefill", request, timeout, metadata).response()
+        return self.prefill_stub(w).Prefill(request, timeout=timeout, metadata=metadata)
+
+    def generate_call(self, w: WorkerInfo, request: worker_pb2.GenerateRequest, timeout: float,
+                      metadata: Sequence[tuple[str, str]] | None) -> grpc.aio.UnaryStreamCall | MultiplexedCall:
+        """A Generate call to `w`: iterated, its chunks; a failure raises `grpc.aio.AioRpcError`; `cancel()` ends it
+        (iterating it then raises `asyncio.CancelledError`)."""
+        if self.multiplexed:
+            return self._calls(w).call("generate", request, timeout, metadata)
+        return self.decode_stub(w).Generate(request, timeout=timeout, metadata=metadata)
+
+    def _calls(self, w: WorkerInfo) -> MultiplexedClient:
+        if w.calls is None:
+            w.calls = MultiplexedClient(self.channel(w), _CALLS_METHOD[w.role])
+        return w.calls
 
     def _stub(self, w: WorkerInfo, kind: Callable[[grpc.aio.Channel], S]) -> S:
         stub = w.stubs.get(kind)

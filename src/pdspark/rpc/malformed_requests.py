@@ -4,7 +4,8 @@ INVALID_ARGUMENT (and the typed `ErrorDetail` trailer), as any other bad input d
 NOTE: left to itself, grpc answers such a request with UNKNOWN ("Unexpected DecodeError"), the status of a server
 bug: a client could not tell its own mistake from ours, and a fuzzer could not tell either. The interceptor swaps
 each unary-request handler's deserializer for one that hands a marker to the handler instead of raising, and the
-handler it wraps refuses the marker. Streaming-request handlers (reflection) keep grpc's own handling.
+handler it wraps refuses the marker. Of the streaming-request handlers, the bidirectional ones (the workers' `Calls`)
+are guarded the same way, a malformed message ending the stream; reflection's keep grpc's own handling.
 """
 
 from __future__ import annotations
@@ -33,21 +34,44 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
                                                              Awaitable[grpc.RpcMethodHandler]],
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
+        if handler.request_streaming:
+            return _guarded_stream(handler, details.method) if handler.response_streaming else handler
         return _guarded(handler, details.method)
 
 
-def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    parse = handler.request_deserializer
-
+def _tolerant(parse: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
     def deserialize(data: bytes) -> Any:
         try:
             return parse(data)
         except Exception as e:  # DecodeError, or whatever else a parser raises on hostile bytes
             return _Malformed(method, e)
 
-    codec = {"request_deserializer": deserialize, "response_serializer": handler.response_serializer}
+    return deserialize
+
+
+def _guarded_stream(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    behaviour = handler.stream_stream
+
+    async def stream(requests, context):
+        async def checked():
+            async for request in requests:
+                if isinstance(request, _Malformed):
+                    await status.abort_async(context, request.failure)  # the stream ends with it
+                yield request
+
+        async with contextlib.aclosing(behaviour(checked(), context)) as inner:
+            async for item in inner:
+                yield item
+
+    return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=_tolerant(
+        handler.request_deserializer, method), response_serializer=handler.response_serializer)
+
+
+def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    codec = {"request_deserializer": _tolerant(handler.request_deserializer, method),
+             "response_serializer": handler.response_serializer}
     if handler.response_streaming:
         behaviour = handler.unary_stream
         if inspect.isasyncgenfunction(behaviour):

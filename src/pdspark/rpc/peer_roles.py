@@ -2,11 +2,12 @@
 
 The TLS handshake already admits only peers with a certificate of the cluster's CA. A certificate may also name its
 service's role (a URI SAN `urn:pdspark:role:<role>`, as `ThrowawayCA` writes them); then the call must be one that
-role makes: `Prefill`, `Generate`, `Abort` and `GetLoad` come from the router, `SubmitPlan` from a decode worker.
-A stolen prefill worker's certificate cannot ask a decode worker for tokens, nor a router's send a transfer plan
-naming memory to write. Health checks and reflection are open to every authenticated peer. A certificate that
-names no role (an operator's PKI without the SAN) is trusted with every call: the CA is then the whole boundary.
-A refused call ends with PERMISSION_DENIED and the typed `ErrorDetail` trailer, before its handler runs.
+role makes: `Prefill`, `Generate`, `Calls` (those two, multiplexed), `Abort` and `GetLoad` come from the router,
+`SubmitPlan` from a decode worker. A stolen prefill worker's certificate cannot ask a decode worker for tokens, nor
+a router's send a transfer plan naming memory to write. Health checks and reflection are open to every authenticated
+peer. A certificate that names no role (an operator's PKI without the SAN) is trusted with every call: the CA is
+then the whole boundary. A refused call ends with PERMISSION_DENIED and the typed `ErrorDetail` trailer, before its
+handler runs.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ WORKER_CALLERS: dict[str, frozenset[str]] = {
     _method("PrefillWorker", "SubmitPlan"): frozenset({"decode"}),
     _method("PrefillWorker", "Abort"): frozenset({"router"}),
     _method("PrefillWorker", "GetLoad"): frozenset({"router"}),
+    _method("PrefillWorker", "Calls"): frozenset({"router"}),
     _method("DecodeWorker", "Generate"): frozenset({"router"}),
     _method("DecodeWorker", "Abort"): frozenset({"router"}),
     _method("DecodeWorker", "GetLoad"): frozenset({"router"}),
+    _method("DecodeWorker", "Calls"): frozenset({"router"}),
 }
 
 
@@ -59,7 +62,8 @@ class PeerRoleInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or allowed is None:
             return handler
         # The peer's certificate is known only to the call's context: the check runs as the handler's first step.
-        assert not handler.request_streaming, f"{details.method}: no worker RPC streams requests"
+        assert not handler.request_streaming or handler.response_streaming, \
+            f"{details.method}: no worker RPC streams requests for one response"
         return _checked(handler, details.method, allowed)
 
 
@@ -75,6 +79,14 @@ async def _check(context: grpc.aio.ServicerContext, method: str, allowed: frozen
 def _checked(handler: grpc.RpcMethodHandler, method: str, allowed: frozenset[str]) -> grpc.RpcMethodHandler:
     codec = {"request_deserializer": handler.request_deserializer,
              "response_serializer": handler.response_serializer}
+    if handler.request_streaming:  # `Calls`: checked once for every call on the stream
+        async def calls(requests, context):
+            await _check(context, method, allowed)
+            async with contextlib.aclosing(handler.stream_stream(requests, context)) as inner:
+                async for item in inner:
+                    yield item
+
+        return grpc.stream_stream_rpc_method_handler(calls, **codec)
     if handler.response_streaming:
         async def stream(request, context):
             await _check(context, method, allowed)

@@ -9,6 +9,10 @@ writes were given up on while they may still land (`Unanswered`), which fails wi
 would. `GetLoad` reads the snapshot the engine loop publishes and `Abort` only flags the request, so neither waits
 for an engine step.
 
+`Calls` (both services) takes the router's Prefill or Generate calls multiplexed on one stream
+(`rpc/multiplexed_server.py`): each runs this servicer's own `Prefill` or `Generate`, with the same deadlines,
+failures, trace context and metrics as the gRPC call it stands for.
+
 Metrics: each `Prefill` call and `Generate` stream is counted once as it ends, by outcome (`ok`, `cancelled` when
 the caller went away, the failure's code, or `error`: an unexpected exception).
 """
@@ -22,6 +26,7 @@ import os
 from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, Unanswered, as_request_failed
 from pdspark.rpc import convert, status, tracing
+from pdspark.rpc.multiplexed_server import CallHandler, MultiplexedServer
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_load import EngineLoad
 from pdspark.serving.metrics import WorkerMetrics
@@ -52,6 +57,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker = worker
         self.metrics = metrics
         self.metrics_url = ""  # set by the server once its metrics endpoint listens
+        self.calls = MultiplexedServer({"prefill": CallHandler(self.Prefill, "prefill", streaming=False)})
+
+    async def Calls(self, request_iterator, context):
+        async with contextlib.aclosing(self.calls.serve(request_iterator, context)) as replies:
+            async for message in replies:
+                yield message
 
     async def Prefill(self, request, context):
         outcome = "error"
@@ -119,6 +130,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker = worker
         self.metrics = metrics
         self.metrics_url = ""  # set by the server once its metrics endpoint listens
+        self.calls = MultiplexedServer({"generate": CallHandler(self.Generate, "chunk", streaming=True)})
+
+    async def Calls(self, request_iterator, context):
+        async with contextlib.aclosing(self.calls.serve(request_iterator, context)) as replies:
+            async for message in replies:
+                yield message
 
     async def Generate(self, request, context):
         outcome = "error"

@@ -141,6 +141,8 @@ class WorkerServer:
     async def stop(self, grace_s: float = 5.0) -> None:
         for name in ("", self.service):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        # New calls on the routers' `Calls` streams are refused as the server refuses new gRPC calls in its grace.
+        self.servicer.calls.stop_taking_calls()
         await self.grpc.stop(grace_s)
         if self.prefill_clients is not None:
             await self.prefill_clients.close()

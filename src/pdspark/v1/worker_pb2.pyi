@@ -230,3 +230,63 @@ class LoadReport(_message.Message):
     metrics_url: str
     queued: int
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_used: _Optional[_Mapping[str, int]] = ..., pages_total: _Optional[_Mapping[str, int]] = ..., transfers_in_flight: _Optional[int] = ..., pages_cached: _Optional[_Mapping[str, int]] = ..., metrics_url: _Optional[str] = ..., queued: _Optional[int] = ...) -> None: ...
+
+class CallFrame(_message.Message):
+    __slots__ = ("call_id", "prefill", "generate", "cancel", "timeout_ms", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    prefill: PrefillRequest
+    generate: GenerateRequest
+    cancel: bool
+    timeout_ms: int
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, call_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CallFrames(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[CallFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[CallFrame, _Mapping]]] = ...) -> None: ...
+
+class ReplyFrame(_message.Message):
+    __slots__ = ("call_id", "prefill", "chunk", "end", "status_code", "status_details", "trailing_metadata")
+    class TrailingMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    prefill: PrefillResponse
+    chunk: GenerateChunk
+    end: bool
+    status_code: int
+    status_details: str
+    trailing_metadata: _containers.ScalarMap[str, bytes]
+    def __init__(self, call_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., end: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_details: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class ReplyFrames(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[ReplyFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[ReplyFrame, _Mapping]]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class PrefillWorkerStub:
                 request_serializer=pdspark_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pdspark_dot_v1_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.Calls = channel.stream_stream(
+                '/pdspark.v1.PrefillWorker/Calls',
+                request_serializer=pdspark_dot_v1_dot_worker__pb2.CallFrames.SerializeToString,
+                response_deserializer=pdspark_dot_v1_dot_worker__pb2.ReplyFrames.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -83,6 +88,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Calls(self, request_iterator, context):
+        """Prefill calls, multiplexed
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +117,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdspark_dot_v1_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=pdspark_dot_v1_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'Calls': grpc.stream_stream_rpc_method_handler(
+                    servicer.Calls,
+                    request_deserializer=pdspark_dot_v1_dot_worker__pb2.CallFrames.FromString,
+                    response_serializer=pdspark_dot_v1_dot_worker__pb2.ReplyFrames.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +242,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Calls(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdspark.v1.PrefillWorker/Calls',
+            pdspark_dot_v1_dot_worker__pb2.CallFrames.SerializeToString,
+            pdspark_dot_v1_dot_worker__pb2.ReplyFrames.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -250,6 +294,11 @@ class DecodeWorkerStub:
                 request_serializer=pdspark_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pdspark_dot_v1_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.Calls = channel.stream_stream(
+                '/pdspark.v1.DecodeWorker/Calls',
+                request_serializer=pdspark_dot_v1_dot_worker__pb2.CallFrames.SerializeToString,
+                response_deserializer=pdspark_dot_v1_dot_worker__pb2.ReplyFrames.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -273,6 +322,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Calls(self, request_iterator, context):
+        """Generate calls, multiplexed
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -290,6 +346,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdspark_dot_v1_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=pdspark_dot_v1_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'Calls': grpc.stream_stream_rpc_method_handler(
+                    servicer.Calls,
+                    request_deserializer=pdspark_dot_v1_dot_worker__pb2.CallFrames.FromString,
+                    response_serializer=pdspark_dot_v1_dot_worker__pb2.ReplyFrames.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -373,6 +434,33 @@ class DecodeWorker:
             '/pdspark.v1.DecodeWorker/GetLoad',
             pdspark_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
             pdspark_dot_v1_dot_worker__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Calls(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdspark.v1.DecodeWorker/Calls',
+            pdspark_dot_v1_dot_worker__pb2.CallFrames.SerializeToString,
+            pdspark_dot_v1_dot_worker__pb2.ReplyFrames.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,194 @@
+"""`MultiplexedServer`: a worker's side of the `Calls` stream (worker.proto): each `CallFrame` runs the servicer's
+own handler of the call it stands for (`Prefill`, `Generate`), on a task of its own, as if it had come as that
+gRPC call; its replies go back as `ReplyFrame`s, batched as `MultiplexedClient` batches its frames.
+
+The handler sees a `CallContext` in place of grpc's servicer context: the call's metadata (trace context), its
+time remaining (the frame's `timeout_ms`, from receipt) and `abort` (the call ends with that status, details and
+trailing metadata, e.g. the typed `ErrorDetail`). An exception the handler lets out ends the call UNKNOWN, as grpc
+ends it. A call is cancelled (its task, as grpc cancels a handler) when its caller sends `cancel`, when its timeout
+passes, and when the stream ends: every call on a stream that goes away (the router died, or its connection broke)
+is cancelled, as the calls of a broken connection are. A worker that is stopping (`stop_taking_calls`) refuses new
+calls UNAVAILABLE, as a gRPC server in its grace period refuses new calls, while the running ones go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+
+from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.rpc import status
+from pdspark.rpc.multiplexed_client import batches
+from pdspark.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CallHandler:
+    """The servicer method a call kind runs, and where its replies go in a `ReplyFrame`."""
+
+    behaviour: Callable[[Any, Any], Any]  # (request, context): a coroutine (unary) or an async generator (streaming)
+    reply: str  # `ReplyFrame.body` field of its replies: `prefill`, `chunk`
+    streaming: bool
+
+
+class CallAborted(Exception):
+    """`CallContext.abort`: the call ends with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Sequence[tuple[str, Any]]):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.trailing_metadata = trailing_metadata
+
+
+class CallContext:
+    """What a servicer reads of its call's context, for a call on a `Calls` stream."""
+
+    __slots__ = ("_metadata", "_deadline", "_stream")
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...], deadline: float | None, stream: Any):
+        self._metadata = metadata
+        self._deadline = deadline  # loop time
+        self._stream = stream  # the stream's grpc context: the peer's identity
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - asyncio.get_running_loop().time())
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: Sequence[tuple[str, Any]] = ()) -> NoReturn:
+        raise CallAborted(code, details, trailing_metadata)
+
+    def auth_context(self) -> Mapping[str, list[bytes]]:
+        return self._stream.auth_context()
+
+    def peer(self) -> str:
+        return self._stream.peer()
+
+
+class _Calls:
+    """One stream's running calls and the replies waiting for the writer."""
+
+    def __init__(self, server: MultiplexedServer, context: Any):
+        self.server = server
+        self.handlers = server.handlers
+        self.context = context
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.pending: list[worker_pb2.ReplyFrame] = []
+        self.wake = asyncio.Event()
+        self.reading = True  # the caller may still send frames
+
+    def reply(self, frame: worker_pb2.ReplyFrame) -> None:
+        self.pending.append(frame)
+        self.wake.set()
+
+    async def read(self, frames: AsyncIterator[worker_pb2.CallFrames]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for message in frames:
+                for frame in message.frames:
+                    kind = frame.WhichOneof("body")
+                    if kind == "cancel":
+                        task = self.tasks.get(frame.call_id)
+                        if task is not None:
+                            task.cancel()
+                        continue
+                    if not self.server.taking_calls:
+                        self.reply(_ended(frame.call_id, grpc.StatusCode.UNAVAILABLE, "the worker is stopping"))
+                        continue
+                    handler = self.handlers.get(kind) if kind is not None else None
+                    if handler is None or frame.call_id in self.tasks:  # the caller's mistake: bad input
+                        failure = RequestFailed(ErrorCode.INVALID_REQUEST, f"no call {kind!r} on this stream"
+                                                if handler is None else f"call {frame.call_id} is running already")
+                        frame_end = _ended(frame.call_id, status.status_of(failure.code), failure.message)
+                        frame_end.trailing_metadata.update(status.trailers(failure))
+                        self.reply(frame_end)
+                        continue
+                    deadline = loop.time() + frame.timeout_ms / 1000 if frame.timeout_ms else None
+                    context = CallContext(tuple(frame.metadata.items()), deadline, self.context)
+                    task = asyncio.ensure_future(self._run(frame.call_id, handler, getattr(frame, kind), context))
+                    self.tasks[frame.call_id] = task
+                    if deadline is not None:
+                        timer = loop.call_at(deadline, task.cancel)  # as grpc cancels a handler at its deadline
+                        task.add_done_callback(functools.partial(_stop_timer, timer))
+        finally:
+            self.reading = False
+            self.wake.set()
+
+    async def _run(self, call_id: int, handler: CallHandler, request: Any, context: CallContext) -> None:
+        try:
+            if handler.streaming:
+                async with contextlib.aclosing(handler.behaviour(request, context)) as replies:
+                    async for reply in replies:
+                        self.reply(worker_pb2.ReplyFrame(call_id=call_id, **{handler.reply: reply}))
+                self.reply(worker_pb2.ReplyFrame(call_id=call_id, end=True))
+            else:
+                reply = await handler.behaviour(request, context)
+                self.reply(worker_pb2.ReplyFrame(call_id=call_id, end=True, **{handler.reply: reply}))
+        except CallAborted as e:
+            frame = _ended(call_id, e.code, e.details)
+            frame.trailing_metadata.update({k: v if isinstance(v, bytes) else v.encode()
+                                            for k, v in e.trailing_metadata})
+            self.reply(frame)
+        except asyncio.CancelledError:
+            raise  # its caller cancelled it or its deadline passed (the caller ended it itself), or the stream ended
+        except Exception as e:
+            logger.exception("call %d on a calls stream failed", call_id)
+            self.reply(_ended(call_id, grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}"))
+        finally:
+            self.tasks.pop(call_id, None)
+            if not self.tasks:
+                self.wake.set()  # the writer may be waiting for the last call to end
+
+    def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+
+
+class MultiplexedServer:
+    def __init__(self, handlers: Mapping[str, CallHandler]):
+        """`handlers`: by `CallFrame.body` field (`prefill`, `generate`), what a call of that kind runs."""
+        self.handlers = handlers
+        self.taking_calls = True
+
+    def stop_taking_calls(self) -> None:
+        """From now on new calls are refused UNAVAILABLE (the worker is stopping); running calls go on."""
+        self.taking_calls = False
+
+    async def serve(self, frames: AsyncIterator[worker_pb2.CallFrames], context: Any
+                    ) -> AsyncIterator[worker_pb2.ReplyFrames]:
+        """The `Calls` handler: until the caller goes away, or it stopped sending and every call ended."""
+        calls = _Calls(self, context)
+        reader = asyncio.ensure_future(calls.read(frames))
+        try:
+            while calls.reading or calls.tasks or calls.pending:
+                await calls.wake.wait()
+                calls.wake.clear()
+                replies, calls.pending = calls.pending, []
+                for batch in batches(replies) if replies else ():
+                    yield worker_pb2.ReplyFrames(frames=batch)
+            await reader  # its failure (a broken stream) ends the stream with it
+        finally:
+            reader.cancel()
+            calls.close()
+
+
+def _stop_timer(timer: asyncio.TimerHandle, _: asyncio.Task) -> None:
+    timer.cancel()
+
+
+def _ended(call_id: int, code: grpc.StatusCode, details: str) -> worker_pb2.ReplyFrame:
+    return worker_pb2.ReplyFrame(call_id=call_id, end=True, status_code=code.value[0], status_details=details)
