@@ -19,8 +19,9 @@ def spawn_worker(role: str, model: str, *args: str, env: dict | None = None) -> 
 
 def ready(*services: ServiceProcess, timeout: float = 120.0) -> list[ServiceProcess]:
     """Wait until every one of `services` printed its ready line, all within `timeout`; on a failure stop them all.
-    Workers spawned together load their models at the same time: a 2-core machine runs one test at a time, so
-    starting a test's workers one after the other would leave a core idle."""
+    Workers spawned together load their models at the same time: a worker's start keeps one core busy and the tests
+    run one at a time, so on a quiet 2-core machine starting them one after the other leaves a core idle (on one
+    loaded by other work there is no idle core, and it makes no difference)."""
     deadline = time.monotonic() + timeout
     try:
         for service in services:
