@@ -6,14 +6,36 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pdspark.service_process import ServiceProcess, start_service
+from pdspark.service_process import ServiceProcess, spawn_service, start_service, wait_ready
+
+
+def spawn_worker(role: str, model: str, *args: str, env: dict | None = None) -> ServiceProcess:
+    """A worker process started, not yet ready: `ready(...)` waits for it (and for others started meanwhile)."""
+    service = spawn_service(role, ["serve", role, "--model", model, "--port", "0", "--metrics-port", "0", *args],
+                            env={"OMP_NUM_THREADS": "1", **(env or {})})
+    service.role = role  # type: ignore[attr-defined]
+    return service
+
+
+def ready(*services: ServiceProcess, timeout: float = 120.0) -> list[ServiceProcess]:
+    """Wait until every one of `services` printed its ready line, all within `timeout`; on a failure stop them all.
+    Workers spawned together load their models at the same time: a worker's start keeps one core busy and the tests
+    run one at a time, so on a quiet 2-core machine starting them one after the other leaves a core idle (on one
+    loaded by other work there is no idle core, and it makes no difference)."""
+    deadline = time.monotonic() + timeout
+    try:
+        for service in services:
+            wait_ready(service, max(0.0, deadline - time.monotonic()))
+    except BaseException:
+        for service in services:
+            service.stop()
+        raise
+    return list(services)
 
 
 def start_worker(role: str, model: str, *args: str, timeout: float = 120.0, env: dict | None = None
                  ) -> ServiceProcess:
-    service = start_service(role, ["serve", role, "--model", model, "--port", "0", "--metrics-port", "0", *args],
-                            timeout=timeout, env={"OMP_NUM_THREADS": "1", **(env or {})})
-    service.role = role  # type: ignore[attr-defined]
+    (service,) = ready(spawn_worker(role, model, *args, env=env), timeout=timeout)
     return service
 
 

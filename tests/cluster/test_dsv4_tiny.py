@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_pd_cluster import dispatch
 
-from cluster import start_worker
+from cluster import ready, spawn_worker
 from pdspark import LLM, SamplingParams
 from pdspark.assets import resolve_model
 from pdspark.model.model_config import CSA, HCA, SLIDING, ModelConfig
@@ -77,10 +77,16 @@ def test_speculative_equals_plain_and_accepts_drafts(tiny, prompts, params, draf
 
 def test_disaggregated_cluster_equals_offline(tiny, prompts):
     args = ["--max-model-len", "1024", "--max-num-seqs", "4", "--speculative", "dspark"]
-    prefill = start_worker("prefill", "dsv4-tiny", *args)
-    decode = start_worker("decode", "dsv4-tiny", *args, "--no-prefix-cache")
+    starting = [spawn_worker("prefill", "dsv4-tiny", *args), spawn_worker("decode", "dsv4-tiny", *args,
+                                                                         "--no-prefix-cache")]
     try:
-        offline = tiny.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        offline = tiny.generate(prompt_token_ids=prompts, sampling_params=GREEDY)  # while the workers load
+    except BaseException:
+        for worker in starting:
+            worker.stop()
+        raise
+    prefill, decode = ready(*starting)
+    try:
         for prompt, ref in zip(prompts, offline):
             out = dispatch(prefill, decode, prompt, GREEDY, deadline_s=60)
             assert out["tokens"] == ref.token_ids

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cluster import start_router, start_worker
+from cluster import ready, spawn_worker, start_router
 from conftest import random_prompts
 from helpers import GREEDY
 from pdspark import SamplingParams
@@ -49,11 +49,20 @@ SLACK_S = 1.5  # scheduling on a loaded 2-core machine; polling
 
 
 @pytest.fixture(scope="module")
-def pair(draft_ckpt):
-    prefill = start_worker("prefill", str(draft_ckpt), *ARGS, env=ENV)
-    decode = start_worker("decode", str(draft_ckpt), *ARGS, "--no-prefix-cache", env=ENV)
-    yield prefill, decode
+def workers(draft_ckpt):
+    """The pair, and a prefill worker nothing talks to before `test_a_decode_worker_stopped_mid_transfer_...`
+    (which needs one whose transfer engine never met the decode worker's), all loading at once."""
+    prefill, decode, new_prefill = ready(spawn_worker("prefill", str(draft_ckpt), *ARGS, env=ENV),
+                                         spawn_worker("decode", str(draft_ckpt), *ARGS, "--no-prefix-cache", env=ENV),
+                                         spawn_worker("prefill", str(draft_ckpt), *ARGS, env=ENV))
+    yield prefill, decode, new_prefill
+    new_prefill.stop()  # stopped by its test already, unless that failed
     assert decode.stop() == 0 and prefill.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def pair(workers):
+    return workers[:2]
 
 
 class Stop:
@@ -176,13 +185,12 @@ def test_a_prefill_worker_stopped_mid_transfer_loses_its_lease(pair):
     wait_for(lambda: idle(prefill) and idle(decode), 5, "both workers back to their free counts")
 
 
-def test_a_decode_worker_stopped_mid_transfer_loses_its_lease(pair, draft_ckpt):
+def test_a_decode_worker_stopped_mid_transfer_loses_its_lease(workers):
     """Two plans wait at a prefill worker when their decode worker stops: one gets its prefill leg (its pages are
     held and written to the stopped process), the other never does (the prefill worker holds only the plan). The
     prefill worker is new, so its transfer engine has never met the decode worker's: the first write waits in the
     engine's handshake, which has no timeout, until the decode worker resumes."""
-    _, decode = pair
-    prefill = start_worker("prefill", str(draft_ckpt), *ARGS, env=ENV)
+    _, decode, prefill = workers
     try:
         prompts = random_prompts(2, [40], seed=82)
         ids = [(uuid.uuid4().hex, uuid.uuid4().hex) for _ in prompts]
@@ -275,9 +283,10 @@ def test_a_vanished_router_s_requests_are_aborted_on_the_workers(pair, draft_ckp
         freed_at = wait_for(lambda: idle(decode), LEASE_S + SLACK_S, "the request aborted on the decode worker")
         streamed, rate = len(client.chunks), client.rate()
     finally:
-        if sig == signal.SIGSTOP:
-            os.kill(router.pid, signal.SIGCONT)
-        router.stop()
+        # The router is done with: SIGTERM would have the resumed router drain the stream it still holds, and it
+        # did not exit within `stop()`'s 15 s (then SIGKILL) -- the workers' side is what this test checks.
+        router.proc.kill()
+        router.proc.wait(10)
         if client is not None:
             client.done.result(30)
             client.pool.shutdown()

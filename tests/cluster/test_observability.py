@@ -43,6 +43,17 @@ def cluster(draft_ckpt):
     assert service.stop() == 0
 
 
+@pytest.fixture(scope="module")
+def prometheus(cluster, tmp_path_factory):
+    """One Prometheus for the module's tests, scraping `cluster` from its start on."""
+    server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), cluster.info["http"], ADMIN_KEY)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
 def get(url: str, headers: dict | None = None, timeout: float = 10):
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
         return r.read()
@@ -105,29 +116,24 @@ KEY_SERIES = [
 ]
 
 
-def test_prometheus_discovers_and_scrapes_every_service(cluster, tmp_path):
+def test_prometheus_discovers_and_scrapes_every_service(cluster, prometheus):
     t0 = time.monotonic()
     http = cluster.info["http"]
     # `pdspark up` told its user how to scrape it.
     assert any("http_sd_configs" in line for line in cluster.errors), cluster.errors[-20:]
     assert any(f"url: {http}/prometheus/targets" in line for line in cluster.errors)
-    prometheus = PrometheusServer(tmp_path, http, ADMIN_KEY)
-    try:
-        prometheus.wait_ready()
-        mixed_load(http)
+    mixed_load(http)
 
-        wait_all_up(prometheus, cluster.info["model"])
-        for promql, what in KEY_SERIES:
-            wait_until(lambda q=promql: prometheus.query(q), 15, f"{what}: {promql}", interval_s=0.25)
-        # Nothing Prometheus scraped is down, no series names an address, and no metric's own label clashed with
-        # a target label (Prometheus would have renamed it `exported_...`).
-        assert [r["value"][1] for r in prometheus.query("up")] == ["1"] * 3
-        instances = {r["metric"].get("instance") for r in prometheus.query('{job="pdspark"}')}
-        assert instances == {"router", "prefill-0", "decode-1"}
-        for label in ("role", "model", "instance", "job"):
-            assert prometheus.query(f'{{exported_{label}=~".+"}}') == [], label
-    finally:
-        prometheus.stop()
+    wait_all_up(prometheus, cluster.info["model"])
+    for promql, what in KEY_SERIES:
+        wait_until(lambda q=promql: prometheus.query(q), 15, f"{what}: {promql}", interval_s=0.25)
+    # Nothing Prometheus scraped is down, no series names an address, and no metric's own label clashed with
+    # a target label (Prometheus would have renamed it `exported_...`).
+    assert [r["value"][1] for r in prometheus.query("up")] == ["1"] * 3
+    instances = {r["metric"].get("instance") for r in prometheus.query('{job="pdspark"}')}
+    assert instances == {"router", "prefill-0", "decode-1"}
+    for label in ("role", "model", "instance", "job"):
+        assert prometheus.query(f'{{exported_{label}=~".+"}}') == [], label
     print(f"\nprometheus: every target up and {len(KEY_SERIES)} key series in {time.monotonic() - t0:.1f} s")
 
 
@@ -189,15 +195,13 @@ class BackgroundLoad:
         assert self.error is None, f"the load failed: {self.error!r}"
 
 
-def test_every_dashboard_query_returns_data_and_every_rule_is_ok(cluster, tmp_path):
+def test_every_dashboard_query_returns_data_and_every_rule_is_ok(cluster, prometheus):
     t0 = time.monotonic()
     http, model = cluster.info["http"], cluster.info["model"]
     queries = panel_queries(model)
     assert len(queries) >= 24 and RULES
-    prometheus = PrometheusServer(tmp_path, http, ADMIN_KEY)
     load = None
     try:
-        prometheus.wait_ready()
         wait_all_up(prometheus, model)
         load = BackgroundLoad(http)
         empty: list = []
@@ -226,6 +230,5 @@ def test_every_dashboard_query_returns_data_and_every_rule_is_ok(cluster, tmp_pa
     finally:
         if load is not None:
             load.stop()
-        prometheus.stop()
     print(f"\nprometheus: {len(queries)} panel queries of {len(DASHBOARDS)} dashboards return data, {len(rules)} "
           f"rules ok, {load.rounds} load rounds, in {time.monotonic() - t0:.1f} s")

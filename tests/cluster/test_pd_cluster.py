@@ -10,7 +10,7 @@ import uuid
 import grpc
 import pytest
 
-from cluster import start_worker
+from cluster import ready, spawn_worker
 from conftest import random_prompts
 from helpers import GREEDY, make_llm
 from pdspark import SamplingParams
@@ -28,11 +28,19 @@ def ckpt(draft_ckpt):
 
 
 @pytest.fixture(scope="module")
-def cluster(ckpt):
-    prefill = start_worker("prefill", str(ckpt), *ARGS, *C128)
-    decode = start_worker("decode", str(ckpt), *ARGS, *C128, "--no-prefix-cache")
-    yield prefill, decode
+def workers(ckpt):
+    """The pair, and a decode worker with another page size (`test_incompatible_workers_...`), loading at once."""
+    prefill, decode, other = ready(spawn_worker("prefill", str(ckpt), *ARGS, *C128),
+                                   spawn_worker("decode", str(ckpt), *ARGS, *C128, "--no-prefix-cache"),
+                                   spawn_worker("decode", str(ckpt), *ARGS, "--page-size", "32", "--no-prefix-cache"))
+    yield prefill, decode, other
+    other.stop()
     assert decode.stop() == 0 and prefill.stop() == 0  # clean shutdown on SIGTERM
+
+
+@pytest.fixture(scope="module")
+def cluster(workers):
+    return workers[:2]
 
 
 def stubs(prefill, decode):
@@ -130,9 +138,8 @@ def test_shared_prefix_hits_the_prefill_cache(ckpt, cluster):
     assert [first["tokens"], second["tokens"]] == [o.token_ids for o in offline]
 
 
-def test_incompatible_workers_refuse_with_a_clear_error(ckpt, cluster):
-    prefill, _ = cluster
-    other = start_worker("decode", str(ckpt), *ARGS, "--page-size", "32", "--no-prefix-cache")
+def test_incompatible_workers_refuse_with_a_clear_error(workers):
+    prefill, _, other = workers
     try:
         t0 = time.monotonic()
         out = dispatch(prefill, other, random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY),

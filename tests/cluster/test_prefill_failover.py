@@ -23,13 +23,14 @@ import signal
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import openai
 import pytest
 
-from cluster import seconds_until, start_router, start_worker
+from cluster import ready, seconds_until, spawn_worker, start_router
 from pdspark import LLM, SamplingParams
 from pdspark.client import AsyncClient
 from pdspark.service_process import ServiceProcess
@@ -69,18 +70,41 @@ def offline() -> list[tuple[list[int], str]]:
     return [(list(o.token_ids), o.text or "") for o in outs]
 
 
+VICTIMS = 2  # one per test
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def started() -> Iterator[list[ServiceProcess]]:
+    """Every worker of the module, loading at once: the prefill and decode workers that survive every test, then
+    the victims, one per test (`victim` takes them from the end)."""
+    services = ready(spawn_worker("prefill", MODEL, *ENGINE, env=WORKER_ENV),
+                     spawn_worker("decode", MODEL, *ENGINE, "--no-prefix-cache", env=WORKER_ENV),
+                     # Prefill chunks of 64 tokens: each prompt stays in its engine for a few steps, a window for
+                     # the signal.
+                     *(spawn_worker("prefill", MODEL, *ENGINE, "--max-num-batched-tokens", "64", env=WORKER_ENV)
+                       for _ in range(VICTIMS)))
+    try:
+        yield list(services)
+    finally:
+        for service in services:
+            if service.alive:
+                os.kill(service.pid, signal.SIGCONT)  # a stopped process cannot exit
+            service.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(started):
     """(prefill, decode, router): the workers that survive every test."""
-    prefill = start_worker("prefill", MODEL, *ENGINE, env=WORKER_ENV)
-    decode = start_worker("decode", MODEL, *ENGINE, "--no-prefix-cache", env=WORKER_ENV)
+    prefill, decode = started[:2]
     router = start_router(MODEL, [prefill], [decode], "--prefill-policy", "round_robin", "--transfer-timeout",
                           str(TRANSFER_TIMEOUT_S), env={"PDSPARK_ADMIN_API_KEY": ADMIN_KEY})
     try:
+        # The victim is ready at once (it loaded with these two): requests must not race the router's first
+        # health checks of the survivors.
+        seconds_until(lambda: all(workers(router).values()), 10, "the router sees both workers healthy")
         yield prefill, decode, router
     finally:
-        for service in (router, decode, prefill):
-            service.stop()
+        router.stop()
 
 def load_of(worker: ServiceProcess) -> worker_pb2.LoadReport:
     stub = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
@@ -180,11 +204,12 @@ def run_with_fault(router: ServiceProcess, victim: ServiceProcess, sig: signal.S
 
 
 @pytest.fixture
-def victim(cluster):
-    """A third prefill worker, admitted by the router for one test; killed (and SIGCONTed first) afterwards."""
+def victim(cluster, started):
+    """A third prefill worker (one no test used yet), admitted by the router for one test; killed (and SIGCONTed
+    first) afterwards."""
     _, _, router = cluster
-    # Prefill chunks of 64 tokens: each prompt stays in its engine for a few steps, a window for the signal.
-    worker = start_worker("prefill", MODEL, *ENGINE, "--max-num-batched-tokens", "64", env=WORKER_ENV)
+    assert len(started) > 2, "more tests than VICTIMS"
+    worker = started.pop()
     try:
         set_worker(router, "POST", worker.address)
         seconds_until(lambda: workers(router)[worker.address], 5, "the new prefill worker healthy in /workers")

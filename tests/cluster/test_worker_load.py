@@ -21,17 +21,19 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from cluster import start_worker
+from cluster import ready, spawn_worker
 from conftest import random_prompts
 from helpers import GREEDY
 from pdspark import SamplingParams
 from pdspark.errors import ErrorCode
 from pdspark.rpc import convert
 from pdspark.rpc.status import failure_from_rpc_error
+from pdspark.service_process import ServiceProcess
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 ARGS = ["--page-size", "16", "--max-model-len", "128", "--max-num-seqs", "16", "--transfer-backend", "mooncake"]
@@ -45,11 +47,26 @@ ENV = {"MC_TRANSFER_TIMEOUT": str(MC_TIMEOUT_S)}
 
 
 @pytest.fixture(scope="module")
-def pair(draft_ckpt):
-    prefill = start_worker("prefill", str(draft_ckpt), *ARGS, env=ENV)
-    decode = start_worker("decode", str(draft_ckpt), *DECODE, env=ENV)
-    yield prefill, decode
-    assert decode.stop() == 0 and prefill.stop() == 0
+def workers(draft_ckpt) -> Iterator[dict[str, ServiceProcess]]:
+    """Every worker of the module, loading at once: the pair, and the small decode worker and the victim prefill
+    worker one test each uses (and stops)."""
+    names = ("prefill", "decode", "small", "victim")
+    services = ready(
+        spawn_worker("prefill", str(draft_ckpt), *ARGS, env=ENV),
+        spawn_worker("decode", str(draft_ckpt), *DECODE, env=ENV),
+        # 2 request slots + 3 waiting places
+        spawn_worker("decode", str(draft_ckpt), *ARGS, "--no-prefix-cache", "--max-num-seqs", "2",
+                     "--max-waiting-streams", "3"),
+        spawn_worker("prefill", str(draft_ckpt), *ARGS, env=ENV))
+    yield dict(zip(names, services))
+    for service in services[2:]:
+        service.stop()  # stopped by their tests already, unless those failed
+    assert services[1].stop() == 0 and services[0].stop() == 0
+
+
+@pytest.fixture(scope="module")
+def pair(workers):
+    return workers["prefill"], workers["decode"]
 
 
 def load_of(worker) -> worker_pb2.LoadReport:
@@ -187,11 +204,9 @@ def test_a_flood_of_streams_completes_while_control_calls_answer_at_once(pair):
     wait_for(lambda: idle(decode) and idle(prefill), 5, "both workers back to their initial free counts")
 
 
-def test_a_full_queue_refuses_at_once_and_serves_again_once_it_drains(draft_ckpt, pair):
-    prefill, _ = pair
+def test_a_full_queue_refuses_at_once_and_serves_again_once_it_drains(workers):
+    prefill, small = workers["prefill"], workers["small"]
     # 2 request slots + 3 waiting places; the held streams wait for prefill legs that are only sent at the end.
-    small = start_worker("decode", str(draft_ckpt), *ARGS, "--no-prefix-cache", "--max-num-seqs", "2",
-                         "--max-waiting-streams", "3")
     try:
         async def scenario() -> tuple[list[dict], dict]:
             dispatcher = Dispatcher(prefill.address, small.address)
@@ -229,9 +244,8 @@ def _holds(worker, in_transfer: int, queued: int) -> bool:
     return report.transfers_in_flight == in_transfer and report.queued == queued
 
 
-def test_a_stopped_prefill_worker_fails_requests_within_their_deadline(draft_ckpt, pair):
-    _, decode = pair
-    victim = start_worker("prefill", str(draft_ckpt), *ARGS, env=ENV)
+def test_a_stopped_prefill_worker_fails_requests_within_their_deadline(workers):
+    decode, victim = workers["decode"], workers["victim"]
     k, timeout_ms = 4, 3000
     try:
         assert idle(decode)
