@@ -1,7 +1,7 @@
 """`RouterCore`: what the HTTP and gRPC front ends share: the model's tokenizer and limits, admission, the
 dispatcher, the requests being served (for `abort`) and the per-request accounting (metrics).
 
-Request identity: the router mints every request's id (`new_request_id`: uuid4, unique across routers without
+Request identity: the router mints every request's id (`new_request_id`: a random uuid4, unique across routers without
 coordination, and unguessable). The workers see only that id, so two requests can never share one there. What a
 client calls its request (gRPC `request_id`, HTTP `X-Request-Id` or the body's `user`) is a label: logged and
 echoed back, never used to find a request. `abort` takes the router's id, which only the request's own caller
@@ -19,7 +19,6 @@ import asyncio
 import logging
 import re
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +33,7 @@ from pdspark.router.api_keys import ANONYMOUS, Access, ApiKeys, Caller
 from pdspark.router.chat_template import ChatTemplate
 from pdspark.router.dispatcher import DispatchChunk, Dispatcher
 from pdspark.router.key_quota import KeyQuota
+from pdspark.router.random_id import uuid4_hex
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry
 from pdspark.rpc import tracing
@@ -105,7 +105,7 @@ class RouterCore:
 
     @staticmethod
     def new_request_id() -> str:
-        return uuid.uuid4().hex
+        return uuid4_hex()
 
     def timeout_for(self, requested_s: float | None) -> float:
         """A request's timeout: what its caller asked for (None or <= 0: nothing), at most `request_timeout_s`,
