@@ -20,7 +20,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdspark.config import RouterConfig
@@ -144,8 +144,9 @@ class RouterCore:
         outcome = "error"
         rejected = "key_limit"  # what an OVERLOADED failure from here on is a rejection by
         assert request_id not in self.live, f"request id {request_id} is in use: ids come from new_request_id"
-        span = tracing.start("request", attributes={"pdspark.request_id": request_id, "pdspark.api": api,
-                                                    "pdspark.prompt_tokens": totals.prompt_tokens})
+        span = tracing.start("request", attributes={
+            "pdspark.request_id": request_id, "pdspark.api": api, "pdspark.prompt_tokens": totals.prompt_tokens,
+        } if tracing.enabled() else None)
         try:
             self.key_quota.enter(caller.key_id)
             rejected = "queue_full"
@@ -164,7 +165,7 @@ class RouterCore:
                 async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, deadline, live.aborted,
                                                             trace=span):
                     if not reveal:
-                        chunk = replace(chunk, prefill_worker="", decode_worker="")
+                        chunk = chunk.without_workers()
                     now = time.perf_counter()
                     if first:
                         m.ttft.observe(now - t0)
@@ -205,10 +206,11 @@ class RouterCore:
             m.cached_tokens.inc(totals.cached_tokens)
             logger.debug("request %s (label %r, %s): %s in %.3f s", request_id, label, api, outcome,
                          time.perf_counter() - t0)
-            tracing.finish(span, None if outcome == "ok" else outcome, {
-                "pdspark.outcome": outcome, "pdspark.completion_tokens": totals.completion_tokens,
-                "pdspark.cached_tokens": totals.cached_tokens,
-                "pdspark.finish_reason": totals.finish_reason.value if totals.finish_reason else ""})
+            if span is not tracing.NO_SPAN:
+                tracing.finish(span, None if outcome == "ok" else outcome, {
+                    "pdspark.outcome": outcome, "pdspark.completion_tokens": totals.completion_tokens,
+                    "pdspark.cached_tokens": totals.cached_tokens,
+                    "pdspark.finish_reason": totals.finish_reason.value if totals.finish_reason else ""})
 
     def abort(self, request_id: str) -> bool:
         """Abort the request with the router's id `request_id`, wherever it is (queued or at the workers); it ends
