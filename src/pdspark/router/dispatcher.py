@@ -45,7 +45,7 @@ from pdspark.rpc import convert, tracing
 from pdspark.rpc.multiplexed_client import MultiplexedCall
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
-from pdspark.v1 import worker_pb2
+from pdspark.v1 import common_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,10 @@ class Dispatcher:
                 the stream failed more than `max_migrations` times.
         """
         # One seed for both legs and every attempt: the prefill worker draws token 1, the decode worker the rest.
-        params = params if params.seed is not None else replace(params, seed=secrets.randbits(63))
+        # Set on the wire message, made once for every attempt (a `replace` of `params` would check them again).
+        sampling = convert.sampling_to_pb(params)
+        if params.seed is None:
+            sampling.seed = secrets.randbits(63)
         progress = _Progress()
         excluded: set[str] = set()
         last: RequestFailed | None = None
@@ -162,7 +165,7 @@ class Dispatcher:
             produced = False
             try:
                 async for chunk in self._run_pair(request_id, worker_request_id, prompt_ids, progress.generated,
-                                                  params, prefill, decode, deadline, trace, n):
+                                                  sampling, prefill, decode, deadline, trace, n):
                     produced = True
                     yield progress.record(chunk)
                     if progress.finished:
@@ -231,8 +234,9 @@ class Dispatcher:
             self.metrics.count_selected("decode", decode.name)
         return prefill, decode
 
-    async def _run_pair(self, key: str, request_id: str, prompt_ids: list[int], generated: list[int], params,
-                        prefill: WorkerInfo, decode: WorkerInfo, request_deadline: Deadline,
+    async def _run_pair(self, key: str, request_id: str, prompt_ids: list[int], generated: list[int],
+                        sampling: common_pb2.SamplingParams, prefill: WorkerInfo, decode: WorkerInfo,
+                        request_deadline: Deadline,
                         trace: tracing.Span = tracing.NO_SPAN, number: int = 0) -> AsyncIterator[DispatchChunk]:
         """One attempt. `generated`: the tokens the caller already has (a migrated stream): the prefill computes
         prompt + generated, the decode continues after them; the chunks carry only what follows."""
@@ -244,7 +248,6 @@ class Dispatcher:
         metadata = tracing.metadata_of(span)  # the workers' spans are children of the attempt
         error: str | None = "cancelled"
         timeout_ms = convert.timeout_to_ms(self.transfer_timeout_s)  # relative: each worker times it from receipt
-        sampling = convert.sampling_to_pb(params)
         active = _Active(prefill, decode)
         self.active[key] = active
         prefill.in_flight += 1

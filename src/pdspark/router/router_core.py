@@ -202,8 +202,10 @@ class RouterCore:
             m.e2e.observe(time.perf_counter() - t0)
             m.count_request(api, outcome)
             m.prompt_tokens.inc(totals.prompt_tokens)
-            m.completion_tokens.inc(totals.completion_tokens)
-            m.cached_tokens.inc(totals.cached_tokens)
+            if totals.completion_tokens:  # an `inc(0)` changes nothing and costs a lock (most requests cache none)
+                m.completion_tokens.inc(totals.completion_tokens)
+            if totals.cached_tokens:
+                m.cached_tokens.inc(totals.cached_tokens)
             logger.debug("request %s (label %r, %s): %s in %.3f s", request_id, label, api, outcome,
                          time.perf_counter() - t0)
             if span is not tracing.NO_SPAN:
