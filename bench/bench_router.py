@@ -8,10 +8,13 @@
   decode stub; pdspark: the dual dispatch the router makes, done by a gRPC client in this process, sequentially).
 - pdspark's router runs once per `--worker-calls` setting (per-request gRPC calls to the workers, and multiplexed on
   one stream per worker), each its own router and stubs, alternating with the others in every round.
+- Optionally (`--baseline-src DIR`), each pdspark router once more from another revision's source (DIR: its `src`,
+  e.g. of `git worktree add /tmp/base main`), over its own stubs, in the same rounds: a before/after that meets the
+  same contention (`<name>_baseline` in the table; no one-connection figures).
 - Optionally (`--real`), the pdspark router over a real dsv4-tiny pair vs that client's direct dual dispatch.
 
     python bench/bench_router.py [--rounds 2] [--duration 8] [--sglang-python .venv-sglang-router/bin/python] [--real]
-        [--worker-calls per-request multiplexed]
+        [--worker-calls per-request multiplexed] [--baseline-src ../base/src]
 
 Needs `wrk` (Debian) and sglang-router in its own venv: `make sglang-router-tools` (`make bench-router` runs both).
 """
@@ -189,14 +192,15 @@ async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1,
 
 # ---- the two stacks -------------------------------------------------------------------------------------------------
 class PdsparkStack:
-    def __init__(self, model: str, worker_calls: str = "per-request"):
+    def __init__(self, model: str, worker_calls: str = "per-request", src: str | None = None):
+        """`src`: run the router from this source tree (PYTHONPATH) instead of this checkout's."""
         self.stubs, info = start_json_child([sys.executable, str(ROOT / "bench" / "stub_workers.py"), "--tokens",
                                              "1"])
         self.prefill, self.decode = info["prefill"], info["decode"]
         fake = [ServiceProcess("p", self.stubs, {"address": self.prefill}),
                 ServiceProcess("d", self.stubs, {"address": self.decode})]
         self.router = start_router(model, fake[:1], fake[1:], "--served-model-name", MODEL_NAME, "--worker-calls",
-                                   worker_calls)
+                                   worker_calls, env={"PYTHONPATH": src} if src else None)
         self.url = f"{self.router.info['http']}/v1/completions"
         wait_serving(self.url)
 
@@ -241,6 +245,8 @@ def side_by_side(args, script: Path) -> dict:
     try:
         for calls in args.worker_calls:
             stacks[stack_name(calls)] = PdsparkStack(args.model, calls)
+            if args.baseline_src:
+                stacks[f"{stack_name(calls)}_baseline"] = PdsparkStack(args.model, calls, args.baseline_src)
         for n in range(args.rounds):  # alternating: all meet the same contention
             row = {}
             for name, stack in stacks.items():
@@ -310,7 +316,7 @@ def table(result: dict, args) -> list[str]:
         "| one connection | router p50 ms | direct p50 ms | added p50 ms |",
         "|---|---:|---:|---:|",
     ]
-    for name in ("sglang", *names):
+    for name in ("sglang", *(n for n in names if f"{n}_router" in one)):
         r, d = one[f"{name}_router"], one[f"{name}_direct"]
         lines.append(f"| {name} | {r['p50_ms']:.2f} | {d['p50_ms']:.2f} | {r['p50_ms'] - d['p50_ms']:.2f} |")
     if "real" in result:
@@ -342,6 +348,7 @@ def plot(result: dict, title: str) -> None:
     ax1.set_ylabel("requests/s (16 connections)")
     ax1.legend(fontsize=8)
     one = result["one_connection"]
+    names = [n for n in names if f"{n}_direct" in one]
     direct_of = {n: one[f"{n}_direct"]["p50_ms"] for n in names}
     ax2.bar([x - 0.2 for x in range(len(names))], [direct_of[n] for n in names], 0.4, label="direct")
     ax2.bar([x + 0.2 for x in range(len(names))], [one[f"{n}_router"]["p50_ms"] for n in names], 0.4,
@@ -363,6 +370,8 @@ def main() -> None:
     parser.add_argument("--real", action="store_true", help="also the pdspark router over a real dsv4-tiny pair")
     parser.add_argument("--worker-calls", nargs="+", default=["per-request", "multiplexed"],
                         choices=["per-request", "multiplexed"], help="pdspark routers to run (their --worker-calls)")
+    parser.add_argument("--baseline-src", default=None, help="also run each pdspark router from this source tree "
+                        "(another revision's `src`), in the same rounds")
     parser.add_argument("--no-save", action="store_true", help="print the table only (no JSON/PNG)")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
@@ -376,14 +385,18 @@ def main() -> None:
     if args.real:
         result["real"] = real_cluster(args)
     lines = table(result, args)
-    names = [stack_name(c) for c in args.worker_calls]
+    names = [n for n in result["rounds"][0] if n != "sglang"]
     result["throughput_ratio_median"] = {
         n: statistics.median(r[n]["rps"] / r["sglang"]["rps"] for r in result["rounds"]) for n in names}
     one = result["one_connection"]
     result["added_p50_ms"] = {n: one[f"{n}_router"]["p50_ms"] - one[f"{n}_direct"]["p50_ms"]
-                              for n in ("sglang", *names)}
+                              for n in ("sglang", *names) if f"{n}_router" in one}
+    result["router_cpu_ms_median"] = {n: statistics.median(r[n]["cpu_ms_per_request"] for r in result["rounds"])
+                                      for n in ("sglang", *names)}
     lines += [""] + [f"throughput ratio {n} / sglang-router (median of rounds): "
                      f"{result['throughput_ratio_median'][n]:.2f}" for n in names]
+    lines += [f"router CPU ms/req {n} (median of rounds): {result['router_cpu_ms_median'][n]:.3f}"
+              for n in ("sglang", *names)]
     print("\n".join(lines))
     if not args.no_save:
         write_json("router", {"args": vars(args), **result})

@@ -10,7 +10,6 @@ leaves. Errors are `ApiError`s in OpenAI's shape (see `api_error` for the status
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -22,6 +21,7 @@ from pdspark.router.chat_completion_request import ChatCompletionRequest
 from pdspark.router.completion_request import CompletionRequest
 from pdspark.router.generate_request import GenerateRequest, GenerateSamplingParams
 from pdspark.router.openai_request import StreamOptions
+from pdspark.router.random_id import uuid4_hex
 from pdspark.router.sampling_fields import SamplingFields
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 
@@ -193,7 +193,7 @@ def _usage_options(options: StreamOptions | None) -> tuple[bool, bool]:
 
 # ---- responses ----------------------------------------------------------------------------------------------------
 def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    return ("chatcmpl-" if chat else "cmpl-") + uuid4_hex()[:24]
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:

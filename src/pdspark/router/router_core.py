@@ -1,7 +1,7 @@
 """`RouterCore`: what the HTTP and gRPC front ends share: the model's tokenizer and limits, admission, the
 dispatcher, the requests being served (for `abort`) and the per-request accounting (metrics).
 
-Request identity: the router mints every request's id (`new_request_id`: uuid4, unique across routers without
+Request identity: the router mints every request's id (`new_request_id`: a random uuid4, unique across routers without
 coordination, and unguessable). The workers see only that id, so two requests can never share one there. What a
 client calls its request (gRPC `request_id`, HTTP `X-Request-Id` or the body's `user`) is a label: logged and
 echoed back, never used to find a request. `abort` takes the router's id, which only the request's own caller
@@ -19,9 +19,8 @@ import asyncio
 import logging
 import re
 import time
-import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdspark.config import RouterConfig
@@ -34,6 +33,7 @@ from pdspark.router.api_keys import ANONYMOUS, Access, ApiKeys, Caller
 from pdspark.router.chat_template import ChatTemplate
 from pdspark.router.dispatcher import DispatchChunk, Dispatcher
 from pdspark.router.key_quota import KeyQuota
+from pdspark.router.random_id import uuid4_hex
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.worker_registry import WorkerRegistry
 from pdspark.rpc import tracing
@@ -105,7 +105,7 @@ class RouterCore:
 
     @staticmethod
     def new_request_id() -> str:
-        return uuid.uuid4().hex
+        return uuid4_hex()
 
     def timeout_for(self, requested_s: float | None) -> float:
         """A request's timeout: what its caller asked for (None or <= 0: nothing), at most `request_timeout_s`,
@@ -144,8 +144,9 @@ class RouterCore:
         outcome = "error"
         rejected = "key_limit"  # what an OVERLOADED failure from here on is a rejection by
         assert request_id not in self.live, f"request id {request_id} is in use: ids come from new_request_id"
-        span = tracing.start("request", attributes={"pdspark.request_id": request_id, "pdspark.api": api,
-                                                    "pdspark.prompt_tokens": totals.prompt_tokens})
+        span = tracing.start("request", attributes={
+            "pdspark.request_id": request_id, "pdspark.api": api, "pdspark.prompt_tokens": totals.prompt_tokens,
+        } if tracing.enabled() else None)
         try:
             self.key_quota.enter(caller.key_id)
             rejected = "queue_full"
@@ -164,7 +165,7 @@ class RouterCore:
                 async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, deadline, live.aborted,
                                                             trace=span):
                     if not reveal:
-                        chunk = replace(chunk, prefill_worker="", decode_worker="")
+                        chunk = chunk.without_workers()
                     now = time.perf_counter()
                     if first:
                         m.ttft.observe(now - t0)
@@ -201,14 +202,17 @@ class RouterCore:
             m.e2e.observe(time.perf_counter() - t0)
             m.count_request(api, outcome)
             m.prompt_tokens.inc(totals.prompt_tokens)
-            m.completion_tokens.inc(totals.completion_tokens)
-            m.cached_tokens.inc(totals.cached_tokens)
+            if totals.completion_tokens:  # an `inc(0)` changes nothing and costs a lock (most requests cache none)
+                m.completion_tokens.inc(totals.completion_tokens)
+            if totals.cached_tokens:
+                m.cached_tokens.inc(totals.cached_tokens)
             logger.debug("request %s (label %r, %s): %s in %.3f s", request_id, label, api, outcome,
                          time.perf_counter() - t0)
-            tracing.finish(span, None if outcome == "ok" else outcome, {
-                "pdspark.outcome": outcome, "pdspark.completion_tokens": totals.completion_tokens,
-                "pdspark.cached_tokens": totals.cached_tokens,
-                "pdspark.finish_reason": totals.finish_reason.value if totals.finish_reason else ""})
+            if span is not tracing.NO_SPAN:
+                tracing.finish(span, None if outcome == "ok" else outcome, {
+                    "pdspark.outcome": outcome, "pdspark.completion_tokens": totals.completion_tokens,
+                    "pdspark.cached_tokens": totals.cached_tokens,
+                    "pdspark.finish_reason": totals.finish_reason.value if totals.finish_reason else ""})
 
     def abort(self, request_id: str) -> bool:
         """Abort the request with the router's id `request_id`, wherever it is (queued or at the workers); it ends
