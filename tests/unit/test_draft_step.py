@@ -41,6 +41,27 @@ def test_one_c_call_matches_the_module_path():
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@needs_c
+def test_injected_context_rows_match_the_module_path():
+    draft = random_draft(moe=False)
+    draft.prepare_inference()
+    step = DraftStep.build(draft)
+    assert step is not None
+    g = torch.Generator().manual_seed(3)
+    features = torch.randn(7, draft.cfg.hidden_size * 2, generator=g)  # [N, D*L]
+    positions = torch.tensor([0, 1, 2, 50, 51, 200, 201])
+    slots = torch.tensor([5, 9, 100, 3, 250, 77, 78])
+    pool = torch.zeros(2, 300, draft.cfg.head_dim)  # [stages, rows, d]
+    with torch.inference_mode():
+        want = draft.context_kv(features, positions)  # [stages, N, d]
+        assert step.inject(features, positions, slots, DraftStep.pool_table(pool))
+    got = pool[:, slots]
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    pool[:, slots] = 0
+    assert not pool.any()  # no other row written
+    assert not step.inject(features, positions.int(), slots, DraftStep.pool_table(pool))  # int32: module path
+
+
 def test_drafts_it_does_not_cover_keep_the_module_path(monkeypatch):
     moe = random_draft(moe=True)
     moe.prepare_inference()

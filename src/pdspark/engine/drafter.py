@@ -45,10 +45,14 @@ class DSparkDrafter:
     @torch.inference_mode()
     def inject(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
         """Write the draft context rows of committed tokens: `features [N, D*L]` at `positions` / `swa_slots`."""
-        if features.shape[0]:
-            self.kv.pools.draft_kv[:, swa_slots] = self.draft.context_kv(features, positions).to(
-                self.kv.pools.draft_kv.dtype
-            )
+        if not features.shape[0]:
+            return
+        pools = self._pool_table()
+        if pools is not None and self._step is not None and self._step.inject(features, positions, swa_slots, pools):
+            return  # one C call
+        self.kv.pools.draft_kv[:, swa_slots] = self.draft.context_kv(features, positions).to(
+            self.kv.pools.draft_kv.dtype
+        )
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], num_drafts: list[int]) -> list[DraftProposal]:
@@ -77,18 +81,25 @@ class DSparkDrafter:
         full = tables.req_to_token[slots[:, None], np.maximum(ctx_pos, 0)]
         rows = np.where(valid, self.kv.full_to_swa(full, tables), self.kv.pools.swa_dummy_slot)
         pool = self.kv.pools.draft_kv
-        if self._step is not None:
-            if self._pools is None or self._pools[0] != pool.data_ptr():  # the pool never moves: built once
-                self._pools = (pool.data_ptr(), DraftStep.pool_table(pool))
-            if self._pools[1] is not None:
-                fused = self._step.logits(np.array(anchors), anchor_pos, self._pools[1], rows, valid)
-                if fused is not None:
-                    return fused
+        pools = self._pool_table()
+        if pools is not None and self._step is not None:
+            fused = self._step.logits(np.array(anchors), anchor_pos, pools, rows, valid)
+            if fused is not None:
+                return fused
         dev = pool.device
         ctx_kv = pool[:, torch.from_numpy(rows.astype(np.int64)).to(dev)]  # [stages, M, W, d]
         h = self.draft.block_hidden(torch.tensor(anchors, device=dev), torch.from_numpy(anchor_pos).to(dev), ctx_kv,
                                     torch.from_numpy(valid).to(dev))
         return self.draft.base_logits(h)
+
+    def _pool_table(self) -> np.ndarray | None:
+        """`DraftStep.pool_table` of the draft pool (None: no C path), built again only if the pool moved."""
+        if self._step is None:
+            return None
+        pool = self.kv.pools.draft_kv
+        if self._pools is None or self._pools[0] != pool.data_ptr():
+            self._pools = (pool.data_ptr(), DraftStep.pool_table(pool))
+        return self._pools[1]
 
     def _pick(self, base: torch.Tensor, req: Request, anchor: int, n: int, noise: torch.Tensor | None
               ) -> DraftProposal:

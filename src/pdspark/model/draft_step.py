@@ -30,6 +30,7 @@ class DraftTable(NamedTuple):
     sizes: torch.Tensor  # int32
     scalars: torch.Tensor  # fp32
     keep: tuple[torch.Tensor, ...]  # the tensors behind the pointers, held while the table lives
+    injects: bool  # the context rows' weights are in the table too (`draft_inject`; not for a quantized main_proj)
 
 
 def _fp32(t: object) -> torch.Tensor | None:
@@ -72,12 +73,13 @@ def _stage_numbers(stage: DraftStage, draft: DSparkDraft) -> tuple[dict[str, int
         "q_lora": attn.wq_b.shape[1], "heads": attn.n_heads, "head_dim": attn.head_dim, "o_groups": attn.o_groups,
         "o_lora": attn.wo_a.shape[0] // attn.o_groups, "inter": stage.ffn.w2.shape[1],
         "vocab": draft.vocab[1].shape[0], "rope_dim": draft.rope.cos.shape[1],
+        "features": draft.main_proj.shape[1] if isinstance(draft.main_proj, torch.Tensor) else 0,
     }
     scalars = {
         "hc_eps": stage.attn_hc.hc_eps, "hc_norm_eps": stage.attn_hc.norm_eps, "attn_norm_eps": stage.attn_norm.eps,
         "ffn_norm_eps": stage.ffn_norm.eps, "q_eps": attn.q_norm.eps, "head_eps": attn.eps,
         "kv_eps": attn.kv_norm.eps, "scale": attn.scale, "limit": stage.ffn.limit, "head_hc_eps": hh.hc_eps,
-        "head_norm_eps": hh.norm_eps, "norm_eps": draft.norm.eps,
+        "head_norm_eps": hh.norm_eps, "norm_eps": draft.norm.eps, "main_norm_eps": draft.main_norm.eps,
     }
     return sizes, scalars
 
@@ -106,6 +108,14 @@ def draft_table(draft: DSparkDraft) -> DraftTable | None:
     tensors = [v for w in checked for v in w.values()] + list(checked_head.values())
     if any(v is None for v in tensors):
         return None
+    inject = {"main_proj": _fp32(draft.main_proj), "main_norm": _fp32(draft.main_norm.weight),
+              "latents": _single(draft._stage_latents)}
+    injects = None not in inject.values()
+    if injects:
+        tensors += list(inject.values())
+        checked_head |= inject
+    else:  # (a quantized main_proj): the context rows keep the module path
+        checked_head |= dict.fromkeys(inject, torch.empty(0))
     pointers = [w[n].data_ptr() for w in checked for n in cpu_kernels.DRAFT_STAGE_WEIGHTS]  # type: ignore[union-attr]
     pointers += [checked_head[n].data_ptr() for n in cpu_kernels.DRAFT_HEAD_WEIGHTS]  # type: ignore[union-attr]
     sizes, scalars = numbers[0]
@@ -114,6 +124,7 @@ def draft_table(draft: DSparkDraft) -> DraftTable | None:
         torch.tensor([sizes[n] for n in cpu_kernels.DRAFT_SIZES], dtype=torch.int32),
         torch.tensor([scalars[n] for n in cpu_kernels.DRAFT_SCALARS], dtype=torch.float32),
         tuple(v for v in tensors if v is not None),
+        injects,
     )
 
 
@@ -142,6 +153,25 @@ class DraftStep:
         if not (pool.is_cpu and pool.dtype is torch.float32 and pool.dim() == 3 and pool.stride(2) == 1):
             return None
         return np.array([[pool[s].data_ptr(), pool.stride(1)] for s in range(pool.shape[0])], dtype=np.int64)
+
+    def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pools: np.ndarray
+               ) -> bool:
+        """Write the context rows of `features [N, F]` at `positions [N]` to the pools' rows `slots [N]` (see
+        `DSparkDrafter.inject`); False (nothing written) where the C path does not apply."""
+        ok = (self.table.injects and _fp32(features) is not None and features.dim() == 2
+              and features.shape[1] == int(self.table.sizes[cpu_kernels.DRAFT_SIZES.index("features")]))
+        for t in (positions, slots):
+            ok = ok and t.is_cpu and t.dtype is torch.int64 and t.is_contiguous() and t.shape == features.shape[:1]
+        if not ok or int(positions.max()) >= self.max_len or int(positions.min()) < 0:
+            return False
+        sizes = self.table.sizes.tolist()
+        r, D, HD, S = (sizes[cpu_kernels.DRAFT_SIZES.index(n)] for n in ("rope_dim", "hidden", "head_dim", "stages"))
+        need = features.shape[0] * (2 * r + D + S * HD) + HD + 80
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(2 * need)
+        cpu_kernels.draft_inject(self.table.weights, self.table.sizes, self.table.scalars, features, positions,
+                                 pools.ctypes.data, slots, self.scratch)
+        return True
 
     def logits(self, anchors: np.ndarray, anchor_pos: np.ndarray, pools: np.ndarray, rows: np.ndarray,
                valid: np.ndarray) -> torch.Tensor | None:

@@ -735,11 +735,12 @@ enum { /* one stage's weights (the table holds S of these, then the DH_* head sl
     DW_ATTN_FN, DW_ATTN_SCALE, DW_ATTN_BASE, DW_ATTN_NORM, DW_FFN_FN, DW_FFN_SCALE, DW_FFN_BASE, DW_FFN_NORM,
     DW_X, DW_Q_NORM, DW_Q_B, DW_KV_NORM, DW_SINK, DW_O_A, DW_O_B, DW_GATE_UP, DW_DOWN, DW_COUNT
 };
-enum { DH_EMBED, DH_HC_FN, DH_HC_SCALE, DH_HC_BASE, DH_NORM, DH_HEAD, DH_COS, DH_SIN, DH_COUNT };
+enum { DH_EMBED, DH_HC_FN, DH_HC_SCALE, DH_HC_BASE, DH_NORM, DH_HEAD, DH_COS, DH_SIN, DH_MAIN_PROJ, DH_MAIN_NORM,
+       DH_LATENTS, DH_COUNT };
 enum { DI_STAGES, DI_GAMMA, DI_MASK, DI_HC, DI_ITERS, DI_D, DI_QL, DI_H, DI_HD, DI_G, DI_L, DI_INTER, DI_V, DI_R,
-       DI_COUNT };
+       DI_FEATURES, DI_COUNT };
 enum { DF_HC_EPS, DF_HC_NORM_EPS, DF_ATTN_NORM_EPS, DF_FFN_NORM_EPS, DF_Q_EPS, DF_HEAD_EPS, DF_KV_EPS, DF_SCALE,
-       DF_LIMIT, DF_HEAD_HC_EPS, DF_HEAD_NORM_EPS, DF_NORM_EPS, DF_COUNT };
+       DF_LIMIT, DF_HEAD_HC_EPS, DF_HEAD_NORM_EPS, DF_NORM_EPS, DF_MAIN_NORM_EPS, DF_COUNT };
 
 /* Sink attention of M draft blocks of G rows: row (m, g)'s H heads q [T, H, d] attend to block m's W context rows
  * ctx[rows[m, :]] (where valid[m, :]; pool rows `cstride` floats apart) and then to all G rows of its block bkv
@@ -894,4 +895,28 @@ void draft_block(const long *wp, const int *wi, const float *wf, const long *anc
         rms_norm(yt, D, PTR(hp, DH_NORM), 1, D, wf[DF_NORM_EPS], yt);
     }
     gemm_rows(PTR(hp, DH_HEAD), y, D, T, V, D, logits, V);
+}
+
+/* `DSparkDrafter.inject` in one call: the context rows of N committed tokens from their target features
+ * features [N, F]: main_x = rms_norm(main_proj [D, F] @ f) * main_norm; every stage's latent in one projection
+ * (latents [S * HD, D], stage s's rows s*HD ..); stage s's row = rope(rms_norm(latent_s) * kv_norm_s, position),
+ * written to ctx[2s] + slots[n] * ctx[2s+1]. scratch holds N * (2r + D + S*HD) + HD floats (+ rounding). */
+void draft_inject(const long *wp, const int *wi, const float *wf, const float *features, int N,
+                  const long *positions, const long *ctx, const long *slots, float *scratch) {
+    const int S = wi[DI_STAGES], D = wi[DI_D], HD = wi[DI_HD], r = wi[DI_R], F = wi[DI_FEATURES];
+    const long *hp = wp + (long)S * DW_COUNT;
+    float *at = scratch;
+    float *cos = take(&at, (long)N * r), *sin = take(&at, (long)N * r), *x = take(&at, (long)N * D);
+    float *lat = take(&at, (long)N * S * HD), *small = take(&at, HD);
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < r; c++) {
+            cos[(long)n * r + c] = PTR(hp, DH_COS)[positions[n] * r + c];
+            sin[(long)n * r + c] = PTR(hp, DH_SIN)[positions[n] * r + c];
+        }
+    gemm_rows(PTR(hp, DH_MAIN_PROJ), features, F, N, D, F, x, D);
+    rms_norm(x, D, PTR(hp, DH_MAIN_NORM), N, D, wf[DF_MAIN_NORM_EPS], x);
+    gemm_rows(PTR(hp, DH_LATENTS), x, D, N, S * HD, D, lat, (long)S * HD);
+    for (int s = 0; s < S; s++)
+        norm_rope(lat + (long)s * HD, (long)S * HD, PTR(wp + (long)s * DW_COUNT, DW_KV_NORM), N, 1, HD,
+                  wf[DF_KV_EPS], cos, sin, r, (float *)ctx[2 * s], slots, ctx[2 * s + 1], small);
 }

@@ -122,6 +122,8 @@ def load() -> ctypes.CDLL | None:
     lib.draft_scratch_floats.restype = ctypes.c_long
     lib.draft_block.argtypes = [f, f, f, f, f, i, f, f, f, i, f, f]
     lib.draft_block.restype = None
+    lib.draft_inject.argtypes = [f, f, f, f, i, f, f, f, f]
+    lib.draft_inject.restype = None
     return lib
 
 
@@ -442,11 +444,12 @@ def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 # The slots of `draft_block`'s arrays, in the order of the enums in kernels.c: S stages' weights, then the head's.
 DRAFT_STAGE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base",
                        "ffn_norm", "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "gate_up", "down")
-DRAFT_HEAD_WEIGHTS = ("embed", "hc_fn", "hc_scale", "hc_base", "norm", "head", "rope_cos", "rope_sin")
+DRAFT_HEAD_WEIGHTS = ("embed", "hc_fn", "hc_scale", "hc_base", "norm", "head", "rope_cos", "rope_sin", "main_proj",
+                      "main_norm", "latents")
 DRAFT_SIZES = ("stages", "gamma", "mask_id", "hc", "iters", "hidden", "q_lora", "heads", "head_dim", "o_groups",
-               "o_lora", "inter", "vocab", "rope_dim")
+               "o_lora", "inter", "vocab", "rope_dim", "features")
 DRAFT_SCALARS = ("hc_eps", "hc_norm_eps", "attn_norm_eps", "ffn_norm_eps", "q_eps", "head_eps", "kv_eps", "scale",
-                 "limit", "head_hc_eps", "head_norm_eps", "norm_eps")
+                 "limit", "head_hc_eps", "head_norm_eps", "norm_eps", "main_norm_eps")
 
 
 def draft_scratch_floats(sizes: torch.Tensor, blocks: int, window: int) -> int:
@@ -467,3 +470,15 @@ def draft_block(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tenso
     assert lib is not None
     lib.draft_block(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), anchors, anchor_pos, blocks, ctx, rows,
                     valid, window, scratch.data_ptr(), logits.data_ptr())
+
+
+def draft_inject(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tensor, features: torch.Tensor,
+                 positions: torch.Tensor, ctx: int, slots: torch.Tensor, scratch: torch.Tensor) -> None:
+    """`DSparkDrafter.inject` in one call: the context rows of `features [N, F]` (fp32) at `positions` (int64
+    `[N]`) written to every stage's pool rows `slots` (int64 `[N]`); `ctx` is the address of the `[stages, 2]`
+    int64 pool table. `scratch` holds at least `N * (2 * rope_dim + hidden + stages * head_dim) + head_dim + 80`
+    floats. The caller checked every tensor (see `model.draft_step`)."""
+    lib = load()
+    assert lib is not None
+    lib.draft_inject(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), features.data_ptr(), features.shape[0],
+                     positions.data_ptr(), ctx, slots.data_ptr(), scratch.data_ptr())
