@@ -435,7 +435,7 @@ def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     N, hc, D = h.shape
     V = head.shape[0]
     out = torch.empty(N, V)
-    scratch = torch.empty(hc * D + D)
+    scratch = torch.empty(hc * D + N * D)
     lib.lm_head(h.data_ptr(), N, hc, D, fn.data_ptr(), scale.data_ptr(), base.data_ptr(), hc_eps, norm_eps,
                 norm_w.data_ptr(), eps, head.data_ptr(), V, scratch.data_ptr(), out.data_ptr())
     return out
