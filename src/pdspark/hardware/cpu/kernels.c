@@ -1,7 +1,8 @@
 /* pdspark CPU kernels: small fused loops whose PyTorch form is dozens of tiny ops per call.
  * Plain C with float32 arithmetic in the reference's order (reductions excepted: dot products and sums of
  * squares use 16 partial sums, as vectorised BLAS kernels do; the indexer's scores keep the exact order of their
- * PyTorch path, in GCC/Clang vector types); called through ctypes. */
+ * PyTorch path, in GCC/Clang vector types; the DSpark draft's GEMMs use fused multiply-adds where the CPU has
+ * them, see `draft_block`); called through ctypes. */
 #include <math.h>
 
 static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
