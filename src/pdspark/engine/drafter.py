@@ -15,6 +15,7 @@ from pdspark.cache.kv_cache import KVCache
 from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.engine.request import Request
 from pdspark.engine.sampler import filter_logits
+from pdspark.model.draft_step import DraftStep
 from pdspark.model.dspark import DSparkDraft
 
 # Memory for cached Markov bias rows (fp32, one `[vocab]` row per previous token): 2,048 rows at dsv4-tiny's 4,096.
@@ -37,20 +38,27 @@ class DSparkDrafter:
         # the same bits): a block picks gamma tokens one after another, each needing the row of the one before.
         self._markov: dict[int, torch.Tensor] = {}
         self._markov_max = max(1, _MARKOV_CACHE_BYTES // (4 * draft.cfg.vocab_size))
+        # The whole draft forward as one C call where the draft and its pool allow it (else the module path).
+        self._step = DraftStep.build(draft)
+        self._pools: tuple[int, np.ndarray | None] | None = None  # (the pool's address, its `pool_table`)
 
     @torch.inference_mode()
     def inject(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
         """Write the draft context rows of committed tokens: `features [N, D*L]` at `positions` / `swa_slots`."""
-        if features.shape[0]:
-            self.kv.pools.draft_kv[:, swa_slots] = self.draft.context_kv(features, positions).to(
-                self.kv.pools.draft_kv.dtype
-            )
+        if not features.shape[0]:
+            return
+        pools = self._pool_table()
+        if pools is not None and self._step is not None and self._step.inject(features, positions, swa_slots, pools):
+            return  # one C call
+        self.kv.pools.draft_kv[:, swa_slots] = self.draft.context_kv(features, positions).to(
+            self.kv.pools.draft_kv.dtype
+        )
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], num_drafts: list[int]) -> list[DraftProposal]:
         """One draft block per request, anchored at its last (not yet computed) token."""
         anchors = [_last_token(r) for r in reqs]
-        base = self.draft.base_logits(self._block(anchors, reqs))  # [M, G, V]
+        base = self._base_logits(anchors, reqs)  # [M, G, V]
         # Draft k (0-based) proposes position `num_tokens + k`, raced with that position's SAMPLE noise: the very noise
         # the target samples the position with. Every sampled row's noise in one call (it does not depend on the picks).
         sampled = [0 if r.params.greedy else n for r, n in zip(reqs, num_drafts)]
@@ -61,9 +69,10 @@ class DSparkDrafter:
         return [self._pick(base[i], r, a, n, noise[i])
                 for i, (r, a, n) in enumerate(zip(reqs, anchors, num_drafts))]
 
-    def _block(self, anchors: list[int], reqs: list[Request]) -> torch.Tensor:
-        """The draft blocks' last streams `[M, G, hc, D]`. Context indices come from the host tables in NumPy (small
-        NumPy ops cost a fraction of the same ops on tensors); the draft runs where the pools are."""
+    def _base_logits(self, anchors: list[int], reqs: list[Request]) -> torch.Tensor:
+        """The draft blocks' base logits `[M, G, V]`. Context indices come from the host tables in NumPy (small
+        NumPy ops cost a fraction of the same ops on tensors); the draft runs where the pools are: one C call
+        (`DraftStep`) where it applies, else the modules."""
         tables = self.kv.host_tables()
         anchor_pos = np.array([r.num_tokens - 1 for r in reqs])  # [M]
         slots = np.array([r.pages.slot for r in reqs])  # type: ignore[union-attr]
@@ -72,10 +81,25 @@ class DSparkDrafter:
         full = tables.req_to_token[slots[:, None], np.maximum(ctx_pos, 0)]
         rows = np.where(valid, self.kv.full_to_swa(full, tables), self.kv.pools.swa_dummy_slot)
         pool = self.kv.pools.draft_kv
+        pools = self._pool_table()
+        if pools is not None and self._step is not None:
+            fused = self._step.logits(np.array(anchors), anchor_pos, pools, rows, valid)
+            if fused is not None:
+                return fused
         dev = pool.device
         ctx_kv = pool[:, torch.from_numpy(rows.astype(np.int64)).to(dev)]  # [stages, M, W, d]
-        return self.draft.block_hidden(torch.tensor(anchors, device=dev), torch.from_numpy(anchor_pos).to(dev),
-                                       ctx_kv, torch.from_numpy(valid).to(dev))
+        h = self.draft.block_hidden(torch.tensor(anchors, device=dev), torch.from_numpy(anchor_pos).to(dev), ctx_kv,
+                                    torch.from_numpy(valid).to(dev))
+        return self.draft.base_logits(h)
+
+    def _pool_table(self) -> np.ndarray | None:
+        """`DraftStep.pool_table` of the draft pool (None: no C path), built again only if the pool moved."""
+        if self._step is None:
+            return None
+        pool = self.kv.pools.draft_kv
+        if self._pools is None or self._pools[0] != pool.data_ptr():
+            self._pools = (pool.data_ptr(), DraftStep.pool_table(pool))
+        return self._pools[1]
 
     def _pick(self, base: torch.Tensor, req: Request, anchor: int, n: int, noise: torch.Tensor | None
               ) -> DraftProposal:

@@ -118,6 +118,12 @@ def load() -> ctypes.CDLL | None:
     lib.decode_layer.restype = None
     lib.lm_head.argtypes = [f, i, i, i, f, f, f, fl, fl, f, fl, f, i, f, f]
     lib.lm_head.restype = None
+    lib.draft_scratch_floats.argtypes = [f, i, i]
+    lib.draft_scratch_floats.restype = ctypes.c_long
+    lib.draft_block.argtypes = [f, f, f, f, f, i, f, f, f, i, f, f]
+    lib.draft_block.restype = None
+    lib.draft_inject.argtypes = [f, f, f, f, i, f, f, f, f]
+    lib.draft_inject.restype = None
     return lib
 
 
@@ -429,7 +435,50 @@ def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     N, hc, D = h.shape
     V = head.shape[0]
     out = torch.empty(N, V)
-    scratch = torch.empty(hc * D + D)
+    scratch = torch.empty(hc * D + N * D)
     lib.lm_head(h.data_ptr(), N, hc, D, fn.data_ptr(), scale.data_ptr(), base.data_ptr(), hc_eps, norm_eps,
                 norm_w.data_ptr(), eps, head.data_ptr(), V, scratch.data_ptr(), out.data_ptr())
     return out
+
+
+# The slots of `draft_block`'s arrays, in the order of the enums in kernels.c: S stages' weights, then the head's.
+DRAFT_STAGE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base",
+                       "ffn_norm", "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "gate_up", "down")
+DRAFT_HEAD_WEIGHTS = ("embed", "hc_fn", "hc_scale", "hc_base", "norm", "head", "rope_cos", "rope_sin", "main_proj",
+                      "main_norm", "latents")
+DRAFT_SIZES = ("stages", "gamma", "mask_id", "hc", "iters", "hidden", "q_lora", "heads", "head_dim", "o_groups",
+               "o_lora", "inter", "vocab", "rope_dim", "features")
+DRAFT_SCALARS = ("hc_eps", "hc_norm_eps", "attn_norm_eps", "ffn_norm_eps", "q_eps", "head_eps", "kv_eps", "scale",
+                 "limit", "head_hc_eps", "head_norm_eps", "norm_eps", "main_norm_eps")
+
+
+def draft_scratch_floats(sizes: torch.Tensor, blocks: int, window: int) -> int:
+    """The floats `draft_block` carves from its scratch for `blocks` blocks over `window` context rows."""
+    lib = load()
+    assert lib is not None
+    return int(lib.draft_scratch_floats(sizes.data_ptr(), blocks, window))
+
+
+def draft_block(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tensor, anchors: int, anchor_pos: int,
+                blocks: int, ctx: int, rows: int, valid: int, window: int, scratch: torch.Tensor,
+                logits: torch.Tensor) -> None:
+    """A DSpark proposal's draft forward in one call, into `logits [blocks * gamma, vocab]`. The arrays hold the
+    `DRAFT_*` slots; `anchors`, `anchor_pos` (int64 `[blocks]`), `ctx` (int64 `[stages, 2]`: pool pointer, row
+    stride), `rows` (int64 `[blocks, window]`) and `valid` (uint8 `[blocks, window]`) are addresses of host arrays
+    the caller keeps alive; the caller checked every tensor (see `model.draft_step`)."""
+    lib = load()
+    assert lib is not None
+    lib.draft_block(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), anchors, anchor_pos, blocks, ctx, rows,
+                    valid, window, scratch.data_ptr(), logits.data_ptr())
+
+
+def draft_inject(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tensor, features: torch.Tensor,
+                 positions: torch.Tensor, ctx: int, slots: torch.Tensor, scratch: torch.Tensor) -> None:
+    """`DSparkDrafter.inject` in one call: the context rows of `features [N, F]` (fp32) at `positions` (int64
+    `[N]`) written to every stage's pool rows `slots` (int64 `[N]`); `ctx` is the address of the `[stages, 2]`
+    int64 pool table. `scratch` holds at least `N * (2 * rope_dim + hidden + stages * head_dim) + head_dim + 80`
+    floats. The caller checked every tensor (see `model.draft_step`)."""
+    lib = load()
+    assert lib is not None
+    lib.draft_inject(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), features.data_ptr(), features.shape[0],
+                     positions.data_ptr(), ctx, slots.data_ptr(), scratch.data_ptr())

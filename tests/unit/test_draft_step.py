@@ -1,0 +1,97 @@
+"""The draft forward as one C call (`model.draft_step.DraftStep`) against the prepared module path: its matmuls sum
+in another order than BLAS, so not bit for bit: the greedy picks are equal and the logits within 1e-5 of the
+logit scale; in the engine every greedy proposal of dsv4-tiny's shipped draft is the module path's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_dspark_prepared import random_draft  # (the random dense / MoE drafts of the prepared-path test)
+
+from pdspark import LLM, SamplingParams
+from pdspark.assets import resolve_model
+from pdspark.hardware.cpu import kernels as cpu_kernels
+from pdspark.model.draft_step import DraftStep
+
+needs_c = pytest.mark.skipif(cpu_kernels.load() is None, reason="C kernels off here: the C path cannot exist")
+
+
+@needs_c
+def test_one_c_call_matches_the_module_path():
+    draft = random_draft(moe=False)
+    draft.prepare_inference()
+    step = DraftStep.build(draft)
+    assert step is not None
+    g = torch.Generator().manual_seed(2)
+    W, d = draft.cfg.sliding_window, draft.cfg.head_dim
+    pool = torch.randn(2, 300, d, generator=g)  # [stages, rows, d]: context rows anywhere in the pool
+    rng = np.random.default_rng(0)
+    for M in (1, 3):
+        anchor_pos = np.array([W + 20, 40, 7][:M])  # blocks near the start see invalid context rows
+        valid = (anchor_pos[:, None] - W + np.arange(W)) >= 0  # [M, W]
+        rows = np.where(valid, rng.integers(0, 299, (M, W)), 299)
+        anchors = rng.integers(0, draft.cfg.vocab_size, M)
+        with torch.inference_mode():
+            want = draft.base_logits(draft.block_hidden(torch.from_numpy(anchors), torch.from_numpy(anchor_pos),
+                                                        pool[:, torch.from_numpy(rows)], torch.from_numpy(valid)))
+            got = step.logits(anchors, anchor_pos, DraftStep.pool_table(pool), rows, valid)
+        assert got is not None and got.shape == want.shape == (M, 5, draft.cfg.vocab_size)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_c
+def test_injected_context_rows_match_the_module_path():
+    draft = random_draft(moe=False)
+    draft.prepare_inference()
+    step = DraftStep.build(draft)
+    assert step is not None
+    g = torch.Generator().manual_seed(3)
+    features = torch.randn(7, draft.cfg.hidden_size * 2, generator=g)  # [N, D*L]
+    positions = torch.tensor([0, 1, 2, 50, 51, 200, 201])
+    slots = torch.tensor([5, 9, 100, 3, 250, 77, 78])
+    pool = torch.zeros(2, 300, draft.cfg.head_dim)  # [stages, rows, d]
+    with torch.inference_mode():
+        want = draft.context_kv(features, positions)  # [stages, N, d]
+        assert step.inject(features, positions, slots, DraftStep.pool_table(pool))
+    got = pool[:, slots]
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    pool[:, slots] = 0
+    assert not pool.any()  # no other row written
+    assert not step.inject(features, positions.int(), slots, DraftStep.pool_table(pool))  # int32: module path
+
+
+def test_drafts_it_does_not_cover_keep_the_module_path(monkeypatch):
+    moe = random_draft(moe=True)
+    moe.prepare_inference()
+    assert DraftStep.build(moe) is None  # routed-MoE stages
+    unprepared = random_draft(moe=False)
+    assert DraftStep.build(unprepared) is None  # no fused projections, no frozen mixes
+    dense = random_draft(moe=False)
+    dense.prepare_inference()
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # PDSPARK_NO_C_KERNELS=1 or no compiler
+    assert DraftStep.build(dense) is None
+
+
+@needs_c
+def test_engine_proposals_equal_the_module_paths():
+    llm = LLM(resolve_model("dsv4-tiny"), speculative="dspark", max_model_len=128, enable_prefix_cache=False)
+    drafter = llm.engine.drafter
+    assert drafter is not None and drafter._step is not None  # the shipped draft takes the C path
+    inner, pairs = drafter.propose, []
+
+    def both(reqs, num_drafts):
+        step, drafter._step = drafter._step, None
+        module = inner(reqs, num_drafts)
+        drafter._step = step
+        fused = inner(reqs, num_drafts)
+        pairs.append((fused, module))
+        return fused
+
+    drafter.propose = both
+    prompt = torch.randint(4, 4096, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=24,
+                                                                            ignore_eos=True))
+    assert len(pairs) >= 5
+    assert all(fused == module for fused, module in pairs)
