@@ -47,11 +47,24 @@ static void dot4(const float *a0, const float *a1, const float *a2, const float 
     out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
+/* Rows a GEMV asks the memory for ahead of the four it reads: a decode step's weights stream from DRAM (or L3) in
+ * short rows (a few hundred floats), too short for the hardware prefetchers to ramp up on their own; asking 8 rows
+ * ahead took a one-core GEMV over [*, 192] rows from ~7 to ~10 GB/s out of DRAM and ~15 to ~30 GB/s out of L3. */
+#define GEMV_AHEAD 8
+
+/* Hint the cache lines of w[from:to] (floats) into the cache (no arithmetic: results are unchanged). */
+static void prefetch(const float *w, long from, long to) {
+    for (long o = from * 4; o < to * 4; o += 64) __builtin_prefetch((const char *)w + o, 0, 0);
+}
+
 /* out [N] = w [N, K] @ x [K] (each row exactly a `dot`). */
 static void gemv(const float *w, const float *x, int N, int K, float *out) {
     int n = 0;
+    prefetch(w, 0, (long)(N < GEMV_AHEAD ? N : GEMV_AHEAD) * K);
     for (; n + 4 <= N; n += 4) {
         const float *r = w + (long)n * K;
+        const int lo = n + GEMV_AHEAD, hi = lo + 4 < N ? lo + 4 : N;
+        if (lo < hi) prefetch(w, (long)lo * K, (long)hi * K);
         dot4(r, r + K, r + 2L * K, r + 3L * K, x, K, out + n);
     }
     for (; n < N; n++) out[n] = dot(w + (long)n * K, x, K);
