@@ -119,7 +119,8 @@ def index_request(chunks: list[Chunk]) -> list[int]:
 
 def logits_rows(chunks: list[Chunk]) -> list[int]:
     """Token rows whose logits the step returns: each chunk's last `num_logits` rows."""
-    rows, offset = [], 0
+    rows: list[int] = []
+    offset = 0
     for c in chunks:
         n = len(c.token_ids)
         rows += range(offset + n - c.num_logits, offset + n)
