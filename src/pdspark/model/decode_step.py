@@ -126,6 +126,7 @@ class DecodeStep:
         self.ids = torch.empty(max(cfg.num_experts_per_tok, 1), dtype=torch.int64)
         self._pools: tuple[list[int], list[torch.Tensor]] | None = None  # (layer 0's pointers, every layer's table)
         self._indexed: _IndexedStep | None = None  # the indexed path's arrays (built on its first step)
+        self._not_indexed: tuple[tuple[int, ...], int] | None = None  # (layout, pools id) it cannot serve
 
     @classmethod
     def build(cls, layers: list[DecoderLayer], cfg: ModelConfig) -> DecodeStep | None:
@@ -225,9 +226,12 @@ class DecodeStep:
         The same indices as `build_forward_batch` (`kernels.decode_index`), without a `ForwardBatch`."""
         st = self._indexed
         if st is None or st.cache_layout != cache_layout or st.pools is not pools:
+            if self._not_indexed == (cache_layout, id(pools)):
+                return None  # (tried for these pools already: not fp32 CPU tables)
             st = self._indexed = _IndexedStep.build(self, cache_layout, pools, embed, ropes)
-        if st is None:
-            return None
+            if st is None:
+                self._not_indexed = (cache_layout, id(pools))
+                return None
         T = cpu_kernels.decode_index(torch.tensor(req, dtype=torch.int64), st.layout, st.step, st.step_sizes)
         k = cpu_kernels.decode_layers(st.layers, st.step, st.step_sizes, embed, st.h, st.scratch, self.ids)
         return st.h[k][:T]
