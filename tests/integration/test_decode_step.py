@@ -16,7 +16,9 @@ def test_c_decode_layers_give_the_module_paths_tokens_and_logprobs(checkpoints, 
     model = llm.engine.runner.model
     assert model._decode_step is not None  # fp32 CPU weights: every layer has a table
     calls = []
-    run_layer = model._decode_step.run_layer
+    run_indexed = model._decode_step.run_indexed  # (every layer in one call: counted once per layer)
+    model._decode_step.run_indexed = lambda *a: calls.extend([1] * len(model.layers)) or run_indexed(*a)
+    run_layer = model._decode_step.run_layer  # (steps with captured features: one call per layer)
     model._decode_step.run_layer = lambda *a: calls.append(1) or run_layer(*a)
     # Batches of 1 and of 3 decode tokens; prompts long enough that the sparse indexer picks among more entries.
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)

@@ -95,6 +95,39 @@ def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:
     return batch if device.type == "cpu" else _to_device(batch, device)
 
 
+def index_layout(kv: KVCache) -> tuple[int, ...]:
+    """The cache's part of the C index builder's layout (`kernels.DECODE_LAYOUT` up to the rotary tables): the page
+    tables' pointers and row strides, the geometry and the dummy rows `build_forward_batch` uses. The tables are
+    never reallocated, so this holds for the cache's lifetime."""
+    t, m, s, p = kv.host_tables(), kv.model, kv.sizes, kv.pools
+    return (t.req_to_token.ctypes.data, t.req_to_token.strides[0] // 8, t.req_to_c128.ctypes.data,
+            t.req_to_c128.strides[0] // 8, t.full_to_swa_page.ctypes.data, s.page_size, m.sliding_window,
+            m.csa_ratio if m.csa_layers else 0, m.hca_ratio if m.hca_layers else 0, s.c128_page_size, s.csa_ring,
+            s.hca_ring, p.swa_dummy_page, p.swa_dummy_slot, p.c4_dummy_row, p.c128_dummy_row, p.c4_state_dummy_row,
+            p.c128_state_dummy_row)
+
+
+def index_request(chunks: list[Chunk]) -> list[int]:
+    """The chunks as the C index builder reads them: `[n, (slot, start, length) per chunk, every token id]`."""
+    out = [len(chunks)]
+    for c in chunks:
+        out += (c.slot, c.start, len(c.token_ids))
+    for c in chunks:
+        out += c.token_ids
+    return out
+
+
+def logits_rows(chunks: list[Chunk]) -> list[int]:
+    """Token rows whose logits the step returns: each chunk's last `num_logits` rows."""
+    rows: list[int] = []
+    offset = 0
+    for c in chunks:
+        n = len(c.token_ids)
+        rows += range(offset + n - c.num_logits, offset + n)
+        offset += n
+    return rows
+
+
 def _t(a: np.ndarray) -> torch.Tensor:
     """A NumPy index array as a tensor (int64 or bool; shares memory, which the batch owns from here on)."""
     return torch.from_numpy(np.ascontiguousarray(a))

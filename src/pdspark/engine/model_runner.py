@@ -8,16 +8,24 @@ from typing import NamedTuple
 import torch
 
 from pdspark.cache.kv_cache import KVCache
-from pdspark.engine.forward_batch import Chunk, build_forward_batch
+from pdspark.engine.forward_batch import (
+    DENSE_MIN_TOKENS,
+    Chunk,
+    build_forward_batch,
+    index_layout,
+    index_request,
+    logits_rows,
+)
 from pdspark.hardware.prepare_streams import PrepareStreams, use_prepare_streams
 from pdspark.model.batch import ForwardBatch
+from pdspark.model.decode_step import MAX_TOKENS
 from pdspark.model.dsv4 import DSV4Model
 
 
 class RunOutput(NamedTuple):
     logits: torch.Tensor  # [sum of num_logits, vocab] fp32, chunk by chunk
     features: torch.Tensor | None  # [T, D * L] drafter features of every token row (when captured)
-    batch: ForwardBatch
+    batch: ForwardBatch | None  # None: the step's indices were built in C (no drafter features to place)
 
 
 # Steps of at most this many tokens run on one intra-op thread: their ops are too small to split, and waking a
@@ -34,6 +42,8 @@ class ModelRunner:
         self.threads = torch.get_num_threads()
         self.streams = streams  # side streams of the multi-stream prepare (None: off)
         self.stream_rows = stream_rows  # its row limit
+        # Small steps on the CPU without captured features: indices built in C from the page tables (one call).
+        self.layout = index_layout(kv) if kv.pools.swa_kv.device.type == "cpu" and not capture else None
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> RunOutput:
@@ -42,9 +52,33 @@ class ModelRunner:
             want = 1 if tokens <= SMALL_STEP_TOKENS else self.threads
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
+        if self.layout is not None:
+            out = self._run_indexed(chunks)
+            if out is not None:
+                return out
         batch = build_forward_batch(chunks, self.kv)
         if self.streams is not None and use_prepare_streams([c.kind for c in chunks], batch.num_tokens,
                                                             self.stream_rows):
             batch = dataclasses.replace(batch, prepare_streams=self.streams)
         out = self.model(batch, self.kv.pools, self.capture)
         return RunOutput(self.model.logits(out.hidden[batch.logits_rows]), out.features, batch)
+
+    def _run_indexed(self, chunks: list[Chunk]) -> RunOutput | None:
+        """A decode/verify step through `DSV4Model.forward_indexed`; None where it does not apply."""
+        tokens = 0
+        for c in chunks:
+            if len(c.token_ids) >= DENSE_MIN_TOKENS:
+                return None
+            tokens += len(c.token_ids)
+        if tokens > MAX_TOKENS:
+            return None
+        if self.streams is not None and use_prepare_streams([c.kind for c in chunks], tokens, self.stream_rows):
+            return None
+        assert self.layout is not None
+        hidden = self.model.forward_indexed(index_request(chunks), self.layout, self.kv.pools)
+        if hidden is None:
+            return None
+        rows = logits_rows(chunks)
+        first = rows[0] if rows else 0
+        picked = hidden[first : first + len(rows)] if rows == list(range(first, first + len(rows))) else hidden[rows]
+        return RunOutput(self.model.logits(picked), None, None)

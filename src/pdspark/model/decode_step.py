@@ -125,6 +125,8 @@ class DecodeStep:
         self.scratch = torch.empty(0)
         self.ids = torch.empty(max(cfg.num_experts_per_tok, 1), dtype=torch.int64)
         self._pools: tuple[list[int], list[torch.Tensor]] | None = None  # (layer 0's pointers, every layer's table)
+        self._indexed: _IndexedStep | None = None  # the indexed path's arrays (built on its first step)
+        self._not_indexed: tuple[tuple[int, ...], int] | None = None  # (layout, pools id) it cannot serve
 
     @classmethod
     def build(cls, layers: list[DecoderLayer], cfg: ModelConfig) -> DecodeStep | None:
@@ -160,17 +162,17 @@ class DecodeStep:
                  0 if batch.csa_plan is None else int(batch.csa_plan.write_tokens.shape[0]),
                  0 if batch.hca_plan is None else batch.hca_plan.num_groups,
                  0 if batch.hca_plan is None else int(batch.hca_plan.write_tokens.shape[0])]
-        need = self._scratch_floats(batch)
+        V = max(0 if csa is None else csa.max_visible, 0 if hca is None else hca.max_visible)
+        need = self.scratch_floats(batch.num_tokens, V, batch.window.rows.shape[1])
         if self.scratch.numel() < need:
             self.scratch = torch.empty(2 * need)  # persistent: reused by every layer of every step
         return torch.tensor(ptrs, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int32)
 
-    def _scratch_floats(self, batch: ForwardBatch) -> int:
-        """An upper bound of what `decode_layer` carves from its scratch (see the `take` calls there)."""
+    def scratch_floats(self, T: int, V: int, W: int) -> int:
+        """An upper bound of what `decode_layer` carves from its scratch (see the `take` calls there) for `T` tokens,
+        `V` visible compressed entries and a window of `W`."""
         c = self.cfg
-        T, D, hc = batch.num_tokens, c.hidden_size, c.hc_mult
-        V = max(0 if batch.csa is None else batch.csa.max_visible, 0 if batch.hca is None else batch.hca.max_visible)
-        W = batch.window.rows.shape[1]
+        D, hc = c.hidden_size, c.hc_mult
         HD, H, QL = c.head_dim, c.num_attention_heads, c.q_lora_rank
         widths = 2 * HD + 2 * c.index_head_dim
         nx = QL + HD + 2 * 2 * HD + 2 * 2 * c.index_head_dim + c.index_n_heads
@@ -212,3 +214,86 @@ class DecodeStep:
         t = self.tables[i]
         return cpu_kernels.decode_layer(t.weights, t.sizes, t.scalars, step[0], step[1], pools, h, self.scratch,
                                         self.ids)
+
+    # ---- the indexed path: the step's indices built in C from the page tables, every layer in one more call ----
+    def run_indexed(self, req: list[int], cache_layout: tuple[int, ...], pools: LayerCaches, embed: torch.Tensor,
+                    ropes: tuple[RotaryTable, RotaryTable]) -> torch.Tensor | None:
+        """Every layer of a step of short chunks -> the streams `[T, hc, D]` (a view of a buffer the next step
+        reuses), or None where the pools or tables are not what the C loops read.
+
+        `req`: `[n, (slot, start, length) per chunk, every chunk's token ids]`; `cache_layout`: the cache's part of
+        `kernels.DECODE_LAYOUT` (everything before the rotary tables); `ropes`: the sliding and compressed tables.
+        The same indices as `build_forward_batch` (`kernels.decode_index`), without a `ForwardBatch`."""
+        st = self._indexed
+        if st is None or st.cache_layout != cache_layout or st.pools is not pools:
+            if self._not_indexed == (cache_layout, id(pools)):
+                return None  # (tried for these pools already: not fp32 CPU tables)
+            st = self._indexed = _IndexedStep.build(self, cache_layout, pools, embed, ropes)
+            if st is None:
+                self._not_indexed = (cache_layout, id(pools))
+                return None
+        T = cpu_kernels.decode_index(torch.tensor(req, dtype=torch.int64), st.layout, st.step, st.step_sizes)
+        k = cpu_kernels.decode_layers(st.layers, st.step, st.step_sizes, embed, st.h, st.scratch, self.ids)
+        return st.h[k][:T]
+
+
+class _IndexedStep(NamedTuple):
+    """The persistent arrays of the indexed path: written in place every step, so the step table never changes."""
+
+    cache_layout: tuple[int, ...]
+    pools: LayerCaches  # held: the pool pointers in `layers` stay valid while it lives
+    layout: torch.Tensor  # int64 `kernels.DECODE_LAYOUT`
+    step: torch.Tensor  # int64 `kernels.DECODE_STEP`: pointers to `buffers`
+    step_sizes: torch.Tensor  # int32 `kernels.DECODE_STEP_SIZES`, written by `decode_index`
+    layers: torch.Tensor  # [layers, 4] int64: weights, sizes, scalars, pools pointers
+    h: tuple[torch.Tensor, torch.Tensor]  # [MAX_TOKENS, hc, D] streams, in and out by turns
+    scratch: torch.Tensor
+    keep: tuple[torch.Tensor, ...]  # what `step`, `layout` and `layers` point into
+
+    @classmethod
+    def build(cls, ds: DecodeStep, cache_layout: tuple[int, ...], pools: LayerCaches, embed: torch.Tensor,
+              ropes: tuple[RotaryTable, RotaryTable]) -> _IndexedStep | None:
+        tables = ds.pool_tables(pools)
+        tabs = [_fp32(t) for r in ropes for t in (r.cos, r.sin)]
+        if tables is None or _fp32(embed) is None or any(t is None for t in tabs):
+            return None
+        main_cos, main_sin, comp_cos, comp_sin = tabs
+        assert main_cos is not None and main_sin is not None and comp_cos is not None and comp_sin is not None
+        cfg, T = ds.cfg, MAX_TOKENS
+        names = cpu_kernels.DECODE_LAYOUT
+        at = dict(zip(names, cache_layout))
+        W, r, max_len = at["window"], comp_cos.shape[1], comp_cos.shape[0]
+        csa_r, hca_r = at["csa_ratio"], at["hca_ratio"]
+        layout = [*cache_layout, main_cos.data_ptr(), main_sin.data_ptr(), comp_cos.data_ptr(), comp_sin.data_ptr(), r]
+        assert len(layout) == len(names)
+
+        def longs(n: int) -> torch.Tensor:
+            return torch.zeros(max(n, 1), dtype=torch.int64)
+
+        def flags(n: int) -> torch.Tensor:
+            return torch.zeros(max(n, 1), dtype=torch.uint8)
+
+        def plan(ratio: int, span: int) -> list[torch.Tensor | None]:
+            if ratio == 0:
+                return [None] * 7
+            return [longs(T), longs(T), flags(T * span), longs(T * span), longs(T * span), longs(T), longs(T)]
+
+        Vc = 0 if csa_r == 0 else max_len // csa_r + 1
+        Vh = 0 if hca_r == 0 else max_len // hca_r + 1
+        buffers: list[torch.Tensor | None] = [
+            longs(T), longs(T), longs(T), longs(T * W), flags(T * W),
+            longs(T * Vc) if Vc else None, flags(T * Vc) if Vc else None,
+            longs(T * Vh) if Vh else None, flags(T * Vh) if Vh else None,
+            torch.empty(T * r), torch.empty(T * r), torch.empty(T * r), torch.empty(T * r), comp_cos, comp_sin,
+            *plan(csa_r, 2 * csa_r), *plan(hca_r, hca_r),
+        ]
+        assert len(buffers) == len(cpu_kernels.DECODE_STEP)
+        kept = [b for b in buffers if b is not None]
+        step = torch.tensor([0 if b is None else b.data_ptr() for b in buffers], dtype=torch.int64)
+        layers = torch.tensor([[t.weights.data_ptr(), t.sizes.data_ptr(), t.scalars.data_ptr(), p.data_ptr()]
+                               for t, p in zip(ds.tables, tables)], dtype=torch.int64)
+        h = (torch.empty(T, cfg.hc_mult, cfg.hidden_size), torch.empty(T, cfg.hc_mult, cfg.hidden_size))
+        scratch = torch.empty(ds.scratch_floats(T, max(Vc, Vh), W))
+        return cls(cache_layout, pools, torch.tensor(layout, dtype=torch.int64), step,
+                   torch.zeros(len(cpu_kernels.DECODE_STEP_SIZES), dtype=torch.int32), layers, h, scratch,
+                   (*kept, *tables))

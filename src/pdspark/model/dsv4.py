@@ -73,6 +73,17 @@ class DSV4Model(nn.Module):
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return ForwardOutput(h, features)
 
+    def forward_indexed(self, req: list[int], cache_layout: tuple[int, ...], pools: LayerCaches
+                        ) -> torch.Tensor | None:
+        """`forward(...).hidden` of a step of short chunks with no captured layers, its indices built in C straight
+        from the page tables (no `ForwardBatch`): `req` is `[n, (slot, start, length) per chunk, the token ids]`,
+        `cache_layout` the cache's part of `kernels.DECODE_LAYOUT`. The streams `[T, hc, D]` are a view the next
+        step overwrites; None where the C path does not apply (the caller then builds a `ForwardBatch`)."""
+        if self._decode_step is None or torch.is_grad_enabled():
+            return None
+        return self._decode_step.run_indexed(req, cache_layout, pools, self.embed,
+                                             (self.rope_main, self.rope_compress))
+
     def prepare_inference(self) -> None:
         """Fuse the projections that read the same input and freeze the mHC mix parameters for the C collapse
         (call once the weights are final)."""

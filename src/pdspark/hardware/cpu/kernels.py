@@ -124,6 +124,10 @@ def load() -> ctypes.CDLL | None:
     lib.draft_block.restype = None
     lib.draft_inject.argtypes = [f, f, f, f, i, f, f, f, f]
     lib.draft_inject.restype = None
+    lib.decode_index.argtypes = [f, f, f, f]
+    lib.decode_index.restype = i
+    lib.decode_layers.argtypes = [i, f, f, f, f, i, i, f, f, f, f]
+    lib.decode_layers.restype = i
     return lib
 
 
@@ -482,3 +486,40 @@ def draft_inject(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
     assert lib is not None
     lib.draft_inject(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), features.data_ptr(), features.shape[0],
                      positions.data_ptr(), ctx, slots.data_ptr(), scratch.data_ptr())
+
+
+# ---- decode-index: a small step's indices and layers in two calls ---------------------------------------------------
+# Slots of the step layout `decode_index` reads: the page tables (pointers and row strides, int64), the cache's
+# geometry and dummy rows, then the rotary tables (sliding, compressed) and their width. A ratio of 0: no layer of
+# that kind.
+DECODE_LAYOUT = ("req_to_token", "req_to_token_stride", "req_to_c128", "req_to_c128_stride", "full_to_swa_page",
+                 "page_size", "window", "csa_ratio", "hca_ratio", "c128_page_size", "csa_ring", "hca_ring",
+                 "swa_dummy_page", "swa_dummy_slot", "c4_dummy_row", "c128_dummy_row", "c4_state_dummy_row",
+                 "c128_state_dummy_row", "cos_main", "sin_main", "cos_comp", "sin_comp", "rope_dim")
+# Tokens `decode_index` takes at most (its per-token arrays live on the C stack).
+INDEX_MAX_TOKENS = 64
+
+
+def decode_index(req: torch.Tensor, layout: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor) -> int:
+    """Every index of a step of short chunks from the page tables, written into the arrays behind `step`
+    (`DECODE_STEP`), its sizes into `step_sizes` (`DECODE_STEP_SIZES`). `req` (int64): `[n, (slot, start, length)
+    per chunk, every chunk's token ids]`; `layout` (int64): `DECODE_LAYOUT`. Returns the step's token count."""
+    lib = load()
+    assert lib is not None
+    T = lib.decode_index(req.data_ptr(), layout.data_ptr(), step.data_ptr(), step_sizes.data_ptr())
+    if T < 0:
+        raise ValueError(f"decode_index takes at most {INDEX_MAX_TOKENS} tokens")
+    return int(T)
+
+
+def decode_layers(tables: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor, embed: torch.Tensor,
+                  h: tuple[torch.Tensor, torch.Tensor], scratch: torch.Tensor, ids: torch.Tensor) -> int:
+    """Every layer of a step after `decode_index`: the step's token embeddings into `h[0]` (each `[>= T, hc, D]`),
+    then `decode_layer` per row of `tables` (`[layers, 4]` int64: weights, sizes, scalars, pools pointers),
+    alternating between the two buffers. Returns the index of the buffer holding the output."""
+    lib = load()
+    assert lib is not None
+    _, hc, D = h[0].shape
+    return int(lib.decode_layers(tables.shape[0], tables.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
+                                 embed.data_ptr(), hc, D, h[0].data_ptr(), h[1].data_ptr(), scratch.data_ptr(),
+                                 ids.data_ptr()))
