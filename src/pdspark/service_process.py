@@ -1,6 +1,7 @@
 """`ServiceProcess`: a pdspark service started as a child process, ready once it prints its JSON ready line.
 
-Children are asked to die with their parent (Linux `PR_SET_PDEATHSIG`), so a killed launcher leaves no orphans;
+Children are asked to die with their parent (Linux `PR_SET_PDEATHSIG`, set by `orphan_guard.py` before it execs the
+child's command), so a killed launcher leaves no orphans;
 `stop()` sends SIGTERM, waits, and kills only if the child does not exit in time. Every JSON line a child prints
 on stdout is kept as an event (`events`); the first `{"event": "ready", ...}` one is `info`.
 """
@@ -8,7 +9,6 @@ on stdout is kept as an event (`events`); the first `{"event": "ready", ...}` on
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -17,18 +17,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
 _MAX_LOG_LINES = 400
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec. NOTE: the death signal fires when the *thread* that forked the
-    child exits, not the process: spawn from a thread that lives as long as the parent (the main thread)."""
-    with contextlib.suppress(OSError):  # not Linux: the launcher's own signal handling still stops children
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect: nobody is left to stop us
-        os._exit(1)
+_ORPHAN_GUARD = Path(__file__).with_name("orphan_guard.py")
 
 
 @dataclass
@@ -124,9 +116,11 @@ def spawn_service(name: str, args: list[str], env: dict | None = None) -> Servic
 def spawn_process(name: str, argv: list[str], env: dict[str, str], cwd: str | None = None) -> ServiceProcess:
     """Start `argv` with exactly the environment `env` (nothing inherited) in `cwd`; as `spawn_service`, from the
     thread that lives as long as the process."""
-    parent_pid = os.getpid()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
-                            preexec_fn=lambda: _die_with_parent(parent_pid))
+    # No `preexec_fn` (see orphan_guard.py): `subprocess` then spawns with vfork, which runs no gRPC fork handlers.
+    # The death signal fires when the *thread* that spawned the child exits, not the process: spawn from a thread
+    # that lives as long as the parent (the main thread).
+    guarded = [sys.executable, "-I", "-S", str(_ORPHAN_GUARD), str(os.getpid()), *argv]
+    proc = subprocess.Popen(guarded, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     service = ServiceProcess(name, proc)
     for stream, is_stdout in ((proc.stdout, True), (proc.stderr, False)):
         service.readers.append(threading.Thread(target=service._read, args=(stream, is_stdout), daemon=True))

@@ -13,6 +13,7 @@ import grpc
 import openai
 import pytest
 
+from cluster import wait_until
 from conftest import random_prompts
 from helpers import make_llm
 from pdspark import SamplingParams
@@ -142,6 +143,9 @@ def post(info, path, body: bytes | dict, content_type="application/json", header
     ("/v1/chat/completions", {"messages": "hello"}, 422, "messages"),
 ])
 def test_bad_requests_get_openai_errors(cluster, path, body, status, param):
+    # The earlier tests' last streams may still be ending on the workers (the router stops reading at a stream's
+    # last chunk and cancels the rest): a bad request must find them idle and leave them so.
+    wait_until(lambda: workers_idle(cluster), 10, "the workers idle before the bad request")
     code, reply = post(cluster, path, body)
     assert code == status
     err = reply["error"]
@@ -168,6 +172,34 @@ def worker_loads(info) -> list:
 def workers_idle(info) -> bool:
     return all(r.running == 0 and r.waiting == 0 and all(r.pages_used[k] == r.pages_cached[k] for k in r.pages_used)
                for r in worker_loads(info))
+
+
+def decode_outcomes(info) -> dict[str, int]:
+    """`pdspark_worker_requests_total` by outcome, summed over the decode workers' /metrics."""
+    prefix, counts = 'pdspark_worker_requests_total{outcome="', {}
+    for w in list_workers(info):
+        if w["role"] == "decode":
+            with urllib.request.urlopen(w["metrics_url"], timeout=10) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith(prefix) and (n := int(float(line.rsplit(" ", 1)[1]))):
+                        outcome = line[len(prefix):].split('"')[0]
+                        counts[outcome] = counts.get(outcome, 0) + n
+    return counts
+
+
+def test_streams_read_to_their_last_chunk_count_ok_on_the_decode_worker(cluster):
+    """The router stops reading a stream at its last chunk and cancels the call before its status comes: the decode
+    worker still counts the request served (`ok`), not `cancelled` (which would read as clients going away)."""
+    wait_until(lambda: workers_idle(cluster), 10, "the workers idle before the requests")
+    before = decode_outcomes(cluster)
+    client = openai_client(cluster)
+    for prompt in PROMPTS * 2:
+        chunks = client.completions.create(model=cluster["model"], prompt=prompt, max_tokens=3, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    wait_until(lambda: workers_idle(cluster), 10, "the workers idle after the requests")
+    after = decode_outcomes(cluster)
+    assert {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} == {"ok": 2 * len(PROMPTS)}
 
 
 def test_client_disconnect_frees_both_workers_within_a_second(cluster):

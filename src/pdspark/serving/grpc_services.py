@@ -14,7 +14,7 @@ for an engine step.
 failures, trace context and metrics as the gRPC call it stands for.
 
 Metrics: each `Prefill` call and `Generate` stream is counted once as it ends, by outcome (`ok`, `cancelled` when
-the caller went away, the failure's code, or `error`: an unexpected exception).
+the caller went away before the last chunk, the failure's code, or `error`: an unexpected exception).
 """
 
 from __future__ import annotations
@@ -171,7 +171,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             outcome = failure.code.value
             await status.abort_async(context, failure)
         except (GeneratorExit, asyncio.CancelledError):  # the caller went away
-            outcome = "cancelled"
+            # After the last chunk it may (the router stops reading there and cancels the call before its status
+            # arrives): the request was served, so it counts as such.
+            outcome = "ok" if out is not None and out.finished else "cancelled"
             raise
         finally:
             _count(self.metrics, outcome)

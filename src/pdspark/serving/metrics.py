@@ -37,8 +37,8 @@ class WorkerMetrics:
         self.role = role
         self.requests = Counter(
             "pdspark_worker_requests_total", "Requests this worker ended (prefill: Prefill calls; decode: Generate "
-            "streams), by outcome: ok, cancelled (the caller went away), the failure's error code, or error (an "
-            "unexpected exception)", ["outcome"],
+            "streams), by outcome: ok, cancelled (the caller went away before the end), the failure's error code, or "
+            "error (an unexpected exception)", ["outcome"],
             registry=r)
         self.refused = Counter(
             "pdspark_worker_rejected_requests_total", "Requests refused at once (overloaded) because the worker's "
