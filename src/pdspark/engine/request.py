@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdspark.cache.kv_cache import ReqPages
+from pdspark.engine.output_text import OutputText
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 
 
@@ -34,6 +35,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     text: str | None = None
+    output_text: OutputText = field(default_factory=OutputText, repr=False)  # decodes `text` incrementally
     logprobs: list[TokenLogprobs] | None = None
     num_preemptions: int = 0
     # Prefill role: keep the pages after finishing until the engine's owner releases them (after the transfer).

@@ -18,7 +18,7 @@ class StopChecker:
         token = req.output_token_ids[-1]
         p = req.params
         if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.output_token_ids)
+            req.text = req.output_text.decode(self.tokenizer, req.output_token_ids)
             for s in p.stop_strings:
                 # A new token can only complete a stop string that ends in the text's tail.
                 idx = req.text.find(s, max(0, len(req.text) - len(s) - 64))

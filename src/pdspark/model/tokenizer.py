@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import ByteLevel
 
 
 class Tokenizer:
@@ -36,6 +37,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def decodes_bytewise(self) -> bool:
+        """Whether decoding is the UTF-8 decoding (invalid bytes replaced) of the tokens' bytes laid end to end
+        (a byte-level BPE, as DeepSeek's): then the text of `a + b`, where `a`'s bytes end on a whole character, is
+        the text of `a` followed by that of `b`, and a growing output can be decoded a few tokens at a time."""
+        return isinstance(self._tok.decoder, ByteLevel)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
