@@ -97,10 +97,21 @@ class _Stream:
 def _drop(task: asyncio.Future, undo: Callable | None) -> None:
     """Cancel `task` (it cleans up after itself: a withdrawn reservation, a cancelled call), or undo the result it
     already produced. A failure it already produced is read (and dropped): asyncio would log it as never
-    retrieved."""
+    retrieved.
+
+    A cancelled task may still produce its result: Python 3.11's `asyncio.wait_for` returns the result of an
+    awaitable that completed just as it was cancelled, swallowing the cancel (`EngineClient.reserve` awaits its
+    reservation so). That late result is undone once the task ends: undone nowhere, it held a reservation's pages
+    for good (the chaos test's prefill SIGKILL, with cancels arriving in batches over a `Calls` stream)."""
     if not task.done():
         task.cancel()
-    elif not task.cancelled() and task.exception() is None and undo is not None:
+        task.add_done_callback(functools.partial(_undo, undo=undo))
+    else:
+        _undo(task, undo)
+
+
+def _undo(task: asyncio.Future, undo: Callable | None) -> None:
+    if not task.cancelled() and task.exception() is None and undo is not None:
         undo(task.result())
 
 
