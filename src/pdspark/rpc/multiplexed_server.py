@@ -172,6 +172,10 @@ class MultiplexedServer:
                     ) -> AsyncIterator[worker_pb2.ReplyFrames]:
         """The `Calls` handler: until the caller goes away, or it stopped sending and every call ended."""
         calls = _Calls(self, context)
+        # The RPC done (its caller killed: the connection closed) cancels every call on it, as a broken connection's
+        # calls are: a killed router's busy Generate calls were seen to run on to their end otherwise (the handler
+        # was not cancelled while its stream kept writing; tests/cluster/test_leases.py, SIGKILL).
+        context.add_done_callback(lambda _: calls.close())
         reader = asyncio.ensure_future(calls.read(frames))
         try:
             while calls.reading or calls.tasks or calls.pending:
