@@ -234,7 +234,7 @@ class SglangStack:
 
 
 def stack_name(worker_calls: str) -> str:
-    """The name of a pdspark run in the results: `pdspark` (per-request calls, the default), `pdspark_multiplexed`."""
+    """The name of a pdspark run in the results: `pdspark` (per-request calls), `pdspark_multiplexed`."""
     return "pdspark" if worker_calls == "per-request" else f"pdspark_{worker_calls}"
 
 

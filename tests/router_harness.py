@@ -47,9 +47,11 @@ class RouterHarness:
     async def start(cls, prefills: int = 1, decodes: int = 1, tokens: int = 4, poll: bool = False,
                     **options) -> RouterHarness:
         """`options`: `RouterConfig` options (flat: `api_key=("k",)`); `poll`: run the registry's health and load
-        polling. `worker_calls` not given: `PDSPARK_WORKER_CALLS` decides, as in a router process (so that one
-        variable runs every router test, harness and processes, over either transport)."""
-        options.setdefault("worker_calls", os.environ.get("PDSPARK_WORKER_CALLS") or "per-request")
+        polling. `worker_calls` not given: `PDSPARK_WORKER_CALLS` decides, else the option's default, as in a
+        router process (so that one variable runs every router test, harness and processes, over either
+        transport)."""
+        if calls := os.environ.get("PDSPARK_WORKER_CALLS"):
+            options.setdefault("worker_calls", calls)
         h = cls()
         served = []
         for stub in [StubPrefill() for _ in range(prefills)] + [StubDecode(tokens) for _ in range(decodes)]:

@@ -262,10 +262,12 @@ class RouterConfig:
     transfer_timeout_s: float = option(30.0, "seconds a request's cache transfer may take before the pair is failed",
                                        flag="transfer-timeout")
     # Multiplexed: 'Calls' streams (worker.proto), several times less CPU per request on both sides under load
-    # (bench/bench_worker_rpc.py); the workers must serve `Calls` (every pdspark worker of this version does).
+    # (bench/bench_worker_rpc.py); the workers must serve `Calls` (every pdspark worker of this version does; a
+    # router in front of older workers takes per-request).
     worker_calls: WorkerCalls = option(
-        "per-request", "how Prefill and Generate calls reach the workers: one gRPC call each (per-request), or "
-        "multiplexed on one long-lived stream per worker, every call queued meanwhile in one message")
+        "multiplexed", "how Prefill and Generate calls reach the workers: multiplexed on one long-lived stream per "
+        "worker, every call queued meanwhile in one message, or one gRPC call each (per-request: workers that do "
+        "not serve the Calls stream)")
     max_attempts: int = option(3, "pairs a request tries before its first token (and after each migration) before "
                                "it fails", minimum=1)
     max_migrations: int = option(3, "times a stream whose decode worker failed mid-stream is moved to another pair "

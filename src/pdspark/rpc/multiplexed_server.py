@@ -29,6 +29,10 @@ from pdspark.rpc.multiplexed_client import batches
 from pdspark.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
+# Reply frames queued for the stream's writer before a streaming call that adds one waits for it to drain: the
+# flow control a call of its own has (its handler waits at a `yield` while the caller does not read), so that a
+# caller that stops reading (hung, SIGSTOPped) holds up its calls instead of growing the worker's memory.
+MAX_PENDING = 256
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class _Calls:
         self.tasks: dict[int, asyncio.Task] = {}
         self.pending: list[worker_pb2.ReplyFrame] = []
         self.wake = asyncio.Event()
+        self.drained = asyncio.Event()  # set whenever the writer takes the pending frames
         self.reading = True  # the caller may still send frames
 
     def reply(self, frame: worker_pb2.ReplyFrame) -> None:
@@ -134,6 +139,9 @@ class _Calls:
                 async with contextlib.aclosing(handler.behaviour(request, context)) as replies:
                     async for reply in replies:
                         self.reply(worker_pb2.ReplyFrame(call_id=call_id, **{handler.reply: reply}))
+                        while len(self.pending) >= MAX_PENDING:
+                            self.drained.clear()
+                            await self.drained.wait()
                 self.reply(worker_pb2.ReplyFrame(call_id=call_id, end=True))
             else:
                 reply = await handler.behaviour(request, context)
@@ -172,12 +180,18 @@ class MultiplexedServer:
                     ) -> AsyncIterator[worker_pb2.ReplyFrames]:
         """The `Calls` handler: until the caller goes away, or it stopped sending and every call ended."""
         calls = _Calls(self, context)
+        # The RPC done (its caller killed: the connection closed) cancels every call on it, as a broken connection's
+        # calls are. Not left to this generator's `finally`: grpc.aio ends a handler whose caller is gone at the
+        # write that fails, without closing the handler's generator, which then only closes when it is garbage-
+        # collected; meanwhile a killed router's busy Generate calls ran on to their end (test_leases, SIGKILL).
+        context.add_done_callback(lambda _: calls.close())
         reader = asyncio.ensure_future(calls.read(frames))
         try:
             while calls.reading or calls.tasks or calls.pending:
                 await calls.wake.wait()
                 calls.wake.clear()
                 replies, calls.pending = calls.pending, []
+                calls.drained.set()
                 for batch in batches(replies) if replies else ():
                     yield worker_pb2.ReplyFrames(frames=batch)
             await reader  # its failure (a broken stream) ends the stream with it
