@@ -1084,9 +1084,12 @@ int decode_index(const long *req, const long *L, const long *sp, int *si) {
 /* Every layer of a small step after `decode_index`: the token embeddings copied into each of the hc streams of h0
  * [T, hc, D], then layer l reads one buffer and writes the other. tables [n, 4]: each layer's weights, sizes,
  * scalars and pools arrays (`decode_layer`'s first and sixth arguments). Returns the buffer holding the result
- * (0: h0, 1: h1). */
+ * (0: h0, 1: h1).
+ * Drafter features (a DSpark verify step): where capture != NULL and capture[l] = c >= 0, layer l's output streams
+ * averaged over hc go to columns [c * D, (c + 1) * D) of features [T, F] (F floats a row), as `DSV4Model.forward`'s
+ * `h.mean(dim=1)`: the streams summed in order, then divided by hc (the bits of ATen's CPU mean). */
 int decode_layers(int n, const long *tables, const long *sp, const int *si, const float *embed, int hc, int D,
-                  float *h0, float *h1, float *scratch, long *ids_buf) {
+                  float *h0, float *h1, float *scratch, long *ids_buf, const int *capture, float *features, int F) {
     const int T = si[SI_T];
     const long *ids = (const long *)sp[S_IDS];
     for (int t = 0; t < T; t++)
@@ -1100,6 +1103,16 @@ int decode_layers(int n, const long *tables, const long *sp, const int *si, cons
         const long *tb = tables + 4L * l;
         decode_layer((const long *)tb[0], (const int *)tb[1], (const float *)tb[2], sp, si, (const long *)tb[3],
                      bufs[l % 2], bufs[(l + 1) % 2], scratch, ids_buf);
+        if (capture == 0 || capture[l] < 0) continue;
+        for (int t = 0; t < T; t++) {
+            const float *ht = bufs[(l + 1) % 2] + (long)t * hc * D;
+            float *ft = features + (long)t * F + (long)capture[l] * D;
+            for (int d = 0; d < D; d++) {
+                float s = ht[d];
+                for (int i = 1; i < hc; i++) s += ht[(long)i * D + d];
+                ft[d] = s / (float)hc;
+            }
+        }
     }
     return n % 2;
 }

@@ -126,7 +126,7 @@ def load() -> ctypes.CDLL | None:
     lib.draft_inject.restype = None
     lib.decode_index.argtypes = [f, f, f, f]
     lib.decode_index.restype = i
-    lib.decode_layers.argtypes = [i, f, f, f, f, i, i, f, f, f, f]
+    lib.decode_layers.argtypes = [i, f, f, f, f, i, i, f, f, f, f, f, f, i]
     lib.decode_layers.restype = i
     return lib
 
@@ -513,13 +513,20 @@ def decode_index(req: torch.Tensor, layout: torch.Tensor, step: torch.Tensor, st
 
 
 def decode_layers(tables: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor, embed: torch.Tensor,
-                  h: tuple[torch.Tensor, torch.Tensor], scratch: torch.Tensor, ids: torch.Tensor) -> int:
+                  h: tuple[torch.Tensor, torch.Tensor], scratch: torch.Tensor, ids: torch.Tensor,
+                  capture: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
     """Every layer of a step after `decode_index`: the step's token embeddings into `h[0]` (each `[>= T, hc, D]`),
     then `decode_layer` per row of `tables` (`[layers, 4]` int64: weights, sizes, scalars, pools pointers),
-    alternating between the two buffers. Returns the index of the buffer holding the output."""
+    alternating between the two buffers. Returns the index of the buffer holding the output.
+
+    `capture = (columns, features)`: `columns` int32 `[layers]` (-1: not captured, else the layer's block of D
+    columns), `features` fp32 `[>= T, F]` receives each captured layer's output averaged over the hc streams (the
+    drafter features of `DSV4Model.forward`, bit for bit)."""
     lib = load()
     assert lib is not None
     _, hc, D = h[0].shape
+    cols, feats = (None, None) if capture is None else capture
     return int(lib.decode_layers(tables.shape[0], tables.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
                                  embed.data_ptr(), hc, D, h[0].data_ptr(), h[1].data_ptr(), scratch.data_ptr(),
-                                 ids.data_ptr()))
+                                 ids.data_ptr(), None if cols is None else cols.data_ptr(),
+                                 None if feats is None else feats.data_ptr(), 0 if feats is None else feats.shape[1]))
