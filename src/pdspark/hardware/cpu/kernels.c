@@ -767,23 +767,6 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
     hc_expand(y, hm, post, comb, T, hc, D, h_out);
 }
 
-/* out [T, N] (rows `os` apart) = x [T, K] (rows `xs` apart) @ w [N, K]^T, each entry exactly a `dot` (the bits of
- * `gemv` per row, whatever T), with each group of four weight rows read once for all T rows: a few rows share each
- * weight read while it sits in L1, where per-row GEMVs would stream the matrix T times. */
-static void gemm_rows_exact(const float *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
-    int n = 0;
-    float s4[4];
-    for (; n + 4 <= N; n += 4) {
-        const float *r = w + (long)n * K;
-        for (int t = 0; t < T; t++) {
-            dot4(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, K, s4);
-            for (int i = 0; i < 4; i++) out[(long)t * os + n + i] = s4[i];
-        }
-    }
-    for (; n < N; n++)
-        for (int t = 0; t < T; t++) out[(long)t * os + n] = dot(w + (long)n * K, x + (long)t * xs, K);
-}
-
 /* The model's head for a few rows: the final mHC collapse (`HyperHead`: no Sinkhorn), the final RMSNorm and the
  * LM head. Per row of streams h [N, hc, D]: flat = h * rsqrt(mean(h^2) + norm_eps); pre_i = sigmoid(fn_i . flat *
  * scale + base_i) + hc_eps; y = sum_i pre_i h_i (in stream order); y = rms_norm(y) * norm_w; out [N, V] = head @ y.
@@ -805,7 +788,7 @@ void lm_head(const float *h, int N, int hc, int D, const float *fn, const float 
         }
         rms_norm(y, D, norm_w, 1, D, eps, y);
     }
-    gemm_rows_exact(head, ys, D, N, V, D, out, V); /* the rows share each read of the head */
+    gemm_exact(head, ys, D, N, V, D, out, V); /* the rows share each read of the head */
 }
 
 /* ---- a DSpark draft block (`model.draft_step`): every stage and the head of one proposal in one call ---------- */
@@ -867,7 +850,7 @@ static void gemm_rows(const float *w, const float *x, long xs, int T, int N, int
 }
 #else
 static void gemm_rows(const float *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
-    gemm_rows_exact(w, x, xs, T, N, K, out, os);
+    gemm_exact(w, x, xs, T, N, K, out, os);
 }
 #endif
 
