@@ -104,14 +104,17 @@ def test_decode_index_matches_build_forward_batch(checkpoints):
                       for i, start, n in case]
             assert sum(len(c.token_ids) for c in chunks) <= MAX_TOKENS
             with torch.inference_mode():
-                hidden = model.forward_indexed(index_request(chunks), layout, kv.pools)
-            assert hidden is not None
+                out = model.forward_indexed(index_request(chunks), layout, kv.pools)
+            assert out is not None
+            hidden = out.hidden
+            assert out.features is None  # (nothing captured)
             st = step_path._indexed
             assert st is not None
             got = _views(st.step, st.step_sizes)
             ref = build_forward_batch(chunks, kv)
             T = ref.num_tokens
             assert hidden.shape[0] == T
+            assert torch.equal(out.positions, ref.positions) and torch.equal(out.swa_slots, ref.swa_slots)
             for name, want in (("positions", ref.positions), ("input_ids", ref.input_ids),
                                ("swa_slots", ref.swa_slots), ("win_rows", ref.window.rows),
                                ("win_valid", ref.window.valid)):

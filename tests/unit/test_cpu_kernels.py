@@ -271,3 +271,31 @@ def test_c_lm_head_matches_the_torch_steps():
         fast = kernels.lm_head(h, head_hc.fn, head_hc.scale, head_hc.base, 1e-6, 1e-6, norm.weight, 1e-6, head)
         ref = torch.nn.functional.linear(norm(head_hc(h)), head)
     torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_row_shared_moe_and_output_projection_are_the_per_row_bits():
+    """A verify step's rows read each routed expert once for all rows that picked it (`moe_decode_rows`) and each
+    projection weight once for all rows (`attn_out_rows`): the per-row kernels' bits, row for row."""
+    from pdspark.assets import resolve_model
+    from pdspark.model.model_config import ModelConfig, RopeConfig
+    from pdspark.model.rope import RotaryTable
+
+    cfg = ModelConfig.from_dir(resolve_model("dsv4-tiny"))
+    torch.manual_seed(5)
+    T, D, E, I, k = 6, cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    w13, w2, w2s = torch.randn(E, 2 * I, D) * 0.1, torch.randn(E, D, I) * 0.1, torch.randn(D, I) * 0.1
+    x, lgu = torch.randn(T, D), torch.randn(T, E + 2 * I) * 2
+    ids = torch.randint(0, cfg.vocab_size, (T,))
+    tid2eid = torch.stack([torch.randperm(E)[:k] for _ in range(cfg.vocab_size)])
+    bias = torch.randn(E) * 0.1
+    for table, b, sqrtsp in ((tid2eid, None, True), (None, bias, True), (None, bias, False)):
+        args = (ids, table, b, w13, w2, w2s, k, sqrtsp, 1.5, 10.0)
+        per_row = kernels.moe_decode(x, lgu, *args)
+        assert per_row is not None
+        assert torch.equal(kernels.moe_decode_rows(x, lgu, *args), per_row)
+    H, d, G, L = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+    at = RotaryTable(RopeConfig(theta=10000.0), cfg.rope_dim, 256).at(torch.arange(100, 100 + T))
+    o, wo_a, wo_b = torch.randn(T, H, d), torch.randn(G * L, H * d // G), torch.randn(D, G * L)
+    per_row = kernels.attn_out(o, at.cos, at.sin, wo_a, G, wo_b)
+    assert per_row is not None
+    assert torch.equal(kernels.attn_out_rows(o, at.cos, at.sin, wo_a, G, wo_b), per_row)

@@ -347,10 +347,9 @@ class Engine:
             if p.chunk.num_drafts:
                 self._clear_rejected_c128_rows(p)
         if self.drafter is not None and out.features is not None:
-            assert out.batch is not None  # (features come with a ForwardBatch)
             # Committed rows from the first on (one request, or none rejected): views, not gathered copies.
             idx = slice(0, len(rows)) if rows and rows[-1] == len(rows) - 1 else torch.tensor(rows, dtype=torch.long)
-            self.drafter.inject(out.features[idx], out.batch.positions[idx], out.batch.swa_slots[idx])
+            self.drafter.inject(out.features[idx], out.positions[idx], out.swa_slots[idx])
         self.scheduler.update([p.chunk for p in produced], [p.committed for p in produced])
 
     def _clear_rejected_c128_rows(self, p: _StepTokens) -> None:

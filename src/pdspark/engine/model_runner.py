@@ -17,7 +17,6 @@ from pdspark.engine.forward_batch import (
     logits_rows,
 )
 from pdspark.hardware.prepare_streams import PrepareStreams, use_prepare_streams
-from pdspark.model.batch import ForwardBatch
 from pdspark.model.decode_step import MAX_TOKENS
 from pdspark.model.dsv4 import DSV4Model
 
@@ -25,7 +24,10 @@ from pdspark.model.dsv4 import DSV4Model
 class RunOutput(NamedTuple):
     logits: torch.Tensor  # [sum of num_logits, vocab] fp32, chunk by chunk
     features: torch.Tensor | None  # [T, D * L] drafter features of every token row (when captured)
-    batch: ForwardBatch | None  # None: the step's indices were built in C (no drafter features to place)
+    positions: torch.Tensor  # [T] int64 position of every token row
+    # [T] int64 SWA slot of every token row (where the drafter's context row goes). Where the step's indices were
+    # built in C, these and `features` are views of buffers the next step overwrites: use them before it runs.
+    swa_slots: torch.Tensor
 
 
 # Steps of at most this many tokens run on one intra-op thread: their ops are too small to split, and waking a
@@ -42,8 +44,9 @@ class ModelRunner:
         self.threads = torch.get_num_threads()
         self.streams = streams  # side streams of the multi-stream prepare (None: off)
         self.stream_rows = stream_rows  # its row limit
-        # Small steps on the CPU without captured features: indices built in C from the page tables (one call).
-        self.layout = index_layout(kv) if kv.pools.swa_kv.device.type == "cpu" and not capture else None
+        # Small steps on the CPU (decode, and DSpark verify steps with their captured features): indices built in C
+        # from the page tables and every layer in one call.
+        self.layout = index_layout(kv) if kv.pools.swa_kv.device.type == "cpu" else None
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> RunOutput:
@@ -61,7 +64,8 @@ class ModelRunner:
                                                             self.stream_rows):
             batch = dataclasses.replace(batch, prepare_streams=self.streams)
         out = self.model(batch, self.kv.pools, self.capture)
-        return RunOutput(self.model.logits(out.hidden[batch.logits_rows]), out.features, batch)
+        return RunOutput(self.model.logits(out.hidden[batch.logits_rows]), out.features, batch.positions,
+                         batch.swa_slots)
 
     def _run_indexed(self, chunks: list[Chunk]) -> RunOutput | None:
         """A decode/verify step through `DSV4Model.forward_indexed`; None where it does not apply."""
@@ -75,10 +79,11 @@ class ModelRunner:
         if self.streams is not None and use_prepare_streams([c.kind for c in chunks], tokens, self.stream_rows):
             return None
         assert self.layout is not None
-        hidden = self.model.forward_indexed(index_request(chunks), self.layout, self.kv.pools)
-        if hidden is None:
+        out = self.model.forward_indexed(index_request(chunks), self.layout, self.kv.pools, self.capture)
+        if out is None:
             return None
+        hidden = out.hidden
         rows = logits_rows(chunks)
         first = rows[0] if rows else 0
         picked = hidden[first : first + len(rows)] if rows == list(range(first, first + len(rows))) else hidden[rows]
-        return RunOutput(self.model.logits(picked), None, None)
+        return RunOutput(self.model.logits(picked), out.features, out.positions, out.swa_slots)

@@ -28,6 +28,15 @@ from pdspark.model.rope import RotaryTable
 MAX_TOKENS = 8
 
 
+class IndexedOutput(NamedTuple):
+    """`DecodeStep.run_indexed`'s step: views of buffers the next step overwrites (use them before it runs)."""
+
+    hidden: torch.Tensor  # [T, hc, D] final streams
+    features: torch.Tensor | None  # [T, D * len(capture)] drafter features (None: nothing captured)
+    positions: torch.Tensor  # [T] int64, as `ForwardBatch.positions`
+    swa_slots: torch.Tensor  # [T] int64, as `ForwardBatch.swa_slots`
+
+
 class LayerTable(NamedTuple):
     """One layer's arrays for `decode_layer`, in the slots of `kernels.DECODE_WEIGHTS/SIZES/SCALARS`."""
 
@@ -127,6 +136,9 @@ class DecodeStep:
         self._pools: tuple[list[int], list[torch.Tensor]] | None = None  # (layer 0's pointers, every layer's table)
         self._indexed: _IndexedStep | None = None  # the indexed path's arrays (built on its first step)
         self._not_indexed: tuple[tuple[int, ...], int] | None = None  # (layout, pools id) it cannot serve
+        # The captured layers of the indexed path: (capture, int32 [layers] column block per layer or -1,
+        # fp32 [MAX_TOKENS, D * len(capture)] features buffer), rebuilt when the capture changes.
+        self._capture: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, layers: list[DecoderLayer], cfg: ModelConfig) -> DecodeStep | None:
@@ -177,10 +189,13 @@ class DecodeStep:
         widths = 2 * HD + 2 * c.index_head_dim
         nx = QL + HD + 2 * 2 * HD + 2 * 2 * c.index_head_dim + c.index_n_heads
         per_token = (2 * D + 2 * hc + hc * hc + nx + QL + 3 * H * HD + hc * D + 2 * widths + 2 * c.index_n_heads
-                     * c.index_head_dim + c.index_n_heads + V + c.n_routed_experts + 2 * c.moe_intermediate_size)
+                     * c.index_head_dim + c.index_n_heads + V + c.n_routed_experts + 2 * c.moe_intermediate_size
+                     # the row-shared output projection, and the expert-grouped MoE (ids, weights, rows)
+                     + H * HD + c.o_groups * c.o_lora_rank
+                     + 4 * c.num_experts_per_tok + 3 * D + 3 * c.moe_intermediate_size + c.num_experts_per_tok * D)
         fixed = (hc * D + (2 + hc) * hc + 4 * max(HD, 3 * c.index_head_dim) + 64 + 2 * V + H * (W + V) + H * HD
                  + c.o_groups * c.o_lora_rank + 3 * c.moe_intermediate_size + 2 * D + c.num_experts_per_tok)
-        return T * per_token + fixed + 16 * 24  # (each carve is rounded up to 16 floats)
+        return T * per_token + fixed + 16 * 28  # (each carve is rounded up to 16 floats)
 
     def pool_tables(self, pools: LayerCaches) -> list[torch.Tensor] | None:
         """Each layer's pool pointers and row strides (`kernels.DECODE_POOLS`), or None where the pools are not fp32
@@ -217,9 +232,10 @@ class DecodeStep:
 
     # ---- the indexed path: the step's indices built in C from the page tables, every layer in one more call ----
     def run_indexed(self, req: list[int], cache_layout: tuple[int, ...], pools: LayerCaches, embed: torch.Tensor,
-                    ropes: tuple[RotaryTable, RotaryTable]) -> torch.Tensor | None:
-        """Every layer of a step of short chunks -> the streams `[T, hc, D]` (a view of a buffer the next step
-        reuses), or None where the pools or tables are not what the C loops read.
+                    ropes: tuple[RotaryTable, RotaryTable], capture: tuple[int, ...] = ()) -> IndexedOutput | None:
+        """Every layer of a step of short chunks -> its streams, its drafter features (the output of each layer in
+        `capture` averaged over the streams, as `DSV4Model.forward`'s) and its positions and SWA slots, all views
+        of buffers the next step reuses; None where the pools or tables are not what the C loops read.
 
         `req`: `[n, (slot, start, length) per chunk, every chunk's token ids]`; `cache_layout`: the cache's part of
         `kernels.DECODE_LAYOUT` (everything before the rotary tables); `ropes`: the sliding and compressed tables.
@@ -232,9 +248,24 @@ class DecodeStep:
             if st is None:
                 self._not_indexed = (cache_layout, id(pools))
                 return None
+        if capture and (len(set(capture)) != len(capture) or not all(0 <= i < len(self.tables) for i in capture)):
+            return None  # (a layer captured twice or past the last: the module path's cat handles it)
+        cap = self._capture_buffers(capture)
         T = cpu_kernels.decode_index(torch.tensor(req, dtype=torch.int64), st.layout, st.step, st.step_sizes)
-        k = cpu_kernels.decode_layers(st.layers, st.step, st.step_sizes, embed, st.h, st.scratch, self.ids)
-        return st.h[k][:T]
+        k = cpu_kernels.decode_layers(st.layers, st.step, st.step_sizes, embed, st.h, st.scratch, self.ids, cap)
+        return IndexedOutput(st.h[k][:T], None if cap is None else cap[1][:T], st.positions[:T], st.swa_slots[:T])
+
+    def _capture_buffers(self, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`decode_layers`' capture arrays for `capture` (None: nothing captured)."""
+        if not capture:
+            return None
+        if self._capture is None or self._capture[0] != capture:
+            cols = [-1] * len(self.tables)
+            for c, layer in enumerate(capture):
+                cols[layer] = c
+            feats = torch.empty(MAX_TOKENS, self.cfg.hidden_size * len(capture))
+            self._capture = (capture, torch.tensor(cols, dtype=torch.int32), feats)
+        return self._capture[1], self._capture[2]
 
 
 class _IndexedStep(NamedTuple):
@@ -246,6 +277,8 @@ class _IndexedStep(NamedTuple):
     step: torch.Tensor  # int64 `kernels.DECODE_STEP`: pointers to `buffers`
     step_sizes: torch.Tensor  # int32 `kernels.DECODE_STEP_SIZES`, written by `decode_index`
     layers: torch.Tensor  # [layers, 4] int64: weights, sizes, scalars, pools pointers
+    positions: torch.Tensor  # [MAX_TOKENS] int64 (the `positions` buffer of `step`)
+    swa_slots: torch.Tensor  # [MAX_TOKENS] int64 (the `swa_slots` buffer of `step`)
     h: tuple[torch.Tensor, torch.Tensor]  # [MAX_TOKENS, hc, D] streams, in and out by turns
     scratch: torch.Tensor
     keep: tuple[torch.Tensor, ...]  # what `step`, `layout` and `layers` point into
@@ -294,6 +327,8 @@ class _IndexedStep(NamedTuple):
                                for t, p in zip(ds.tables, tables)], dtype=torch.int64)
         h = (torch.empty(T, cfg.hc_mult, cfg.hidden_size), torch.empty(T, cfg.hc_mult, cfg.hidden_size))
         scratch = torch.empty(ds.scratch_floats(T, max(Vc, Vh), W))
+        positions, swa_slots = buffers[0], buffers[2]
+        assert positions is not None and swa_slots is not None
         return cls(cache_layout, pools, torch.tensor(layout, dtype=torch.int64), step,
-                   torch.zeros(len(cpu_kernels.DECODE_STEP_SIZES), dtype=torch.int32), layers, h, scratch,
-                   (*kept, *tables))
+                   torch.zeros(len(cpu_kernels.DECODE_STEP_SIZES), dtype=torch.int32), layers, positions, swa_slots,
+                   h, scratch, (*kept, *tables))

@@ -10,7 +10,7 @@ from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.batch import ForwardBatch, LayerCaches
-from pdspark.model.decode_step import DecodeStep
+from pdspark.model.decode_step import DecodeStep, IndexedOutput
 from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.hyper_connection import HyperHead
 from pdspark.model.model_config import SLIDING, ModelConfig
@@ -73,16 +73,17 @@ class DSV4Model(nn.Module):
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return ForwardOutput(h, features)
 
-    def forward_indexed(self, req: list[int], cache_layout: tuple[int, ...], pools: LayerCaches
-                        ) -> torch.Tensor | None:
-        """`forward(...).hidden` of a step of short chunks with no captured layers, its indices built in C straight
-        from the page tables (no `ForwardBatch`): `req` is `[n, (slot, start, length) per chunk, the token ids]`,
-        `cache_layout` the cache's part of `kernels.DECODE_LAYOUT`. The streams `[T, hc, D]` are a view the next
-        step overwrites; None where the C path does not apply (the caller then builds a `ForwardBatch`)."""
+    def forward_indexed(self, req: list[int], cache_layout: tuple[int, ...], pools: LayerCaches,
+                        capture: tuple[int, ...] = ()) -> IndexedOutput | None:
+        """`forward(...)` of a step of short chunks, its indices built in C straight from the page tables (no
+        `ForwardBatch`): `req` is `[n, (slot, start, length) per chunk, the token ids]`, `cache_layout` the cache's
+        part of `kernels.DECODE_LAYOUT`. The streams `[T, hc, D]`, the features of the `capture` layers `[T, D *
+        len(capture)]`, the positions and SWA slots `[T]` are views the next step overwrites; None where the C path
+        does not apply (the caller then builds a `ForwardBatch`)."""
         if self._decode_step is None or torch.is_grad_enabled():
             return None
         return self._decode_step.run_indexed(req, cache_layout, pools, self.embed,
-                                             (self.rope_main, self.rope_compress))
+                                             (self.rope_main, self.rope_compress), capture)
 
     def prepare_inference(self) -> None:
         """Fuse the projections that read the same input and freeze the mHC mix parameters for the C collapse

@@ -71,6 +71,31 @@ static void gemv(const float *w, const float *x, int N, int K, float *out) {
     for (; n < N; n++) out[n] = dot(w + (long)n * K, x, K);
 }
 
+/* out [T, N] (rows `os` apart) = x [T, K] (rows `xs` apart) @ w [N, K]^T, each entry exactly a `dot` (the bits of
+ * `gemv` per row, whatever T), with each group of four weight rows read once for all T rows while it sits in L1
+ * (and asked for ahead, as `gemv` does): a verify step's rows share each weight read where per-row GEMVs would
+ * stream the matrix from L2/L3 T times. T = 1 is `gemv`. */
+static void gemm_exact(const float *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
+    if (T == 1) {
+        gemv(w, x, N, K, out);
+        return;
+    }
+    int n = 0;
+    float s4[4];
+    prefetch(w, 0, (long)(N < GEMV_AHEAD ? N : GEMV_AHEAD) * K);
+    for (; n + 4 <= N; n += 4) {
+        const float *r = w + (long)n * K;
+        const int lo = n + GEMV_AHEAD, hi = lo + 4 < N ? lo + 4 : N;
+        if (lo < hi) prefetch(w, (long)lo * K, (long)hi * K);
+        for (int t = 0; t < T; t++) {
+            dot4(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, K, s4);
+            for (int i = 0; i < 4; i++) out[(long)t * os + n + i] = s4[i];
+        }
+    }
+    for (; n < N; n++)
+        for (int t = 0; t < T; t++) out[(long)t * os + n] = dot(w + (long)n * K, x + (long)t * xs, K);
+}
+
 /* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL); input
  * rows start `stride` floats apart (a column slice of a wider matrix), output rows are packed. */
 void rms_norm(const float *x, long stride, const float *w, int N, int D, float eps, float *out) {
@@ -375,6 +400,80 @@ void moe_decode(const float *x, const float *lgu, long lstride, const long *inpu
     }
 }
 
+/* `moe_decode` for a verify step's few tokens with each routed expert's weights read once for every token that
+ * picked it (the per-token loop reads them once per pick): routing as there, then per expert its tokens' rows
+ * gathered and run through `gemm_exact`, the outputs kept per (token, slot) and summed per token in slot order,
+ * then the shared term, so every output has `moe_decode`'s bits. Scratch: T*k longs ids, T*k floats ws,
+ * T*(3D + 3I + k*D + k) floats fs. */
+void moe_decode_rows(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
+                     const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E,
+                     int I, int k, int sqrtsoftplus, float scaling, float limit, long *ids, float *ws, float *fs,
+                     float *out) {
+    float *xg = fs, *hg = xg + (long)T * D, *ag = hg + (long)T * 2 * I, *yg = ag + (long)T * I;
+    float *ys = yg + (long)T * D; /* [T, k, D]: token t's slot j output */
+    int *rows = (int *)(ys + (long)T * k * D); /* the (token * k + slot) of each gathered row */
+    for (int t = 0; t < T; t++) { /* routing, as `moe_decode` */
+        const float *lt = lgu + (long)t * lstride;
+        long *it = ids + (long)t * k;
+        float *wt = ws + (long)t * k;
+        if (tid2eid != 0) {
+            for (int j = 0; j < k; j++) it[j] = tid2eid[input_ids[t] * k + j];
+        } else {
+            for (int j = 0; j < k; j++) {
+                int best = -1;
+                float bv = -INFINITY;
+                for (int e = 0; e < E; e++) {
+                    int taken = 0;
+                    for (int i = 0; i < j; i++) taken |= it[i] == e;
+                    if (taken) continue;
+                    const float sc = (sqrtsoftplus ? sqrtf(lt[e] > 20.0f ? lt[e] : log1pf(expf(lt[e])))
+                                                   : 1.0f / (1.0f + expf(-lt[e]))) + bias[e];
+                    if (best < 0 || sc > bv) { best = e; bv = sc; }
+                }
+                it[j] = best;
+            }
+        }
+        float wsum = 0.0f;
+        for (int j = 0; j < k; j++) {
+            const float l = lt[it[j]];
+            wt[j] = sqrtsoftplus ? sqrtf(l > 20.0f ? l : log1pf(expf(l))) : 1.0f / (1.0f + expf(-l));
+            wsum += wt[j];
+        }
+        for (int j = 0; j < k; j++) wt[j] = wt[j] / (wsum + 1e-20f) * scaling;
+    }
+    for (int e = 0; e < E; e++) { /* each expert once, over the rows that picked it */
+        int n = 0;
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < k; j++)
+                if (ids[(long)t * k + j] == e) {
+                    rows[n] = t * k + j;
+                    for (int d = 0; d < D; d++) xg[(long)n * D + d] = x[(long)t * D + d];
+                    n++;
+                }
+        if (n == 0) continue;
+        gemm_exact(w13 + (long)e * 2 * I * D, xg, D, n, 2 * I, D, hg, 2 * I);
+        for (int m = 0; m < n; m++)
+            for (int i = 0; i < I; i++)
+                ag[(long)m * I + i] = swiglu1(hg[(long)m * 2 * I + i], hg[(long)m * 2 * I + I + i], limit);
+        gemm_exact(w2 + (long)e * D * I, ag, I, n, D, I, yg, D);
+        for (int m = 0; m < n; m++)
+            for (int d = 0; d < D; d++) ys[(long)rows[m] * D + d] = yg[(long)m * D + d];
+    }
+    for (int t = 0; t < T; t++) { /* routed terms in slot order, as `moe_decode`'s acc */
+        float *ot = out + (long)t * D;
+        for (int j = 0; j < k; j++) {
+            const float *y = ys + ((long)t * k + j) * D, w = ws[(long)t * k + j];
+            for (int d = 0; d < D; d++) ot[d] = j == 0 ? y[d] * w : ot[d] + y[d] * w;
+        }
+    }
+    for (int t = 0; t < T; t++) /* shared expert's activations */
+        for (int i = 0; i < I; i++)
+            ag[(long)t * I + i] = swiglu1(lgu[(long)t * lstride + E + i], lgu[(long)t * lstride + E + I + i], limit);
+    gemm_exact(w2s, ag, I, T, D, I, yg, D);
+    for (int t = 0; t < T; t++)
+        for (int d = 0; d < D; d++) out[(long)t * D + d] = out[(long)t * D + d] + yg[(long)t * D + d];
+}
+
 /* Sink attention of a few tokens straight from the pools (no gathered copies): token t's H query heads
  * q [T, H, d] attend to the K=V rows swa[win_rows[t, :W]] (where win_valid) and comp[comp_rows[t, :V]] (where
  * comp_valid; comp may be NULL with V = 0; pool rows `*_stride` floats apart), plus one sink logit per head that
@@ -508,6 +607,20 @@ void attn_out(const float *o, const float *cos, const float *sin, int T, int H, 
     }
 }
 
+/* `attn_out` with the rows sharing each weight read (`gemm_exact`; the same bits): every token unrotated first,
+ * then each group's wo_a and wo_b over all T rows. scratch holds T * (H*d + G*L) floats. */
+void attn_out_rows(const float *o, const float *cos, const float *sin, int T, int H, int d, int r, const float *wo_a,
+                   int G, int L, const float *wo_b, int Dm, float *scratch, float *out) {
+    const int C = H * d / G;
+    float *un = scratch, *mid = scratch + (long)T * H * d;
+    for (int t = 0; t < T; t++)
+        rope_rotate(o + (long)t * H * d, cos + (long)t * r, sin + (long)t * r, 1, H, d, r, -1.0f,
+                    un + (long)t * H * d);
+    for (int g = 0; g < G; g++)
+        gemm_exact(wo_a + (long)g * L * C, un + (long)g * C, H * d, T, L, C, mid + g * L, (long)G * L);
+    gemm_exact(wo_b, mid, (long)G * L, T, Dm, G * L, out, Dm);
+}
+
 /* ---- one whole decoder layer of a decode step ---------------------------------------------------------------- */
 
 
@@ -576,9 +689,9 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
     /* attention sublayer */
     hc_collapse(h, PTR(wp, W_ATTN_FN), PTR(wp, W_ATTN_SCALE), PTR(wp, W_ATTN_BASE), T, hc, D, wi[I_ITERS],
                 wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_ATTN_NORM), wf[F_ATTN_NORM_EPS]);
-    for (int t = 0; t < T; t++) gemv(PTR(wp, W_X), x + (long)t * D, NX, D, xp + (long)t * NX);
+    gemm_exact(PTR(wp, W_X), x, D, T, NX, D, xp, NX);
     rms_norm(xp, NX, PTR(wp, W_Q_NORM), T, QL, wf[F_Q_EPS], qr);
-    for (int t = 0; t < T; t++) gemv(PTR(wp, W_Q_B), qr + (long)t * QL, H * HD, QL, qh + (long)t * H * HD);
+    gemm_exact(PTR(wp, W_Q_B), qr, QL, T, H * HD, QL, qh, H * HD);
     norm_rope(qh, HD, 0, T * H, H, HD, wf[F_HEAD_EPS], cos, sin, r, q, 0, 0, small);
     norm_rope(xp + QL, NX, PTR(wp, W_KV_NORM), T, 1, HD, wf[F_KV_EPS], cos, sin, r, (float *)pp[P_SWA],
               LPTR(sp, S_SLOTS), pp[P_SWA_STRIDE], small);
@@ -610,8 +723,8 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
                 float *iq = take(&at, (long)T * Hi * Di), *iqr = take(&at, (long)T * Hi * Di);
                 float *iwt = take(&at, (long)T * Hi), *isc = take(&at, 2L * V);
                 unsigned char *picked = (unsigned char *)take(&at, ((long)T * V + 3) / 4);
+                gemm_exact(PTR(wp, W_I_Q_B), qr, QL, T, Hi * Di, QL, iq, Hi * Di);
                 for (int t = 0; t < T; t++) {
-                    gemv(PTR(wp, W_I_Q_B), qr + (long)t * QL, Hi * Di, QL, iq + (long)t * Hi * Di);
                     const float *hw = xp + (long)t * NX + QL + HD + 2 * cw + 2 * iw;
                     for (int j = 0; j < Hi; j++) iwt[t * Hi + j] = hw[j] * wf[F_I_WSCALE];
                 }
@@ -630,36 +743,28 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
     float *ascr = take(&at, (long)H * (W + V) + 16);
     sink_attend(q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS), BPTR(sp, S_WIN_VALID), W, comp,
                 pp[P_COMP_STRIDE], comp_rows, comp_valid, V, PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o);
-    float *oscr = take(&at, (long)H * HD + wi[I_G] * wi[I_L]);
-    attn_out(o, cos, sin, T, H, HD, r, PTR(wp, W_O_A), wi[I_G], wi[I_L], PTR(wp, W_O_B), D, oscr, y);
+    float *oscr = take(&at, (long)T * (H * HD + wi[I_G] * wi[I_L]));
+    attn_out_rows(o, cos, sin, T, H, HD, r, PTR(wp, W_O_A), wi[I_G], wi[I_L], PTR(wp, W_O_B), D, oscr, y);
     hc_expand(y, h, post, comb, T, hc, D, hm);
 
     /* FFN sublayer */
     hc_collapse(hm, PTR(wp, W_FFN_FN), PTR(wp, W_FFN_SCALE), PTR(wp, W_FFN_BASE), T, hc, D, wi[I_ITERS],
                 wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_FFN_NORM), wf[F_FFN_NORM_EPS]);
-    float *lgu = take(&at, (long)T * (E + 2 * I)), *mscr = take(&at, 3L * I + 2L * D + K);
-    for (int t = 0; t < T; t++) gemv(PTR(wp, W_MOE_IN), x + (long)t * D, E + 2 * I, D, lgu + (long)t * (E + 2 * I));
-    moe_decode(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
-               PTR(wp, W_2), PTR(wp, W_2S), T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], mscr, ids_buf,
-               mscr + 3 * I + 2 * D, y);
-    hc_expand(y, hm, post, comb, T, hc, D, h_out);
-}
-
-/* out [T, N] (rows `os` apart) = x [T, K] (rows `xs` apart) @ w [N, K]^T, each entry exactly a `dot` (the bits of
- * `gemv` per row, whatever T), with each group of four weight rows read once for all T rows: a few rows share each
- * weight read while it sits in L1, where per-row GEMVs would stream the matrix T times. */
-static void gemm_rows_exact(const float *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
-    int n = 0;
-    float s4[4];
-    for (; n + 4 <= N; n += 4) {
-        const float *r = w + (long)n * K;
-        for (int t = 0; t < T; t++) {
-            dot4(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, K, s4);
-            for (int i = 0; i < 4; i++) out[(long)t * os + n + i] = s4[i];
-        }
+    float *lgu = take(&at, (long)T * (E + 2 * I));
+    gemm_exact(PTR(wp, W_MOE_IN), x, D, T, E + 2 * I, D, lgu, E + 2 * I);
+    if (T == 1) {
+        float *mscr = take(&at, 3L * I + 2L * D + K);
+        moe_decode(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
+                   PTR(wp, W_2), PTR(wp, W_2S), T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], mscr,
+                   ids_buf, mscr + 3 * I + 2 * D, y);
+    } else { /* ids: T*K longs (as many floats again), ws: T*K floats, then the grouped scratch */
+        long *gids = (long *)take(&at, 2L * T * K);
+        float *gws = take(&at, (long)T * K), *gscr = take(&at, (long)T * (3L * D + 3L * I + (long)K * D + K));
+        moe_decode_rows(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
+                        PTR(wp, W_2), PTR(wp, W_2S), T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], gids, gws,
+                        gscr, y);
     }
-    for (; n < N; n++)
-        for (int t = 0; t < T; t++) out[(long)t * os + n] = dot(w + (long)n * K, x + (long)t * xs, K);
+    hc_expand(y, hm, post, comb, T, hc, D, h_out);
 }
 
 /* The model's head for a few rows: the final mHC collapse (`HyperHead`: no Sinkhorn), the final RMSNorm and the
@@ -683,7 +788,7 @@ void lm_head(const float *h, int N, int hc, int D, const float *fn, const float 
         }
         rms_norm(y, D, norm_w, 1, D, eps, y);
     }
-    gemm_rows_exact(head, ys, D, N, V, D, out, V); /* the rows share each read of the head */
+    gemm_exact(head, ys, D, N, V, D, out, V); /* the rows share each read of the head */
 }
 
 /* ---- a DSpark draft block (`model.draft_step`): every stage and the head of one proposal in one call ---------- */
@@ -745,7 +850,7 @@ static void gemm_rows(const float *w, const float *x, long xs, int T, int N, int
 }
 #else
 static void gemm_rows(const float *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
-    gemm_rows_exact(w, x, xs, T, N, K, out, os);
+    gemm_exact(w, x, xs, T, N, K, out, os);
 }
 #endif
 
@@ -1084,9 +1189,12 @@ int decode_index(const long *req, const long *L, const long *sp, int *si) {
 /* Every layer of a small step after `decode_index`: the token embeddings copied into each of the hc streams of h0
  * [T, hc, D], then layer l reads one buffer and writes the other. tables [n, 4]: each layer's weights, sizes,
  * scalars and pools arrays (`decode_layer`'s first and sixth arguments). Returns the buffer holding the result
- * (0: h0, 1: h1). */
+ * (0: h0, 1: h1).
+ * Drafter features (a DSpark verify step): where capture != NULL and capture[l] = c >= 0, layer l's output streams
+ * averaged over hc go to columns [c * D, (c + 1) * D) of features [T, F] (F floats a row), as `DSV4Model.forward`'s
+ * `h.mean(dim=1)`: the streams summed in order, then divided by hc (the bits of ATen's CPU mean). */
 int decode_layers(int n, const long *tables, const long *sp, const int *si, const float *embed, int hc, int D,
-                  float *h0, float *h1, float *scratch, long *ids_buf) {
+                  float *h0, float *h1, float *scratch, long *ids_buf, const int *capture, float *features, int F) {
     const int T = si[SI_T];
     const long *ids = (const long *)sp[S_IDS];
     for (int t = 0; t < T; t++)
@@ -1100,6 +1208,16 @@ int decode_layers(int n, const long *tables, const long *sp, const int *si, cons
         const long *tb = tables + 4L * l;
         decode_layer((const long *)tb[0], (const int *)tb[1], (const float *)tb[2], sp, si, (const long *)tb[3],
                      bufs[l % 2], bufs[(l + 1) % 2], scratch, ids_buf);
+        if (capture == 0 || capture[l] < 0) continue;
+        for (int t = 0; t < T; t++) {
+            const float *ht = bufs[(l + 1) % 2] + (long)t * hc * D;
+            float *ft = features + (long)t * F + (long)capture[l] * D;
+            for (int d = 0; d < D; d++) {
+                float s = ht[d];
+                for (int i = 1; i < hc; i++) s += ht[(long)i * D + d];
+                ft[d] = s / (float)hc;
+            }
+        }
     }
     return n % 2;
 }

@@ -103,6 +103,8 @@ def load() -> ctypes.CDLL | None:
     lib.index_scores.restype = None
     lib.moe_decode.argtypes = [f, f, ctypes.c_long, f, f, f, f, f, f, i, i, i, i, i, i, fl, fl, f, f, f, f]
     lib.moe_decode.restype = None
+    lib.moe_decode_rows.argtypes = [f, f, ctypes.c_long, f, f, f, f, f, f, i, i, i, i, i, i, fl, fl, f, f, f, f]
+    lib.moe_decode_rows.restype = None
     lib.sink_attend.argtypes = [f, f, ctypes.c_long, f, f, i, f, ctypes.c_long, f, f, i, f, fl, i, i, i, f, f]
     lib.sink_attend.restype = None
     lib.compressor_run.argtypes = [f, ctypes.c_long, f, i, f, i, i, i, i, f, f, f, f, f, i, f, f, f, fl, f, f, i,
@@ -114,6 +116,8 @@ def load() -> ctypes.CDLL | None:
     lib.norm_rope.restype = None
     lib.attn_out.argtypes = [f, f, f, i, i, i, i, f, i, i, f, i, f, f]
     lib.attn_out.restype = None
+    lib.attn_out_rows.argtypes = [f, f, f, i, i, i, i, f, i, i, f, i, f, f]
+    lib.attn_out_rows.restype = None
     lib.decode_layer.argtypes = [f, f, f, f, f, f, f, f, f, f]
     lib.decode_layer.restype = None
     lib.lm_head.argtypes = [f, i, i, i, f, f, f, fl, fl, f, fl, f, i, f, f]
@@ -126,7 +130,7 @@ def load() -> ctypes.CDLL | None:
     lib.draft_inject.restype = None
     lib.decode_index.argtypes = [f, f, f, f]
     lib.decode_index.restype = i
-    lib.decode_layers.argtypes = [i, f, f, f, f, i, i, f, f, f, f]
+    lib.decode_layers.argtypes = [i, f, f, f, f, i, i, f, f, f, f, f, f, i]
     lib.decode_layers.restype = i
     return lib
 
@@ -276,6 +280,31 @@ def moe_decode(
     return out
 
 
+def moe_decode_rows(
+    x: torch.Tensor, lgu: torch.Tensor, input_ids: torch.Tensor, tid2eid: torch.Tensor | None,
+    bias: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, w2s: torch.Tensor, top_k: int,
+    sqrtsoftplus: bool, scaling: float, limit: float,
+) -> torch.Tensor:
+    """`moe_decode` (same arguments, same bits) with each routed expert read once for all the rows that picked it:
+    the form `decode_layer` runs for a verify step's rows. The caller checked the tensors as `moe_decode` does."""
+    lib = load()
+    assert lib is not None
+    T, D = x.shape
+    E, I2, _ = w13.shape
+    I = I2 // 2
+    ids = torch.empty(T * top_k, dtype=torch.int64)
+    ws = torch.empty(T * top_k)
+    fs = torch.empty(T * (3 * D + 3 * I + top_k * D + top_k))
+    out = torch.empty(T, D)
+    lib.moe_decode_rows(
+        x.data_ptr(), lgu.data_ptr(), lgu.stride(0), input_ids.data_ptr(),
+        None if tid2eid is None else tid2eid.data_ptr(), None if bias is None else bias.data_ptr(),
+        w13.data_ptr(), w2.data_ptr(), w2s.data_ptr(), T, D, E, I, top_k, int(sqrtsoftplus), scaling, limit,
+        ids.data_ptr(), ws.data_ptr(), fs.data_ptr(), out.data_ptr(),
+    )
+    return out
+
+
 def sink_attend(
     q: torch.Tensor, swa: torch.Tensor, win_rows: torch.Tensor, win_valid: torch.Tensor, comp: torch.Tensor | None,
     comp_rows: torch.Tensor | None, comp_valid: torch.Tensor | None, sink: torch.Tensor, scale: float,
@@ -392,6 +421,21 @@ def attn_out(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.
     scratch = torch.empty(H * d + groups * L)
     lib.attn_out(o.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, H, d, cos.shape[-1], wo_a.data_ptr(), groups, L,
                  wo_b.data_ptr(), Dm, scratch.data_ptr(), out.data_ptr())
+    return out
+
+
+def attn_out_rows(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, groups: int,
+                  wo_b: torch.Tensor) -> torch.Tensor:
+    """`attn_out` (same arguments, same bits) with the rows sharing each read of `wo_a` and `wo_b`: the form
+    `decode_layer` runs for a verify step's rows. The caller checked the tensors as `attn_out` does."""
+    lib = load()
+    assert lib is not None
+    T, H, d = o.shape
+    L, Dm = wo_a.shape[0] // groups, wo_b.shape[0]
+    out = torch.empty(T, Dm)
+    scratch = torch.empty(T * (H * d + groups * L))
+    lib.attn_out_rows(o.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, H, d, cos.shape[-1], wo_a.data_ptr(), groups,
+                      L, wo_b.data_ptr(), Dm, scratch.data_ptr(), out.data_ptr())
     return out
 
 
@@ -513,13 +557,20 @@ def decode_index(req: torch.Tensor, layout: torch.Tensor, step: torch.Tensor, st
 
 
 def decode_layers(tables: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor, embed: torch.Tensor,
-                  h: tuple[torch.Tensor, torch.Tensor], scratch: torch.Tensor, ids: torch.Tensor) -> int:
+                  h: tuple[torch.Tensor, torch.Tensor], scratch: torch.Tensor, ids: torch.Tensor,
+                  capture: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
     """Every layer of a step after `decode_index`: the step's token embeddings into `h[0]` (each `[>= T, hc, D]`),
     then `decode_layer` per row of `tables` (`[layers, 4]` int64: weights, sizes, scalars, pools pointers),
-    alternating between the two buffers. Returns the index of the buffer holding the output."""
+    alternating between the two buffers. Returns the index of the buffer holding the output.
+
+    `capture = (columns, features)`: `columns` int32 `[layers]` (-1: not captured, else the layer's block of D
+    columns), `features` fp32 `[>= T, F]` receives each captured layer's output averaged over the hc streams (the
+    drafter features of `DSV4Model.forward`, bit for bit)."""
     lib = load()
     assert lib is not None
     _, hc, D = h[0].shape
+    cols, feats = (None, None) if capture is None else capture
     return int(lib.decode_layers(tables.shape[0], tables.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
                                  embed.data_ptr(), hc, D, h[0].data_ptr(), h[1].data_ptr(), scratch.data_ptr(),
-                                 ids.data_ptr()))
+                                 ids.data_ptr(), None if cols is None else cols.data_ptr(),
+                                 None if feats is None else feats.data_ptr(), 0 if feats is None else feats.shape[1]))
