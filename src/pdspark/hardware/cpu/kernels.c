@@ -343,6 +343,37 @@ static float swiglu1(float g, float u, float limit) {
     return g / (1.0f + expf(-g)) * u;
 }
 
+/* One token's routing, shared by `moe_decode` and `moe_decode_rows` so the two pick the same experts with the same
+ * weight bits: lt [E] its router logits, eids [k] its row of tid2eid (hash layers) or NULL (top-k of score + bias,
+ * bias [E]); writes the experts ids [k] and their weights ws [k] (see `moe_decode` for the formulas). */
+static void route_token(const float *lt, const long *eids, const float *bias, int E, int k, int sqrtsoftplus,
+                        float scaling, long *ids, float *ws) {
+    if (eids != 0) {
+        for (int j = 0; j < k; j++) ids[j] = eids[j];
+    } else {
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            float bv = -INFINITY;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= ids[i] == e;
+                if (taken) continue;
+                const float s = (sqrtsoftplus ? sqrtf(lt[e] > 20.0f ? lt[e] : log1pf(expf(lt[e])))
+                                              : 1.0f / (1.0f + expf(-lt[e]))) + bias[e];
+                if (best < 0 || s > bv) { best = e; bv = s; }
+            }
+            ids[j] = best;
+        }
+    }
+    float wsum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        const float l = lt[ids[j]];
+        ws[j] = sqrtsoftplus ? sqrtf(l > 20.0f ? l : log1pf(expf(l))) : 1.0f / (1.0f + expf(-l));
+        wsum += ws[j];
+    }
+    for (int j = 0; j < k; j++) ws[j] = ws[j] / (wsum + 1e-20f) * scaling;
+}
+
 /* The routed experts and the shared expert's down projection of a few tokens, after the one fused matmul that
  * gives each token its router logits, shared gate and shared up: lgu [T, E + 2I] (rows `lstride` apart).
  *   routing: score = sqrt(softplus(logit)) (sqrtsoftplus) or sigmoid(logit); experts = tid2eid[input_id] (hash
@@ -359,31 +390,7 @@ void moe_decode(const float *x, const float *lgu, long lstride, const long *inpu
     for (int t = 0; t < T; t++) {
         const float *xt = x + (long)t * D, *lt = lgu + (long)t * lstride;
         float *ot = out + (long)t * D;
-        /* routing */
-        if (tid2eid != 0) {
-            for (int j = 0; j < k; j++) ids[j] = tid2eid[input_ids[t] * k + j];
-        } else {
-            for (int j = 0; j < k; j++) {
-                int best = -1;
-                float bv = -INFINITY;
-                for (int e = 0; e < E; e++) {
-                    int taken = 0;
-                    for (int i = 0; i < j; i++) taken |= ids[i] == e;
-                    if (taken) continue;
-                    const float s = (sqrtsoftplus ? sqrtf(lt[e] > 20.0f ? lt[e] : log1pf(expf(lt[e])))
-                                                  : 1.0f / (1.0f + expf(-lt[e]))) + bias[e];
-                    if (best < 0 || s > bv) { best = e; bv = s; }
-                }
-                ids[j] = best;
-            }
-        }
-        float wsum = 0.0f;
-        for (int j = 0; j < k; j++) {
-            const float l = lt[ids[j]];
-            ws[j] = sqrtsoftplus ? sqrtf(l > 20.0f ? l : log1pf(expf(l))) : 1.0f / (1.0f + expf(-l));
-            wsum += ws[j];
-        }
-        for (int j = 0; j < k; j++) ws[j] = ws[j] / (wsum + 1e-20f) * scaling;
+        route_token(lt, tid2eid != 0 ? tid2eid + input_ids[t] * k : 0, bias, E, k, sqrtsoftplus, scaling, ids, ws);
         /* routed experts, in slot order */
         for (int j = 0; j < k; j++) {
             const float *we = w13 + ids[j] * 2L * I * D, *w2e = w2 + ids[j] * (long)D * I;
@@ -413,33 +420,8 @@ void moe_decode_rows(const float *x, const float *lgu, long lstride, const long 
     float *ys = yg + (long)T * D; /* [T, k, D]: token t's slot j output */
     int *rows = (int *)(ys + (long)T * k * D); /* the (token * k + slot) of each gathered row */
     for (int t = 0; t < T; t++) { /* routing, as `moe_decode` */
-        const float *lt = lgu + (long)t * lstride;
-        long *it = ids + (long)t * k;
-        float *wt = ws + (long)t * k;
-        if (tid2eid != 0) {
-            for (int j = 0; j < k; j++) it[j] = tid2eid[input_ids[t] * k + j];
-        } else {
-            for (int j = 0; j < k; j++) {
-                int best = -1;
-                float bv = -INFINITY;
-                for (int e = 0; e < E; e++) {
-                    int taken = 0;
-                    for (int i = 0; i < j; i++) taken |= it[i] == e;
-                    if (taken) continue;
-                    const float sc = (sqrtsoftplus ? sqrtf(lt[e] > 20.0f ? lt[e] : log1pf(expf(lt[e])))
-                                                   : 1.0f / (1.0f + expf(-lt[e]))) + bias[e];
-                    if (best < 0 || sc > bv) { best = e; bv = sc; }
-                }
-                it[j] = best;
-            }
-        }
-        float wsum = 0.0f;
-        for (int j = 0; j < k; j++) {
-            const float l = lt[it[j]];
-            wt[j] = sqrtsoftplus ? sqrtf(l > 20.0f ? l : log1pf(expf(l))) : 1.0f / (1.0f + expf(-l));
-            wsum += wt[j];
-        }
-        for (int j = 0; j < k; j++) wt[j] = wt[j] / (wsum + 1e-20f) * scaling;
+        route_token(lgu + (long)t * lstride, tid2eid != 0 ? tid2eid + input_ids[t] * k : 0, bias, E, k, sqrtsoftplus,
+                    scaling, ids + (long)t * k, ws + (long)t * k);
     }
     for (int e = 0; e < E; e++) { /* each expert once, over the rows that picked it */
         int n = 0;
