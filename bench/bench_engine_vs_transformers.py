@@ -6,8 +6,9 @@ Each measurement runs in its own process (so peak RSS belongs to one system), al
 
 The roofline (`roofline.py`) is measured in the same run, before and after the measurements (medians): fp32 GEMM
 GFLOP/s and GEMV GB/s. pdspark's decode is reported as a fraction of the GEMV limit (active weight bytes per step x
-steps/s) and its prefill as a fraction of the GEMM limit (matmul FLOPs per token x prompt tokens/s; the prompts
-prefilled alone, timed before the generate run).
+steps/s; the bytes as read, a matrix of bf16 numbers at 2 bytes a value, and the fp32-equivalent fraction beside)
+and its prefill as a fraction of the GEMM limit (matmul FLOPs per token x prompt tokens/s; the prompts prefilled
+alone, timed before the generate run).
 
     python bench/bench_engine_vs_transformers.py [--model dsv4-tiny | --config big] [--prompt-len 512]
         [--output-len 128] [--device cpu|cuda]
@@ -195,18 +196,22 @@ def main() -> None:
         roofline = {"gemm_gflops": gemm, "gemv_gb_s": gemv, "measured": limits, "batches": []}
         lines += ["", f"roofline, measured in this run: fp32 GEMM {gemm:.1f} GFLOP/s, GEMV {gemv:.1f} GB/s "
                   f"({args.threads} threads)", "",
-                  "| batch | decode steps/s | active weight MB / step | decode GB/s | of GEMV roofline | "
-                  "prefill tok/s | prefill GFLOP/s | of GEMM roofline |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| batch | decode steps/s | active weight MB / step: fp32, as read | decode GB/s (as read) | "
+                  "of GEMV roofline | fp32-equivalent fraction | prefill tok/s | prefill GFLOP/s | of GEMM roofline |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for b in batches:
             work = work_per_token(resolve_model(args.model), b)
             steps, prefill = med("pdspark", b, "decode_steps_s"), med("pdspark", b, "prefill_tok_s")
-            gb_s = steps * work["decode_step_bytes"] / 1e9
+            # As read: the C decode path reads a matrix of bf16 numbers as bf16 bits (`roofline.work_per_token`).
+            gb_s = steps * work["decode_step_bytes_read"] / 1e9
+            fp32_gb_s = steps * work["decode_step_bytes"] / 1e9
             gflops = prefill * work["prefill_flops_per_token"] / 1e9
-            lines.append(f"| {b} | {steps:.1f} | {work['decode_step_bytes'] / 1e6:.1f} | {gb_s:.2f} | "
-                         f"{gb_s / gemv:.0%} | {prefill:.0f} | {gflops:.1f} | {gflops / gemm:.0%} |")
+            lines.append(f"| {b} | {steps:.1f} | {work['decode_step_bytes'] / 1e6:.1f}, "
+                         f"{work['decode_step_bytes_read'] / 1e6:.1f} | {gb_s:.2f} | {gb_s / gemv:.0%} | "
+                         f"{fp32_gb_s / gemv:.0%} | {prefill:.0f} | {gflops:.1f} | {gflops / gemm:.0%} |")
             roofline["batches"].append({"batch": b, **work, "decode_steps_s": steps, "decode_gb_s": gb_s,
-                                        "decode_fraction": gb_s / gemv, "prefill_tok_s": prefill,
+                                        "decode_fraction": gb_s / gemv, "fp32_equivalent_fraction": fp32_gb_s / gemv,
+                                        "prefill_tok_s": prefill,
                                         "prefill_gflops": gflops, "prefill_fraction": gflops / gemm})
     print("\n".join(lines))
     write_json(name, {"args": vars(args), "summary": summary, "roofline": roofline,

@@ -1,5 +1,6 @@
 """A bigger random DSV4 checkpoint for the engine benchmarks: dsv4-tiny's architecture, wider and with more
-experts, random weights written by transformers' `DeepseekV4ForCausalLM` (so both systems load the same file).
+experts, random weights written by transformers' `DeepseekV4ForCausalLM` (so both systems load the same file),
+rounded to bf16 numbers as a real DSV4 checkpoint's are (stored as fp32: both systems compute in fp32).
 
 `big`: hidden 256, 16 routed experts (top-2) of intermediate 256, vocab 4,096, 6 layers. Built once into
 `~/.cache/pdspark-bench/<name>` (seeded: the same weights every time) and reused.
@@ -19,7 +20,7 @@ _CACHE = Path.home() / ".cache" / "pdspark-bench"
 
 def random_checkpoint(name: str, seed: int = 0) -> Path:
     """The directory of the random checkpoint `name` (one of `CONFIGS`), built on first use."""
-    out = _CACHE / name
+    out = _CACHE / f"{name}-bf16"  # (an earlier build kept full fp32 values under `name`)
     if (out / "model.safetensors").exists():
         return out
     import torch
@@ -40,6 +41,9 @@ def random_checkpoint(name: str, seed: int = 0) -> Path:
                 E, k = base["n_routed_experts"], base["num_experts_per_tok"]
                 layer.mlp.gate.tid2eid.copy_(
                     torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(base["vocab_size"])]))
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.copy_(p.bfloat16().float())
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     tmp.rename(out)

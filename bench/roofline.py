@@ -51,29 +51,35 @@ def machine_limits(threads: int, repeats: int = 15) -> dict:
 
 
 def work_per_token(path: str | Path, batch: int = 1) -> dict:
-    """Active fp32 weight bytes one decode step of `batch` rows reads, and matmul FLOPs per prompt token.
+    """Active weight bytes one decode step of `batch` rows reads, and matmul FLOPs per prompt token.
 
     With `batch` rows a step reads each expert's weights once if any row routes to it: the expected share of
-    experts touched, `1 - (1 - k/E)^batch`, for independent uniform routing."""
+    experts touched, `1 - (1 - k/E)^batch`, for independent uniform routing. `decode_step_bytes` counts fp32 (the
+    model's tensors); `decode_step_bytes_read` counts a matrix whose values are all bf16 numbers at 2 bytes a
+    value, as the C decode path stores its projections and head then (`kernels.bf16_copy`)."""
     from safetensors import safe_open
 
     cfg = json.loads((Path(path) / "config.json").read_text())
     share = cfg["num_experts_per_tok"] / cfg["n_routed_experts"]
     touched = 1 - (1 - share) ** batch
     dense = routed = 0
+    dense_read = routed_read = 0  # bytes, bf16 matrices at 2 a value
     with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
         for name in f.keys():  # noqa: SIM118  (safe_open is not iterable)
             if "embed_tokens" in name:
                 continue
-            n = 1
-            for d in f.get_slice(name).get_shape():
-                n *= d
+            t = f.get_tensor(name)
+            n = t.numel()
+            halves = t.dim() >= 2 and t.is_floating_point() and bool((t.bfloat16().float() == t.float()).all())
             if ".experts." in name:
                 routed += n
+                routed_read += n * (2 if halves else 4)
             else:
                 dense += n
+                dense_read += n * (2 if halves else 4)
     return {
         "decode_step_bytes": 4 * (dense + routed * touched),
+        "decode_step_bytes_read": dense_read + routed_read * touched,
         "decode_bytes_per_token": 4 * (dense + routed * touched) / batch,
         "prefill_flops_per_token": 2 * (dense + routed * share),
     }

@@ -32,3 +32,36 @@ def test_c_decode_layers_give_the_module_paths_tokens_and_logprobs(checkpoints, 
             for la, lb in zip(a.logprobs, b.logprobs):
                 assert la.logprob == pytest.approx(lb.logprob, abs=1e-5)
     assert len(calls) >= 11 * len(model.layers)  # the decode steps went through the C layers
+
+
+def test_bf16_weights_give_the_fp32_kernels_bits_on_the_shipped_checkpoint():
+    """dsv4-tiny's weights are bf16 numbers (its checkpoint's dtype): the C path reads its projections and head as
+    bf16 bits, and every logprob equals, bit for bit, the same C path over the fp32 weights (and the tokens the
+    module path's). Decode steps of 1 and 3 tokens, and DSpark verify steps."""
+    from pdspark.hardware.cpu import kernels as cpu_kernels
+    from pdspark.model.decode_step import DecodeStep
+
+    for speculative in (None, "dspark"):
+        llm = make_llm("dsv4-tiny", speculative=speculative)
+        model = llm.engine.runner.model
+        halves = model._decode_step
+        assert all(int(t.sizes[cpu_kernels.DECODE_SIZES.index("bf16")]) == 1 for t in halves.tables)
+        assert model._head_bf16 is not None
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_kernels, "bf16_copy", lambda w: None)
+            fp32 = DecodeStep.build(list(model.layers), model.cfg)
+        assert fp32 is not None and all(int(t.sizes[-1]) == 0 for t in fp32.tables)
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+        for prompts in (random_prompts(1, [90], seed=7, vocab=4096), random_prompts(3, [70, 100, 53], seed=8,
+                                                                                     vocab=4096)):
+            fast = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            model._decode_step, head = fp32, model._head_bf16
+            model._head_bf16 = None
+            full = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            model._decode_step = None
+            slow = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            model._decode_step, model._head_bf16 = halves, head
+            for a, b, c in zip(fast, full, slow):
+                assert a.token_ids == b.token_ids == c.token_ids
+                assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+                assert [x.top for x in a.logprobs] == [x.top for x in b.logprobs]

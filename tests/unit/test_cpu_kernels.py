@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pdspark.hardware.cpu import kernels
@@ -299,3 +300,43 @@ def test_row_shared_moe_and_output_projection_are_the_per_row_bits():
     per_row = kernels.attn_out(o, at.cos, at.sin, wo_a, G, wo_b)
     assert per_row is not None
     assert torch.equal(kernels.attn_out_rows(o, at.cos, at.sin, wo_a, G, wo_b), per_row)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_bf16_head_gives_the_fp32_heads_bits(rows):
+    """Weights that are bf16 numbers read as bf16 bits (half the bytes) give the fp32 kernel's logits bit for bit;
+    odd sizes cover the kernels' tails (a vocabulary not a multiple of 4 rows, a width not a multiple of 16)."""
+    from pdspark.model.hyper_connection import HyperHead
+    from pdspark.model.norm import RMSNorm
+
+    torch.manual_seed(10)
+    head_hc, norm = HyperHead(4, 52, 1e-6, 1e-6), RMSNorm(52, 1e-6)
+    head = torch.randn(103, 52).bfloat16().float()  # bf16 numbers, held as fp32
+    half = kernels.bf16_copy(head)
+    assert half is not None and half.dtype is torch.bfloat16
+    h = torch.randn(rows, 4, 52)
+    with torch.inference_mode():
+        args = (h, head_hc.fn, head_hc.scale, head_hc.base, 1e-6, 1e-6, norm.weight, 1e-6, head)
+        assert torch.equal(kernels.lm_head(*args, half), kernels.lm_head(*args))
+
+
+def test_weights_that_are_not_bf16_numbers_get_no_bf16_copy():
+    w = torch.randn(8, 16).bfloat16().float()
+    assert kernels.bf16_copy(w) is not None
+    w[3, 5] += 1e-4  # no longer a bf16 number
+    assert kernels.bf16_copy(w) is None
+    assert kernels.bf16_copy(torch.zeros(4, dtype=torch.float64)) is None
+
+
+def test_row_exact_linear_gives_each_row_the_same_bits_whatever_rows_share_the_call():
+    """BLAS need not (MKL with AVX-512 does not): a quantized checkpoint's reference path relies on this."""
+    torch.manual_seed(11)
+    w, x = torch.randn(70, 52), torch.randn(150, 52)
+    with torch.inference_mode():
+        ref = kernels.linear_rows(x[:1], w)
+        assert ref is not None
+        for rows in (2, 3, 7, 50, 150):
+            assert torch.equal(kernels.linear_rows(x[:rows], w)[:1], ref), rows
+        torch.testing.assert_close(kernels.linear_rows(x, w), torch.nn.functional.linear(x, w), atol=1e-5,
+                                   rtol=1e-5)
+        assert kernels.linear_rows(x.double(), w.double()) is None  # not fp32: the caller keeps BLAS

@@ -95,3 +95,39 @@ def test_engine_proposals_equal_the_module_paths():
                                                                             ignore_eos=True))
     assert len(pairs) >= 5
     assert all(fused == module for fused, module in pairs)
+
+
+@needs_c
+def test_a_draft_of_bf16_numbers_reads_them_as_bf16_with_the_fp32_tables_bits(monkeypatch):
+    """Weights that are bf16 numbers (a checkpoint's are) go into the table as bf16 bits: the proposal logits and
+    the injected context rows equal, bit for bit, those of the table over the fp32 copies."""
+    draft = random_draft(moe=False)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.is_floating_point():
+                p.copy_(p.bfloat16().float())
+    draft.prepare_inference()
+    halves = DraftStep.build(draft)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "bf16_copy", lambda w: None)
+        full = DraftStep.build(draft)
+    assert halves is not None and full is not None
+    flag = cpu_kernels.DRAFT_SIZES.index("bf16")
+    assert int(halves.table.sizes[flag]) == 1 and int(full.table.sizes[flag]) == 0
+    g = torch.Generator().manual_seed(4)
+    W = draft.cfg.sliding_window
+    pool = torch.randn(2, 300, draft.cfg.head_dim, generator=g)
+    anchor_pos = np.array([W + 20, 40, 7])
+    valid = (anchor_pos[:, None] - W + np.arange(W)) >= 0
+    rows = np.where(valid, np.random.default_rng(1).integers(0, 299, (3, W)), 299)
+    anchors = np.array([5, 77, 300])
+    features = torch.randn(7, draft.cfg.hidden_size * 2, generator=g)
+    positions, slots = torch.tensor([0, 1, 2, 50, 51, 200, 201]), torch.tensor([5, 9, 100, 3, 250, 77, 78])
+    with torch.inference_mode():
+        a = halves.logits(anchors, anchor_pos, DraftStep.pool_table(pool), rows, valid)
+        b = full.logits(anchors, anchor_pos, DraftStep.pool_table(pool), rows, valid)
+        assert a is not None and torch.equal(a, b)
+        pools = [torch.zeros(2, 300, draft.cfg.head_dim) for _ in range(2)]
+        assert halves.inject(features, positions, slots, DraftStep.pool_table(pools[0]))
+        assert full.inject(features, positions, slots, DraftStep.pool_table(pools[1]))
+    assert torch.equal(pools[0], pools[1]) and pools[0].any()

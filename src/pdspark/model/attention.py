@@ -52,6 +52,8 @@ _C_OUT_MAX_TOKENS = 4
 
 
 class Attention(nn.Module):
+    mm = staticmethod(F.linear)  # the float matmul (`DSV4Model.prepare_inference`: batch-invariant mode)
+
     def __init__(self, cfg: ModelConfig, layer_type: str, rope: RotaryTable):
         super().__init__()
         D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
@@ -78,7 +80,7 @@ class Attention(nn.Module):
 
     def project_kv(self, x: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """The raw K=V latent `[T, d]` of each token (normalised and rotated), as written to the SWA pool."""
-        return rope_at.apply(self.kv_norm(linear(x, self.wkv)))
+        return rope_at.apply(self.kv_norm(linear(x, self.wkv, self.mm)))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
         """`x [T, D]` -> `[T, D]`. `rope_at` holds this layer's rotation factors at the batch positions."""
@@ -132,17 +134,17 @@ class Attention(nn.Module):
         if fused is not None and not torch.is_grad_enabled():
             parts = list(fused(x))
         else:
-            parts = [linear(x, self.wq_a), linear(x, self.wkv)]
+            parts = [linear(x, self.wq_a, self.mm), linear(x, self.wkv, self.mm)]
             if self.compressor is not None:
-                parts.append(F.linear(x, self.compressor.wkv_gate))
+                parts.append(self.mm(x, self.compressor.wkv_gate))
             if self.indexer is not None:
-                parts += [F.linear(x, self.indexer.compressor.wkv_gate), F.linear(x, self.indexer.weights_proj)]
+                parts += [self.mm(x, self.indexer.compressor.wkv_gate), self.mm(x, self.indexer.weights_proj)]
         parts += [None] * (5 - len(parts))
         return XProjection(*parts)
 
     def project_q(self, x: torch.Tensor, rope_at: RopeAt) -> QProjection:
         """The queries of `x [T, D]`."""
-        return self._q_from(linear(x, self.wq_a), rope_at)
+        return self._q_from(linear(x, self.wq_a, self.mm), rope_at)
 
     def _q_from(self, qa: torch.Tensor, rope_at: RopeAt) -> QProjection:
         qr = self.q_norm(qa)
@@ -150,7 +152,7 @@ class Attention(nn.Module):
 
     def _q_heads(self, qr: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """The normalised q latent `qr [T, q_lora]` -> query heads `[T, H, d]`, head-normalised and rotated."""
-        y = linear(qr, self.wq_b)
+        y = linear(qr, self.wq_b, self.mm)
         if not torch.is_grad_enabled():
             fused = cpu_kernels.norm_rope(y, self.n_heads, None, self.eps, rope_at.cos, rope_at.sin)  # one C call
             if fused is not None:
@@ -169,7 +171,7 @@ class Attention(nn.Module):
         grouped = o.reshape(T, self.o_groups, -1).transpose(0, 1)
         w = self.wo_a.view(self.o_groups, -1, grouped.shape[-1]).transpose(1, 2)
         o = torch.bmm(grouped, w).transpose(0, 1).reshape(T, -1)
-        return F.linear(o, self.wo_b)
+        return self.mm(o, self.wo_b)
 
     def _update_compressed(
         self, xp: XProjection, qr: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt

@@ -53,6 +53,10 @@ def _fp32(t: object) -> torch.Tensor | None:
     return None
 
 
+# The weights `decode_layer` reads through its GEMMs (the rest are vectors and small mixes, read once per row).
+_PROJECTIONS = ("wx", "wq_b", "wo_a", "wo_b", "i_wq_b", "moe_in", "w13", "w2", "w2s")
+
+
 def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | None:
     """The table of one target layer, or None where some weight is not a plain fp32 CPU tensor."""
     attn, moe = layer.attn, layer.ffn
@@ -81,6 +85,12 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | None:
     checked = {k: _fp32(v) for k, v in w.items()}
     if any(v is None for v in checked.values()):
         return None
+    # The projections as bf16 bits when every one of them holds bf16 numbers (a checkpoint's weights do): the same
+    # arithmetic on half the bytes (`kernels.c`, `gemm_exact_h`). The norms, mixes, sinks and biases stay fp32.
+    halves = {k: cpu_kernels.bf16_copy(v) for k in _PROJECTIONS if (v := checked.get(k)) is not None}
+    bf16 = all(v is not None for v in halves.values())
+    if bf16:
+        checked |= halves
     tid2eid = moe.get_buffer("tid2eid") if moe.is_hash else None
     if tid2eid is not None:
         if not (tid2eid.dtype is torch.int64 and tid2eid.is_contiguous() and tid2eid.is_cpu):
@@ -98,7 +108,7 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | None:
         "c_dim": 0 if comp is None else comp.dim,
         "i_heads": 0 if idx is None else idx.n_heads, "i_dim": 0 if idx is None else idx.dim,
         "i_topk": 0 if idx is None else idx.topk, "experts": moe.n_experts, "inter": moe.w2.shape[2],
-        "top_k": moe.top_k, "sqrtsoftplus": int(moe.scoring_func == "sqrtsoftplus"),
+        "top_k": moe.top_k, "sqrtsoftplus": int(moe.scoring_func == "sqrtsoftplus"), "bf16": int(bf16),
     }
     scalars = {
         "hc_eps": layer.attn_hc.hc_eps, "hc_norm_eps": layer.attn_hc.norm_eps, "attn_norm_eps": layer.attn_norm.eps,

@@ -84,6 +84,11 @@ def _stage_numbers(stage: DraftStage, draft: DSparkDraft) -> tuple[dict[str, int
     return sizes, scalars
 
 
+# The matrices `draft_block` and `draft_inject` read through `gemm_rows`.
+_STAGE_MATRICES = ("wx", "wq_b", "wo_a", "wo_b", "gate_up", "down")
+_HEAD_MATRICES = ("head", "main_proj", "latents")
+
+
 def draft_table(draft: DSparkDraft) -> DraftTable | None:
     """The table of a prepared draft, or None where some weight is not a plain fp32 CPU tensor or the stages'
     numbers differ (the C call reads one set of sizes and scalars for every stage)."""
@@ -116,9 +121,21 @@ def draft_table(draft: DSparkDraft) -> DraftTable | None:
         checked_head |= inject
     else:  # (a quantized main_proj): the context rows keep the module path
         checked_head |= dict.fromkeys(inject, torch.empty(0))
+    # The matrices as bf16 bits when every one holds bf16 numbers (a checkpoint's do): `gemm_rows`'s arithmetic on
+    # half the bytes (`kernels.c`, `gemm_rows_h`). The embedding, norms, mixes, sinks and rotary tables stay fp32.
+    halves = [{k: cpu_kernels.bf16_copy(v) for k, v in w.items() if k in _STAGE_MATRICES and v is not None}
+              for w in checked]
+    head_halves = {k: cpu_kernels.bf16_copy(v) for k, v in checked_head.items()
+                   if k in _HEAD_MATRICES and v is not None and v.numel()}
+    bf16 = all(v is not None for h in [*halves, head_halves] for v in h.values())
+    if bf16:
+        checked = [w | h for w, h in zip(checked, halves)]
+        checked_head |= head_halves
+        tensors += [v for h in [*halves, head_halves] for v in h.values()]
     pointers = [w[n].data_ptr() for w in checked for n in cpu_kernels.DRAFT_STAGE_WEIGHTS]  # type: ignore[union-attr]
     pointers += [checked_head[n].data_ptr() for n in cpu_kernels.DRAFT_HEAD_WEIGHTS]  # type: ignore[union-attr]
     sizes, scalars = numbers[0]
+    sizes = {**sizes, "bf16": int(bf16)}
     return DraftTable(
         torch.tensor(pointers, dtype=torch.int64),
         torch.tensor([sizes[n] for n in cpu_kernels.DRAFT_SIZES], dtype=torch.int32),

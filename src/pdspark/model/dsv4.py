@@ -17,6 +17,8 @@ from pdspark.model.model_config import SLIDING, ModelConfig
 from pdspark.model.moe import MoE
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RotaryTable
+from pdspark.model.row_exact import row_exact_linear
+from pdspark.quant.fused_linear import FusedLinear
 
 # Up to this many rows (a decode step, a gamma <= 7 verify step) the head runs in one C call whose rows share each
 # read of the head (the same bits per row as one row alone, so a verify row's logits are a plain decode step's); more
@@ -31,6 +33,8 @@ class ForwardOutput(NamedTuple):
 
 
 class DSV4Model(nn.Module):
+    mm = staticmethod(F.linear)  # the float matmul (`DSV4Model.prepare_inference`: batch-invariant mode)
+
     def __init__(self, cfg: ModelConfig, max_len: int):
         super().__init__()
         self.cfg = cfg
@@ -48,6 +52,7 @@ class DSV4Model(nn.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = nn.Parameter(torch.zeros(cfg.vocab_size, D))
         self._decode_step: DecodeStep | None = None  # set by `prepare_inference`
+        self._head_bf16: torch.Tensor | None = None  # set by `prepare_inference`
 
     def forward(self, batch: ForwardBatch, pools: LayerCaches, capture: tuple[int, ...] = ()) -> ForwardOutput:
         """Run every layer over the step's tokens; `capture` lists layers whose output (the mean over the mHC
@@ -85,9 +90,10 @@ class DSV4Model(nn.Module):
         return self._decode_step.run_indexed(req, cache_layout, pools, self.embed,
                                              (self.rope_main, self.rope_compress), capture)
 
-    def prepare_inference(self) -> None:
+    def prepare_inference(self, row_exact: bool = False) -> None:
         """Fuse the projections that read the same input and freeze the mHC mix parameters for the C collapse
-        (call once the weights are final)."""
+        (call once the weights are final). `row_exact`: batch-invariant mode (`row_exact.py`), for a quantized
+        checkpoint's reference path: every float matmul of the module path through a row-exact kernel."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer) and isinstance(layer.ffn, MoE)  # target layers: attention + MoE
             layer.attn.fuse()
@@ -96,13 +102,22 @@ class DSV4Model(nn.Module):
             layer.ffn_hc.freeze()
         # Small decode steps: each layer as one C call over these weights (None where they do not allow it).
         self._decode_step = DecodeStep.build(list(self.layers), self.cfg)  # type: ignore[arg-type]
+        # The head for the C path's rows, as bf16 bits when its values are bf16 numbers (the same logits).
+        self._head_bf16 = cpu_kernels.bf16_copy(self.head)
+        if row_exact:
+            for module in self.modules():
+                if "mm" in dir(type(module)):
+                    module.mm = row_exact_linear  # type: ignore[assignment]  # (a submodule slot to mypy)
+                for value in vars(module).values():
+                    if isinstance(value, FusedLinear):
+                        value.mm = row_exact_linear  # type: ignore[assignment]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams `[N, hc, D]` -> fp32 logits `[N, vocab]`."""
         if h.shape[0] <= _C_HEAD_MAX_ROWS and not torch.is_grad_enabled():  # a decode step's rows: one C call
             hh = self.hc_head
             fused = cpu_kernels.lm_head(h.contiguous(), hh.fn, hh.scale, hh.base, hh.hc_eps, hh.norm_eps,
-                                        self.norm.weight, self.norm.eps, self.head)
+                                        self.norm.weight, self.norm.eps, self.head, self._head_bf16)
             if fused is not None:
                 return fused
-        return F.linear(self.norm(self.hc_head(h)), self.head).float()
+        return self.mm(self.norm(self.hc_head(h)), self.head).float()

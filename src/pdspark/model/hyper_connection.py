@@ -29,6 +29,8 @@ class Collapsed(NamedTuple):
 
 
 class HyperConnection(nn.Module):
+    mm = staticmethod(F.linear)  # the float matmul (`DSV4Model.prepare_inference`: batch-invariant mode)
+
     def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
         super().__init__()
         self.hc = hc_mult
@@ -59,13 +61,13 @@ class HyperConnection(nn.Module):
                 if fused is not None:
                     return Collapsed(*fused)
             else:
-                mixes = F.linear(rms_norm(h.flatten(1), None, self.norm_eps), fn)  # [T, (2+hc)*hc]
+                mixes = self.mm(rms_norm(h.flatten(1), None, self.norm_eps), fn)  # [T, (2+hc)*hc]
                 fused = cpu_kernels.hc_collapse_mixed(h, mixes, scale, base, self.sinkhorn_iters, self.hc_eps)
                 if fused is not None:
                     x, post, comb = fused
                     return Collapsed(x if norm is None else norm(x), post, comb)
         flat = rms_norm(h.flatten(1).float(), None, self.norm_eps)
-        pre, post, comb = self.split_sinkhorn(F.linear(flat, self.fn.float()))
+        pre, post, comb = self.split_sinkhorn(self.mm(flat, self.fn.float()))
         x = (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
         return Collapsed(x if norm is None else norm(x), post, comb)
 
@@ -98,6 +100,8 @@ class HyperConnection(nn.Module):
 class HyperHead(nn.Module):
     """Final collapse of the streams (no Sinkhorn): `y = sum_i (sigmoid(mix_i) + eps) * h_i`."""
 
+    mm = staticmethod(F.linear)  # the float matmul (`DSV4Model.prepare_inference`: batch-invariant mode)
+
     def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float):
         super().__init__()
         self.hc_eps = hc_eps
@@ -108,6 +112,6 @@ class HyperHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         flat = rms_norm(h.flatten(1).float(), None, self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())
+        mixes = self.mm(flat, self.fn.float())
         pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)

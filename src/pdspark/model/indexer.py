@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
@@ -69,6 +70,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
 
 
 class Indexer(nn.Module):
+    mm = staticmethod(F.linear)  # the float matmul (`DSV4Model.prepare_inference`: batch-invariant mode)
+
     def __init__(self, cfg: ModelConfig, rope: RotaryTable):
         super().__init__()
         self.n_heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
@@ -105,7 +108,7 @@ class Indexer(nn.Module):
 
     def _queries(self, head_w: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries `[T, Hi, Di]` and head weights `[T, Hi]`, fp32."""
-        q = rope_at.apply(linear(qr, self.wq_b).view(qr.shape[0], self.n_heads, self.dim)).float()
+        q = rope_at.apply(linear(qr, self.wq_b, self.mm).view(qr.shape[0], self.n_heads, self.dim)).float()
         return q, head_w.float() * self.n_heads**-0.5
 
     def _pick_in_c(self, head_w: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt, csa: CompressedIndex,

@@ -57,7 +57,8 @@ def load_checkpoint(
     # The compressor state, sinks and norms stay fp32 in DSV4; tid2eid stays integer.
     model.requires_grad_(False)
     model.eval()
-    model.prepare_inference()
+    # A quantized checkpoint's module path is the reference: batch-invariant (`model/row_exact.py`).
+    model.prepare_inference(row_exact=quantized is not None)
     return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path, quant)
 
 

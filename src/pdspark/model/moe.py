@@ -42,6 +42,8 @@ class Routing(NamedTuple):
 
 
 class SharedExpert(nn.Module):
+    mm = staticmethod(F.linear)  # the float matmul (`DSV4Model.prepare_inference`: batch-invariant mode)
+
     def __init__(self, hidden: int, inter: int, limit: float):
         super().__init__()
         self.w1 = nn.Parameter(torch.zeros(inter, hidden))  # gate
@@ -50,10 +52,12 @@ class SharedExpert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(swiglu(linear(x, self.w1), linear(x, self.w3), self.limit), self.w2)
+        return linear(swiglu(linear(x, self.w1, self.mm), linear(x, self.w3, self.mm), self.limit), self.w2, self.mm)
 
 
 class MoE(nn.Module):
+    mm = staticmethod(F.linear)  # the float matmul (`DSV4Model.prepare_inference`: batch-invariant mode)
+
     def __init__(self, cfg: ModelConfig, is_hash: bool):
         super().__init__()
         d, inter, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
@@ -95,7 +99,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> Routing:
         """The experts each token of `x [T, D]` goes to."""
-        return self._route_logits(F.linear(x, self.gate), input_ids)
+        return self._route_logits(self.mm(x, self.gate), input_ids)
 
     def _route_logits(self, logits: torch.Tensor, input_ids: torch.Tensor) -> Routing:
         scores = F.softplus(logits).sqrt() if self.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
@@ -117,7 +121,7 @@ class MoE(nn.Module):
                 return out
         if fused is not None:
             logits, gate, up = fused(x)
-            shared = linear(swiglu(gate, up, self.limit), self.shared.w2)
+            shared = linear(swiglu(gate, up, self.limit), self.shared.w2, self.mm)
             ids, weights = self._route_logits(logits, input_ids)
         else:
             shared = self.shared(x)
@@ -138,7 +142,7 @@ class MoE(nn.Module):
         """The pair loop's arithmetic (routing, routed experts in slot order, then the shared expert) as one C call
         after the fused router + shared gate/up matmul; None where the C path does not apply."""
         return cpu_kernels.moe_decode(
-            x, F.linear(x, w_in), input_ids, self.get_buffer("tid2eid") if self.is_hash else None,
+            x, self.mm(x, w_in), input_ids, self.get_buffer("tid2eid") if self.is_hash else None,
             None if self.is_hash else self.bias, self.w13, self.w2, w2s, self.top_k,
             self.scoring_func == "sqrtsoftplus", self.scaling, self.limit,
         )
@@ -152,8 +156,8 @@ class MoE(nn.Module):
         for t, (experts, ws) in enumerate(zip(ids.tolist(), weights.tolist())):
             xt, acc = x[t : t + 1], None
             for e, w in zip(experts, ws):
-                gate, up = F.linear(xt, w13[e]).chunk(2, dim=-1)
-                y = F.linear(swiglu(gate, up, self.limit), w2[e]) * w
+                gate, up = self.mm(xt, w13[e]).chunk(2, dim=-1)
+                y = self.mm(swiglu(gate, up, self.limit), w2[e]) * w
                 acc = y if acc is None else acc + y
             assert acc is not None  # every token routes to >= 1 expert
             rows.append(acc)
@@ -164,7 +168,7 @@ class MoE(nn.Module):
         only zeros, so this is the routed sum up to rounding (other matmul shapes, another order of terms)."""
         T, E = x.shape[0], self.n_experts
         inter = self._dense_w2t.shape[1]
-        h = F.linear(x, self._dense_w13).view(T, E, 2 * inter)
+        h = self.mm(x, self._dense_w13).view(T, E, 2 * inter)
         act = swiglu(h[..., :inter], h[..., inter:], self.limit)  # [T, E, I]
         y = torch.bmm(act.transpose(0, 1), self._dense_w2t)  # [E, T, D]
         dense_w = torch.zeros(T, E, dtype=weights.dtype).scatter_add_(1, ids, weights)  # [T, E]
@@ -183,8 +187,8 @@ class MoE(nn.Module):
             if n == 0:
                 continue
             tok = token_of[start : start + n]
-            gate, up = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(swiglu(gate, up, self.limit), self.w2[e]) * weight_of[start : start + n, None]
+            gate, up = self.mm(x[tok], self.w13[e]).chunk(2, dim=-1)
+            y = self.mm(swiglu(gate, up, self.limit), self.w2[e]) * weight_of[start : start + n, None]
             out.index_add_(0, tok, y.to(out.dtype))
             start += n
         return out

@@ -32,13 +32,15 @@ class FusedLinear:
         for idx in by_scheme.values():
             self.groups.append((idx, QuantLinear.concat([weights[i] for i in idx])))  # type: ignore[misc]
 
+    mm = staticmethod(F.linear)  # the float matmul (set by the model: batch-invariant mode)
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """`x [T, K]` -> one `[T, N_i]` output per weight, in the order given."""
         if len(self.groups) == 1 and isinstance(self.groups[0][1], torch.Tensor):
-            return list(F.linear(x, self.groups[0][1]).split(self.sizes, dim=-1))
+            return list(self.mm(x, self.groups[0][1]).split(self.sizes, dim=-1))
         out: list[torch.Tensor | None] = [None] * len(self.sizes)
         for idx, w in self.groups:
-            y = w(x) if isinstance(w, QuantLinear) else F.linear(x, w)
+            y = w(x) if isinstance(w, QuantLinear) else self.mm(x, w)
             for i, part in zip(idx, y.split([self.sizes[i] for i in idx], dim=-1)):
                 out[i] = part
         return out  # type: ignore[return-value]  # every position belongs to one group

@@ -120,9 +120,9 @@ class QuantLinear(nn.Module):
         return f"{self.scheme}, in={self.in_features}, out={self.out_features}"
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear) -> torch.Tensor:
-    """`x @ w.T` for a float weight or a quantized linear."""
-    return w(x) if isinstance(w, QuantLinear) else F.linear(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear, mm=F.linear) -> torch.Tensor:
+    """`x @ w.T` for a float weight (through `mm`) or a quantized linear."""
+    return w(x) if isinstance(w, QuantLinear) else mm(x, w)
 
 
 def _check(prefix: str, name: str, t: torch.Tensor, numel: int) -> None:

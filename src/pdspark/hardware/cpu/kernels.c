@@ -96,6 +96,94 @@ static void gemm_exact(const float *w, const float *x, long xs, int T, int N, in
         for (int t = 0; t < T; t++) out[(long)t * os + n] = dot(w + (long)n * K, x + (long)t * xs, K);
 }
 
+/* Weights stored as bfloat16 bits. A checkpoint's weights are bf16 numbers (DSV4 ships bf16), which fp32 holds
+ * exactly, and widening bf16 to fp32 is exact: so the `_h` kernels below, which read each weight as its bf16 bits
+ * and widen it in a register, compute every product and sum of their fp32 twins bit for bit while reading half the
+ * bytes (a decode step streams its weights from L3 or DRAM). The caller stores a matrix that way only when every
+ * value round-trips (`pdspark.hardware.cpu.kernels.bf16_copy`). */
+typedef unsigned short bf16_t;
+
+static inline float bf16f(bf16_t h) {
+    union { unsigned int u; float f; } v;
+    v.u = (unsigned int)h << 16;
+    return v.f;
+}
+
+/* `dot` of bf16 weights a. */
+static float dot_h(const bf16_t *a, const float *b, int n) {
+    float acc[16] = {0};
+    int k = 0;
+    for (; k + 16 <= n; k += 16)
+        for (int l = 0; l < 16; l++) acc[l] += bf16f(a[k + l]) * b[k + l];
+    float s = 0.0f;
+    for (int l = 0; l < 16; l++) s += acc[l];
+    for (; k < n; k++) s += bf16f(a[k]) * b[k];
+    return s;
+}
+
+/* `dot4` of bf16 weights. */
+static void dot4_h(const bf16_t *a0, const bf16_t *a1, const bf16_t *a2, const bf16_t *a3, const float *b, int n,
+                   float *out) {
+    float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};
+    int k = 0;
+    for (; k + 16 <= n; k += 16)
+        for (int l = 0; l < 16; l++) {
+            c0[l] += bf16f(a0[k + l]) * b[k + l];
+            c1[l] += bf16f(a1[k + l]) * b[k + l];
+            c2[l] += bf16f(a2[k + l]) * b[k + l];
+            c3[l] += bf16f(a3[k + l]) * b[k + l];
+        }
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    for (int l = 0; l < 16; l++) {
+        s0 += c0[l];
+        s1 += c1[l];
+        s2 += c2[l];
+        s3 += c3[l];
+    }
+    for (; k < n; k++) {
+        s0 += bf16f(a0[k]) * b[k];
+        s1 += bf16f(a1[k]) * b[k];
+        s2 += bf16f(a2[k]) * b[k];
+        s3 += bf16f(a3[k]) * b[k];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+/* `gemm_exact` of bf16 weights w [N, K] (T = 1: `gemv`'s bits). */
+static void gemm_exact_h(const bf16_t *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
+    int n = 0;
+    float s4[4];
+    /* the prefetch helper counts floats: a bf16 row of K is K / 2 of them */
+    prefetch((const float *)w, 0, (long)(N < GEMV_AHEAD ? N : GEMV_AHEAD) * K / 2);
+    for (; n + 4 <= N; n += 4) {
+        const bf16_t *r = w + (long)n * K;
+        const int lo = n + GEMV_AHEAD, hi = lo + 4 < N ? lo + 4 : N;
+        if (lo < hi) prefetch((const float *)w, (long)lo * K / 2, (long)hi * K / 2);
+        for (int t = 0; t < T; t++) {
+            dot4_h(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, K, s4);
+            for (int i = 0; i < 4; i++) out[(long)t * os + n + i] = s4[i];
+        }
+    }
+    for (; n < N; n++)
+        for (int t = 0; t < T; t++) out[(long)t * os + n] = dot_h(w + (long)n * K, x + (long)t * xs, K);
+}
+
+/* `gemm_exact` of the weights at element `off` of w: fp32 (bf = 0) or bf16 bits (bf = 1). */
+static void gemm_exact_w(const void *w, long off, int bf, const float *x, long xs, int T, int N, int K, float *out,
+                         long os) {
+    if (bf)
+        gemm_exact_h((const bf16_t *)w + off, x, xs, T, N, K, out, os);
+    else
+        gemm_exact((const float *)w + off, x, xs, T, N, K, out, os);
+}
+
+/* out [T, N] = x [T, K] @ w [N, K]^T with `gemm_exact`'s arithmetic: every output row's bits depend on its own
+ * input row only, however many rows come with it (a BLAS GEMM picks other kernels, with other summation orders,
+ * for other row counts). */
+void linear_rows(const float *x, const float *w, int T, int N, int K, float *out) {
+    gemm_exact(w, x, K, T, N, K, out, N);
+}
+
 /* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL); input
  * rows start `stride` floats apart (a column slice of a wider matrix), output rows are packed. */
 void rms_norm(const float *x, long stride, const float *w, int N, int D, float eps, float *out) {
@@ -383,28 +471,35 @@ static void route_token(const float *lt, const long *eids, const float *bias, in
  * the routed terms summed in slot order, then the shared term added (as `MoE.forward`'s pair loop).
  * x [T, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], w2s [D, I]; scratch 3I + 2D floats, ids k
  * words, ws k floats. */
-void moe_decode(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
-                const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E, int I,
-                int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids, float *ws, float *out) {
+static void moe_decode_w(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
+                         const float *bias, const void *w13, const void *w2, const void *w2s, int bf, int T, int D,
+                         int E, int I, int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids,
+                         float *ws, float *out) {
     float *h = scratch, *act = scratch + 2 * I, *acc = scratch + 3 * I, *y = scratch + 3 * I + D;
     for (int t = 0; t < T; t++) {
         const float *xt = x + (long)t * D, *lt = lgu + (long)t * lstride;
         float *ot = out + (long)t * D;
         route_token(lt, tid2eid != 0 ? tid2eid + input_ids[t] * k : 0, bias, E, k, sqrtsoftplus, scaling, ids, ws);
         /* routed experts, in slot order */
-        for (int j = 0; j < k; j++) {
-            const float *we = w13 + ids[j] * 2L * I * D, *w2e = w2 + ids[j] * (long)D * I;
-            gemv(we, xt, 2 * I, D, h);
+        for (int j = 0; j < k; j++) { /* one row: `gemv`'s bits */
+            gemm_exact_w(w13, ids[j] * 2L * I * D, bf, xt, D, 1, 2 * I, D, h, 2 * I);
             for (int i = 0; i < I; i++) act[i] = swiglu1(h[i], h[I + i], limit);
-            gemv(w2e, act, D, I, y);
+            gemm_exact_w(w2, ids[j] * (long)D * I, bf, act, I, 1, D, I, y, D);
             for (int d = 0; d < D; d++) acc[d] = j == 0 ? y[d] * ws[j] : acc[d] + y[d] * ws[j];
         }
         /* shared expert */
         const float *sg = lt + E, *su = lt + E + I;
         for (int i = 0; i < I; i++) act[i] = swiglu1(sg[i], su[i], limit);
-        gemv(w2s, act, D, I, y);
+        gemm_exact_w(w2s, 0, bf, act, I, 1, D, I, y, D);
         for (int d = 0; d < D; d++) ot[d] = acc[d] + y[d];
     }
+}
+
+void moe_decode(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
+                const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E, int I,
+                int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids, float *ws, float *out) {
+    moe_decode_w(x, lgu, lstride, input_ids, tid2eid, bias, w13, w2, w2s, 0, T, D, E, I, k, sqrtsoftplus, scaling,
+                 limit, scratch, ids, ws, out);
 }
 
 /* `moe_decode` for a verify step's few tokens with each routed expert's weights read once for every token that
@@ -412,10 +507,10 @@ void moe_decode(const float *x, const float *lgu, long lstride, const long *inpu
  * gathered and run through `gemm_exact`, the outputs kept per (token, slot) and summed per token in slot order,
  * then the shared term, so every output has `moe_decode`'s bits. Scratch: T*k longs ids, T*k floats ws,
  * T*(3D + 3I + k*D + k) floats fs. */
-void moe_decode_rows(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
-                     const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E,
-                     int I, int k, int sqrtsoftplus, float scaling, float limit, long *ids, float *ws, float *fs,
-                     float *out) {
+static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
+                              const long *tid2eid, const float *bias, const void *w13, const void *w2,
+                              const void *w2s, int bf, int T, int D, int E, int I, int k, int sqrtsoftplus,
+                              float scaling, float limit, long *ids, float *ws, float *fs, float *out) {
     float *xg = fs, *hg = xg + (long)T * D, *ag = hg + (long)T * 2 * I, *yg = ag + (long)T * I;
     float *ys = yg + (long)T * D; /* [T, k, D]: token t's slot j output */
     int *rows = (int *)(ys + (long)T * k * D); /* the (token * k + slot) of each gathered row */
@@ -433,11 +528,11 @@ void moe_decode_rows(const float *x, const float *lgu, long lstride, const long 
                     n++;
                 }
         if (n == 0) continue;
-        gemm_exact(w13 + (long)e * 2 * I * D, xg, D, n, 2 * I, D, hg, 2 * I);
+        gemm_exact_w(w13, (long)e * 2 * I * D, bf, xg, D, n, 2 * I, D, hg, 2 * I);
         for (int m = 0; m < n; m++)
             for (int i = 0; i < I; i++)
                 ag[(long)m * I + i] = swiglu1(hg[(long)m * 2 * I + i], hg[(long)m * 2 * I + I + i], limit);
-        gemm_exact(w2 + (long)e * D * I, ag, I, n, D, I, yg, D);
+        gemm_exact_w(w2, (long)e * D * I, bf, ag, I, n, D, I, yg, D);
         for (int m = 0; m < n; m++)
             for (int d = 0; d < D; d++) ys[(long)rows[m] * D + d] = yg[(long)m * D + d];
     }
@@ -451,9 +546,17 @@ void moe_decode_rows(const float *x, const float *lgu, long lstride, const long 
     for (int t = 0; t < T; t++) /* shared expert's activations */
         for (int i = 0; i < I; i++)
             ag[(long)t * I + i] = swiglu1(lgu[(long)t * lstride + E + i], lgu[(long)t * lstride + E + I + i], limit);
-    gemm_exact(w2s, ag, I, T, D, I, yg, D);
+    gemm_exact_w(w2s, 0, bf, ag, I, T, D, I, yg, D);
     for (int t = 0; t < T; t++)
         for (int d = 0; d < D; d++) out[(long)t * D + d] = out[(long)t * D + d] + yg[(long)t * D + d];
+}
+
+void moe_decode_rows(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
+                     const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E,
+                     int I, int k, int sqrtsoftplus, float scaling, float limit, long *ids, float *ws, float *fs,
+                     float *out) {
+    moe_decode_rows_w(x, lgu, lstride, input_ids, tid2eid, bias, w13, w2, w2s, 0, T, D, E, I, k, sqrtsoftplus,
+                      scaling, limit, ids, ws, fs, out);
 }
 
 /* Sink attention of a few tokens straight from the pools (no gathered copies): token t's H query heads
@@ -591,16 +694,22 @@ void attn_out(const float *o, const float *cos, const float *sin, int T, int H, 
 
 /* `attn_out` with the rows sharing each weight read (`gemm_exact`; the same bits): every token unrotated first,
  * then each group's wo_a and wo_b over all T rows. scratch holds T * (H*d + G*L) floats. */
-void attn_out_rows(const float *o, const float *cos, const float *sin, int T, int H, int d, int r, const float *wo_a,
-                   int G, int L, const float *wo_b, int Dm, float *scratch, float *out) {
+static void attn_out_rows_w(const float *o, const float *cos, const float *sin, int T, int H, int d, int r,
+                            const void *wo_a, int G, int L, const void *wo_b, int Dm, int bf, float *scratch,
+                            float *out) {
     const int C = H * d / G;
     float *un = scratch, *mid = scratch + (long)T * H * d;
     for (int t = 0; t < T; t++)
         rope_rotate(o + (long)t * H * d, cos + (long)t * r, sin + (long)t * r, 1, H, d, r, -1.0f,
                     un + (long)t * H * d);
     for (int g = 0; g < G; g++)
-        gemm_exact(wo_a + (long)g * L * C, un + (long)g * C, H * d, T, L, C, mid + g * L, (long)G * L);
-    gemm_exact(wo_b, mid, (long)G * L, T, Dm, G * L, out, Dm);
+        gemm_exact_w(wo_a, (long)g * L * C, bf, un + (long)g * C, H * d, T, L, C, mid + g * L, (long)G * L);
+    gemm_exact_w(wo_b, 0, bf, mid, (long)G * L, T, Dm, G * L, out, Dm);
+}
+
+void attn_out_rows(const float *o, const float *cos, const float *sin, int T, int H, int d, int r, const float *wo_a,
+                   int G, int L, const float *wo_b, int Dm, float *scratch, float *out) {
+    attn_out_rows_w(o, cos, sin, T, H, d, r, wo_a, G, L, wo_b, Dm, 0, scratch, out);
 }
 
 /* ---- one whole decoder layer of a decode step ---------------------------------------------------------------- */
@@ -615,7 +724,7 @@ enum { /* the layer's weights (pointers, fixed once the weights are final) */
 };
 enum { /* the layer's sizes */
     I_KIND, I_HC, I_ITERS, I_D, I_QL, I_H, I_HD, I_G, I_L, I_C_RATIO, I_C_DIM, I_I_HEADS, I_I_DIM, I_I_TOPK,
-    I_E, I_INTER, I_K, I_SQRTSP, I_COUNT
+    I_E, I_INTER, I_K, I_SQRTSP, I_BF16, I_COUNT /* I_BF16: the projections are bf16 bits (`gemm_exact_h`) */
 };
 enum { /* the layer's scalars */
     F_HC_EPS, F_HC_NORM_EPS, F_ATTN_NORM_EPS, F_FFN_NORM_EPS, F_Q_EPS, F_HEAD_EPS, F_KV_EPS, F_SCALE, F_C_EPS,
@@ -656,7 +765,7 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
     const int kind = wi[I_KIND], hc = wi[I_HC], D = wi[I_D], QL = wi[I_QL], H = wi[I_H], HD = wi[I_HD];
     const int cdim = wi[I_C_DIM], cw = kind == KIND_CSA ? 2 * cdim : cdim; /* compressor width (coff * dim) */
     const int Hi = wi[I_I_HEADS], Di = wi[I_I_DIM], iw = 2 * Di;
-    const int E = wi[I_E], I = wi[I_INTER], K = wi[I_K];
+    const int E = wi[I_E], I = wi[I_INTER], K = wi[I_K], bf = wi[I_BF16];
     const int NX = QL + HD + (kind != KIND_SLIDING ? 2 * cw : 0) + (kind == KIND_CSA ? 2 * iw + Hi : 0);
     const int M = (2 + hc) * hc;
     const float *cos = kind == KIND_SLIDING ? PTR(sp, S_COS_MAIN) : PTR(sp, S_COS_COMP);
@@ -671,9 +780,9 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
     /* attention sublayer */
     hc_collapse(h, PTR(wp, W_ATTN_FN), PTR(wp, W_ATTN_SCALE), PTR(wp, W_ATTN_BASE), T, hc, D, wi[I_ITERS],
                 wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_ATTN_NORM), wf[F_ATTN_NORM_EPS]);
-    gemm_exact(PTR(wp, W_X), x, D, T, NX, D, xp, NX);
+    gemm_exact_w(PTR(wp, W_X), 0, bf, x, D, T, NX, D, xp, NX);
     rms_norm(xp, NX, PTR(wp, W_Q_NORM), T, QL, wf[F_Q_EPS], qr);
-    gemm_exact(PTR(wp, W_Q_B), qr, QL, T, H * HD, QL, qh, H * HD);
+    gemm_exact_w(PTR(wp, W_Q_B), 0, bf, qr, QL, T, H * HD, QL, qh, H * HD);
     norm_rope(qh, HD, 0, T * H, H, HD, wf[F_HEAD_EPS], cos, sin, r, q, 0, 0, small);
     norm_rope(xp + QL, NX, PTR(wp, W_KV_NORM), T, 1, HD, wf[F_KV_EPS], cos, sin, r, (float *)pp[P_SWA],
               LPTR(sp, S_SLOTS), pp[P_SWA_STRIDE], small);
@@ -705,7 +814,7 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
                 float *iq = take(&at, (long)T * Hi * Di), *iqr = take(&at, (long)T * Hi * Di);
                 float *iwt = take(&at, (long)T * Hi), *isc = take(&at, 2L * V);
                 unsigned char *picked = (unsigned char *)take(&at, ((long)T * V + 3) / 4);
-                gemm_exact(PTR(wp, W_I_Q_B), qr, QL, T, Hi * Di, QL, iq, Hi * Di);
+                gemm_exact_w(PTR(wp, W_I_Q_B), 0, bf, qr, QL, T, Hi * Di, QL, iq, Hi * Di);
                 for (int t = 0; t < T; t++) {
                     const float *hw = xp + (long)t * NX + QL + HD + 2 * cw + 2 * iw;
                     for (int j = 0; j < Hi; j++) iwt[t * Hi + j] = hw[j] * wf[F_I_WSCALE];
@@ -726,36 +835,36 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
     sink_attend(q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS), BPTR(sp, S_WIN_VALID), W, comp,
                 pp[P_COMP_STRIDE], comp_rows, comp_valid, V, PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o);
     float *oscr = take(&at, (long)T * (H * HD + wi[I_G] * wi[I_L]));
-    attn_out_rows(o, cos, sin, T, H, HD, r, PTR(wp, W_O_A), wi[I_G], wi[I_L], PTR(wp, W_O_B), D, oscr, y);
+    attn_out_rows_w(o, cos, sin, T, H, HD, r, PTR(wp, W_O_A), wi[I_G], wi[I_L], PTR(wp, W_O_B), D, bf, oscr, y);
     hc_expand(y, h, post, comb, T, hc, D, hm);
 
     /* FFN sublayer */
     hc_collapse(hm, PTR(wp, W_FFN_FN), PTR(wp, W_FFN_SCALE), PTR(wp, W_FFN_BASE), T, hc, D, wi[I_ITERS],
                 wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_FFN_NORM), wf[F_FFN_NORM_EPS]);
     float *lgu = take(&at, (long)T * (E + 2 * I));
-    gemm_exact(PTR(wp, W_MOE_IN), x, D, T, E + 2 * I, D, lgu, E + 2 * I);
+    gemm_exact_w(PTR(wp, W_MOE_IN), 0, bf, x, D, T, E + 2 * I, D, lgu, E + 2 * I);
     if (T == 1) {
         float *mscr = take(&at, 3L * I + 2L * D + K);
-        moe_decode(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
-                   PTR(wp, W_2), PTR(wp, W_2S), T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], mscr,
+        moe_decode_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
+                     PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], mscr,
                    ids_buf, mscr + 3 * I + 2 * D, y);
     } else { /* ids: T*K longs (as many floats again), ws: T*K floats, then the grouped scratch */
         long *gids = (long *)take(&at, 2L * T * K);
         float *gws = take(&at, (long)T * K), *gscr = take(&at, (long)T * (3L * D + 3L * I + (long)K * D + K));
-        moe_decode_rows(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
-                        PTR(wp, W_2), PTR(wp, W_2S), T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], gids, gws,
+        moe_decode_rows_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
+                          PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], gids, gws,
                         gscr, y);
     }
     hc_expand(y, hm, post, comb, T, hc, D, h_out);
 }
 
 /* The model's head for a few rows: the final mHC collapse (`HyperHead`: no Sinkhorn), the final RMSNorm and the
- * LM head. Per row of streams h [N, hc, D]: flat = h * rsqrt(mean(h^2) + norm_eps); pre_i = sigmoid(fn_i . flat *
+ * LM head (fp32, or bf16 bits when head_bf16). Per row of streams h [N, hc, D]: flat = h * rsqrt(mean(h^2) + norm_eps); pre_i = sigmoid(fn_i . flat *
  * scale + base_i) + hc_eps; y = sum_i pre_i h_i (in stream order); y = rms_norm(y) * norm_w; out [N, V] = head @ y.
  * scratch holds hc*D + N*D floats. */
 void lm_head(const float *h, int N, int hc, int D, const float *fn, const float *scale, const float *base,
-             float hc_eps, float norm_eps, const float *norm_w, float eps, const float *head, int V, float *scratch,
-             float *out) {
+             float hc_eps, float norm_eps, const float *norm_w, float eps, const void *head, int V, int head_bf16,
+             float *scratch, float *out) {
     const int HD = hc * D;
     float *flat = scratch, *ys = scratch + HD;
     for (int n = 0; n < N; n++) {
@@ -770,7 +879,7 @@ void lm_head(const float *h, int N, int hc, int D, const float *fn, const float 
         }
         rms_norm(y, D, norm_w, 1, D, eps, y);
     }
-    gemm_exact(head, ys, D, N, V, D, out, V); /* the rows share each read of the head */
+    gemm_exact_w(head, 0, head_bf16, ys, D, N, V, D, out, V); /* the rows share each read of the head */
 }
 
 /* ---- a DSpark draft block (`model.draft_step`): every stage and the head of one proposal in one call ---------- */
@@ -830,11 +939,70 @@ static void gemm_rows(const float *w, const float *x, long xs, int T, int N, int
         }
     }
 }
+
+/* `gemm_rows` of bf16 weights: each 8-lane load widens 8 bf16 values exactly, so every multiply-add is
+ * `gemm_rows`'s on the same numbers. */
+static void gemm_rows_h(const bf16_t *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
+    const int K8 = K & ~7;
+    int n = 0;
+    for (; n < N; n += 4) {
+        const int nr = N - n < 4 ? N - n : 4;
+        const bf16_t *r[4];
+        for (int i = 0; i < 4; i++) r[i] = w + (long)(n + (i < nr ? i : 0)) * K;
+        for (int t = 0; t < T; t += 2) {
+            const int two = t + 1 < T;
+            const float *x0 = x + (long)t * xs, *x1 = x + (long)(t + two) * xs;
+            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+                   a31 = a00;
+#define PDS_BF16X8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+            for (int k = 0; k < K8; k += 8) {
+                const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);
+                __m256 wv = PDS_BF16X8(r[0] + k);
+                a00 = _mm256_fmadd_ps(wv, v0, a00);
+                a01 = _mm256_fmadd_ps(wv, v1, a01);
+                wv = PDS_BF16X8(r[1] + k);
+                a10 = _mm256_fmadd_ps(wv, v0, a10);
+                a11 = _mm256_fmadd_ps(wv, v1, a11);
+                wv = PDS_BF16X8(r[2] + k);
+                a20 = _mm256_fmadd_ps(wv, v0, a20);
+                a21 = _mm256_fmadd_ps(wv, v1, a21);
+                wv = PDS_BF16X8(r[3] + k);
+                a30 = _mm256_fmadd_ps(wv, v0, a30);
+                a31 = _mm256_fmadd_ps(wv, v1, a31);
+            }
+#undef PDS_BF16X8
+            float s[4][2] = {{hsum8(a00), hsum8(a01)}, {hsum8(a10), hsum8(a11)}, {hsum8(a20), hsum8(a21)},
+                             {hsum8(a30), hsum8(a31)}};
+            for (int i = 0; i < nr; i++)
+                for (int k = K8; k < K; k++) {
+                    s[i][0] += bf16f(r[i][k]) * x0[k];
+                    s[i][1] += bf16f(r[i][k]) * x1[k];
+                }
+            for (int i = 0; i < nr; i++) {
+                out[(long)t * os + n + i] = s[i][0];
+                if (two) out[(long)(t + 1) * os + n + i] = s[i][1];
+            }
+        }
+    }
+}
 #else
 static void gemm_rows(const float *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
     gemm_exact(w, x, xs, T, N, K, out, os);
 }
+
+static void gemm_rows_h(const bf16_t *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
+    gemm_exact_h(w, x, xs, T, N, K, out, os);
+}
 #endif
+
+/* `gemm_rows` of the weights at element `off` of w: fp32 (bf = 0) or bf16 bits (bf = 1). */
+static void gemm_rows_w(const void *w, long off, int bf, const float *x, long xs, int T, int N, int K, float *out,
+                        long os) {
+    if (bf)
+        gemm_rows_h((const bf16_t *)w + off, x, xs, T, N, K, out, os);
+    else
+        gemm_rows((const float *)w + off, x, xs, T, N, K, out, os);
+}
 
 /* Slots of `draft_block`'s arrays. Keep in step with `pdspark.hardware.cpu.kernels.DRAFT_*`. */
 enum { /* one stage's weights (the table holds S of these, then the DH_* head slots) */
@@ -844,7 +1012,7 @@ enum { /* one stage's weights (the table holds S of these, then the DH_* head sl
 enum { DH_EMBED, DH_HC_FN, DH_HC_SCALE, DH_HC_BASE, DH_NORM, DH_HEAD, DH_COS, DH_SIN, DH_MAIN_PROJ, DH_MAIN_NORM,
        DH_LATENTS, DH_COUNT };
 enum { DI_STAGES, DI_GAMMA, DI_MASK, DI_HC, DI_ITERS, DI_D, DI_QL, DI_H, DI_HD, DI_G, DI_L, DI_INTER, DI_V, DI_R,
-       DI_FEATURES, DI_COUNT };
+       DI_FEATURES, DI_BF16, DI_COUNT }; /* DI_BF16: the matrices (not the embedding) are bf16 bits */
 enum { DF_HC_EPS, DF_HC_NORM_EPS, DF_ATTN_NORM_EPS, DF_FFN_NORM_EPS, DF_Q_EPS, DF_HEAD_EPS, DF_KV_EPS, DF_SCALE,
        DF_LIMIT, DF_HEAD_HC_EPS, DF_HEAD_NORM_EPS, DF_NORM_EPS, DF_MAIN_NORM_EPS, DF_COUNT };
 
@@ -916,7 +1084,7 @@ static void draft_stage(const long *wp, const int *wi, const float *wf, int M, c
                         const float *h, float *h_out, float *at) {
     const int G = wi[DI_GAMMA], T = M * G, hc = wi[DI_HC], D = wi[DI_D], QL = wi[DI_QL], H = wi[DI_H];
     const int HD = wi[DI_HD], OG = wi[DI_G], L = wi[DI_L], I = wi[DI_INTER], r = wi[DI_R], NX = QL + HD;
-    const int C = H * HD / OG;
+    const int C = H * HD / OG, bf = wi[DI_BF16];
     float *x = take(&at, (long)T * D), *pre = take(&at, (long)T * hc), *post = take(&at, (long)T * hc);
     float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)hc * D + (2 + hc) * hc);
     float *xp = take(&at, (long)T * NX), *qr = take(&at, (long)T * QL), *qh = take(&at, (long)T * H * HD);
@@ -928,28 +1096,28 @@ static void draft_stage(const long *wp, const int *wi, const float *wf, int M, c
     hc_collapse(h, PTR(wp, DW_ATTN_FN), PTR(wp, DW_ATTN_SCALE), PTR(wp, DW_ATTN_BASE), T, hc, D, wi[DI_ITERS],
                 wf[DF_HC_EPS], wf[DF_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, DW_ATTN_NORM),
                 wf[DF_ATTN_NORM_EPS]);
-    gemm_rows(PTR(wp, DW_X), x, D, T, NX, D, xp, NX);
+    gemm_rows_w(PTR(wp, DW_X), 0, bf, x, D, T, NX, D, xp, NX);
     rms_norm(xp, NX, PTR(wp, DW_Q_NORM), T, QL, wf[DF_Q_EPS], qr);
-    gemm_rows(PTR(wp, DW_Q_B), qr, QL, T, H * HD, QL, qh, (long)H * HD);
+    gemm_rows_w(PTR(wp, DW_Q_B), 0, bf, qr, QL, T, H * HD, QL, qh, (long)H * HD);
     norm_rope(qh, HD, 0, T * H, H, HD, wf[DF_HEAD_EPS], cos, sin, r, q, 0, 0, small);
     norm_rope(xp + QL, NX, PTR(wp, DW_KV_NORM), T, 1, HD, wf[DF_KV_EPS], cos, sin, r, bkv, 0, 0, small);
     draft_attend(q, ctx, cstride, rows, valid, W, bkv, M, G, H, HD, PTR(wp, DW_SINK), wf[DF_SCALE], sc, o);
     /* `attn_out` with the rows sharing each weight read */
     rope_rotate(o, cos, sin, T, H, HD, r, -1.0f, un);
     for (int g = 0; g < OG; g++)
-        gemm_rows(PTR(wp, DW_O_A) + (long)g * L * C, un + (long)g * C, (long)H * HD, T, L, C, mid + (long)g * L,
+        gemm_rows_w(PTR(wp, DW_O_A), (long)g * L * C, bf, un + (long)g * C, (long)H * HD, T, L, C, mid + (long)g * L,
                   (long)OG * L);
-    gemm_rows(PTR(wp, DW_O_B), mid, (long)OG * L, T, D, OG * L, y, D);
+    gemm_rows_w(PTR(wp, DW_O_B), 0, bf, mid, (long)OG * L, T, D, OG * L, y, D);
     hc_expand(y, h, post, comb, T, hc, D, hm);
 
     hc_collapse(hm, PTR(wp, DW_FFN_FN), PTR(wp, DW_FFN_SCALE), PTR(wp, DW_FFN_BASE), T, hc, D, wi[DI_ITERS],
                 wf[DF_HC_EPS], wf[DF_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, DW_FFN_NORM),
                 wf[DF_FFN_NORM_EPS]);
-    gemm_rows(PTR(wp, DW_GATE_UP), x, D, T, 2 * I, D, gu, 2L * I);
+    gemm_rows_w(PTR(wp, DW_GATE_UP), 0, bf, x, D, T, 2 * I, D, gu, 2L * I);
     for (int t = 0; t < T; t++)
         for (int i = 0; i < I; i++)
             act[(long)t * I + i] = swiglu1(gu[(long)t * 2 * I + i], gu[(long)t * 2 * I + I + i], wf[DF_LIMIT]);
-    gemm_rows(PTR(wp, DW_DOWN), act, I, T, D, I, y, D);
+    gemm_rows_w(PTR(wp, DW_DOWN), 0, bf, act, I, T, D, I, y, D);
     hc_expand(y, hm, post, comb, T, hc, D, h_out);
 }
 
@@ -1000,7 +1168,7 @@ void draft_block(const long *wp, const int *wi, const float *wf, const long *anc
         }
         rms_norm(yt, D, PTR(hp, DH_NORM), 1, D, wf[DF_NORM_EPS], yt);
     }
-    gemm_rows(PTR(hp, DH_HEAD), y, D, T, V, D, logits, V);
+    gemm_rows_w(PTR(hp, DH_HEAD), 0, wi[DI_BF16], y, D, T, V, D, logits, V);
 }
 
 /* `DSparkDrafter.inject` in one call: the context rows of N committed tokens from their target features
@@ -1019,9 +1187,9 @@ void draft_inject(const long *wp, const int *wi, const float *wf, const float *f
             cos[(long)n * r + c] = PTR(hp, DH_COS)[positions[n] * r + c];
             sin[(long)n * r + c] = PTR(hp, DH_SIN)[positions[n] * r + c];
         }
-    gemm_rows(PTR(hp, DH_MAIN_PROJ), features, F, N, D, F, x, D);
+    gemm_rows_w(PTR(hp, DH_MAIN_PROJ), 0, wi[DI_BF16], features, F, N, D, F, x, D);
     rms_norm(x, D, PTR(hp, DH_MAIN_NORM), N, D, wf[DF_MAIN_NORM_EPS], x);
-    gemm_rows(PTR(hp, DH_LATENTS), x, D, N, S * HD, D, lat, (long)S * HD);
+    gemm_rows_w(PTR(hp, DH_LATENTS), 0, wi[DI_BF16], x, D, N, S * HD, D, lat, (long)S * HD);
     for (int s = 0; s < S; s++)
         norm_rope(lat + (long)s * HD, (long)S * HD, PTR(wp + (long)s * DW_COUNT, DW_KV_NORM), N, 1, HD,
                   wf[DF_KV_EPS], cos, sin, r, (float *)ctx[2 * s], slots, ctx[2 * s + 1], small);

@@ -120,7 +120,9 @@ def load() -> ctypes.CDLL | None:
     lib.attn_out_rows.restype = None
     lib.decode_layer.argtypes = [f, f, f, f, f, f, f, f, f, f]
     lib.decode_layer.restype = None
-    lib.lm_head.argtypes = [f, i, i, i, f, f, f, fl, fl, f, fl, f, i, f, f]
+    lib.lm_head.argtypes = [f, i, i, i, f, f, f, fl, fl, f, fl, f, i, i, f, f]
+    lib.linear_rows.argtypes = [f, f, i, i, i, f]
+    lib.linear_rows.restype = None
     lib.lm_head.restype = None
     lib.draft_scratch_floats.argtypes = [f, i, i]
     lib.draft_scratch_floats.restype = ctypes.c_long
@@ -444,7 +446,7 @@ DECODE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "
                   "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "c_ape", "c_norm", "i_wq_b", "i_ape",
                   "i_norm", "moe_in", "w13", "w2", "w2s", "bias", "tid2eid")
 DECODE_SIZES = ("kind", "hc", "iters", "hidden", "q_lora", "heads", "head_dim", "o_groups", "o_lora", "c_ratio",
-                "c_dim", "i_heads", "i_dim", "i_topk", "experts", "inter", "top_k", "sqrtsoftplus")
+                "c_dim", "i_heads", "i_dim", "i_topk", "experts", "inter", "top_k", "sqrtsoftplus", "bf16")
 DECODE_SCALARS = ("hc_eps", "hc_norm_eps", "attn_norm_eps", "ffn_norm_eps", "q_eps", "head_eps", "kv_eps", "scale",
                   "c_eps", "i_eps", "i_wscale", "i_scale", "scaling", "limit")
 DECODE_STEP = ("positions", "input_ids", "swa_slots", "win_rows", "win_valid", "csa_rows", "csa_valid", "hca_rows",
@@ -474,9 +476,11 @@ def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
 
 
 def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
-            norm_eps: float, norm_w: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor | None:
+            norm_eps: float, norm_w: torch.Tensor, eps: float, head: torch.Tensor,
+            head_bf16: torch.Tensor | None = None) -> torch.Tensor | None:
     """`DSV4Model.logits` of a few rows of streams `h [N, hc, D]` in one call (the final mHC collapse, the final
-    norm, the LM head `head [V, D]` as GEMVs) -> fp32 `[N, V]`. None when the C path does not apply."""
+    norm, the LM head `head [V, D]` as GEMVs) -> fp32 `[N, V]`. `head_bf16`: `bf16_copy(head)`, read instead (the
+    same bits, half the bytes). None when the C path does not apply."""
     lib = _usable(h, fn, scale, base, norm_w, head)
     if lib is None:
         return None
@@ -484,9 +488,35 @@ def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     V = head.shape[0]
     out = torch.empty(N, V)
     scratch = torch.empty(hc * D + N * D)
+    read = head if head_bf16 is None else head_bf16
     lib.lm_head(h.data_ptr(), N, hc, D, fn.data_ptr(), scale.data_ptr(), base.data_ptr(), hc_eps, norm_eps,
-                norm_w.data_ptr(), eps, head.data_ptr(), V, scratch.data_ptr(), out.data_ptr())
+                norm_w.data_ptr(), eps, read.data_ptr(), V, int(head_bf16 is not None), scratch.data_ptr(),
+                out.data_ptr())
     return out
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """`F.linear(x, w)` (`x [..., K]`, `w [N, K]`) whose every output row depends on its own input row only: the same
+    bits whatever rows share the call (BLAS picks other kernels for other row counts). ~4x slower than BLAS on a
+    prefill chunk. None when the C path does not apply (not fp32 CPU tensors)."""
+    lib = _usable(w)
+    if lib is None or w.dim() != 2 or not (x.is_cpu and x.dtype is torch.float32) or torch.is_grad_enabled():
+        return None
+    N, K = w.shape
+    x2 = x.reshape(-1, K).contiguous()
+    out = torch.empty(x2.shape[0], N)
+    if x2.shape[0]:
+        lib.linear_rows(x2.data_ptr(), w.data_ptr(), x2.shape[0], N, K, out.data_ptr())
+    return out.view(*x.shape[:-1], N)
+
+
+def bf16_copy(w: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous bf16 copy of the fp32 CPU tensor `w` when every value is a bf16 number (it widens back to the
+    very same floats: the `_h` kernels then compute `w`'s bits from half the bytes), else None."""
+    if not (w.is_cpu and w.dtype is torch.float32):
+        return None
+    half = w.detach().to(torch.bfloat16).contiguous()
+    return half if torch.equal(half.float(), w) else None
 
 
 # The slots of `draft_block`'s arrays, in the order of the enums in kernels.c: S stages' weights, then the head's.
@@ -495,7 +525,7 @@ DRAFT_STAGE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_f
 DRAFT_HEAD_WEIGHTS = ("embed", "hc_fn", "hc_scale", "hc_base", "norm", "head", "rope_cos", "rope_sin", "main_proj",
                       "main_norm", "latents")
 DRAFT_SIZES = ("stages", "gamma", "mask_id", "hc", "iters", "hidden", "q_lora", "heads", "head_dim", "o_groups",
-               "o_lora", "inter", "vocab", "rope_dim", "features")
+               "o_lora", "inter", "vocab", "rope_dim", "features", "bf16")
 DRAFT_SCALARS = ("hc_eps", "hc_norm_eps", "attn_norm_eps", "ffn_norm_eps", "q_eps", "head_eps", "kv_eps", "scale",
                  "limit", "head_hc_eps", "head_norm_eps", "norm_eps", "main_norm_eps")
 

@@ -1,0 +1,22 @@
+"""`row_exact_linear`: the float matmul of a model run in batch-invariant mode (`DSV4Model.prepare_inference`).
+
+A quantized checkpoint's reference path multiplies its integer projections exactly, but its float ones (mHC mixes,
+router gate, compressor and indexer projections, output projection) would go through BLAS, whose bits for a row
+change with the number of rows in the call on some CPUs (measured: MKL with AVX-512). Then a request's tokens would
+depend on what it was batched or chunked with. In this mode those matmuls take a row-exact kernel instead (slower
+than BLAS; the quantized path is the correctness reference, not the fast one).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdspark.hardware.cpu import kernels as cpu_kernels
+
+
+def row_exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, w)` with every output row's bits independent of the other rows (BLAS where the C kernel does
+    not apply: non-fp32 or non-CPU tensors)."""
+    out = cpu_kernels.linear_rows(x, w)
+    return F.linear(x, w) if out is None else out
