@@ -281,33 +281,40 @@ class StreamingClient:
 def test_a_vanished_router_s_requests_are_aborted_on_the_workers(pair, draft_ckpt, sig):
     prefill, decode = pair
     wait_for(lambda: idle(prefill) and idle(decode), 5, "both workers back to their free counts")
-    max_tokens = 4000  # far more than it streams before the router vanishes (the workers take 4,096 positions)
+    # Requests far longer than what they stream before the router vanishes (the workers take 4,096 positions), as
+    # many as the decode worker runs, so that their tokens outlast the lease: one alone ended ok within it (4,000
+    # tokens in 1.8 s, the stream absorbed by the buffers between the decode worker and the stopped router).
+    max_tokens, streams = 4000, 4
     ended_before = ended(decode)
     router = start_router(str(draft_ckpt), [prefill], [decode])
-    client = None
+    clients: list[StreamingClient] = []
     try:
-        client = StreamingClient(router, max_tokens)
-        wait_for(lambda: len(client.chunks) >= 20 and load_of(decode).running == 1, 30, "the request streaming")
+        clients = [StreamingClient(router, max_tokens) for _ in range(streams)]
+        wait_for(lambda: all(len(c.chunks) >= 20 for c in clients) and load_of(decode).running == streams, 30,
+                 "the requests streaming")
         os.kill(router.pid, sig)
         stopped_at = time.monotonic()
         # The engine runs on (the stream's window fills only later): only the end of the Generate call stops it.
-        freed_at = wait_for(lambda: idle(decode), LEASE_S + SLACK_S, "the request aborted on the decode worker")
-        streamed, rate = len(client.chunks), client.rate()
+        freed_at = wait_for(lambda: idle(decode), LEASE_S + SLACK_S, "the requests aborted on the decode worker")
+        streamed, rate = len(clients[0].chunks), clients[0].rate()
     finally:
-        # The router is done with: SIGTERM would have the resumed router drain the stream it still holds, and it
+        # The router is done with: SIGTERM would have the resumed router drain the streams it still holds, and it
         # did not exit within `stop()`'s 15 s (then SIGKILL) -- the workers' side is what this test checks.
         router.proc.kill()
         router.proc.wait(10)
-        if client is not None:
-            client.done.result(30)
-            client.pool.shutdown()
-    # Aborted, not simply finished: the decode worker ended the Generate stream as cancelled (its caller went
-    # away), not ok (counted when the stream's handler returns, so it may follow the pages' release a little).
-    endings = wait_until(lambda: {k: n - ended_before.get(k, 0) for k, n in ended(decode).items()
-                                      if n > ended_before.get(k, 0)}, 5, "the Generate stream ended")
-    print(f"\nrouter {signal.Signals(sig).name}: its running request aborted and its pages freed "
-          f"{freed_at - stopped_at:.2f}s later (streamed {streamed} chunks at {rate:.0f}/s; ended {endings})")
-    assert endings == {"cancelled": 1}, "the request was not aborted (the model is too fast: raise max_tokens?)"
+        for c in clients:
+            c.done.result(30)
+            c.pool.shutdown()
+    # Aborted, not simply finished: the decode worker ended the Generate streams as cancelled (their caller went
+    # away), not ok (counted when a stream's handler returns, so it may follow the pages' release a little).
+    def since_before() -> dict[str, int] | None:  # once every stream has ended
+        counts = {k: n - ended_before.get(k, 0) for k, n in ended(decode).items() if n > ended_before.get(k, 0)}
+        return counts if sum(counts.values()) >= streams else None
+
+    endings = wait_until(since_before, 5, "the Generate streams ended")
+    print(f"\nrouter {signal.Signals(sig).name}: its running requests aborted and their pages freed "
+          f"{freed_at - stopped_at:.2f}s later (one streamed {streamed} chunks at {rate:.0f}/s; ended {endings})")
+    assert endings == {"cancelled": streams}, "the requests were not aborted (the model is too fast?)"
     wait_for(lambda: idle(prefill), 5, "the prefill worker idle")
     if sig == signal.SIGKILL:  # a restarted router finds the workers from its flags and serves
         router = start_router(str(draft_ckpt), [prefill], [decode])
