@@ -7,100 +7,12 @@
 
 static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-/* Sum of a[k] * b[k] over 16 interleaved partial sums (the compiler maps them onto vector lanes). */
-static float dot(const float *a, const float *b, int n) {
-    float acc[16] = {0};
-    int k = 0;
-    for (; k + 16 <= n; k += 16)
-        for (int l = 0; l < 16; l++) acc[l] += a[k + l] * b[k + l];
-    float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += acc[l];
-    for (; k < n; k++) s += a[k] * b[k];
-    return s;
-}
-
-/* Four `dot`s of a[j] with the same b, each with the very same arithmetic as `dot` (the four chains of partial
- * sums and their final additions interleave, which hides the adds' latency on short rows). */
-static void dot4(const float *a0, const float *a1, const float *a2, const float *a3, const float *b, int n,
-                 float *out) {
-    float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};
-    int k = 0;
-    for (; k + 16 <= n; k += 16)
-        for (int l = 0; l < 16; l++) {
-            c0[l] += a0[k + l] * b[k + l];
-            c1[l] += a1[k + l] * b[k + l];
-            c2[l] += a2[k + l] * b[k + l];
-            c3[l] += a3[k + l] * b[k + l];
-        }
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    for (int l = 0; l < 16; l++) {
-        s0 += c0[l];
-        s1 += c1[l];
-        s2 += c2[l];
-        s3 += c3[l];
-    }
-    for (; k < n; k++) {
-        s0 += a0[k] * b[k];
-        s1 += a1[k] * b[k];
-        s2 += a2[k] * b[k];
-        s3 += a3[k] * b[k];
-    }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
-}
-
-/* Rows a GEMV asks the memory for ahead of the four it reads: a decode step's weights stream from DRAM (or L3) in
- * short rows (a few hundred floats), too short for the hardware prefetchers to ramp up on their own; asking 8 rows
- * ahead took a one-core GEMV over [*, 192] rows from ~7 to ~10 GB/s out of DRAM and ~15 to ~30 GB/s out of L3. */
-#define GEMV_AHEAD 8
-
-/* Hint the cache lines of w[from:to] (floats) into the cache (no arithmetic: results are unchanged). */
-static void prefetch(const float *w, long from, long to) {
-    for (long o = from * 4; o < to * 4; o += 64) __builtin_prefetch((const char *)w + o, 0, 0);
-}
-
-/* out [N] = w [N, K] @ x [K] (each row exactly a `dot`). */
-static void gemv(const float *w, const float *x, int N, int K, float *out) {
-    int n = 0;
-    prefetch(w, 0, (long)(N < GEMV_AHEAD ? N : GEMV_AHEAD) * K);
-    for (; n + 4 <= N; n += 4) {
-        const float *r = w + (long)n * K;
-        const int lo = n + GEMV_AHEAD, hi = lo + 4 < N ? lo + 4 : N;
-        if (lo < hi) prefetch(w, (long)lo * K, (long)hi * K);
-        dot4(r, r + K, r + 2L * K, r + 3L * K, x, K, out + n);
-    }
-    for (; n < N; n++) out[n] = dot(w + (long)n * K, x, K);
-}
-
-/* out [T, N] (rows `os` apart) = x [T, K] (rows `xs` apart) @ w [N, K]^T, each entry exactly a `dot` (the bits of
- * `gemv` per row, whatever T), with each group of four weight rows read once for all T rows while it sits in L1
- * (and asked for ahead, as `gemv` does): a verify step's rows share each weight read where per-row GEMVs would
- * stream the matrix from L2/L3 T times. T = 1 is `gemv`. */
-static void gemm_exact(const float *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
-    if (T == 1) {
-        gemv(w, x, N, K, out);
-        return;
-    }
-    int n = 0;
-    float s4[4];
-    prefetch(w, 0, (long)(N < GEMV_AHEAD ? N : GEMV_AHEAD) * K);
-    for (; n + 4 <= N; n += 4) {
-        const float *r = w + (long)n * K;
-        const int lo = n + GEMV_AHEAD, hi = lo + 4 < N ? lo + 4 : N;
-        if (lo < hi) prefetch(w, (long)lo * K, (long)hi * K);
-        for (int t = 0; t < T; t++) {
-            dot4(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, K, s4);
-            for (int i = 0; i < 4; i++) out[(long)t * os + n + i] = s4[i];
-        }
-    }
-    for (; n < N; n++)
-        for (int t = 0; t < T; t++) out[(long)t * os + n] = dot(w + (long)n * K, x + (long)t * xs, K);
-}
-
-/* Weights stored as bfloat16 bits. A checkpoint's weights are bf16 numbers (DSV4 ships bf16), which fp32 holds
- * exactly, and widening bf16 to fp32 is exact: so the `_h` kernels below, which read each weight as its bf16 bits
- * and widen it in a register, compute every product and sum of their fp32 twins bit for bit while reading half the
- * bytes (a decode step streams its weights from L3 or DRAM). The caller stores a matrix that way only when every
- * value round-trips (`pdspark.hardware.cpu.kernels.bf16_copy`). */
+/* Weights may be stored as bfloat16 bits. A checkpoint's weights are bf16 numbers (DSV4 ships bf16), which fp32
+ * holds exactly, and widening bf16 to fp32 is exact: so a kernel that reads each weight as its bf16 bits and widens
+ * it in a register computes every product and sum of its fp32 twin bit for bit, while reading half the bytes (a
+ * decode step streams its weights from L3 or DRAM). The caller stores a matrix that way only when every value
+ * round-trips (`pdspark.hardware.cpu.kernels.bf16_copy`). The weight-reading kernels below are written once and
+ * instantiated for both storages: `dot`, `dot4`, `gemm_exact` (fp32) and `dot_h`, `dot4_h`, `gemm_exact_h`. */
 typedef unsigned short bf16_t;
 
 static inline float bf16f(bf16_t h) {
@@ -109,63 +21,89 @@ static inline float bf16f(bf16_t h) {
     return v.f;
 }
 
-/* `dot` of bf16 weights a. */
-static float dot_h(const bf16_t *a, const float *b, int n) {
-    float acc[16] = {0};
-    int k = 0;
-    for (; k + 16 <= n; k += 16)
-        for (int l = 0; l < 16; l++) acc[l] += bf16f(a[k + l]) * b[k + l];
-    float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += acc[l];
-    for (; k < n; k++) s += bf16f(a[k]) * b[k];
-    return s;
+#define F32_VALUE(v) (v)
+
+/* Rows a GEMV asks the memory for ahead of the four it reads: a decode step's weights stream from DRAM (or L3) in
+ * short rows (a few hundred floats), too short for the hardware prefetchers to ramp up on their own; asking 8 rows
+ * ahead took a one-core GEMV over [*, 192] rows from ~7 to ~10 GB/s out of DRAM and ~15 to ~30 GB/s out of L3. */
+#define GEMV_AHEAD 8
+
+/* Hint the cache lines of bytes [from, to) of w into the cache (no arithmetic: results are unchanged). */
+static void prefetch(const void *w, long from, long to) {
+    for (long o = from; o < to; o += 64) __builtin_prefetch((const char *)w + o, 0, 0);
 }
 
-/* `dot4` of bf16 weights. */
-static void dot4_h(const bf16_t *a0, const bf16_t *a1, const bf16_t *a2, const bf16_t *a3, const float *b, int n,
-                   float *out) {
-    float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};
-    int k = 0;
-    for (; k + 16 <= n; k += 16)
-        for (int l = 0; l < 16; l++) {
-            c0[l] += bf16f(a0[k + l]) * b[k + l];
-            c1[l] += bf16f(a1[k + l]) * b[k + l];
-            c2[l] += bf16f(a2[k + l]) * b[k + l];
-            c3[l] += bf16f(a3[k + l]) * b[k + l];
-        }
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    for (int l = 0; l < 16; l++) {
-        s0 += c0[l];
-        s1 += c1[l];
-        s2 += c2[l];
-        s3 += c3[l];
+/* For weights of type W whose value is VALUE(w[k]) (SUFFIX names the instance):
+ *   dot:        sum of a[k] * b[k] over 16 interleaved partial sums (the compiler maps them onto vector lanes);
+ *   dot4:       four `dot`s of a[j] with the same b, each with the very same arithmetic as `dot` (the four chains of
+ *               partial sums and their final additions interleave, which hides the adds' latency on short rows);
+ *   gemm_exact: out [T, N] (rows `os` apart) = x [T, K] (rows `xs` apart) @ w [N, K]^T, each entry exactly a `dot`
+ *               (the same bits per row whatever T), with each group of four weight rows read once for all T rows
+ *               while it sits in L1 and asked for GEMV_AHEAD rows ahead: a verify step's rows share each weight
+ *               read where per-row GEMVs would stream the matrix from L2/L3 T times. */
+#define WEIGHT_KERNELS(SUFFIX, W, VALUE)                                                                            \
+    static float dot##SUFFIX(const W *a, const float *b, int n) {                                                   \
+        float acc[16] = {0};                                                                                        \
+        int k = 0;                                                                                                  \
+        for (; k + 16 <= n; k += 16)                                                                                \
+            for (int l = 0; l < 16; l++) acc[l] += VALUE(a[k + l]) * b[k + l];                                      \
+        float s = 0.0f;                                                                                             \
+        for (int l = 0; l < 16; l++) s += acc[l];                                                                   \
+        for (; k < n; k++) s += VALUE(a[k]) * b[k];                                                                 \
+        return s;                                                                                                   \
+    }                                                                                                               \
+                                                                                                                    \
+    static void dot4##SUFFIX(const W *a0, const W *a1, const W *a2, const W *a3, const float *b, int n,             \
+                             float *out) {                                                                          \
+        float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};                                               \
+        int k = 0;                                                                                                  \
+        for (; k + 16 <= n; k += 16)                                                                                \
+            for (int l = 0; l < 16; l++) {                                                                          \
+                c0[l] += VALUE(a0[k + l]) * b[k + l];                                                               \
+                c1[l] += VALUE(a1[k + l]) * b[k + l];                                                               \
+                c2[l] += VALUE(a2[k + l]) * b[k + l];                                                               \
+                c3[l] += VALUE(a3[k + l]) * b[k + l];                                                               \
+            }                                                                                                       \
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;                                                           \
+        for (int l = 0; l < 16; l++) {                                                                              \
+            s0 += c0[l];                                                                                            \
+            s1 += c1[l];                                                                                            \
+            s2 += c2[l];                                                                                            \
+            s3 += c3[l];                                                                                            \
+        }                                                                                                           \
+        for (; k < n; k++) {                                                                                        \
+            s0 += VALUE(a0[k]) * b[k];                                                                              \
+            s1 += VALUE(a1[k]) * b[k];                                                                              \
+            s2 += VALUE(a2[k]) * b[k];                                                                              \
+            s3 += VALUE(a3[k]) * b[k];                                                                              \
+        }                                                                                                           \
+        out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;                                                         \
+    }                                                                                                               \
+                                                                                                                    \
+    static void gemm_exact##SUFFIX(const W *w, const float *x, long xs, int T, int N, int K, float *out, long os) { \
+        const long row = (long)K * (long)sizeof(W);                                                                 \
+        int n = 0;                                                                                                  \
+        float s4[4];                                                                                                \
+        prefetch(w, 0, (N < GEMV_AHEAD ? N : GEMV_AHEAD) * row);                                                    \
+        for (; n + 4 <= N; n += 4) {                                                                                \
+            const W *r = w + (long)n * K;                                                                           \
+            const int lo = n + GEMV_AHEAD, hi = lo + 4 < N ? lo + 4 : N;                                            \
+            if (lo < hi) prefetch(w, lo * row, hi * row);                                                           \
+            for (int t = 0; t < T; t++) {                                                                           \
+                dot4##SUFFIX(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, K, s4);                            \
+                for (int i = 0; i < 4; i++) out[(long)t * os + n + i] = s4[i];                                      \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (; n < N; n++)                                                                                          \
+            for (int t = 0; t < T; t++) out[(long)t * os + n] = dot##SUFFIX(w + (long)n * K, x + (long)t * xs, K);  \
     }
-    for (; k < n; k++) {
-        s0 += bf16f(a0[k]) * b[k];
-        s1 += bf16f(a1[k]) * b[k];
-        s2 += bf16f(a2[k]) * b[k];
-        s3 += bf16f(a3[k]) * b[k];
-    }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
-}
 
-/* `gemm_exact` of bf16 weights w [N, K] (T = 1: `gemv`'s bits). */
-static void gemm_exact_h(const bf16_t *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
-    int n = 0;
-    float s4[4];
-    /* the prefetch helper counts floats: a bf16 row of K is K / 2 of them */
-    prefetch((const float *)w, 0, (long)(N < GEMV_AHEAD ? N : GEMV_AHEAD) * K / 2);
-    for (; n + 4 <= N; n += 4) {
-        const bf16_t *r = w + (long)n * K;
-        const int lo = n + GEMV_AHEAD, hi = lo + 4 < N ? lo + 4 : N;
-        if (lo < hi) prefetch((const float *)w, (long)lo * K / 2, (long)hi * K / 2);
-        for (int t = 0; t < T; t++) {
-            dot4_h(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, K, s4);
-            for (int i = 0; i < 4; i++) out[(long)t * os + n + i] = s4[i];
-        }
-    }
-    for (; n < N; n++)
-        for (int t = 0; t < T; t++) out[(long)t * os + n] = dot_h(w + (long)n * K, x + (long)t * xs, K);
+WEIGHT_KERNELS(, float, F32_VALUE)
+WEIGHT_KERNELS(_h, bf16_t, bf16f)
+
+/* out [N] = w [N, K] @ x [K] (each row exactly a `dot`): `gemm_exact` of one row. */
+static void gemv(const float *w, const float *x, int N, int K, float *out) {
+    gemm_exact(w, x, K, 1, N, K, out, N);
 }
 
 /* `gemm_exact` of the weights at element `off` of w: fp32 (bf = 0) or bf16 bits (bf = 1). */
@@ -852,15 +790,16 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
         long *gids = (long *)take(&at, 2L * T * K);
         float *gws = take(&at, (long)T * K), *gscr = take(&at, (long)T * (3L * D + 3L * I + (long)K * D + K));
         moe_decode_rows_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
-                          PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], gids, gws,
-                        gscr, y);
+                          PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT],
+                          gids, gws, gscr, y);
     }
     hc_expand(y, hm, post, comb, T, hc, D, h_out);
 }
 
 /* The model's head for a few rows: the final mHC collapse (`HyperHead`: no Sinkhorn), the final RMSNorm and the
- * LM head (fp32, or bf16 bits when head_bf16). Per row of streams h [N, hc, D]: flat = h * rsqrt(mean(h^2) + norm_eps); pre_i = sigmoid(fn_i . flat *
- * scale + base_i) + hc_eps; y = sum_i pre_i h_i (in stream order); y = rms_norm(y) * norm_w; out [N, V] = head @ y.
+ * LM head (fp32, or bf16 bits when head_bf16). Per row of streams h [N, hc, D]: flat = h * rsqrt(mean(h^2) +
+ * norm_eps); pre_i = sigmoid(fn_i . flat * scale + base_i) + hc_eps; y = sum_i pre_i h_i (in stream order);
+ * y = rms_norm(y) * norm_w; out [N, V] = head @ y.
  * scratch holds hc*D + N*D floats. */
 void lm_head(const float *h, int N, int hc, int D, const float *fn, const float *scale, const float *base,
              float hc_eps, float norm_eps, const float *norm_w, float eps, const void *head, int V, int head_bf16,
@@ -897,94 +836,57 @@ static inline float hsum8(__m256 v) {
 /* out [T, N] (rows `os` apart) = x [T, K] (rows `xs` apart) @ w [N, K]^T for a draft block's few rows: four weight
  * rows times two block rows per pass in fused multiply-adds over 8 lanes (eight accumulators in registers), so each
  * weight load serves two rows and each row load four weights. Only the draft uses it: its own summation order,
- * with one rounding per multiply-add (the draft's logits need not match BLAS bit for bit; see model.draft_step). */
-static void gemm_rows(const float *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
-    const int K8 = K & ~7;
-    int n = 0;
-    for (; n < N; n += 4) {
-        const int nr = N - n < 4 ? N - n : 4;
-        const float *r[4];
-        for (int i = 0; i < 4; i++) r[i] = w + (long)(n + (i < nr ? i : 0)) * K;
-        for (int t = 0; t < T; t += 2) {
-            const int two = t + 1 < T;
-            const float *x0 = x + (long)t * xs, *x1 = x + (long)(t + two) * xs;
-            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
-                   a31 = a00;
-            for (int k = 0; k < K8; k += 8) {
-                const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);
-                __m256 wv = _mm256_loadu_ps(r[0] + k);
-                a00 = _mm256_fmadd_ps(wv, v0, a00);
-                a01 = _mm256_fmadd_ps(wv, v1, a01);
-                wv = _mm256_loadu_ps(r[1] + k);
-                a10 = _mm256_fmadd_ps(wv, v0, a10);
-                a11 = _mm256_fmadd_ps(wv, v1, a11);
-                wv = _mm256_loadu_ps(r[2] + k);
-                a20 = _mm256_fmadd_ps(wv, v0, a20);
-                a21 = _mm256_fmadd_ps(wv, v1, a21);
-                wv = _mm256_loadu_ps(r[3] + k);
-                a30 = _mm256_fmadd_ps(wv, v0, a30);
-                a31 = _mm256_fmadd_ps(wv, v1, a31);
-            }
-            float s[4][2] = {{hsum8(a00), hsum8(a01)}, {hsum8(a10), hsum8(a11)}, {hsum8(a20), hsum8(a21)},
-                             {hsum8(a30), hsum8(a31)}};
-            for (int i = 0; i < nr; i++)
-                for (int k = K8; k < K; k++) {
-                    s[i][0] += r[i][k] * x0[k];
-                    s[i][1] += r[i][k] * x1[k];
-                }
-            for (int i = 0; i < nr; i++) {
-                out[(long)t * os + n + i] = s[i][0];
-                if (two) out[(long)(t + 1) * os + n + i] = s[i][1];
-            }
-        }
+ * with one rounding per multiply-add (the draft's logits need not match BLAS bit for bit; see model.draft_step).
+ * Instantiated for fp32 weights (`gemm_rows`) and bf16 bits (`gemm_rows_h`: each 8-lane load widens 8 values
+ * exactly, so every multiply-add is the fp32 instance's on the same numbers). */
+#define LOAD8_F32(p) _mm256_loadu_ps(p)
+#define LOAD8_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define GEMM_ROWS(SUFFIX, W, VALUE, LOAD8)                                                                          \
+    static void gemm_rows##SUFFIX(const W *w, const float *x, long xs, int T, int N, int K, float *out, long os) {  \
+        const int K8 = K & ~7;                                                                                      \
+        int n = 0;                                                                                                  \
+        for (; n < N; n += 4) {                                                                                     \
+            const int nr = N - n < 4 ? N - n : 4;                                                                   \
+            const W *r[4];                                                                                          \
+            for (int i = 0; i < 4; i++) r[i] = w + (long)(n + (i < nr ? i : 0)) * K;                                \
+            for (int t = 0; t < T; t += 2) {                                                                        \
+                const int two = t + 1 < T;                                                                          \
+                const float *x0 = x + (long)t * xs, *x1 = x + (long)(t + two) * xs;                                 \
+                __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,            \
+                       a30 = a00, a31 = a00;                                                                        \
+                for (int k = 0; k < K8; k += 8) {                                                                   \
+                    const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);                        \
+                    __m256 wv = LOAD8(r[0] + k);                                                                    \
+                    a00 = _mm256_fmadd_ps(wv, v0, a00);                                                             \
+                    a01 = _mm256_fmadd_ps(wv, v1, a01);                                                             \
+                    wv = LOAD8(r[1] + k);                                                                           \
+                    a10 = _mm256_fmadd_ps(wv, v0, a10);                                                             \
+                    a11 = _mm256_fmadd_ps(wv, v1, a11);                                                             \
+                    wv = LOAD8(r[2] + k);                                                                           \
+                    a20 = _mm256_fmadd_ps(wv, v0, a20);                                                             \
+                    a21 = _mm256_fmadd_ps(wv, v1, a21);                                                             \
+                    wv = LOAD8(r[3] + k);                                                                           \
+                    a30 = _mm256_fmadd_ps(wv, v0, a30);                                                             \
+                    a31 = _mm256_fmadd_ps(wv, v1, a31);                                                             \
+                }                                                                                                   \
+                float s[4][2] = {{hsum8(a00), hsum8(a01)}, {hsum8(a10), hsum8(a11)}, {hsum8(a20), hsum8(a21)},      \
+                                 {hsum8(a30), hsum8(a31)}};                                                         \
+                for (int i = 0; i < nr; i++)                                                                        \
+                    for (int k = K8; k < K; k++) {                                                                  \
+                        s[i][0] += VALUE(r[i][k]) * x0[k];                                                          \
+                        s[i][1] += VALUE(r[i][k]) * x1[k];                                                          \
+                    }                                                                                               \
+                for (int i = 0; i < nr; i++) {                                                                      \
+                    out[(long)t * os + n + i] = s[i][0];                                                            \
+                    if (two) out[(long)(t + 1) * os + n + i] = s[i][1];                                             \
+                }                                                                                                   \
+            }                                                                                                       \
+        }                                                                                                           \
     }
-}
 
-/* `gemm_rows` of bf16 weights: each 8-lane load widens 8 bf16 values exactly, so every multiply-add is
- * `gemm_rows`'s on the same numbers. */
-static void gemm_rows_h(const bf16_t *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
-    const int K8 = K & ~7;
-    int n = 0;
-    for (; n < N; n += 4) {
-        const int nr = N - n < 4 ? N - n : 4;
-        const bf16_t *r[4];
-        for (int i = 0; i < 4; i++) r[i] = w + (long)(n + (i < nr ? i : 0)) * K;
-        for (int t = 0; t < T; t += 2) {
-            const int two = t + 1 < T;
-            const float *x0 = x + (long)t * xs, *x1 = x + (long)(t + two) * xs;
-            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
-                   a31 = a00;
-#define PDS_BF16X8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-            for (int k = 0; k < K8; k += 8) {
-                const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);
-                __m256 wv = PDS_BF16X8(r[0] + k);
-                a00 = _mm256_fmadd_ps(wv, v0, a00);
-                a01 = _mm256_fmadd_ps(wv, v1, a01);
-                wv = PDS_BF16X8(r[1] + k);
-                a10 = _mm256_fmadd_ps(wv, v0, a10);
-                a11 = _mm256_fmadd_ps(wv, v1, a11);
-                wv = PDS_BF16X8(r[2] + k);
-                a20 = _mm256_fmadd_ps(wv, v0, a20);
-                a21 = _mm256_fmadd_ps(wv, v1, a21);
-                wv = PDS_BF16X8(r[3] + k);
-                a30 = _mm256_fmadd_ps(wv, v0, a30);
-                a31 = _mm256_fmadd_ps(wv, v1, a31);
-            }
-#undef PDS_BF16X8
-            float s[4][2] = {{hsum8(a00), hsum8(a01)}, {hsum8(a10), hsum8(a11)}, {hsum8(a20), hsum8(a21)},
-                             {hsum8(a30), hsum8(a31)}};
-            for (int i = 0; i < nr; i++)
-                for (int k = K8; k < K; k++) {
-                    s[i][0] += bf16f(r[i][k]) * x0[k];
-                    s[i][1] += bf16f(r[i][k]) * x1[k];
-                }
-            for (int i = 0; i < nr; i++) {
-                out[(long)t * os + n + i] = s[i][0];
-                if (two) out[(long)(t + 1) * os + n + i] = s[i][1];
-            }
-        }
-    }
-}
+GEMM_ROWS(, float, F32_VALUE, LOAD8_F32)
+GEMM_ROWS(_h, bf16_t, bf16f, LOAD8_BF16)
 #else
 static void gemm_rows(const float *w, const float *x, long xs, int T, int N, int K, float *out, long os) {
     gemm_exact(w, x, xs, T, N, K, out, os);
