@@ -169,8 +169,12 @@ class Attention(nn.Module):
         o = rope_at.apply(o, inverse=True)
         # [T, H, d] -> [G, T, H*d/G] @ [G, H*d/G, o_lora] -> [T, G * o_lora]
         grouped = o.reshape(T, self.o_groups, -1).transpose(0, 1)
-        w = self.wo_a.view(self.o_groups, -1, grouped.shape[-1]).transpose(1, 2)
-        o = torch.bmm(grouped, w).transpose(0, 1).reshape(T, -1)
+        if self.mm is F.linear:  # one batched matmul over the groups
+            w = self.wo_a.view(self.o_groups, -1, grouped.shape[-1]).transpose(1, 2)
+            o = torch.bmm(grouped, w).transpose(0, 1).reshape(T, -1)
+        else:  # batch-invariant mode: each group's projection through `mm`
+            wa = self.wo_a.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora, H*d/G]
+            o = torch.cat([self.mm(grouped[g], wa[g]) for g in range(self.o_groups)], dim=-1)
         return self.mm(o, self.wo_b)
 
     def _update_compressed(
@@ -251,9 +255,12 @@ class Attention(nn.Module):
                 kv = torch.cat([kv, comp[0]], dim=0)
                 valid = torch.cat([valid, comp[1][b0:b1]], dim=1)
             m = b1 - b0
-            scores = torch.mm(q[b0:b1].reshape(m * H, d), kv.t()).view(m, H, -1) * self.scale
-            probs = softmax_with_sink(scores, valid, self.attn_sink)
-            out[b0:b1] = torch.mm(probs.reshape(m * H, -1).to(kv.dtype), kv).view(m, H, d)
+            rows = q[b0:b1].reshape(m * H, d)
+            # (batch-invariant mode: through `mm`, so that a query's bits do not depend on its block's size)
+            scores = torch.mm(rows, kv.t()) if self.mm is F.linear else self.mm(rows, kv.contiguous())
+            probs = softmax_with_sink(scores.view(m, H, -1) * self.scale, valid, self.attn_sink)
+            p = probs.reshape(m * H, -1).to(kv.dtype)
+            out[b0:b1] = (torch.mm(p, kv) if self.mm is F.linear else self.mm(p, kv.t().contiguous())).view(m, H, d)
         return out
 
 

@@ -1,10 +1,11 @@
 """`row_exact_linear`: the float matmul of a model run in batch-invariant mode (`DSV4Model.prepare_inference`).
 
-A quantized checkpoint's reference path multiplies its integer projections exactly, but its float ones (mHC mixes,
-router gate, compressor and indexer projections, output projection) would go through BLAS, whose bits for a row
-change with the number of rows in the call on some CPUs (measured: MKL with AVX-512). Then a request's tokens would
-depend on what it was batched or chunked with. In this mode those matmuls take a row-exact kernel instead (slower
-than BLAS; the quantized path is the correctness reference, not the fast one).
+A quantized checkpoint's reference path multiplies its integer projections exactly, but its float matmuls (mHC
+mixes, router gate, compressor and indexer projections, the grouped output projection, the head, a long chunk's
+attention scores and values) would go through BLAS, whose bits for a row change with the number of rows in the call
+on some CPUs (measured: MKL with AVX-512). Then a request's tokens would depend on what it was batched or chunked
+with. In this mode the modules' `mm` is this row-exact kernel instead (slower than BLAS; the quantized path is the
+correctness reference, not the fast one).
 """
 
 from __future__ import annotations
