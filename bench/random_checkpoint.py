@@ -3,7 +3,7 @@ experts, random weights written by transformers' `DeepseekV4ForCausalLM` (so bot
 rounded to bf16 numbers as a real DSV4 checkpoint's are (stored as fp32: both systems compute in fp32).
 
 `big`: hidden 256, 16 routed experts (top-2) of intermediate 256, vocab 4,096, 6 layers. Built once into
-`~/.cache/pdspark-bench/<name>` (seeded: the same weights every time) and reused.
+`~/.cache/pdspark-bench/<name>-bf16` (seeded: the same weights every time) and reused.
 """
 
 from __future__ import annotations
