@@ -10,6 +10,7 @@ is left out of both: at the benchmarks' lengths it is small next to the weights,
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -50,20 +51,14 @@ def machine_limits(threads: int, repeats: int = 15) -> dict:
             "gemv_gb_s": w.numel() * w.element_size() / gemv_s / 1e9}
 
 
-def work_per_token(path: str | Path, batch: int = 1) -> dict:
-    """Active weight bytes one decode step of `batch` rows reads, and matmul FLOPs per prompt token.
-
-    With `batch` rows a step reads each expert's weights once if any row routes to it: the expected share of
-    experts touched, `1 - (1 - k/E)^batch`, for independent uniform routing. `decode_step_bytes` counts fp32 (the
-    model's tensors); `decode_step_bytes_read` counts a matrix whose values are all bf16 numbers at 2 bytes a
-    value, as the C decode path stores its projections and head then (`kernels.bf16_copy`)."""
+@functools.cache
+def _weight_counts(path: str) -> tuple[int, int, int, int]:
+    """`(dense, routed)` values of a checkpoint's weights (the embedding left out), then the bytes of each as the C
+    decode path reads them (a matrix whose values are all bf16 numbers at 2 bytes a value). Read once per run."""
     from safetensors import safe_open
 
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    share = cfg["num_experts_per_tok"] / cfg["n_routed_experts"]
-    touched = 1 - (1 - share) ** batch
     dense = routed = 0
-    dense_read = routed_read = 0  # bytes, bf16 matrices at 2 a value
+    dense_read = routed_read = 0
     with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
         for name in f.keys():  # noqa: SIM118  (safe_open is not iterable)
             if "embed_tokens" in name:
@@ -77,6 +72,20 @@ def work_per_token(path: str | Path, batch: int = 1) -> dict:
             else:
                 dense += n
                 dense_read += n * (2 if halves else 4)
+    return dense, routed, dense_read, routed_read
+
+
+def work_per_token(path: str | Path, batch: int = 1) -> dict:
+    """Active weight bytes one decode step of `batch` rows reads, and matmul FLOPs per prompt token.
+
+    With `batch` rows a step reads each expert's weights once if any row routes to it: the expected share of
+    experts touched, `1 - (1 - k/E)^batch`, for independent uniform routing. `decode_step_bytes` counts fp32 (the
+    model's tensors); `decode_step_bytes_read` counts a matrix whose values are all bf16 numbers at 2 bytes a
+    value, as the C decode path stores its projections and head then (`kernels.bf16_copy`)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    share = cfg["num_experts_per_tok"] / cfg["n_routed_experts"]
+    touched = 1 - (1 - share) ** batch
+    dense, routed, dense_read, routed_read = _weight_counts(str(path))
     return {
         "decode_step_bytes": 4 * (dense + routed * touched),
         "decode_step_bytes_read": dense_read + routed_read * touched,

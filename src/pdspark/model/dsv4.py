@@ -106,7 +106,7 @@ class DSV4Model(nn.Module):
         self._head_bf16 = cpu_kernels.bf16_copy(self.head)
         if row_exact:
             for module in self.modules():
-                if "mm" in dir(type(module)):
+                if hasattr(type(module), "mm"):
                     module.mm = row_exact_linear  # type: ignore[assignment]  # (a submodule slot to mypy)
                 for value in vars(module).values():
                     if isinstance(value, FusedLinear):

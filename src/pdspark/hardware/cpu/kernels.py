@@ -121,9 +121,9 @@ def load() -> ctypes.CDLL | None:
     lib.decode_layer.argtypes = [f, f, f, f, f, f, f, f, f, f]
     lib.decode_layer.restype = None
     lib.lm_head.argtypes = [f, i, i, i, f, f, f, fl, fl, f, fl, f, i, i, f, f]
+    lib.lm_head.restype = None
     lib.linear_rows.argtypes = [f, f, i, i, i, f]
     lib.linear_rows.restype = None
-    lib.lm_head.restype = None
     lib.draft_scratch_floats.argtypes = [f, i, i]
     lib.draft_scratch_floats.restype = ctypes.c_long
     lib.draft_block.argtypes = [f, f, f, f, f, i, f, f, f, i, f, f]
