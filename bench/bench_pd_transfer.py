@@ -9,7 +9,10 @@ loopback socket (recv_into a preallocated buffer), with as much idle time before
 (a TTFT: Mooncake's TCP transport is several times slower after idle than back to back, a socket is not), and back
 to back; bare Mooncake writes of the same bytes are measured both ways too. The colocated engine (`colocated.py`,
 one process, the same engine options and one torch thread like each worker) gets the same prompts, interleaved
-request by request with the P/D pair so that both see the same load on a shared machine.
+request by request with the P/D pair so that both see the same load on a shared machine. What P/D adds to a
+prompt's compute is also reported on its own: the TTFT less the prefill worker's prefill seconds (from queuing
+the prompt in its engine to its first token), i.e. the legs' hops, the plan, the transfer and the first token's
+way out; it moves far less from one request to the next than the prefill itself.
 
     python bench/bench_pd_transfer.py [--model dsv4-tiny] [--lengths 512,2048] [--requests 6]
 """
@@ -223,6 +226,8 @@ def main() -> None:
                          "ttft_ms": ttft * 1e3, "transfer_ms": statistics.median(x["transfer_s"] for x in runs) * 1e3,
                          "transfer_share": share,
                          "colocated_ttft_ms": statistics.median(x["colocated_ttft"] for x in runs) * 1e3,
+                         # what P/D adds to the prompt's compute: the legs' hops, the plan, the transfer
+                         "beyond_prefill_ms": statistics.median(x["ttft"] - x["prefill_s"] for x in runs) * 1e3,
                          "ttft_vs_colocated": statistics.median(x["ttft"] / x["colocated_ttft"] for x in runs)})
     finally:
         colocated.stop()
@@ -234,8 +239,9 @@ def main() -> None:
         "",
         "| prompt | bytes moved | writes | transfer GB/s (all of it) | Mooncake write GB/s | raw TCP GB/s (same bytes; "
         "spaced as the requests, back to back) | ratio: transfer / raw, write / raw | bare Mooncake, 1 entry, spaced: "
-        "GB/s, / raw | transfer ms | transfer share of TTFT | P/D TTFT ms | colocated TTFT ms | P/D / colocated |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "GB/s, / raw | transfer ms | transfer share of TTFT | P/D TTFT ms | of which beyond the prefill ms | "
+        "colocated TTFT ms | P/D / colocated |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['prompt_len']} | {r['bytes'] / 1e6:.2f} MB | {r['writes']} | {r['mooncake_gbps']:.2f} | "
@@ -243,7 +249,8 @@ def main() -> None:
                      f"{r['ratio']:.2f}, {r['write_ratio']:.2f} | "
                      f"{r['bare_mooncake_spaced_gbps_by_entries'][1]:.2f}, {r['bare_mooncake_spaced_ratio']:.2f} | "
                      f"{r['transfer_ms']:.2f} | "
-                     f"{r['transfer_share']:.1%} | {r['ttft_ms']:.0f} | {r['colocated_ttft_ms']:.0f} | "
+                     f"{r['transfer_share']:.1%} | {r['ttft_ms']:.0f} | {r['beyond_prefill_ms']:.1f} | "
+                     f"{r['colocated_ttft_ms']:.0f} | "
                      f"{r['ttft_vs_colocated']:.2f} |")
     for key, how in (("bare_mooncake_gbps_by_entries", "back to back"),
                      ("bare_mooncake_spaced_gbps_by_entries", "spaced as the requests")):

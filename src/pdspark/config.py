@@ -167,6 +167,9 @@ class WorkerConfig:
     max_pending_prefills: int = option(
         1024, "prefill: transfers in flight (queued, prefilling, waiting for their plan, writing); more are "
         "refused at once with OVERLOADED", minimum=1)
+    early_prefills: int = option(
+        1, "prefill: prompts that may start before the decode worker's transfer plan arrives, while the engine has "
+        "nothing queued (hides the plan's round trip from the TTFT; 0: every prompt waits for its plan)", minimum=0)
     tls: TLSConfig = nested(TLSConfig, "mutual TLS between services")
     otlp_endpoint: str | None = option(None, _OTLP_HELP)
     engine: EngineConfig = nested(EngineConfig, "engine")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -11,8 +12,9 @@ from conftest import MIXED
 from helpers import GREEDY
 from pdspark import SamplingParams
 from pdspark.engine.factory import create_engine
+from pdspark.serving import engine_loop
 from pdspark.serving.engine_client import EngineClient
-from pdspark.serving.engine_loop import EngineLoop
+from pdspark.serving.engine_loop import HANDOFF_S, EngineLoop
 from pdspark.types import FinishReason
 
 # Pools of 4 full pages of 16 tokens: a 40-token prompt takes 3, so a second one cannot start while the first
@@ -126,3 +128,43 @@ def test_the_observer_hears_every_step_with_its_batch_and_every_failure(engine):
     assert max(n for _, n in observer.steps) == 2
     assert engine.stats.generated_tokens == 6  # 3 tokens each, counted as they were appended
     assert observer.errors == ["callback"]
+
+
+def test_the_loop_steps_aside_for_a_waiting_thread_only_when_a_step_follows(engine, monkeypatch):
+    """After an awaited command, with a step to run next, the loop sleeps `HANDOFF_S` (releasing the GIL) so that
+    the thread waiting for the result runs before that step; after a clean-up nobody awaits, or with nothing to
+    step, it goes straight on."""
+    naps: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread().name == "engine-loop":
+            naps.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(engine_loop.time, "sleep", sleep)
+    loop = EngineLoop(engine)
+    loop.start()
+    client = EngineClient(loop, timeout_s=30)
+    finished = threading.Event()
+
+    def barrier() -> None:  # two un-awaited commands: the drains before them (and their own) are over
+        for _ in range(2):
+            loop.submit(lambda: None).result(10)
+
+    try:
+        asyncio.run(client.submit("long", [5] * 20, SamplingParams(max_tokens=40, **GREEDY),
+                                  lambda out: out.finished and finished.set()))
+        barrier()
+        assert naps == [HANDOFF_S]  # the submit was awaited, and the request's first step came next
+        assert loop.call(lambda: engine.has_unfinished), "the request ended before the test could look"
+        barrier()
+        assert naps == [HANDOFF_S] * 2  # this call too, with the request's next step to come
+        client.abort("long")
+        assert finished.wait(30)
+        client.release("long")
+        assert not loop.call(lambda: engine.has_unfinished)
+        barrier()
+        assert naps == [HANDOFF_S] * 2  # nothing to step: no nap; the clean-ups: none either
+    finally:
+        loop.stop(timeout=5)

@@ -293,8 +293,9 @@ def test_prefill_drops_the_request_when_no_plan_arrives(pair):
 def test_prefix_cache_settings_of_a_pair(ckpt, prefill_cache, decode_cache):
     """A decode worker with the prefix cache asks for the SWA tail a later prefix match would need, longer than
     the one a prefill worker without the cache still holds once the prompt is computed: every prompt longer
-    than the window failed its transfer. That pair is refused at the rendezvous, naming the setting, before the
-    prompt is even computed; every other pair transfers such a prompt."""
+    than the window failed its transfer. That pair is refused at the rendezvous, naming the setting, as the plan
+    arrives (a prompt that started early on the idle engine is dropped with its pages); every other pair transfers
+    such a prompt."""
     pair = Pair(ckpt, decode_opts={"enable_prefix_cache": decode_cache},
                 opts={**OPTS, "enable_prefix_cache": prefill_cache})
     try:
@@ -305,10 +306,48 @@ def test_prefix_cache_settings_of_a_pair(ckpt, prefill_cache, decode_cache):
         else:
             for leg in ("decode_error", "prefill_error"):
                 assert out[leg].code == ErrorCode.INCOMPATIBLE and "prefix_cache" in out[leg].message
-            assert pair.p_loop.steps == 0  # refused before any work
         assert pair.free_counts_restored()
     finally:
         pair.close()
+
+
+def test_one_prompt_starts_before_its_plan_while_the_engine_is_idle(ckpt, pair):
+    """At most `early_prefills` (1) prompts start on their prefill leg's arrival, before their plans, while the
+    engine has nothing queued: of two prefill legs, the first is computed and waits for its plan, the second waits
+    for its own plan to start. The plans start both transfers, and both requests give the offline engine's tokens,
+    as does one whose prompt waited for its plan (early starts off)."""
+    prompts = random_prompts(3, [40, 33, 57], seed=44)
+    params = SamplingParams(max_tokens=6, seed=5, **GREEDY)
+    offline = make_llm(ckpt, page_size=16, max_model_len=256).generate(prompt_token_ids=prompts,
+                                                                       sampling_params=params)
+
+    def engine_has(rid: str, finished: bool) -> bool:  # read on the engine's loop thread
+        req = pair.p_engine.requests.get(rid)
+        return req is not None and (req.finished or not finished)
+
+    async def on_engine(rid: str, finished: bool = False) -> bool:
+        return await asyncio.to_thread(pair.p_loop.call, engine_has, rid, finished)
+
+    async def scenario():
+        legs = [asyncio.ensure_future(pair.prefill.prefill(rid, f"t-{rid}", prompt, params, Deadline.after(20)))
+                for rid, prompt in (("a", prompts[0]), ("b", prompts[1]))]
+        deadline = time.monotonic() + 20
+        while not await on_engine("a", finished=True):
+            assert time.monotonic() < deadline, "the first prompt was not computed without its plan"
+            await asyncio.sleep(0.005)
+        early_b = await on_engine("b")
+        decoded = await asyncio.gather(*(pair.dispatch(prompt, params, rid, transfer_id=f"t-{rid}", skip_prefill=True)
+                                         for rid, prompt in (("a", prompts[0]), ("b", prompts[1]))))
+        return early_b, decoded, await asyncio.gather(*legs)
+
+    early_b, decoded, results = pair.call(scenario())
+    assert not early_b, "a second prompt started before its plan"
+    for out, result, ref in zip(decoded, results, offline):
+        assert out["outputs"][-1].token_ids == ref.token_ids
+        assert result.stats.bytes > 0
+    pair.prefill.early_prefills = 0
+    assert pair.run(prompts[2], params, request_id="c")["outputs"][-1].token_ids == offline[2].token_ids
+    assert pair.free_counts_restored()
 
 
 @pytest.mark.parametrize("field", ["full_pages", "swa_pages", "c128_pages", "req_slot"])

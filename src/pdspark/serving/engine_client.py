@@ -112,7 +112,7 @@ class EngineClient:
     # ---- plumbing ----------------------------------------------------------------------------------------------------
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the loop thread and await its result (engine errors as `RequestFailed`)."""
-        fut = self.loop.submit(fn, *args)
+        fut = self.loop.submit(fn, *args, awaited=True)
         try:
             # Cancelling the wrapper (timeout, or our caller cancelled) cancels `fut` unless it already started.
             return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)

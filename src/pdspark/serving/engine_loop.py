@@ -11,6 +11,14 @@ NOTE: the loop steps only while a step can make progress. When nothing can run (
 that do not fit because pages are held, e.g. for a transfer), it sleeps on its command queue until a command
 arrives (a submit, abort, release: anything that can change the engine's state) or `idle_wait_s` passes (so
 tickers still run and a blocked request is retried), and `stop()` wakes it at once.
+
+NOTE: the hand-off. A thread waiting for a command's result (the asyncio thread of a worker, through
+`EngineClient`) is woken as the command completes, but the engine thread, which holds the GIL, goes straight on to
+its next step, and the waiter gets the GIL only at the next switch interval or when the step blocks: a decode
+worker streamed a request's first token 0.5-3 ms after it joined the batch, behind the batch's next step. So after
+a drain that completed an awaited command (`submit(..., awaited=True)`), while there is a step to run, the loop
+steps aside for `HANDOFF_S` (a sleep, which releases the GIL) so that the waiter runs first (measured: 0.06-0.14
+ms from the command's end to the waiter's resuming, against 0.5-3 ms). Clean-ups that nobody awaits cost nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ Listener = Callable[[RequestOutput], None]
 # The load snapshot is refreshed at most this often (it walks the prefix tree); readers see it at most this much
 # (plus one step or idle wait) behind.
 _PUBLISH_EVERY_S = 0.01
+# How long the loop steps aside after completing an awaited command (see the hand-off NOTE): long enough for a
+# woken thread to take the GIL, short next to a step (~1-5 ms).
+HANDOFF_S = 0.0002
 
 
 class StepObserver(Protocol):
@@ -53,7 +64,7 @@ class EngineLoop:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
         self.observer = observer
-        self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future, bool]] = queue.Queue()
         self._listeners: dict[str, Listener] = {}
         self._tickers: list[Callable[[], None]] = []
         self._stop = threading.Event()
@@ -71,21 +82,22 @@ class EngineLoop:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._commands.put((lambda: None, Future()))  # wake a loop that is waiting for commands
+        self._commands.put((lambda: None, Future(), False))  # wake a loop that is waiting for commands
         self._thread.join(timeout)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
     # ---- from other threads ------------------------------------------------------------------------------------------
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, awaited: bool = False) -> Future:
         """Run `fn(*args)` on the loop thread between steps; the future carries its result or exception
-        (`LoopStopped` once the loop has stopped: nothing would ever run it)."""
+        (`LoopStopped` once the loop has stopped: nothing would ever run it). `awaited`: a thread waits for the
+        result; the loop hands it the GIL before its next step (see the hand-off NOTE)."""
         fut: Future = Future()
         if self._stop.is_set():
             fut.set_exception(LoopStopped("the engine loop has stopped"))
             return fut
-        self._commands.put((lambda: fn(*args), fut))
+        self._commands.put((lambda: fn(*args), fut, awaited))
         return fut
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 30.0, cancel_on_timeout: bool = True) -> Any:
@@ -95,7 +107,7 @@ class EngineLoop:
         between steps already, and queuing it would wait on ourselves."""
         if threading.current_thread() is self._thread:
             return fn(*args)
-        fut = self.submit(fn, *args)
+        fut = self.submit(fn, *args, awaited=True)
         try:
             return fut.result(timeout)
         except TimeoutError:
@@ -145,22 +157,28 @@ class EngineLoop:
             self._published_usage = self.engine.kv.usage()
 
     def _drain(self, block: bool) -> None:
-        """Run the queued commands; with `block`, first wait (at most `idle_wait_s`) for one to arrive."""
+        """Run the queued commands; with `block`, first wait (at most `idle_wait_s`) for one to arrive. Steps
+        aside after an awaited one (the hand-off NOTE) when a step follows."""
         deadline = time.monotonic() + (self.idle_wait_s if block else 0)
+        handoff = False
         while True:
             try:
                 timeout = max(0.0, deadline - time.monotonic())
-                fn, fut = self._commands.get(block=block, timeout=timeout) if block else self._commands.get_nowait()
+                fn, fut, awaited = (self._commands.get(block=block, timeout=timeout) if block
+                                    else self._commands.get_nowait())
             except queue.Empty:
-                return
+                break
             block = False  # after the first command, take only what is already queued
             self._stalled = False  # a command may have freed pages or added work: try a step again
             self._changed = True
             if fut.set_running_or_notify_cancel():
+                handoff |= awaited
                 try:
                     fut.set_result(fn())
                 except BaseException as e:  # handed to the caller, never raised here
                     fut.set_exception(e)
+        if handoff and self.engine.has_unfinished:
+            time.sleep(HANDOFF_S)
 
     def _step(self) -> None:
         t0 = time.perf_counter()

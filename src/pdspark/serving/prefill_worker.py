@@ -10,11 +10,17 @@ are released exactly once, when it ends. A caller that vanished without closing 
 lost network path) is gone once its lease lapses: gRPC keepalive breaks the connection and cancels its call
 (`rpc/keepalive.py`).
 
-NOTE: the prompt is prefilled only once its plan is here, i.e. once the decode worker has reserved room for its
-cache. Prefilling on arrival would overlap the two, but a prefilled prompt holds its pages and request slot until
-its plan comes; under a flood, the slots fill with prompts whose decode workers are busy, while the requests
-those decode workers did reserve for wait here for a slot: both sides wait until the deadlines (seen with 200
-concurrent requests on 16 slots). Waiting for the plan makes the prefill side follow the decode side's order.
+NOTE: a prompt is prefilled once its plan is here, i.e. once the decode worker has reserved room for its cache,
+with one exception (below). Prefilling every prompt on arrival would overlap the two, but a prefilled prompt holds
+its pages and request slot until its plan comes; under a flood, the slots fill with prompts whose decode workers
+are busy, while the requests those decode workers did reserve for wait here for a slot: both sides wait until
+the deadlines (seen with 200 concurrent requests on 16 slots). Waiting for the plan makes the prefill side follow
+the decode side's order. The exception: while the engine has nothing queued, at most `early_prefills` prompts (1
+by default) start on arrival, before their plans: the plan (the decode worker's reservation, then a call here,
+~2-3 ms on loopback) then arrives while the prompt is computed instead of before it. Such a prompt holds at most
+that many slots and their pages until its plan comes or its deadline passes; every other request follows its
+plan as before, so a flood cannot deadlock on them. A plan refused on arrival (an incompatible pair) then ends a
+prompt that may already have been computed.
 
 Threads: the rendezvous state lives on the asyncio loop (one thread, no locks); calls await its future; the engine
 thread reports the first token through `call_soon_threadsafe`; reading the pages and writing them runs on the
@@ -61,6 +67,7 @@ _MAX_REMEMBERED = 16384
 TRANSFER_THREADS = 4
 # The source checksum of a prompt's cache (at most a few MB of CRC32) ends well within this.
 _CHECKSUM_TIMEOUT_S = 30.0
+EARLY_PREFILLS = 1  # prompts that may start before their plans (see the NOTE)
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ class _Rendezvous:
     submitted: bool = False  # the request was (or may have been) queued in the engine: release it at the end
     plan: TransferPlan | None = None
     plan_at: float | None = None
+    early: bool = False  # queued in the engine before its plan arrived (counted in `PrefillWorker._early`)
     first: RequestOutput | None = None
     prefill_s: float = 0.0
     started: bool = False  # the transfer task runs
@@ -94,8 +102,13 @@ class _Rendezvous:
 
 class PrefillWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor,
-                 metrics: PrefillMetrics | None = None, max_pending: int = 1024, executor: Executor | None = None):
+                 metrics: PrefillMetrics | None = None, max_pending: int = 1024, executor: Executor | None = None,
+                 early_prefills: int = EARLY_PREFILLS):
+        """`early_prefills`: how many prompts may start before their plans while the engine has nothing queued
+        (see the NOTE; 0: every prompt waits for its plan)."""
         self.engine = EngineClient(loop)
+        self.early_prefills = early_prefills
+        self._early = 0  # rendezvous queued in the engine whose plans have not arrived
         self.backend = backend
         self.compat = compat
         self.metrics = metrics
@@ -139,11 +152,17 @@ class PrefillWorker:
                 raise RequestFailed(ErrorCode.INCOMPATIBLE, f"prefill and decode workers differ in "
                                                             f"{', '.join(mismatched)}; refusing to transfer")
             validate_plan(plan, self.buffers)
+            if rv.submitted:  # started early: the prompt it checks against is here
+                _check_prompt_len(plan, rv.prompt_ids)
         except RequestFailed as e:
             self._fail(rv, e)
         else:
             rv.plan, rv.plan_at = plan, time.monotonic()
-            self._maybe_submit(rv)
+            self._planned(rv)
+            if rv.first is not None:  # prefilled early, waiting for this plan
+                self._start_transfer(rv)
+            else:
+                self._maybe_submit(rv)
         return await self._wait(rv)
 
     def refuse_plan(self, transfer_id: str, failure: RequestFailed, deadline: Deadline) -> None:
@@ -211,15 +230,29 @@ class PrefillWorker:
             self._fail(rv, RequestFailed(ErrorCode.DEADLINE, _deadline_message(rv)))
 
     def _maybe_submit(self, rv: _Rendezvous) -> None:
-        """Both legs are here: queue the prompt in the engine (see the NOTE above)."""
-        if rv.submitted or rv.done.done() or rv.plan is None or rv.request_id is None:
+        """Queue the prompt in the engine once both legs are here, or on the prefill leg's arrival when it may
+        start early (see the NOTE above)."""
+        if rv.submitted or rv.done.done() or rv.request_id is None:
             return
-        if rv.plan.prompt_len != len(rv.prompt_ids):
-            self._fail(rv, RequestFailed(ErrorCode.INVALID_REQUEST, f"TransferPlan.prompt_len: {rv.plan.prompt_len} "
-                                                                    f"tokens; the prompt has {len(rv.prompt_ids)}"))
-            return
+        if rv.plan is None:
+            if self._early >= self.early_prefills or self.engine.load().waiting:
+                return
+            rv.early = True
+            self._early += 1
+        else:
+            try:
+                _check_prompt_len(rv.plan, rv.prompt_ids)
+            except RequestFailed as e:
+                self._fail(rv, e)
+                return
         rv.submitted = True
         self._spawn(self._submit(rv))
+
+    def _planned(self, rv: _Rendezvous) -> None:
+        """An early rendezvous got its plan or ended: it no longer counts against `early_prefills`."""
+        if rv.early:
+            rv.early = False
+            self._early -= 1
 
     async def _submit(self, rv: _Rendezvous) -> None:
         assert rv.request_id is not None and rv.params is not None
@@ -249,9 +282,13 @@ class PrefillWorker:
             self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"prefill aborted{reason}"))
             return
         rv.first, rv.prefill_s = out, seconds
-        rv.started = True
         if self.metrics is not None:
             self.metrics.observe_prefill(len(rv.prompt_ids), out.num_cached_tokens, seconds)
+        if rv.plan is not None:  # else it started early: the plan's arrival starts the transfer
+            self._start_transfer(rv)
+
+    def _start_transfer(self, rv: _Rendezvous) -> None:
+        rv.started = True
         self._spawn(self._transfer(rv))
 
     def _spawn(self, coro) -> None:
@@ -351,6 +388,7 @@ class PrefillWorker:
         assert not rv.done.done() and not rv.writing
         if rv.timer is not None:
             rv.timer.cancel()
+        self._planned(rv)
         self._pending.pop(rv.transfer_id, None)
         if rv.request_id is not None and self._by_request.get(rv.request_id) is rv:
             del self._by_request[rv.request_id]
@@ -384,6 +422,12 @@ class PrefillWorker:
             self._failed = {k: v for k, v in self._failed.items() if v[1] > now}
             while len(self._failed) > _MAX_REMEMBERED:  # still too many: forget the oldest
                 del self._failed[next(iter(self._failed))]
+
+
+def _check_prompt_len(plan: TransferPlan, prompt_ids: list[int]) -> None:
+    if plan.prompt_len != len(prompt_ids):
+        raise RequestFailed(ErrorCode.INVALID_REQUEST, f"TransferPlan.prompt_len: {plan.prompt_len} tokens; the "
+                                                       f"prompt has {len(prompt_ids)}")
 
 
 def _deadline_message(rv: _Rendezvous) -> str:

@@ -67,7 +67,7 @@ class WorkerServer:
         if isinstance(self.metrics, PrefillMetrics):
             self.worker: PrefillWorker | DecodeWorker = PrefillWorker(
                 self.loop, self.backend, compat, self.metrics, max_pending=cfg.max_pending_prefills,
-                executor=self.executor)
+                executor=self.executor, early_prefills=cfg.early_prefills)
             self.service = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
         else:
             # Under mutual TLS the decode worker calls prefill workers with its own certificate.
