@@ -80,16 +80,71 @@ static void prefetch(const void *w, long from, long to) {
         out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;                                                         \
     }                                                                                                               \
                                                                                                                     \
+    /* `dot4` of two vectors b and e at once: each weight value widened once for both; every output has the   \
+     * bits `dot4` gives it alone. */                                                                           \
+    static void dot4x2##SUFFIX(const W *a0, const W *a1, const W *a2, const W *a3, const float *b,              \
+                               const float *e, int n, float *out, float *oute) {                                \
+        float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};                                               \
+        float d0[16] = {0}, d1[16] = {0}, d2[16] = {0}, d3[16] = {0};                                               \
+        int k = 0;                                                                                                  \
+        for (; k + 16 <= n; k += 16)                                                                                \
+            for (int l = 0; l < 16; l++) {                                                                          \
+                const float w0 = VALUE(a0[k + l]), w1 = VALUE(a1[k + l]), w2 = VALUE(a2[k + l]),                    \
+                            w3 = VALUE(a3[k + l]);                                                                  \
+                c0[l] += w0 * b[k + l];                                                                             \
+                c1[l] += w1 * b[k + l];                                                                             \
+                c2[l] += w2 * b[k + l];                                                                             \
+                c3[l] += w3 * b[k + l];                                                                             \
+                d0[l] += w0 * e[k + l];                                                                             \
+                d1[l] += w1 * e[k + l];                                                                             \
+                d2[l] += w2 * e[k + l];                                                                             \
+                d3[l] += w3 * e[k + l];                                                                             \
+            }                                                                                                       \
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f, t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;               \
+        for (int l = 0; l < 16; l++) {                                                                              \
+            s0 += c0[l];                                                                                            \
+            s1 += c1[l];                                                                                            \
+            s2 += c2[l];                                                                                            \
+            s3 += c3[l];                                                                                            \
+            t0 += d0[l];                                                                                            \
+            t1 += d1[l];                                                                                            \
+            t2 += d2[l];                                                                                            \
+            t3 += d3[l];                                                                                            \
+        }                                                                                                           \
+        for (; k < n; k++) {                                                                                        \
+            const float w0 = VALUE(a0[k]), w1 = VALUE(a1[k]), w2 = VALUE(a2[k]), w3 = VALUE(a3[k]);                 \
+            s0 += w0 * b[k];                                                                                        \
+            s1 += w1 * b[k];                                                                                        \
+            s2 += w2 * b[k];                                                                                        \
+            s3 += w3 * b[k];                                                                                        \
+            t0 += w0 * e[k];                                                                                        \
+            t1 += w1 * e[k];                                                                                        \
+            t2 += w2 * e[k];                                                                                        \
+            t3 += w3 * e[k];                                                                                        \
+        }                                                                                                           \
+        out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;                                                         \
+        oute[0] = t0, oute[1] = t1, oute[2] = t2, oute[3] = t3;                                                     \
+    }                                                                                                               \
+                                                                                                                    \
     static void gemm_exact##SUFFIX(const W *w, const float *x, long xs, int T, int N, int K, float *out, long os) { \
         const long row = (long)K * (long)sizeof(W);                                                                 \
         int n = 0;                                                                                                  \
-        float s4[4];                                                                                                \
+        float s4[4], e4[4];                                                                                         \
         prefetch(w, 0, (N < GEMV_AHEAD ? N : GEMV_AHEAD) * row);                                                    \
         for (; n + 4 <= N; n += 4) {                                                                                \
             const W *r = w + (long)n * K;                                                                           \
             const int lo = n + GEMV_AHEAD, hi = lo + 4 < N ? lo + 4 : N;                                            \
             if (lo < hi) prefetch(w, lo * row, hi * row);                                                           \
-            for (int t = 0; t < T; t++) {                                                                           \
+            int t = 0;                                                                                              \
+            for (; t + 2 <= T; t += 2) { /* rows in pairs: the weights widened once per pair */                    \
+                dot4x2##SUFFIX(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, x + (long)(t + 1) * xs, K, s4,   \
+                               e4);                                                                                 \
+                for (int i = 0; i < 4; i++) {                                                                       \
+                    out[(long)t * os + n + i] = s4[i];                                                              \
+                    out[(long)(t + 1) * os + n + i] = e4[i];                                                        \
+                }                                                                                                   \
+            }                                                                                                       \
+            if (t < T) {                                                                                            \
                 dot4##SUFFIX(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, K, s4);                            \
                 for (int i = 0; i < 4; i++) out[(long)t * os + n + i] = s4[i];                                      \
             }                                                                                                       \
