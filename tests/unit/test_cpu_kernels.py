@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 
@@ -337,6 +339,43 @@ def test_row_exact_linear_gives_each_row_the_same_bits_whatever_rows_share_the_c
         assert ref is not None
         for rows in (2, 3, 7, 50, 150):
             assert torch.equal(kernels.linear_rows(x[:rows], w)[:1], ref), rows
+        # Every row, wherever it falls (the rows run in pairs, an odd one alone), as it comes alone.
+        alone = torch.cat([kernels.linear_rows(x[t:t + 1], w) for t in range(7)])
+        for rows in (2, 5, 6, 7):
+            assert torch.equal(kernels.linear_rows(x[:rows], w), alone[:rows]), rows
         torch.testing.assert_close(kernels.linear_rows(x, w), torch.nn.functional.linear(x, w), atol=1e-5,
                                    rtol=1e-5)
         assert kernels.linear_rows(x.double(), w.double()) is None  # not fp32: the caller keeps BLAS
+
+
+def _gemm_in_a_child(x: torch.Tensor, w: torch.Tensor, q) -> None:
+    with torch.inference_mode():
+        q.put(kernels.linear_rows(x, w).tolist())  # plain floats (each float32 exactly): no shared memory
+
+
+def test_the_helper_thread_changes_no_bits_and_a_forked_child_gets_its_own():
+    """With 2 threads a big enough weight GEMM gives its last rows to a helper thread (or takes them back when the
+    helper is slow to wake): every output keeps the bits it has alone. A process forked after the helper exists
+    has no helper thread (fork copies only the forking thread): it must make its own, not wait on the parent's."""
+    torch.manual_seed(12)
+    w, x = torch.randn(300, 200), torch.randn(9, 200)  # 540K multiply-adds: shared
+    with torch.inference_mode():
+        try:
+            kernels.set_threads(1)
+            alone = kernels.linear_rows(x, w)
+            kernels.set_threads(2)
+            shared = [kernels.linear_rows(x, w) for _ in range(50)]
+            assert all(torch.equal(s, alone) for s in shared)
+            ctx = multiprocessing.get_context("fork")
+            q = ctx.Queue()
+            child = ctx.Process(target=_gemm_in_a_child, args=(x, w, q))
+            child.start()
+            try:
+                assert torch.equal(torch.tensor(q.get(timeout=60)), alone)
+            finally:
+                child.join(10)
+                if child.is_alive():
+                    child.kill()
+            assert child.exitcode == 0
+        finally:
+            kernels.set_threads(1)

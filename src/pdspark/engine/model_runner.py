@@ -16,6 +16,7 @@ from pdspark.engine.forward_batch import (
     index_request,
     logits_rows,
 )
+from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.hardware.prepare_streams import PrepareStreams, use_prepare_streams
 from pdspark.model.decode_step import MAX_TOKENS
 from pdspark.model.dsv4 import DSV4Model
@@ -47,6 +48,11 @@ class ModelRunner:
         # Small steps on the CPU (decode, and DSpark verify steps with their captured features): indices built in C
         # from the page tables and every layer in one call.
         self.layout = index_layout(kv) if kv.pools.swa_kv.device.type == "cpu" else None
+        if self.layout is not None:
+            # The C steps run on the engine's threads too: MKL's for long chunks, the kernels' helper for the weight
+            # GEMMs of decode and verify steps (run below with one torch thread: MKL's threads cost more than they
+            # give on a few rows).
+            cpu_kernels.set_threads(self.threads)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> RunOutput:

@@ -4,6 +4,9 @@
  * PyTorch path, in GCC/Clang vector types; the DSpark draft's GEMMs use fused multiply-adds where the CPU has
  * them, see `draft_block`); called through ctypes. */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
 
 static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -80,16 +83,71 @@ static void prefetch(const void *w, long from, long to) {
         out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;                                                         \
     }                                                                                                               \
                                                                                                                     \
+    /* `dot4` of two vectors b and e at once: each weight value widened once for both; every output has the   \
+     * bits `dot4` gives it alone. */                                                                           \
+    static void dot4x2##SUFFIX(const W *a0, const W *a1, const W *a2, const W *a3, const float *b,              \
+                               const float *e, int n, float *out, float *oute) {                                \
+        float c0[16] = {0}, c1[16] = {0}, c2[16] = {0}, c3[16] = {0};                                               \
+        float d0[16] = {0}, d1[16] = {0}, d2[16] = {0}, d3[16] = {0};                                               \
+        int k = 0;                                                                                                  \
+        for (; k + 16 <= n; k += 16)                                                                                \
+            for (int l = 0; l < 16; l++) {                                                                          \
+                const float w0 = VALUE(a0[k + l]), w1 = VALUE(a1[k + l]), w2 = VALUE(a2[k + l]),                    \
+                            w3 = VALUE(a3[k + l]);                                                                  \
+                c0[l] += w0 * b[k + l];                                                                             \
+                c1[l] += w1 * b[k + l];                                                                             \
+                c2[l] += w2 * b[k + l];                                                                             \
+                c3[l] += w3 * b[k + l];                                                                             \
+                d0[l] += w0 * e[k + l];                                                                             \
+                d1[l] += w1 * e[k + l];                                                                             \
+                d2[l] += w2 * e[k + l];                                                                             \
+                d3[l] += w3 * e[k + l];                                                                             \
+            }                                                                                                       \
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f, t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;               \
+        for (int l = 0; l < 16; l++) {                                                                              \
+            s0 += c0[l];                                                                                            \
+            s1 += c1[l];                                                                                            \
+            s2 += c2[l];                                                                                            \
+            s3 += c3[l];                                                                                            \
+            t0 += d0[l];                                                                                            \
+            t1 += d1[l];                                                                                            \
+            t2 += d2[l];                                                                                            \
+            t3 += d3[l];                                                                                            \
+        }                                                                                                           \
+        for (; k < n; k++) {                                                                                        \
+            const float w0 = VALUE(a0[k]), w1 = VALUE(a1[k]), w2 = VALUE(a2[k]), w3 = VALUE(a3[k]);                 \
+            s0 += w0 * b[k];                                                                                        \
+            s1 += w1 * b[k];                                                                                        \
+            s2 += w2 * b[k];                                                                                        \
+            s3 += w3 * b[k];                                                                                        \
+            t0 += w0 * e[k];                                                                                        \
+            t1 += w1 * e[k];                                                                                        \
+            t2 += w2 * e[k];                                                                                        \
+            t3 += w3 * e[k];                                                                                        \
+        }                                                                                                           \
+        out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;                                                         \
+        oute[0] = t0, oute[1] = t1, oute[2] = t2, oute[3] = t3;                                                     \
+    }                                                                                                               \
+                                                                                                                    \
     static void gemm_exact##SUFFIX(const W *w, const float *x, long xs, int T, int N, int K, float *out, long os) { \
         const long row = (long)K * (long)sizeof(W);                                                                 \
         int n = 0;                                                                                                  \
-        float s4[4];                                                                                                \
+        float s4[4], e4[4];                                                                                         \
         prefetch(w, 0, (N < GEMV_AHEAD ? N : GEMV_AHEAD) * row);                                                    \
         for (; n + 4 <= N; n += 4) {                                                                                \
             const W *r = w + (long)n * K;                                                                           \
             const int lo = n + GEMV_AHEAD, hi = lo + 4 < N ? lo + 4 : N;                                            \
             if (lo < hi) prefetch(w, lo * row, hi * row);                                                           \
-            for (int t = 0; t < T; t++) {                                                                           \
+            int t = 0;                                                                                              \
+            for (; t + 2 <= T; t += 2) { /* rows in pairs: the weights widened once per pair */                    \
+                dot4x2##SUFFIX(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, x + (long)(t + 1) * xs, K, s4,   \
+                               e4);                                                                                 \
+                for (int i = 0; i < 4; i++) {                                                                       \
+                    out[(long)t * os + n + i] = s4[i];                                                              \
+                    out[(long)(t + 1) * os + n + i] = e4[i];                                                        \
+                }                                                                                                   \
+            }                                                                                                       \
+            if (t < T) {                                                                                            \
                 dot4##SUFFIX(r, r + K, r + 2L * K, r + 3L * K, x + (long)t * xs, K, s4);                            \
                 for (int i = 0; i < 4; i++) out[(long)t * os + n + i] = s4[i];                                      \
             }                                                                                                       \
@@ -106,20 +164,162 @@ static void gemv(const float *w, const float *x, int N, int K, float *out) {
     gemm_exact(w, x, K, 1, N, K, out, N);
 }
 
-/* `gemm_exact` of the weights at element `off` of w: fp32 (bf = 0) or bf16 bits (bf = 1). */
+/* One helper thread for the weight GEMMs of a step (`pool_threads(2)`; 1, the default: none). A GEMM big enough
+ * (`POOL_MIN_MACS`) offers its last output rows to the helper and computes the first ones itself; whoever claims the
+ * offer first computes them (the caller takes them back when the helper has not woken by the time its own share is
+ * done, so a sleeping helper never makes a GEMM slower than alone). Each output is computed whole by one thread
+ * with the same code: the bits do not depend on the split. The helper spins `POOL_SPIN_NS` for the next offer (a
+ * step's GEMMs come microseconds apart), then sleeps on a condition variable. One caller at a time: a GEMM that
+ * finds the helper taken (two engines of one process stepping at once) runs alone. A forked child starts with no
+ * helper (its thread is not copied) and makes a new one when it needs it. */
+#define POOL_MIN_MACS (1L << 16)
+#define POOL_SPIN_NS 200000L
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+typedef struct {
+    const void *w;
+    int bf;
+    int rows; /* 0: `gemm_exact`; 1: the draft's `gemm_rows` */
+    const float *x;
+    long xs;
+    int T, N, K;
+    float *out;
+    long os;
+} gemm_job;
+
+static struct {
+    int threads;                        /* wanted: 1 or 2 (set by `pool_threads`) */
+    int started;                        /* the helper thread exists */
+    atomic_int busy;                    /* a caller owns the pool */
+    atomic_long posted, claimed, done;  /* offer generations: posted, claimed (by either thread), done by the helper */
+    atomic_int sleeping;                /* the helper waits on `cv` */
+    gemm_job job;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+} pool = {1, 0, 0, 0, 0, 0, 0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static void gemm_rows_alone(const gemm_job *j); /* (below, with the draft's kernels) */
+
+static void gemm_job_run(const gemm_job *j) {
+    if (j->rows)
+        gemm_rows_alone(j);
+    else if (j->bf)
+        gemm_exact_h((const bf16_t *)j->w, j->x, j->xs, j->T, j->N, j->K, j->out, j->os);
+    else
+        gemm_exact((const float *)j->w, j->x, j->xs, j->T, j->N, j->K, j->out, j->os);
+}
+
+static int pool_claim(long gen) {
+    long prev = gen - 1;
+    return atomic_compare_exchange_strong(&pool.claimed, &prev, gen);
+}
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void *pool_helper(void *arg) {
+    (void)arg;
+    long seen = atomic_load(&pool.claimed); /* no offer is open when the thread is made */
+    for (;;) {
+        const long until = now_ns() + POOL_SPIN_NS;
+        for (int i = 0; atomic_load(&pool.posted) == seen; i++) {
+            CPU_RELAX();
+            if ((i & 63) == 63 && now_ns() > until) break;
+        }
+        if (atomic_load(&pool.posted) == seen) {
+            pthread_mutex_lock(&pool.mu);
+            atomic_store(&pool.sleeping, 1);
+            while (atomic_load(&pool.posted) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+            atomic_store(&pool.sleeping, 0);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = atomic_load(&pool.posted);
+        if (pool_claim(seen)) { /* the job is this generation's: it was written before `posted` moved */
+            gemm_job_run(&pool.job);
+            atomic_store(&pool.done, seen);
+        }
+    }
+    return 0;
+}
+
+static void pool_after_fork(void) { /* in the child: no helper thread, fresh locks */
+    pool.started = 0;
+    atomic_store(&pool.busy, 0);
+    atomic_store(&pool.sleeping, 0);
+    pthread_mutex_init(&pool.mu, 0);
+    pthread_cond_init(&pool.cv, 0);
+}
+
+/* Use `n` threads (1 or 2) for the weight GEMMs from now on. */
+void pool_threads(int n) { pool.threads = n > 1 ? 2 : 1; }
+
+static int pool_take(void) {
+    int idle = 0;
+    if (!atomic_compare_exchange_strong(&pool.busy, &idle, 1)) return 0;
+    if (!pool.started) {
+        static int at_fork;
+        if (!at_fork) at_fork = pthread_atfork(0, 0, pool_after_fork) == 0;
+        pthread_t t;
+        if (pthread_create(&t, 0, pool_helper, 0) != 0) {
+            atomic_store(&pool.busy, 0);
+            return 0;
+        }
+        pthread_detach(t);
+        pool.started = 1;
+    }
+    return 1;
+}
+
+/* Run `mine` (rows `[0, N)` of `mine.w`), its last rows offered to the helper thread when it is wanted, free and
+ * the GEMM big enough. */
+static void gemm_pooled(gemm_job mine) {
+    const int half = (mine.N / 2) & ~3; /* a multiple of 4: the split falls between groups of four rows */
+    if (pool.threads < 2 || (long)mine.T * mine.N * mine.K < POOL_MIN_MACS || half == 0 || !pool_take()) {
+        gemm_job_run(&mine);
+        return;
+    }
+    pool.job = mine; /* the offer: rows [half, N) */
+    pool.job.w = mine.bf ? (const void *)((const bf16_t *)mine.w + (long)half * mine.K)
+                         : (const void *)((const float *)mine.w + (long)half * mine.K);
+    pool.job.N = mine.N - half;
+    pool.job.out = mine.out + half;
+    const long gen = atomic_fetch_add(&pool.posted, 1) + 1;
+    if (atomic_load(&pool.sleeping)) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_signal(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    mine.N = half;
+    gemm_job_run(&mine);
+    if (pool_claim(gen))
+        gemm_job_run(&pool.job); /* the helper has not taken it: ours after all */
+    else
+        while (atomic_load(&pool.done) != gen) CPU_RELAX();
+    atomic_store(&pool.busy, 0);
+}
+
+/* `gemm_exact` of the weights at element `off` of w: fp32 (bf = 0) or bf16 bits (bf = 1), shared with the helper
+ * thread when it is worth it. */
 static void gemm_exact_w(const void *w, long off, int bf, const float *x, long xs, int T, int N, int K, float *out,
                          long os) {
-    if (bf)
-        gemm_exact_h((const bf16_t *)w + off, x, xs, T, N, K, out, os);
-    else
-        gemm_exact((const float *)w + off, x, xs, T, N, K, out, os);
+    const void *base = bf ? (const void *)((const bf16_t *)w + off) : (const void *)((const float *)w + off);
+    gemm_pooled((gemm_job){base, bf, 0, x, xs, T, N, K, out, os});
 }
 
 /* out [T, N] = x [T, K] @ w [N, K]^T with `gemm_exact`'s arithmetic: every output row's bits depend on its own
  * input row only, however many rows come with it (a BLAS GEMM picks other kernels, with other summation orders,
  * for other row counts). */
 void linear_rows(const float *x, const float *w, int T, int N, int K, float *out) {
-    gemm_exact(w, x, K, T, N, K, out, N);
+    gemm_exact_w(w, 0, 0, x, K, T, N, K, out, N);
 }
 
 /* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL); input
@@ -897,13 +1097,19 @@ static void gemm_rows_h(const bf16_t *w, const float *x, long xs, int T, int N, 
 }
 #endif
 
-/* `gemm_rows` of the weights at element `off` of w: fp32 (bf = 0) or bf16 bits (bf = 1). */
+static void gemm_rows_alone(const gemm_job *j) {
+    if (j->bf)
+        gemm_rows_h((const bf16_t *)j->w, j->x, j->xs, j->T, j->N, j->K, j->out, j->os);
+    else
+        gemm_rows((const float *)j->w, j->x, j->xs, j->T, j->N, j->K, j->out, j->os);
+}
+
+/* `gemm_rows` of the weights at element `off` of w: fp32 (bf = 0) or bf16 bits (bf = 1), shared with the helper
+ * thread when it is worth it. */
 static void gemm_rows_w(const void *w, long off, int bf, const float *x, long xs, int T, int N, int K, float *out,
                         long os) {
-    if (bf)
-        gemm_rows_h((const bf16_t *)w + off, x, xs, T, N, K, out, os);
-    else
-        gemm_rows((const float *)w + off, x, xs, T, N, K, out, os);
+    const void *base = bf ? (const void *)((const bf16_t *)w + off) : (const void *)((const float *)w + off);
+    gemm_pooled((gemm_job){base, bf, 1, x, xs, T, N, K, out, os});
 }
 
 /* Slots of `draft_block`'s arrays. Keep in step with `pdspark.hardware.cpu.kernels.DRAFT_*`. */
@@ -1273,3 +1479,4 @@ int decode_layers(int n, const long *tables, const long *sp, const int *si, cons
     }
     return n % 2;
 }
+

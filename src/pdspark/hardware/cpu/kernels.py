@@ -79,7 +79,7 @@ def load() -> ctypes.CDLL | None:
             out = Path(tmp) / lib_path.name
             # Wide vectors, but no fast-math and no FMA contraction: the loops keep their float32 roundings
             # (the partial sums are spelled out in the source, so the vector width does not change results).
-            cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off",
+            cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fno-fast-math", "-ffp-contract=off",
                    str(_SOURCE), "-o", str(out), "-lm"]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
@@ -120,6 +120,8 @@ def load() -> ctypes.CDLL | None:
     lib.attn_out_rows.restype = None
     lib.decode_layer.argtypes = [f, f, f, f, f, f, f, f, f, f]
     lib.decode_layer.restype = None
+    lib.pool_threads.argtypes = [i]
+    lib.pool_threads.restype = None
     lib.lm_head.argtypes = [f, i, i, i, f, f, f, fl, fl, f, fl, f, i, i, f, f]
     lib.lm_head.restype = None
     lib.linear_rows.argtypes = [f, f, i, i, i, f]
@@ -508,6 +510,14 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if x2.shape[0]:
         lib.linear_rows(x2.data_ptr(), w.data_ptr(), x2.shape[0], N, K, out.data_ptr())
     return out.view(*x.shape[:-1], N)
+
+
+def set_threads(n: int) -> None:
+    """Threads (1, or 2: a helper thread) for the weight GEMMs of the C decode and verify steps, process-wide
+    (the engine sets its own thread count; each output keeps its bits whatever the count)."""
+    lib = load()
+    if lib is not None:
+        lib.pool_threads(n)
 
 
 def bf16_copy(w: torch.Tensor) -> torch.Tensor | None:
