@@ -202,8 +202,10 @@ class DecodeStep:
                      * c.index_head_dim + c.index_n_heads + V + c.n_routed_experts + 2 * c.moe_intermediate_size
                      # the row-shared output projection, and the expert-grouped MoE (ids, weights, rows)
                      + H * HD + c.o_groups * c.o_lora_rank
-                     + 4 * c.num_experts_per_tok + 3 * D + 3 * c.moe_intermediate_size + c.num_experts_per_tok * D)
-        fixed = (hc * D + (2 + hc) * hc + 4 * max(HD, 3 * c.index_head_dim) + 64 + 2 * V + H * (W + V) + H * HD
+                     + 4 * c.num_experts_per_tok + 3 * D + 3 * c.moe_intermediate_size + c.num_experts_per_tok * D
+                     # the mHC collapse's normalised rows and mixes
+                     + hc * D + (2 + hc) * hc)
+        fixed = (4 * max(HD, 3 * c.index_head_dim) + 64 + 2 * V + H * (W + V) + H * HD
                  + c.o_groups * c.o_lora_rank + 3 * c.moe_intermediate_size + 2 * D + c.num_experts_per_tok)
         return T * per_token + fixed + 16 * 28  # (each carve is rounded up to 16 floats)
 

@@ -410,19 +410,22 @@ static void collapse_token(const float *ht, const float *mixes, const float *sca
  *   flat = h[t] * rsqrt(mean(h[t]^2) + norm_eps) over the hc*D values; mixes = fn [M, hc*D] @ flat;
  *   (pre, post, comb) from the mixes; x [T, D] = sum_i pre[i] * h[t, i, :], then RMS-normalised with the
  *   sublayer's norm weight x_norm_w when given (NULL: x as collapsed).
- * scratch holds hc*D + M floats. */
+ * The mixes of all T rows come from one `gemm_exact_w` (each row's bits as its own GEMV's; the rows share the reads
+ * of fn, in pairs and with the helper thread). scratch holds T * (hc*D + M) floats. */
 void hc_collapse(const float *h, const float *fn, const float *scale, const float *base, int T, int hc, int D,
                  int iters, float eps, float norm_eps, float *scratch, float *x, float *pre, float *post,
                  float *comb, const float *x_norm_w, float x_norm_eps) {
     const int N = hc * D, M = (2 + hc) * hc;
-    float *flat = scratch, *mixes = scratch + N;
+    float *flat = scratch, *mixes = scratch + (long)T * N;
     for (int t = 0; t < T; t++) {
         const float *ht = h + (long)t * N;
         const float r = 1.0f / sqrtf(dot(ht, ht, N) / (float)N + norm_eps);
-        for (int k = 0; k < N; k++) flat[k] = ht[k] * r;
-        gemv(fn, flat, M, N, mixes);
-        collapse_token(ht, mixes, scale, base, hc, D, iters, eps, x + (long)t * D, pre + (long)t * hc,
-                       post + (long)t * hc, comb + (long)t * hc * hc);
+        for (int k = 0; k < N; k++) flat[(long)t * N + k] = ht[k] * r;
+    }
+    gemm_exact_w(fn, 0, 0, flat, N, T, M, N, mixes, M);
+    for (int t = 0; t < T; t++) {
+        collapse_token(h + (long)t * N, mixes + (long)t * M, scale, base, hc, D, iters, eps, x + (long)t * D,
+                       pre + (long)t * hc, post + (long)t * hc, comb + (long)t * hc * hc);
         if (x_norm_w != 0) rms_norm(x + (long)t * D, D, x_norm_w, 1, D, x_norm_eps, x + (long)t * D);
     }
 }
@@ -910,7 +913,7 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
     const float *sin = kind == KIND_SLIDING ? PTR(sp, S_SIN_MAIN) : PTR(sp, S_SIN_COMP);
     float *at = scratch;
     float *x = take(&at, (long)T * D), *pre = take(&at, (long)T * hc), *post = take(&at, (long)T * hc);
-    float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)hc * D + M);
+    float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)T * (hc * D + M));
     float *xp = take(&at, (long)T * NX), *qr = take(&at, (long)T * QL), *qh = take(&at, (long)T * H * HD);
     float *q = take(&at, (long)T * H * HD), *o = take(&at, (long)T * H * HD), *y = take(&at, (long)T * D);
     float *hm = take(&at, (long)T * hc * D), *small = take(&at, 4L * (HD > 3 * Di ? HD : 3 * Di) + 64);
@@ -1179,8 +1182,8 @@ long draft_scratch_floats(const int *wi, int M, int W) {
     const long T = (long)M * wi[DI_GAMMA], hc = wi[DI_HC], D = wi[DI_D], QL = wi[DI_QL], H = wi[DI_H];
     const long HD = wi[DI_HD], GL = (long)wi[DI_G] * wi[DI_L], I = wi[DI_INTER], r = wi[DI_R];
     const long per_row = 2 * r + 3 * hc * D + 2 * D + hc + hc + hc * hc + QL + HD + QL + 4 * H * HD + HD + GL + 2 * I
-                         + I;
-    return T * per_row + hc * D + (2 + hc) * hc + H * (W + wi[DI_GAMMA]) + HD + 16 * 32;
+                         + I + hc * D + (2 + hc) * hc;
+    return T * per_row + H * (W + wi[DI_GAMMA]) + HD + 16 * 32;
 }
 
 /* One stage (`DraftStage.forward_prepared`) on the block rows' streams h [T, hc, D] -> h_out: the mHC collapse with
@@ -1194,7 +1197,7 @@ static void draft_stage(const long *wp, const int *wi, const float *wf, int M, c
     const int HD = wi[DI_HD], OG = wi[DI_G], L = wi[DI_L], I = wi[DI_INTER], r = wi[DI_R], NX = QL + HD;
     const int C = H * HD / OG, bf = wi[DI_BF16];
     float *x = take(&at, (long)T * D), *pre = take(&at, (long)T * hc), *post = take(&at, (long)T * hc);
-    float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)hc * D + (2 + hc) * hc);
+    float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)T * (hc * D + (2 + hc) * hc));
     float *xp = take(&at, (long)T * NX), *qr = take(&at, (long)T * QL), *qh = take(&at, (long)T * H * HD);
     float *q = take(&at, (long)T * H * HD), *bkv = take(&at, (long)T * HD), *o = take(&at, (long)T * H * HD);
     float *un = take(&at, (long)T * H * HD), *mid = take(&at, (long)T * OG * L), *y = take(&at, (long)T * D);
