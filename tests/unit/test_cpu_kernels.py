@@ -276,9 +276,20 @@ def test_c_lm_head_matches_the_torch_steps():
     torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-5)
 
 
-def test_row_shared_moe_and_output_projection_are_the_per_row_bits():
-    """A verify step's rows read each routed expert once for all rows that picked it (`moe_decode_rows`) and each
-    projection weight once for all rows (`attn_out_rows`): the per-row kernels' bits, row for row."""
+@pytest.fixture
+def kernel_threads(request):
+    """`kernels.set_threads(request.param)` for the test (the GEMMs and the experts shared with the helper thread at
+    2), back to 1 after it."""
+    kernels.set_threads(request.param)
+    yield request.param
+    kernels.set_threads(1)
+
+
+@pytest.mark.parametrize("kernel_threads", [1, 2], indirect=True)
+def test_row_shared_moe_and_output_projection_are_the_per_row_bits(kernel_threads):
+    """A verify step's rows read each routed expert once for all rows that picked it (`moe_decode_rows`; with 2
+    threads the experts split in two ranges, one per thread) and each projection weight once for all rows
+    (`attn_out_rows`): the per-row kernels' bits, row for row."""
     from pdspark.assets import resolve_model
     from pdspark.model.model_config import ModelConfig, RopeConfig
     from pdspark.model.rope import RotaryTable

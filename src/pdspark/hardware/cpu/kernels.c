@@ -199,12 +199,17 @@ static struct {
     atomic_int busy;                    /* a caller owns the pool */
     atomic_long posted, claimed, done;  /* offer generations: posted, claimed (by either thread), done by the helper */
     atomic_int sleeping;                /* the helper waits on `cv` */
-    gemm_job job;
+    void (*fn)(void *);                 /* the offer: fn(arg) */
+    void *arg;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-} pool = {1, 0, 0, 0, 0, 0, 0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+} pool = {1, 0, 0, 0, 0, 0, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static void gemm_rows_alone(const gemm_job *j); /* (below, with the draft's kernels) */
+
+static void gemm_job_run(const gemm_job *j);
+
+static void gemm_job_fn(void *j) { gemm_job_run((const gemm_job *)j); }
 
 static void gemm_job_run(const gemm_job *j) {
     if (j->rows)
@@ -243,8 +248,8 @@ static void *pool_helper(void *arg) {
             pthread_mutex_unlock(&pool.mu);
         }
         seen = atomic_load(&pool.posted);
-        if (pool_claim(seen)) { /* the job is this generation's: it was written before `posted` moved */
-            gemm_job_run(&pool.job);
+        if (pool_claim(seen)) { /* the offer is this generation's: it was written before `posted` moved */
+            pool.fn(pool.arg);
             atomic_store(&pool.done, seen);
         }
     }
@@ -279,6 +284,26 @@ static int pool_take(void) {
     return 1;
 }
 
+/* With the pool taken (`pool_take`): offer fn(arg) to the helper, run mine(mine_arg) meanwhile, then fn(arg) here
+ * unless the helper claimed it first (then wait for it); the pool is free again on return. Both must write
+ * disjoint memory. */
+static void pool_split(void (*fn)(void *), void *arg, void (*mine)(void *), void *mine_arg) {
+    pool.fn = fn;
+    pool.arg = arg;
+    const long gen = atomic_fetch_add(&pool.posted, 1) + 1;
+    if (atomic_load(&pool.sleeping)) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_signal(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    mine(mine_arg);
+    if (pool_claim(gen))
+        fn(arg); /* the helper has not taken it: ours after all */
+    else
+        while (atomic_load(&pool.done) != gen) CPU_RELAX();
+    atomic_store(&pool.busy, 0);
+}
+
 /* Run `mine` (rows `[0, N)` of `mine.w`), its last rows offered to the helper thread when it is wanted, free and
  * the GEMM big enough. */
 static void gemm_pooled(gemm_job mine) {
@@ -287,24 +312,13 @@ static void gemm_pooled(gemm_job mine) {
         gemm_job_run(&mine);
         return;
     }
-    pool.job = mine; /* the offer: rows [half, N) */
-    pool.job.w = mine.bf ? (const void *)((const bf16_t *)mine.w + (long)half * mine.K)
-                         : (const void *)((const float *)mine.w + (long)half * mine.K);
-    pool.job.N = mine.N - half;
-    pool.job.out = mine.out + half;
-    const long gen = atomic_fetch_add(&pool.posted, 1) + 1;
-    if (atomic_load(&pool.sleeping)) {
-        pthread_mutex_lock(&pool.mu);
-        pthread_cond_signal(&pool.cv);
-        pthread_mutex_unlock(&pool.mu);
-    }
+    gemm_job theirs = mine; /* rows [half, N) */
+    theirs.w = mine.bf ? (const void *)((const bf16_t *)mine.w + (long)half * mine.K)
+                       : (const void *)((const float *)mine.w + (long)half * mine.K);
+    theirs.N = mine.N - half;
+    theirs.out = mine.out + half;
     mine.N = half;
-    gemm_job_run(&mine);
-    if (pool_claim(gen))
-        gemm_job_run(&pool.job); /* the helper has not taken it: ours after all */
-    else
-        while (atomic_load(&pool.done) != gen) CPU_RELAX();
-    atomic_store(&pool.busy, 0);
+    pool_split(gemm_job_fn, &theirs, gemm_job_fn, &mine);
 }
 
 /* `gemm_exact` of the weights at element `off` of w: fp32 (bf = 0) or bf16 bits (bf = 1), shared with the helper
@@ -643,39 +657,71 @@ void moe_decode(const float *x, const float *lgu, long lstride, const long *inpu
                  limit, scratch, ids, ws, out);
 }
 
+/* A range of routed experts of `moe_decode_rows_w`, each over the rows that picked it; `scr` is this range's own
+ * T*(2D + 3I + k) floats (gathered rows, activations, outputs, row slots). */
+typedef struct {
+    const float *x;
+    const void *w13, *w2;
+    int bf, T, D, I, k, e0, e1;
+    float limit;
+    const long *ids;
+    float *ys; /* [T, k, D]: token t's slot j output */
+    float *scr;
+} moe_range;
+
+static void moe_experts(void *arg) {
+    const moe_range *m = (const moe_range *)arg;
+    const int T = m->T, D = m->D, I = m->I, k = m->k;
+    float *xg = m->scr, *hg = xg + (long)T * D, *ag = hg + (long)T * 2 * I, *yg = ag + (long)T * I;
+    int *rows = (int *)(yg + (long)T * D); /* the (token * k + slot) of each gathered row */
+    for (int e = m->e0; e < m->e1; e++) { /* each expert once, over the rows that picked it */
+        int n = 0;
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < k; j++)
+                if (m->ids[(long)t * k + j] == e) {
+                    rows[n] = t * k + j;
+                    for (int d = 0; d < D; d++) xg[(long)n * D + d] = m->x[(long)t * D + d];
+                    n++;
+                }
+        if (n == 0) continue;
+        gemm_exact_w(m->w13, (long)e * 2 * I * D, m->bf, xg, D, n, 2 * I, D, hg, 2 * I);
+        for (int r = 0; r < n; r++)
+            for (int i = 0; i < I; i++)
+                ag[(long)r * I + i] = swiglu1(hg[(long)r * 2 * I + i], hg[(long)r * 2 * I + I + i], m->limit);
+        gemm_exact_w(m->w2, (long)e * D * I, m->bf, ag, I, n, D, I, yg, D);
+        for (int r = 0; r < n; r++)
+            for (int d = 0; d < D; d++) m->ys[(long)rows[r] * D + d] = yg[(long)r * D + d];
+    }
+}
+
 /* `moe_decode` for a verify step's few tokens with each routed expert's weights read once for every token that
  * picked it (the per-token loop reads them once per pick): routing as there, then per expert its tokens' rows
  * gathered and run through `gemm_exact`, the outputs kept per (token, slot) and summed per token in slot order,
- * then the shared term, so every output has `moe_decode`'s bits. Scratch: T*k longs ids, T*k floats ws,
- * T*(3D + 3I + k*D + k) floats fs. */
+ * then the shared term, so every output has `moe_decode`'s bits. With the helper thread (`pool_threads(2)`) the
+ * experts are split in two ranges of about as many rows, one per thread (each expert's arithmetic unchanged).
+ * Scratch: T*k longs ids, T*k floats ws, T*(4D + 6I + k*D + 2k) floats fs. */
 static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
                               const long *tid2eid, const float *bias, const void *w13, const void *w2,
                               const void *w2s, int bf, int T, int D, int E, int I, int k, int sqrtsoftplus,
                               float scaling, float limit, long *ids, float *ws, float *fs, float *out) {
-    float *xg = fs, *hg = xg + (long)T * D, *ag = hg + (long)T * 2 * I, *yg = ag + (long)T * I;
-    float *ys = yg + (long)T * D; /* [T, k, D]: token t's slot j output */
-    int *rows = (int *)(ys + (long)T * k * D); /* the (token * k + slot) of each gathered row */
+    const long range_scr = (long)T * (2 * D + 3 * I + k);
+    float *ys = fs + 2 * range_scr; /* [T, k, D] */
     for (int t = 0; t < T; t++) { /* routing, as `moe_decode` */
         route_token(lgu + (long)t * lstride, tid2eid != 0 ? tid2eid + input_ids[t] * k : 0, bias, E, k, sqrtsoftplus,
                     scaling, ids + (long)t * k, ws + (long)t * k);
     }
-    for (int e = 0; e < E; e++) { /* each expert once, over the rows that picked it */
-        int n = 0;
-        for (int t = 0; t < T; t++)
-            for (int j = 0; j < k; j++)
-                if (ids[(long)t * k + j] == e) {
-                    rows[n] = t * k + j;
-                    for (int d = 0; d < D; d++) xg[(long)n * D + d] = x[(long)t * D + d];
-                    n++;
-                }
-        if (n == 0) continue;
-        gemm_exact_w(w13, (long)e * 2 * I * D, bf, xg, D, n, 2 * I, D, hg, 2 * I);
-        for (int m = 0; m < n; m++)
-            for (int i = 0; i < I; i++)
-                ag[(long)m * I + i] = swiglu1(hg[(long)m * 2 * I + i], hg[(long)m * 2 * I + I + i], limit);
-        gemm_exact_w(w2, (long)e * D * I, bf, ag, I, n, D, I, yg, D);
-        for (int m = 0; m < n; m++)
-            for (int d = 0; d < D; d++) ys[(long)rows[m] * D + d] = yg[(long)m * D + d];
+    moe_range mine = {x, w13, w2, bf, T, D, I, k, 0, E, limit, ids, ys, fs};
+    /* The split: the first expert at which half of the T*k picks are behind. */
+    int split = 0;
+    for (long behind = 0; split < E && 2 * behind < (long)T * k; split++)
+        for (long p = 0; p < (long)T * k; p++) behind += ids[p] == split;
+    if (pool.threads >= 2 && split > 0 && split < E && (long)T * k * 3 * I * D >= POOL_MIN_MACS && pool_take()) {
+        moe_range theirs = mine;
+        mine.e1 = theirs.e0 = split;
+        theirs.scr = fs + range_scr;
+        pool_split(moe_experts, &theirs, moe_experts, &mine);
+    } else {
+        moe_experts(&mine);
     }
     for (int t = 0; t < T; t++) { /* routed terms in slot order, as `moe_decode`'s acc */
         float *ot = out + (long)t * D;
@@ -684,6 +730,7 @@ static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, co
             for (int d = 0; d < D; d++) ot[d] = j == 0 ? y[d] * w : ot[d] + y[d] * w;
         }
     }
+    float *ag = fs + (long)T * (D + 2 * I), *yg = ag + (long)T * I; /* the first range's, free again */
     for (int t = 0; t < T; t++) /* shared expert's activations */
         for (int i = 0; i < I; i++)
             ag[(long)t * I + i] = swiglu1(lgu[(long)t * lstride + E + i], lgu[(long)t * lstride + E + I + i], limit);
@@ -991,7 +1038,7 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
                    ids_buf, mscr + 3 * I + 2 * D, y);
     } else { /* ids: T*K longs (as many floats again), ws: T*K floats, then the grouped scratch */
         long *gids = (long *)take(&at, 2L * T * K);
-        float *gws = take(&at, (long)T * K), *gscr = take(&at, (long)T * (3L * D + 3L * I + (long)K * D + K));
+        float *gws = take(&at, (long)T * K), *gscr = take(&at, (long)T * (4L * D + 6L * I + (long)K * D + 2L * K));
         moe_decode_rows_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
                           PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT],
                           gids, gws, gscr, y);

@@ -298,7 +298,7 @@ def moe_decode_rows(
     I = I2 // 2
     ids = torch.empty(T * top_k, dtype=torch.int64)
     ws = torch.empty(T * top_k)
-    fs = torch.empty(T * (3 * D + 3 * I + top_k * D + top_k))
+    fs = torch.empty(T * (4 * D + 6 * I + top_k * D + 2 * top_k))
     out = torch.empty(T, D)
     lib.moe_decode_rows(
         x.data_ptr(), lgu.data_ptr(), lgu.stride(0), input_ids.data_ptr(),
