@@ -205,7 +205,7 @@ class DecodeStep:
                      + 5 * c.num_experts_per_tok + 4 * D + 6 * c.moe_intermediate_size + c.num_experts_per_tok * D
                      # the mHC collapse's normalised rows and mixes
                      + hc * D + (2 + hc) * hc)
-        fixed = (4 * max(HD, 3 * c.index_head_dim) + 64 + 2 * V + H * (W + V) + H * HD
+        fixed = (4 * max(HD, 3 * c.index_head_dim) + 64 + 2 * V + 2 * (H * (W + V) + 16) + H * HD
                  + c.o_groups * c.o_lora_rank + 3 * c.moe_intermediate_size + 2 * D + c.num_experts_per_tok)
         return T * per_token + fixed + 16 * 28  # (each carve is rounded up to 16 floats)
 

@@ -801,6 +801,54 @@ void sink_attend(const float *q, const float *swa, long swa_stride, const long *
     }
 }
 
+/* `sink_attend`'s arguments, for a range of its rows. */
+typedef struct {
+    const float *q, *swa;
+    long swa_stride;
+    const long *win_rows;
+    const unsigned char *win_valid;
+    int W;
+    const float *comp;
+    long comp_stride;
+    const long *comp_rows;
+    const unsigned char *comp_valid;
+    int V;
+    const float *sink;
+    float scale;
+    int T, H, d;
+    float *scratch, *out;
+} attend_job;
+
+static void attend_job_fn(void *arg) {
+    const attend_job *a = (const attend_job *)arg;
+    sink_attend(a->q, a->swa, a->swa_stride, a->win_rows, a->win_valid, a->W, a->comp, a->comp_stride, a->comp_rows,
+                a->comp_valid, a->V, a->sink, a->scale, a->T, a->H, a->d, a->scratch, a->out);
+}
+
+/* `sink_attend` of a verify step's rows, the last half offered to the helper thread (each row's arithmetic
+ * unchanged); `scratch2` holds the helper's H*(W+V) floats. */
+static void sink_attend_rows(attend_job a, float *scratch2) {
+    const int half = a.T / 2;
+    if (pool.threads < 2 || half == 0 || !pool_take()) {
+        attend_job_fn(&a);
+        return;
+    }
+    attend_job b = a;
+    const long hd = (long)half * a.H * a.d;
+    b.q += hd;
+    b.out += hd;
+    b.win_rows += (long)half * a.W;
+    b.win_valid += (long)half * a.W;
+    if (a.V > 0) {
+        b.comp_rows += (long)half * a.V;
+        b.comp_valid += (long)half * a.V;
+    }
+    b.T = a.T - half;
+    b.scratch = scratch2;
+    a.T = half;
+    pool_split(attend_job_fn, &b, attend_job_fn, &a);
+}
+
 /* One compressor's step (`model.compressor.Compressor.run`) in one call. w = coff * dim (coff 2 with overlap).
  *   rows [T, 2w] = proj (rows `pstride` apart) with ape[pos % ratio] added to the score half: [kv | score];
  *   each closing group g pools its `span` source rows (use_cur: rows[cur_rows], else state[hist_rows]); with overlap
@@ -1019,9 +1067,12 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
         }
         if (V == 0) comp = 0;
     }
-    float *ascr = take(&at, (long)H * (W + V) + 16);
-    sink_attend(q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS), BPTR(sp, S_WIN_VALID), W, comp,
-                pp[P_COMP_STRIDE], comp_rows, comp_valid, V, PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o);
+    const long ascr_n = (long)H * (W + V) + 16;
+    float *ascr = take(&at, 2 * ascr_n); /* this thread's and the helper's */
+    sink_attend_rows((attend_job){q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS),
+                                  BPTR(sp, S_WIN_VALID), W, comp, pp[P_COMP_STRIDE], comp_rows, comp_valid, V,
+                                  PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o},
+                     ascr + ascr_n);
     float *oscr = take(&at, (long)T * (H * HD + wi[I_G] * wi[I_L]));
     attn_out_rows_w(o, cos, sin, T, H, HD, r, PTR(wp, W_O_A), wi[I_G], wi[I_L], PTR(wp, W_O_B), D, bf, oscr, y);
     hc_expand(y, h, post, comb, T, hc, D, hm);
