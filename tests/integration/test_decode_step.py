@@ -65,3 +65,27 @@ def test_bf16_weights_give_the_fp32_kernels_bits_on_the_shipped_checkpoint():
                 assert a.token_ids == b.token_ids == c.token_ids
                 assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
                 assert [x.top for x in a.logprobs] == [x.top for x in b.logprobs]
+
+
+def test_the_helper_thread_gives_every_step_the_same_bits():
+    """With 2 threads the C steps share their GEMMs, the routed experts and the attention rows with a helper thread
+    (`kernels.c`'s pool): tokens and logprobs equal, bit for bit, those of one thread, plain and DSpark, batch 1 and
+    3 (verify steps of 6 and 18 rows)."""
+    from pdspark.hardware.cpu import kernels as cpu_kernels
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    try:
+        for speculative in (None, "dspark"):
+            llm = make_llm("dsv4-tiny", speculative=speculative)
+            for prompts in (random_prompts(1, [90], seed=9, vocab=4096),
+                            random_prompts(3, [70, 100, 53], seed=10, vocab=4096)):
+                runs = []
+                for threads in (1, 2):
+                    cpu_kernels.set_threads(threads)
+                    runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+                for a, b in zip(*runs):
+                    assert a.token_ids == b.token_ids
+                    assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+                    assert [x.top for x in a.logprobs] == [x.top for x in b.logprobs]
+    finally:
+        cpu_kernels.set_threads(1)

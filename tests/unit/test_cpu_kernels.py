@@ -276,9 +276,20 @@ def test_c_lm_head_matches_the_torch_steps():
     torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-5)
 
 
-def test_row_shared_moe_and_output_projection_are_the_per_row_bits():
-    """A verify step's rows read each routed expert once for all rows that picked it (`moe_decode_rows`) and each
-    projection weight once for all rows (`attn_out_rows`): the per-row kernels' bits, row for row."""
+@pytest.fixture
+def kernel_threads(request):
+    """`kernels.set_threads(request.param)` for the test (the GEMMs and the experts shared with the helper thread at
+    2), back to 1 after it."""
+    kernels.set_threads(request.param)
+    yield request.param
+    kernels.set_threads(1)
+
+
+@pytest.mark.parametrize("kernel_threads", [1, 2], indirect=True)
+def test_row_shared_moe_and_output_projection_are_the_per_row_bits(kernel_threads):
+    """A verify step's rows read each routed expert once for all rows that picked it (`moe_decode_rows`; with 2
+    threads the experts split in two ranges, one per thread) and each projection weight once for all rows
+    (`attn_out_rows`): the per-row kernels' bits, row for row."""
     from pdspark.assets import resolve_model
     from pdspark.model.model_config import ModelConfig, RopeConfig
     from pdspark.model.rope import RotaryTable
@@ -379,3 +390,25 @@ def test_the_helper_thread_changes_no_bits_and_a_forked_child_gets_its_own():
             assert child.exitcode == 0
         finally:
             kernels.set_threads(1)
+
+
+def test_the_mhc_collapse_of_a_few_rows_gives_each_row_its_own_bits():
+    """A verify step's rows get their mixes from one row-exact GEMM (in pairs, shared with the helper thread at 2
+    threads): every row's collapse has the bits it has alone."""
+    torch.manual_seed(13)
+    T, hc, D = 7, 4, 128  # 7 x 24 x 512 multiply-adds: enough for the helper
+    M = (2 + hc) * hc
+    h, fn = torch.randn(T, hc, D), torch.randn(M, hc * D) * 0.05
+    scale, base, norm_w = torch.rand(3), torch.randn(M) * 0.1, torch.rand(D) + 0.5
+    with torch.inference_mode():
+        for threads in (1, 2):
+            try:
+                kernels.set_threads(threads)
+                rows = kernels.hc_collapse(h, fn, scale, base, 20, 1e-6, 1e-6, (norm_w, 1e-6))
+                assert rows is not None
+                for t in range(T):
+                    alone = kernels.hc_collapse(h[t:t + 1], fn, scale, base, 20, 1e-6, 1e-6, (norm_w, 1e-6))
+                    assert alone is not None
+                    assert all(torch.equal(a[t:t + 1], b) for a, b in zip(rows, alone)), (threads, t)
+            finally:
+                kernels.set_threads(1)

@@ -199,12 +199,17 @@ static struct {
     atomic_int busy;                    /* a caller owns the pool */
     atomic_long posted, claimed, done;  /* offer generations: posted, claimed (by either thread), done by the helper */
     atomic_int sleeping;                /* the helper waits on `cv` */
-    gemm_job job;
+    void (*fn)(void *);                 /* the offer: fn(arg) */
+    void *arg;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-} pool = {1, 0, 0, 0, 0, 0, 0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+} pool = {1, 0, 0, 0, 0, 0, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static void gemm_rows_alone(const gemm_job *j); /* (below, with the draft's kernels) */
+
+static void gemm_job_run(const gemm_job *j);
+
+static void gemm_job_fn(void *j) { gemm_job_run((const gemm_job *)j); }
 
 static void gemm_job_run(const gemm_job *j) {
     if (j->rows)
@@ -243,8 +248,8 @@ static void *pool_helper(void *arg) {
             pthread_mutex_unlock(&pool.mu);
         }
         seen = atomic_load(&pool.posted);
-        if (pool_claim(seen)) { /* the job is this generation's: it was written before `posted` moved */
-            gemm_job_run(&pool.job);
+        if (pool_claim(seen)) { /* the offer is this generation's: it was written before `posted` moved */
+            pool.fn(pool.arg);
             atomic_store(&pool.done, seen);
         }
     }
@@ -279,6 +284,26 @@ static int pool_take(void) {
     return 1;
 }
 
+/* With the pool taken (`pool_take`): offer fn(arg) to the helper, run mine(mine_arg) meanwhile, then fn(arg) here
+ * unless the helper claimed it first (then wait for it); the pool is free again on return. Both must write
+ * disjoint memory. */
+static void pool_split(void (*fn)(void *), void *arg, void (*mine)(void *), void *mine_arg) {
+    pool.fn = fn;
+    pool.arg = arg;
+    const long gen = atomic_fetch_add(&pool.posted, 1) + 1;
+    if (atomic_load(&pool.sleeping)) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_signal(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    mine(mine_arg);
+    if (pool_claim(gen))
+        fn(arg); /* the helper has not taken it: ours after all */
+    else
+        while (atomic_load(&pool.done) != gen) CPU_RELAX();
+    atomic_store(&pool.busy, 0);
+}
+
 /* Run `mine` (rows `[0, N)` of `mine.w`), its last rows offered to the helper thread when it is wanted, free and
  * the GEMM big enough. */
 static void gemm_pooled(gemm_job mine) {
@@ -287,24 +312,13 @@ static void gemm_pooled(gemm_job mine) {
         gemm_job_run(&mine);
         return;
     }
-    pool.job = mine; /* the offer: rows [half, N) */
-    pool.job.w = mine.bf ? (const void *)((const bf16_t *)mine.w + (long)half * mine.K)
-                         : (const void *)((const float *)mine.w + (long)half * mine.K);
-    pool.job.N = mine.N - half;
-    pool.job.out = mine.out + half;
-    const long gen = atomic_fetch_add(&pool.posted, 1) + 1;
-    if (atomic_load(&pool.sleeping)) {
-        pthread_mutex_lock(&pool.mu);
-        pthread_cond_signal(&pool.cv);
-        pthread_mutex_unlock(&pool.mu);
-    }
+    gemm_job theirs = mine; /* rows [half, N) */
+    theirs.w = mine.bf ? (const void *)((const bf16_t *)mine.w + (long)half * mine.K)
+                       : (const void *)((const float *)mine.w + (long)half * mine.K);
+    theirs.N = mine.N - half;
+    theirs.out = mine.out + half;
     mine.N = half;
-    gemm_job_run(&mine);
-    if (pool_claim(gen))
-        gemm_job_run(&pool.job); /* the helper has not taken it: ours after all */
-    else
-        while (atomic_load(&pool.done) != gen) CPU_RELAX();
-    atomic_store(&pool.busy, 0);
+    pool_split(gemm_job_fn, &theirs, gemm_job_fn, &mine);
 }
 
 /* `gemm_exact` of the weights at element `off` of w: fp32 (bf = 0) or bf16 bits (bf = 1), shared with the helper
@@ -410,19 +424,22 @@ static void collapse_token(const float *ht, const float *mixes, const float *sca
  *   flat = h[t] * rsqrt(mean(h[t]^2) + norm_eps) over the hc*D values; mixes = fn [M, hc*D] @ flat;
  *   (pre, post, comb) from the mixes; x [T, D] = sum_i pre[i] * h[t, i, :], then RMS-normalised with the
  *   sublayer's norm weight x_norm_w when given (NULL: x as collapsed).
- * scratch holds hc*D + M floats. */
+ * The mixes of all T rows come from one `gemm_exact_w` (each row's bits as its own GEMV's; the rows share the reads
+ * of fn, in pairs and with the helper thread). scratch holds T * (hc*D + M) floats. */
 void hc_collapse(const float *h, const float *fn, const float *scale, const float *base, int T, int hc, int D,
                  int iters, float eps, float norm_eps, float *scratch, float *x, float *pre, float *post,
                  float *comb, const float *x_norm_w, float x_norm_eps) {
     const int N = hc * D, M = (2 + hc) * hc;
-    float *flat = scratch, *mixes = scratch + N;
+    float *flat = scratch, *mixes = scratch + (long)T * N;
     for (int t = 0; t < T; t++) {
         const float *ht = h + (long)t * N;
         const float r = 1.0f / sqrtf(dot(ht, ht, N) / (float)N + norm_eps);
-        for (int k = 0; k < N; k++) flat[k] = ht[k] * r;
-        gemv(fn, flat, M, N, mixes);
-        collapse_token(ht, mixes, scale, base, hc, D, iters, eps, x + (long)t * D, pre + (long)t * hc,
-                       post + (long)t * hc, comb + (long)t * hc * hc);
+        for (int k = 0; k < N; k++) flat[(long)t * N + k] = ht[k] * r;
+    }
+    gemm_exact_w(fn, 0, 0, flat, N, T, M, N, mixes, M);
+    for (int t = 0; t < T; t++) {
+        collapse_token(h + (long)t * N, mixes + (long)t * M, scale, base, hc, D, iters, eps, x + (long)t * D,
+                       pre + (long)t * hc, post + (long)t * hc, comb + (long)t * hc * hc);
         if (x_norm_w != 0) rms_norm(x + (long)t * D, D, x_norm_w, 1, D, x_norm_eps, x + (long)t * D);
     }
 }
@@ -640,39 +657,71 @@ void moe_decode(const float *x, const float *lgu, long lstride, const long *inpu
                  limit, scratch, ids, ws, out);
 }
 
+/* A range of routed experts of `moe_decode_rows_w`, each over the rows that picked it; `scr` is this range's own
+ * T*(2D + 3I + k) floats (gathered rows, activations, outputs, row slots). */
+typedef struct {
+    const float *x;
+    const void *w13, *w2;
+    int bf, T, D, I, k, e0, e1;
+    float limit;
+    const long *ids;
+    float *ys; /* [T, k, D]: token t's slot j output */
+    float *scr;
+} moe_range;
+
+static void moe_experts(void *arg) {
+    const moe_range *m = (const moe_range *)arg;
+    const int T = m->T, D = m->D, I = m->I, k = m->k;
+    float *xg = m->scr, *hg = xg + (long)T * D, *ag = hg + (long)T * 2 * I, *yg = ag + (long)T * I;
+    int *rows = (int *)(yg + (long)T * D); /* the (token * k + slot) of each gathered row */
+    for (int e = m->e0; e < m->e1; e++) { /* each expert once, over the rows that picked it */
+        int n = 0;
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < k; j++)
+                if (m->ids[(long)t * k + j] == e) {
+                    rows[n] = t * k + j;
+                    for (int d = 0; d < D; d++) xg[(long)n * D + d] = m->x[(long)t * D + d];
+                    n++;
+                }
+        if (n == 0) continue;
+        gemm_exact_w(m->w13, (long)e * 2 * I * D, m->bf, xg, D, n, 2 * I, D, hg, 2 * I);
+        for (int r = 0; r < n; r++)
+            for (int i = 0; i < I; i++)
+                ag[(long)r * I + i] = swiglu1(hg[(long)r * 2 * I + i], hg[(long)r * 2 * I + I + i], m->limit);
+        gemm_exact_w(m->w2, (long)e * D * I, m->bf, ag, I, n, D, I, yg, D);
+        for (int r = 0; r < n; r++)
+            for (int d = 0; d < D; d++) m->ys[(long)rows[r] * D + d] = yg[(long)r * D + d];
+    }
+}
+
 /* `moe_decode` for a verify step's few tokens with each routed expert's weights read once for every token that
  * picked it (the per-token loop reads them once per pick): routing as there, then per expert its tokens' rows
  * gathered and run through `gemm_exact`, the outputs kept per (token, slot) and summed per token in slot order,
- * then the shared term, so every output has `moe_decode`'s bits. Scratch: T*k longs ids, T*k floats ws,
- * T*(3D + 3I + k*D + k) floats fs. */
+ * then the shared term, so every output has `moe_decode`'s bits. With the helper thread (`pool_threads(2)`) the
+ * experts are split in two ranges of about as many rows, one per thread (each expert's arithmetic unchanged).
+ * Scratch: T*k longs ids, T*k floats ws, T*(4D + 6I + k*D + 2k) floats fs. */
 static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
                               const long *tid2eid, const float *bias, const void *w13, const void *w2,
                               const void *w2s, int bf, int T, int D, int E, int I, int k, int sqrtsoftplus,
                               float scaling, float limit, long *ids, float *ws, float *fs, float *out) {
-    float *xg = fs, *hg = xg + (long)T * D, *ag = hg + (long)T * 2 * I, *yg = ag + (long)T * I;
-    float *ys = yg + (long)T * D; /* [T, k, D]: token t's slot j output */
-    int *rows = (int *)(ys + (long)T * k * D); /* the (token * k + slot) of each gathered row */
+    const long range_scr = (long)T * (2 * D + 3 * I + k);
+    float *ys = fs + 2 * range_scr; /* [T, k, D] */
     for (int t = 0; t < T; t++) { /* routing, as `moe_decode` */
         route_token(lgu + (long)t * lstride, tid2eid != 0 ? tid2eid + input_ids[t] * k : 0, bias, E, k, sqrtsoftplus,
                     scaling, ids + (long)t * k, ws + (long)t * k);
     }
-    for (int e = 0; e < E; e++) { /* each expert once, over the rows that picked it */
-        int n = 0;
-        for (int t = 0; t < T; t++)
-            for (int j = 0; j < k; j++)
-                if (ids[(long)t * k + j] == e) {
-                    rows[n] = t * k + j;
-                    for (int d = 0; d < D; d++) xg[(long)n * D + d] = x[(long)t * D + d];
-                    n++;
-                }
-        if (n == 0) continue;
-        gemm_exact_w(w13, (long)e * 2 * I * D, bf, xg, D, n, 2 * I, D, hg, 2 * I);
-        for (int m = 0; m < n; m++)
-            for (int i = 0; i < I; i++)
-                ag[(long)m * I + i] = swiglu1(hg[(long)m * 2 * I + i], hg[(long)m * 2 * I + I + i], limit);
-        gemm_exact_w(w2, (long)e * D * I, bf, ag, I, n, D, I, yg, D);
-        for (int m = 0; m < n; m++)
-            for (int d = 0; d < D; d++) ys[(long)rows[m] * D + d] = yg[(long)m * D + d];
+    moe_range mine = {x, w13, w2, bf, T, D, I, k, 0, E, limit, ids, ys, fs};
+    /* The split: the first expert at which half of the T*k picks are behind. */
+    int split = 0;
+    for (long behind = 0; split < E && 2 * behind < (long)T * k; split++)
+        for (long p = 0; p < (long)T * k; p++) behind += ids[p] == split;
+    if (pool.threads >= 2 && split > 0 && split < E && (long)T * k * 3 * I * D >= POOL_MIN_MACS && pool_take()) {
+        moe_range theirs = mine;
+        mine.e1 = theirs.e0 = split;
+        theirs.scr = fs + range_scr;
+        pool_split(moe_experts, &theirs, moe_experts, &mine);
+    } else {
+        moe_experts(&mine);
     }
     for (int t = 0; t < T; t++) { /* routed terms in slot order, as `moe_decode`'s acc */
         float *ot = out + (long)t * D;
@@ -681,6 +730,7 @@ static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, co
             for (int d = 0; d < D; d++) ot[d] = j == 0 ? y[d] * w : ot[d] + y[d] * w;
         }
     }
+    float *ag = fs + (long)T * (D + 2 * I), *yg = ag + (long)T * I; /* the first range's, free again */
     for (int t = 0; t < T; t++) /* shared expert's activations */
         for (int i = 0; i < I; i++)
             ag[(long)t * I + i] = swiglu1(lgu[(long)t * lstride + E + i], lgu[(long)t * lstride + E + I + i], limit);
@@ -749,6 +799,54 @@ void sink_attend(const float *q, const float *swa, long swa_stride, const long *
             }
         }
     }
+}
+
+/* `sink_attend`'s arguments, for a range of its rows. */
+typedef struct {
+    const float *q, *swa;
+    long swa_stride;
+    const long *win_rows;
+    const unsigned char *win_valid;
+    int W;
+    const float *comp;
+    long comp_stride;
+    const long *comp_rows;
+    const unsigned char *comp_valid;
+    int V;
+    const float *sink;
+    float scale;
+    int T, H, d;
+    float *scratch, *out;
+} attend_job;
+
+static void attend_job_fn(void *arg) {
+    const attend_job *a = (const attend_job *)arg;
+    sink_attend(a->q, a->swa, a->swa_stride, a->win_rows, a->win_valid, a->W, a->comp, a->comp_stride, a->comp_rows,
+                a->comp_valid, a->V, a->sink, a->scale, a->T, a->H, a->d, a->scratch, a->out);
+}
+
+/* `sink_attend` of a verify step's rows, the last half offered to the helper thread (each row's arithmetic
+ * unchanged); `scratch2` holds the helper's H*(W+V) floats. */
+static void sink_attend_rows(attend_job a, float *scratch2) {
+    const int half = a.T / 2;
+    if (pool.threads < 2 || half == 0 || !pool_take()) {
+        attend_job_fn(&a);
+        return;
+    }
+    attend_job b = a;
+    const long hd = (long)half * a.H * a.d;
+    b.q += hd;
+    b.out += hd;
+    b.win_rows += (long)half * a.W;
+    b.win_valid += (long)half * a.W;
+    if (a.V > 0) {
+        b.comp_rows += (long)half * a.V;
+        b.comp_valid += (long)half * a.V;
+    }
+    b.T = a.T - half;
+    b.scratch = scratch2;
+    a.T = half;
+    pool_split(attend_job_fn, &b, attend_job_fn, &a);
 }
 
 /* One compressor's step (`model.compressor.Compressor.run`) in one call. w = coff * dim (coff 2 with overlap).
@@ -910,7 +1008,7 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
     const float *sin = kind == KIND_SLIDING ? PTR(sp, S_SIN_MAIN) : PTR(sp, S_SIN_COMP);
     float *at = scratch;
     float *x = take(&at, (long)T * D), *pre = take(&at, (long)T * hc), *post = take(&at, (long)T * hc);
-    float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)hc * D + M);
+    float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)T * (hc * D + M));
     float *xp = take(&at, (long)T * NX), *qr = take(&at, (long)T * QL), *qh = take(&at, (long)T * H * HD);
     float *q = take(&at, (long)T * H * HD), *o = take(&at, (long)T * H * HD), *y = take(&at, (long)T * D);
     float *hm = take(&at, (long)T * hc * D), *small = take(&at, 4L * (HD > 3 * Di ? HD : 3 * Di) + 64);
@@ -969,9 +1067,12 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
         }
         if (V == 0) comp = 0;
     }
-    float *ascr = take(&at, (long)H * (W + V) + 16);
-    sink_attend(q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS), BPTR(sp, S_WIN_VALID), W, comp,
-                pp[P_COMP_STRIDE], comp_rows, comp_valid, V, PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o);
+    const long ascr_n = (long)H * (W + V) + 16;
+    float *ascr = take(&at, 2 * ascr_n); /* this thread's and the helper's */
+    sink_attend_rows((attend_job){q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS),
+                                  BPTR(sp, S_WIN_VALID), W, comp, pp[P_COMP_STRIDE], comp_rows, comp_valid, V,
+                                  PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o},
+                     ascr + ascr_n);
     float *oscr = take(&at, (long)T * (H * HD + wi[I_G] * wi[I_L]));
     attn_out_rows_w(o, cos, sin, T, H, HD, r, PTR(wp, W_O_A), wi[I_G], wi[I_L], PTR(wp, W_O_B), D, bf, oscr, y);
     hc_expand(y, h, post, comb, T, hc, D, hm);
@@ -988,7 +1089,7 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
                    ids_buf, mscr + 3 * I + 2 * D, y);
     } else { /* ids: T*K longs (as many floats again), ws: T*K floats, then the grouped scratch */
         long *gids = (long *)take(&at, 2L * T * K);
-        float *gws = take(&at, (long)T * K), *gscr = take(&at, (long)T * (3L * D + 3L * I + (long)K * D + K));
+        float *gws = take(&at, (long)T * K), *gscr = take(&at, (long)T * (4L * D + 6L * I + (long)K * D + 2L * K));
         moe_decode_rows_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
                           PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT],
                           gids, gws, gscr, y);
@@ -1179,8 +1280,8 @@ long draft_scratch_floats(const int *wi, int M, int W) {
     const long T = (long)M * wi[DI_GAMMA], hc = wi[DI_HC], D = wi[DI_D], QL = wi[DI_QL], H = wi[DI_H];
     const long HD = wi[DI_HD], GL = (long)wi[DI_G] * wi[DI_L], I = wi[DI_INTER], r = wi[DI_R];
     const long per_row = 2 * r + 3 * hc * D + 2 * D + hc + hc + hc * hc + QL + HD + QL + 4 * H * HD + HD + GL + 2 * I
-                         + I;
-    return T * per_row + hc * D + (2 + hc) * hc + H * (W + wi[DI_GAMMA]) + HD + 16 * 32;
+                         + I + hc * D + (2 + hc) * hc;
+    return T * per_row + H * (W + wi[DI_GAMMA]) + HD + 16 * 32;
 }
 
 /* One stage (`DraftStage.forward_prepared`) on the block rows' streams h [T, hc, D] -> h_out: the mHC collapse with
@@ -1194,7 +1295,7 @@ static void draft_stage(const long *wp, const int *wi, const float *wf, int M, c
     const int HD = wi[DI_HD], OG = wi[DI_G], L = wi[DI_L], I = wi[DI_INTER], r = wi[DI_R], NX = QL + HD;
     const int C = H * HD / OG, bf = wi[DI_BF16];
     float *x = take(&at, (long)T * D), *pre = take(&at, (long)T * hc), *post = take(&at, (long)T * hc);
-    float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)hc * D + (2 + hc) * hc);
+    float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)T * (hc * D + (2 + hc) * hc));
     float *xp = take(&at, (long)T * NX), *qr = take(&at, (long)T * QL), *qh = take(&at, (long)T * H * HD);
     float *q = take(&at, (long)T * H * HD), *bkv = take(&at, (long)T * HD), *o = take(&at, (long)T * H * HD);
     float *un = take(&at, (long)T * H * HD), *mid = take(&at, (long)T * OG * L), *y = take(&at, (long)T * D);

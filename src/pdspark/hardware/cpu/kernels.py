@@ -169,9 +169,9 @@ def hc_collapse(
         return None
     T, hc, D = h.shape
     M = fn.shape[0]
-    # One allocation: x | post | comb | pre | scratch (normalised row + mixes).
-    buf = torch.empty(T * (D + 2 * hc + hc * hc) + hc * D + M)
-    x, post, comb, pre, scratch = buf.split([T * D, T * hc, T * hc * hc, T * hc, hc * D + M])
+    # One allocation: x | post | comb | pre | scratch (normalised rows + mixes).
+    buf = torch.empty(T * (D + 2 * hc + hc * hc + hc * D + M))
+    x, post, comb, pre, scratch = buf.split([T * D, T * hc, T * hc * hc, T * hc, T * (hc * D + M)])
     lib.hc_collapse(
         h.data_ptr(), fn.data_ptr(), scale.data_ptr(), base.data_ptr(), T, hc, D, iters, eps, norm_eps,
         scratch.data_ptr(), x.data_ptr(), pre.data_ptr(), post.data_ptr(), comb.data_ptr(),
@@ -298,7 +298,7 @@ def moe_decode_rows(
     I = I2 // 2
     ids = torch.empty(T * top_k, dtype=torch.int64)
     ws = torch.empty(T * top_k)
-    fs = torch.empty(T * (3 * D + 3 * I + top_k * D + top_k))
+    fs = torch.empty(T * (4 * D + 6 * I + top_k * D + 2 * top_k))
     out = torch.empty(T, D)
     lib.moe_decode_rows(
         x.data_ptr(), lgu.data_ptr(), lgu.stride(0), input_ids.data_ptr(),
