@@ -256,8 +256,10 @@ static void *pool_helper(void *arg) {
     return 0;
 }
 
-static void pool_after_fork(void) { /* in the child: no helper thread, fresh locks */
+static void pool_after_fork(void) { /* in the child: no helper thread, fresh locks, no open offer */
     pool.started = 0;
+    atomic_store(&pool.claimed, atomic_load(&pool.posted)); /* (an offer of a parent's thread that is not here) */
+    atomic_store(&pool.done, atomic_load(&pool.posted));
     atomic_store(&pool.busy, 0);
     atomic_store(&pool.sleeping, 0);
     pthread_mutex_init(&pool.mu, 0);
