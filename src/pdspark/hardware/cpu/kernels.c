@@ -207,6 +207,11 @@ static struct {
 
 static void gemm_rows_alone(const gemm_job *j); /* (below, with the draft's kernels) */
 
+/* The weights at element `off` of w, stored as fp32 (bf = 0) or bf16 bits (bf = 1). */
+static const void *weights_at(const void *w, int bf, long off) {
+    return bf ? (const void *)((const bf16_t *)w + off) : (const void *)((const float *)w + off);
+}
+
 static void gemm_job_run(const gemm_job *j);
 
 static void gemm_job_fn(void *j) { gemm_job_run((const gemm_job *)j); }
@@ -315,8 +320,7 @@ static void gemm_pooled(gemm_job mine) {
         return;
     }
     gemm_job theirs = mine; /* rows [half, N) */
-    theirs.w = mine.bf ? (const void *)((const bf16_t *)mine.w + (long)half * mine.K)
-                       : (const void *)((const float *)mine.w + (long)half * mine.K);
+    theirs.w = weights_at(mine.w, mine.bf, (long)half * mine.K);
     theirs.N = mine.N - half;
     theirs.out = mine.out + half;
     mine.N = half;
@@ -327,8 +331,7 @@ static void gemm_pooled(gemm_job mine) {
  * thread when it is worth it. */
 static void gemm_exact_w(const void *w, long off, int bf, const float *x, long xs, int T, int N, int K, float *out,
                          long os) {
-    const void *base = bf ? (const void *)((const bf16_t *)w + off) : (const void *)((const float *)w + off);
-    gemm_pooled((gemm_job){base, bf, 0, x, xs, T, N, K, out, os});
+    gemm_pooled((gemm_job){weights_at(w, bf, off), bf, 0, x, xs, T, N, K, out, os});
 }
 
 /* out [T, N] = x [T, K] @ w [N, K]^T with `gemm_exact`'s arithmetic: every output row's bits depend on its own
@@ -1211,8 +1214,7 @@ static void gemm_rows_alone(const gemm_job *j) {
  * thread when it is worth it. */
 static void gemm_rows_w(const void *w, long off, int bf, const float *x, long xs, int T, int N, int K, float *out,
                         long os) {
-    const void *base = bf ? (const void *)((const bf16_t *)w + off) : (const void *)((const float *)w + off);
-    gemm_pooled((gemm_job){base, bf, 1, x, xs, T, N, K, out, os});
+    gemm_pooled((gemm_job){weights_at(w, bf, off), bf, 1, x, xs, T, N, K, out, os});
 }
 
 /* Slots of `draft_block`'s arrays. Keep in step with `pdspark.hardware.cpu.kernels.DRAFT_*`. */
