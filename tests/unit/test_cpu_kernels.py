@@ -359,6 +359,18 @@ def test_row_exact_linear_gives_each_row_the_same_bits_whatever_rows_share_the_c
         assert kernels.linear_rows(x.double(), w.double()) is None  # not fp32: the caller keeps BLAS
 
 
+def test_a_weight_row_has_the_same_bits_in_a_block_of_16_rows_and_after_the_last_block():
+    """On AVX-512 CPUs whole blocks of 16 weight rows take the tiled kernel, the rows after the last block the
+    portable one (as do all rows of a matrix under 16 rows): both are `dot`'s arithmetic, bit for bit."""
+    torch.manual_seed(12)
+    w, x = torch.randn(40, 200), torch.randn(7, 200)  # two blocks of 16 rows, 8 after; 200 = 12 x 16 + a tail of 8
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 5, 6, 7):
+            whole = kernels.linear_rows(x[:rows], w)
+            for lo in (0, 8, 16, 32):  # rows of the first block, its second half, the second block, after the last
+                assert torch.equal(whole[:, lo:lo + 8], kernels.linear_rows(x[:rows], w[lo:lo + 8])), (rows, lo)
+
+
 def _gemm_in_a_child(x: torch.Tensor, w: torch.Tensor, q) -> None:
     with torch.inference_mode():
         q.put(kernels.linear_rows(x, w).tolist())  # plain floats (each float32 exactly): no shared memory
