@@ -287,8 +287,13 @@ def test_sdk_deadline_is_enforced(cluster):
     from pdspark.errors import ErrorCode
 
     with Client(cluster["grpc"]) as client:
+        # A deadline of a quarter of what the request takes on this machine (a fixed one passed on fast CPUs).
+        client.generate(PROMPTS[1], max_tokens=2, timeout=60)  # the prompt cached: the timed run is all decode
+        t0 = time.monotonic()
+        client.generate(PROMPTS[1], max_tokens=220, ignore_eos=True, timeout=60)
+        whole = time.monotonic() - t0
         with pytest.raises(ClientError) as e:
-            client.generate(PROMPTS[1], max_tokens=220, ignore_eos=True, timeout=0.3)
+            client.generate(PROMPTS[1], max_tokens=220, ignore_eos=True, timeout=whole / 4)
         assert e.value.code == "DEADLINE_EXCEEDED" and e.value.error_code is ErrorCode.DEADLINE
     t0 = time.monotonic()
     while not workers_idle(cluster):
