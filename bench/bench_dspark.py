@@ -1,7 +1,9 @@
 """DSpark on vs off on held-out prompts: decode tokens/s at batch 1 and 8, acceptance length and per position.
 
 Decode tokens/s counts tokens after each request's first one, over the time after that first token (prefill is
-excluded). Greedy, EOS ignored. Both modes run in this process, alternating, with `--repeats` medians.
+excluded). Greedy, EOS ignored. Three engines run in this process, alternating, with `--repeats` medians: plain,
+DSpark at every step, and DSpark with `speculative_policy="when-faster"` (the governor of `engine/spec_governor.py`,
+which drafts only at the batch sizes where it measured drafting faster; its exploration is part of its figure).
 
 Where a step goes at batch 1: the forward of a plain decode step (1 row) and of a verify step (gamma + 1 rows), and
 the draft's proposal, medians over the steps. The roofline (`roofline.py`: fp32 GEMV GB/s measured in this run,
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from train_dspark_draft import heldout_prompts  # noqa: E402  (the held-out split of the training recipe)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import figure, paired_bars, save_figure, write_json  # noqa: E402
+from report import figure, save_figure, write_json  # noqa: E402
 from roofline import machine_limits, work_per_token  # noqa: E402
 
 
@@ -60,7 +62,7 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, output_len: int) -> dict
     medians of the step forwards by row count (up to 16 rows: decode and verify steps) and of the proposals."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    decode_s, n_tokens = 0.0, 0
+    decode_s, n_tokens, decode_steps, drafted_steps = 0.0, 0, 0, 0
     verify0 = engine.spec.verify_steps
     forward = StepTimer(engine.runner, "run", lambda a: sum(len(c.token_ids) for c in a[0]))
     propose = StepTimer(engine.drafter, "propose", lambda a: len(a[0])) if engine.drafter is not None else None
@@ -72,10 +74,14 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, output_len: int) -> dict
             ids = [engine.add_request(p, params) for p in prompts[i : i + batch]]
             first = last = None
             while engine.has_unfinished:
+                verified = engine.spec.verify_steps  # counts verify chunks: more than one a step at batch > 1
                 outs = engine.step()
                 now = time.perf_counter()
                 if outs and first is None:
                     first = now
+                elif first is not None:
+                    decode_steps += 1
+                    drafted_steps += engine.spec.verify_steps > verified
                 last = now
             decode_s += last - first
             n_tokens += sum(len(engine.requests[r].output_token_ids) - 1 for r in ids)
@@ -87,7 +93,7 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, output_len: int) -> dict
         medians.update({f"propose_ms_{m}_blocks": 1e3 * statistics.median(ts)
                         for m, ts in sorted(propose.times.items())})
     return {"decode_tok_s": n_tokens / decode_s, "verify_steps": engine.spec.verify_steps - verify0,
-            "tokens": n_tokens, **medians}
+            "decode_steps": decode_steps, "drafted_steps": drafted_steps, "tokens": n_tokens, **medians}
 
 
 def main() -> None:
@@ -106,12 +112,14 @@ def main() -> None:
     opts = dict(max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=16, enable_prefix_cache=False)
     plain = LLM(path, **opts)
     spec = LLM(path, speculative="dspark", **opts)
+    # The governor: drafts only at the batch sizes where this machine measures them faster (`spec_governor.py`).
+    auto = LLM(path, speculative="dspark", speculative_policy="when-faster", **opts)
     batches = [int(b) for b in args.batches.split(",")]
     limits = [machine_limits(args.threads)]
     rows: dict[tuple[str, int], list[dict]] = {}
     for rep in range(args.repeats):
         for b in batches:
-            for name, llm in (("plain", plain), ("dspark", spec)):
+            for name, llm in (("plain", plain), ("dspark", spec), ("auto", auto)):
                 r = run(llm, prompts, b, args.output_len)
                 rows.setdefault((name, b), []).append(r)
                 print(f"[{rep + 1}/{args.repeats}] batch {b} {name:<6}: {r['decode_tok_s']:.1f} decode tok/s",
@@ -127,14 +135,18 @@ def main() -> None:
         f"model {args.model}: {args.prompts} held-out prompts of {args.prompt_len} tokens, {args.output_len} greedy "
         f"output tokens, {args.threads} threads ({args.repeats} repeat(s), medians)",
         "",
-        "| batch | plain decode tok/s | DSpark decode tok/s | speedup |",
-        "|---:|---:|---:|---:|",
+        "| batch | plain decode tok/s | DSpark decode tok/s | speedup | DSpark when faster tok/s | speedup | "
+        "its steps with drafts |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     summary = []
     for b in batches:
-        p, s = med("plain", b), med("dspark", b)
-        lines.append(f"| {b} | {p:.1f} | {s:.1f} | {s / p:.2f}x |")
-        summary.append({"batch": b, "plain_tok_s": p, "dspark_tok_s": s, "speedup": s / p})
+        p, s, a = med("plain", b), med("dspark", b), med("auto", b)
+        drafted = sum(r["drafted_steps"] for r in rows[("auto", b)]) / max(
+            1, sum(r["decode_steps"] for r in rows[("auto", b)]))
+        lines.append(f"| {b} | {p:.1f} | {s:.1f} | {s / p:.2f}x | {a:.1f} | {a / p:.2f}x | {drafted:.0%} |")
+        summary.append({"batch": b, "plain_tok_s": p, "dspark_tok_s": s, "speedup": s / p,
+                        "when_faster_tok_s": a, "when_faster_speedup": a / p, "when_faster_drafted_steps": drafted})
     lines += [
         "",
         f"mean acceptance length (tokens per verify step, bonus included): {acc_len:.2f}",
@@ -174,8 +186,13 @@ def main() -> None:
                           "acceptance_per_position": per_pos, "batch1_steps": steps,
                           "runs": {f"{n} b{b}": v for (n, b), v in rows.items()}})
     fig, (a1, a2) = figure(ncols=2, width=10)
-    paired_bars(a1, [f"batch {s['batch']}" for s in summary], [s["plain_tok_s"] for s in summary],
-                [s["dspark_tok_s"] for s in summary], ("plain", "DSpark"), "decode tokens / s")
+    xs = range(len(summary))
+    for k, (key, name) in enumerate((("plain_tok_s", "plain"), ("dspark_tok_s", "DSpark"),
+                                     ("when_faster_tok_s", "DSpark when faster"))):
+        a1.bar([x + (k - 1) * 0.27 for x in xs], [s[key] for s in summary], 0.27, label=name)
+    a1.set_xticks(list(xs), [f"batch {s['batch']}" for s in summary], fontsize=8)
+    a1.set_ylabel("decode tokens / s")
+    a1.legend(fontsize=7)
     a2.bar(range(1, len(per_pos) + 1), per_pos)
     a2.set_xlabel("draft position")
     a2.set_ylabel("P(accepted)")

@@ -109,6 +109,10 @@ class EngineConfig:
     speculative: Literal["dspark"] | None = option(None, "speculative decoding with the checkpoint's DSpark draft")
     num_speculative_tokens: int | None = option(None, "draft tokens per verify step (default: the draft's gamma)",
                                                 minimum=1)
+    speculative_policy: Literal["always", "when-faster"] = option(
+        "always", "with `speculative`: draft at every decode step (always), or only at the batch sizes where this "
+        "machine measures more tokens per second with drafts than without (when-faster: both modes timed as it runs, "
+        "the other one probed now and then; the same tokens either way)")
 
     def __post_init__(self) -> None:
         validate(self)

@@ -15,8 +15,9 @@ from pdspark.engine.drafter import DraftProposal
 from pdspark.engine.engine import Engine
 from pdspark.engine.random_stream import Purpose, RandomStream
 from pdspark.engine.sampler import Sampler, filter_logits
+from pdspark.engine.spec_governor import SpecGovernor
 from pdspark.engine.spec_verifier import accept
-from pdspark.errors import CheckpointError
+from pdspark.errors import CheckpointError, ConfigError
 from pdspark.model.dspark_weights import draft_state_dict, load_draft_weights
 from pdspark.model.loader import load_checkpoint, load_draft
 
@@ -94,6 +95,30 @@ def test_speculative_equals_plain_across_acceptance_lengths(draft_ckpt, monkeypa
     assert stats.accepted_tokens > 0 and stats.accepted_per_position[0] > stats.accepted_per_position[-1] >= 0
     assert outs[1].num_cached_tokens > 0
     assert_no_leaks(spec_llm)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_drafting_only_when_faster_switches_modes_mid_request_and_keeps_plain_tokens(draft_ckpt, sampling):
+    """`speculative_policy="when-faster"`: decode steps with and without drafts alternate within each request (a
+    governor that probes the other mode after nearly every step), and the tokens are plain decoding's."""
+    path, _ = draft_ckpt[MIXED.seed]
+    prompts = random_prompts(4, [9, 40], seed=23)
+    plain, _ = greedy_outputs(make_llm(path, **OPTS), prompts, 40, sampling)
+    llm = make_llm(path, speculative="dspark", speculative_policy="when-faster", max_num_batched_tokens=64, **OPTS)
+    engine = llm.engine
+    assert isinstance(engine.governor, SpecGovernor)
+    engine.governor = SpecGovernor(engine.governor.num_drafts, probe_share=0.9)
+    modes = []
+    record = engine.governor.record
+    engine.governor.record = lambda b, speculated, s, n: (modes.append(speculated), record(b, speculated, s, n))
+    for prompt, want in zip(prompts, plain):  # batch 1, then all four at once
+        assert greedy_outputs(llm, [prompt], 40, sampling)[0] == [want]
+    assert greedy_outputs(llm, prompts, 40, sampling)[0] == plain
+    assert modes.count(True) > 4 and modes.count(False) > 4
+    assert any(a != b for a, b in zip(modes, modes[1:]))
+    assert_no_leaks(llm)
+    with pytest.raises(ConfigError, match="speculative_policy"):
+        make_llm(path, speculative="dspark", speculative_policy="sometimes", **OPTS)
 
 
 def test_abort_mid_verify_frees_everything(draft_ckpt):

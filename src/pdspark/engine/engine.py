@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 import secrets
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -20,6 +21,7 @@ from pdspark.engine.random_stream import RandomStream
 from pdspark.engine.request import Request, RequestStatus
 from pdspark.engine.sampler import Sampler
 from pdspark.engine.scheduler import ScheduledChunk, Scheduler
+from pdspark.engine.spec_governor import SpecGovernor
 from pdspark.engine.spec_verifier import accept
 from pdspark.engine.stop_checker import StopChecker
 from pdspark.errors import CapacityError, ConfigError, ErrorCode, InvalidRequestError, RequestFailed
@@ -119,6 +121,8 @@ class Engine:
         self.kv = KVCache(model.cfg, self.sizes, dtype, self.backend.device, config.cache.enable_prefix_cache, stages)
         self.scheduler = Scheduler(config.scheduler, self.kv, num_drafts)
         self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
+        self.governor = (SpecGovernor(num_drafts) if self.drafter is not None
+                         and config.speculative_policy == "when-faster" else None)
         capture = draft.dcfg.target_layer_ids if self.drafter and draft is not None else ()
         streams = PrepareStreams(self.backend) if config.multi_stream_rows else None
         self.runner = ModelRunner(model, self.kv, capture, streams, config.multi_stream_rows)
@@ -261,6 +265,9 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One forward pass; returns outputs of requests that got tokens this step (finished ones flagged)."""
+        t0, batch = time.perf_counter(), len(self.scheduler.running)
+        if self.governor is not None:
+            self.scheduler.num_drafts = self.governor.drafts(batch)
         sched = self.scheduler.schedule()
         self.stats.last_batch_size = len(sched.chunks)
         if sched.empty:
@@ -270,6 +277,10 @@ class Engine:
         out = self.runner.run([self._chunk(c, proposals.get(c.request.req_id)) for c in sched.chunks])
         produced = self._decide(sched.chunks, out, proposals)
         self._commit(produced, out)
+        if self.governor is not None and all(c.num_tokens - c.num_drafts == 1 for c in sched.chunks):
+            # A decode step (no prompt chunk in it), timed whole: drafting, forward, sampling, commit.
+            self.governor.record(batch, bool(proposals), time.perf_counter() - t0,
+                                 sum(len(p.tokens) for p in produced))
         return self._append(produced)
 
     def _fail_unadmittable(self) -> list[RequestOutput]:
