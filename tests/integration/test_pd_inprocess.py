@@ -358,10 +358,13 @@ def test_a_plan_naming_items_outside_the_decode_pools_writes_nothing(pair, field
         return replace(plan, **{field: bad})
 
     pair.plan_hook = out_of_range
+    # The prompt waits for its plan (no early start on the idle engine, which would race the plan): the refusal
+    # then comes before the prompt is computed, so before any write.
+    pair.prefill.early_prefills = 0
     out = pair.run(random_prompts(1, [101], seed=37)[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=10)
     for leg in ("decode_error", "prefill_error"):
         assert out[leg].code == ErrorCode.INVALID_REQUEST and f"TransferPlan.{field}" in out[leg].message
-    assert pair.p_loop.steps == 0  # refused before the prompt was computed, so before any write
+    assert pair.p_loop.steps == 0
     assert pair.free_counts_restored()
 
 
