@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdspark.engine.spec_governor import PROBE_SHARE, SpecGovernor
+from pdspark.engine.spec_governor import MIN_STEPS, PROBE_SHARE, SpecGovernor
 
 GAMMA = 5
 
@@ -40,7 +40,7 @@ def test_a_verify_step_many_times_a_decode_step_is_probed_rarely():
     seen = run(gov, 8, 3000, spec_cost=(30e-3, 34), plain_cost=(2e-3, 8))
     assert gov.chosen() == {8: False}
     total = seen["spec_s"] + seen["plain_s"]
-    explore = 2 * 30e-3  # the first steps of speculation, before anything is known
+    explore = MIN_STEPS * 30e-3  # the first steps of speculation, before anything is known
     assert seen["spec_s"] - explore <= 1.5 * PROBE_SHARE * total, seen
     assert seen["spec_steps"] > 2
 
@@ -55,10 +55,23 @@ def test_batch_sizes_are_measured_apart_and_a_change_in_costs_is_followed():
     assert gov.chosen() == {1: False, 8: False}
 
 
+def test_the_step_after_a_switch_and_one_slow_step_do_not_decide():
+    """The first step after a switch of mode pays for the switch, which a steady mode does not: it is not counted;
+    and the slowest step of a window (a GC pause) is left out of its estimate."""
+    gov = SpecGovernor(GAMMA)
+    for _ in range(MIN_STEPS):
+        gov.record(1, True, 2e-3, 4)  # 0.5 ms a token
+    for seconds in (9e-3, 9e-3, 0.4e-3, 0.4e-3, 0.4e-3):
+        gov.record(1, False, seconds, 1)  # 0.4 ms a token after the switch and one slow step
+    assert gov.chosen() == {1: False}
+    gov.record(1, False, 9e-3, 1)  # a second slow step counts
+    assert gov.chosen() == {1: True}
+
+
 def test_steps_with_no_tokens_do_not_divide_by_zero_and_bad_shares_are_refused():
     gov = SpecGovernor(GAMMA)
-    gov.record(2, True, 1e-3, 0)
-    gov.record(2, True, 1e-3, 0)
+    for _ in range(MIN_STEPS):
+        gov.record(2, True, 1e-3, 0)
     assert gov.drafts(2) == 0  # speculation measured (no tokens yet); plain decoding next
     with pytest.raises(ValueError, match="probe_share"):
         SpecGovernor(GAMMA, probe_share=0)

@@ -6,8 +6,8 @@ bound by arithmetic (a small model whose weights sit in cache, or a batch whose 
 read), the verify costs several decodes and speculation is slower than plain decoding (measured: 0.9-1.1x at batch
 1 on a Zen 4 core, 0.3-0.5x at batch 8 on two hosts, 2.0x at batch 1 on a Xeon). Measuring beats guessing: the
 governor keeps, per number of running requests, the seconds per generated token of recent decode steps with
-drafts and without, and picks the cheaper mode; now and then (at most `PROBE_SHARE` of the time) it runs one step of
-the other mode, so a change (longer contexts, other prompts, acceptance moving) is seen. The tokens are
+drafts and without, and picks the cheaper mode; now and then (at most `PROBE_SHARE` of the time) it runs a few steps
+of the other mode, so a change (longer contexts, other prompts, acceptance moving) is seen. The tokens are
 the same either way (a verify step draws each position exactly as plain decoding does), so the choice moves
 only the speed.
 """
@@ -18,10 +18,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW_STEPS = 32  # recent steps per mode whose seconds / tokens make its estimate (a ratio of sums: a mean)
-MIN_STEPS = 2  # steps of a mode before its estimate counts (its first steps may carry one-time costs)
-# At most this share of a batch size's decode time goes to probing the mode not chosen: a probe step comes once the
-# chosen mode has run 1 / PROBE_SHARE times that mode's step time (a verify step 15x a decode step, as a batch of 8
-# on the module path, is probed once in ~300 plain steps; two modes of equal cost every ~20 steps).
+MIN_STEPS = 4  # steps of a mode before its estimate counts
+# Probes come in bursts of this many steps of the mode not chosen, the first of which is not counted: the first step
+# after a switch pays for it (step buffers and indices for another row count: a plain step after a verify step cost
+# ~3x a plain step after a plain step on a Zen 4 core), which a steady mode does not.
+PROBE_BURST = 3
+# At most this share of a batch size's decode time goes to probing the mode not chosen: a burst comes once the
+# chosen mode has run 1 / PROBE_SHARE times the burst's expected time (a verify step 15x a decode step, as a batch of 8
+# on the module path, is probed once in ~900 plain steps; two modes of equal cost every ~60 steps).
 PROBE_SHARE = 0.05
 
 
@@ -32,9 +36,12 @@ class _ModeCost:
     steps: deque = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
 
     def seconds_per_token(self) -> float | None:
+        """Seconds over tokens of the window less its slowest step (a GC pause, a page fault)."""
         if len(self.steps) < MIN_STEPS:
             return None
-        return sum(s for s, _ in self.steps) / max(1, sum(n for _, n in self.steps))
+        slowest = max(range(len(self.steps)), key=lambda i: self.steps[i][0])
+        kept = [step for i, step in enumerate(self.steps) if i != slowest]
+        return sum(s for s, _ in kept) / max(1, sum(n for _, n in kept))
 
     def seconds_per_step(self) -> float:
         return sum(s for s, _ in self.steps) / max(1, len(self.steps))
@@ -44,7 +51,9 @@ class _ModeCost:
 class _BatchCosts:
     speculate: _ModeCost = field(default_factory=_ModeCost)
     plain: _ModeCost = field(default_factory=_ModeCost)
-    since_probe: float = 0.0  # decode seconds at this batch size since the last probe
+    since_probe: float = 0.0  # decode seconds at this batch size since the last probe began
+    probe_left: int = 0  # steps of the current probe still to come
+    last: bool | None = None  # the mode of the last step recorded (None: none yet)
 
 
 class SpecGovernor:
@@ -65,15 +74,21 @@ class SpecGovernor:
             return 0
         speculate = spec <= plain
         other = costs.plain if speculate else costs.speculate
-        if costs.since_probe * self.probe_share >= other.seconds_per_step():
-            costs.since_probe = 0.0
-            speculate = not speculate  # one step of the other mode: its estimate follows the machine and prompts
+        if costs.probe_left:
+            costs.probe_left -= 1
+            speculate = not speculate
+        elif costs.since_probe * self.probe_share >= PROBE_BURST * other.seconds_per_step():
+            costs.since_probe, costs.probe_left = 0.0, PROBE_BURST - 1
+            speculate = not speculate  # the other mode's estimate follows the machine, the prompts, the acceptance
         return self.num_drafts if speculate else 0
 
     def record(self, batch: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """A decode step of `batch` running requests (no prompt chunk in it) that gave `tokens` tokens."""
+        """A decode step of `batch` running requests (no prompt chunk in it) that gave `tokens` tokens. The first
+        step after a switch of mode is timed into the probe budget only."""
         costs = self._batches.setdefault(batch, _BatchCosts())
-        (costs.speculate if speculated else costs.plain).steps.append((seconds, tokens))
+        if costs.last is None or costs.last == speculated:
+            (costs.speculate if speculated else costs.plain).steps.append((seconds, tokens))
+        costs.last = speculated
         costs.since_probe += seconds
 
     def chosen(self) -> dict[int, bool]:
