@@ -121,6 +121,51 @@ def test_drafting_only_when_faster_switches_modes_mid_request_and_keeps_plain_to
         make_llm(path, speculative="dspark", speculative_policy="sometimes", **OPTS)
 
 
+class _Plain:
+    """A governor that never drafts (the draft context rows of every step are kept for later)."""
+
+    num_drafts = 0
+
+    def drafts(self, batch):
+        return 0
+
+    def record(self, *args):
+        pass
+
+
+def test_draft_context_kept_by_steps_without_drafts_ends_as_written_at_every_step(draft_ckpt):
+    """`when-faster` keeps a plain step's draft context rows and writes them before the next proposal or the finish:
+    the draft pool then holds the bits that writing at every step leaves, and no proposal reads rows still kept."""
+    path, _ = draft_ckpt[MIXED.seed]
+    prompts = random_prompts(3, [9, 40], seed=24)
+
+    def draft_pool(policy, governor=None, num_drafts=None):
+        llm = make_llm(path, speculative="dspark", speculative_policy=policy, max_num_batched_tokens=64, **OPTS)
+        if governor is not None:
+            llm.engine.governor = governor
+        if num_drafts is not None:
+            llm.engine.scheduler.num_drafts = num_drafts
+        engine, kept, waiting = llm.engine, [], []
+        keep, propose = engine._keep_context, engine.drafter.propose
+        engine._keep_context = lambda produced, out: (kept.append(len(produced)), keep(produced, out))
+        engine.drafter.propose = lambda reqs, n: (waiting.extend(r.req_id in engine._backlogs for r in reqs),
+                                                  propose(reqs, n))[1]
+        for prompt in prompts:
+            greedy_outputs(llm, [prompt], 30)
+        greedy_outputs(llm, prompts, 30)
+        assert not engine._backlogs and not any(waiting)  # every proposal read a written context
+        assert_no_leaks(llm)
+        return engine.kv.pools.draft_kv.clone(), len(kept), len(waiting)
+
+    eager, kept, _ = draft_pool("always", num_drafts=0)  # plain steps, each writing its rows
+    assert kept == 0
+    deferred, kept, _ = draft_pool("when-faster", governor=_Plain())
+    assert kept > 30 and torch.equal(deferred, eager)
+    # (A run with verify steps lays its pool out otherwise: not compared.)
+    _, kept, proposals = draft_pool("when-faster", governor=SpecGovernor(3, probe_share=0.9))
+    assert kept > 10 and proposals > 10
+
+
 def test_abort_mid_verify_frees_everything(draft_ckpt):
     path, _ = draft_ckpt[HC4.seed]
     llm = make_llm(path, speculative="dspark", **OPTS)

@@ -14,6 +14,7 @@ import torch
 from pdspark.cache.kv_cache import KVCache, ReqPages
 from pdspark.cache.pool_sizes import PoolSizes
 from pdspark.config import EngineConfig
+from pdspark.engine.draft_backlog import MAX_ROWS, DraftBacklog
 from pdspark.engine.drafter import DraftProposal, DSparkDrafter
 from pdspark.engine.forward_batch import Chunk
 from pdspark.engine.model_runner import ModelRunner, RunOutput
@@ -123,6 +124,7 @@ class Engine:
         self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
         self.governor = (SpecGovernor(num_drafts) if self.drafter is not None
                          and config.speculative_policy == "when-faster" else None)
+        self._backlogs: dict[str, DraftBacklog] = {}  # req_id -> draft context rows not written yet (governor only)
         capture = draft.dcfg.target_layer_ids if self.drafter and draft is not None else ()
         streams = PrepareStreams(self.backend) if config.multi_stream_rows else None
         self.runner = ModelRunner(model, self.kv, capture, streams, config.multi_stream_rows)
@@ -201,6 +203,7 @@ class Engine:
         if req is None or req.finished:
             return False
         req.finish_reason = FinishReason.ABORT
+        self._write_context([req])
         self.scheduler.finish(req)
         return True
 
@@ -298,6 +301,7 @@ class Engine:
         verify = [c for c in chunks if c.num_drafts]
         if not verify or self.drafter is None:
             return {}
+        self._write_context([c.request for c in verify])
         proposals = self.drafter.propose([c.request for c in verify], [c.num_drafts for c in verify])
         return {c.request.req_id: p for c, p in zip(verify, proposals)}
 
@@ -358,10 +362,37 @@ class Engine:
             if p.chunk.num_drafts:
                 self._clear_rejected_c128_rows(p)
         if self.drafter is not None and out.features is not None:
-            # Committed rows from the first on (one request, or none rejected): views, not gathered copies.
-            idx = slice(0, len(rows)) if rows and rows[-1] == len(rows) - 1 else torch.tensor(rows, dtype=torch.long)
-            self.drafter.inject(out.features[idx], out.positions[idx], out.swa_slots[idx])
+            if self.governor is not None and all(p.chunk.num_tokens == 1 for p in produced):
+                self._keep_context(produced, out)  # a decode step without drafts: written when next needed
+            else:
+                self._write_context([p.chunk.request for p in produced])  # (their older rows first)
+                # Committed rows from the first on (one request, or none rejected): views, not gathered copies.
+                idx = (slice(0, len(rows)) if rows and rows[-1] == len(rows) - 1
+                       else torch.tensor(rows, dtype=torch.long))
+                self.drafter.inject(out.features[idx], out.positions[idx], out.swa_slots[idx])
         self.scheduler.update([p.chunk for p in produced], [p.committed for p in produced])
+
+    def _keep_context(self, produced: list[_StepTokens], out: RunOutput) -> None:
+        """Keep the draft context rows of a decode step without drafts (row i is chunk i's token) for later."""
+        assert out.features is not None
+        for i, p in enumerate(produced):
+            req = p.chunk.request
+            backlog = self._backlogs.get(req.req_id)
+            if backlog is None or backlog.pages is not req.pages:  # (none yet, or kept under pages it lost)
+                backlog = self._backlogs[req.req_id] = DraftBacklog(req.pages)
+            backlog.keep(out.features[i : i + 1], out.positions[i : i + 1], out.swa_slots[i : i + 1])
+            if backlog.rows >= MAX_ROWS:
+                self._write_context([req])
+
+    def _write_context(self, reqs: list[Request]) -> None:
+        """Write the kept draft context rows of `reqs` (one call), before anything reads or caches them."""
+        if not self._backlogs:
+            return
+        kept = [(r, self._backlogs.pop(r.req_id)) for r in reqs if r.req_id in self._backlogs]
+        kept = [b for r, b in kept if b.pages is r.pages]  # rows kept under pages a preemption took are dropped
+        if kept and self.drafter is not None:
+            parts = [b.rows_to_write() for b in kept]
+            self.drafter.inject(*(torch.cat(t) for t in zip(*parts)))
 
     def _clear_rejected_c128_rows(self, p: _StepTokens) -> None:
         """C128 ring rows written by rejected drafts go back to empty, as if never written."""
@@ -384,6 +415,7 @@ class Engine:
                 if self.stop_checker.check(req):
                     # Rows past the stop token were computed for tokens we drop; keep the books consistent.
                     req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                    self._write_context([req])
                     self.scheduler.finish(req)
                     break
             self.stats.generated_tokens += j + 1
@@ -410,6 +442,7 @@ class Engine:
         """Forget a finished request."""
         req = self.requests.pop(request_id)
         assert req.finished
+        self._backlogs.pop(request_id, None)  # (written or dropped at its finish already)
 
     def flush_cache(self) -> None:
         """Drop every prefix-cache entry no running request is using."""
