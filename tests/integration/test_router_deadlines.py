@@ -82,7 +82,9 @@ def test_retries_share_one_deadline(worker_calls):
             assert e.value.error_code is ErrorCode.DEADLINE
             assert 1.0 <= took < 1.0 + SLACK_S, f"ended after {took:.3f} s: the retry got a fresh timeout"
             first, second = h.decode[0].calls
-            assert first.timeout_s <= 1.0 and second.timeout_s <= 1.0 - 0.4 + 0.05  # what was left, not 1 s again
+            # What was left, not 1 s again (+ 20 ms: gRPC rounds a deadline up when it puts it on the wire; +9.5 ms
+            # was seen on the first call).
+            assert first.timeout_s <= 1.0 + 0.02 and second.timeout_s <= 1.0 - 0.4 + 0.05
             print(f"\nretry carried {second.timeout_s * 1e3:.0f} ms of the 1000 ms timeout; ended at "
                   f"{took * 1e3:.0f} ms")
 
