@@ -68,6 +68,25 @@ def test_the_step_after_a_switch_and_one_slow_step_do_not_decide():
     assert gov.chosen() == {1: True}
 
 
+def test_a_step_with_prompts_in_it_follows_the_choice_without_exploring():
+    """Such steps are not timed: exploring there would draft (at large verify cost) and never learn."""
+    gov = SpecGovernor(GAMMA)
+    assert gov.drafts(3, steady=False) == 0  # nothing known at 3 yet: no drafts
+    run(gov, 3, 200, spec_cost=(2e-3, 4), plain_cost=(1e-3, 1))
+    assert gov.chosen() == {3: True}
+    assert all(gov.drafts(3, steady=False) == GAMMA for _ in range(100))  # and no probe among them
+
+
+def test_a_new_batch_size_follows_the_nearest_measured_one_and_probes_the_other_mode_within_its_share():
+    """Batch sizes come and go as requests start and end: a new one does not pay for exploring a bad mode first."""
+    gov = SpecGovernor(GAMMA)
+    run(gov, 8, 500, spec_cost=(30e-3, 34), plain_cost=(2e-3, 8))
+    assert gov.drafts(6) == 0  # as at 8
+    seen = run(gov, 6, 3000, spec_cost=(25e-3, 26), plain_cost=(1.6e-3, 6))
+    assert gov.chosen() == {6: False, 8: False}  # measured at 6 too, by probes
+    assert seen["spec_s"] <= 1.5 * PROBE_SHARE * (seen["spec_s"] + seen["plain_s"]), seen
+
+
 def test_steps_with_no_tokens_do_not_divide_by_zero_and_bad_shares_are_refused():
     gov = SpecGovernor(GAMMA)
     for _ in range(MIN_STEPS):

@@ -270,7 +270,8 @@ class Engine:
         """One forward pass; returns outputs of requests that got tokens this step (finished ones flagged)."""
         t0, batch = time.perf_counter(), len(self.scheduler.running)
         if self.governor is not None:
-            self.scheduler.num_drafts = self.governor.drafts(batch)
+            steady = not self.scheduler.waiting and all(r.num_pending_tokens == 1 for r in self.scheduler.running)
+            self.scheduler.num_drafts = self.governor.drafts(batch, steady)
         sched = self.scheduler.schedule()
         self.stats.last_batch_size = len(sched.chunks)
         if sched.empty:

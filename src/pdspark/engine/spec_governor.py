@@ -64,23 +64,50 @@ class SpecGovernor:
         self.probe_share = probe_share
         self._batches: dict[int, _BatchCosts] = {}
 
-    def drafts(self, batch: int) -> int:
-        """Draft tokens per verify step for the next step of `batch` running requests (0: decode plainly)."""
+    def drafts(self, batch: int, steady: bool = True) -> int:
+        """Draft tokens per verify step for the next step of `batch` running requests (0: decode plainly). Not
+        `steady`: prompts are being computed too, so the step will not be timed (its cost is mostly theirs): the
+        choice as it stands, without probing. A batch size not measured in both modes yet follows the nearest one
+        that is (the mode it lacks is probed like any other); before anything is known, speculation is measured
+        first, then plain decoding."""
         costs = self._batches.setdefault(batch, _BatchCosts())
         spec, plain = costs.speculate.seconds_per_token(), costs.plain.seconds_per_token()
-        if spec is None:
-            return self.num_drafts  # measure speculation first, then plain decoding
-        if plain is None:
-            return 0
-        speculate = spec <= plain
-        other = costs.plain if speculate else costs.speculate
-        if costs.probe_left:
-            costs.probe_left -= 1
-            speculate = not speculate
-        elif costs.since_probe * self.probe_share >= PROBE_BURST * other.seconds_per_step():
-            costs.since_probe, costs.probe_left = 0.0, PROBE_BURST - 1
-            speculate = not speculate  # the other mode's estimate follows the machine, the prompts, the acceptance
+        if spec is not None and plain is not None:
+            speculate = spec <= plain
+        else:
+            guess = self._nearest_choice(batch)
+            if guess is None:
+                return 0 if not steady or spec is not None else self.num_drafts
+            speculate = guess
+        if steady:
+            if costs.probe_left:
+                costs.probe_left -= 1
+                speculate = not speculate
+            elif costs.since_probe * self.probe_share >= PROBE_BURST * self._step_seconds(batch, not speculate):
+                costs.since_probe, costs.probe_left = 0.0, PROBE_BURST - 1
+                speculate = not speculate  # the other mode's estimate follows the machine, prompts and acceptance
         return self.num_drafts if speculate else 0
+
+    def _nearest_choice(self, batch: int) -> bool | None:
+        """The choice at the nearest batch size measured in both modes (the smaller on a tie); None: none is."""
+        known = self.chosen()
+        if not known:
+            return None
+        return known[min(known, key=lambda b: (abs(b - batch), b))]
+
+    def _step_seconds(self, batch: int, speculate: bool) -> float:
+        """What a step of that mode takes at `batch`: its own recent mean, else the nearest size's scaled by rows."""
+        def mode(costs: _BatchCosts) -> _ModeCost:
+            return costs.speculate if speculate else costs.plain
+
+        own = mode(self._batches[batch])
+        if own.steps:
+            return own.seconds_per_step()
+        measured = [b for b, costs in self._batches.items() if mode(costs).steps]
+        if not measured:
+            return 0.0
+        near = min(measured, key=lambda b: (abs(b - batch), b))
+        return mode(self._batches[near]).seconds_per_step() * batch / near
 
     def record(self, batch: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A decode step of `batch` running requests (no prompt chunk in it) that gave `tokens` tokens. The first
