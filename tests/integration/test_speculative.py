@@ -148,12 +148,11 @@ def test_draft_context_kept_by_steps_without_drafts_ends_as_written_at_every_ste
         engine, kept, waiting = llm.engine, [], []
         keep, propose = engine._keep_context, engine.drafter.propose
         engine._keep_context = lambda produced, out: (kept.append(len(produced)), keep(produced, out))
-        engine.drafter.propose = lambda reqs, n: (waiting.extend(r.req_id in engine._backlogs for r in reqs),
-                                                  propose(reqs, n))[1]
+        engine.drafter.propose = lambda reqs, n: (waiting.append(engine._backlog.rows), propose(reqs, n))[1]
         for prompt in prompts:
             greedy_outputs(llm, [prompt], 30)
         greedy_outputs(llm, prompts, 30)
-        assert not engine._backlogs and not any(waiting)  # every proposal read a written context
+        assert not engine._backlog.rows and not any(waiting)  # every proposal read a written context
         assert_no_leaks(llm)
         return engine.kv.pools.draft_kv.clone(), len(kept), len(waiting)
 

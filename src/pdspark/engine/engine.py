@@ -124,7 +124,7 @@ class Engine:
         self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
         self.governor = (SpecGovernor(num_drafts) if self.drafter is not None
                          and config.speculative_policy == "when-faster" else None)
-        self._backlogs: dict[str, DraftBacklog] = {}  # req_id -> draft context rows not written yet (governor only)
+        self._backlog = DraftBacklog()  # draft context rows not written yet (with the governor only)
         capture = draft.dcfg.target_layer_ids if self.drafter and draft is not None else ()
         streams = PrepareStreams(self.backend) if config.multi_stream_rows else None
         self.runner = ModelRunner(model, self.kv, capture, streams, config.multi_stream_rows)
@@ -203,7 +203,7 @@ class Engine:
         if req is None or req.finished:
             return False
         req.finish_reason = FinishReason.ABORT
-        self._write_context([req])
+        self._write_context()
         self.scheduler.finish(req)
         return True
 
@@ -302,7 +302,7 @@ class Engine:
         verify = [c for c in chunks if c.num_drafts]
         if not verify or self.drafter is None:
             return {}
-        self._write_context([c.request for c in verify])
+        self._write_context()
         proposals = self.drafter.propose([c.request for c in verify], [c.num_drafts for c in verify])
         return {c.request.req_id: p for c, p in zip(verify, proposals)}
 
@@ -366,7 +366,7 @@ class Engine:
             if self.governor is not None and all(p.chunk.num_tokens == 1 for p in produced):
                 self._keep_context(produced, out)  # a decode step without drafts: written when next needed
             else:
-                self._write_context([p.chunk.request for p in produced])  # (their older rows first)
+                self._write_context()  # (older rows first)
                 # Committed rows from the first on (one request, or none rejected): views, not gathered copies.
                 idx = (slice(0, len(rows)) if rows and rows[-1] == len(rows) - 1
                        else torch.tensor(rows, dtype=torch.long))
@@ -376,24 +376,19 @@ class Engine:
     def _keep_context(self, produced: list[_StepTokens], out: RunOutput) -> None:
         """Keep the draft context rows of a decode step without drafts (row i is chunk i's token) for later."""
         assert out.features is not None
-        for i, p in enumerate(produced):
-            req = p.chunk.request
-            backlog = self._backlogs.get(req.req_id)
-            if backlog is None or backlog.pages is not req.pages:  # (none yet, or kept under pages it lost)
-                backlog = self._backlogs[req.req_id] = DraftBacklog(req.pages)
-            backlog.keep(out.features[i : i + 1], out.positions[i : i + 1], out.swa_slots[i : i + 1])
-            if backlog.rows >= MAX_ROWS:
-                self._write_context([req])
+        n = len(produced)
+        self._backlog.keep(out.features[:n], out.positions[:n], out.swa_slots[:n],
+                           [(p.chunk.request, p.chunk.request.pages) for p in produced])
+        if self._backlog.rows >= MAX_ROWS:
+            self._write_context()
 
-    def _write_context(self, reqs: list[Request]) -> None:
-        """Write the kept draft context rows of `reqs` (one call), before anything reads or caches them."""
-        if not self._backlogs:
+    def _write_context(self) -> None:
+        """Write every kept draft context row (one call), before anything reads or caches them."""
+        if not self._backlog.rows or self.drafter is None:
             return
-        kept = [(r, self._backlogs.pop(r.req_id)) for r in reqs if r.req_id in self._backlogs]
-        kept = [b for r, b in kept if b.pages is r.pages]  # rows kept under pages a preemption took are dropped
-        if kept and self.drafter is not None:
-            parts = [b.rows_to_write() for b in kept]
-            self.drafter.inject(*(torch.cat(t) for t in zip(*parts)))
+        rows = self._backlog.take()
+        if rows is not None:
+            self.drafter.inject(*rows)
 
     def _clear_rejected_c128_rows(self, p: _StepTokens) -> None:
         """C128 ring rows written by rejected drafts go back to empty, as if never written."""
@@ -416,7 +411,7 @@ class Engine:
                 if self.stop_checker.check(req):
                     # Rows past the stop token were computed for tokens we drop; keep the books consistent.
                     req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
-                    self._write_context([req])
+                    self._write_context()
                     self.scheduler.finish(req)
                     break
             self.stats.generated_tokens += j + 1
@@ -443,7 +438,6 @@ class Engine:
         """Forget a finished request."""
         req = self.requests.pop(request_id)
         assert req.finished
-        self._backlogs.pop(request_id, None)  # (written or dropped at its finish already)
 
     def flush_cache(self) -> None:
         """Drop every prefix-cache entry no running request is using."""

@@ -3,7 +3,7 @@
 Whether a DSpark verify step pays depends on the hardware and the batch: where a decode step is bound by reading
 the weights, a (gamma+1)-row verify costs about one decode and the accepted drafts come nearly free; where it is
 bound by arithmetic (a small model whose weights sit in cache, or a batch whose rows already share every weight
-read), the verify costs several decodes and speculation is slower than plain decoding (measured: 0.9-1.1x at batch
+read), the verify costs several decodes and speculation is slower than plain decoding (measured: 0.8-1.0x at batch
 1 on a Zen 4 core, 0.3-0.5x at batch 8 on two hosts, 2.0x at batch 1 on a Xeon). Measuring beats guessing: the
 governor keeps, per number of running requests, the seconds per generated token of recent decode steps with
 drafts and without, and picks the cheaper mode; now and then (at most `PROBE_SHARE` of the time) it runs a few steps
