@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from train_dspark_draft import heldout_prompts  # noqa: E402  (the held-out split of the training recipe)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import figure, save_figure, write_json  # noqa: E402
+from report import figure, grouped_bars, save_figure, write_json  # noqa: E402
 from roofline import machine_limits, work_per_token  # noqa: E402
 
 
@@ -186,13 +186,9 @@ def main() -> None:
                           "acceptance_per_position": per_pos, "batch1_steps": steps,
                           "runs": {f"{n} b{b}": v for (n, b), v in rows.items()}})
     fig, (a1, a2) = figure(ncols=2, width=10)
-    xs = range(len(summary))
-    for k, (key, name) in enumerate((("plain_tok_s", "plain"), ("dspark_tok_s", "DSpark"),
-                                     ("when_faster_tok_s", "DSpark when faster"))):
-        a1.bar([x + (k - 1) * 0.27 for x in xs], [s[key] for s in summary], 0.27, label=name)
-    a1.set_xticks(list(xs), [f"batch {s['batch']}" for s in summary], fontsize=8)
-    a1.set_ylabel("decode tokens / s")
-    a1.legend(fontsize=7)
+    engines = {"plain": "plain_tok_s", "DSpark": "dspark_tok_s", "DSpark when faster": "when_faster_tok_s"}
+    grouped_bars(a1, [f"batch {s['batch']}" for s in summary],
+                 {name: [s[key] for s in summary] for name, key in engines.items()}, "decode tokens / s")
     a2.bar(range(1, len(per_pos) + 1), per_pos)
     a2.set_xlabel("draft position")
     a2.set_ylabel("P(accepted)")

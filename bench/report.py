@@ -27,15 +27,21 @@ def figure(ncols: int = 1, width: float = 7.0):
     return fig, axes
 
 
-def paired_bars(ax, labels: list[str], first: list[float], second: list[float], names: tuple[str, str],
-                ylabel: str) -> None:
-    """Two bars per group (e.g. pdspark vs a peer)."""
+def grouped_bars(ax, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+    """One bar per series in each group, side by side (series name -> one value per label)."""
     xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], first, 0.4, label=names[0])
-    ax.bar([x + 0.2 for x in xs], second, 0.4, label=names[1])
+    width = 0.8 / len(series)
+    for k, (name, values) in enumerate(series.items()):
+        ax.bar([x + (k - (len(series) - 1) / 2) * width for x in xs], values, width, label=name)
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel(ylabel)
     ax.legend()
+
+
+def paired_bars(ax, labels: list[str], first: list[float], second: list[float], names: tuple[str, str],
+                ylabel: str) -> None:
+    """Two bars per group (e.g. pdspark vs a peer)."""
+    grouped_bars(ax, labels, {names[0]: first, names[1]: second}, ylabel)
 
 
 def save_figure(fig, name: str, title: str) -> Path:

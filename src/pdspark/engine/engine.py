@@ -268,8 +268,8 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One forward pass; returns outputs of requests that got tokens this step (finished ones flagged)."""
-        t0, batch = time.perf_counter(), len(self.scheduler.running)
         if self.governor is not None:
+            t0, batch = time.perf_counter(), len(self.scheduler.running)
             steady = not self.scheduler.waiting and all(r.num_pending_tokens == 1 for r in self.scheduler.running)
             self.scheduler.num_drafts = self.governor.drafts(batch, steady)
         sched = self.scheduler.schedule()
@@ -280,9 +280,12 @@ class Engine:
         proposals = self._propose(sched.chunks)
         out = self.runner.run([self._chunk(c, proposals.get(c.request.req_id)) for c in sched.chunks])
         produced = self._decide(sched.chunks, out, proposals)
-        self._commit(produced, out)
-        if self.governor is not None and all(c.num_tokens - c.num_drafts == 1 for c in sched.chunks):
-            # A decode step (no prompt chunk in it), timed whole: drafting, forward, sampling, commit.
+        # A decode step (no prompt chunk in it) under the governor: timed, and without drafts its draft context rows
+        # are kept for later.
+        decode_step = self.governor is not None and all(c.num_tokens - c.num_drafts == 1 for c in sched.chunks)
+        self._commit(produced, out, keep_context=decode_step and not proposals)
+        if decode_step and self.governor is not None:
+            # Timed whole: drafting, forward, sampling, commit.
             self.governor.record(batch, bool(proposals), time.perf_counter() - t0,
                                  sum(len(p.tokens) for p in produced))
         return self._append(produced)
@@ -353,8 +356,10 @@ class Engine:
         self.spec.steps_by_drafts[drafts] += 1
         self.spec.steps_by_accepted[accepted] += 1
 
-    def _commit(self, produced: list[_StepTokens], out: RunOutput) -> None:
-        """Make the committed rows the request's computed state: draft context, rolled-back rings, page windows."""
+    def _commit(self, produced: list[_StepTokens], out: RunOutput, keep_context: bool = False) -> None:
+        """Make the committed rows the request's computed state: draft context, rolled-back rings, page windows.
+        `keep_context`: a decode step without drafts, whose draft context rows are kept and written when next
+        needed (`DraftBacklog`)."""
         rows: list[int] = []
         row = 0
         for p in produced:
@@ -363,8 +368,8 @@ class Engine:
             if p.chunk.num_drafts:
                 self._clear_rejected_c128_rows(p)
         if self.drafter is not None and out.features is not None:
-            if self.governor is not None and all(p.chunk.num_tokens == 1 for p in produced):
-                self._keep_context(produced, out)  # a decode step without drafts: written when next needed
+            if keep_context:
+                self._keep_context(produced, out)
             else:
                 self._write_context()  # (older rows first)
                 # Committed rows from the first on (one request, or none rejected): views, not gathered copies.

@@ -15,7 +15,7 @@ static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
  * it in a register computes every product and sum of its fp32 twin bit for bit, while reading half the bytes (a
  * decode step streams its weights from L3 or DRAM). The caller stores a matrix that way only when every value
  * round-trips (`pdspark.hardware.cpu.kernels.bf16_copy`). The weight-reading kernels below are written once and
- * instantiated for both storages: `dot`, `dot4`, `gemm_exact` (fp32) and `dot_h`, `dot4_h`, `gemm_exact_h`. */
+ * instantiated for both storages: `dot`, `dot4`, `gemm_exact4` (fp32) and `dot_h`, `dot4_h`, `gemm_exact4_h`. */
 typedef unsigned short bf16_t;
 
 static inline float bf16f(bf16_t h) {
