@@ -315,6 +315,24 @@ def test_row_shared_moe_and_output_projection_are_the_per_row_bits(kernel_thread
     assert torch.equal(kernels.attn_out_rows(o, at.cos, at.sin, wo_a, G, wo_b), per_row)
 
 
+@pytest.mark.parametrize("kernel_threads", [1, 2], indirect=True)
+def test_row_shared_moe_takes_an_expert_repeated_in_a_tokens_slots(kernel_threads):
+    """A hash table that names one expert in several slots of a row (transformers initialises tid2eid to zeros, so
+    a checkpoint saved without real values routes every slot to expert 0) makes an expert gather up to T*k rows,
+    not T. That overflowed the gathered-rows scratch (a SIGSEGV in a batch of two prompts); now every row gets the
+    per-row kernel's bits, whatever the table repeats."""
+    torch.manual_seed(6)
+    T, D, E, I, k = 8, 48, 4, 40, 3
+    w13, w2, w2s = torch.randn(E, 2 * I, D) * 0.1, torch.randn(E, D, I) * 0.1, torch.randn(D, I) * 0.1
+    x, lgu = torch.randn(T, D), torch.randn(T, E + 2 * I) * 2
+    ids = torch.arange(T)
+    for table in (torch.zeros(T, k, dtype=torch.int64), torch.randint(0, 2, (T, k))):
+        args = (ids, table, None, w13, w2, w2s, k, True, 1.5, 10.0)
+        per_row = kernels.moe_decode(x, lgu, *args)
+        assert per_row is not None
+        assert torch.equal(kernels.moe_decode_rows(x, lgu, *args), per_row)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_bf16_head_gives_the_fp32_heads_bits(rows):
     """Weights that are bf16 numbers read as bf16 bits (half the bytes) give the fp32 kernel's logits bit for bit;

@@ -202,7 +202,8 @@ class DecodeStep:
                      * c.index_head_dim + c.index_n_heads + V + c.n_routed_experts + 2 * c.moe_intermediate_size
                      # the row-shared output projection, and the expert-grouped MoE (ids, weights; two expert ranges)
                      + H * HD + c.o_groups * c.o_lora_rank
-                     + 5 * c.num_experts_per_tok + 4 * D + 6 * c.moe_intermediate_size + c.num_experts_per_tok * D
+                     + 3 * c.num_experts_per_tok
+                     + cpu_kernels.moe_rows_scratch_floats(1, c.num_experts_per_tok, D, c.moe_intermediate_size)
                      # the mHC collapse's normalised rows and mixes
                      + hc * D + (2 + hc) * hc)
         fixed = (4 * max(HD, 3 * c.index_head_dim) + 64 + 2 * V + 2 * (H * (W + V) + 16) + H * HD

@@ -790,7 +790,10 @@ void moe_decode(const float *x, const float *lgu, long lstride, const long *inpu
 }
 
 /* A range of routed experts of `moe_decode_rows_w`, each over the rows that picked it; `scr` is this range's own
- * T*(2D + 3I + k) floats (gathered rows, activations, outputs, row slots). */
+ * MOE_RANGE_FLOATS(T, k, D, I) floats (gathered rows, activations, outputs, row slots). An expert may be picked
+ * by up to T*k rows, not T: a hash layer's tid2eid row may name one expert in several slots (transformers
+ * initialises the table to zeros: every slot expert 0), and each slot then counts once, as in the reference. */
+#define MOE_RANGE_FLOATS(T, k, D, I) ((long)(T) * (k) * (2L * (D) + 3L * (I) + 1))
 typedef struct {
     const float *x;
     const void *w13, *w2;
@@ -804,8 +807,9 @@ typedef struct {
 static void moe_experts(void *arg) {
     const moe_range *m = (const moe_range *)arg;
     const int T = m->T, D = m->D, I = m->I, k = m->k;
-    float *xg = m->scr, *hg = xg + (long)T * D, *ag = hg + (long)T * 2 * I, *yg = ag + (long)T * I;
-    int *rows = (int *)(yg + (long)T * D); /* the (token * k + slot) of each gathered row */
+    const long n_max = (long)T * k; /* rows an expert can gather */
+    float *xg = m->scr, *hg = xg + n_max * D, *ag = hg + n_max * 2 * I, *yg = ag + n_max * I;
+    int *rows = (int *)(yg + n_max * D); /* the (token * k + slot) of each gathered row */
     for (int e = m->e0; e < m->e1; e++) { /* each expert once, over the rows that picked it */
         int n = 0;
         for (int t = 0; t < T; t++)
@@ -831,12 +835,13 @@ static void moe_experts(void *arg) {
  * gathered and run through `gemm_exact`, the outputs kept per (token, slot) and summed per token in slot order,
  * then the shared term, so every output has `moe_decode`'s bits. With the helper thread (`pool_threads(2)`) the
  * experts are split in two ranges of about as many rows, one per thread (each expert's arithmetic unchanged).
- * Scratch: T*k longs ids, T*k floats ws, T*(4D + 6I + k*D + 2k) floats fs. */
+ * Scratch: T*k longs ids, T*k floats ws, 2 * MOE_RANGE_FLOATS(T, k, D, I) + T*k*D floats fs
+ * (`kernels.moe_rows_scratch_floats` in Python). */
 static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
                               const long *tid2eid, const float *bias, const void *w13, const void *w2,
                               const void *w2s, int bf, int T, int D, int E, int I, int k, int sqrtsoftplus,
                               float scaling, float limit, long *ids, float *ws, float *fs, float *out) {
-    const long range_scr = (long)T * (2 * D + 3 * I + k);
+    const long range_scr = MOE_RANGE_FLOATS(T, k, D, I);
     float *ys = fs + 2 * range_scr; /* [T, k, D] */
     for (int t = 0; t < T; t++) { /* routing, as `moe_decode` */
         route_token(lgu + (long)t * lstride, tid2eid != 0 ? tid2eid + input_ids[t] * k : 0, bias, E, k, sqrtsoftplus,
@@ -862,7 +867,7 @@ static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, co
             for (int d = 0; d < D; d++) ot[d] = j == 0 ? y[d] * w : ot[d] + y[d] * w;
         }
     }
-    float *ag = fs + (long)T * (D + 2 * I), *yg = ag + (long)T * I; /* the first range's, free again */
+    float *ag = fs, *yg = ag + (long)T * I; /* the first range's scratch, free again (T*(I + D) <= range_scr) */
     for (int t = 0; t < T; t++) /* shared expert's activations */
         for (int i = 0; i < I; i++)
             ag[(long)t * I + i] = swiglu1(lgu[(long)t * lstride + E + i], lgu[(long)t * lstride + E + I + i], limit);
@@ -1221,7 +1226,7 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
                    ids_buf, mscr + 3 * I + 2 * D, y);
     } else { /* ids: T*K longs (as many floats again), ws: T*K floats, then the grouped scratch */
         long *gids = (long *)take(&at, 2L * T * K);
-        float *gws = take(&at, (long)T * K), *gscr = take(&at, (long)T * (4L * D + 6L * I + (long)K * D + 2L * K));
+        float *gws = take(&at, (long)T * K), *gscr = take(&at, 2 * MOE_RANGE_FLOATS(T, K, D, I) + (long)T * K * D);
         moe_decode_rows_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
                           PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT],
                           gids, gws, gscr, y);

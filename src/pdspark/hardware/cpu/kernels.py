@@ -284,6 +284,12 @@ def moe_decode(
     return out
 
 
+def moe_rows_scratch_floats(T: int, k: int, D: int, I: int) -> int:
+    """The floats `moe_decode_rows` carves from its scratch (`kernels.c`: two `MOE_RANGE_FLOATS` and the slot
+    outputs): an expert may gather up to `T * k` rows (a hash layer's table may repeat an expert in a row)."""
+    return 2 * T * k * (2 * D + 3 * I + 1) + T * k * D
+
+
 def moe_decode_rows(
     x: torch.Tensor, lgu: torch.Tensor, input_ids: torch.Tensor, tid2eid: torch.Tensor | None,
     bias: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, w2s: torch.Tensor, top_k: int,
@@ -298,7 +304,7 @@ def moe_decode_rows(
     I = I2 // 2
     ids = torch.empty(T * top_k, dtype=torch.int64)
     ws = torch.empty(T * top_k)
-    fs = torch.empty(T * (4 * D + 6 * I + top_k * D + 2 * top_k))
+    fs = torch.empty(moe_rows_scratch_floats(T, top_k, D, I))
     out = torch.empty(T, D)
     lib.moe_decode_rows(
         x.data_ptr(), lgu.data_ptr(), lgu.stride(0), input_ids.data_ptr(),
