@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import re
 
 import pytest
 import torch
@@ -442,3 +443,36 @@ def test_the_mhc_collapse_of_a_few_rows_gives_each_row_its_own_bits():
                     assert all(torch.equal(a[t:t + 1], b) for a, b in zip(rows, alone)), (threads, t)
             finally:
                 kernels.set_threads(1)
+
+
+def test_the_library_and_python_agree_on_every_slot_count_and_limit():
+    """`load()` refuses a library whose `pdspark_abi` differs from the tuples Python fills (a slot added on one side
+    only would read the wrong word); this is the check it makes."""
+    lib = kernels.load()
+    assert lib is not None
+    assert kernels.library_abi(lib) == kernels.ABI
+
+
+def _index_arrays():
+    layout = torch.zeros(len(kernels.DECODE_LAYOUT), dtype=torch.int64)
+    step = torch.zeros(len(kernels.DECODE_STEP), dtype=torch.int64)
+    return layout, step, torch.zeros(len(kernels.DECODE_STEP_SIZES), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("req, why", [
+    ([1, 0, 0, 9, *range(9)], "the step buffers hold 8"),  # more tokens than the buffers behind `step`
+    ([2, 0, 0, 1, 5, 0, 2, 7], "not 1 + 3 * 2 chunks"),  # a chunk list longer than the ids that follow
+    ([1, 0, 0, -1], "negative chunk length"),
+])
+def test_decode_index_refuses_requests_its_buffers_cannot_hold(req, why):
+    with pytest.raises(kernels.KernelArgumentError, match=re.escape(why)):
+        kernels.decode_index(torch.tensor(req, dtype=torch.int64), *_index_arrays(), capacity=8)
+
+
+def test_decode_index_refuses_index_arrays_of_another_type():
+    layout, step, sizes = _index_arrays()
+    req = torch.tensor([1, 0, 0, 1, 5], dtype=torch.int32)  # int32 ids: the C code reads 8-byte words
+    with pytest.raises(kernels.KernelArgumentError, match="`req` must be a contiguous 1-D torch.int64"):
+        kernels.decode_index(req, layout, step, sizes, capacity=8)
+    with pytest.raises(kernels.KernelArgumentError, match="`step_sizes`"):
+        kernels.decode_index(req.long(), layout, step, sizes.long(), capacity=8)

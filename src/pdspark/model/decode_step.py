@@ -191,24 +191,9 @@ class DecodeStep:
         return torch.tensor(ptrs, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int32)
 
     def scratch_floats(self, T: int, V: int, W: int) -> int:
-        """An upper bound of what `decode_layer` carves from its scratch (see the `take` calls there) for `T` tokens,
-        `V` visible compressed entries and a window of `W`."""
-        c = self.cfg
-        D, hc = c.hidden_size, c.hc_mult
-        HD, H, QL = c.head_dim, c.num_attention_heads, c.q_lora_rank
-        widths = 2 * HD + 2 * c.index_head_dim
-        nx = QL + HD + 2 * 2 * HD + 2 * 2 * c.index_head_dim + c.index_n_heads
-        per_token = (2 * D + 2 * hc + hc * hc + nx + QL + 3 * H * HD + hc * D + 2 * widths + 2 * c.index_n_heads
-                     * c.index_head_dim + c.index_n_heads + V + c.n_routed_experts + 2 * c.moe_intermediate_size
-                     # the row-shared output projection, and the expert-grouped MoE (ids, weights; two expert ranges)
-                     + H * HD + c.o_groups * c.o_lora_rank
-                     + 3 * c.num_experts_per_tok
-                     + cpu_kernels.moe_rows_scratch_floats(1, c.num_experts_per_tok, D, c.moe_intermediate_size)
-                     # the mHC collapse's normalised rows and mixes
-                     + hc * D + (2 + hc) * hc)
-        fixed = (4 * max(HD, 3 * c.index_head_dim) + 64 + 2 * V + 2 * (H * (W + V) + 16) + H * HD
-                 + c.o_groups * c.o_lora_rank + 3 * c.moe_intermediate_size + 2 * D + c.num_experts_per_tok)
-        return T * per_token + fixed + 16 * 28  # (each carve is rounded up to 16 floats)
+        """What `decode_layer` carves from its scratch for `T` tokens, `V` visible compressed entries and a window
+        of `W`, at the most demanding layer (the C library's own formula: the two cannot drift apart)."""
+        return max(cpu_kernels.decode_layer_scratch_floats(t.sizes, T, V, W) for t in self.tables)
 
     def pool_tables(self, pools: LayerCaches) -> list[torch.Tensor] | None:
         """Each layer's pool pointers and row strides (`kernels.DECODE_POOLS`), or None where the pools are not fp32
@@ -264,7 +249,8 @@ class DecodeStep:
         if capture and (len(set(capture)) != len(capture) or not all(0 <= i < len(self.tables) for i in capture)):
             return None  # (a layer captured twice or past the last: the module path's cat handles it)
         cap = self._capture_buffers(capture)
-        T = cpu_kernels.decode_index(torch.tensor(req, dtype=torch.int64), st.layout, st.step, st.step_sizes)
+        T = cpu_kernels.decode_index(torch.tensor(req, dtype=torch.int64), st.layout, st.step, st.step_sizes,
+                                     MAX_TOKENS)
         k = cpu_kernels.decode_layers(st.layers, st.step, st.step_sizes, embed, st.h, st.scratch, self.ids, cap)
         return IndexedOutput(st.h[k][:T], None if cap is None else cap[1][:T], st.positions[:T], st.swa_slots[:T])
 

@@ -1127,6 +1127,32 @@ static float *take(float **at, long n) {
     return p;
 }
 
+/* The floats `decode_layer` carves from its scratch (each `take` below, rounded as `take` rounds) for T tokens,
+ * at most V visible compressed entries and a window of W, given the layer's sizes wi: the one formula Python sizes
+ * the scratch with (`kernels.decode_layer_scratch_floats`) and `decode_layers` checks against. Keep it in step with
+ * the takes of `decode_layer`. */
+static long r16(long n) { return (n + 15) & ~15L; }
+
+long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
+    const int kind = wi[I_KIND], hc = wi[I_HC], D = wi[I_D], QL = wi[I_QL], H = wi[I_H], HD = wi[I_HD];
+    const int cdim = wi[I_C_DIM], cw = kind == KIND_CSA ? 2 * cdim : cdim;
+    const int Hi = wi[I_I_HEADS], Di = wi[I_I_DIM], iw = 2 * Di;
+    const int E = wi[I_E], I = wi[I_INTER], K = wi[I_K];
+    const int NX = QL + HD + (kind != KIND_SLIDING ? 2 * cw : 0) + (kind == KIND_CSA ? 2 * iw + Hi : 0);
+    const long t = T, M = (2 + hc) * hc;
+    long n = r16(t * D) + 2 * r16(t * hc) + r16(t * hc * hc) + r16(t * (hc * D + M)) + r16(t * NX) + r16(t * QL)
+             + 3 * r16(t * H * HD) + r16(t * D) + r16(t * hc * D) + r16(4L * (HD > 3 * Di ? HD : 3 * Di) + 64);
+    if (kind != KIND_SLIDING) {
+        n += r16(t * 2 * (cw > iw ? cw : iw));
+        if (kind == KIND_CSA && V > wi[I_I_TOPK])
+            n += 2 * r16(t * Hi * Di) + r16(t * Hi) + r16(2L * V) + r16((t * V + 3) / 4);
+    }
+    n += r16(2 * ((long)H * (W + V) + 16)) + r16(t * (H * HD + wi[I_G] * wi[I_L])) + r16(t * (E + 2 * I));
+    if (T == 1) n += r16(3L * I + 2L * D + K);
+    else n += r16(2 * t * K) + r16(t * K) + r16(2 * MOE_RANGE_FLOATS(T, K, D, I) + t * K * D);
+    return n;
+}
+
 /* `DecoderLayer.forward` for a few decode tokens that gather their own windows (no dense segments): the mHC
  * collapse (with the sublayer norm), the fused x projection, the queries, the raw latent written to its SWA rows,
  * the compressors and the CSA indexer's pick, the sink attention read from the pools, the output projection, the
@@ -1684,13 +1710,17 @@ int decode_index(const long *req, const long *L, const long *sp, int *si) {
 /* Every layer of a small step after `decode_index`: the token embeddings copied into each of the hc streams of h0
  * [T, hc, D], then layer l reads one buffer and writes the other. tables [n, 4]: each layer's weights, sizes,
  * scalars and pools arrays (`decode_layer`'s first and sixth arguments). Returns the buffer holding the result
- * (0: h0, 1: h1).
+ * (0: h0, 1: h1), or -1 (nothing done) when some layer's scratch exceeds scratch_n floats.
  * Drafter features (a DSpark verify step): where capture != NULL and capture[l] = c >= 0, layer l's output streams
  * averaged over hc go to columns [c * D, (c + 1) * D) of features [T, F] (F floats a row), as `DSV4Model.forward`'s
  * `h.mean(dim=1)`: the streams summed in order, then divided by hc (the bits of ATen's CPU mean). */
 int decode_layers(int n, const long *tables, const long *sp, const int *si, const float *embed, int hc, int D,
-                  float *h0, float *h1, float *scratch, long *ids_buf, const int *capture, float *features, int F) {
+                  float *h0, float *h1, float *scratch, long scratch_n, long *ids_buf, const int *capture,
+                  float *features, int F) {
     const int T = si[SI_T];
+    const int V = si[SI_V_CSA] > si[SI_V_HCA] ? si[SI_V_CSA] : si[SI_V_HCA];
+    for (int l = 0; l < n; l++) /* every layer's scratch fits, before anything is written */
+        if (decode_layer_scratch_floats((const int *)tables[4L * l + 1], T, V, si[SI_W]) > scratch_n) return -1;
     const long *ids = (const long *)sp[S_IDS];
     for (int t = 0; t < T; t++)
         for (int i = 0; i < hc; i++) {
@@ -1717,3 +1747,16 @@ int decode_layers(int n, const long *tables, const long *sp, const int *si, cons
     return n % 2;
 }
 
+
+/* The library's contract with its Python caller: the slot counts of every array it reads, the limits of its
+ * fixed-size buffers and the layer kinds, in the order of `pdspark.hardware.cpu.kernels.ABI`. Python compares them
+ * with its own tuples when it loads the library and refuses a library that disagrees (a slot added on one side
+ * only would read or write the wrong word). Writes at most n values; returns how many there are. */
+int pdspark_abi(long *out, int n) {
+    const long abi[] = {W_COUNT,  I_COUNT,  F_COUNT,   S_COUNT,  SI_COUNT,     P_COUNT,  L_COUNT,
+                        DW_COUNT, DH_COUNT, DI_COUNT,  DF_COUNT, INDEX_MAX_TOKENS,
+                        KIND_SLIDING, KIND_CSA, KIND_HCA};
+    const int count = (int)(sizeof(abi) / sizeof(abi[0]));
+    for (int i = 0; i < count && i < n; i++) out[i] = abi[i];
+    return count;
+}

@@ -1,25 +1,27 @@
 """`CpuKernels`: C loops compiled on first use and called through ctypes.
 
-The source is compiled with the system C compiler for the host CPU (`-march=native`) into a per-user cache keyed
-by the source and the CPU's feature flags, once per machine (a home directory shared by different CPUs keeps one
-build per kind). Without a compiler (or with `PDSPARK_NO_C_KERNELS=1`) callers fall back to the PyTorch reference path.
+The source is compiled with the system C compiler for the host CPU (`-march=native`) into a per-user cache
+(`kernel_build`: keyed by the source, the CPU's feature flags, the compile command and the compiler's version), once
+per machine. Without a compiler (or with `PDSPARK_NO_C_KERNELS=1`, or a library whose `pdspark_abi` disagrees with
+the slot tuples below) callers fall back to the PyTorch reference path.
+
+The boundary: the C loops trust the sizes they are given, so every array they index comes from a buffer Python sized
+with the C library's own formulas or limits (`moe_rows_scratch_floats`, `pdspark_abi`), and the step builders check
+what they hand over (`model.decode_step`, `model.draft_step`); `KernelArgumentError` is what a wrong one raises.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Protocol
 
 import torch
+
+from pdspark.hardware.cpu.kernel_build import build_library
 
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("kernels.c")
@@ -44,49 +46,22 @@ class CompressPlanLike(Protocol):
     def write_rows(self) -> torch.Tensor: ...
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("PDSPARK_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdspark")
-    return Path(root) / "kernels"
-
-
-def _cpu_key() -> bytes:
-    """What `-march=native` depends on: the CPU's feature flags (Linux), else the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.encode()
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}".encode()
-
-
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be built here."""
     if os.environ.get("PDSPARK_NO_C_KERNELS") == "1":
         return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + b"\0" + _cpu_key()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"libpdspark_cpu_{key}.so"
-    if not lib_path.exists():
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
-            logger.warning("no C compiler found; using the slower PyTorch path for mHC")
-            return None
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            out = Path(tmp) / lib_path.name
-            # Wide vectors, but no fast-math and no FMA contraction: the loops keep their float32 roundings
-            # (the partial sums are spelled out in the source, so the vector width does not change results).
-            cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fno-fast-math", "-ffp-contract=off",
-                   str(_SOURCE), "-o", str(out), "-lm"]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                logger.warning("building CPU kernels failed (%s); using the PyTorch path", result.stderr[-500:])
-                return None
-            os.replace(out, lib_path)  # atomic: concurrent builders race harmlessly
-    lib = ctypes.CDLL(str(lib_path))
+    built = build_library(_SOURCE)
+    if built is None:
+        return None
+    lib = built.lib
+    lib.pdspark_abi.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.pdspark_abi.restype = ctypes.c_int
+    abi = library_abi(lib)
+    if abi != ABI:
+        logger.error("the kernel library %s disagrees with kernels.py (C %s, Python %s); using the PyTorch path",
+                     built.path, abi, ABI)
+        return None
     f = ctypes.c_void_p
     i, fl = ctypes.c_int, ctypes.c_float
     lib.hc_collapse.argtypes = [f, f, f, f, i, i, i, i, fl, fl, f, f, f, f, f, f, fl]
@@ -134,7 +109,9 @@ def load() -> ctypes.CDLL | None:
     lib.draft_inject.restype = None
     lib.decode_index.argtypes = [f, f, f, f]
     lib.decode_index.restype = i
-    lib.decode_layers.argtypes = [i, f, f, f, f, i, i, f, f, f, f, f, f, i]
+    lib.decode_layers.argtypes = [i, f, f, f, f, i, i, f, f, f, ctypes.c_long, f, f, f, i]
+    lib.decode_layer_scratch_floats.argtypes = [f, i, i, i]
+    lib.decode_layer_scratch_floats.restype = ctypes.c_long
     lib.decode_layers.restype = i
     return lib
 
@@ -477,10 +454,24 @@ def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
     tensor behind them is what the C loops read (see `model.decode_step`)."""
     lib = load()
     assert lib is not None
+    si = step_sizes.tolist()
+    need = decode_layer_scratch_floats(sizes, si[0], max(si[3], si[4]), si[1])
+    if scratch.numel() < need:
+        raise KernelArgumentError(f"decode_layer: scratch of {scratch.numel()} floats; the layer needs {need}")
     out = torch.empty_like(h)
     lib.decode_layer(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
                      pools.data_ptr(), h.data_ptr(), out.data_ptr(), scratch.data_ptr(), ids.data_ptr())
     return out
+
+
+def decode_layer_scratch_floats(sizes: torch.Tensor, tokens: int, visible: int, window: int) -> int:
+    """The floats `decode_layer` carves from its scratch for a layer of `sizes` (int32 `DECODE_SIZES`), `tokens`
+    tokens, at most `visible` compressed entries and a window of `window` (the C library's own formula)."""
+    lib = load()
+    assert lib is not None
+    if not (sizes.dtype is torch.int32 and sizes.is_contiguous() and sizes.numel() == len(DECODE_SIZES)):
+        raise KernelArgumentError(f"`sizes` must be {len(DECODE_SIZES)} contiguous int32 values")
+    return int(lib.decode_layer_scratch_floats(sizes.data_ptr(), tokens, visible, window))
 
 
 def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
@@ -590,16 +581,61 @@ DECODE_LAYOUT = ("req_to_token", "req_to_token_stride", "req_to_c128", "req_to_c
 INDEX_MAX_TOKENS = 64
 
 
-def decode_index(req: torch.Tensor, layout: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor) -> int:
+class KernelArgumentError(ValueError):
+    """An argument a C kernel would index out of its bounds (a caller's bug, refused before the call)."""
+
+
+# `pdspark_abi` of a library that matches this file: the slot counts of the arrays above, `decode_index`'s token
+# limit, the layer kinds.
+ABI = (len(DECODE_WEIGHTS), len(DECODE_SIZES), len(DECODE_SCALARS), len(DECODE_STEP), len(DECODE_STEP_SIZES),
+       len(DECODE_POOLS), len(DECODE_LAYOUT), len(DRAFT_STAGE_WEIGHTS), len(DRAFT_HEAD_WEIGHTS), len(DRAFT_SIZES),
+       len(DRAFT_SCALARS), INDEX_MAX_TOKENS, DECODE_SLIDING, DECODE_CSA, DECODE_HCA)
+
+
+def library_abi(lib: ctypes.CDLL) -> tuple[int, ...]:
+    """What the library says its arrays and limits are (`pdspark_abi` in kernels.c)."""
+    out = (ctypes.c_long * 64)()
+    n = lib.pdspark_abi(out, 64)
+    return tuple(out[: min(n, 64)])
+
+
+def decode_index(req: torch.Tensor, layout: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor,
+                 capacity: int) -> int:
     """Every index of a step of short chunks from the page tables, written into the arrays behind `step`
     (`DECODE_STEP`), its sizes into `step_sizes` (`DECODE_STEP_SIZES`). `req` (int64): `[n, (slot, start, length)
-    per chunk, every chunk's token ids]`; `layout` (int64): `DECODE_LAYOUT`. Returns the step's token count."""
+    per chunk, every chunk's token ids]`; `layout` (int64): `DECODE_LAYOUT`; `capacity`: the tokens the buffers
+    behind `step` hold. Returns the step's token count; `KernelArgumentError` for arrays the C code would overrun."""
     lib = load()
     assert lib is not None
+    _check_index_request(req, layout, step, step_sizes, capacity)
     T = lib.decode_index(req.data_ptr(), layout.data_ptr(), step.data_ptr(), step_sizes.data_ptr())
     if T < 0:
-        raise ValueError(f"decode_index takes at most {INDEX_MAX_TOKENS} tokens")
+        raise KernelArgumentError(f"decode_index takes at most {INDEX_MAX_TOKENS} tokens")
     return int(T)
+
+
+def _check_index_request(req: torch.Tensor, layout: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor,
+                         capacity: int) -> None:
+    """`decode_index`'s arrays as the C code reads them: int64 `req` whose chunk list matches its length and fits
+    the step buffers (`capacity` tokens), int64 `layout`/`step` with every slot, int32 `step_sizes`."""
+    for name, t, dtype, n in (("req", req, torch.int64, 1), ("layout", layout, torch.int64, len(DECODE_LAYOUT)),
+                              ("step", step, torch.int64, len(DECODE_STEP)),
+                              ("step_sizes", step_sizes, torch.int32, len(DECODE_STEP_SIZES))):
+        if not (t.is_cpu and t.dtype is dtype and t.dim() == 1 and t.is_contiguous() and t.numel() >= n):
+            raise KernelArgumentError(f"decode_index: `{name}` must be a contiguous 1-D {dtype} CPU tensor of at "
+                                      f"least {n} values; got {tuple(t.shape)} {t.dtype}")
+    values = req.tolist()
+    n = values[0]
+    lengths = values[3 : 1 + 3 * n : 3] if n > 0 else []
+    if n < 0 or any(length < 0 for length in lengths):
+        raise KernelArgumentError("decode_index: `req` has a negative chunk count or negative chunk length")
+    tokens = sum(lengths)
+    if len(values) != 1 + 3 * n + tokens:
+        raise KernelArgumentError(f"decode_index: `req` holds {len(values)} values, not 1 + 3 * {n} chunks + "
+                                  f"{tokens} token ids")
+    if tokens > min(capacity, INDEX_MAX_TOKENS):
+        raise KernelArgumentError(f"decode_index: {tokens} tokens; the step buffers hold {capacity} "
+                                  f"(the C limit is {INDEX_MAX_TOKENS})")
 
 
 def decode_layers(tables: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor, embed: torch.Tensor,
@@ -616,7 +652,13 @@ def decode_layers(tables: torch.Tensor, step: torch.Tensor, step_sizes: torch.Te
     assert lib is not None
     _, hc, D = h[0].shape
     cols, feats = (None, None) if capture is None else capture
-    return int(lib.decode_layers(tables.shape[0], tables.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
-                                 embed.data_ptr(), hc, D, h[0].data_ptr(), h[1].data_ptr(), scratch.data_ptr(),
-                                 ids.data_ptr(), None if cols is None else cols.data_ptr(),
-                                 None if feats is None else feats.data_ptr(), 0 if feats is None else feats.shape[1]))
+    T = int(step_sizes[0])
+    if h[0].shape[0] < T or h[1].shape[0] < T or (feats is not None and feats.shape[0] < T):
+        raise KernelArgumentError(f"decode_layers: {T} tokens; the stream or feature buffers hold fewer")
+    k = lib.decode_layers(tables.shape[0], tables.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
+                          embed.data_ptr(), hc, D, h[0].data_ptr(), h[1].data_ptr(), scratch.data_ptr(),
+                          scratch.numel(), ids.data_ptr(), None if cols is None else cols.data_ptr(),
+                          None if feats is None else feats.data_ptr(), 0 if feats is None else feats.shape[1])
+    if k < 0:
+        raise KernelArgumentError(f"decode_layers: a layer needs more than the {scratch.numel()} scratch floats")
+    return int(k)
