@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import MIXED, random_prompts
 from helpers import greedy, make_llm
+from pdspark.errors import CheckpointError
 from pdspark.model.loader import load_checkpoint
 from pdspark.model.weights import map_name
 
@@ -65,3 +68,16 @@ def test_name_map_covers_both_spellings():
     assert (w1.param, w1.expert, w1.half) == ("layers.1.ffn.w13", 3, 0)
     assert (w3.param, w3.expert, w3.half) == ("layers.1.ffn.w13", 3, 1)
     assert map_name("mtp.0.e_proj.weight") is None
+
+
+def test_an_expert_id_out_of_range_in_a_hash_table_is_refused_at_load(checkpoints, tmp_path):
+    """The C MoE indexes expert weights with tid2eid's ids unchecked; a checkpoint naming expert 4 of 4 (ids
+    0..3) is refused before serving, naming the tensor."""
+    path, _ = checkpoints(MIXED, tokenizer=False)
+    shutil.copytree(path, tmp_path / "bad")
+    tensors = load_file(tmp_path / "bad" / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("tid2eid"))
+    tensors[name][7, 1] = 4
+    save_file(tensors, tmp_path / "bad" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"tid2eid.*\[0, 4\]; allowed: \[0, 3\]"):
+        load_checkpoint(tmp_path / "bad", max_len=256)

@@ -200,6 +200,7 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
         filled.add(Piece("head"))
     if check:
         check_complete(model, filled, model.cfg.n_routed_experts)
+    check_expert_ids(model, model.cfg.n_routed_experts)
     return LoadReport(extra=extra, num_tensors=len(names), quantized=quantized if quant else None, filled=filled)
 
 
@@ -225,6 +226,17 @@ def check_complete(module: torch.nn.Module, filled: set[Piece], n_experts: int, 
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+
+def check_expert_ids(module: torch.nn.Module, n_experts: int) -> None:
+    """Every hash-routing table (`tid2eid`) names experts in [0, n_experts): the MoE kernels index the expert weights
+    with these ids unchecked, so one out of range would read another tensor's memory."""
+    for name, table in module.named_buffers():
+        if name.endswith("tid2eid") and table.numel():
+            low, high = int(table.min()), int(table.max())
+            if low < 0 or high >= n_experts:
+                raise CheckpointError(f"tensor {name!r} holds expert ids in [{low}, {high}]; allowed: "
+                                      f"[0, {n_experts - 1}] (`n_routed_experts` is {n_experts})")
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
