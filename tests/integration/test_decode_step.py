@@ -89,3 +89,35 @@ def test_the_helper_thread_gives_every_step_the_same_bits():
                     assert [x.top for x in a.logprobs] == [x.top for x in b.logprobs]
     finally:
         cpu_kernels.set_threads(1)
+
+
+def test_steps_the_c_path_does_not_cover_are_logged_once_per_reason_and_counted(checkpoints, monkeypatch, caplog):
+    """The fast path never turns off silently: decode steps of more rows than the C step takes, or of a model with
+    no C step (here: the C kernels off), take the PyTorch path with one log line per reason and a count per step;
+    small steps of an fp32 model count nothing."""
+    from pdspark.hardware.cpu import kernels
+    from pdspark.model.decode_step import MAX_TOKENS
+
+    path, _ = checkpoints(MIXED)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = make_llm(path)
+    steps = llm.engine.stats.fast_path_fallback_steps
+    llm.generate(prompt_token_ids=random_prompts(2, [20, 30], seed=8), sampling_params=params)
+    assert sum(steps.values()) == 0
+    with caplog.at_level("WARNING", logger="pdspark.engine.fast_path_fallbacks"):
+        llm.generate(prompt_token_ids=random_prompts(MAX_TOKENS + 1, [20], seed=9), sampling_params=params)
+        llm.generate(prompt_token_ids=random_prompts(MAX_TOKENS + 2, [25], seed=10), sampling_params=params)
+    assert steps["step_tokens"] >= 2 * 4  # (both batches' decode steps with every request still running)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and f"(the C step takes at most {MAX_TOKENS})" in lines[0]
+
+    monkeypatch.setattr(kernels, "load", lambda: None)  # as PDSPARK_NO_C_KERNELS=1
+    off = make_llm(path)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pdspark.engine.fast_path_fallbacks"):
+        off.generate(prompt_token_ids=random_prompts(2, [20, 30], seed=8), sampling_params=params)
+    assert off.engine.stats.fast_path_fallback_steps["model"] >= 5
+    assert [r.getMessage() for r in caplog.records] == [
+        "decode/verify steps take the slower PyTorch path: the model has no C decode step: no C kernels "
+        "(PDSPARK_NO_C_KERNELS=1, or they could not be built: see the log above) (logged once per reason; counted "
+        "in pdspark_engine_fast_path_fallback_steps_total{reason='model'})"]

@@ -476,3 +476,21 @@ def test_decode_index_refuses_index_arrays_of_another_type():
         kernels.decode_index(req, layout, step, sizes, capacity=8)
     with pytest.raises(kernels.KernelArgumentError, match="`step_sizes`"):
         kernels.decode_index(req.long(), layout, step, sizes.long(), capacity=8)
+
+
+def test_index_arrays_the_c_loops_would_overrun_are_refused_before_the_call():
+    """Rows past the pool, index arrays of another integer type or shape: `KernelArgumentError` naming the kernel
+    and the argument, never a read out of bounds."""
+    T, H, d, W = 2, 2, 16, 4
+    q, swa, sink = torch.randn(T, H, d), torch.randn(10, d), torch.zeros(H)
+    valid = torch.ones(T, W, dtype=torch.bool)
+    assert kernels.sink_attend(q, swa, torch.zeros(T, W, dtype=torch.int64), valid, None, None, None, sink, 1.0) \
+        is not None
+    with pytest.raises(kernels.KernelArgumentError, match=r"`win_rows` holds rows \[10, 10\]; the pool has 10"):
+        kernels.sink_attend(q, swa, torch.full((T, W), 10), valid, None, None, None, sink, 1.0)
+    with pytest.raises(kernels.KernelArgumentError, match="sink_attend: `win_rows` must be torch.int64"):
+        kernels.sink_attend(q, swa, torch.zeros(T, W, dtype=torch.int32), valid, None, None, None, sink, 1.0)
+    keys = torch.randn(10, d)
+    with pytest.raises(kernels.KernelArgumentError, match="index_pick: `rows` must be"):
+        kernels.index_pick(q, torch.ones(T, H), keys, torch.zeros(T, 3, dtype=torch.int32),
+                           torch.ones(T, 3, dtype=torch.bool), 1.0, 2)

@@ -73,6 +73,11 @@ def test_engine_metrics_observe_steps_and_count_tokens_by_difference():
     assert value(registry, "pdspark_engine_generated_tokens_total") == 10
     assert value(registry, "pdspark_engine_running_requests") == 2
     assert value(registry, "pdspark_engine_waiting_requests") == 5
+    assert value(registry, "pdspark_engine_fast_path_fallback_steps_total", reason="step_tokens") == 0
+    engine.stats.fast_path_fallback_steps["step_tokens"] += 3
+    m.sample(engine, load)  # type: ignore[arg-type]
+    m.sample(engine, load)  # type: ignore[arg-type]
+    assert value(registry, "pdspark_engine_fast_path_fallback_steps_total", reason="step_tokens") == 3
 
 
 def test_pool_metrics_cover_pages_state_rings_and_slots():

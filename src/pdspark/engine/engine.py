@@ -7,6 +7,7 @@ import math
 import random
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -74,6 +75,8 @@ class EngineStats:
 
     generated_tokens: int = 0  # tokens sampled and appended to outputs (a decode worker's adopted first token not)
     last_batch_size: int = 0  # requests scheduled by the last step (0: it scheduled nothing)
+    # Decode/verify steps the C fast path did not run, by `FastPathFallbacks` reason (the runner's own counter).
+    fast_path_fallback_steps: Counter[str] = field(default_factory=Counter)
 
 
 def _tail_sums(counts: list[int]) -> list[int]:
@@ -135,7 +138,7 @@ class Engine:
         self._seeds = random.Random(secrets.randbits(128) if config.seed is None else config.seed)
         self.stop_checker = StopChecker(tokenizer, model.cfg.eos_token_ids, self.scheduler.max_model_len)
         self.spec = SpecStats.for_drafts(num_drafts)
-        self.stats = EngineStats()
+        self.stats = EngineStats(fast_path_fallback_steps=self.runner.fallbacks.steps)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from pdspark.cache.kv_cache import KVCache
+from pdspark.engine.fast_path_fallbacks import FastPathFallbacks
 from pdspark.engine.forward_batch import (
     DENSE_MIN_TOKENS,
     Chunk,
@@ -45,6 +46,7 @@ class ModelRunner:
         self.threads = torch.get_num_threads()
         self.streams = streams  # side streams of the multi-stream prepare (None: off)
         self.stream_rows = stream_rows  # its row limit
+        self.fallbacks = FastPathFallbacks()  # decode/verify steps the C step did not run, by reason
         # Small steps on the CPU (decode, and DSpark verify steps with their captured features): indices built in C
         # from the page tables and every layer in one call.
         self.layout = index_layout(kv) if kv.pools.swa_kv.device.type == "cpu" else None
@@ -63,8 +65,13 @@ class ModelRunner:
                 torch.set_num_threads(want)
         if self.layout is not None:
             out = self._run_indexed(chunks)
-            if out is not None:
+            if isinstance(out, RunOutput):
                 return out
+            fallback = out
+        else:
+            fallback = "device"
+        if fallback is not None and all(c.kind != "extend" for c in chunks):
+            self.fallbacks.note(fallback, self._fallback_detail(fallback, chunks))
         batch = build_forward_batch(chunks, self.kv)
         if self.streams is not None and use_prepare_streams([c.kind for c in chunks], batch.num_tokens,
                                                             self.stream_rows):
@@ -73,21 +80,32 @@ class ModelRunner:
         return RunOutput(self.model.logits(out.hidden[batch.logits_rows]), out.features, batch.positions,
                          batch.swa_slots)
 
-    def _run_indexed(self, chunks: list[Chunk]) -> RunOutput | None:
-        """A decode/verify step through `DSV4Model.forward_indexed`; None where it does not apply."""
+    def _fallback_detail(self, reason: str, chunks: list[Chunk]) -> str:
+        tokens = sum(len(c.token_ids) for c in chunks)
+        return {
+            "model": f"the model has no C decode step: {self.model.decode_step_off}",
+            "step_tokens": f"a step of {tokens} token rows (the C step takes at most {MAX_TOKENS})",
+            "pools": "the KV pools are not fp32 row-major CPU tensors",
+            "device": f"the engine runs on {self.kv.pools.swa_kv.device.type}, not the CPU",
+            "multi_stream": f"the multi-stream prepare takes steps of at most {self.stream_rows} rows",
+        }[reason]
+
+    def _run_indexed(self, chunks: list[Chunk]) -> RunOutput | str | None:
+        """A decode/verify step through `DSV4Model.forward_indexed`; else why not (a `FastPathFallbacks` reason),
+        or None for a step the C path is not meant for (a long chunk: BLAS serves it better)."""
         tokens = 0
         for c in chunks:
             if len(c.token_ids) >= DENSE_MIN_TOKENS:
                 return None
             tokens += len(c.token_ids)
         if tokens > MAX_TOKENS:
-            return None
+            return "step_tokens"
         if self.streams is not None and use_prepare_streams([c.kind for c in chunks], tokens, self.stream_rows):
-            return None
+            return "multi_stream"
         assert self.layout is not None
         out = self.model.forward_indexed(index_request(chunks), self.layout, self.kv.pools, self.capture)
         if out is None:
-            return None
+            return "model" if self.model.decode_step_off is not None else "pools"
         hidden = out.hidden
         rows = logits_rows(chunks)
         first = rows[0] if rows else 0

@@ -57,16 +57,16 @@ def _fp32(t: object) -> torch.Tensor | None:
 _PROJECTIONS = ("wx", "wq_b", "wo_a", "wo_b", "i_wq_b", "moe_in", "w13", "w2", "w2s")
 
 
-def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | None:
-    """The table of one target layer, or None where some weight is not a plain fp32 CPU tensor."""
+def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
+    """The table of one target layer, or why it has none (some weight is not a plain fp32 CPU tensor)."""
     attn, moe = layer.attn, layer.ffn
     if not (isinstance(attn, Attention) and isinstance(moe, MoE)):
-        return None
+        return f"{type(attn).__name__}/{type(moe).__name__} modules (quantized weights)"
     fused_x = getattr(attn, "_fused_x", None)
     c_decode = getattr(moe, "_c_decode", None)
     frozen = (layer.attn_hc._frozen, layer.ffn_hc._frozen)
     if fused_x is None or len(fused_x.groups) != 1 or c_decode is None or None in frozen:
-        return None
+        return "projections not fused into one fp32 matrix (quantized or non-fp32 weights)"
     w: dict[str, torch.Tensor | None] = {
         "attn_fn": frozen[0][0], "attn_scale": frozen[0][1], "attn_base": frozen[0][2],  # type: ignore[index]
         "ffn_fn": frozen[1][0], "ffn_scale": frozen[1][1], "ffn_base": frozen[1][2],  # type: ignore[index]
@@ -84,7 +84,10 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | None:
         w["bias"] = moe.bias
     checked = {k: _fp32(v) for k, v in w.items()}
     if any(v is None for v in checked.values()):
-        return None
+        odd = next(k for k, v in checked.items() if v is None)
+        t = w[odd]
+        what = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        return f"weight {odd} is {what}, not a contiguous fp32 CPU tensor"
     # The projections as bf16 bits when every one of them holds bf16 numbers (a checkpoint's weights do): the same
     # arithmetic on half the bytes (`kernels.c`, `gemm_exact_h`). The norms, mixes, sinks and biases stay fp32.
     halves = {k: cpu_kernels.bf16_copy(v) for k in _PROJECTIONS if (v := checked.get(k)) is not None}
@@ -94,7 +97,7 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | None:
     tid2eid = moe.get_buffer("tid2eid") if moe.is_hash else None
     if tid2eid is not None:
         if not (tid2eid.dtype is torch.int64 and tid2eid.is_contiguous() and tid2eid.is_cpu):
-            return None
+            return f"tid2eid is {tid2eid.dtype} on {tid2eid.device}, not contiguous int64 on the CPU"
         checked["tid2eid"] = tid2eid
     weights = [0 if checked.get(n) is None else checked[n].data_ptr()  # type: ignore[union-attr]
                for n in cpu_kernels.DECODE_WEIGHTS]
@@ -119,7 +122,7 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | None:
         "scaling": moe.scaling, "limit": moe.limit,
     }
     if layer.attn_hc.hc_eps != layer.ffn_hc.hc_eps or layer.attn_hc.norm_eps != layer.ffn_hc.norm_eps:
-        return None
+        return "the attention and FFN hyper-connections have different epsilons"
     return LayerTable(
         torch.tensor(weights, dtype=torch.int64),
         torch.tensor([sizes[n] for n in cpu_kernels.DECODE_SIZES], dtype=torch.int32),
@@ -151,14 +154,17 @@ class DecodeStep:
         self._capture: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, layers: list[DecoderLayer], cfg: ModelConfig) -> DecodeStep | None:
-        """None where some layer has no table or the C kernels cannot be built here."""
+    def build(cls, layers: list[DecoderLayer], cfg: ModelConfig) -> DecodeStep | str:
+        """The step path, or why there is none (some layer has no table, or no C kernels here)."""
         if cpu_kernels.load() is None:
-            return None
-        tables = [layer_table(layer, cfg) for layer in layers]
-        if any(t is None for t in tables):
-            return None
-        return cls(tables, cfg)  # type: ignore[arg-type]
+            return "no C kernels (PDSPARK_NO_C_KERNELS=1, or they could not be built: see the log above)"
+        tables: list[LayerTable] = []
+        for i, layer in enumerate(layers):
+            table = layer_table(layer, cfg)
+            if isinstance(table, str):
+                return f"layer {i}: {table}"
+            tables.append(table)
+        return cls(tables, cfg)
 
     @staticmethod
     def applies(batch: ForwardBatch) -> bool:

@@ -52,6 +52,7 @@ class DSV4Model(nn.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = nn.Parameter(torch.zeros(cfg.vocab_size, D))
         self._decode_step: DecodeStep | None = None  # set by `prepare_inference`
+        self.decode_step_off: str | None = None  # why `prepare_inference` built no decode step (None: it did)
         self._head_bf16: torch.Tensor | None = None  # set by `prepare_inference`
 
     def forward(self, batch: ForwardBatch, pools: LayerCaches, capture: tuple[int, ...] = ()) -> ForwardOutput:
@@ -101,7 +102,8 @@ class DSV4Model(nn.Module):
             layer.attn_hc.freeze()
             layer.ffn_hc.freeze()
         # Small decode steps: each layer as one C call over these weights (None where they do not allow it).
-        self._decode_step = DecodeStep.build(list(self.layers), self.cfg)  # type: ignore[arg-type]
+        built = DecodeStep.build(list(self.layers), self.cfg)  # type: ignore[arg-type]
+        self._decode_step, self.decode_step_off = (None, built) if isinstance(built, str) else (built, None)
         # The head for the C path's rows, as bf16 bits when its values are bf16 numbers (the same logits).
         self._head_bf16 = cpu_kernels.bf16_copy(self.head)
         if row_exact:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdspark.engine.fast_path_fallbacks import REASONS as FALLBACK_REASONS
+
 if TYPE_CHECKING:
     from pdspark.engine.engine import Engine
     from pdspark.serving.engine_load import EngineLoad
@@ -35,6 +37,14 @@ class EngineMetrics:
                               registry=r)
         for stage in ERROR_STAGES:
             self.errors.labels(stage=stage)
+        self.fallback_steps = Counter(
+            "pdspark_engine_fast_path_fallback_steps_total", "Decode/verify steps the C fast path did not run (the "
+            "slower PyTorch path ran them, same tokens), by reason: model (quantized or non-fp32 weights, no C "
+            "kernels), step_tokens (more rows than the C step takes), pools, device, multi_stream", ["reason"],
+            registry=r)
+        for reason in FALLBACK_REASONS:
+            self.fallback_steps.labels(reason=reason)
+        self._fallbacks_seen: dict[str, int] = dict.fromkeys(FALLBACK_REASONS, 0)
         self._generated_seen = 0
 
     # ---- StepObserver (engine-loop thread) ---------------------------------------------------------------------------
@@ -53,3 +63,7 @@ class EngineMetrics:
         if generated > self._generated_seen:
             self.generated_tokens.inc(generated - self._generated_seen)
         self._generated_seen = generated
+        for reason, steps in engine.stats.fast_path_fallback_steps.items():
+            if steps > self._fallbacks_seen[reason]:
+                self.fallback_steps.labels(reason=reason).inc(steps - self._fallbacks_seen[reason])
+                self._fallbacks_seen[reason] = steps

@@ -132,6 +132,22 @@ def _row_major(t: torch.Tensor) -> bool:
     return t.is_cpu and t.dtype is torch.float32 and t.dim() == 2 and t.stride(1) == 1
 
 
+_FLAGS = (torch.bool, torch.uint8)  # one byte per entry, what the C loops read as `unsigned char`
+
+
+def _check_index(kernel: str, name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...],
+                 rows: int | None = None) -> None:
+    """An index array as the C loop reads it: one of `dtypes`, exactly `shape`, and with `rows`, every value a row
+    in [0, rows). Raises `KernelArgumentError` naming the kernel and the argument (a caller's bug: never a reason
+    to fall back). (Contiguity is checked by the callers: a strided index array falls back to PyTorch.)"""
+    if t.dtype not in dtypes or tuple(t.shape) != shape:
+        raise KernelArgumentError(f"{kernel}: `{name}` must be {'/'.join(map(str, dtypes))} of shape {shape}; got "
+                                  f"{t.dtype} {tuple(t.shape)}")
+    if rows is not None and t.numel() and not (int(t.min()) >= 0 and int(t.max()) < rows):
+        raise KernelArgumentError(f"{kernel}: `{name}` holds rows [{int(t.min())}, {int(t.max())}]; the pool has "
+                                  f"{rows}")
+
+
 def hc_collapse(
     h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float,
     norm_eps: float, x_norm: tuple[torch.Tensor, float] | None = None,
@@ -249,6 +265,13 @@ def moe_decode(
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
+    _check_index("moe_decode", "input_ids", input_ids, (torch.int64,), (T,))
+    if tid2eid is not None:
+        _check_index("moe_decode", "tid2eid", tid2eid, (torch.int64,), (tid2eid.shape[0], top_k), E)
+        if not tid2eid.is_contiguous() or (T and int(input_ids.max()) >= tid2eid.shape[0]):
+            raise KernelArgumentError("moe_decode: `input_ids` past the rows of a contiguous `tid2eid`")
+    if lgu.shape[1] < E + I2 or (bias is not None and bias.numel() != E) or not 1 <= top_k <= E:
+        raise KernelArgumentError(f"moe_decode: router logits [T, {E} + {I2}], bias [{E}], 1 <= top_k <= {E}")
     ids = torch.empty(top_k, dtype=torch.int64)  # the current token's experts
     out = torch.empty(T, D)
     scratch = torch.empty(3 * I + 2 * D + top_k)  # gate|up, act, acc, y, then the token's routing weights
@@ -308,6 +331,15 @@ def sink_attend(
     for idx in (win_rows, win_valid, comp_rows, comp_valid):
         if idx is not None and not (idx.is_cpu and idx.is_contiguous()):
             return None
+    _check_index("sink_attend", "win_rows", win_rows, (torch.int64,), (T, W), swa.shape[0])
+    _check_index("sink_attend", "win_valid", win_valid, _FLAGS, (T, W))
+    if comp is not None or comp_rows is not None:
+        if comp is None or comp_rows is None or comp_valid is None:
+            raise KernelArgumentError("sink_attend: `comp`, `comp_rows` and `comp_valid` go together")
+        _check_index("sink_attend", "comp_rows", comp_rows, (torch.int64,), (T, V), comp.shape[0])
+        _check_index("sink_attend", "comp_valid", comp_valid, _FLAGS, (T, V))
+    if swa.shape[1] < d or (comp is not None and comp.shape[1] < d) or sink.numel() != H:
+        raise KernelArgumentError(f"sink_attend: rows of {d} channels and {H} sinks expected")
     out = torch.empty(T, H, d)
     scratch = torch.empty(H * (W + V))
     lib.sink_attend(
@@ -340,6 +372,18 @@ def compressor_run(
     w = ape.shape[1]
     rows = torch.empty(T * 2 * w + 3 * dim)  # [T, 2w] state rows, then the kernel's scratch
     G, N = plan.out_rows.shape[0], plan.write_tokens.shape[0]
+    span = (2 if overlap else 1) * ratio
+    k = "compressor_run"
+    _check_index(k, "positions", positions, (torch.int64,), (T,))
+    _check_index(k, "plan.out_rows", plan.out_rows, (torch.int64,), (G,), pool.shape[0])
+    _check_index(k, "plan.positions", plan.positions, (torch.int64,), (G,), cos.shape[0])
+    _check_index(k, "plan.use_cur", plan.use_cur, _FLAGS, (G, span))
+    _check_index(k, "plan.cur_rows", plan.cur_rows, (torch.int64,), (G, span), max(T, 1))
+    _check_index(k, "plan.hist_rows", plan.hist_rows, (torch.int64,), (G, span), state.shape[0])
+    _check_index(k, "plan.write_tokens", plan.write_tokens, (torch.int64,), (N,), max(T, 1))
+    _check_index(k, "plan.write_rows", plan.write_rows, (torch.int64,), (N,), state.shape[0])
+    if projected.shape[1] < 2 * w or state.shape[1] < 2 * w or pool.shape[1] < dim or ape.shape[0] != ratio:
+        raise KernelArgumentError(f"{k}: projected/state rows of {2 * w}, pool rows of {dim}, ape [{ratio}, {w}]")
     lib.compressor_run(
         projected.data_ptr(), projected.stride(0), positions.data_ptr(), T, ape.data_ptr(), ratio, dim, int(overlap),
         G, plan.out_rows.data_ptr(), plan.positions.data_ptr(), plan.use_cur.data_ptr(), plan.cur_rows.data_ptr(),
@@ -361,6 +405,10 @@ def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch
         return None
     T, H, D = q.shape
     V = rows.shape[1]
+    _check_index("index_pick", "rows", rows, (torch.int64,), (T, V), keys.shape[0])
+    _check_index("index_pick", "valid", valid, _FLAGS, (T, V))
+    if keys.shape[1] < D or tuple(w.shape) != (T, H):
+        raise KernelArgumentError(f"index_pick: keys of {D} channels and head weights [{T}, {H}] expected")
     picked = torch.empty(T, V, dtype=torch.bool)
     scratch = torch.empty(2 * V)
     lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(), valid.data_ptr(),
@@ -385,6 +433,10 @@ def norm_rope(x: torch.Tensor, heads: int, weight: torch.Tensor | None, eps: flo
         return None
     T = x.shape[0]
     d = x.shape[1] // heads
+    if out is not None and out_rows is not None:
+        _check_index("norm_rope", "out_rows", out_rows, (torch.int64,), (T,), out.shape[0])
+        if heads != 1 or out.shape[1] < d:
+            raise KernelArgumentError(f"norm_rope: pool rows take one head of {d} channels")
     dst = torch.empty(T, heads, d) if out is None else out
     scratch = torch.empty(d)
     lib.norm_rope(x.data_ptr(), d if heads > 1 else x.stride(0), None if weight is None else weight.data_ptr(),
