@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import copy
 import json
+import logging
 import random
 import sys
 import tempfile
@@ -58,6 +59,7 @@ class FuzzCase:
     join_after: int  # engine steps before the second half of the prompts is added (0: all at once)
     engine: dict  # EngineConfig options
     seed: int
+    draft_gamma: int = 0  # a random DSpark draft of this many tokens (0: none): DSpark must give the plain tokens
 
     def describe(self) -> str:
         c = self.config
@@ -66,7 +68,7 @@ class FuzzCase:
                 f"{c['head_dim']} hc={c['hc_mult']} win={c['sliding_window']} rates={c['compress_rates']} "
                 f"topk={c['index_topk']} E={c['n_routed_experts']}/{c['num_experts_per_tok']} "
                 f"{self.weight_dtype} tid2eid={self.tid2eid} lens={[len(p) for p in self.prompts]} "
-                f"engine={self.engine}")
+                f"engine={self.engine}" + (f" dspark gamma={self.draft_gamma}" if self.draft_gamma else ""))
 
 
 def random_case(seed: int, max_prompt: int = 600, max_prompts: int = 8) -> FuzzCase:
@@ -114,7 +116,7 @@ def random_case(seed: int, max_prompt: int = 600, max_prompts: int = 8) -> FuzzC
         config=config, weight_dtype=rng.choice(["float32", "float32", "bfloat16", "float16"]),
         tid2eid=rng.choice(["perm", "random", "zeros"]), prompts=tuple(prompts),
         max_tokens=tuple(rng.randint(1, 24) for _ in prompts), join_after=rng.choice([0, 0, 1, 3]), engine=engine,
-        seed=seed,
+        seed=seed, draft_gamma=rng.choice([0, 2, 3, 5]) if n_layers >= 3 else 0,
     )
 
 
@@ -247,7 +249,7 @@ class CaseResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _engine_outputs(path: Path, case: FuzzCase, c_path: bool):
+def _engine_outputs(path: Path, case: FuzzCase, c_path: bool, speculative: bool = False):
     """Every request's tokens and chosen-token logprobs, driven step by step so later prompts join mid-batch."""
     from pdspark import LLM, SamplingParams
     from pdspark.hardware.cpu import kernels
@@ -257,7 +259,7 @@ def _engine_outputs(path: Path, case: FuzzCase, c_path: bool):
             original = kernels.load
             kernels.load = lambda: None  # type: ignore[assignment]  # as PDSPARK_NO_C_KERNELS=1
             stack.callback(setattr, kernels, "load", original)
-        llm = LLM(str(path), **case.engine)
+        llm = LLM(str(path), **case.engine, **({"speculative": "dspark"} if speculative else {}))
         engine = llm.engine
         half = (len(case.prompts) + 1) // 2 if case.join_after else len(case.prompts)
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=1) for m in case.max_tokens]
@@ -345,6 +347,17 @@ def run_case(case: FuzzCase, workdir: Path, reference: bool = True) -> CaseResul
         result.seconds = time.monotonic() - start
         return result
     slow = _engine_outputs(path, case, c_path=False)
+    if case.draft_gamma:
+        from draft_reference import write_random_draft
+
+        write_random_draft(path, gamma=case.draft_gamma, seed=case.seed)
+        spec = _engine_outputs(path, case, c_path=True, speculative=True)
+        for i, ((tokens, _), (spec_tokens, _)) in enumerate(zip(fast, spec)):
+            if spec_tokens != tokens:  # (DSpark verifies every draft with the target: a near-tie cannot excuse it)
+                result.outcome = "differ"
+                result.detail = f"DSpark vs plain: prompt {i}: {spec_tokens} != {tokens}"
+                result.seconds = time.monotonic() - start
+                return result
     detail, result.logprob_gap = _compare_paths(fast, slow)
     i = int(detail.split(":")[0].split()[1]) if detail else -1
     if detail and fast[i][0] == slow[i][0]:  # the same tokens, logprobs apart: rounding, or a wrong computation?
@@ -393,6 +406,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write every case's result here (one JSON object a line)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # (the PyTorch-path engines' once-per-reason notes would interleave with the tally)
+    logging.getLogger("pdspark.engine.fast_path_fallbacks").setLevel(logging.ERROR)
     tally: Counter[str] = Counter()
     active = 0
     sink = args.json.open("w") if args.json else None
