@@ -14,8 +14,8 @@ from collections import Counter
 logger = logging.getLogger(__name__)
 
 # The reasons (metric label values, all initialised at start): the model has no C step (quantized or non-fp32
-# weights, no C kernels), the step has more token rows than the C step takes, the KV pools are not what it reads,
-# the engine runs off the CPU, the multi-stream prepare takes the step.
+# weights, no C kernels), the step has more token rows than the C step takes, the KV pools (or the drafter's capture)
+# are not what it reads, the engine runs off the CPU, the multi-stream prepare takes the step.
 REASONS = ("model", "step_tokens", "pools", "device", "multi_stream")
 
 

@@ -61,11 +61,12 @@ class QuantExperts(nn.Module):
         """`x [T, D]`, each token's experts `ids [T, k]` and routing weights `[T, k]` -> `[T, D]` in x's dtype."""
         rows = kernels.quantize_per_token(x)
         if x.shape[0] == 1:  # one decode token: its k experts in turn, no grouping
-            acc = None
-            for e, w in zip(ids[0].tolist(), weights[0].tolist()):
-                y = self.expert(e, rows, act) * w
-                acc = y if acc is None else acc + y
-            assert acc is not None  # every token routes to >= 1 expert
+            # In the grouped path's order (expert id, then slot: a stable sort), summed from zero in fp32 as its
+            # `index_add_` does: fp32 addition is not associative, and a token's bits must not depend on whether it
+            # ran alone or in a batch (slot order here gave other bits than the same token in a batch).
+            acc = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+            for e, w in sorted(zip(ids[0].tolist(), weights[0].float().tolist()), key=lambda pair: pair[0]):
+                acc += self.expert(e, rows, act) * w
             return acc.to(x.dtype)
         k = ids.shape[1]
         flat = ids.flatten()
