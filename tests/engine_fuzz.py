@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hf_reference import CSA, HCA, SLIDING, write_byte_tokenizer
+from hf_reference import CSA, HCA, SLIDING, randomize_small_parameters, write_byte_tokenizer
 
 # The C path and the PyTorch path sum in different orders (16 partial sums vs BLAS blocking), so their fp32 logprobs
 # differ by rounding: on these random models (sharpened heads, up to 5 layers) by up to ~2e-5, each path about as
@@ -129,14 +129,7 @@ def build_checkpoint(case: FuzzCase, path: Path):
     model = DeepseekV4ForCausalLM(DeepseekV4Config(**case.config)).eval()
     g = torch.Generator().manual_seed(case.seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if any(k in name for k in ("position_bias", "sinks", ".base", "hc_base", "e_score")):
-                p.normal_(0, 0.5)
-            if name.endswith("scale") and p.numel() <= 3:
-                p.uniform_(0.5, 1.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
+        randomize_small_parameters(model)
         E, k = case.config["n_routed_experts"], case.config["num_experts_per_tok"]
         for layer in model.model.layers:
             if layer.mlp.is_hash and case.tid2eid != "zeros":

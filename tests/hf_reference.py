@@ -66,6 +66,20 @@ def hf_config(spec: TinySpec):
     )
 
 
+@torch.no_grad()
+def randomize_small_parameters(model) -> None:
+    """Sinks, biases, mHC bases and scales, router score biases: transformers initialises them to constants that
+    would hide a wrong index or order; random values make every one of them matter."""
+    for name, p in model.named_parameters():
+        if any(k in name for k in ("position_bias", "sinks", ".base", "hc_base", "e_score")):
+            p.normal_(0, 0.5)
+        if name.endswith("scale") and p.numel() <= 3:
+            p.uniform_(0.5, 1.5)
+    for n, b in model.named_buffers():
+        if n.endswith("e_score_correction_bias"):
+            b.normal_(0, 0.1)
+
+
 def build_hf_model(spec: TinySpec):
     """A random model whose every parameter (sinks, biases, gates, hash table) is non-trivial."""
     from transformers import DeepseekV4ForCausalLM
@@ -73,14 +87,7 @@ def build_hf_model(spec: TinySpec):
     torch.manual_seed(spec.seed)
     model = DeepseekV4ForCausalLM(hf_config(spec)).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if any(k in name for k in ("position_bias", "sinks", ".base", "hc_base", "e_score")):
-                p.normal_(0, 0.5)
-            if name.endswith("scale") and p.numel() <= 3:
-                p.uniform_(0.5, 1.5)
-        for n, b in model.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
+        randomize_small_parameters(model)
         for layer in model.model.layers:
             if layer.mlp.is_hash:
                 g = torch.Generator().manual_seed(spec.seed + 1)
