@@ -168,7 +168,8 @@ def test_sanitize_without_the_asan_runtime_preloaded_refuses(source, monkeypatch
     monkeypatch.setattr(kernel_build, "_compile", lambda *a: pytest.fail("built a library it cannot load"))
     assert build_library(source) is None
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and "LD_PRELOAD=$(gcc -print-file-name=libasan.so)" in errors[0]
+    preload = 'LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"'
+    assert len(errors) == 1 and preload in errors[0]
 
 
 def _asan_runtime() -> str | None:

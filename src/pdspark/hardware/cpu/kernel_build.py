@@ -28,7 +28,10 @@ logger = logging.getLogger(__name__)
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-fno-fast-math", "-ffp-contract=off")
 # Sanitizer errors abort (no recovery), so a test run cannot scroll past one.
 _SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-fno-sanitize-recover=undefined")
-_PRELOAD_HINT = "LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0"
+# libstdc++ after the ASan runtime: without it ASan's `__cxa_throw` interceptor finds no real function, and the first
+# C++ exception torch throws internally (e.g. a tensor compared with a non-tensor) aborts the process.
+_PRELOAD_HINT = ('LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" '
+                 "ASAN_OPTIONS=detect_leaks=0")
 
 
 @dataclass(frozen=True)
