@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,3 +36,20 @@ def test_routed_paths_agree(is_hash):
         with torch.enable_grad():
             reference = moe(x, input_ids)  # unfused: separate router and shared expert, grouped experts
         torch.testing.assert_close(fast, reference.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
+def test_a_tokens_routing_has_the_same_bits_wherever_it_sits_in_the_batch(scoring):
+    """The router's scores of a token alone and at any row of a batch are the same bits (`F.softplus` and
+    `torch.sigmoid` compute a tensor's last `numel % vector width` elements in scalar code with other bits, so the
+    last tokens of a step were scored differently than in a bigger batch: a batch-dependent routing weight)."""
+    cfg = dataclasses.replace(ModelConfig.from_dir(resolve_model("dsv4-tiny")), n_routed_experts=7)  # 7: all tail
+    torch.manual_seed(12)
+    moe = MoE(cfg, is_hash=False)
+    moe.scoring_func = scoring
+    logits = torch.randn(37, 7) * 6
+    ids = torch.zeros(37, dtype=torch.int64)
+    batched = moe._route_logits(logits, ids)
+    for t in range(37):
+        alone = moe._route_logits(logits[t : t + 1], ids[t : t + 1])
+        assert torch.equal(alone.weights, batched.weights[t : t + 1]), t

@@ -53,6 +53,7 @@ class DSV4Model(nn.Module):
         self.head = nn.Parameter(torch.zeros(cfg.vocab_size, D))
         self._decode_step: DecodeStep | None = None  # set by `prepare_inference`
         self.decode_step_off: str | None = None  # why `prepare_inference` built no decode step (None: it did)
+        self._row_exact = False  # batch-invariant mode (`prepare_inference(row_exact=True)`)
         self._head_bf16: torch.Tensor | None = None  # set by `prepare_inference`
 
     def forward(self, batch: ForwardBatch, pools: LayerCaches, capture: tuple[int, ...] = ()) -> ForwardOutput:
@@ -106,6 +107,7 @@ class DSV4Model(nn.Module):
         self._decode_step, self.decode_step_off = (None, built) if isinstance(built, str) else (built, None)
         # The head for the C path's rows, as bf16 bits when its values are bf16 numbers (the same logits).
         self._head_bf16 = cpu_kernels.bf16_copy(self.head)
+        self._row_exact = row_exact
         if row_exact:
             for module in self.modules():
                 if hasattr(type(module), "mm"):
@@ -116,7 +118,9 @@ class DSV4Model(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams `[N, hc, D]` -> fp32 logits `[N, vocab]`."""
-        if h.shape[0] <= _C_HEAD_MAX_ROWS and not torch.is_grad_enabled():  # a decode step's rows: one C call
+        # A decode step's rows: one C call. In batch-invariant mode every row count: the C head computes each row
+        # alone, where the module path's `torch.sigmoid` gives a row's last elements other bits by their position.
+        if (h.shape[0] <= _C_HEAD_MAX_ROWS or self._row_exact) and not torch.is_grad_enabled():
             hh = self.hc_head
             fused = cpu_kernels.lm_head(h.contiguous(), hh.fn, hh.scale, hh.base, hh.hc_eps, hh.norm_eps,
                                         self.norm.weight, self.norm.eps, self.head, self._head_bf16)

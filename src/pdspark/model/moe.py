@@ -102,7 +102,14 @@ class MoE(nn.Module):
         return self._route_logits(self.mm(x, self.gate), input_ids)
 
     def _route_logits(self, logits: torch.Tensor, input_ids: torch.Tensor) -> Routing:
-        scores = F.softplus(logits).sqrt() if self.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
+        # Spelled with exp/log1p (as the C kernels' `route_token`), not F.softplus/torch.sigmoid: those run a row's
+        # last `numel % vector width` elements through scalar libm, whose bits differ from the vector body's, so a
+        # token's scores would depend on where its row falls in the batch (the last tokens of a step take the tail).
+        # exp and log1p give every element the same bits wherever it sits.
+        if self.scoring_func == "sqrtsoftplus":
+            scores = torch.where(logits > 20.0, logits, torch.log1p(torch.exp(logits))).sqrt()
+        else:
+            scores = 1.0 / (1.0 + torch.exp(-logits))
         if self.is_hash:
             ids = self.get_buffer("tid2eid")[input_ids]
         else:
