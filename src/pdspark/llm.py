@@ -65,6 +65,8 @@ class LLM:
             ids = [list(p) for p in prompt_token_ids]
             return [None] * len(ids), ids
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not all(isinstance(t, str) for t in texts):
+            raise InvalidRequestError("`prompts` must be strings; pass token ids as `prompt_token_ids` instead")
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint ships no tokenizer; pass `prompt_token_ids` instead")
         ids = [self.tokenizer.encode(t) for t in texts]

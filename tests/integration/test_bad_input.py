@@ -28,6 +28,11 @@ def test_empty_prompt(llm):
         llm.generate("")
 
 
+def test_token_ids_passed_as_prompts_name_the_right_argument(llm):
+    with pytest.raises(InvalidRequestError, match="pass token ids as `prompt_token_ids`"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+
+
 def test_prompt_longer_than_max_model_len(llm):
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         llm.generate(prompt_token_ids=[[5] * 128])
