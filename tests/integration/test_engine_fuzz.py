@@ -44,6 +44,29 @@ def test_a_zeroed_hash_table_in_a_batch_of_two_prompts(tmp_path):
     assert result.outcome in ("exact", "near-tie"), result.detail
 
 
+def test_a_v4_shaped_config_with_four_prompts(tmp_path):
+    """The second reported crash: V4's shapes scaled down (hidden 256, head_dim 512 with 64 rope dims, index_head_dim
+    128, hc_mult 4, SWA/CSA/HCA/CSA, a hash layer left as transformers initialises it) and four prompts of 7-260
+    tokens: a SIGSEGV on the C path (the same overrun), now the PyTorch path's and transformers' tokens."""
+    import dataclasses
+
+    from hf_reference import CSA, HCA, SLIDING
+
+    case = random_case(0)
+    config = {**case.config, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 512,
+              "partial_rotary_factor": 64 / 512, "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 32,
+              "layer_types": [SLIDING, CSA, HCA, CSA], "num_hidden_layers": 4,
+              "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "index_n_heads": 4, "index_head_dim": 128,
+              "index_topk": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "hc_mult": 4,
+              "sliding_window": 16, "compress_rates": {CSA: 4, HCA: 32}, "moe_intermediate_size": 64}
+    prompts = tuple(tuple(2 + (i * 7 + n) % 250 for i in range(n)) for n in (7, 60, 130, 260))
+    case = dataclasses.replace(case, config=config, weight_dtype="float32", tid2eid="zeros", prompts=prompts,
+                               max_tokens=(8,) * 4, join_after=0, draft_gamma=0,
+                               engine={**case.engine, "page_size": 64, "max_model_len": 300})
+    result = run_case(case, tmp_path)
+    assert result.outcome in ("exact", "near-tie"), result.detail
+
+
 @pytest.mark.parametrize("length", [129, 260])
 def test_sparse_rung_greedy_tokens_match_transformers_under_the_tie_rule(checkpoints, length):
     """The ladder's sparse rung: `index_topk` (4) far below the visible entries, so many index scores tie at the
