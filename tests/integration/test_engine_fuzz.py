@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import SPARSE, random_prompts
-from engine_fuzz import random_case, run_case, stable_indexer_topk
+from engine_fuzz import _reference, build_checkpoint, random_case, run_case, stable_indexer_topk
 from helpers import assert_no_leaks, greedy, make_llm
 from hf_reference import hf_greedy
 
@@ -20,14 +20,26 @@ from hf_reference import hf_greedy
 @settings(max_examples=4, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1))
-# An expert-routing near-tie (4th and 5th router scores 3e-8 apart): the two paths may route either way.
-@example(seed=1016)
-# fp16 weights: the reference must not round its rotary tables (a harness bug the first tally found).
+# An fp16 checkpoint: the reference must not round its rotary tables (a harness bug the first tally found).
 @example(seed=119)
 def test_random_configs_and_batches_agree_across_paths_and_with_transformers(tmp_path_factory, seed):
     case = random_case(seed, max_prompt=200, max_prompts=5)
     result = run_case(case, tmp_path_factory.mktemp("fuzz"))
     assert result.outcome in ("exact", "near-tie"), f"{case.describe()}\n{result.detail}"
+
+
+def test_the_tallys_near_tie_is_explained_by_a_routed_expert_cut(tmp_path):
+    """Seed 1016 of the tally (as `python tests/engine_fuzz.py` draws it): a routed MoE's 4th and 5th expert scores
+    3e-8 apart (relative) in the prefill of prompt 3, which the C and PyTorch paths' last-bit differences route
+    either way (which way depends on the CPU's BLAS). The reference's cut gaps must show it, and the case must end
+    exact or as a counted near-tie, never as a difference."""
+    case = random_case(1016)
+    model = build_checkpoint(case, tmp_path / "ckpt")
+    _, _, cuts = _reference(model, case.prompts[3], case.max_tokens[3])
+    assert min(cuts.per_call) < 1e-6 and cuts.near_cut_before(0)
+    result = run_case(case, tmp_path)
+    assert result.outcome in ("exact", "near-tie"), f"{case.describe()}\n{result.detail}"
+    assert result.outcome == "exact" or "near-tie of the reference" in result.notes[0]
 
 
 def test_a_zeroed_hash_table_in_a_batch_of_two_prompts(tmp_path):
