@@ -243,7 +243,6 @@ class CaseResult:
 
     outcome: str
     detail: str = ""
-    sequences: int = 0
     near_ties: int = 0  # sequences whose first mismatch with transformers sits at a near-tie
     topk_active: bool = False  # some CSA query saw more entries than `index_topk`
     logprob_gap: float = 0.0  # the largest |C - PyTorch| logprob difference
@@ -253,6 +252,7 @@ class CaseResult:
 
 def _engine_outputs(path: Path, case: FuzzCase, c_path: bool, speculative: bool = False):
     """Every request's tokens and chosen-token logprobs, driven step by step so later prompts join mid-batch."""
+    from helpers import assert_no_leaks
     from pdspark import LLM, SamplingParams
     from pdspark.hardware.cpu import kernels
 
@@ -275,10 +275,7 @@ def _engine_outputs(path: Path, case: FuzzCase, c_path: bool, speculative: bool 
         outs = [engine.output(engine.requests[r]) for r in ids]
         for r in ids:
             engine.release(r)
-        engine.flush_cache()
-        engine.check_integrity()
-        leaked = {k: used for k, (used, _) in engine.kv.usage().items() if used}
-        assert not leaked, f"pages still held after the batch: {leaked}"
+        assert_no_leaks(llm)
         return [(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in outs]
 
 
@@ -338,11 +335,11 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def run_case(case: FuzzCase, workdir: Path, reference: bool = True) -> CaseResult:
+def run_case(case: FuzzCase, workdir: Path) -> CaseResult:
     from pdspark.errors import ConfigError
 
     start = time.monotonic()
-    result = CaseResult("exact", sequences=len(case.prompts), topk_active=_topk_active(case))
+    result = CaseResult("exact", topk_active=_topk_active(case))
     path = workdir / f"case{case.seed}"
     model = build_checkpoint(case, path)
     try:
@@ -383,22 +380,21 @@ def run_case(case: FuzzCase, workdir: Path, reference: bool = True) -> CaseResul
         result.near_ties += 1
         result.notes.append(f"C vs PyTorch, prompt {i} step {at}: a near-tie of the reference")
         fast[i] = slow[i] = ([], [])  # (the paths parted at a near-tie: nothing more to compare for it)
-    if reference:
-        for i, (prompt, m, (tokens, _)) in enumerate(zip(case.prompts, case.max_tokens, fast)):
-            if not tokens:
-                continue
-            ref = _reference(model, prompt, m)
-            if tokens == ref.tokens:
-                continue
-            at = _first_difference(tokens, ref.tokens)
-            if ref.gaps[at] < NEAR_TIE or ref.cuts.near_cut_before(at):
-                result.near_ties += 1
-                result.notes.append(f"prompt {i} step {at}: near-tie (logit gap {ref.gaps[at]:.2e})")
-                continue
-            result.outcome = "differ"
-            result.detail = (f"vs transformers: prompt {i} (len {len(prompt)}) step {at}: {tokens[at]} != "
-                             f"{ref.tokens[at]} (reference gap {ref.gaps[at]:.3g})")
-            break
+    for i, (prompt, m, (tokens, _)) in enumerate(zip(case.prompts, case.max_tokens, fast)):
+        if not tokens:
+            continue
+        ref = _reference(model, prompt, m)
+        if tokens == ref.tokens:
+            continue
+        at = _first_difference(tokens, ref.tokens)
+        if ref.gaps[at] < NEAR_TIE or ref.cuts.near_cut_before(at):
+            result.near_ties += 1
+            result.notes.append(f"prompt {i} step {at}: near-tie (logit gap {ref.gaps[at]:.2e})")
+            continue
+        result.outcome = "differ"
+        result.detail = (f"vs transformers: prompt {i} (len {len(prompt)}) step {at}: {tokens[at]} != "
+                         f"{ref.tokens[at]} (reference gap {ref.gaps[at]:.3g})")
+        break
     if result.outcome == "exact" and result.near_ties:
         result.outcome = "near-tie"
     result.seconds = time.monotonic() - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +24,11 @@ class FastPathFallbacks:
     def __init__(self) -> None:
         self.steps: Counter[str] = Counter({reason: 0 for reason in REASONS})
 
-    def note(self, reason: str, detail: str) -> None:
-        """One decode/verify step took the module path for `reason` (one of `REASONS`; `detail` says more)."""
+    def note(self, reason: str, detail: Callable[[], str]) -> None:
+        """One decode/verify step took the module path for `reason` (one of `REASONS`; `detail()` says more, asked
+        only for the log line)."""
         assert reason in REASONS, reason
         if self.steps[reason] == 0:
             logger.warning("decode/verify steps take the slower PyTorch path: %s (logged once per reason; counted "
-                           "in pdspark_engine_fast_path_fallback_steps_total{reason=%r})", detail, reason)
+                           "in pdspark_engine_fast_path_fallback_steps_total{reason=%r})", detail(), reason)
         self.steps[reason] += 1

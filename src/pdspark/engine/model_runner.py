@@ -71,7 +71,7 @@ class ModelRunner:
         else:
             fallback = "device"
         if fallback is not None and all(c.kind != "extend" for c in chunks):
-            self.fallbacks.note(fallback, self._fallback_detail(fallback, chunks))
+            self.fallbacks.note(fallback, lambda: self._fallback_detail(fallback, chunks))
         batch = build_forward_batch(chunks, self.kv)
         if self.streams is not None and use_prepare_streams([c.kind for c in chunks], batch.num_tokens,
                                                             self.stream_rows):

@@ -836,7 +836,7 @@ static void moe_experts(void *arg) {
  * then the shared term, so every output has `moe_decode`'s bits. With the helper thread (`pool_threads(2)`) the
  * experts are split in two ranges of about as many rows, one per thread (each expert's arithmetic unchanged).
  * Scratch: T*k longs ids, T*k floats ws, 2 * MOE_RANGE_FLOATS(T, k, D, I) + T*k*D floats fs
- * (`kernels.moe_rows_scratch_floats` in Python). */
+ * (`moe_rows_scratch_floats`). */
 static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
                               const long *tid2eid, const float *bias, const void *w13, const void *w2,
                               const void *w2s, int bf, int T, int D, int E, int I, int k, int sqrtsoftplus,
@@ -874,6 +874,11 @@ static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, co
     gemm_exact_w(w2s, 0, bf, ag, I, T, D, I, yg, D);
     for (int t = 0; t < T; t++)
         for (int d = 0; d < D; d++) out[(long)t * D + d] = out[(long)t * D + d] + yg[(long)t * D + d];
+}
+
+/* The floats `moe_decode_rows` needs in fs (its Python wrapper sizes fs with this). */
+long moe_rows_scratch_floats(int T, int k, int D, int I) {
+    return 2 * MOE_RANGE_FLOATS(T, k, D, I) + (long)T * k * D;
 }
 
 void moe_decode_rows(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
@@ -1149,7 +1154,7 @@ long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
     }
     n += r16(2 * ((long)H * (W + V) + 16)) + r16(t * (H * HD + wi[I_G] * wi[I_L])) + r16(t * (E + 2 * I));
     if (T == 1) n += r16(3L * I + 2L * D + K);
-    else n += r16(2 * t * K) + r16(t * K) + r16(2 * MOE_RANGE_FLOATS(T, K, D, I) + t * K * D);
+    else n += r16(2 * t * K) + r16(t * K) + r16(moe_rows_scratch_floats(T, K, D, I));
     return n;
 }
 
@@ -1158,8 +1163,8 @@ long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
  * the compressors and the CSA indexer's pick, the sink attention read from the pools, the output projection, the
  * expand; then the FFN collapse, the MoE and the expand. The same steps, in the same order, as the separate calls
  * (BLAS matmuls become `dot` GEMVs). h and h_out [T, hc, D]. scratch: see `kernels.decode_scratch_floats`. */
-void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp, const int *si, const long *pp,
-                  const float *h, float *h_out, float *scratch, long *ids_buf) {
+static void decode_layer_run(const long *wp, const int *wi, const float *wf, const long *sp, const int *si,
+                             const long *pp, const float *h, float *h_out, float *scratch, long *ids_buf) {
     const int T = si[SI_T], W = si[SI_W], r = si[SI_R];
     const int kind = wi[I_KIND], hc = wi[I_HC], D = wi[I_D], QL = wi[I_QL], H = wi[I_H], HD = wi[I_HD];
     const int cdim = wi[I_C_DIM], cw = kind == KIND_CSA ? 2 * cdim : cdim; /* compressor width (coff * dim) */
@@ -1252,12 +1257,21 @@ void decode_layer(const long *wp, const int *wi, const float *wf, const long *sp
                    ids_buf, mscr + 3 * I + 2 * D, y);
     } else { /* ids: T*K longs (as many floats again), ws: T*K floats, then the grouped scratch */
         long *gids = (long *)take(&at, 2L * T * K);
-        float *gws = take(&at, (long)T * K), *gscr = take(&at, 2 * MOE_RANGE_FLOATS(T, K, D, I) + (long)T * K * D);
+        float *gws = take(&at, (long)T * K), *gscr = take(&at, moe_rows_scratch_floats(T, K, D, I));
         moe_decode_rows_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
                           PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT],
                           gids, gws, gscr, y);
     }
     hc_expand(y, hm, post, comb, T, hc, D, h_out);
+}
+
+/* `decode_layer_run` when its scratch (scratch_n floats) holds what it carves; else -1, nothing done. */
+int decode_layer(const long *wp, const int *wi, const float *wf, const long *sp, const int *si, const long *pp,
+                 const float *h, float *h_out, float *scratch, long scratch_n, long *ids_buf) {
+    const int V = si[SI_V_CSA] > si[SI_V_HCA] ? si[SI_V_CSA] : si[SI_V_HCA];
+    if (decode_layer_scratch_floats(wi, si[SI_T], V, si[SI_W]) > scratch_n) return -1;
+    decode_layer_run(wp, wi, wf, sp, si, pp, h, h_out, scratch, ids_buf);
+    return 0;
 }
 
 /* The model's head for a few rows: the final mHC collapse (`HyperHead`: no Sinkhorn), the final RMSNorm and the
@@ -1731,8 +1745,8 @@ int decode_layers(int n, const long *tables, const long *sp, const int *si, cons
     float *bufs[2] = {h0, h1};
     for (int l = 0; l < n; l++) {
         const long *tb = tables + 4L * l;
-        decode_layer((const long *)tb[0], (const int *)tb[1], (const float *)tb[2], sp, si, (const long *)tb[3],
-                     bufs[l % 2], bufs[(l + 1) % 2], scratch, ids_buf);
+        decode_layer_run((const long *)tb[0], (const int *)tb[1], (const float *)tb[2], sp, si, (const long *)tb[3],
+                         bufs[l % 2], bufs[(l + 1) % 2], scratch, ids_buf);
         if (capture == 0 || capture[l] < 0) continue;
         for (int t = 0; t < T; t++) {
             const float *ht = bufs[(l + 1) % 2] + (long)t * hc * D;

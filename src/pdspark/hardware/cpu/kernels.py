@@ -6,8 +6,9 @@ per machine. Without a compiler (or with `PDSPARK_NO_C_KERNELS=1`, or a library 
 the slot tuples below) callers fall back to the PyTorch reference path.
 
 The boundary: the C loops trust the sizes they are given, so every array they index comes from a buffer Python sized
-with the C library's own formulas or limits (`moe_rows_scratch_floats`, `pdspark_abi`), and the step builders check
-what they hand over (`model.decode_step`, `model.draft_step`); `KernelArgumentError` is what a wrong one raises.
+with the C library's own formulas or limits (`moe_rows_scratch_floats`, `decode_layer_scratch_floats`,
+`pdspark_abi`), and the step builders check what they hand over (`model.decode_step`, `model.draft_step`);
+`KernelArgumentError` is what a wrong one raises.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def load() -> ctypes.CDLL | None:
     lib.moe_decode.restype = None
     lib.moe_decode_rows.argtypes = [f, f, ctypes.c_long, f, f, f, f, f, f, i, i, i, i, i, i, fl, fl, f, f, f, f]
     lib.moe_decode_rows.restype = None
+    lib.moe_rows_scratch_floats.argtypes = [i, i, i, i]
+    lib.moe_rows_scratch_floats.restype = ctypes.c_long
     lib.sink_attend.argtypes = [f, f, ctypes.c_long, f, f, i, f, ctypes.c_long, f, f, i, f, fl, i, i, i, f, f]
     lib.sink_attend.restype = None
     lib.compressor_run.argtypes = [f, ctypes.c_long, f, i, f, i, i, i, i, f, f, f, f, f, i, f, f, f, fl, f, f, i,
@@ -93,8 +96,8 @@ def load() -> ctypes.CDLL | None:
     lib.attn_out.restype = None
     lib.attn_out_rows.argtypes = [f, f, f, i, i, i, i, f, i, i, f, i, f, f]
     lib.attn_out_rows.restype = None
-    lib.decode_layer.argtypes = [f, f, f, f, f, f, f, f, f, f]
-    lib.decode_layer.restype = None
+    lib.decode_layer.argtypes = [f, f, f, f, f, f, f, f, f, ctypes.c_long, f]
+    lib.decode_layer.restype = i
     lib.pool_threads.argtypes = [i]
     lib.pool_threads.restype = None
     lib.lm_head.argtypes = [f, i, i, i, f, f, f, fl, fl, f, fl, f, i, i, f, f]
@@ -143,9 +146,10 @@ def _check_index(kernel: str, name: str, t: torch.Tensor, dtypes: tuple[torch.dt
     if t.dtype not in dtypes or tuple(t.shape) != shape:
         raise KernelArgumentError(f"{kernel}: `{name}` must be {'/'.join(map(str, dtypes))} of shape {shape}; got "
                                   f"{t.dtype} {tuple(t.shape)}")
-    if rows is not None and t.numel() and not (int(t.min()) >= 0 and int(t.max()) < rows):
-        raise KernelArgumentError(f"{kernel}: `{name}` holds rows [{int(t.min())}, {int(t.max())}]; the pool has "
-                                  f"{rows}")
+    if rows is not None and t.numel():
+        low, high = (int(v) for v in torch.aminmax(t))  # (one pass)
+        if low < 0 or high >= rows:
+            raise KernelArgumentError(f"{kernel}: `{name}` holds rows [{low}, {high}]; the pool has {rows}")
 
 
 def hc_collapse(
@@ -284,12 +288,6 @@ def moe_decode(
     return out
 
 
-def moe_rows_scratch_floats(T: int, k: int, D: int, I: int) -> int:
-    """The floats `moe_decode_rows` carves from its scratch (`kernels.c`: two `MOE_RANGE_FLOATS` and the slot
-    outputs): an expert may gather up to `T * k` rows (a hash layer's table may repeat an expert in a row)."""
-    return 2 * T * k * (2 * D + 3 * I + 1) + T * k * D
-
-
 def moe_decode_rows(
     x: torch.Tensor, lgu: torch.Tensor, input_ids: torch.Tensor, tid2eid: torch.Tensor | None,
     bias: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, w2s: torch.Tensor, top_k: int,
@@ -304,7 +302,7 @@ def moe_decode_rows(
     I = I2 // 2
     ids = torch.empty(T * top_k, dtype=torch.int64)
     ws = torch.empty(T * top_k)
-    fs = torch.empty(moe_rows_scratch_floats(T, top_k, D, I))
+    fs = torch.empty(lib.moe_rows_scratch_floats(T, top_k, D, I))  # (an expert may gather T * top_k rows)
     out = torch.empty(T, D)
     lib.moe_decode_rows(
         x.data_ptr(), lgu.data_ptr(), lgu.stride(0), input_ids.data_ptr(),
@@ -506,13 +504,11 @@ def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
     tensor behind them is what the C loops read (see `model.decode_step`)."""
     lib = load()
     assert lib is not None
-    si = step_sizes.tolist()
-    need = decode_layer_scratch_floats(sizes, si[0], max(si[3], si[4]), si[1])
-    if scratch.numel() < need:
-        raise KernelArgumentError(f"decode_layer: scratch of {scratch.numel()} floats; the layer needs {need}")
     out = torch.empty_like(h)
-    lib.decode_layer(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
-                     pools.data_ptr(), h.data_ptr(), out.data_ptr(), scratch.data_ptr(), ids.data_ptr())
+    if lib.decode_layer(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), step.data_ptr(),
+                        step_sizes.data_ptr(), pools.data_ptr(), h.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                        scratch.numel(), ids.data_ptr()) < 0:
+        raise KernelArgumentError(f"decode_layer: the layer needs more than the {scratch.numel()} scratch floats")
     return out
 
 
