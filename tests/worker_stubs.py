@@ -54,6 +54,7 @@ class _Stub:
         self.calls: list[Call] = []
         self.cancelled: list[str] = []
         self.aborted: list[str] = []
+        self.answered: list[str] = []  # the calls that returned their answer (Prefill)
         self.running = 0
 
     def _next_mode(self, request, context) -> Mode:
@@ -100,6 +101,7 @@ class StubPrefill(_Stub, worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         await self._wait(self._next_mode(request, context), request.request_id, context)
+        self.answered.append(request.request_id)
         return worker_pb2.PrefillResponse(result=worker_pb2.TransferResult(transfer_id=request.transfer_id,
                                                                            first_token_id=9))
 

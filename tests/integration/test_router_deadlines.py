@@ -17,7 +17,7 @@ from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.v1 import router_pb2, router_pb2_grpc
 from router_harness import RouterHarness, until
-from worker_stubs import HANG, Delayed
+from worker_stubs import HANG, OK, Delayed
 
 PROMPT = dict(token_ids=[5, 6, 7], max_tokens=4)
 SLACK_S = 0.3  # how late past its timeout a request may end (scheduling on a shared 2-core machine)
@@ -56,6 +56,25 @@ def test_a_decode_that_never_answers_ends_the_request_at_the_routers_timeout_wit
             await until(lambda: h.prefill[0].aborted == [rid], 1, "the prefill worker told to drop it")
             assert not h.core.live and h.core.admission.in_flight == 0
             print(f"\nDEADLINE after {took * 1e3:.0f} ms for a 500 ms timeout")
+
+    run(scenario())
+
+
+def test_an_attempt_whose_stream_ended_waits_for_its_prefill_leg_instead_of_aborting_it(worker_calls):
+    """The decode stub needs no transfer, so its last token comes before a slow prefill leg answers. The attempt
+    ends when the caller stops at the last chunk: it must wait for that leg's answer (bounded), not leave the leg to
+    whenever the garbage collector finalizes the attempt, which cancelled and aborted a call about to succeed."""
+    async def scenario():
+        async with await RouterHarness.start(worker_calls=worker_calls) as h, \
+                aiohttp.ClientSession() as s:
+            h.prefill[0].mode = Delayed(0.5, OK)  # far longer than 4 stub tokens take to reach the client
+            async with s.post(h.http_url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}) as r:
+                assert r.status == 200, await r.text()
+            # The non-streamed reply is sent once the request is over, attempt included.
+            (call,) = h.prefill[0].calls
+            assert h.prefill[0].answered == [call.request_id]
+            assert h.prefill[0].cancelled == [] and h.prefill[0].aborted == []
+            assert not h.core.dispatcher.active and not h.core.live
 
     run(scenario())
 

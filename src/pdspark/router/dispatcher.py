@@ -49,6 +49,11 @@ from pdspark.v1 import common_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
+# How long an attempt whose stream ended waits for its prefill leg's answer before aborting the leg. The leg answers
+# once the transfer is done, which comes before the decode worker's first token: the wait covers only the reply's
+# way back (and a test stub whose decode needs no transfer), never a transfer.
+PREFILL_OUTCOME_WAIT_S = 5.0
+
 
 @dataclass(frozen=True)
 class DispatchChunk:
@@ -164,12 +169,16 @@ class Dispatcher:
             worker_request_id = request_id if n == 0 else f"{request_id}-{n}"
             produced = False
             try:
-                async for chunk in self._run_pair(request_id, worker_request_id, prompt_ids, progress.generated,
-                                                  sampling, prefill, decode, deadline, trace, n):
-                    produced = True
-                    yield progress.record(chunk)
-                    if progress.finished:
-                        return  # whatever the stream does after its last chunk changes nothing for the caller
+                # `aclosing`: leaving the loop at the last chunk ends the attempt here and now (its legs settled or
+                # cancelled), not whenever the garbage collector finalizes the generator.
+                async with contextlib.aclosing(self._run_pair(request_id, worker_request_id, prompt_ids,
+                                                              progress.generated, sampling, prefill, decode,
+                                                              deadline, trace, n)) as chunks:
+                    async for chunk in chunks:
+                        produced = True
+                        yield progress.record(chunk)
+                        if progress.finished:
+                            return  # whatever the stream does after its last chunk changes nothing for the caller
                 return
             except _PairFailed as e:
                 last = e.failure
@@ -293,18 +302,22 @@ class Dispatcher:
                 if active.failure is None or _cancelling():
                     raise
                 raise active.failure from None
-            await self._prefill_outcome(active)
             error = None
         except _PairFailed as e:
             error = str(e.failure)
             raise
         finally:
-            tracing.finish(span, error)
-            prefill.in_flight -= 1
-            decode.in_flight -= 1
-            if self.active.get(key) is active:
-                del self.active[key]
-            await self._cancel_legs(request_id, active)
+            try:
+                if error is None and not _cancelling():
+                    # Also when the caller stopped reading at the last chunk (GeneratorExit at the `yield`).
+                    await self._prefill_outcome(active)
+            finally:
+                tracing.finish(span, error)
+                prefill.in_flight -= 1
+                decode.in_flight -= 1
+                if self.active.get(key) is active:
+                    del self.active[key]
+                await self._cancel_legs(request_id, active)
 
     def _prefill_done(self, active: _Active, call: asyncio.Future) -> None:
         """A prefill leg that fails ends the pair at once: the decode worker would otherwise wait for a transfer
@@ -331,8 +344,9 @@ class Dispatcher:
         is not sent an Abort. (Its transfer statistics are the prefill worker's metrics.)"""
         if active.prefill_call is None or active.prefill_call.done():
             return  # nothing to wait for (most often: the prefill worker answered before the last token)
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(active.prefill_call, timeout=5)
+        # `asyncio.wait`, not `wait_for`: neither the call's failure nor a timeout is raised here, and a cancel of
+        # this task is not swallowed (the call itself is cancelled, and aborted, by `_cancel_legs`).
+        await asyncio.wait({active.prefill_call}, timeout=PREFILL_OUTCOME_WAIT_S)
 
     async def _cancel_legs(self, request_id: str, active: _Active) -> None:
         if active.stream is not None and not active.stream.done():
