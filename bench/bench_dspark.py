@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from report import figure, grouped_bars, save_figure, write_json
+from roofline import machine_limits, work_per_token
 
 from pdspark import LLM, SamplingParams
 from pdspark.llm import resolve_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from train_dspark_draft import heldout_prompts  # noqa: E402  (the held-out split of the training recipe)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import figure, grouped_bars, save_figure, write_json  # noqa: E402
-from roofline import machine_limits, work_per_token  # noqa: E402
 
 
 class StepTimer:
@@ -94,6 +91,16 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, output_len: int) -> dict
                         for m, ts in sorted(propose.times.items())})
     return {"decode_tok_s": n_tokens / decode_s, "verify_steps": engine.spec.verify_steps - verify0,
             "decode_steps": decode_steps, "drafted_steps": drafted_steps, "tokens": n_tokens, **medians}
+
+
+RECIPE = Path(__file__).resolve().parents[1] / "scripts" / "train_dspark_draft.py"
+
+
+def heldout_prompts(model_dir: Path, n: int, length: int, seed: int) -> list[list[int]]:
+    """Prompts from the held-out split of the draft's training recipe (unseen code), from the recipe's own CLI."""
+    cmd = [sys.executable, str(RECIPE), "--out", str(model_dir), "--stage", "heldout", "--prompts", str(n),
+           "--prompt-len", str(length), "--seed", str(seed)]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
 def main() -> None:

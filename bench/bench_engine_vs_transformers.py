@@ -27,12 +27,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from random_checkpoint import CONFIGS, random_checkpoint  # noqa: E402
-from report import figure, paired_bars, save_figure, write_json  # noqa: E402
-from roofline import machine_limits, work_per_token  # noqa: E402
+from random_checkpoint import CONFIGS, random_checkpoint
+from report import figure, paired_bars, save_figure, write_json
+from roofline import machine_limits, work_per_token
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -37,17 +37,14 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import torch
+from report import RESULTS, figure, save_figure, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, figure, save_figure, write_json  # noqa: E402
-
-from pdspark import LLM, SamplingParams  # noqa: E402
-from pdspark.service_process import ServiceProcess, spawn_service, wait_ready  # noqa: E402
-from pdspark.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from pdspark import LLM, SamplingParams
+from pdspark.service_process import ServiceProcess, spawn_service, wait_ready
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 POLL_S = 0.05  # /workers polling while a fault is watched
 REQUEST_TIMEOUT_S = 120.0  # a request not over by then counts as lost (and the trial goes on)

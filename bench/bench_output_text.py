@@ -16,14 +16,12 @@ import time
 from pathlib import Path
 
 import torch
+from report import figure, paired_bars, save_figure, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import figure, paired_bars, save_figure, write_json  # noqa: E402
-
-from pdspark import LLM, SamplingParams  # noqa: E402
-from pdspark.assets import resolve_model  # noqa: E402
-from pdspark.engine.output_text import OutputText  # noqa: E402
-from pdspark.model.tokenizer import Tokenizer  # noqa: E402
+from pdspark import LLM, SamplingParams
+from pdspark.assets import resolve_model
+from pdspark.engine.output_text import OutputText
+from pdspark.model.tokenizer import Tokenizer
 
 LENGTHS = (128, 1024, 4096)
 MODES = ("whole", "incremental")

@@ -22,23 +22,18 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import grpc
 import torch
+from colocated import ColocatedWorker
+from report import figure, paired_bars, save_figure, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from cluster import start_worker  # noqa: E402  (worker processes started and stopped by PID)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from colocated import ColocatedWorker  # noqa: E402
-from report import figure, paired_bars, save_figure, write_json  # noqa: E402
-
-from pdspark import SamplingParams  # noqa: E402
-from pdspark.llm import resolve_model  # noqa: E402
-from pdspark.model.model_config import ModelConfig  # noqa: E402
-from pdspark.rpc import convert  # noqa: E402
-from pdspark.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from pdspark import SamplingParams
+from pdspark.llm import resolve_model
+from pdspark.model.model_config import ModelConfig
+from pdspark.rpc import convert
+from pdspark.testing.services import start_worker  # (worker processes started and stopped by PID)
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 # (arrival time, tokens in this output) per output of one request
 Generate = Callable[[list[int], SamplingParams], Iterator[tuple[float, int]]]

@@ -12,16 +12,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from report import figure, save_figure, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import figure, save_figure, write_json  # noqa: E402
-
-from pdspark import LLM, SamplingParams  # noqa: E402
-from pdspark.llm import resolve_model  # noqa: E402
-from pdspark.model.model_config import ModelConfig  # noqa: E402
+from pdspark import LLM, SamplingParams
+from pdspark.llm import resolve_model
+from pdspark.model.model_config import ModelConfig
 
 
 def run_once(args, prompts: list[list[int]], cache_on: bool) -> dict:

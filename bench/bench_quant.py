@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+from report import figure, paired_bars, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import figure, paired_bars, save_figure, write_json  # noqa: E402
 
 MODELS = ("float", "w8a8_dynamic")
 _QUANTIZABLE = re.compile(r"(attn\.(wq_a|wq_b|wkv)|indexer\.wq_b|shared\.w[123]|ffn\.(w13|w2)|ffn\.experts\.\w+)"

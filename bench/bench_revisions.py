@@ -21,8 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import figure, paired_bars, save_figure, write_json  # noqa: E402
+from report import figure, paired_bars, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -38,18 +38,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
+from report import figure, save_figure, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from cluster import start_router, start_worker  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import figure, save_figure, write_json  # noqa: E402
-
-from pdspark.rpc import convert  # noqa: E402
-from pdspark.rpc.multiplexed_client import MultiplexedClient  # noqa: E402
-from pdspark.service_process import ServiceProcess  # noqa: E402
-from pdspark.types import SamplingParams  # noqa: E402
-from pdspark.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from pdspark.rpc import convert
+from pdspark.rpc.multiplexed_client import MultiplexedClient
+from pdspark.service_process import ServiceProcess
+from pdspark.testing.services import start_router, start_worker
+from pdspark.types import SamplingParams
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "stub"  # both routers serve it under this name: one request body for both

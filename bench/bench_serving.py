@@ -34,11 +34,10 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import RESULTS, figure, paired_bars, save_figure, write_json  # noqa: E402
+from report import RESULTS, figure, paired_bars, save_figure, write_json
 
-from pdspark.assets import resolve_model  # noqa: E402
-from pdspark.service_process import ServiceProcess, spawn_service, wait_ready  # noqa: E402
+from pdspark.assets import resolve_model
+from pdspark.service_process import ServiceProcess, spawn_service, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = RESULTS / "serving"  # guidellm's own JSON and console log per run (large; git-ignored)

@@ -48,16 +48,14 @@ from pathlib import Path
 import grpc
 import uvloop
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from report import figure, save_figure, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import figure, save_figure, write_json  # noqa: E402
-
-from pdspark.rpc import convert  # noqa: E402
-from pdspark.rpc.keepalive import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
-from pdspark.rpc.multiplexed_client import MultiplexedClient  # noqa: E402
-from pdspark.rpc.multiplexed_server import CallHandler, MultiplexedServer  # noqa: E402
-from pdspark.types import SamplingParams  # noqa: E402
-from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from pdspark.rpc import convert
+from pdspark.rpc.keepalive import CHANNEL_OPTIONS, SERVER_OPTIONS
+from pdspark.rpc.multiplexed_client import MultiplexedClient
+from pdspark.rpc.multiplexed_server import CallHandler, MultiplexedServer
+from pdspark.types import SamplingParams
+from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 MUX_STREAM = "/pdspark.bench.Mux/Stream"
 UNARY_GENERATE = "/pdspark.bench.Mux/GenerateUnary"

@@ -23,15 +23,14 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from report import RESULTS, write_json  # noqa: E402
+from report import RESULTS, write_json
 
-from pdspark.service_process import ServiceProcess, start_service  # noqa: E402
-from prometheus_server import PrometheusServer  # noqa: E402
-from router_http import drop_a_stream, post  # noqa: E402
+from pdspark.service_process import ServiceProcess, start_service
+from pdspark.testing.prometheus_server import PrometheusServer
+from pdspark.testing.router_http import drop_a_stream, post
 
 ROOT = Path(__file__).resolve().parents[1]
+RULES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))  # the alert rules the dashboards show
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 SHARED = list(range(10, 170))  # a shared 160-token prefix (2.5 pages of 64): later requests hit the prefix cache
 
@@ -137,7 +136,7 @@ def main() -> int:
             cluster = start_service("pdspark up", ["up", "--model", args.model, "--port", "0", "--grpc-port", "0"],
                                     timeout=240)
             http = cluster.info["http"]
-            prometheus = PrometheusServer(Path(tmp), http)
+            prometheus = PrometheusServer(Path(tmp), http, rules=RULES)
             prometheus.wait_ready()
             log(f"cluster at {http}, prometheus at {prometheus.url}; {args.duration:.0f} s of load")
             time.sleep(3)  # a few scrapes of the idle cluster first

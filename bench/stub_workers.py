@@ -1,7 +1,7 @@
 """Stub prefill and decode workers (grpc.aio, no model): they answer at once, so a benchmark through them measures
 only the router. `python bench/stub_workers.py --tokens 16` prints one JSON ready line with both addresses.
 
-The stubs are the tests' (`tests/worker_stubs.py`): asyncio servers, so hundreds of concurrent streams cost no
+The stubs are the tests' (`pdspark.testing.worker_stubs`): asyncio servers, so hundreds of concurrent streams cost no
 threads and the router's admission bounds, not the stubs, limit a run.
 """
 
@@ -11,11 +11,8 @@ import argparse
 import asyncio
 import json
 import signal
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from worker_stubs import StubDecode, StubPrefill, serve_stub  # noqa: E402
+from pdspark.testing.worker_stubs import StubDecode, StubPrefill, serve_stub
 
 
 async def main(tokens: int) -> None:

@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import train_dsv4_tiny as tiny  # noqa: E402  (corpus, tokenizer and record helpers of the target recipe; a sibling script)
 from safetensors.torch import save_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_dsv4_tiny as tiny  # noqa: E402  (corpus, tokenizer and record helpers of the target recipe)
 
 from pdspark import LLM, SamplingParams  # noqa: E402
 from pdspark.engine.forward_batch import Chunk, build_forward_batch  # noqa: E402
@@ -281,8 +278,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=tiny.DEFAULT_OUT)
     parser.add_argument("--minutes", type=float, default=18.0, help="training budget (sets --steps by a probe)")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--stage", choices=["all", "eval"], default="all")
+    parser.add_argument("--stage", choices=["all", "eval", "heldout"], default="all",
+                        help="heldout: print --prompts held-out prompts of --prompt-len tokens (JSON) and stop")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=123)
     args = parser.parse_args()
+    if args.stage == "heldout":
+        print(json.dumps(heldout_prompts(args.out, args.prompts, args.prompt_len, args.seed)))
+        return
     torch.set_num_threads(2)
     torch.manual_seed(0)
     record = tiny.read_record(args.out)

@@ -19,7 +19,7 @@ from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.router_server import build_grpc_server
 from pdspark.router.worker_registry import WorkerRegistry
-from worker_stubs import StubDecode, StubHealth, StubPrefill, serve_stub
+from pdspark.testing.worker_stubs import StubDecode, StubHealth, StubPrefill, serve_stub
 
 
 class LowestAddress:
@@ -111,13 +111,3 @@ class RouterHarness:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-async def until(predicate, timeout_s: float, what: str, interval_s: float = 0.01) -> float:
-    """Poll `predicate()` until it holds; returns the seconds it took. Fails the test after `timeout_s`."""
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    while not predicate():
-        assert loop.time() - t0 < timeout_s, f"{what}: not within {timeout_s} s"
-        await asyncio.sleep(interval_s)
-    return loop.time() - t0

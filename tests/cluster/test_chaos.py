@@ -41,14 +41,14 @@ import pytest
 from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from cluster import wait_until
 from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.client import Client, ClientError
 from pdspark.errors import ErrorCode
 from pdspark.rpc.status import reported_failure
 from pdspark.service_process import ServiceProcess, start_service
-from pdspark.v1 import worker_pb2, worker_pb2_grpc
+from pdspark.testing.waiting import wait_until
+from pdspark.testing.worker_load import WorkerAt, load_of, what_is_held
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
 # A killed worker is back within seconds (same port); the others serve meanwhile.
@@ -189,21 +189,6 @@ def workers(cluster: ServiceProcess) -> list[dict] | None:
 def all_healthy(cluster: ServiceProcess) -> bool:
     ws = workers(cluster)
     return ws is not None and len(ws) == 4 and all(w["healthy"] for w in ws)
-
-
-def load_of(role: str, address: str) -> worker_pb2.LoadReport:
-    stub = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-    with grpc.insecure_channel(address) as channel:
-        return stub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=5)
-
-
-def busy(report: worker_pb2.LoadReport) -> list[str]:
-    """What a worker still holds: empty when its pools are back to their free counts."""
-    held = [f"{k} {getattr(report, k)}" for k in ("running", "waiting", "queued", "transfers_in_flight")
-            if getattr(report, k)]
-    held += [f"{pool}: {used} pages used, {report.pages_cached[pool]} cached" for pool, used in
-             report.pages_used.items() if used != report.pages_cached[pool]]
-    return held
 
 
 def counters(cluster: ServiceProcess) -> dict[str, float]:
@@ -362,7 +347,7 @@ def victim(cluster: ServiceProcess, fault: Fault) -> str:
     names = WORKERS[fault.kind]
 
     def work(name: str) -> int:
-        report = load_of(fault.kind, current(cluster, name)["address"])
+        report = load_of(WorkerAt(fault.kind, current(cluster, name)["address"]))
         return report.running if fault.kind == "decode" else report.transfers_in_flight
 
     amounts = [work(n) for n in names]
@@ -463,8 +448,8 @@ def chaos_example(cluster: ServiceProcess, offline: dict, load: list[Req], fault
     print("\n" + "; ".join(report))
 
     def leftovers() -> list[str]:
-        return [f"{worker}: {', '.join(holds)}" for role, names in WORKERS.items() for worker in names
-                if (holds := busy(load_of(role, current(cluster, worker)["address"])))]
+        return [f"{worker}: {holds}" for role, names in WORKERS.items() for worker in names
+                if (holds := what_is_held(load_of(WorkerAt(role, current(cluster, worker)["address"]))))]
 
     deadline = time.monotonic() + FREE_WITHIN_S
     while (left := leftovers()) and time.monotonic() < deadline:

@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_pd_cluster import dispatch
 
-from cluster import ready, spawn_worker
 from pdspark import LLM, SamplingParams
 from pdspark.assets import resolve_model
 from pdspark.model.model_config import CSA, HCA, SLIDING, ModelConfig
+from pdspark.testing.services import ready, spawn_worker
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.7, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True)

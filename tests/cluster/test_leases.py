@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cluster import ready, spawn_worker, start_router, wait_until
 from conftest import random_prompts
 from helpers import GREEDY
 from pdspark import SamplingParams
@@ -36,6 +35,9 @@ from pdspark.errors import ErrorCode
 from pdspark.rpc import convert
 from pdspark.rpc.keepalive import LEASE_S
 from pdspark.rpc.status import failure_from_rpc_error
+from pdspark.testing.services import ready, spawn_worker, start_router
+from pdspark.testing.waiting import seen_at, wait_until
+from pdspark.testing.worker_load import is_idle, load_of, pages_held
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 ARGS = ["--page-size", "16", "--max-model-len", "4096", "--max-num-seqs", "4", "--transfer-backend", "mooncake"]
@@ -83,23 +85,6 @@ def stopped(worker):
         os.kill(worker.pid, signal.SIGCONT)
 
 
-def load_of(worker) -> worker_pb2.LoadReport:
-    stub = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-    with grpc.insecure_channel(worker.address) as channel:
-        return stub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=5)
-
-
-def held(worker, report: worker_pb2.LoadReport | None = None) -> dict[str, int]:
-    """Pages in use beyond the prefix cache's, per pool (all zero: back to the free counts)."""
-    report = report or load_of(worker)
-    return {pool: report.pages_used[pool] - report.pages_cached[pool] for pool in report.pages_used}
-
-
-def idle(worker) -> bool:
-    report = load_of(worker)
-    return not any(held(worker, report).values()) and report.running == 0 and report.transfers_in_flight == 0
-
-
 def metric_lines(worker) -> list[str]:
     url = f"http://127.0.0.1:{worker.info['metrics_port']}/metrics"
     with urllib.request.urlopen(url, timeout=5) as resp:
@@ -118,15 +103,6 @@ def ended(worker) -> dict[str, int]:
     prefix = 'pdspark_worker_requests_total{outcome="'
     return {line[len(prefix):].split('"')[0]: int(float(line.rsplit(" ", 1)[1])) for line in metric_lines(worker)
             if line.startswith(prefix)}
-
-
-def wait_for(condition, within_s: float, what: str, describe=lambda: "") -> float:
-    """Poll an observable condition until it holds (fail after `within_s`); returns when it was first seen to."""
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {within_s}s {describe()}"
-        time.sleep(0.02)
-    return time.monotonic()
 
 
 def generate(decode, prefill_address: str, prompt: list[int], request_id: str, transfer_id: str) -> dict:
@@ -164,20 +140,20 @@ def serve_one(prefill, decode, seed: int) -> dict:
 
 def test_a_prefill_worker_stopped_mid_transfer_loses_its_lease(pair):
     prefill, decode = pair
-    wait_for(lambda: idle(prefill) and idle(decode), 5, "both workers back to their free counts")
+    wait_until(lambda: is_idle(prefill) and is_idle(decode), 5, "both workers back to their free counts")
     prompt, rid, tid = random_prompts(1, [40], seed=80)[0], uuid.uuid4().hex, uuid.uuid4().hex
     with ThreadPoolExecutor(1) as pool:
         sent_before = time.monotonic()  # a lower bound of when the plan went out
         # No prefill leg: the plan waits at the prefill worker, which could start writing any moment.
         stream = pool.submit(generate, decode, prefill.address, prompt, rid, tid)
-        wait_for(lambda: load_of(prefill).transfers_in_flight == 1, 10, "the plan at the prefill worker")
+        wait_until(lambda: load_of(prefill).transfers_in_flight == 1, 10, "the plan at the prefill worker")
         with stopped(prefill) as stop:
             out = stream.result(TIMEOUT_S + 30)
             failed_after = out["ended_at"] - stop.at
             # Quarantined while the prefill worker is still stopped: it could still write.
-            reserved, metric = held(decode), quarantined(decode)
-            freed_at = wait_for(lambda: not any(held(decode).values()), TIMEOUT_S + MC_TIMEOUT_S + SLACK_S,
-                                "the decode worker's quarantined pages freed")
+            reserved, metric = pages_held(load_of(decode)), quarantined(decode)
+            freed_at = seen_at(lambda: not any(pages_held(load_of(decode)).values()),
+                               TIMEOUT_S + MC_TIMEOUT_S + SLACK_S, "the decode worker's quarantined pages freed")
             assert all(v == 0 for v in quarantined(decode).values())
     failure = failure_from_rpc_error(out["error"])
     assert failure.code is ErrorCode.UNAVAILABLE, failure  # the lease lapsed, long before the deadline
@@ -190,9 +166,9 @@ def test_a_prefill_worker_stopped_mid_transfer_loses_its_lease(pair):
           f"its pages freed {freed_at - stop.at:.2f}s after the stop (deadline {TIMEOUT_S:.0f}s + grace "
           f"{MC_TIMEOUT_S}s from the send)")
     # SIGCONT: the prefill worker finds its plan's call cancelled and lets go of the transfer.
-    wait_for(lambda: idle(prefill), 5, "the prefill worker idle after SIGCONT")
+    wait_until(lambda: is_idle(prefill), 5, "the prefill worker idle after SIGCONT")
     assert len(serve_one(prefill, decode, seed=81)["tokens"]) == PARAMS.max_tokens
-    wait_for(lambda: idle(prefill) and idle(decode), 5, "both workers back to their free counts")
+    wait_until(lambda: is_idle(prefill) and is_idle(decode), 5, "both workers back to their free counts")
 
 
 def test_a_decode_worker_stopped_mid_transfer_loses_its_lease(workers):
@@ -208,7 +184,7 @@ def test_a_decode_worker_stopped_mid_transfer_loses_its_lease(workers):
 
         def prefill_holds_nothing() -> bool:
             report = load_of(prefill)
-            pages = held(prefill, report)
+            pages = pages_held(report)
             seen["held"] |= pages["full"] > 0
             if report.transfers_in_flight <= 1 and seen["one_left_at"] is None:
                 seen["one_left_at"] = time.monotonic()
@@ -217,11 +193,11 @@ def test_a_decode_worker_stopped_mid_transfer_loses_its_lease(workers):
         with ThreadPoolExecutor(3) as pool:
             sent_before = time.monotonic()
             streams = [pool.submit(generate, decode, prefill.address, p, *i) for p, i in zip(prompts, ids)]
-            wait_for(lambda: load_of(prefill).transfers_in_flight == 2, 10, "both plans at the prefill worker")
+            wait_until(lambda: load_of(prefill).transfers_in_flight == 2, 10, "both plans at the prefill worker")
             with stopped(decode) as stop:
                 # The first leg comes now: its prompt is computed (pages held) and written to a stopped process.
                 leg = pool.submit(prefill_leg, prefill, prompts[0], *ids[0])
-                freed_at = wait_for(prefill_holds_nothing, TIMEOUT_S + MC_TIMEOUT_S + SLACK_S,
+                freed_at = seen_at(prefill_holds_nothing, TIMEOUT_S + MC_TIMEOUT_S + SLACK_S,
                                     "the prefill worker's held pages freed")
                 answer = leg.result(10)
                 # The second transfer ended when the lease cancelled its plan's call: its leg now fails at once.
@@ -229,7 +205,7 @@ def test_a_decode_worker_stopped_mid_transfer_loses_its_lease(workers):
             outs = [stream.result(TIMEOUT_S + 30) for stream in streams]
             # The decode worker learns only now that its calls failed, as the write held up by it lands: its pages
             # stay quarantined for the grace from now, not from the plans' deadline, which passed while it stood.
-            decode_freed_at = wait_for(lambda: not any(held(decode).values()), MC_TIMEOUT_S + SLACK_S + 2,
+            decode_freed_at = seen_at(lambda: not any(pages_held(load_of(decode)).values()), MC_TIMEOUT_S + SLACK_S + 2,
                                        "the decode worker's pages freed")
         assert seen["held"], "the prefill worker never held the prompt's pages: the scenario did not happen"
         lease_s = seen["one_left_at"] - stop.at
@@ -247,7 +223,7 @@ def test_a_decode_worker_stopped_mid_transfer_loses_its_lease(workers):
               f"{freed_at - stop.at:.2f}s after it (deadline {TIMEOUT_S:.0f}s + grace {MC_TIMEOUT_S}s from the send); "
               f"the decode worker freed its pages {decode_freed_at - stop.resumed_at:.2f}s after SIGCONT")
         assert len(serve_one(prefill, decode, seed=83)["tokens"]) == PARAMS.max_tokens
-        wait_for(lambda: idle(prefill) and idle(decode), 5, "both workers back to their free counts")
+        wait_until(lambda: is_idle(prefill) and is_idle(decode), 5, "both workers back to their free counts")
     finally:
         assert prefill.stop() == 0
 
@@ -280,7 +256,7 @@ class StreamingClient:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 def test_a_vanished_router_s_requests_are_aborted_on_the_workers(pair, draft_ckpt, sig):
     prefill, decode = pair
-    wait_for(lambda: idle(prefill) and idle(decode), 5, "both workers back to their free counts")
+    wait_until(lambda: is_idle(prefill) and is_idle(decode), 5, "both workers back to their free counts")
     # Requests far longer than what they stream before the router vanishes (the workers take 4,096 positions), as
     # many as the decode worker runs, so that their tokens outlast the lease: one alone ended ok within it (4,000
     # tokens in 1.8 s, the stream absorbed by the buffers between the decode worker and the stopped router).
@@ -290,12 +266,12 @@ def test_a_vanished_router_s_requests_are_aborted_on_the_workers(pair, draft_ckp
     clients: list[StreamingClient] = []
     try:
         clients = [StreamingClient(router, max_tokens) for _ in range(streams)]
-        wait_for(lambda: all(len(c.chunks) >= 20 for c in clients) and load_of(decode).running == streams, 30,
+        wait_until(lambda: all(len(c.chunks) >= 20 for c in clients) and load_of(decode).running == streams, 30,
                  "the requests streaming")
         os.kill(router.pid, sig)
         stopped_at = time.monotonic()
         # The engine runs on (the stream's window fills only later): only the end of the Generate call stops it.
-        freed_at = wait_for(lambda: idle(decode), LEASE_S + SLACK_S, "the requests aborted on the decode worker")
+        freed_at = seen_at(lambda: is_idle(decode), LEASE_S + SLACK_S, "the requests aborted on the decode worker")
         streamed, rate = len(clients[0].chunks), clients[0].rate()
     finally:
         # The router is done with: SIGTERM would have the resumed router drain the streams it still holds, and it
@@ -315,7 +291,7 @@ def test_a_vanished_router_s_requests_are_aborted_on_the_workers(pair, draft_ckp
     print(f"\nrouter {signal.Signals(sig).name}: its running requests aborted and their pages freed "
           f"{freed_at - stopped_at:.2f}s later (one streamed {streamed} chunks at {rate:.0f}/s; ended {endings})")
     assert endings == {"cancelled": streams}, "the requests were not aborted (the model is too fast?)"
-    wait_for(lambda: idle(prefill), 5, "the prefill worker idle")
+    wait_until(lambda: is_idle(prefill), 5, "the prefill worker idle")
     if sig == signal.SIGKILL:  # a restarted router finds the workers from its flags and serves
         router = start_router(str(draft_ckpt), [prefill], [decode])
         try:

@@ -18,11 +18,11 @@ import grpc
 import openai
 import pytest
 
-from cluster import wait_until
 from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.client import Client
 from pdspark.service_process import ServiceProcess, start_service
+from pdspark.testing.waiting import wait_until
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]

@@ -20,16 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from cluster import wait_until
 from pdspark.service_process import start_service
-from prometheus_server import RULES, PrometheusServer, tool
-from router_http import drop_a_stream, post
+from pdspark.testing.prometheus_server import PrometheusServer, tool
+from pdspark.testing.router_http import drop_a_stream, post
+from pdspark.testing.waiting import wait_until
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
 ADMIN_KEY = "admin-key-for-observability-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SHARED = list(range(10, 58))  # 48 tokens: a second request with this prefix hits 3 cached pages of 16
 ROOT = Path(__file__).resolve().parents[2]
+RULES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 RATE_WINDOW = "30s"  # what the tests put for the panels' $__rate_interval (30 scrapes at 1 s)
 
@@ -46,7 +47,7 @@ def cluster(draft_ckpt):
 @pytest.fixture(scope="module")
 def prometheus(cluster, tmp_path_factory):
     """One Prometheus for the module's tests, scraping `cluster` from its start on."""
-    server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), cluster.info["http"], ADMIN_KEY)
+    server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), cluster.info["http"], ADMIN_KEY, rules=RULES)
     try:
         server.wait_ready()
         yield server

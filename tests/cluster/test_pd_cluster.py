@@ -10,11 +10,12 @@ import uuid
 import grpc
 import pytest
 
-from cluster import ready, spawn_worker
 from conftest import random_prompts
 from helpers import GREEDY, make_llm
 from pdspark import SamplingParams
 from pdspark.rpc import convert
+from pdspark.testing.services import ready, spawn_worker
+from pdspark.testing.worker_load import assert_idle
 from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 ARGS = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "4", "--speculative", "dspark",
@@ -78,24 +79,6 @@ def dispatch(prefill, decode, prompt, params, deadline_s=30.0, send_prefill=True
     return result
 
 
-def back_to_free(*workers, within_s: float = 2.0) -> bool:
-    """Whether every pool of `workers` holds only prefix-cache pages within `within_s` (GetLoad reports the
-    snapshot the engine loop publishes between steps, and clean-ups run on that loop after the calls return)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        if all(_idle(w) for w in workers):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-
-
-def _idle(w) -> bool:
-    load = worker_pb2_grpc.PrefillWorkerStub if w.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-    report = load(grpc.insecure_channel(w.address)).GetLoad(worker_pb2.LoadRequest(), timeout=10)
-    return all(report.pages_used[k] == report.pages_cached[k] for k in report.pages_used)
-
-
 def test_disaggregated_output_equals_offline(ckpt, cluster):
     # Prompt ends on / inside C4 groups (4) and HCA groups (16), spanning several C128 pages.
     prompts = random_prompts(5, [64, 66, 96, 100, 131], seed=41)
@@ -108,7 +91,7 @@ def test_disaggregated_output_equals_offline(ckpt, cluster):
         assert out["tokens"] == ref.token_ids
         assert out["chunks"][-1].finished and out["chunks"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert out["prefill"].stats.bytes > 0 and not out["prefill"].HasField("error")
-    assert back_to_free(*cluster)
+    assert_idle(*cluster, within_s=2.0)
 
 
 def test_seeded_disaggregated_output_equals_offline(ckpt, cluster):
@@ -123,7 +106,7 @@ def test_seeded_disaggregated_output_equals_offline(ckpt, cluster):
         out = dispatch(*cluster, prompt, p)
         assert "decode_error" not in out, out.get("decode_error")
         assert out["tokens"] == ref.token_ids
-    assert back_to_free(*cluster)
+    assert_idle(*cluster, within_s=2.0)
 
 
 def test_shared_prefix_hits_the_prefill_cache(ckpt, cluster):
@@ -148,7 +131,7 @@ def test_incompatible_workers_refuse_with_a_clear_error(workers):
         assert "page_size" in out["decode_error"].details()
         assert out["prefill"].error.code == 2 and "page_size" in out["prefill"].error.message  # INCOMPATIBLE
         assert time.monotonic() - t0 < 20
-        assert back_to_free(prefill, other)
+        assert_idle(prefill, other, within_s=2.0)
     finally:
         other.stop()
 
@@ -159,7 +142,7 @@ def test_decode_gives_up_when_prefill_never_answers(cluster):
                    send_prefill=False)
     assert out["decode_error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - t0 < 5.0
-    assert back_to_free(*cluster)
+    assert_idle(*cluster, within_s=2.0)
 
 
 def test_prefill_drops_a_request_whose_plan_never_arrives(cluster):
@@ -168,7 +151,7 @@ def test_prefill_drops_a_request_whose_plan_never_arrives(cluster):
                    send_decode=False)
     assert out["prefill"].error.code == 3 and "plan" in out["prefill"].error.message  # DEADLINE
     assert time.monotonic() - t0 < 5.0
-    assert back_to_free(*cluster)
+    assert_idle(*cluster, within_s=2.0)
 
 
 def test_workers_serve_health_and_metrics(cluster):

@@ -30,10 +30,12 @@ import grpc
 import openai
 import pytest
 
-from cluster import ready, seconds_until, spawn_worker, start_router
 from pdspark import LLM, SamplingParams
 from pdspark.client import AsyncClient
 from pdspark.service_process import ServiceProcess
+from pdspark.testing.services import ready, spawn_worker, start_router
+from pdspark.testing.waiting import seconds_until
+from pdspark.testing.worker_load import is_idle
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 MODEL = "dsv4-tiny"
@@ -105,19 +107,6 @@ def cluster(started):
         yield prefill, decode, router
     finally:
         router.stop()
-
-def load_of(worker: ServiceProcess) -> worker_pb2.LoadReport:
-    stub = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-    with grpc.insecure_channel(worker.address) as channel:
-        return stub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=5)
-
-
-def idle(worker: ServiceProcess) -> bool:
-    """No request running, waiting or queued, no transfer in flight, and no page held beyond the prefix cache."""
-    r = load_of(worker)
-    return (r.running == r.waiting == r.queued == r.transfers_in_flight == 0
-            and all(r.pages_used[k] == r.pages_cached[k] for k in r.pages_used))
-
 
 def workers(router: ServiceProcess) -> dict[str, bool]:
     req = urllib.request.Request(router.info["http"] + "/workers", headers=ADMIN)
@@ -227,7 +216,7 @@ def check_answers(answers: list, offline: list) -> None:
 
 
 def check_survivors_idle(prefill: ServiceProcess, decode: ServiceProcess) -> float:
-    took = seconds_until(lambda: idle(prefill) and idle(decode), TRANSFER_TIMEOUT_S + 3 + 5,
+    took = seconds_until(lambda: is_idle(prefill) and is_idle(decode), TRANSFER_TIMEOUT_S + 3 + 5,
                       "the surviving workers hold nothing (quarantined pages freed too)")
     for w in (prefill, decode):
         assert w.alive, f"{w.name} died:\n{w.tail()}"
@@ -264,7 +253,7 @@ def test_stopped_prefill_worker_its_requests_are_retried_once_it_is_marked_down(
         os.kill(victim.pid, signal.SIGCONT)
     back_s = seconds_until(lambda: workers(router)[victim.address], 5, "the resumed worker re-admitted")
     # The resumed worker drops what it held: the router's and the decode worker's calls to it were cancelled.
-    victim_idle_s = seconds_until(lambda: idle(victim), 10, "the resumed worker holds nothing")
+    victim_idle_s = seconds_until(lambda: is_idle(victim), 10, "the resumed worker holds nothing")
     print(f"\nSIGSTOP with {seen.transfers_in_flight} transfers in flight ({seen.running} prefilling) on the "
           f"victim: {N} requests done {seconds:.2f}s after the stop; survivors idle {idle_s:.2f}s later; after "
           f"SIGCONT re-admitted in {back_s:.2f}s, idle in {victim_idle_s:.2f}s")

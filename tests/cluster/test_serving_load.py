@@ -17,9 +17,9 @@ import aiohttp
 import grpc
 import pytest
 
-from cluster import start_router
 from pdspark import LLM, SamplingParams
 from pdspark.service_process import start_service
+from pdspark.testing.services import start_router
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 CONCURRENCY = 256

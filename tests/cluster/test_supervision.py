@@ -23,8 +23,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster import wait_until
 from pdspark.service_process import ServiceProcess, start_service
+from pdspark.testing.waiting import wait_until
 
 ENGINE = ["--model", "dsv4-tiny", "--max-model-len", "512", "--max-num-seqs", "4", "--port", "0", "--grpc-port", "0"]
 # Threads: shared 2-core machines; the children inherit the launcher's environment.

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from cluster import ready, spawn_worker
 from conftest import random_prompts
 from helpers import GREEDY
 from pdspark import SamplingParams
@@ -34,6 +33,9 @@ from pdspark.errors import ErrorCode
 from pdspark.rpc import convert
 from pdspark.rpc.status import failure_from_rpc_error
 from pdspark.service_process import ServiceProcess
+from pdspark.testing.services import ready, spawn_worker
+from pdspark.testing.waiting import wait_until
+from pdspark.testing.worker_load import is_idle, load_of
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 ARGS = ["--page-size", "16", "--max-model-len", "128", "--max-num-seqs", "16", "--transfer-backend", "mooncake"]
@@ -67,25 +69,6 @@ def workers(draft_ckpt) -> Iterator[dict[str, ServiceProcess]]:
 @pytest.fixture(scope="module")
 def pair(workers):
     return workers["prefill"], workers["decode"]
-
-
-def load_of(worker) -> worker_pb2.LoadReport:
-    stub = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-    with grpc.insecure_channel(worker.address) as channel:
-        return stub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=5)
-
-
-def wait_for(condition, within_s: float, what: str, describe=lambda: "") -> None:
-    """Poll an observable condition until it holds; fail the test after `within_s`."""
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {within_s}s {describe()}"
-        time.sleep(0.02)
-
-
-def idle(worker) -> bool:
-    report = load_of(worker)
-    return all(report.pages_used[k] == report.pages_cached[k] for k in report.pages_used)
 
 
 class Dispatcher:
@@ -201,7 +184,7 @@ def test_a_flood_of_streams_completes_while_control_calls_answer_at_once(pair):
           f"{worst_load * 1e3:.1f} ms")
     assert worst_health < CONTROL_BUDGET_S, f"Health took {worst_health * 1e3:.0f} ms under load"
     assert worst_load < CONTROL_BUDGET_S, f"GetLoad took {worst_load * 1e3:.0f} ms under load"
-    wait_for(lambda: idle(decode) and idle(prefill), 5, "both workers back to their initial free counts")
+    wait_until(lambda: is_idle(decode) and is_idle(prefill), 5, "both workers back to their initial free counts")
 
 
 def test_a_full_queue_refuses_at_once_and_serves_again_once_it_drains(workers):
@@ -214,14 +197,14 @@ def test_a_full_queue_refuses_at_once_and_serves_again_once_it_drains(workers):
                 prompts = random_prompts(25, [12], seed=61)
                 # In two waves: a request counts as waiting until its reservation is granted.
                 held = [asyncio.ensure_future(dispatcher.generate(p, send_prefill=False)) for p in prompts[:2]]
-                await asyncio.to_thread(wait_for, lambda: _holds(small, 2, 0), 10, "2 requests holding the slots")
+                await asyncio.to_thread(wait_until, lambda: _holds(small, 2, 0), 10, "2 requests holding the slots")
                 held += [asyncio.ensure_future(dispatcher.generate(p, send_prefill=False)) for p in prompts[2:5]]
-                await asyncio.to_thread(wait_for, lambda: _holds(small, 2, 3), 10, "2 running + 3 waiting")
+                await asyncio.to_thread(wait_until, lambda: _holds(small, 2, 3), 10, "2 running + 3 waiting")
                 refused = await asyncio.gather(*(dispatcher.generate(p) for p in prompts[5:]))
                 for task in held:
                     task.cancel()  # the callers go away: the decode worker lets go of them
                 await asyncio.gather(*held, return_exceptions=True)
-                await asyncio.to_thread(wait_for, lambda: _holds(small, 0, 0) and idle(small), 5,
+                await asyncio.to_thread(wait_until, lambda: _holds(small, 0, 0) and is_idle(small), 5,
                                         "the small decode worker drained", lambda: load_of(small))
                 return refused, await dispatcher.generate(prompts[0])
             finally:
@@ -248,7 +231,7 @@ def test_a_stopped_prefill_worker_fails_requests_within_their_deadline(workers):
     decode, victim = workers["decode"], workers["victim"]
     k, timeout_ms = 4, 3000
     try:
-        assert idle(decode)
+        assert is_idle(decode)
         before = load_of(decode).pages_used
 
         async def scenario() -> list[dict]:
@@ -258,7 +241,7 @@ def test_a_stopped_prefill_worker_fails_requests_within_their_deadline(workers):
                 # Mid-request: the plans reached the prefill worker, which waits for the prefill legs.
                 streams = [asyncio.ensure_future(dispatcher.generate(p, timeout_ms, send_prefill=False))
                            for p in prompts]
-                await asyncio.to_thread(wait_for, lambda: load_of(victim).transfers_in_flight == k, 10,
+                await asyncio.to_thread(wait_until, lambda: load_of(victim).transfers_in_flight == k, 10,
                                         "every plan at the prefill worker")
                 os.kill(victim.proc.pid, signal.SIGSTOP)
                 return await asyncio.gather(*streams)
@@ -269,7 +252,7 @@ def test_a_stopped_prefill_worker_fails_requests_within_their_deadline(workers):
             outs = asyncio.run(scenario())
             # The decode worker's pools are back while the prefill worker is still stopped: its pages quarantined
             # until no write can land (the plans' deadline, which passed, + the write grace), then freed.
-            wait_for(lambda: load_of(decode).pages_used == before, MC_TIMEOUT_S + 2,
+            wait_until(lambda: load_of(decode).pages_used == before, MC_TIMEOUT_S + 2,
                      "the decode worker's pools back to initial")
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)
@@ -291,6 +274,6 @@ def test_a_stopped_prefill_worker_fails_requests_within_their_deadline(workers):
 
         out = asyncio.run(again())
         assert "error" not in out and len(out["tokens"]) == PARAMS.max_tokens
-        wait_for(lambda: idle(victim) and idle(decode), 5, "both workers idle after the fault")
+        wait_until(lambda: is_idle(victim) and is_idle(decode), 5, "both workers idle after the fault")
     finally:
         assert victim.stop() == 0

@@ -17,9 +17,9 @@ from pdspark.rpc.keepalive import CHANNEL_OPTIONS
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.multiplexed_client import MultiplexedClient, batches
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
+from pdspark.testing.waiting import until
+from pdspark.testing.worker_stubs import HANG, HOLD, StubDecode, StubPrefill, serve_stub
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
-from router_harness import until
-from worker_stubs import HANG, HOLD, StubDecode, StubPrefill, serve_stub
 
 GENERATE = "/pdspark.v1.DecodeWorker/Calls"
 PREFILL = "/pdspark.v1.PrefillWorker/Calls"

@@ -23,6 +23,7 @@ from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.prefill_worker import PrefillWorker
+from pdspark.testing.waiting import until
 from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import PoolKind, cache_buffers, item_pairs, registered_regions
 from pdspark.types import FinishReason
@@ -401,7 +402,7 @@ def test_a_request_id_in_flight_is_refused_by_either_worker(pair):
     async def scenario():
         # The first request waits (no prefill leg for it) until its 2 s deadline.
         first = asyncio.ensure_future(pair.dispatch(prompt, params, "dup", deadline_s=2.0, skip_prefill=True))
-        await _until(lambda: pair.decode.transfers_in_flight == 1)
+        await until(lambda: pair.decode.transfers_in_flight == 1, 10, "the transfer in flight at the decode worker")
         t0 = time.monotonic()
         second = await pair.dispatch(prompt, params, "dup", deadline_s=10, transfer_id="t-other", skip_prefill=True)
         refused_in = time.monotonic() - t0
@@ -444,7 +445,7 @@ def test_requests_wait_in_line_for_destination_pages(ckpt):
             watcher.cancel()
             # The slot held by a request whose prefill never comes: the next one waits in line past its deadline.
             holder = asyncio.ensure_future(pair.dispatch(prompts[0], params, "c", deadline_s=2.0, skip_prefill=True))
-            await _until(lambda: pair.decode.transfers_in_flight == 1)
+            await until(lambda: pair.decode.transfers_in_flight == 1, 10, "the transfer in flight at the decode worker")
             t0 = time.monotonic()
             late = await pair.dispatch(prompts[2], params, "d", deadline_s=0.3)
             return outs, most_waiting, late, time.monotonic() - t0, await holder
@@ -467,13 +468,13 @@ def test_abort_ends_a_waiting_request_at_once_on_either_worker(pair):
 
     async def scenario():
         waiting = asyncio.ensure_future(pair.dispatch(prompt, params, "a", deadline_s=10, skip_prefill=True))
-        await _until(lambda: pair.decode.transfers_in_flight == 1)
+        await until(lambda: pair.decode.transfers_in_flight == 1, 10, "the transfer in flight at the decode worker")
         t0 = time.monotonic()
         assert pair.decode.abort("a") and not pair.decode.abort("unknown")
         decode_out = await waiting
         decode_s = time.monotonic() - t0
         waiting = asyncio.ensure_future(pair.dispatch(prompt, params, "b", deadline_s=10, skip_decode=True))
-        await _until(lambda: pair.prefill.in_flight == 1)
+        await until(lambda: pair.prefill.in_flight == 1, 10, "the request at the prefill worker")
         t0 = time.monotonic()
         assert pair.prefill.abort("b")
         return decode_out, decode_s, await waiting, time.monotonic() - t0
@@ -505,11 +506,3 @@ def test_abort_stops_a_running_request_with_an_abort_output(pair):
     assert last.finished and last.finish_reason == FinishReason.ABORT and len(last.token_ids) < 200
     assert seconds < 1.0
     assert pair.free_counts_restored()
-
-
-async def _until(condition, within_s: float = 10.0) -> None:
-    """Poll an observable condition (on the pair's loop) until it holds; fail after `within_s`."""
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)

@@ -13,8 +13,9 @@ import pytest
 
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
-from router_harness import RouterHarness, until
-from worker_stubs import HOLD
+from pdspark.testing.waiting import until
+from pdspark.testing.worker_stubs import HOLD
+from router_harness import RouterHarness
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 

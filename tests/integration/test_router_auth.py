@@ -16,9 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router.router_server import reload_keys
+from pdspark.testing.waiting import until
+from pdspark.testing.worker_stubs import HOLD
 from pdspark.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router_harness import RouterHarness, until
-from worker_stubs import HOLD
+from router_harness import RouterHarness
 
 CLIENT, CLIENT2, ADMIN = "client-key-0123456789", "client-key-abcdefghij", "admin-key-0123456789"
 WRONG = "wrong-key-0123456789"

@@ -15,9 +15,10 @@ import pytest
 
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.testing.waiting import until
+from pdspark.testing.worker_stubs import HANG, OK, Delayed
 from pdspark.v1 import router_pb2, router_pb2_grpc
-from router_harness import RouterHarness, until
-from worker_stubs import HANG, OK, Delayed
+from router_harness import RouterHarness
 
 PROMPT = dict(token_ids=[5, 6, 7], max_tokens=4)
 SLACK_S = 0.3  # how late past its timeout a request may end (scheduling on a shared 2-core machine)

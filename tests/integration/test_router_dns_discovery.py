@@ -14,8 +14,9 @@ import aiohttp
 import grpc
 
 from pdspark.router.router_server import build_discovery
-from router_harness import RouterHarness, until
-from worker_stubs import HOLD, StubDecode, StubPrefill, serve_stub
+from pdspark.testing.waiting import until
+from pdspark.testing.worker_stubs import HOLD, StubDecode, StubPrefill, serve_stub
+from router_harness import RouterHarness
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 INTERVAL_S = 0.1

@@ -16,8 +16,9 @@ from pdspark.client.client import REQUEST_ID_KEY as SDK_REQUEST_ID_KEY
 from pdspark.client.client import RETRY_AFTER_KEY as SDK_RETRY_AFTER_KEY
 from pdspark.errors import ErrorCode
 from pdspark.router.grpc_api import REQUEST_ID_KEY, RETRY_AFTER_KEY
-from router_harness import RouterHarness, until
-from worker_stubs import HOLD
+from pdspark.testing.waiting import until
+from pdspark.testing.worker_stubs import HOLD
+from router_harness import RouterHarness
 
 PROMPT = dict(token_ids=[5, 6, 7], max_tokens=4)
 

@@ -15,8 +15,8 @@ import pytest
 
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode
+from pdspark.testing.worker_stubs import HANG
 from router_harness import RouterHarness
-from worker_stubs import HANG
 
 PROMPT = [5, 6, 7]
 

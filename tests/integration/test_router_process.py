@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import start_router
 from pdspark.service_process import ServiceProcess
+from pdspark.testing.services import start_router
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -29,8 +29,8 @@ from pdspark.rpc.peer_roles import PeerRoleInterceptor
 from pdspark.rpc.status import failure_from_rpc_error
 from pdspark.rpc.throwaway_ca import ROLE_URI_PREFIX, ThrowawayCA
 from pdspark.rpc.tls_credentials import aio_channel, server_credentials
+from pdspark.testing.worker_stubs import StubDecode, StubHealth
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
-from worker_stubs import StubDecode, StubHealth
 
 
 @pytest.fixture(scope="module")

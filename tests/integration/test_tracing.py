@@ -18,8 +18,9 @@ from opentelemetry.trace import StatusCode
 from otlp_collector import OtlpCollector
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.rpc import tracing
-from router_harness import RouterHarness, until
-from worker_stubs import OK, Delayed
+from pdspark.testing.waiting import until
+from pdspark.testing.worker_stubs import OK, Delayed
+from router_harness import RouterHarness
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 

@@ -11,7 +11,6 @@ answers each plan (or not) when it chooses. Every free is observed on the pools,
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 
 import pytest
@@ -25,6 +24,7 @@ from pdspark.errors import ErrorCode, RequestFailed, Unanswered
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
+from pdspark.testing.waiting import async_seen_at, until
 from pdspark.transfer.inprocess_backend import InProcessBackend
 from pdspark.transfer.plan import TransferResult, TransferStats
 from pdspark.transfer.transfer_plan import registered_regions
@@ -87,19 +87,6 @@ async def used(loop) -> dict[str, int]:
     return await asyncio.wrap_future(loop.submit(read))
 
 
-async def until(condition, within_s: float, what: str) -> float:
-    """Poll `condition` (a function, sync or async) until it holds; returns when it was first seen to."""
-    deadline = time.monotonic() + within_s
-    while not await _value(condition()):
-        assert time.monotonic() < deadline, f"{what} not within {within_s}s"
-        await asyncio.sleep(0.01)
-    return time.monotonic()
-
-
-async def _value(x):
-    return await x if inspect.isawaitable(x) else x
-
-
 async def restored(loop, before: dict[str, int]) -> bool:
     return await used(loop) == before
 
@@ -127,7 +114,7 @@ def test_an_unanswered_transfer_quarantines_its_pages_until_no_write_can_land(lo
             await task
         assert failed.value.code is ErrorCode.UNAVAILABLE
         quarantined = dict(worker.quarantined_pages)
-        freed_at = await until(lambda: restored(loop, before), 10, "the quarantined pages freed")
+        freed_at = await async_seen_at(lambda: restored(loop, before), 10, "the quarantined pages freed")
         return prefill.plan, t0, held, before, quarantined, freed_at, worker
 
     plan, t0, held, before, quarantined, freed_at, worker = asyncio.run(scenario())
@@ -155,7 +142,7 @@ def test_a_transfer_the_prefill_worker_answered_frees_at_once(loop, answer):
                                                      stats=TransferStats()))
         with pytest.raises(RequestFailed):
             await task
-        freed_at = await until(lambda: restored(loop, before), 10, "the pages freed")
+        freed_at = await async_seen_at(lambda: restored(loop, before), 10, "the pages freed")
         return freed_at - t0, worker
 
     seconds, worker = asyncio.run(scenario())
@@ -179,7 +166,7 @@ def test_giving_up_asks_the_prefill_worker_and_frees_once_it_answers(loop):
         assert await used(loop) != before and worker.transfers_in_flight == 1 and not prefill.cancelled
         t0 = time.monotonic()
         prefill.answer.set_exception(RequestFailed(ErrorCode.ABORTED, "request 'r' aborted"))  # writes stopped
-        freed_at = await until(lambda: restored(loop, before), 10, "the pages freed")
+        freed_at = await async_seen_at(lambda: restored(loop, before), 10, "the pages freed")
         return freed_at - t0, worker
 
     seconds, worker = asyncio.run(scenario())
@@ -203,7 +190,7 @@ def test_giving_up_on_a_prefill_worker_that_does_not_answer_quarantines(loop, ho
         with pytest.raises(asyncio.CancelledError):
             await task
         await until(lambda: any(worker.quarantined_pages.values()), 5, "the pages quarantined")
-        freed_at = await until(lambda: restored(loop, before), 10, "the quarantined pages freed")
+        freed_at = await async_seen_at(lambda: restored(loop, before), 10, "the quarantined pages freed")
         return prefill, t0, freed_at, worker
 
     prefill, t0, freed_at, worker = asyncio.run(scenario())
@@ -228,7 +215,7 @@ def test_a_failure_learnt_late_quarantines_for_the_grace_from_then(loop):
         prefill.answer.set_exception(Unanswered(ErrorCode.UNAVAILABLE, "the connection broke"))
         with pytest.raises(RequestFailed):
             await task
-        freed_at = await until(lambda: restored(loop, before), 10, "the quarantined pages freed")
+        freed_at = await async_seen_at(lambda: restored(loop, before), 10, "the quarantined pages freed")
         return learnt_at, freed_at, worker
 
     learnt_at, freed_at, worker = asyncio.run(scenario())

@@ -13,8 +13,9 @@ import aiohttp
 import pytest
 
 from pdspark.config import RouterConfig
-from router_harness import RouterHarness, until
-from worker_stubs import HANG, OK
+from pdspark.testing.waiting import until
+from pdspark.testing.worker_stubs import HANG, OK
+from router_harness import RouterHarness
 
 DETECT_S = 2.0  # the bound the design promises for a dead or hung worker
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}

@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "ray_launcher": 9,  # `pdspark up --backend ray`: the launcher's Ray backend
     "launcher": 10,
     "cli": 11,
+    "testing": 11,  # helpers for tests and benchmarks: stub workers, services started by PID, waits with deadlines
     "__init__": 11,
 }
 

@@ -31,7 +31,7 @@ import functools
 import itertools
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -246,7 +246,7 @@ class Dispatcher:
     async def _run_pair(self, key: str, request_id: str, prompt_ids: list[int], generated: list[int],
                         sampling: common_pb2.SamplingParams, prefill: WorkerInfo, decode: WorkerInfo,
                         request_deadline: Deadline,
-                        trace: tracing.Span = tracing.NO_SPAN, number: int = 0) -> AsyncIterator[DispatchChunk]:
+                        trace: tracing.Span = tracing.NO_SPAN, number: int = 0) -> AsyncGenerator[DispatchChunk, None]:
         """One attempt. `generated`: the tokens the caller already has (a migrated stream): the prefill computes
         prompt + generated, the decode continues after them; the chunks carry only what follows."""
         transfer_id = uuid4_hex()

@@ -1,6 +1,7 @@
 """`PrometheusServer`: Debian's `prometheus` (2.42) on a free loopback port, discovering a pdspark cluster through the
 router's HTTP service discovery (`/prometheus/targets`), scraping every second and loading the project's alert
-rules. Started by the observability tests and the dashboards preview (bench/plot_dashboards.py); stopped by PID."""
+rules (given as files). Started by the observability tests and the dashboards preview (bench/plot_dashboards.py);
+stopped by PID."""
 
 from __future__ import annotations
 
@@ -13,10 +14,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-RULES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))
 
 
 def free_port() -> int:
@@ -32,9 +31,10 @@ def tool(name: str) -> str:
 
 
 class PrometheusServer:
-    """`admin_key`: the router's admin key, which guards its service discovery when one is set."""
+    """`admin_key`: the router's admin key, which guards its service discovery when one is set; `rules`: alert and
+    recording rule files to load (the repository's are under deploy/prometheus/rules)."""
 
-    def __init__(self, tmp: Path, router_http: str, admin_key: str | None = None):
+    def __init__(self, tmp: Path, router_http: str, admin_key: str | None = None, rules: Sequence[Path] = ()):
         sd: dict = {"url": router_http + "/prometheus/targets", "refresh_interval": "1s"}
         if admin_key is not None:
             key_file = tmp / "admin-key"
@@ -44,7 +44,7 @@ class PrometheusServer:
             sd["authorization"] = {"type": "Bearer", "credentials_file": str(key_file)}
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(f) for f in RULES],
+            "rule_files": [str(f) for f in rules],
             "scrape_configs": [{"job_name": "pdspark", "http_sd_configs": [sd]}],
         }
         (tmp / "prometheus.json").write_text(json.dumps(config))  # JSON is YAML

@@ -1,12 +1,11 @@
-"""Real worker processes for end-to-end tests: started with `pdspark serve ...`, stopped by PID."""
+"""Real services for end-to-end tests and benchmarks: `pdspark serve ...` processes, started and stopped by PID."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
 
 from pdspark.service_process import ServiceProcess, spawn_service, start_service, wait_ready
+from pdspark.testing.time_scale import scaled
 
 
 def spawn_worker(role: str, model: str, *args: str, env: dict | None = None) -> ServiceProcess:
@@ -18,11 +17,12 @@ def spawn_worker(role: str, model: str, *args: str, env: dict | None = None) -> 
 
 
 def ready(*services: ServiceProcess, timeout: float = 120.0) -> list[ServiceProcess]:
-    """Wait until every one of `services` printed its ready line, all within `timeout`; on a failure stop them all.
+    """Wait until every one of `services` printed its ready line, all within `timeout` (scaled); on a failure stop
+    them all.
     Workers spawned together load their models at the same time: a worker's start keeps one core busy and the tests
     run one at a time, so on a quiet 2-core machine starting them one after the other leaves a core idle (on one
     loaded by other work there is no idle core, and it makes no difference)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     try:
         for service in services:
             wait_ready(service, max(0.0, deadline - time.monotonic()))
@@ -44,21 +44,5 @@ def start_router(model: str, prefill: list, decode: list, *args: str, timeout: f
     """`env`: over the test's own (keys travel there: `PDSPARK_ADMIN_API_KEY`, ...)."""
     return start_service("router", ["serve", "router", "--model", model, "--port", "0", "--grpc-port", "0",
                                     "--prefill", ",".join(w.address for w in prefill),
-                                    "--decode", ",".join(w.address for w in decode), *args], timeout=timeout,
+                                    "--decode", ",".join(w.address for w in decode), *args], timeout=scaled(timeout),
                          env=env)
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval_s: float = 0.05) -> Any:
-    """Poll `condition` until it returns something truthy (returned); fail naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(interval_s)
-    return value
-
-
-def seconds_until(condition: Callable[[], Any], timeout: float, what: str) -> float:
-    """`wait_until` polling every 20 ms, returning how long the wait took (a detection time)."""
-    t0 = time.monotonic()
-    wait_until(condition, timeout, what, interval_s=0.02)
-    return time.monotonic() - t0
