@@ -16,7 +16,7 @@ from pdspark.config import RouterConfig
 from router_harness import RouterHarness, until
 from worker_stubs import HANG, OK
 
-DETECT_S = 2.0  # the bound the design promises for a dead or hung worker
+DETECT_S = 2.0  # the bound for noticing a dead or hung worker (docs/operations.md)
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 
 
