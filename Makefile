@@ -85,7 +85,7 @@ lint: setup
 test: setup lint
 	$(VENV)/bin/pytest -q
 
-# The unit tests only (no model loading, no processes): seconds.
+# The unit tests only (tests/unit; some load the shipped model or start processes: the C compiler, promtool).
 test-fast: setup
 	$(VENV)/bin/pytest -q tests/unit
 
@@ -148,6 +148,6 @@ bench-serving: setup $(GUIDELLM)
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(SGLANG_ROUTER_VENV) .pytest_cache .ruff_cache
 
-# Regenerate the gRPC/protobuf code from proto/ (committed; tests/test_proto_drift.py checks it is current).
+# Regenerate the gRPC/protobuf code from proto/ (committed; tests/unit/test_proto_drift.py checks it is current).
 proto: setup
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=src --pyi_out=src --grpc_python_out=src proto/pdspark/v1/*.proto

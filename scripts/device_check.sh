@@ -8,7 +8,7 @@
 # default to `--device cuda`); `--cluster` adds the multi-process rungs (router, chaos, load), which take longer.
 # Writes into OUT_DIR (default: device-check/): env.txt, nvidia-smi.txt, tests.log, tests.xml, bench.log; the
 # benchmark also writes bench/results/engine_vs_transformers_cuda.{json,png}. Every step runs; the exit status is
-# non-zero when any failed. Until this has passed on a GPU machine, the README calls CUDA untested.
+# non-zero when any failed. Until this has passed on a GPU machine, docs/operations.md calls CUDA untested.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

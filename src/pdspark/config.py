@@ -90,7 +90,8 @@ class SchedulerConfig:
 class EngineConfig:
     cache: CacheConfig = nested(CacheConfig, "cache")
     scheduler: SchedulerConfig = nested(SchedulerConfig, "scheduler")
-    device: Device = option("cpu", "hardware backend the engine runs on (cuda and npu are untested: see the README)")
+    device: Device = option("cpu", "hardware backend the engine runs on (cuda and npu are untested: see "
+                                   "docs/operations.md)")
     dtype: Dtype = option("float32", "compute dtype")
     # Read by `pdspark.hardware.extra_ops` at engine start (the variable is PDSPARK_EXTRA_OPS_SO).
     extra_ops_so: tuple[str, ...] = option(

@@ -1,9 +1,9 @@
-"""Live migration of a decode stream (DESIGN §3 rung 8): SIGKILL the decode worker serving a stream, right after its
-first token or in the middle, and the client's stream goes on on the other decode worker with exactly the tokens an
-uninterrupted offline run produces: greedy and seeded, DSpark on, over HTTP SSE (the official `openai` client) and
-the gRPC SDK. The launcher restarts the killed worker. Three decode workers: a case needs two healthy ones (one to
-kill, one to migrate to) and no request running, so the worker killed by the case before may still be restarting
-(each case checks the router does not count a decode worker healthy that does not answer).
+"""Live migration of a decode stream (the equality ladder's last rung): SIGKILL the decode worker serving a stream,
+right after its first token or in the middle, and the client's stream goes on on the other decode worker with exactly
+the tokens an uninterrupted offline run produces: greedy and seeded, DSpark on, over HTTP SSE (the official `openai`
+client) and the gRPC SDK. The launcher restarts the killed worker. Three decode workers: a case needs two healthy
+ones (one to kill, one to migrate to) and no request running, so the worker killed by the case before may still be
+restarting (each case checks the router does not count a decode worker healthy that does not answer).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ TRANSFER_TIMEOUT_S = 8
 WORKER_ENV = {"MC_TRANSFER_TIMEOUT": "3"}
 ADMIN_KEY = "admin-key-for-failover-tests"  # adding and removing workers needs one
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-DETECT_S = 2.0  # the design's bound for noticing a dead or hung worker
+DETECT_S = 2.0  # the bound for noticing a dead or hung worker (docs/operations.md)
 # Prompts of ~150 tokens, all different (no prefix-cache hits between them), so that prefills take a while.
 PROMPTS = [f"# helpers_{i}.py\n" + "".join(
     f"def {verb}_{i}_{j}(items, key=None):\n    out = []\n    for item in items:\n"

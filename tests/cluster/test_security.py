@@ -1,4 +1,4 @@
-"""Issue 13's acceptance, on real processes: `pdspark up --api-key K --admin-api-key A` on the shipped model.
+"""API and admin keys on real processes: `pdspark up --api-key K --admin-api-key A` on the shipped model.
 Generation needs K (HTTP and gRPC), the official `openai` client and the SDK work with it and fail without it;
 only A administers workers; hostile values are 4xx; no key shows on a child's command line, in the launcher's
 output or in /metrics; a key added to the key file works after SIGHUP, and a removed one stops working.

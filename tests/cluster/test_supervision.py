@@ -2,7 +2,7 @@
 re-admits it, while the rest of the cluster keeps serving; a crash loop is reported without taking the cluster
 down; Ctrl-C (and a killed launcher) leaves no child behind.
 
-Liveness (DESIGN.md section 5): a killed worker is marked down in `/workers` within 2 s and is back, restarted and
+Liveness (docs/operations.md): a killed worker is marked down in `/workers` within 2 s and is back, restarted and
 re-admitted, within 30 s; a stopped (hung) one is marked down within 2 s and re-admitted once it answers again.
 
 One 2 prefill + 2 decode cluster is shared by the tests below, which run in order and end with its Ctrl-C.
@@ -29,7 +29,7 @@ from pdspark.testing.waiting import wait_until
 ENGINE = ["--model", "dsv4-tiny", "--max-model-len", "512", "--max-num-seqs", "4", "--port", "0", "--grpc-port", "0"]
 # Threads: shared 2-core machines; the children inherit the launcher's environment.
 ENV = {"OMP_NUM_THREADS": "1"}
-DETECT_S = 2.0  # a dead or hung worker is marked down within this (DESIGN.md section 5)
+DETECT_S = 2.0  # a dead or hung worker is marked down within this (docs/operations.md, "Liveness")
 BACK_S = 30.0  # a killed worker is restarted and re-admitted within this
 # The first restart waits long enough that the router (two failed health checks, 0.5 s apart) has marked the worker
 # unhealthy before it is back, so the test sees it down: the backoff alone is DETECT_S, the most that marking may

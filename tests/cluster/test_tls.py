@@ -1,4 +1,4 @@
-"""Issue 13's mutual TLS, on real processes: `pdspark up --api-key K --admin-api-key A --tls` on the shipped model.
+"""Mutual TLS on real processes: `pdspark up --api-key K --admin-api-key A --tls` on the shipped model.
 The `openai` client (trusting the printed CA) and the SDK (`TLSOptions` + API key) generate, greedy equal to the
 offline engine, so the prefill -> decode transfer ran under mTLS; a plain-text client reaches neither the router nor
 a worker, nor does a TLS client without a certificate of the cluster's CA; a worker takes each RPC only from the

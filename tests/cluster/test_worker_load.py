@@ -41,7 +41,7 @@ from pdspark.v1 import worker_pb2, worker_pb2_grpc
 ARGS = ["--page-size", "16", "--max-model-len", "128", "--max-num-seqs", "16", "--transfer-backend", "mooncake"]
 DECODE = [*ARGS, "--no-prefix-cache", "--max-waiting-streams", "256"]
 PARAMS = SamplingParams(max_tokens=4, **GREEDY)
-CONTROL_BUDGET_S = 0.1  # what a health or load call may take under any load (DESIGN.md section 5)
+CONTROL_BUDGET_S = 0.1  # what a health or load call may take under any load
 # The transfer engine's batch timeout (its least): the decode side's write grace, after which it frees the pages
 # of a transfer the prefill worker did not answer.
 MC_TIMEOUT_S = 5

@@ -4,9 +4,9 @@ get a 5xx, a body the schema forbids must be refused with a 4xx, and every respo
 says (status, content type, error body). Workers are faked, but every request crosses the worker's protobuf
 message, so a value the wire cannot carry fails as it would in a cluster.
 
-Twice: on an open router, and on one with API keys, called with a key (issue 13: the key check must not change
-what a valid caller gets, nor turn bad input into a server error). Each run generates well over 200 cases over every
-documented route (about 1,100).
+Twice: on an open router, and on one with API keys, called with a key (the key check must not change what a valid
+caller gets, nor turn bad input into a server error). Each run generates well over 200 cases over every documented
+route (about 1,100).
 
 Deterministic (`--generation-deterministic`: the same cases every run) and bounded (`--max-examples`), about 15 s
 a run on 2 cores. `/openapi.json` itself is not among the tested operations (schemathesis skips the document it

@@ -105,7 +105,7 @@ def test_each_rpc_only_from_the_role_that_makes_it(pki):
     results, stub = asyncio.run(main())
     assert results["router"] == (["r;"] * 3 + ["m;"] * 3, None)  # the streams pass through the check whole
     assert results["prefill"] == results["decode"] == ([], ErrorCode.PERMISSION_DENIED)
-    # A certificate naming no role: the CA is the whole boundary (README, Security).
+    # A certificate naming no role: the CA is the whole boundary (docs/operations.md, Security).
     assert results["unnamed"] == (["r;"] * 3 + ["m;"] * 3, None)
     # Refused before the handler ran: the worker never saw those calls.
     assert [c.request_id for c in stub.calls] == ["r", "m", "r", "m"]

@@ -17,7 +17,7 @@ from pdspark.testing.waiting import until
 from pdspark.testing.worker_stubs import HANG, OK
 from router_harness import RouterHarness
 
-DETECT_S = 2.0  # the bound the design promises for a dead or hung worker
+DETECT_S = 2.0  # the bound for noticing a dead or hung worker (docs/operations.md)
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 
 

@@ -1,7 +1,7 @@
 """The Grafana dashboards in deploy/grafana/dashboards are what deploy/grafana/generate.py produces today (drift
 fails, like the proto check), they carry the template variables the router's service discovery labels, and every
-metric their queries name is in the README's catalogue (a renamed metric fails here before it empties a panel;
-tests/cluster/test_observability.py runs every query against a live cluster)."""
+metric their queries name is in the metrics catalogue of docs/operations.md (a renamed metric fails here before it
+empties a panel; tests/cluster/test_observability.py runs every query against a live cluster)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,6 @@ def test_variables_and_queries():
             assert panel["targets"], panel["title"]
             exprs += [t["expr"] for t in panel["targets"]]
     assert len(exprs) >= 24
-    catalogue = set(re.findall(r"^\| `(pdspark_[a-z0-9_]+)`", (ROOT / "README.md").read_text(), re.M))
+    catalogue = set(re.findall(r"^\| `(pdspark_[a-z0-9_]+)`", (ROOT / "docs" / "operations.md").read_text(), re.M))
     used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"pdspark_[a-z0-9_]+", e)}
     assert used - catalogue == set(), "dashboards name metrics the catalogue lacks"

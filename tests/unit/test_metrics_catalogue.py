@@ -1,6 +1,6 @@
-"""The metrics catalogue: the README's table is what the live registries export (drift fails, like the proto check),
-every metric follows the naming rules, and `promtool check metrics` (Debian's `prometheus` package, installed by
-`make setup`) finds nothing in any exporter's exposition."""
+"""The metrics catalogue: the table in docs/operations.md is what the live registries export (drift fails, like the
+proto check), every metric follows the naming rules, and `promtool check metrics` (Debian's `prometheus` package,
+installed by `make setup`) finds nothing in any exporter's exposition."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ catalogue = sys.modules["metrics_catalogue"] = importlib.util.module_from_spec(_
 _spec.loader.exec_module(catalogue)
 
 
-def test_readme_table_is_current():
-    text = (ROOT / "README.md").read_text()
-    assert catalogue.readme_with_table(text) == text, (
-        "README.md's metrics catalogue is stale: run `python scripts/metrics_catalogue.py --write`")
+def test_catalogue_table_is_current():
+    text = (ROOT / "docs" / "operations.md").read_text()
+    assert catalogue.doc_with_table(text) == text, (
+        "docs/operations.md's metrics catalogue is stale: run `python scripts/metrics_catalogue.py --write`")
 
 
 def test_naming_rules():

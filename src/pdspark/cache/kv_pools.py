@@ -1,4 +1,4 @@
-"""`KVPools`: every tensor of the DSV4 cache, laid out as in the seed design.
+"""`KVPools`: every tensor of the DSV4 cache, laid out as below.
 
 | pool         | rows addressed by                                   | row content                         |
 |--------------|-----------------------------------------------------|-------------------------------------|

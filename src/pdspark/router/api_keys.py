@@ -1,6 +1,6 @@
 """`ApiKeys`: the router's API and admin keys, who presented which, and what each caller may do.
 
-The rules (DESIGN §6, the README's "Security"):
+The rules (docs/operations.md, "Security"):
 - Generation (`/v1/*`, `/generate`, the gRPC `Router` service) needs an API key or an admin key once API keys are
   configured; without any it is open, as a development router is.
 - Registering and removing workers (`POST`/`DELETE /workers`) needs an admin key, and is off while none is

@@ -1,6 +1,6 @@
 """`RouterMetrics`: every Prometheus metric the router exports, on its `/metrics`.
 
-The rules are the workers' (`pdspark.serving.metrics`; the README's metrics catalogue lists every metric): the
+The rules are the workers' (`pdspark.serving.metrics`; the catalogue in docs/operations.md lists every metric): the
 `pdspark_router_` prefix, units in names, `_total` counters, no colons, and every label value created at start
 (per-worker series when the worker is registered), so that every series exists before its first event. Workers are
 labelled by name (`prefill-0`), never by address: `/metrics` is open (see `api_keys`). A worker's role is

@@ -5,7 +5,7 @@ exporting over OTLP/gRPC, and `start` makes real spans. Off, nothing of OpenTele
 returns `NO_SPAN` (whose methods do nothing), `metadata_of` returns None (calls go out as before) and `parent_of`
 reads nothing; a request pays some 17 µs for the no-op calls, router and workers together.
 
-Spans (their attributes in the README's Observability section):
+Spans (their attributes in docs/operations.md, "Tracing"):
 
     request (router)                       one per client request; migration and retry events
       attempt (router)                     one per (prefill, decode) pair tried

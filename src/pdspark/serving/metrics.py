@@ -1,10 +1,10 @@
 """`WorkerMetrics`: what every worker exports, whatever its role; `PrefillMetrics` and `DecodeMetrics` add their
 role's part. Each worker has its own registry, served on its metrics port.
 
-Rules (the README's metrics catalogue lists every metric; `tests/unit/test_metrics_catalogue.py` keeps the two
-equal): `pdspark_` prefix, the unit last in the name (`_seconds`, `_bytes`, `_tokens`, `_pages`, `_requests`),
-counters end in `_total`, no colons, and every label value a series can take is created at start, so that each
-series exists (at zero) before its first event and `rate()` sees that event.
+Rules (the metrics catalogue in docs/operations.md lists every metric; `tests/unit/test_metrics_catalogue.py` keeps
+the two equal): `pdspark_` prefix, the unit last in the name (`_seconds`, `_bytes`, `_tokens`, `_pages`,
+`_requests`), counters end in `_total`, no colons, and every label value a series can take is created at start, so
+that each series exists (at zero) before its first event and `rate()` sees that event.
 
 Threads: the engine's statistics are taken on the engine-loop thread (`sample_engine` as a ticker, `EngineMetrics`
 as the loop's step observer); the workers count on the asyncio thread; the metrics server reads on its own.

@@ -10,8 +10,8 @@ NOTE: security. The data plane has neither TLS nor authentication: a peer that r
 write into its registered memory. Peers reach it at `host` (the worker's advertised address, the session id), but
 Mooncake 0.3.13 listens on every interface whatever `host` is (measured: its handshake port on 0.0.0.0 and its TCP
 transport on [::], with or without MC_TCP_BIND_ADDRESS / MC_LEGACY_RPC_PORT_BINDING), and has no option to bind one
-address. Only the network can fence these ports: a private network, a host firewall, a NetworkPolicy (README,
-"Security").
+address. Only the network can fence these ports: a private network, a host firewall, a NetworkPolicy
+(docs/operations.md, "Security").
 """
 
 from __future__ import annotations

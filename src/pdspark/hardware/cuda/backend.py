@@ -1,7 +1,7 @@
 """`CudaBackend`: an NVIDIA GPU through `torch.cuda`. The engine runs its PyTorch path there (the C kernels are
 host-only and step aside for device tensors); streams are `torch.cuda.Stream`s.
 
-NOTE: untested until `scripts/device_check.sh` has run on a CUDA machine (see the README)."""
+NOTE: untested until `scripts/device_check.sh` has run on a CUDA machine (see docs/operations.md)."""
 
 from __future__ import annotations
 
