@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from pdspark.cache.kv_cache import HostTables
 from pdspark.cache.state_rings import StateRings
@@ -37,20 +38,20 @@ class StateTableInputs:
     capacity: int  # current-input columns of the table (max_input_capacity)
 
     @classmethod
-    def decode(cls, slots, seq_lens) -> StateTableInputs:
+    def decode(cls, slots: ArrayLike, seq_lens: ArrayLike) -> StateTableInputs:
         """One new token per request at `seq_len - 1` (a padded row has `seq_len` 0)."""
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         return cls(np.asarray(slots, dtype=np.int64), seq_lens - 1, (seq_lens > 0).astype(np.int64), 1)
 
     @classmethod
-    def verify(cls, slots, seq_lens, num_drafts: int) -> StateTableInputs:
+    def verify(cls, slots: ArrayLike, seq_lens: ArrayLike, num_drafts: int) -> StateTableInputs:
         """A verify window of `num_drafts` rows after the committed `seq_lens`."""
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         return cls(np.asarray(slots, dtype=np.int64), seq_lens, np.full_like(seq_lens, num_drafts),
                    max(1, num_drafts))
 
     @classmethod
-    def prefill(cls, slots, prefix_lens, chunk_lens) -> StateTableInputs:
+    def prefill(cls, slots: ArrayLike, prefix_lens: ArrayLike, chunk_lens: ArrayLike) -> StateTableInputs:
         """Prompt chunks of `chunk_lens` tokens after cached prefixes of `prefix_lens`."""
         chunks = np.asarray(chunk_lens, dtype=np.int64)
         return cls(np.asarray(slots, dtype=np.int64), np.asarray(prefix_lens, dtype=np.int64), chunks,

@@ -20,13 +20,14 @@ NOTE: capacity is checked with `reserve` (which may evict from the tree) before 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
 
 from pdspark.cache.c128_sidecar import C128Sidecar
 from pdspark.cache.full_pages import FullPages
+from pdspark.cache.index_arrays import Indices
 from pdspark.cache.kv_pools import KVPools
 from pdspark.cache.page_allocator import PageAllocator, PoolUsage
 from pdspark.cache.pool_sizes import PoolSizes
@@ -294,17 +295,20 @@ class KVCache:
         """The page tables as NumPy views (the tables stay on the host; they are never reallocated)."""
         return self._host
 
-    def full_to_swa(self, full_slots, tables: HostTables | None = None):
+    def full_to_swa(self, full_slots: Indices, tables: HostTables | None = None) -> Indices:
         """SWA slot of each full slot; tensors in and out, or NumPy arrays with `tables=host_tables()`."""
-        return self.swa.slots(full_slots, None if tables is None else tables.full_to_swa_page)
+        return self.swa.slots(full_slots, self._page_map(full_slots, tables))
 
-    def c4_state_rows(self, full_slots, positions, tables: HostTables | None = None):
+    def c4_state_rows(self, full_slots: Indices, positions: Indices, tables: HostTables | None = None) -> Indices:
         """Page-scoped CSA state row of each position: its SWA page's ring, row `pos % ring` (tensors, or NumPy
         arrays with `tables`). A position whose SWA page was released maps to the state pool's dummy row."""
-        page_map = self.swa.full_to_swa_page if tables is None else tables.full_to_swa_page
-        return self.rings.c4_rows(full_slots, positions, page_map)
+        return self.rings.c4_rows(full_slots, positions, self._page_map(full_slots, tables))
 
-    def c128_state_rows(self, slots, positions):
+    def _page_map(self, like: Indices, tables: HostTables | None) -> Indices:
+        """The full page -> SWA page map of the kind of `like`: the tensor, or the host tables' NumPy view of it."""
+        return cast(Indices, self.swa.full_to_swa_page if tables is None else tables.full_to_swa_page)
+
+    def c128_state_rows(self, slots: Indices, positions: Indices) -> Indices:
         """Request-scoped HCA state row of each position (tensors or NumPy arrays)."""
         return self.rings.c128_rows(slots, positions)
 

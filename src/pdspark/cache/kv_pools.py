@@ -118,13 +118,13 @@ class KVPools:
                 assert torch.isneginf(state[:, -1, half:]).all(), "state dummy row score written"
 
 
-def _page_major(n_layers: int, rows: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _page_major(n_layers: int, rows: int, width: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Zeroed storage `[rows, layers, width]` (one row of every layer contiguous), returned as the per-layer view
     `[layers, rows, width]`. `transfer_plan.cache_buffers` relies on this layout (it checks the strides)."""
     return torch.zeros(rows, n_layers, width, dtype=dtype, device=device).permute(1, 0, 2)
 
 
-def _state(n_layers: int, rows: int, kv_width: int, device) -> torch.Tensor:
+def _state(n_layers: int, rows: int, kv_width: int, device: torch.device | str) -> torch.Tensor:
     # [layers, rows + 1 dummy, kv_width (kv) + kv_width (score)], fp32 as DSV4 keeps compressor state; page-major.
     state = _page_major(n_layers, rows + 1, 2 * kv_width, torch.float32, device)
     _clear(state)

@@ -19,10 +19,11 @@ T = TypeVar("T", bound=Hashable)
 
 
 class LruQueue(Generic[T]):
-    def __init__(self, eligible: Callable[[T], bool], rank: Callable[[T], tuple]):
+    def __init__(self, eligible: Callable[[T], bool], rank: Callable[[T], tuple[Any, ...]]):
         self._eligible = eligible
         self._rank = rank
-        self._heap: list[tuple[tuple, int, Any]] = []  # (rank, entry id, item); ids break rank ties in push order
+        # (rank, entry id, item); ids break rank ties in push order
+        self._heap: list[tuple[tuple[Any, ...], int, T]] = []
         self._current: dict[T, int] = {}  # item -> id of its current entry (items with one)
         self._ids = itertools.count()
         self.num_inspected = 0  # entries popped so far (a cost measure for tests)

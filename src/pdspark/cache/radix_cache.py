@@ -28,6 +28,7 @@ The tree never frees a page itself: it hands freed page ids to the owner's callb
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -210,12 +211,12 @@ class RadixCache:
             else:
                 n.swa_locks[lock.need_from] = count - 1
 
-    def _window_path(self, lock: SwaLock):
+    def _window_path(self, lock: SwaLock) -> Iterator[RadixNode]:
         """The nodes from `lock.node` upward that hold tokens at or after `lock.need_from` (splits included)."""
-        n = lock.node
-        while n is not self.root and n.end > lock.need_from:
+        n: RadixNode | None = lock.node
+        while n is not None and n is not self.root and n.end > lock.need_from:
             yield n
-            n = n.parent  # type: ignore[assignment]
+            n = n.parent
 
     # ---- insertion ---------------------------------------------------------------------------------------------------
     def insert(
@@ -270,8 +271,7 @@ class RadixCache:
         first = next(i for i, p in enumerate(swa) if p is not None)
         if first > 0:
             return self._split(node, first * self.page_size)  # the lower part recovers on the next step
-        assert all(p is not None for p in swa), "a request's SWA pages must be a contiguous tail"
-        node.swa_pages = list(swa)  # type: ignore[arg-type]
+        node.swa_pages = _contiguous_tail(swa)
         self.freer.map_swa(node.full_pages, node.swa_pages)
         self._requeue(node)
         return node
@@ -282,15 +282,15 @@ class RadixCache:
         # Pages whose SWA was already released form a tombstone node in front of the SWA-holding tail.
         P = self.page_size
         cut = next((i for i, s in enumerate(swa) if s is not None), len(swa))
-        assert all(s is not None for s in swa[cut:]), "a request's SWA pages must be a contiguous tail"
-        segments = [(0, cut, None), (cut, len(full), swa[cut:])]
+        segments: list[tuple[int, int, list[int] | None]] = [(0, cut, None),
+                                                             (cut, len(full), _contiguous_tail(swa[cut:]))]
         for lo, hi, swa_seg in segments:
             if lo == hi:
                 continue
             node = RadixNode(
                 key=tuple(key[lo * P : hi * P]),
                 full_pages=list(full[lo:hi]),
-                swa_pages=None if swa_seg is None else list(swa_seg),  # type: ignore[arg-type]
+                swa_pages=swa_seg,
                 parent=parent,
                 last_access=stamp,
                 depth=parent.end,
@@ -427,7 +427,7 @@ class RadixCache:
         return 0, n
 
     # ---- inspection --------------------------------------------------------------------------------------------------
-    def nodes(self):
+    def nodes(self) -> Iterator[RadixNode]:
         stack = [self.root]
         while stack:
             n = stack.pop()
@@ -471,12 +471,19 @@ class RadixCache:
             assert not self._swa_evictable(n) or self._swa_holders.holds(n), "an SWA holder is missing from its queue"
 
 
-def _leaf_rank(node: RadixNode) -> tuple:
+def _contiguous_tail(swa: list[int | None]) -> list[int]:
+    """The SWA pages of a segment that must hold one on every page (a request's SWA pages are a contiguous tail)."""
+    pages = [p for p in swa if p is not None]
+    assert len(pages) == len(swa), "a request's SWA pages must be a contiguous tail"
+    return pages
+
+
+def _leaf_rank(node: RadixNode) -> tuple[bool, int, int]:
     # Tombstone leaves first (no match can end there), then least recently used.
     return (not node.tombstone, node.last_access, node.depth)
 
 
-def _swa_rank(node: RadixNode) -> tuple:
+def _swa_rank(node: RadixNode) -> tuple[int, int]:
     # Least recently used; on one touched path (equal stamps) the shallowest first, whose SWA pages the fewest
     # matches need.
     return (node.last_access, node.depth)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pdspark.cache.index_arrays import Indices
 from pdspark.cache.kv_pools import KVPools
 from pdspark.cache.pool_sizes import PoolSizes
 
@@ -22,19 +23,21 @@ class StateRings:
         self.hca_ring = sizes.hca_ring
         self.pools = pools
 
-    def c4_rows(self, full_slots, positions, page_map):
+    def c4_rows(self, full_slots: Indices, positions: Indices, page_map: Indices) -> Indices:
         """C4 state row of each position: its SWA page's ring (`page_map`: full page -> SWA page, a tensor or a
         NumPy array like the other arguments). A position whose SWA page was released maps to the dummy row."""
         page = page_map[full_slots // self.page_size]
-        rows = page * self.csa_ring + positions % self.csa_ring
+        rows: Indices = page * self.csa_ring + positions % self.csa_ring
         # The dummy SWA page has no ring, only the pool's one dummy row.
         released = page == self.pools.swa_dummy_page
-        where = np.where if isinstance(rows, np.ndarray) else torch.where
-        return where(released, self.pools.c4_state_dummy_row, rows)
+        if isinstance(rows, np.ndarray):
+            return np.where(released, self.pools.c4_state_dummy_row, rows)
+        return torch.where(released, self.pools.c4_state_dummy_row, rows)
 
-    def c128_rows(self, slots, positions):
+    def c128_rows(self, slots: Indices, positions: Indices) -> Indices:
         """C128 state row of each position of the request in `slots` (tensors or NumPy arrays)."""
-        return slots * self.hca_ring + positions % self.hca_ring
+        rows: Indices = slots * self.hca_ring + positions % self.hca_ring
+        return rows
 
     def clear_request(self, slot: int) -> None:
         """A fresh request's C128 ring starts empty (the previous holder of the slot left its rows)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from pdspark.cache.index_arrays import Indices
 from pdspark.cache.page_allocator import PageAllocator, PoolUsage
 from pdspark.cache.pool_sizes import PoolSizes
 from pdspark.model.model_config import ModelConfig
@@ -96,12 +97,12 @@ class SwaWindow:
         self._pages.free(swa_pages)
         self.unmap(full_pages)
 
-    def slots(self, full_slots, page_map=None):
-        """SWA slot of each full slot (the dummy page's slots where it has none); tensors, or NumPy arrays with
-        `page_map` (a NumPy view of `full_to_swa_page`)."""
+    def slots(self, full_slots: Indices, page_map: Indices) -> Indices:
+        """SWA slot of each full slot (the dummy page's slots where it has none); `page_map`: `full_to_swa_page`,
+        or a NumPy view of it for NumPy slots."""
         P = self.page_size
-        page = self.full_to_swa_page if page_map is None else page_map
-        return page[full_slots // P] * P + full_slots % P
+        slots: Indices = page_map[full_slots // P] * P + full_slots % P
+        return slots
 
     def usage(self) -> PoolUsage:
         return self._pages.usage()

@@ -65,7 +65,7 @@ class DSparkDrafter:
         if not any(sampled):
             return [self._pick(base[i], r, a, n, None) for i, (r, a, n) in enumerate(zip(reqs, anchors, num_drafts))]
         keys = [RandomStream(r.seed).key(r.num_tokens + k) for r, m in zip(reqs, sampled) for k in range(m)]
-        noise = exponentials(keys, base.shape[-1]).split(sampled)  # per request [sampled drafts, V]
+        noise = torch.split(exponentials(keys, base.shape[-1]), sampled)  # per request [sampled drafts, V]
         return [self._pick(base[i], r, a, n, noise[i])
                 for i, (r, a, n) in enumerate(zip(reqs, anchors, num_drafts))]
 
@@ -75,7 +75,7 @@ class DSparkDrafter:
         (`DraftStep`) where it applies, else the modules."""
         tables = self.kv.host_tables()
         anchor_pos = np.array([r.num_tokens - 1 for r in reqs])  # [M]
-        slots = np.array([r.pages.slot for r in reqs])  # type: ignore[union-attr]
+        slots = np.array([r.slot for r in reqs])
         ctx_pos = anchor_pos[:, None] + self._ctx_offsets[None, :]  # [M, W]
         valid = ctx_pos >= 0
         full = tables.req_to_token[slots[:, None], np.maximum(ctx_pos, 0)]

@@ -27,12 +27,12 @@ from pdspark.engine.spec_governor import SpecGovernor
 from pdspark.engine.spec_verifier import accept
 from pdspark.engine.stop_checker import StopChecker
 from pdspark.errors import CapacityError, ConfigError, ErrorCode, InvalidRequestError, RequestFailed
-from pdspark.hardware.prepare_streams import PrepareStreams
+from pdspark.hardware.prepare_streams import PrepareStreams, StepKind
 from pdspark.hardware.registry import select_backend
 from pdspark.model.dspark import DSparkDraft
 from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.tokenizer import Tokenizer
-from pdspark.types import FinishReason, RequestOutput, SamplingParams
+from pdspark.types import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -243,7 +243,7 @@ class Engine:
         pages: ReqPages,
         first_token: int,
         num_cached_tokens: int = 0,
-        first_logprob=None,
+        first_logprob: TokenLogprobs | None = None,
         prompt: str | None = None,
         generated: list[int] | tuple[int, ...] = (),
     ) -> RequestOutput:
@@ -317,11 +317,10 @@ class Engine:
         req = c.request
         tokens = req.all_token_ids[c.start : c.start + c.num_tokens - c.num_drafts]
         if proposal is not None:
-            return Chunk(req.pages.slot, c.start, tokens + proposal.tokens, num_logits=c.num_tokens,  # type: ignore
-                         kind="verify")
+            return Chunk(req.slot, c.start, tokens + proposal.tokens, num_logits=c.num_tokens, kind="verify")
         # One token past the prompt: a generated token (or a transferred first one) being decoded.
-        kind = "decode" if c.num_tokens == 1 and c.start >= len(req.prompt_token_ids) else "extend"
-        return Chunk(req.pages.slot, c.start, tokens, num_logits=1 if c.samples else 0, kind=kind)  # type: ignore
+        kind: StepKind = "decode" if c.num_tokens == 1 and c.start >= len(req.prompt_token_ids) else "extend"
+        return Chunk(req.slot, c.start, tokens, num_logits=1 if c.samples else 0, kind=kind)
 
     def _decide(
         self, chunks: list[ScheduledChunk], out: RunOutput, proposals: dict[str, DraftProposal]
@@ -403,7 +402,7 @@ class Engine:
         if not self.model_config.hca_layers or p.committed == p.chunk.num_tokens:
             return
         positions = torch.arange(p.chunk.start + p.committed, p.chunk.start + p.chunk.num_tokens)
-        slot = torch.full_like(positions, p.chunk.request.pages.slot)  # type: ignore[union-attr]
+        slot = torch.full_like(positions, p.chunk.request.slot)
         self.kv.pools.clear_c128_state_rows(self.kv.c128_state_rows(slot, positions))
 
     def _append(self, produced: list[_StepTokens]) -> list[RequestOutput]:

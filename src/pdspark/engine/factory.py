@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 from pdspark.assets import resolve_model
 from pdspark.config import EngineConfig
@@ -14,7 +15,7 @@ from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
 
 
-def create_engine(model: str, progress: bool = False, config: EngineConfig | None = None, **options) -> Engine:
+def create_engine(model: str, progress: bool = False, config: EngineConfig | None = None, **options: Any) -> Engine:
     """Load the checkpoint (and its DSpark draft when `speculative` is set) and build the engine.
 
     `options` are `EngineConfig`'s flat keyword options (`page_size=16`, `max_num_seqs=4`, `speculative="dspark"`,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -133,16 +134,20 @@ def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-def _to_device(obj, device: torch.device):
+T = TypeVar("T")
+
+
+def _to_device(obj: T, device: torch.device) -> T:
     """Index tensors are built on the CPU (they come from host-side tables); move them next to the pools."""
+    moved: Any = obj
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, list):
-        return [_to_device(x, device) for x in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj)})
-    return obj
+        moved = obj.to(device, non_blocking=True)
+    elif isinstance(obj, list):
+        moved = [_to_device(x, device) for x in obj]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        moved = dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
+                                            for f in dataclasses.fields(obj)})
+    return cast(T, moved)
 
 
 def _segment(kv: KVCache, tables: HostTables, chunk: Chunk, offset: int) -> Segment:
@@ -211,7 +216,8 @@ def _plan_columns(
     return tok, group_start, src_pos, use_cur, cur_rows
 
 
-def _csa_plan(kv, tables: HostTables, token_slot, token_start, token_end, positions) -> CompressPlan:
+def _csa_plan(kv: KVCache, tables: HostTables, token_slot: np.ndarray, token_start: np.ndarray, token_end: np.ndarray,
+              positions: np.ndarray) -> CompressPlan:
     R = kv.model.csa_ratio
     tok, group_start, src_pos, use_cur, cur_rows = _plan_columns(R, True, positions, token_start)
     slot = np.broadcast_to(token_slot[tok][:, None], src_pos.shape)
@@ -230,7 +236,8 @@ def _csa_plan(kv, tables: HostTables, token_slot, token_start, token_end, positi
     return CompressPlan(*map(_t, (out_rows, group_start, use_cur, cur_rows, hist_rows, write, write_rows)))
 
 
-def _hca_plan(kv, tables: HostTables, token_slot, token_start, token_end, positions) -> CompressPlan:
+def _hca_plan(kv: KVCache, tables: HostTables, token_slot: np.ndarray, token_start: np.ndarray, token_end: np.ndarray,
+              positions: np.ndarray) -> CompressPlan:
     R = kv.model.hca_ratio
     cps = kv.sizes.c128_page_size
     tok, group_start, src_pos, use_cur, cur_rows = _plan_columns(R, False, positions, token_start)

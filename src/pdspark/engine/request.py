@@ -51,6 +51,13 @@ class Request:
             self.logprobs = []
 
     @property
+    def slot(self) -> int:
+        """The request's page-table row. Only a request holding pages has one: every request a step computes does
+        (the scheduler gives pages before it schedules a chunk)."""
+        assert self.pages is not None, f"request {self.req_id} holds no pages"
+        return self.pages.slot
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

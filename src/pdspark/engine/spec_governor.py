@@ -33,7 +33,7 @@ PROBE_SHARE = 0.05
 class _ModeCost:
     """Recent `(seconds, tokens)` of the decode steps of one mode at one batch size."""
 
-    steps: deque = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
+    steps: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
 
     def seconds_per_token(self) -> float | None:
         """Seconds over tokens of the window less its slowest step (a GC pause, a page fault)."""

@@ -221,7 +221,7 @@ def result_to_pb(r: TransferResult | None, error: RequestFailed | None, transfer
         stats=stats_to_pb(r.stats), checksum=r.checksum,
     )
     if r.first_logprob is not None:
-        msg.first_logprob.CopyFrom(logprob_to_pb(r.first_logprob))  # type: ignore[arg-type]
+        msg.first_logprob.CopyFrom(logprob_to_pb(r.first_logprob))
     return msg
 
 

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass
 
 from pdspark.transfer.compat import CompatDescriptor
+from pdspark.types import TokenLogprobs
 
 
 class PoolKind(enum.IntEnum):  # values match the protobuf enum
@@ -81,4 +82,4 @@ class TransferResult:
     num_cached_tokens: int
     checksum: int
     stats: TransferStats
-    first_logprob: object | None = None  # TokenLogprobs when asked for
+    first_logprob: TokenLogprobs | None = None  # when the request asked for logprobs
