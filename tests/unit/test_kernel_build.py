@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,20 @@ def test_editing_an_included_header_rebuilds_the_library(tmp_path):
     second = build_library(main, name="libunity")
     assert second is not None and second.path != first.path
     assert second.lib.one() == 2
+
+
+def test_the_package_ships_every_c_source_and_header_of_the_kernels():
+    """An installed wheel compiles the kernels from its own copy: every .c and .h file the build reads must be
+    package data."""
+    import tomllib  # (Python 3.11+)
+
+    root = Path(SRC).parent
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pdspark"]
+    package = Path(SRC) / "pdspark"
+    files = [p.relative_to(package).as_posix() for p in (package / "hardware" / "cpu").iterdir()
+             if p.suffix in (".c", ".h")]
+    assert {"hardware/cpu/kernels.c", "hardware/cpu/kernels.h", "hardware/cpu/gemm.c"} <= set(files)
+    assert [f for f in files if not any(fnmatch(f, g) for g in globs)] == []
 
 
 def test_a_compiler_that_will_not_say_its_version_still_builds(source, sandbox, monkeypatch):

@@ -1,9 +1,9 @@
 """`CpuKernels`: C loops compiled on first use and called through ctypes.
 
-The source is compiled with the system C compiler for the host CPU (`-march=native`) into a per-user cache
-(`kernel_build`: keyed by the source, the CPU's feature flags, the compile command and the compiler's version), once
-per machine. Without a compiler (or with `PDSPARK_NO_C_KERNELS=1`, or a library whose `pdspark_abi` disagrees with
-the slot tuples below) callers fall back to the PyTorch reference path.
+The C source (kernels.c and the parts it includes) is compiled with the system C compiler for the host CPU
+(`-march=native`) into a per-user cache (`kernel_build`: keyed by the sources, the CPU's feature flags, the compile
+command and the compiler's version), once per machine. Without a compiler (or with `PDSPARK_NO_C_KERNELS=1`, or a
+library whose `pdspark_abi` disagrees with the slot tuples below) callers fall back to the PyTorch reference path.
 
 The boundary: the C loops trust the sizes they are given, so every array they index comes from a buffer Python sized
 with the C library's own formulas or limits (`moe_rows_scratch_floats`, `decode_layer_scratch_floats`,
@@ -476,7 +476,7 @@ def attn_out_rows(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: t
     return out
 
 
-# The slots of `decode_layer`'s arrays, in the order of the enums in kernels.c.
+# The slots of `decode_layer`'s arrays, in the order of the enums in kernels.h.
 DECODE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base", "ffn_norm",
                   "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "c_ape", "c_norm", "i_wq_b", "i_ape",
                   "i_norm", "moe_in", "w13", "w2", "w2s", "bias", "tid2eid")
@@ -574,7 +574,7 @@ def bf16_copy(w: torch.Tensor) -> torch.Tensor | None:
     return half if torch.equal(half.float(), w) else None
 
 
-# The slots of `draft_block`'s arrays, in the order of the enums in kernels.c: S stages' weights, then the head's.
+# The slots of `draft_block`'s arrays, in the order of the enums in kernels.h: S stages' weights, then the head's.
 DRAFT_STAGE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base",
                        "ffn_norm", "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "gate_up", "down")
 DRAFT_HEAD_WEIGHTS = ("embed", "hc_fn", "hc_scale", "hc_base", "norm", "head", "rope_cos", "rope_sin", "main_proj",
