@@ -27,9 +27,11 @@
 #include "decode_index.c"
 
 /* The library's contract with its Python caller: the slot counts of every array it reads, the limits of its
- * fixed-size buffers and the layer kinds, in the order of `pdspark.hardware.cpu.kernels.ABI`. Python compares them
- * with its own tuples when it loads the library and refuses a library that disagrees (a slot added on one side
- * only would read or write the wrong word). Writes at most n values; returns how many there are. */
+ * fixed-size buffers and the layer kinds (the enums of kernels.h), in the order of
+ * `pdspark.hardware.cpu.kernels.ABI_MIRRORS`, which names the Python mirror of each. Python compares them with its
+ * mirrors when it loads the library and refuses a library that disagrees, naming the enums that differ (a slot
+ * added on one side only would read or write the wrong word). Writes at most n values; returns how many there
+ * are. */
 int pdspark_abi(long *out, int n) {
     const long abi[] = {W_COUNT,  I_COUNT,  F_COUNT,   S_COUNT,  SI_COUNT,     P_COUNT,  L_COUNT,
                         DW_COUNT, DH_COUNT, DI_COUNT,  DF_COUNT, INDEX_MAX_TOKENS,
