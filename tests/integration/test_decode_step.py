@@ -69,7 +69,7 @@ def test_bf16_weights_give_the_fp32_kernels_bits_on_the_shipped_checkpoint():
 
 def test_the_helper_thread_gives_every_step_the_same_bits():
     """With 2 threads the C steps share their GEMMs, the routed experts and the attention rows with a helper thread
-    (`kernels.c`'s pool): tokens and logprobs equal, bit for bit, those of one thread, plain and DSpark, batch 1 and
+    (`pool.c`): tokens and logprobs equal, bit for bit, those of one thread, plain and DSpark, batch 1 and
     3 (verify steps of 6 and 18 rows)."""
     from pdspark.hardware.cpu import kernels as cpu_kernels
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import re
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -451,6 +454,48 @@ def test_the_library_and_python_agree_on_every_slot_count_and_limit():
     lib = kernels.load()
     assert lib is not None
     assert kernels.library_abi(lib) == kernels.ABI
+
+
+class _FakeAbi:
+    """A library's `pdspark_abi` that reports `values` (ctypes sets its argtypes and restype)."""
+
+    def __init__(self, values: tuple[int, ...]):
+        self.values = values
+
+    def __call__(self, out, n):
+        for i, v in enumerate(self.values[:n]):
+            out[i] = v
+        return len(self.values)
+
+
+def _abi_with(c_name: str, value: int) -> tuple[int, ...]:
+    """`kernels.ABI` with the entry of the C enum or limit `c_name` set to `value`."""
+    i = [c for _, c, _ in kernels.ABI_MIRRORS].index(c_name)
+    return (*kernels.ABI[:i], value, *kernels.ABI[i + 1:])
+
+
+_W, _LIMIT = len(kernels.DECODE_WEIGHTS), kernels.INDEX_MAX_TOKENS
+
+
+@pytest.mark.parametrize("abi, named", [
+    (_abi_with("W_COUNT", _W + 1), f"len(DECODE_WEIGHTS) is {_W} in kernels.py but W_COUNT is {_W + 1}"),
+    (_abi_with("INDEX_MAX_TOKENS", 32), f"INDEX_MAX_TOKENS is {_LIMIT} in kernels.py but INDEX_MAX_TOKENS is 32"),
+    (_abi_with("KIND_CSA", 2), f"DECODE_CSA is {kernels.DECODE_CSA} in kernels.py but KIND_CSA is 2"),
+    (kernels.ABI[:-1], "no KIND_HCA"),
+    ((*kernels.ABI, 7), "1 more than kernels.py mirrors"),
+])
+def test_a_library_whose_enums_differ_is_refused_naming_the_enum(monkeypatch, caplog, abi, named):
+    """A slot added to one side only: `load()` refuses the library (the PyTorch path runs) and its error names the
+    Python mirror and the C enum that differ."""
+    from pdspark.hardware.cpu.kernel_build import BuiltLibrary
+
+    fake = types.SimpleNamespace(pdspark_abi=_FakeAbi(abi))
+    monkeypatch.delenv("PDSPARK_NO_C_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "build_library", lambda source: BuiltLibrary(fake, Path("/nowhere/lib.so")))
+    with caplog.at_level(logging.ERROR, logger=kernels.__name__):
+        assert kernels.load.__wrapped__() is None
+    assert named in caplog.text and "PyTorch path" in caplog.text
+    assert kernels.abi_mismatches(abi) and kernels.abi_mismatches(kernels.ABI) == []
 
 
 def _index_arrays():

@@ -10,12 +10,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
 
 from pdspark.hardware.cpu import kernel_build
-from pdspark.hardware.cpu.kernel_build import build_library, cache_key, compile_flags
+from pdspark.hardware.cpu.kernel_build import build_library, cache_key, compile_flags, source_bytes
 
 TINY = """
 #include <stdlib.h>
@@ -150,6 +151,59 @@ def test_the_cache_key_follows_the_command_and_the_compiler_version():
     assert key != cache_key(src, command, "", cpu)
     assert key != cache_key(src + b" ", command, "gcc (Debian 12.2.0-14) 12.2.0", cpu)
     assert key != cache_key(src, command, "gcc (Debian 12.2.0-14) 12.2.0", b"flags : avx512f")
+
+
+def _unity_source(directory: Path, header: str = "#define ONE 1\n", part: str = "int one(void) { return ONE; }\n"
+                  ) -> Path:
+    """A unity build as kernels.c is one: a main file that includes a header and a part from beside it."""
+    directory.mkdir()
+    (directory / "part.h").write_text(header)
+    (directory / "part.c").write_text(part)
+    main = directory / "main.c"
+    main.write_text('#include "part.h"\n#include "part.c"\n')
+    return main
+
+
+def test_the_cache_key_covers_every_c_source_and_header_beside_the_source(tmp_path):
+    def key(main: Path) -> str:
+        return cache_key(source_bytes(main), ["gcc", *compile_flags(), "-lm"], "gcc 12.2.0", b"flags : avx2")
+
+    base = key(_unity_source(tmp_path / "base"))
+    copy = _unity_source(tmp_path / "copy")
+    assert key(copy) == base  # where the sources sit is not part of the key
+    assert key(_unity_source(tmp_path / "header", header="#define ONE 2\n")) != base
+    assert key(_unity_source(tmp_path / "part", part="int one(void) { return ONE + 0; }\n")) != base
+    (copy.parent / "notes.txt").write_text("not a C file")
+    assert key(copy) == base
+    (copy.parent / "extra.h").write_text("")  # a new header beside it (an include of it may be added next)
+    assert key(copy) != base
+    (copy.parent / "extra.h").unlink()
+    (copy.parent / "part.c").rename(copy.parent / "renamed.c")  # the same bytes under another name
+    assert key(copy) != base
+
+
+def test_editing_an_included_header_rebuilds_the_library(tmp_path):
+    main = _unity_source(tmp_path / "src")
+    first = build_library(main, name="libunity")
+    assert first is not None and first.lib.one() == 1
+    (main.parent / "part.h").write_text("#define ONE 2\n")
+    second = build_library(main, name="libunity")
+    assert second is not None and second.path != first.path
+    assert second.lib.one() == 2
+
+
+def test_the_package_ships_every_c_source_and_header_of_the_kernels():
+    """An installed wheel compiles the kernels from its own copy: every .c and .h file the build reads must be
+    package data."""
+    import tomllib  # (Python 3.11+)
+
+    root = Path(SRC).parent
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pdspark"]
+    package = Path(SRC) / "pdspark"
+    files = [p.relative_to(package).as_posix() for p in (package / "hardware" / "cpu").iterdir()
+             if p.suffix in (".c", ".h")]
+    assert {"hardware/cpu/kernels.c", "hardware/cpu/kernels.h", "hardware/cpu/gemm.c"} <= set(files)
+    assert [f for f in files if not any(fnmatch(f, g) for g in globs)] == []
 
 
 def test_a_compiler_that_will_not_say_its_version_still_builds(source, sandbox, monkeypatch):

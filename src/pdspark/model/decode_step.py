@@ -89,7 +89,7 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
         what = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         return f"weight {odd} is {what}, not a contiguous fp32 CPU tensor"
     # The projections as bf16 bits when every one of them holds bf16 numbers (a checkpoint's weights do): the same
-    # arithmetic on half the bytes (`kernels.c`, `gemm_exact_h`). The norms, mixes, sinks and biases stay fp32.
+    # arithmetic on half the bytes (`gemm.c`, `gemm_exact_h`). The norms, mixes, sinks and biases stay fp32.
     halves = {k: cpu_kernels.bf16_copy(v) for k in _PROJECTIONS if (v := checked.get(k)) is not None}
     bf16 = all(v is not None for v in halves.values())
     if bf16:

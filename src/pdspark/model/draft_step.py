@@ -122,7 +122,7 @@ def draft_table(draft: DSparkDraft) -> DraftTable | None:
     else:  # (a quantized main_proj): the context rows keep the module path
         checked_head |= dict.fromkeys(inject, torch.empty(0))
     # The matrices as bf16 bits when every one holds bf16 numbers (a checkpoint's do): `gemm_rows`'s arithmetic on
-    # half the bytes (`kernels.c`, `gemm_rows_h`). The embedding, norms, mixes, sinks and rotary tables stay fp32.
+    # half the bytes (`gemm.c`, `gemm_rows_h`). The embedding, norms, mixes, sinks and rotary tables stay fp32.
     halves = [{k: cpu_kernels.bf16_copy(v) for k, v in w.items() if k in _STAGE_MATRICES and v is not None}
               for w in checked]
     head_halves = {k: cpu_kernels.bf16_copy(v) for k, v in checked_head.items()

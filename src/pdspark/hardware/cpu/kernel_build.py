@@ -1,8 +1,9 @@
 """The CPU kernel library's build: a C source compiled once per machine into a cache, then opened with ctypes.
 
-The cache key covers everything the machine code depends on: the source, the CPU's feature flags (`-march=native`),
-the compile command and the compiler's version. Environment problems (no compiler, a read-only home, a `noexec`
-cache, a failed compile) are logged and answered with None, never raised: callers then take the PyTorch path.
+The cache key covers everything the machine code depends on: the source and every C source and header beside it
+(kernels.c `#include`s its parts), the CPU's feature flags (`-march=native`), the compile command and the compiler's
+version. Environment problems (no compiler, a read-only home, a `noexec` cache, a failed compile) are logged and
+answered with None, never raised: callers then take the PyTorch path.
 `PDSPARK_SANITIZE=1` builds with AddressSanitizer and UBSan (the process must preload the ASan runtime).
 """
 
@@ -56,7 +57,7 @@ def build_library(
     if cc is None:
         return None
     command = [*cc, *flags]
-    key = cache_key(source.read_bytes(), [*command, "-lm"], _compiler_version(cc), _cpu_key())
+    key = cache_key(source_bytes(source), [*command, "-lm"], _compiler_version(cc), _cpu_key())
     path = _cache_dir() / f"{name}_{key}.so"
     if not os.path.isfile(path):  # (isfile: False, not an error, when the cache's parent is not even a directory)
         directory = _writable_dir(path.parent)
@@ -73,6 +74,20 @@ def compile_flags(extra_flags: tuple[str, ...] = ()) -> tuple[str, ...]:
     `PDSPARK_SANITIZE=1`."""
     sanitize = _SANITIZE_FLAGS if os.environ.get("PDSPARK_SANITIZE") == "1" else ()
     return (*_FLAGS, *extra_flags, *sanitize)
+
+
+def source_files(source: Path) -> list[Path]:
+    """What a build of `source` may read: `source`, then every other C source and header in its directory, by name
+    (a unity build `#include`s its parts from beside it; files elsewhere are not looked for)."""
+    parts = sorted((p for p in source.parent.iterdir() if p.suffix in (".c", ".h") and p.is_file() and p != source),
+                   key=lambda p: p.name)
+    return [source, *parts]
+
+
+def source_bytes(source: Path) -> bytes:
+    """The sources as the cache key sees them: each file's name and content (not its directory: a copy elsewhere
+    keys the same), so that an edit to any of them, or a file added or removed, makes a new key."""
+    return repr([(p.name, p.read_bytes()) for p in source_files(source)]).encode()
 
 
 def cache_key(source: bytes, command: Sequence[str], compiler_version: str, cpu: bytes) -> str:

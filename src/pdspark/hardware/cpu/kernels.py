@@ -1,9 +1,10 @@
 """`CpuKernels`: C loops compiled on first use and called through ctypes.
 
-The source is compiled with the system C compiler for the host CPU (`-march=native`) into a per-user cache
-(`kernel_build`: keyed by the source, the CPU's feature flags, the compile command and the compiler's version), once
-per machine. Without a compiler (or with `PDSPARK_NO_C_KERNELS=1`, or a library whose `pdspark_abi` disagrees with
-the slot tuples below) callers fall back to the PyTorch reference path.
+The C source (kernels.c and the parts it includes) is compiled with the system C compiler for the host CPU
+(`-march=native`) into a per-user cache (`kernel_build`: keyed by the sources, the CPU's feature flags, the compile
+command and the compiler's version), once per machine. Without a compiler (or with `PDSPARK_NO_C_KERNELS=1`, or a
+library whose `pdspark_abi` contradicts this file's mirrors of its enums, `ABI_MIRRORS`) callers fall back to the
+PyTorch reference path.
 
 The boundary: the C loops trust the sizes they are given, so every array they index comes from a buffer Python sized
 with the C library's own formulas or limits (`moe_rows_scratch_floats`, `decode_layer_scratch_floats`,
@@ -58,10 +59,10 @@ def load() -> ctypes.CDLL | None:
     lib = built.lib
     lib.pdspark_abi.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.pdspark_abi.restype = ctypes.c_int
-    abi = library_abi(lib)
-    if abi != ABI:
-        logger.error("the kernel library %s disagrees with kernels.py (C %s, Python %s); using the PyTorch path",
-                     built.path, abi, ABI)
+    mismatches = abi_mismatches(library_abi(lib))
+    if mismatches:
+        logger.error("the kernel library %s disagrees with kernels.py: %s; using the PyTorch path", built.path,
+                     "; ".join(mismatches))
         return None
     f = ctypes.c_void_p
     i, fl = ctypes.c_int, ctypes.c_float
@@ -476,7 +477,7 @@ def attn_out_rows(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: t
     return out
 
 
-# The slots of `decode_layer`'s arrays, in the order of the enums in kernels.c.
+# The slots of `decode_layer`'s arrays, in the order of the enums in kernels.h.
 DECODE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base", "ffn_norm",
                   "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "c_ape", "c_norm", "i_wq_b", "i_ape",
                   "i_norm", "moe_in", "w13", "w2", "w2s", "bias", "tid2eid")
@@ -574,7 +575,7 @@ def bf16_copy(w: torch.Tensor) -> torch.Tensor | None:
     return half if torch.equal(half.float(), w) else None
 
 
-# The slots of `draft_block`'s arrays, in the order of the enums in kernels.c: S stages' weights, then the head's.
+# The slots of `draft_block`'s arrays, in the order of the enums in kernels.h: S stages' weights, then the head's.
 DRAFT_STAGE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base",
                        "ffn_norm", "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "gate_up", "down")
 DRAFT_HEAD_WEIGHTS = ("embed", "hc_fn", "hc_scale", "hc_base", "norm", "head", "rope_cos", "rope_sin", "main_proj",
@@ -633,11 +634,28 @@ class KernelArgumentError(ValueError):
     """An argument a C kernel would index out of its bounds (a caller's bug, refused before the call)."""
 
 
-# `pdspark_abi` of a library that matches this file: the slot counts of the arrays above, `decode_index`'s token
-# limit, the layer kinds.
-ABI = (len(DECODE_WEIGHTS), len(DECODE_SIZES), len(DECODE_SCALARS), len(DECODE_STEP), len(DECODE_STEP_SIZES),
-       len(DECODE_POOLS), len(DECODE_LAYOUT), len(DRAFT_STAGE_WEIGHTS), len(DRAFT_HEAD_WEIGHTS), len(DRAFT_SIZES),
-       len(DRAFT_SCALARS), INDEX_MAX_TOKENS, DECODE_SLIDING, DECODE_CSA, DECODE_HCA)
+# Every C enum (and limit) this file mirrors by hand, in the order `pdspark_abi` (kernels.c) reports them: the
+# Python mirror, what it mirrors in kernels.h, and the value this file expects (the slot count of an array above,
+# `decode_index`'s token limit, a layer kind's code).
+ABI_MIRRORS: tuple[tuple[str, str, int], ...] = (
+    ("len(DECODE_WEIGHTS)", "W_COUNT", len(DECODE_WEIGHTS)),
+    ("len(DECODE_SIZES)", "I_COUNT", len(DECODE_SIZES)),
+    ("len(DECODE_SCALARS)", "F_COUNT", len(DECODE_SCALARS)),
+    ("len(DECODE_STEP)", "S_COUNT", len(DECODE_STEP)),
+    ("len(DECODE_STEP_SIZES)", "SI_COUNT", len(DECODE_STEP_SIZES)),
+    ("len(DECODE_POOLS)", "P_COUNT", len(DECODE_POOLS)),
+    ("len(DECODE_LAYOUT)", "L_COUNT", len(DECODE_LAYOUT)),
+    ("len(DRAFT_STAGE_WEIGHTS)", "DW_COUNT", len(DRAFT_STAGE_WEIGHTS)),
+    ("len(DRAFT_HEAD_WEIGHTS)", "DH_COUNT", len(DRAFT_HEAD_WEIGHTS)),
+    ("len(DRAFT_SIZES)", "DI_COUNT", len(DRAFT_SIZES)),
+    ("len(DRAFT_SCALARS)", "DF_COUNT", len(DRAFT_SCALARS)),
+    ("INDEX_MAX_TOKENS", "INDEX_MAX_TOKENS", INDEX_MAX_TOKENS),
+    ("DECODE_SLIDING", "KIND_SLIDING", DECODE_SLIDING),
+    ("DECODE_CSA", "KIND_CSA", DECODE_CSA),
+    ("DECODE_HCA", "KIND_HCA", DECODE_HCA),
+)
+# `pdspark_abi` of a library that matches this file.
+ABI = tuple(value for _, _, value in ABI_MIRRORS)
 
 
 def library_abi(lib: ctypes.CDLL) -> tuple[int, ...]:
@@ -645,6 +663,20 @@ def library_abi(lib: ctypes.CDLL) -> tuple[int, ...]:
     out = (ctypes.c_long * 64)()
     n = lib.pdspark_abi(out, 64)
     return tuple(out[: min(n, 64)])
+
+
+def abi_mismatches(abi: tuple[int, ...]) -> list[str]:
+    """Where the library's `pdspark_abi` contradicts `ABI_MIRRORS`, one line per enum naming both sides (a slot
+    added on one side only would make the C loops read or write the wrong word); empty when they agree."""
+    out = [f"{mirror} is {value} in kernels.py but {c_name} is {got} in the C library"
+           for (mirror, c_name, value), got in zip(ABI_MIRRORS, abi) if got != value]
+    if len(abi) < len(ABI_MIRRORS):
+        missing = ", ".join(c_name for _, c_name, _ in ABI_MIRRORS[len(abi):])
+        out.append(f"the C library reports {len(abi)} values, not {len(ABI_MIRRORS)}: no {missing}")
+    elif len(abi) > len(ABI_MIRRORS):
+        out.append(f"the C library reports {len(abi)} values, {len(abi) - len(ABI_MIRRORS)} more than kernels.py "
+                   f"mirrors ({len(ABI_MIRRORS)})")
+    return out
 
 
 def decode_index(req: torch.Tensor, layout: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor,

@@ -1,0 +1,462 @@
+/* pdspark CPU kernels, ops.c: the per-op kernels Python calls one by one and the layers compose: RMS norm, rope,
+ * the mHC collapse and expand, the lightning indexer's scores and pick, sink attention, the compressor, the
+ * attention output projection and the LM head. */
+#include "kernels.h"
+
+/* out [T, N] = x [T, K] @ w [N, K]^T with `gemm_exact`'s arithmetic: every output row's bits depend on its own
+ * input row only, however many rows come with it (a BLAS GEMM picks other kernels, with other summation orders,
+ * for other row counts). */
+void linear_rows(const float *x, const float *w, int T, int N, int K, float *out) {
+    gemm_exact_w(w, 0, 0, x, K, T, N, K, out, N);
+}
+
+/* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL); input
+ * rows start `stride` floats apart (a column slice of a wider matrix), output rows are packed. */
+void rms_norm(const float *x, long stride, const float *w, int N, int D, float eps, float *out) {
+    for (int n = 0; n < N; n++) {
+        const float *xn = x + (long)n * stride;
+        float *on = out + (long)n * D;
+        const float r = 1.0f / sqrtf(dot(xn, xn, D) / (float)D + eps);
+        if (w == 0)
+            for (int d = 0; d < D; d++) on[d] = xn[d] * r;
+        else
+            for (int d = 0; d < D; d++) on[d] = xn[d] * r * w[d];
+    }
+}
+
+/* Interleaved partial RoPE: out = x with the trailing r channels of each of the T*H rows of length D rotated,
+ * pair (x0, x1) -> (x0*c0 + sign*(x1*s0), x1*c1 + sign*(x0*s1)), where cos/sin [T, r] are the per-channel
+ * tables (sin signed per pair) shared by the H rows of a token and sign = -1 rotates backwards. */
+void rope_rotate(const float *x, const float *cos, const float *sin, int T, int H, int D, int r, float sign,
+                 float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (long)t * r, *s = sin + (long)t * r;
+        for (int h = 0; h < H; h++) {
+            const float *xr = x + ((long)t * H + h) * D;
+            float *o = out + ((long)t * H + h) * D;
+            for (int d = 0; d < D - r; d++) o[d] = xr[d];
+            const float *xp = xr + D - r;
+            float *op = o + D - r;
+            for (int i = 0; i < r; i += 2) {
+                op[i] = xp[i] * c[i] + sign * (xp[i + 1] * s[i]);
+                op[i + 1] = xp[i + 1] * c[i + 1] + sign * (xp[i] * s[i + 1]);
+            }
+        }
+    }
+}
+
+/* mHC weights of one token from its mixes m [(2+hc)*hc] = pre | post | comb logits (before scale and base):
+ *   pre [hc] = sigmoid(m*s0 + b) + eps; post [hc] = 2*sigmoid(m*s1 + b)
+ *   comb [hc, hc] = row softmax(m*s2 + b) + eps, column-normalised, then (iters-1) row+column rounds,
+ *   each normalisation dividing by (sum + eps). */
+static void mhc_weights(const float *m, const float *scale, const float *base, int hc, int iters, float eps,
+                        float *pre, float *post, float *c) {
+    for (int i = 0; i < hc; i++) {
+        pre[i] = sigmoidf(m[i] * scale[0] + base[i]) + eps;
+        post[i] = 2.0f * sigmoidf(m[hc + i] * scale[1] + base[hc + i]);
+    }
+    for (int i = 0; i < hc; i++) {
+        float *row = c + i * hc;
+        float mx = -INFINITY;
+        for (int j = 0; j < hc; j++) {
+            row[j] = m[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
+            if (row[j] > mx) mx = row[j];
+        }
+        float s = 0.0f;
+        for (int j = 0; j < hc; j++) {
+            row[j] = expf(row[j] - mx);
+            s += row[j];
+        }
+        for (int j = 0; j < hc; j++) row[j] = row[j] / s + eps;
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) { /* row normalisation (the first round starts with columns) */
+            for (int i = 0; i < hc; i++) {
+                float s = 0.0f;
+                for (int j = 0; j < hc; j++) s += c[i * hc + j];
+                for (int j = 0; j < hc; j++) c[i * hc + j] /= (s + eps);
+            }
+        }
+        for (int j = 0; j < hc; j++) {
+            float s = 0.0f;
+            for (int i = 0; i < hc; i++) s += c[i * hc + j];
+            for (int i = 0; i < hc; i++) c[i * hc + j] /= (s + eps);
+        }
+    }
+}
+
+/* The collapse of one token's streams given its mixes: mHC weights, then x [D] = sum_i pre[i] * h[i, :]. */
+static void collapse_token(const float *ht, const float *mixes, const float *scale, const float *base, int hc, int D,
+                           int iters, float eps, float *xt, float *pt, float *post, float *comb) {
+    mhc_weights(mixes, scale, base, hc, iters, eps, pt, post, comb);
+    for (int d = 0; d < D; d++) xt[d] = pt[0] * ht[d];
+    for (int i = 1; i < hc; i++)
+        for (int d = 0; d < D; d++) xt[d] += pt[i] * ht[i * D + d];
+}
+
+/* The whole collapse of the mHC streams for a few tokens: h [T, hc, D] ->
+ *   flat = h[t] * rsqrt(mean(h[t]^2) + norm_eps) over the hc*D values; mixes = fn [M, hc*D] @ flat;
+ *   (pre, post, comb) from the mixes; x [T, D] = sum_i pre[i] * h[t, i, :], then RMS-normalised with the
+ *   sublayer's norm weight x_norm_w when given (NULL: x as collapsed).
+ * The mixes of all T rows come from one `gemm_exact_w` (each row's bits as its own GEMV's; the rows share the reads
+ * of fn, in pairs and with the helper thread). scratch holds T * (hc*D + M) floats. */
+void hc_collapse(const float *h, const float *fn, const float *scale, const float *base, int T, int hc, int D,
+                 int iters, float eps, float norm_eps, float *scratch, float *x, float *pre, float *post,
+                 float *comb, const float *x_norm_w, float x_norm_eps) {
+    const int N = hc * D, M = (2 + hc) * hc;
+    float *flat = scratch, *mixes = scratch + (long)T * N;
+    for (int t = 0; t < T; t++) {
+        const float *ht = h + (long)t * N;
+        const float r = 1.0f / sqrtf(dot(ht, ht, N) / (float)N + norm_eps);
+        for (int k = 0; k < N; k++) flat[(long)t * N + k] = ht[k] * r;
+    }
+    gemm_exact_w(fn, 0, 0, flat, N, T, M, N, mixes, M);
+    for (int t = 0; t < T; t++) {
+        collapse_token(h + (long)t * N, mixes + (long)t * M, scale, base, hc, D, iters, eps, x + (long)t * D,
+                       pre + (long)t * hc, post + (long)t * hc, comb + (long)t * hc * hc);
+        if (x_norm_w != 0) rms_norm(x + (long)t * D, D, x_norm_w, 1, D, x_norm_eps, x + (long)t * D);
+    }
+}
+
+/* The same collapse with the mixes [T, (2+hc)*hc] computed by the caller (long chunks: a BLAS matmul). */
+void hc_collapse_mixed(const float *h, const float *mixes, const float *scale, const float *base, int T, int hc,
+                       int D, int iters, float eps, float *x, float *pre, float *post, float *comb) {
+    const int M = (2 + hc) * hc;
+    for (int t = 0; t < T; t++)
+        collapse_token(h + (long)t * hc * D, mixes + (long)t * M, scale, base, hc, D, iters, eps, x + (long)t * D,
+                       pre + (long)t * hc, post + (long)t * hc, comb + (long)t * hc * hc);
+}
+
+/* Write a sublayer's output back into the streams: out[t, i, :] = post[t, i] * y[t, :] + sum_j comb[t, j, i] *
+ * res[t, j, :] (the mix summed first, in j order, as the reference's matmul does).
+ * y [T, D], res and out [T, hc, D], post [T, hc], comb [T, hc, hc]. */
+void hc_expand(const float *y, const float *res, const float *post, const float *comb, int T, int hc, int D,
+               float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *yt = y + (long)t * D, *rt = res + (long)t * hc * D, *ct = comb + (long)t * hc * hc;
+        for (int i = 0; i < hc; i++) {
+            float *o = out + ((long)t * hc + i) * D;
+            const float p = post[(long)t * hc + i];
+            for (int d = 0; d < D; d++) o[d] = ct[i] * rt[d];
+            for (int j = 1; j < hc; j++) {
+                const float c = ct[j * hc + i];
+                for (int d = 0; d < D; d++) o[d] += c * rt[j * D + d];
+            }
+            for (int d = 0; d < D; d++) o[d] = p * yt[d] + o[d];
+        }
+    }
+}
+
+/* Eight float lanes (GCC/Clang vector extension): element-wise IEEE mul/add, no contraction (-ffp-contract=off). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+
+static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* Lightning-indexer scores: out[t, g] = sum_h relu(q[t, h, :] . k_t[g, :]) * scale * w[t, h], for T queries of
+ * H heads (q [T, H, D], w [T, H]) against V keys each (k_t = k + t * kstride, [V, D]; kstride 0: the queries share
+ * their keys). Every dot product is a plain sum in channel order (no partial sums) and the heads are summed in
+ * order, so a score does not depend on T, V, kstride or the vector width: the prefill and decode paths pick the
+ * same entries. Vector lanes run over entries (32 at a time, four independent accumulators), not channels, with
+ * each block of keys transposed channel-major once per block (once for all queries when they share the keys).
+ * relu is `x > 0 ? x : +0`. out [T, V]. */
+static void index_scores_from(const float *q, const float *w, const float *k, long kstride, const long *rows,
+                              long row_stride, int T, int H, int V, int D, float scale, float *out) {
+    enum { NV = 4, NB = 8 * NV };
+    v8f kt[D * NV]; /* [D, NB]: one block of keys, channel-major */
+    const v8f zero = splat(0.0f), vscale = splat(scale);
+    for (int g0 = 0; g0 < V; g0 += NB) {
+        const int m = V - g0 < NB ? V - g0 : NB;
+        for (int t = 0; t < T; t++) {
+            if (t == 0 || kstride != 0 || rows != 0) {
+                const float *kb = k + (long)t * kstride + (long)g0 * D;
+                for (int l = 0; l < NB; l++) {
+                    const float *kl = rows == 0 ? kb + (long)l * D
+                                                : k + rows[(long)t * V + g0 + (l < m ? l : 0)] * row_stride;
+                    for (int d = 0; d < D; d++) kt[d * NV + l / 8][l % 8] = l < m ? kl[d] : 0.0f;
+                }
+            }
+            v8f o[NV];
+            for (int i = 0; i < NV; i++) o[i] = zero;
+            for (int h = 0; h < H; h++) {
+                const float *qh = q + ((long)t * H + h) * D;
+                const v8f wh = splat(w[(long)t * H + h]);
+                v8f acc[NV];
+                for (int i = 0; i < NV; i++) acc[i] = zero;
+                for (int d = 0; d < D; d++) {
+                    const v8f qd = splat(qh[d]);
+                    for (int i = 0; i < NV; i++) acc[i] = acc[i] + qd * kt[d * NV + i];
+                }
+                for (int i = 0; i < NV; i++) {
+                    const v8f r = (v8f)((v8i)(acc[i] > zero) & (v8i)acc[i]);
+                    o[i] = o[i] + r * vscale * wh;
+                }
+            }
+            float *ot = out + (long)t * V + g0;
+            for (int l = 0; l < m; l++) ot[l] = o[l / 8][l % 8];
+        }
+    }
+}
+
+void index_scores(const float *q, const float *w, const float *k, long kstride, int T, int H, int V, int D,
+                  float scale, float *out) {
+    index_scores_from(q, w, k, kstride, 0, 0, T, H, V, D, scale, out);
+}
+
+/* The k-th largest of n floats (quickselect over a scratch copy `a`, which it reorders). */
+static float kth_largest(float *a, int n, int k) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const float pivot = a[(lo + hi) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) { const float tmp = a[i]; a[i] = a[j]; a[j] = tmp; i++; j--; }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
+    return a[k - 1];
+}
+
+/* The lightning indexer's pick for a few decode/verify tokens, keys read in place from the pool (rows `row_stride`
+ * floats apart): the scores of `index_scores` (the same bits) against each token's rows [T, V], then the top `topk`
+ * among its valid entries by the tie rule (higher score first, equal scores: lower entry first).
+ * picked [T, V] (bytes) = valid and among the top. scratch holds 2 * V floats. */
+void index_pick(const float *q, const float *w, const float *k, long row_stride, const long *rows,
+                const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
+                unsigned char *picked) {
+    float *sc = scratch, *tmp = scratch + V;
+    for (int t = 0; t < T; t++) {
+        index_scores_from(q + (long)t * H * D, w + (long)t * H, k, 0, rows + (long)t * V, row_stride, 1, H, V, D,
+                          scale, sc);
+        const unsigned char *ok = valid + (long)t * V;
+        unsigned char *pk = picked + (long)t * V;
+        int n = 0;
+        for (int g = 0; g < V; g++)
+            if (ok[g]) tmp[n++] = sc[g];
+        if (n <= topk) {
+            for (int g = 0; g < V; g++) pk[g] = ok[g];
+            continue;
+        }
+        const float kth = kth_largest(tmp, n, topk);
+        int above = 0;
+        for (int g = 0; g < V; g++) above += ok[g] && sc[g] > kth;
+        int ties = topk - above; /* equal to the k-th score: the lowest entries first */
+        for (int g = 0; g < V; g++) {
+            pk[g] = ok[g] && (sc[g] > kth || (sc[g] == kth && ties-- > 0));
+        }
+    }
+}
+
+/* ---- decode-step kernels: a few tokens, many tiny ops in PyTorch ------------------------------------------------ */
+
+/* Sink attention of a few tokens straight from the pools (no gathered copies): token t's H query heads
+ * q [T, H, d] attend to the K=V rows swa[win_rows[t, :W]] (where win_valid) and comp[comp_rows[t, :V]] (where
+ * comp_valid; comp may be NULL with V = 0; pool rows `*_stride` floats apart), plus one sink logit per head that
+ * takes mass but adds no value:
+ *   s_k = (q . kv_k) * scale; p = softmax([s, sink[h]]); out[t, h] = sum_k p_k kv_k (keys in window-then-comp order).
+ * scratch holds H * (W + V) floats. out [T, H, d]. */
+void sink_attend(const float *q, const float *swa, long swa_stride, const long *win_rows,
+                 const unsigned char *win_valid, int W, const float *comp, long comp_stride, const long *comp_rows,
+                 const unsigned char *comp_valid, int V, const float *sink, float scale, int T, int H, int d,
+                 float *scratch, float *out) {
+    const int K = W + V;
+    for (int t = 0; t < T; t++) {
+        const float *qt = q + (long)t * H * d;
+        /* scores [H, K]: each key row read once for every head */
+        for (int j = 0; j < K; j++) {
+            const int win = j < W;
+            const long idx = (long)t * (win ? W : V) + (win ? j : j - W);
+            if (!(win ? win_valid[idx] : comp_valid[idx])) {
+                for (int h = 0; h < H; h++) scratch[(long)h * K + j] = -INFINITY;
+                continue;
+            }
+            const float *kv = win ? swa + win_rows[idx] * swa_stride : comp + comp_rows[idx] * comp_stride;
+            int h = 0;
+            float s4[4];
+            for (; h + 4 <= H; h += 4) {
+                dot4(qt + (long)h * d, qt + (long)(h + 1) * d, qt + (long)(h + 2) * d, qt + (long)(h + 3) * d, kv,
+                     d, s4);
+                for (int i = 0; i < 4; i++) scratch[(long)(h + i) * K + j] = s4[i] * scale;
+            }
+            for (; h < H; h++) scratch[(long)h * K + j] = dot(qt + (long)h * d, kv, d) * scale;
+        }
+        for (int h = 0; h < H; h++) {
+            float *sc = scratch + (long)h * K, *oh = out + ((long)t * H + h) * d;
+            float m = sink[h];
+            for (int j = 0; j < K; j++)
+                if (sc[j] > m) m = sc[j];
+            float z = expf(sink[h] - m);
+            for (int j = 0; j < K; j++) {
+                sc[j] = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - m);
+                z += sc[j];
+            }
+            for (int c = 0; c < d; c++) oh[c] = 0.0f;
+            for (int j = 0; j < K; j++) {
+                if (sc[j] == 0.0f) continue;
+                const int win = j < W;
+                const long idx = (long)t * (win ? W : V) + (win ? j : j - W);
+                const float *kv = win ? swa + win_rows[idx] * swa_stride : comp + comp_rows[idx] * comp_stride;
+                const float p = sc[j] / z;
+                for (int c = 0; c < d; c++) oh[c] += p * kv[c];
+            }
+        }
+    }
+}
+
+static void attend_job_fn(void *arg) {
+    const attend_job *a = (const attend_job *)arg;
+    sink_attend(a->q, a->swa, a->swa_stride, a->win_rows, a->win_valid, a->W, a->comp, a->comp_stride, a->comp_rows,
+                a->comp_valid, a->V, a->sink, a->scale, a->T, a->H, a->d, a->scratch, a->out);
+}
+
+/* `sink_attend` of a verify step's rows, the last half offered to the helper thread (each row's arithmetic
+ * unchanged); `scratch2` holds the helper's H*(W+V) floats. */
+static void sink_attend_rows(attend_job a, float *scratch2) {
+    const int half = a.T / 2;
+    if (pool.threads < 2 || half == 0 || !pool_take()) {
+        attend_job_fn(&a);
+        return;
+    }
+    attend_job b = a;
+    const long hd = (long)half * a.H * a.d;
+    b.q += hd;
+    b.out += hd;
+    b.win_rows += (long)half * a.W;
+    b.win_valid += (long)half * a.W;
+    if (a.V > 0) {
+        b.comp_rows += (long)half * a.V;
+        b.comp_valid += (long)half * a.V;
+    }
+    b.T = a.T - half;
+    b.scratch = scratch2;
+    a.T = half;
+    pool_split(attend_job_fn, &b, attend_job_fn, &a);
+}
+
+/* One compressor's step (`model.compressor.Compressor.run`) in one call. w = coff * dim (coff 2 with overlap).
+ *   rows [T, 2w] = proj (rows `pstride` apart) with ape[pos % ratio] added to the score half: [kv | score];
+ *   each closing group g pools its `span` source rows (use_cur: rows[cur_rows], else state[hist_rows]); with overlap
+ *   source row s < ratio reads channels [0, dim) and the others [dim, 2 dim); per channel a softmax of the scores
+ *   over the rows weights the kv values (summed in row order); the entry is RMS-normalised (times norm_w) and
+ *   rotated at gpos (tables [max_len, r]) into pool[out_rows[g]] (rows of `dim`);
+ *   then state[write_rows[n]] = rows[write_tokens[n]] (after the groups: writes may reuse rows they read).
+ * state and pool rows are `*_stride` floats apart. scratch holds 3 * dim floats. */
+void compressor_run(const float *proj, long pstride, const long *positions, int T, const float *ape, int ratio,
+                    int dim, int overlap, int G, const long *out_rows, const long *gpos, const unsigned char *use_cur,
+                    const long *cur_rows, const long *hist_rows, int N, const long *write_tokens,
+                    const long *write_rows, const float *norm_w, float eps, const float *cos_table,
+                    const float *sin_table, int r, float *rows, float *state, long state_stride, float *pool,
+                    long pool_stride, float *scratch) {
+    const int w = (overlap ? 2 : 1) * dim, span = (overlap ? 2 : 1) * ratio;
+    for (int t = 0; t < T; t++) {
+        const float *p = proj + (long)t * pstride, *a = ape + (positions[t] % ratio) * w;
+        float *o = rows + (long)t * 2 * w;
+        for (int c = 0; c < w; c++) o[c] = p[c];
+        for (int c = 0; c < w; c++) o[w + c] = p[w + c] + a[c];
+    }
+    float *mx = scratch, *z = scratch + dim, *pooled = scratch + 2 * dim;
+    for (int g = 0; g < G; g++) {
+        const long base = (long)g * span;
+        for (int pass = 0; pass < 3; pass++) {
+            for (int c = 0; c < dim; c++) {
+                if (pass == 0) mx[c] = -INFINITY;
+                if (pass == 1) z[c] = 0.0f;
+                if (pass == 2) pooled[c] = 0.0f;
+            }
+            for (int s = 0; s < span; s++) {
+                const float *src = use_cur[base + s] ? rows + cur_rows[base + s] * 2 * w
+                                                  : state + hist_rows[base + s] * state_stride;
+                const int off = overlap && s >= ratio ? dim : 0;
+                const float *kv = src + off, *sc = src + w + off;
+                for (int c = 0; c < dim; c++) {
+                    if (pass == 0) mx[c] = sc[c] > mx[c] ? sc[c] : mx[c];
+                    else if (pass == 1) z[c] += expf(sc[c] - mx[c]);
+                    else pooled[c] += kv[c] * (expf(sc[c] - mx[c]) / z[c]);
+                }
+            }
+        }
+        float *entry = pool + out_rows[g] * pool_stride;
+        rms_norm(pooled, dim, norm_w, 1, dim, eps, pooled);
+        rope_rotate(pooled, cos_table + gpos[g] * r, sin_table + gpos[g] * r, 1, 1, dim, r, 1.0f, entry);
+    }
+    for (int n = 0; n < N; n++) {
+        const float *src = rows + write_tokens[n] * 2 * w;
+        float *dst = state + write_rows[n] * state_stride;
+        for (int c = 0; c < 2 * w; c++) dst[c] = src[c];
+    }
+}
+
+/* RMS normalisation (times w when not NULL) then rotation of the trailing r channels, for N rows of D channels:
+ * row n = token n / H (its rope tables cos/sin [r] at cos + (n / H) * r), read `x_stride` floats apart; written
+ * packed into out (out_rows NULL) or to out + out_rows[n] * out_stride (a pool's rows). scratch holds D floats. */
+void norm_rope(const float *x, long x_stride, const float *w, int N, int H, int D, float eps, const float *cos,
+               const float *sin, int r, float *out, const long *out_rows, long out_stride, float *scratch) {
+    for (int n = 0; n < N; n++) {
+        rms_norm(x + (long)n * x_stride, D, w, 1, D, eps, scratch);
+        float *o = out_rows == 0 ? out + (long)n * D : out + out_rows[n] * out_stride;
+        rope_rotate(scratch, cos + (long)(n / H) * r, sin + (long)(n / H) * r, 1, 1, D, r, 1.0f, o);
+    }
+}
+
+/* The attention output projection of a few tokens: o [T, H, d] rotated back by -position (tables [T, r]), the
+ * grouped low-rank projection (head group g's H*d/G channels through wo_a rows [g*L, (g+1)*L)) and wo_b [Dm, G*L]:
+ *   out [T, Dm] = wo_b @ concat_g(wo_a_g @ unrotate(o)_g). scratch holds H*d + G*L floats. */
+void attn_out(const float *o, const float *cos, const float *sin, int T, int H, int d, int r, const float *wo_a,
+              int G, int L, const float *wo_b, int Dm, float *scratch, float *out) {
+    const int C = H * d / G;
+    float *un = scratch, *mid = scratch + H * d;
+    for (int t = 0; t < T; t++) {
+        rope_rotate(o + (long)t * H * d, cos + (long)t * r, sin + (long)t * r, 1, H, d, r, -1.0f, un);
+        for (int g = 0; g < G; g++) gemv(wo_a + (long)g * L * C, un + (long)g * C, L, C, mid + g * L);
+        gemv(wo_b, mid, Dm, G * L, out + (long)t * Dm);
+    }
+}
+
+/* `attn_out` with the rows sharing each weight read (`gemm_exact`; the same bits): every token unrotated first,
+ * then each group's wo_a and wo_b over all T rows. scratch holds T * (H*d + G*L) floats. */
+static void attn_out_rows_w(const float *o, const float *cos, const float *sin, int T, int H, int d, int r,
+                            const void *wo_a, int G, int L, const void *wo_b, int Dm, int bf, float *scratch,
+                            float *out) {
+    const int C = H * d / G;
+    float *un = scratch, *mid = scratch + (long)T * H * d;
+    for (int t = 0; t < T; t++)
+        rope_rotate(o + (long)t * H * d, cos + (long)t * r, sin + (long)t * r, 1, H, d, r, -1.0f,
+                    un + (long)t * H * d);
+    for (int g = 0; g < G; g++)
+        gemm_exact_w(wo_a, (long)g * L * C, bf, un + (long)g * C, H * d, T, L, C, mid + g * L, (long)G * L);
+    gemm_exact_w(wo_b, 0, bf, mid, (long)G * L, T, Dm, G * L, out, Dm);
+}
+
+void attn_out_rows(const float *o, const float *cos, const float *sin, int T, int H, int d, int r, const float *wo_a,
+                   int G, int L, const float *wo_b, int Dm, float *scratch, float *out) {
+    attn_out_rows_w(o, cos, sin, T, H, d, r, wo_a, G, L, wo_b, Dm, 0, scratch, out);
+}
+
+/* The model's head for a few rows: the final mHC collapse (`HyperHead`: no Sinkhorn), the final RMSNorm and the
+ * LM head (fp32, or bf16 bits when head_bf16). Per row of streams h [N, hc, D]: flat = h * rsqrt(mean(h^2) +
+ * norm_eps); pre_i = sigmoid(fn_i . flat * scale + base_i) + hc_eps; y = sum_i pre_i h_i (in stream order);
+ * y = rms_norm(y) * norm_w; out [N, V] = head @ y.
+ * scratch holds hc*D + N*D floats. */
+void lm_head(const float *h, int N, int hc, int D, const float *fn, const float *scale, const float *base,
+             float hc_eps, float norm_eps, const float *norm_w, float eps, const void *head, int V, int head_bf16,
+             float *scratch, float *out) {
+    const int HD = hc * D;
+    float *flat = scratch, *ys = scratch + HD;
+    for (int n = 0; n < N; n++) {
+        const float *hn = h + (long)n * HD;
+        float *y = ys + (long)n * D;
+        const float r = 1.0f / sqrtf(dot(hn, hn, HD) / (float)HD + norm_eps);
+        for (int k = 0; k < HD; k++) flat[k] = hn[k] * r;
+        for (int d = 0; d < D; d++) y[d] = 0.0f;
+        for (int i = 0; i < hc; i++) {
+            const float pre = sigmoidf(dot(fn + (long)i * HD, flat, HD) * scale[0] + base[i]) + hc_eps;
+            for (int d = 0; d < D; d++) y[d] = i == 0 ? pre * hn[d] : y[d] + pre * hn[i * D + d];
+        }
+        rms_norm(y, D, norm_w, 1, D, eps, y);
+    }
+    gemm_exact_w(head, 0, head_bf16, ys, D, N, V, D, out, V); /* the rows share each read of the head */
+}
