@@ -9,6 +9,7 @@ import torch
 from conftest import MIXED
 from helpers import make_llm
 from pdspark.engine.forward_batch import Chunk, build_forward_batch, index_layout, index_request, logits_rows
+from pdspark.hardware.cpu import kernel_abi
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.batch import CompressPlan
 from pdspark.model.decode_step import MAX_TOKENS
@@ -32,8 +33,8 @@ CASES = [
 
 def _views(step: torch.Tensor, sizes: torch.Tensor) -> dict[str, np.ndarray]:
     """The arrays behind the step table, cut to this step's sizes."""
-    si = dict(zip(cpu_kernels.DECODE_STEP_SIZES, sizes.tolist()))
-    ptr = dict(zip(cpu_kernels.DECODE_STEP, step.tolist()))
+    si = dict(zip(kernel_abi.DECODE_STEP_SIZES, sizes.tolist()))
+    ptr = dict(zip(kernel_abi.DECODE_STEP, step.tolist()))
     T, W, r = si["tokens"], si["window"], si["rope_dim"]
 
     def arr(name: str, n: int, dtype) -> np.ndarray:

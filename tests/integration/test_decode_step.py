@@ -38,6 +38,7 @@ def test_bf16_weights_give_the_fp32_kernels_bits_on_the_shipped_checkpoint():
     """dsv4-tiny's weights are bf16 numbers (its checkpoint's dtype): the C path reads its projections and head as
     bf16 bits, and every logprob equals, bit for bit, the same C path over the fp32 weights (and the tokens the
     module path's). Decode steps of 1 and 3 tokens, and DSpark verify steps."""
+    from pdspark.hardware.cpu import kernel_abi
     from pdspark.hardware.cpu import kernels as cpu_kernels
     from pdspark.model.decode_step import DecodeStep
 
@@ -45,7 +46,7 @@ def test_bf16_weights_give_the_fp32_kernels_bits_on_the_shipped_checkpoint():
         llm = make_llm("dsv4-tiny", speculative=speculative)
         model = llm.engine.runner.model
         halves = model._decode_step
-        assert all(int(t.sizes[cpu_kernels.DECODE_SIZES.index("bf16")]) == 1 for t in halves.tables)
+        assert all(int(t.sizes[kernel_abi.DECODE_SIZES.index("bf16")]) == 1 for t in halves.tables)
         assert model._head_bf16 is not None
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(cpu_kernels, "bf16_copy", lambda w: None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdspark.hardware.cpu import kernels
+from pdspark.hardware.cpu import kernel_abi, kernels
 from pdspark.model.hyper_connection import HyperConnection
 
 
@@ -453,7 +453,7 @@ def test_the_library_and_python_agree_on_every_slot_count_and_limit():
     only would read the wrong word); this is the check it makes."""
     lib = kernels.load()
     assert lib is not None
-    assert kernels.library_abi(lib) == kernels.ABI
+    assert kernel_abi.library_abi(lib) == kernel_abi.ABI
 
 
 class _FakeAbi:
@@ -469,20 +469,20 @@ class _FakeAbi:
 
 
 def _abi_with(c_name: str, value: int) -> tuple[int, ...]:
-    """`kernels.ABI` with the entry of the C enum or limit `c_name` set to `value`."""
-    i = [c for _, c, _ in kernels.ABI_MIRRORS].index(c_name)
-    return (*kernels.ABI[:i], value, *kernels.ABI[i + 1:])
+    """`kernel_abi.ABI` with the entry of the C enum or limit `c_name` set to `value`."""
+    i = [c for _, c, _ in kernel_abi.ABI_MIRRORS].index(c_name)
+    return (*kernel_abi.ABI[:i], value, *kernel_abi.ABI[i + 1:])
 
 
-_W, _LIMIT = len(kernels.DECODE_WEIGHTS), kernels.INDEX_MAX_TOKENS
+_W, _LIMIT = len(kernel_abi.DECODE_WEIGHTS), kernel_abi.INDEX_MAX_TOKENS
 
 
 @pytest.mark.parametrize("abi, named", [
-    (_abi_with("W_COUNT", _W + 1), f"len(DECODE_WEIGHTS) is {_W} in kernels.py but W_COUNT is {_W + 1}"),
-    (_abi_with("INDEX_MAX_TOKENS", 32), f"INDEX_MAX_TOKENS is {_LIMIT} in kernels.py but INDEX_MAX_TOKENS is 32"),
-    (_abi_with("KIND_CSA", 2), f"DECODE_CSA is {kernels.DECODE_CSA} in kernels.py but KIND_CSA is 2"),
-    (kernels.ABI[:-1], "no KIND_HCA"),
-    ((*kernels.ABI, 7), "1 more than kernels.py mirrors"),
+    (_abi_with("W_COUNT", _W + 1), f"len(DECODE_WEIGHTS) is {_W} in kernel_abi.py but W_COUNT is {_W + 1}"),
+    (_abi_with("INDEX_MAX_TOKENS", 32), f"INDEX_MAX_TOKENS is {_LIMIT} in kernel_abi.py but INDEX_MAX_TOKENS is 32"),
+    (_abi_with("KIND_CSA", 2), f"DECODE_CSA is {kernel_abi.DECODE_CSA} in kernel_abi.py but KIND_CSA is 2"),
+    (kernel_abi.ABI[:-1], "no KIND_HCA"),
+    ((*kernel_abi.ABI, 7), "1 more than kernel_abi.py mirrors"),
 ])
 def test_a_library_whose_enums_differ_is_refused_naming_the_enum(monkeypatch, caplog, abi, named):
     """A slot added to one side only: `load()` refuses the library (the PyTorch path runs) and its error names the
@@ -495,13 +495,13 @@ def test_a_library_whose_enums_differ_is_refused_naming_the_enum(monkeypatch, ca
     with caplog.at_level(logging.ERROR, logger=kernels.__name__):
         assert kernels.load.__wrapped__() is None
     assert named in caplog.text and "PyTorch path" in caplog.text
-    assert kernels.abi_mismatches(abi) and kernels.abi_mismatches(kernels.ABI) == []
+    assert kernel_abi.abi_mismatches(abi) and kernel_abi.abi_mismatches(kernel_abi.ABI) == []
 
 
 def _index_arrays():
-    layout = torch.zeros(len(kernels.DECODE_LAYOUT), dtype=torch.int64)
-    step = torch.zeros(len(kernels.DECODE_STEP), dtype=torch.int64)
-    return layout, step, torch.zeros(len(kernels.DECODE_STEP_SIZES), dtype=torch.int32)
+    layout = torch.zeros(len(kernel_abi.DECODE_LAYOUT), dtype=torch.int64)
+    step = torch.zeros(len(kernel_abi.DECODE_STEP), dtype=torch.int64)
+    return layout, step, torch.zeros(len(kernel_abi.DECODE_STEP_SIZES), dtype=torch.int32)
 
 
 @pytest.mark.parametrize("req, why", [

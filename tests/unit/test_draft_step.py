@@ -11,6 +11,7 @@ from test_dspark_prepared import random_draft  # (the random dense / MoE drafts 
 
 from pdspark import LLM, SamplingParams
 from pdspark.assets import resolve_model
+from pdspark.hardware.cpu import kernel_abi
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.draft_step import DraftStep
 
@@ -112,7 +113,7 @@ def test_a_draft_of_bf16_numbers_reads_them_as_bf16_with_the_fp32_tables_bits(mo
         m.setattr(cpu_kernels, "bf16_copy", lambda w: None)
         full = DraftStep.build(draft)
     assert halves is not None and full is not None
-    flag = cpu_kernels.DRAFT_SIZES.index("bf16")
+    flag = kernel_abi.DRAFT_SIZES.index("bf16")
     assert int(halves.table.sizes[flag]) == 1 and int(full.table.sizes[flag]) == 0
     g = torch.Generator().manual_seed(4)
     W = draft.cfg.sliding_window

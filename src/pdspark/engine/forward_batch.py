@@ -97,7 +97,7 @@ def build_forward_batch(chunks: list[Chunk], kv: KVCache) -> ForwardBatch:
 
 
 def index_layout(kv: KVCache) -> tuple[int, ...]:
-    """The cache's part of the C index builder's layout (`kernels.DECODE_LAYOUT` up to the rotary tables): the page
+    """The cache's part of the C index builder's layout (`kernel_abi.DECODE_LAYOUT` up to the rotary tables): the page
     tables' pointers and row strides, the geometry and the dummy rows `build_forward_batch` uses. The tables are
     never reallocated, so this holds for the cache's lifetime."""
     t, m, s, p = kv.host_tables(), kv.model, kv.sizes, kv.pools

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdspark.hardware.cpu import kernel_abi
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.attention import Attention
 from pdspark.model.batch import CompressPlan, ForwardBatch, LayerCaches
@@ -38,7 +39,7 @@ class IndexedOutput(NamedTuple):
 
 
 class LayerTable(NamedTuple):
-    """One layer's arrays for `decode_layer`, in the slots of `kernels.DECODE_WEIGHTS/SIZES/SCALARS`."""
+    """One layer's arrays for `decode_layer`, in the slots of `kernel_abi.DECODE_WEIGHTS/SIZES/SCALARS`."""
 
     weights: torch.Tensor  # [len(DECODE_WEIGHTS)] int64 data pointers (0: absent)
     sizes: torch.Tensor  # int32
@@ -100,8 +101,8 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
             return f"tid2eid is {tid2eid.dtype} on {tid2eid.device}, not contiguous int64 on the CPU"
         checked["tid2eid"] = tid2eid
     weights = [0 if checked.get(n) is None else checked[n].data_ptr()  # type: ignore[union-attr]
-               for n in cpu_kernels.DECODE_WEIGHTS]
-    kind = {CSA: cpu_kernels.DECODE_CSA, HCA: cpu_kernels.DECODE_HCA}.get(attn.layer_type, cpu_kernels.DECODE_SLIDING)
+               for n in kernel_abi.DECODE_WEIGHTS]
+    kind = {CSA: kernel_abi.DECODE_CSA, HCA: kernel_abi.DECODE_HCA}.get(attn.layer_type, kernel_abi.DECODE_SLIDING)
     comp = attn.compressor
     idx = attn.indexer
     sizes = {
@@ -125,8 +126,8 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
         return "the attention and FFN hyper-connections have different epsilons"
     return LayerTable(
         torch.tensor(weights, dtype=torch.int64),
-        torch.tensor([sizes[n] for n in cpu_kernels.DECODE_SIZES], dtype=torch.int32),
-        torch.tensor([scalars[n] for n in cpu_kernels.DECODE_SCALARS], dtype=torch.float32),
+        torch.tensor([sizes[n] for n in kernel_abi.DECODE_SIZES], dtype=torch.int32),
+        torch.tensor([scalars[n] for n in kernel_abi.DECODE_SCALARS], dtype=torch.float32),
         tuple(v for v in checked.values() if v is not None),
     )
 
@@ -175,7 +176,7 @@ class DecodeStep:
     def step_table(self, batch: ForwardBatch, rope_compress: RotaryTable,
                    main_at: tuple[torch.Tensor, torch.Tensor], comp_at: tuple[torch.Tensor, torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's pointer and size arrays (`kernels.DECODE_STEP/STEP_SIZES`), shared by every layer."""
+        """The step's pointer and size arrays (`kernel_abi.DECODE_STEP/STEP_SIZES`), shared by every layer."""
         csa, hca = batch.csa, batch.hca
         ptrs = [batch.positions.data_ptr(), batch.input_ids.data_ptr(), batch.swa_slots.data_ptr(),
                 batch.window.rows.data_ptr(), batch.window.valid.data_ptr(),
@@ -202,7 +203,7 @@ class DecodeStep:
         return max(cpu_kernels.decode_layer_scratch_floats(t.sizes, T, V, W) for t in self.tables)
 
     def pool_tables(self, pools: LayerCaches) -> list[torch.Tensor] | None:
-        """Each layer's pool pointers and row strides (`kernels.DECODE_POOLS`), or None where the pools are not fp32
+        """Each layer's pool pointers and row strides (`kernel_abi.DECODE_POOLS`), or None where the pools are not fp32
         row-major CPU tensors. Cached: the pools never move, and layer 0's views identify them."""
         first = self._pool_pointers(pools, 0)
         if first is None:
@@ -242,7 +243,7 @@ class DecodeStep:
         of buffers the next step reuses; None where the pools or tables are not what the C loops read.
 
         `req`: `[n, (slot, start, length) per chunk, every chunk's token ids]`; `cache_layout`: the cache's part of
-        `kernels.DECODE_LAYOUT` (everything before the rotary tables); `ropes`: the sliding and compressed tables.
+        `kernel_abi.DECODE_LAYOUT` (everything before the rotary tables); `ropes`: the sliding and compressed tables.
         The same indices as `build_forward_batch` (`kernels.decode_index`), without a `ForwardBatch`."""
         st = self._indexed
         if st is None or st.cache_layout != cache_layout or st.pools is not pools:
@@ -278,9 +279,9 @@ class _IndexedStep(NamedTuple):
 
     cache_layout: tuple[int, ...]
     pools: LayerCaches  # held: the pool pointers in `layers` stay valid while it lives
-    layout: torch.Tensor  # int64 `kernels.DECODE_LAYOUT`
-    step: torch.Tensor  # int64 `kernels.DECODE_STEP`: pointers to `buffers`
-    step_sizes: torch.Tensor  # int32 `kernels.DECODE_STEP_SIZES`, written by `decode_index`
+    layout: torch.Tensor  # int64 `kernel_abi.DECODE_LAYOUT`
+    step: torch.Tensor  # int64 `kernel_abi.DECODE_STEP`: pointers to `buffers`
+    step_sizes: torch.Tensor  # int32 `kernel_abi.DECODE_STEP_SIZES`, written by `decode_index`
     layers: torch.Tensor  # [layers, 4] int64: weights, sizes, scalars, pools pointers
     positions: torch.Tensor  # [MAX_TOKENS] int64 (the `positions` buffer of `step`)
     swa_slots: torch.Tensor  # [MAX_TOKENS] int64 (the `swa_slots` buffer of `step`)
@@ -298,7 +299,7 @@ class _IndexedStep(NamedTuple):
         main_cos, main_sin, comp_cos, comp_sin = tabs
         assert main_cos is not None and main_sin is not None and comp_cos is not None and comp_sin is not None
         cfg, T = ds.cfg, MAX_TOKENS
-        names = cpu_kernels.DECODE_LAYOUT
+        names = kernel_abi.DECODE_LAYOUT
         at = dict(zip(names, cache_layout))
         W, r, max_len = at["window"], comp_cos.shape[1], comp_cos.shape[0]
         csa_r, hca_r = at["csa_ratio"], at["hca_ratio"]
@@ -325,7 +326,7 @@ class _IndexedStep(NamedTuple):
             torch.empty(T * r), torch.empty(T * r), torch.empty(T * r), torch.empty(T * r), comp_cos, comp_sin,
             *plan(csa_r, 2 * csa_r), *plan(hca_r, hca_r),
         ]
-        assert len(buffers) == len(cpu_kernels.DECODE_STEP)
+        assert len(buffers) == len(kernel_abi.DECODE_STEP)
         kept = [b for b in buffers if b is not None]
         step = torch.tensor([0 if b is None else b.data_ptr() for b in buffers], dtype=torch.int64)
         layers = torch.tensor([[t.weights.data_ptr(), t.sizes.data_ptr(), t.scalars.data_ptr(), p.data_ptr()]
@@ -335,5 +336,5 @@ class _IndexedStep(NamedTuple):
         positions, swa_slots = buffers[0], buffers[2]
         assert positions is not None and swa_slots is not None
         return cls(cache_layout, pools, torch.tensor(layout, dtype=torch.int64), step,
-                   torch.zeros(len(cpu_kernels.DECODE_STEP_SIZES), dtype=torch.int32), layers, positions, swa_slots,
+                   torch.zeros(len(kernel_abi.DECODE_STEP_SIZES), dtype=torch.int32), layers, positions, swa_slots,
                    h, scratch, (*kept, *tables))

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pdspark.hardware.cpu import kernel_abi
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.dspark import DraftStage, DSparkDraft
 from pdspark.model.moe import SharedExpert
@@ -132,14 +133,14 @@ def draft_table(draft: DSparkDraft) -> DraftTable | None:
         checked = [w | h for w, h in zip(checked, halves)]
         checked_head |= head_halves
         tensors += [v for h in [*halves, head_halves] for v in h.values()]
-    pointers = [w[n].data_ptr() for w in checked for n in cpu_kernels.DRAFT_STAGE_WEIGHTS]  # type: ignore[union-attr]
-    pointers += [checked_head[n].data_ptr() for n in cpu_kernels.DRAFT_HEAD_WEIGHTS]  # type: ignore[union-attr]
+    pointers = [w[n].data_ptr() for w in checked for n in kernel_abi.DRAFT_STAGE_WEIGHTS]  # type: ignore[union-attr]
+    pointers += [checked_head[n].data_ptr() for n in kernel_abi.DRAFT_HEAD_WEIGHTS]  # type: ignore[union-attr]
     sizes, scalars = numbers[0]
     sizes = {**sizes, "bf16": int(bf16)}
     return DraftTable(
         torch.tensor(pointers, dtype=torch.int64),
-        torch.tensor([sizes[n] for n in cpu_kernels.DRAFT_SIZES], dtype=torch.int32),
-        torch.tensor([scalars[n] for n in cpu_kernels.DRAFT_SCALARS], dtype=torch.float32),
+        torch.tensor([sizes[n] for n in kernel_abi.DRAFT_SIZES], dtype=torch.int32),
+        torch.tensor([scalars[n] for n in kernel_abi.DRAFT_SCALARS], dtype=torch.float32),
         tuple(v for v in tensors if v is not None),
         injects,
     )
@@ -176,13 +177,13 @@ class DraftStep:
         """Write the context rows of `features [N, F]` at `positions [N]` to the pools' rows `slots [N]` (see
         `DSparkDrafter.inject`); False (nothing written) where the C path does not apply."""
         ok = (self.table.injects and _fp32(features) is not None and features.dim() == 2
-              and features.shape[1] == int(self.table.sizes[cpu_kernels.DRAFT_SIZES.index("features")]))
+              and features.shape[1] == int(self.table.sizes[kernel_abi.DRAFT_SIZES.index("features")]))
         for t in (positions, slots):
             ok = ok and t.is_cpu and t.dtype is torch.int64 and t.is_contiguous() and t.shape == features.shape[:1]
         if not ok or int(positions.max()) >= self.max_len or int(positions.min()) < 0:
             return False
         sizes = self.table.sizes.tolist()
-        r, D, HD, S = (sizes[cpu_kernels.DRAFT_SIZES.index(n)] for n in ("rope_dim", "hidden", "head_dim", "stages"))
+        r, D, HD, S = (sizes[kernel_abi.DRAFT_SIZES.index(n)] for n in ("rope_dim", "hidden", "head_dim", "stages"))
         need = features.shape[0] * (2 * r + D + S * HD) + HD + 80
         if self.scratch.numel() < need:
             self.scratch = torch.empty(2 * need)

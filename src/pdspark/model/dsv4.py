@@ -84,7 +84,7 @@ class DSV4Model(nn.Module):
                         capture: tuple[int, ...] = ()) -> IndexedOutput | None:
         """`forward(...)` of a step of short chunks, its indices built in C straight from the page tables (no
         `ForwardBatch`): `req` is `[n, (slot, start, length) per chunk, the token ids]`, `cache_layout` the cache's
-        part of `kernels.DECODE_LAYOUT`. The streams `[T, hc, D]`, the features of the `capture` layers `[T, D *
+        part of `kernel_abi.DECODE_LAYOUT`. The streams `[T, hc, D]`, the features of the `capture` layers `[T, D *
         len(capture)]`, the positions and SWA slots `[T]` are views the next step overwrites; None where the C path
         does not apply (the caller then builds a `ForwardBatch`)."""
         if self._decode_step is None or torch.is_grad_enabled():

@@ -3,7 +3,7 @@
 The C source (kernels.c and the parts it includes) is compiled with the system C compiler for the host CPU
 (`-march=native`) into a per-user cache (`kernel_build`: keyed by the sources, the CPU's feature flags, the compile
 command and the compiler's version), once per machine. Without a compiler (or with `PDSPARK_NO_C_KERNELS=1`, or a
-library whose `pdspark_abi` contradicts this file's mirrors of its enums, `ABI_MIRRORS`) callers fall back to the
+library whose `pdspark_abi` contradicts its Python mirrors, `kernel_abi.ABI_MIRRORS`) callers fall back to the
 PyTorch reference path.
 
 The boundary: the C loops trust the sizes they are given, so every array they index comes from a buffer Python sized
@@ -23,6 +23,15 @@ from typing import Protocol
 
 import torch
 
+from pdspark.hardware.cpu.kernel_abi import (
+    DECODE_LAYOUT,
+    DECODE_SIZES,
+    DECODE_STEP,
+    DECODE_STEP_SIZES,
+    INDEX_MAX_TOKENS,
+    abi_mismatches,
+    library_abi,
+)
 from pdspark.hardware.cpu.kernel_build import build_library
 
 logger = logging.getLogger(__name__)
@@ -477,26 +486,6 @@ def attn_out_rows(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: t
     return out
 
 
-# The slots of `decode_layer`'s arrays, in the order of the enums in kernels.h.
-DECODE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base", "ffn_norm",
-                  "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "c_ape", "c_norm", "i_wq_b", "i_ape",
-                  "i_norm", "moe_in", "w13", "w2", "w2s", "bias", "tid2eid")
-DECODE_SIZES = ("kind", "hc", "iters", "hidden", "q_lora", "heads", "head_dim", "o_groups", "o_lora", "c_ratio",
-                "c_dim", "i_heads", "i_dim", "i_topk", "experts", "inter", "top_k", "sqrtsoftplus", "bf16")
-DECODE_SCALARS = ("hc_eps", "hc_norm_eps", "attn_norm_eps", "ffn_norm_eps", "q_eps", "head_eps", "kv_eps", "scale",
-                  "c_eps", "i_eps", "i_wscale", "i_scale", "scaling", "limit")
-DECODE_STEP = ("positions", "input_ids", "swa_slots", "win_rows", "win_valid", "csa_rows", "csa_valid", "hca_rows",
-               "hca_valid", "cos_main", "sin_main", "cos_comp", "sin_comp", "table_cos", "table_sin",
-               *(f"csa_{n}" for n in ("out", "pos", "use", "cur", "hist", "wtok", "wrow")),
-               *(f"hca_{n}" for n in ("out", "pos", "use", "cur", "hist", "wtok", "wrow")))
-DECODE_STEP_SIZES = ("tokens", "window", "rope_dim", "csa_visible", "hca_visible", "csa_groups", "csa_writes",
-                     "hca_groups", "hca_writes")
-DECODE_POOLS = ("swa", "swa_stride", "comp", "comp_stride", "state", "state_stride", "index", "index_stride",
-                "index_state", "index_state_stride")
-# Layer kinds (`kind` above).
-DECODE_SLIDING, DECODE_CSA, DECODE_HCA = 0, 1, 2
-
-
 def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tensor, step: torch.Tensor,
                  step_sizes: torch.Tensor, pools: torch.Tensor, h: torch.Tensor, scratch: torch.Tensor,
                  ids: torch.Tensor) -> torch.Tensor:
@@ -575,17 +564,6 @@ def bf16_copy(w: torch.Tensor) -> torch.Tensor | None:
     return half if torch.equal(half.float(), w) else None
 
 
-# The slots of `draft_block`'s arrays, in the order of the enums in kernels.h: S stages' weights, then the head's.
-DRAFT_STAGE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base",
-                       "ffn_norm", "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "gate_up", "down")
-DRAFT_HEAD_WEIGHTS = ("embed", "hc_fn", "hc_scale", "hc_base", "norm", "head", "rope_cos", "rope_sin", "main_proj",
-                      "main_norm", "latents")
-DRAFT_SIZES = ("stages", "gamma", "mask_id", "hc", "iters", "hidden", "q_lora", "heads", "head_dim", "o_groups",
-               "o_lora", "inter", "vocab", "rope_dim", "features", "bf16")
-DRAFT_SCALARS = ("hc_eps", "hc_norm_eps", "attn_norm_eps", "ffn_norm_eps", "q_eps", "head_eps", "kv_eps", "scale",
-                 "limit", "head_hc_eps", "head_norm_eps", "norm_eps", "main_norm_eps")
-
-
 def draft_scratch_floats(sizes: torch.Tensor, blocks: int, window: int) -> int:
     """The floats `draft_block` carves from its scratch for `blocks` blocks over `window` context rows."""
     lib = load()
@@ -619,64 +597,8 @@ def draft_inject(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
 
 
 # ---- decode-index: a small step's indices and layers in two calls ---------------------------------------------------
-# Slots of the step layout `decode_index` reads: the page tables (pointers and row strides, int64), the cache's
-# geometry and dummy rows, then the rotary tables (sliding, compressed) and their width. A ratio of 0: no layer of
-# that kind.
-DECODE_LAYOUT = ("req_to_token", "req_to_token_stride", "req_to_c128", "req_to_c128_stride", "full_to_swa_page",
-                 "page_size", "window", "csa_ratio", "hca_ratio", "c128_page_size", "csa_ring", "hca_ring",
-                 "swa_dummy_page", "swa_dummy_slot", "c4_dummy_row", "c128_dummy_row", "c4_state_dummy_row",
-                 "c128_state_dummy_row", "cos_main", "sin_main", "cos_comp", "sin_comp", "rope_dim")
-# Tokens `decode_index` takes at most (its per-token arrays live on the C stack).
-INDEX_MAX_TOKENS = 64
-
-
 class KernelArgumentError(ValueError):
     """An argument a C kernel would index out of its bounds (a caller's bug, refused before the call)."""
-
-
-# Every C enum (and limit) this file mirrors by hand, in the order `pdspark_abi` (kernels.c) reports them: the
-# Python mirror, what it mirrors in kernels.h, and the value this file expects (the slot count of an array above,
-# `decode_index`'s token limit, a layer kind's code).
-ABI_MIRRORS: tuple[tuple[str, str, int], ...] = (
-    ("len(DECODE_WEIGHTS)", "W_COUNT", len(DECODE_WEIGHTS)),
-    ("len(DECODE_SIZES)", "I_COUNT", len(DECODE_SIZES)),
-    ("len(DECODE_SCALARS)", "F_COUNT", len(DECODE_SCALARS)),
-    ("len(DECODE_STEP)", "S_COUNT", len(DECODE_STEP)),
-    ("len(DECODE_STEP_SIZES)", "SI_COUNT", len(DECODE_STEP_SIZES)),
-    ("len(DECODE_POOLS)", "P_COUNT", len(DECODE_POOLS)),
-    ("len(DECODE_LAYOUT)", "L_COUNT", len(DECODE_LAYOUT)),
-    ("len(DRAFT_STAGE_WEIGHTS)", "DW_COUNT", len(DRAFT_STAGE_WEIGHTS)),
-    ("len(DRAFT_HEAD_WEIGHTS)", "DH_COUNT", len(DRAFT_HEAD_WEIGHTS)),
-    ("len(DRAFT_SIZES)", "DI_COUNT", len(DRAFT_SIZES)),
-    ("len(DRAFT_SCALARS)", "DF_COUNT", len(DRAFT_SCALARS)),
-    ("INDEX_MAX_TOKENS", "INDEX_MAX_TOKENS", INDEX_MAX_TOKENS),
-    ("DECODE_SLIDING", "KIND_SLIDING", DECODE_SLIDING),
-    ("DECODE_CSA", "KIND_CSA", DECODE_CSA),
-    ("DECODE_HCA", "KIND_HCA", DECODE_HCA),
-)
-# `pdspark_abi` of a library that matches this file.
-ABI = tuple(value for _, _, value in ABI_MIRRORS)
-
-
-def library_abi(lib: ctypes.CDLL) -> tuple[int, ...]:
-    """What the library says its arrays and limits are (`pdspark_abi` in kernels.c)."""
-    out = (ctypes.c_long * 64)()
-    n = lib.pdspark_abi(out, 64)
-    return tuple(out[: min(n, 64)])
-
-
-def abi_mismatches(abi: tuple[int, ...]) -> list[str]:
-    """Where the library's `pdspark_abi` contradicts `ABI_MIRRORS`, one line per enum naming both sides (a slot
-    added on one side only would make the C loops read or write the wrong word); empty when they agree."""
-    out = [f"{mirror} is {value} in kernels.py but {c_name} is {got} in the C library"
-           for (mirror, c_name, value), got in zip(ABI_MIRRORS, abi) if got != value]
-    if len(abi) < len(ABI_MIRRORS):
-        missing = ", ".join(c_name for _, c_name, _ in ABI_MIRRORS[len(abi):])
-        out.append(f"the C library reports {len(abi)} values, not {len(ABI_MIRRORS)}: no {missing}")
-    elif len(abi) > len(ABI_MIRRORS):
-        out.append(f"the C library reports {len(abi)} values, {len(abi) - len(ABI_MIRRORS)} more than kernels.py "
-                   f"mirrors ({len(ABI_MIRRORS)})")
-    return out
 
 
 def decode_index(req: torch.Tensor, layout: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor,
