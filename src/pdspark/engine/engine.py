@@ -9,6 +9,7 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -22,7 +23,7 @@ from pdspark.engine.model_runner import ModelRunner, RunOutput
 from pdspark.engine.random_stream import RandomStream
 from pdspark.engine.request import Request, RequestStatus
 from pdspark.engine.sampler import Sampler
-from pdspark.engine.scheduler import ScheduledChunk, Scheduler
+from pdspark.engine.scheduler import ScheduledChunk, ScheduleOutput, Scheduler
 from pdspark.engine.spec_governor import SpecGovernor
 from pdspark.engine.spec_verifier import accept
 from pdspark.engine.stop_checker import StopChecker
@@ -86,6 +87,18 @@ def _tail_sums(counts: list[int]) -> list[int]:
         acc += counts[k]
         out[k] = acc
     return out
+
+
+def _decode_only(chunks: list[ScheduledChunk]) -> bool:
+    """A decode step: every chunk computes one new token (plus its drafts), no prompt chunk among them."""
+    return all(c.num_tokens - c.num_drafts == 1 for c in chunks)
+
+
+class _GovernedStep(NamedTuple):
+    """When a step under the speculation governor began, and its batch then."""
+
+    started: float
+    batch: int
 
 
 @dataclass(frozen=True)
@@ -270,32 +283,46 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward pass; returns outputs of requests that got tokens this step (finished ones flagged)."""
-        if self.governor is not None:
-            t0, batch = time.perf_counter(), len(self.scheduler.running)
-            steady = not self.scheduler.waiting and all(r.num_pending_tokens == 1 for r in self.scheduler.running)
-            self.scheduler.num_drafts = self.governor.drafts(batch, steady)
-        sched = self.scheduler.schedule()
-        self.stats.last_batch_size = len(sched.chunks)
+        """One forward pass: schedule -> propose -> run -> decide -> commit -> append. Returns the outputs of the
+        requests that got tokens this step (finished ones flagged)."""
+        governed = self._govern_drafts()
+        sched = self._schedule()
         if sched.empty:
-            assert not self.scheduler.running, "running requests but nothing scheduled"
             return self._fail_unadmittable()
         proposals = self._propose(sched.chunks)
         out = self.runner.run([self._chunk(c, proposals.get(c.request.req_id)) for c in sched.chunks])
         produced = self._decide(sched.chunks, out, proposals)
-        # A decode step (no prompt chunk in it) under the governor: timed, and without drafts its draft context rows
-        # are kept for later.
-        decode_step = self.governor is not None and all(c.num_tokens - c.num_drafts == 1 for c in sched.chunks)
-        self._commit(produced, out, keep_context=decode_step and not proposals)
-        if decode_step and self.governor is not None:
-            # Timed whole: drafting, forward, sampling, commit.
-            self.governor.record(batch, bool(proposals), time.perf_counter() - t0,
-                                 sum(len(p.tokens) for p in produced))
+        timed = governed is not None and _decode_only(sched.chunks)
+        self._commit(produced, out, keep_context=timed and not proposals)
+        if governed is not None and timed:
+            self._record_decode_step(governed, bool(proposals), produced)
         return self._append(produced)
+
+    def _schedule(self) -> ScheduleOutput:
+        sched = self.scheduler.schedule()
+        self.stats.last_batch_size = len(sched.chunks)
+        return sched
+
+    def _govern_drafts(self) -> _GovernedStep | None:
+        """Under the speculation governor: set how many drafts this step takes, and note when the step began."""
+        if self.governor is None:
+            return None
+        started, batch = time.perf_counter(), len(self.scheduler.running)
+        steady = not self.scheduler.waiting and all(r.num_pending_tokens == 1 for r in self.scheduler.running)
+        self.scheduler.num_drafts = self.governor.drafts(batch, steady)
+        return _GovernedStep(started, batch)
+
+    def _record_decode_step(self, governed: _GovernedStep, drafted: bool, produced: list[_StepTokens]) -> None:
+        """A decode step (no prompt chunk in it) is timed whole, drafting, forward, sampling and commit: what the
+        governor compares drafting with."""
+        assert self.governor is not None
+        self.governor.record(governed.batch, drafted, time.perf_counter() - governed.started,
+                             sum(len(p.tokens) for p in produced))
 
     def _fail_unadmittable(self) -> list[RequestOutput]:
         """Nothing runs, nothing holds pages, and the next request still cannot start: it never will. End it
         (validation should have caught it; this keeps the loop from spinning forever if it did not)."""
+        assert not self.scheduler.running, "running requests but nothing scheduled"
         holding = any(r.pages is not None for r in self.requests.values() if r.finished)
         if not self.scheduler.waiting or holding:
             return []
