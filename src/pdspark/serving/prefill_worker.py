@@ -22,9 +22,13 @@ that many slots and their pages until its plan comes or its deadline passes; eve
 plan as before, so a flood cannot deadlock on them. A plan refused on arrival (an incompatible pair) then ends a
 prompt that may already have been computed.
 
+A rendezvous moves through one `Phase` at a time (`_Rendezvous.enter` checks each move): WAITING for its legs,
+QUEUED in the engine, PREFILLED (first token sampled, pages held), TRANSFERRING (asking for the pages), WRITING
+(the writes run; a failure arriving now is reported when they stop), ENDED.
+
 Threads: the rendezvous state lives on the asyncio loop (one thread, no locks); calls await its future; the engine
-thread reports the first token through `call_soon_threadsafe`; reading the pages and writing them runs on the
-transfer executor, never on the engine or asyncio thread.
+thread reports the first token through `call_soon_threadsafe`; the writes and the source checksum run on the
+`TransferWriter`'s threads, never on the engine or asyncio thread.
 
 NOTE: writes into the decode worker's memory never start after the deadline (the backend checks before each
 batch), and a failure that arrives while they run (an abort, the decode side gone) is reported once they stop:
@@ -38,9 +42,10 @@ stopped): the rendezvous ends without them and releases its pages, and says `Una
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 
 from pdspark.deadline import Deadline
@@ -49,11 +54,12 @@ from pdspark.rpc import tracing
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.prefill_metrics import PrefillMetrics
+from pdspark.serving.transfer_writer import TransferWriter, Written
 from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult, TransferStats
 from pdspark.transfer.plan_validation import validate_plan
-from pdspark.transfer.transfer_plan import WriteList, cache_buffers, plan_nbytes, plan_writes, source_checksum
+from pdspark.transfer.transfer_plan import cache_buffers
 from pdspark.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -64,17 +70,34 @@ WRITE_GRACE_S = 30.0
 # or sent to a process that was stopped) fails at once instead of prefilling a prompt nobody will collect.
 _REMEMBER_S = 60.0
 _MAX_REMEMBERED = 16384
-TRANSFER_THREADS = 4
-# The source checksum of a prompt's cache (at most a few MB of CRC32) ends well within this.
-_CHECKSUM_TIMEOUT_S = 30.0
 EARLY_PREFILLS = 1  # prompts that may start before their plans (see the NOTE)
 
 
-@dataclass(frozen=True)
-class _Written:
-    writes: WriteList
-    checksum: int
-    write_s: float  # inside the backend's write calls
+class Phase(enum.Enum):
+    WAITING = "waiting"  # for a leg, or for the engine to take the prompt (not queued in the engine)
+    QUEUED = "queued"  # in the engine (early: before its plan): released when the rendezvous ends
+    PREFILLED = "prefilled"  # the first token sampled, the pages held; early: waiting for the plan
+    TRANSFERRING = "transferring"  # the transfer task runs (no batch of writes starts after the deadline)
+    WRITING = "writing"  # the writes run on the writer's threads: a failure waits until they stop
+    ENDED = "ended"  # both legs answered, the pages released
+
+    @property
+    def in_engine(self) -> bool:
+        """The engine holds the request (queued, or its pages): it is released when the rendezvous ends."""
+        return self in (Phase.QUEUED, Phase.PREFILLED, Phase.TRANSFERRING, Phase.WRITING)
+
+
+# The moves a rendezvous makes (any phase but ENDED may end). QUEUED -> WAITING: the engine refused the prompt
+# (ALREADY_EXISTS: it holds another request under this id, not ours to release). WRITING -> TRANSFERRING: the
+# writes stopped.
+_MOVES = {
+    Phase.WAITING: {Phase.QUEUED, Phase.ENDED},
+    Phase.QUEUED: {Phase.WAITING, Phase.PREFILLED, Phase.ENDED},
+    Phase.PREFILLED: {Phase.TRANSFERRING, Phase.ENDED},
+    Phase.TRANSFERRING: {Phase.WRITING, Phase.ENDED},
+    Phase.WRITING: {Phase.TRANSFERRING},
+    Phase.ENDED: set(),
+}
 
 
 @dataclass(eq=False)
@@ -86,18 +109,20 @@ class _Rendezvous:
     request_id: str | None = None
     prompt_ids: list[int] = field(default_factory=list)
     params: SamplingParams | None = None  # the prefill's: one token
-    submitted: bool = False  # the request was (or may have been) queued in the engine: release it at the end
+    phase: Phase = Phase.WAITING
     plan: TransferPlan | None = None
     plan_at: float | None = None
     early: bool = False  # queued in the engine before its plan arrived (counted in `PrefillWorker._early`)
     first: RequestOutput | None = None
     prefill_s: float = 0.0
-    started: bool = False  # the transfer task runs
-    writing: bool = False  # reads and writes run on the transfer executor
     pending_failure: RequestFailed | None = None  # a failure that arrived while writing
-    released: bool = False
     timer: asyncio.TimerHandle | None = None
     trace: tracing.Span = tracing.NO_SPAN  # the prefill call's span: the transfer's is its child
+
+    def enter(self, phase: Phase) -> None:
+        """The one transition function: a move `_MOVES` does not list is a bug here, not a request's fault."""
+        assert phase in _MOVES[self.phase], f"transfer {self.transfer_id!r}: {self.phase.value} -> {phase.value}"
+        self.phase = phase
 
 
 class PrefillWorker:
@@ -114,10 +139,7 @@ class PrefillWorker:
         self.metrics = metrics
         self.max_pending = max_pending
         self.buffers = cache_buffers(loop.engine.kv.pools)  # fixed at start: the pools never move
-        self._executor = executor or ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="transfer")
-        # Source checksums, computed while their writes run; a task here never waits for anything (no deadlock
-        # with the transfer threads that wait for it).
-        self._checksums = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="checksum")
+        self.writer = TransferWriter(backend, self.buffers, executor)
         self._pending: dict[str, _Rendezvous] = {}  # by transfer id
         self._by_request: dict[str, _Rendezvous] = {}
         self._failed: dict[str, tuple[RequestFailed, float]] = {}  # transfer id -> (failure, remembered until)
@@ -152,14 +174,14 @@ class PrefillWorker:
                 raise RequestFailed(ErrorCode.INCOMPATIBLE, f"prefill and decode workers differ in "
                                                             f"{', '.join(mismatched)}; refusing to transfer")
             validate_plan(plan, self.buffers)
-            if rv.submitted:  # started early: the prompt it checks against is here
+            if rv.phase.in_engine:  # started early: the prompt it checks against is here
                 _check_prompt_len(plan, rv.prompt_ids)
         except RequestFailed as e:
             self._fail(rv, e)
         else:
             rv.plan, rv.plan_at = plan, time.monotonic()
             self._planned(rv)
-            if rv.first is not None:  # prefilled early, waiting for this plan
+            if rv.phase is Phase.PREFILLED:  # prefilled early, waiting for this plan
                 self._start_transfer(rv)
             else:
                 self._maybe_submit(rv)
@@ -190,8 +212,7 @@ class PrefillWorker:
         return len(self._pending)
 
     def close(self) -> None:
-        """Stop the checksum threads (a transfer still writing finishes its checksum first)."""
-        self._checksums.shutdown(wait=False)
+        self.writer.close()
 
     # ---- the rendezvous ----------------------------------------------------------------------------------------------
     def _join(self, transfer_id: str, deadline: Deadline) -> _Rendezvous:
@@ -226,13 +247,13 @@ class PrefillWorker:
 
     def _expire(self, rv: _Rendezvous) -> None:
         # Once the transfer started, it fails on its own: no batch of writes starts after the deadline.
-        if not rv.started:
+        if rv.phase in (Phase.WAITING, Phase.QUEUED, Phase.PREFILLED):
             self._fail(rv, RequestFailed(ErrorCode.DEADLINE, _deadline_message(rv)))
 
     def _maybe_submit(self, rv: _Rendezvous) -> None:
         """Queue the prompt in the engine once both legs are here, or on the prefill leg's arrival when it may
         start early (see the NOTE above)."""
-        if rv.submitted or rv.done.done() or rv.request_id is None:
+        if rv.phase is not Phase.WAITING or rv.request_id is None:
             return
         if rv.plan is None:
             if self._early >= self.early_prefills or self.engine.load().waiting:
@@ -245,7 +266,7 @@ class PrefillWorker:
             except RequestFailed as e:
                 self._fail(rv, e)
                 return
-        rv.submitted = True
+        rv.enter(Phase.QUEUED)
         self._spawn(self._submit(rv))
 
     def _planned(self, rv: _Rendezvous) -> None:
@@ -256,7 +277,7 @@ class PrefillWorker:
 
     async def _submit(self, rv: _Rendezvous) -> None:
         assert rv.request_id is not None and rv.params is not None
-        if rv.done.done():
+        if rv.phase is Phase.ENDED:
             return  # ended before this task ran; its release was queued first and finds nothing
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
@@ -270,25 +291,27 @@ class PrefillWorker:
         except RequestFailed as e:
             # ALREADY_EXISTS: the engine holds another request under this id, not ours to release (`prefill`
             # refuses ids in flight here, and FIFO order runs an ended one's release first: kept for safety).
-            rv.submitted = e.code is not ErrorCode.ALREADY_EXISTS
+            if e.code is ErrorCode.ALREADY_EXISTS and rv.phase is Phase.QUEUED:
+                rv.enter(Phase.WAITING)
             self._fail(rv, e)
 
     def _prefilled(self, rv: _Rendezvous, out: RequestOutput, seconds: float) -> None:
         """The prompt is computed and the first token sampled (pages held), as the engine thread reported."""
-        if rv.done.done():
+        if rv.phase is Phase.ENDED:
             return  # ended meanwhile: the release queued when it ended frees the pages
         if out.finish_reason == FinishReason.ABORT:
             reason = f": {out.stop_reason}" if out.stop_reason else ""
             self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"prefill aborted{reason}"))
             return
         rv.first, rv.prefill_s = out, seconds
+        rv.enter(Phase.PREFILLED)
         if self.metrics is not None:
             self.metrics.observe_prefill(len(rv.prompt_ids), out.num_cached_tokens, seconds)
         if rv.plan is not None:  # else it started early: the plan's arrival starts the transfer
             self._start_transfer(rv)
 
     def _start_transfer(self, rv: _Rendezvous) -> None:
-        rv.started = True
+        rv.enter(Phase.TRANSFERRING)
         self._spawn(self._transfer(rv))
 
     def _spawn(self, coro) -> None:
@@ -307,13 +330,12 @@ class PrefillWorker:
                 raise RequestFailed(ErrorCode.DEADLINE, f"transfer {rv.transfer_id!r}: the deadline passed before "
                                                         "the first write")
             pages = await self.engine.held_pages(rv.request_id)
-            if rv.done.done():
+            if rv.phase is Phase.ENDED:
                 tracing.finish(span, "aborted")
                 return  # failed while we asked (an abort): nothing was written, the failure released the pages
-            rv.writing = True
+            rv.enter(Phase.WRITING)
             t0 = time.monotonic()
-            written = await self._until_stuck(rv, asyncio.get_running_loop().run_in_executor(
-                self._executor, self._write, rv.plan, pages, rv.deadline.at))
+            written: Written = await self.writer.write(rv.transfer_id, rv.plan, pages, rv.deadline.at)
             seconds = time.monotonic() - t0
         except RequestFailed as e:
             failure = e
@@ -321,7 +343,8 @@ class PrefillWorker:
             logger.warning("transfer %s failed: %s", rv.transfer_id, e)
             failure = RequestFailed(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: {e}")
         finally:
-            rv.writing = False
+            if rv.phase is Phase.WRITING:
+                rv.enter(Phase.TRANSFERRING)
         failure = failure or rv.pending_failure
         if failure is not None:
             tracing.finish(span, failure.code.value)
@@ -343,49 +366,18 @@ class PrefillWorker:
             checksum=written.checksum, stats=stats, first_logprob=first.logprobs[0] if first.logprobs else None,
         ))
 
-    async def _until_stuck(self, rv: _Rendezvous, write: asyncio.Future) -> _Written:
-        """Await the writes, unless they are still running once the backend's grace after the deadline passed: they
-        are stuck then (Mooncake's first contact with a peer, its handshake, waits without a timeout for a peer that
-        stopped), and the rendezvous ends without them, its pages released. Raises `Unanswered`: they may still
-        land, when the peer answers; their thread stays blocked until then."""
-        assert rv.plan is not None
-        stuck_at = rv.deadline.at + self.backend.write_grace_s(plan_nbytes(rv.plan))
-        try:
-            return await asyncio.wait_for(asyncio.shield(write), max(0.0, stuck_at - time.monotonic()))
-        except TimeoutError:
-            write.add_done_callback(_consume)
-            logger.warning("transfer %s: writes still blocked in the transfer engine after the deadline and its "
-                           "grace; given up on (a transfer thread stays blocked until the peer answers)",
-                           rv.transfer_id)
-            raise Unanswered(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: writes blocked past the deadline "
-                                                 "and the transfer engine's grace; given up on") from None
-
-    def _write(self, plan: TransferPlan, pages, deadline: float) -> _Written:
-        """Transfer thread: the held pages stay as they are until the rendezvous ends (after this returns). The
-        source checksum runs on its own thread while the writes run (zlib and the transfer engine both release the
-        GIL), so a transfer takes the longer of the two, not their sum; this returns only once both stopped reading
-        the pages, whatever happened."""
-        writes = plan_writes(self.buffers, plan, pages)
-        checksum = self._checksums.submit(source_checksum, self.buffers, plan, pages)
-        t0 = time.monotonic()
-        try:
-            self.backend.write(plan.session, writes.writes, deadline)
-        finally:
-            write_s = time.monotonic() - t0
-            crc = checksum.result(_CHECKSUM_TIMEOUT_S)
-        return _Written(writes, crc, write_s)
-
     def _fail(self, rv: _Rendezvous, error: RequestFailed) -> None:
-        if rv.done.done():
+        if rv.phase is Phase.ENDED:
             return
-        if rv.writing:
+        if rv.phase is Phase.WRITING:
             rv.pending_failure = rv.pending_failure or error  # reported once the writes stop
             return
         self._end(rv, error)
 
     def _end(self, rv: _Rendezvous, outcome: TransferResult | RequestFailed) -> None:
         """The one place a rendezvous ends: both legs answered, its pages released (once), its id forgotten."""
-        assert not rv.done.done() and not rv.writing
+        in_engine = rv.phase.in_engine
+        rv.enter(Phase.ENDED)
         if rv.timer is not None:
             rv.timer.cancel()
         self._planned(rv)
@@ -399,8 +391,7 @@ class PrefillWorker:
             rv.done.set_exception(outcome)
         else:
             rv.done.set_result(outcome)
-        if rv.submitted and not rv.released:
-            rv.released = True
+        if in_engine:
             assert rv.request_id is not None
             self.engine.release(rv.request_id)  # stops the request, or frees the pages it holds
 
@@ -439,6 +430,6 @@ def _deadline_message(rv: _Rendezvous) -> str:
 
 
 def _consume(fut: asyncio.Future) -> None:
-    """Mark a future's outcome as read (a rendezvous's, when a leg went away; writes given up on)."""
+    """Mark a future's outcome as read (a rendezvous's, when a leg went away)."""
     if not fut.cancelled():
         fut.exception()

@@ -40,7 +40,8 @@ from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
 from pdspark.serving.prefill_client import PrefillClients
 from pdspark.serving.prefill_metrics import PrefillMetrics
-from pdspark.serving.prefill_worker import TRANSFER_THREADS, PrefillWorker
+from pdspark.serving.prefill_worker import PrefillWorker
+from pdspark.serving.transfer_writer import TRANSFER_THREADS
 from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import registered_regions
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
