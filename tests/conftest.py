@@ -105,3 +105,16 @@ def modelslim_dir() -> Path:
             pytest.fail(f"no ModelSlim fixtures in {out} and no {python.parent.parent}: run `make modelslim-fixtures`")
         subprocess.run([str(python), gen.__file__], check=True, timeout=1800)
     return out
+
+
+TIERS = ("unit", "integration", "cluster")  # tests/<tier>/: one layer in-process; components in-process; processes
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Each test is marked with its tier (the folder it lives in): `pytest -m "not cluster"` runs the in-process
+    tiers; `make test` runs every tier."""
+    for item in items:
+        tier = next((t for t in TIERS if f"/tests/{t}/" in str(item.path)), None)
+        if tier is not None:
+            item.add_marker(tier)
+

@@ -47,6 +47,7 @@ from pdspark.client import Client, ClientError
 from pdspark.errors import ErrorCode
 from pdspark.rpc.status import reported_failure
 from pdspark.service_process import ServiceProcess, start_service
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until
 from pdspark.testing.worker_load import WorkerAt, load_of, what_is_held
 
@@ -66,7 +67,7 @@ PROMPTS = [
 SEEDED = dict(temperature=0.9, top_p=0.95)
 STAGGER_S = 0.15  # between the starts of the load's requests: some are always in prefill when the fault hits
 REQUEST_TIMEOUT_S = 30.0  # the router's bound on each request (X-Request-Timeout, the SDK's timeout)
-LOAD_DEADLINE_S = 45.0  # a request not over by then hangs
+LOAD_DEADLINE_S = scaled(45.0)  # a request not over by then hangs
 EXAMPLES = int(os.environ.get("PDSPARK_CHAOS_EXAMPLES", "1"))
 WORKERS = {"prefill": ("prefill-0", "prefill-1"), "decode": ("decode-2", "decode-3")}
 
@@ -139,7 +140,7 @@ def faults(kind: str, sig: str) -> st.SearchStrategy[Fault]:
 # Mooncake's transfer timeout short (the write grace of a quarantine): see `cluster`. The plan's deadline is the
 # router's transfer timeout (30 s by default; `pdspark up` passes it on its command line).
 QUARANTINE_ENV = {"MC_TRANSFER_TIMEOUT": "3"}
-FREE_WITHIN_S = 30 + 3 + 10
+FREE_WITHIN_S = scaled(30 + 3 + 10)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import yaml
 
 from chart_pods import ROOT, Pod, Rendered, hosts_file_text, pods, service_url
 from pdspark import LLM, SamplingParams
+from pdspark.testing.time_scale import scaled
 
 CHART = ROOT / "deploy" / "helm" / "pdspark"
 VALUES = CHART / "ci" / "local-run-values.yaml"
@@ -32,7 +33,7 @@ MODEL = "dsv4-tiny"  # the chart's default model: the shipped checkpoint, no pat
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n"]
 MAX_TOKENS = 8
 STREAMS_OK = 'pdspark_worker_requests_total{outcome="ok"}'
-START_S = 90.0  # every pod ready and the first completion served
+START_S = scaled(90.0)  # every pod ready and the first completion served
 
 
 def helm_template() -> Rendered:

@@ -36,6 +36,7 @@ from pdspark.rpc import convert
 from pdspark.rpc.keepalive import LEASE_S
 from pdspark.rpc.status import failure_from_rpc_error
 from pdspark.testing.services import ready, spawn_worker, start_router
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import seen_at, wait_until
 from pdspark.testing.worker_load import is_idle, load_of, pages_held
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
@@ -47,7 +48,7 @@ MC_TIMEOUT_S = 5
 ENV = {"MC_TRANSFER_TIMEOUT": str(MC_TIMEOUT_S)}
 PARAMS = SamplingParams(max_tokens=4, **GREEDY)
 TIMEOUT_S = 6.0  # longer than a lease, so that the lease, not the deadline, ends a call to a stopped peer
-SLACK_S = 1.5  # scheduling on a loaded 2-core machine; polling
+SLACK_S = scaled(1.5)  # scheduling on a loaded 2-core machine; polling
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from pdspark import LLM, SamplingParams
 from pdspark.client import AsyncClient
 from pdspark.service_process import ServiceProcess
 from pdspark.testing.services import ready, spawn_worker, start_router
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import seconds_until
 from pdspark.testing.worker_load import is_idle
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
@@ -246,7 +247,7 @@ def test_stopped_prefill_worker_its_requests_are_retried_once_it_is_marked_down(
         check_answers(answers, offline)
         assert retries(router) > retried
         # Ended by the health checks (DETECT_S), not by keepalive (15 s) or the transfer timeout (30 s).
-        assert seconds < DETECT_S + 3, f"the requests on the stopped worker took {seconds:.1f}s"
+        assert seconds < scaled(DETECT_S + 3), f"the requests on the stopped worker took {seconds:.1f}s"
         assert not workers(router)[victim.address]
         idle_s = check_survivors_idle(prefill, decode)  # while the victim is still stopped
     finally:

@@ -34,6 +34,7 @@ from pdspark.rpc import convert
 from pdspark.rpc.status import failure_from_rpc_error
 from pdspark.service_process import ServiceProcess
 from pdspark.testing.services import ready, spawn_worker
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until
 from pdspark.testing.worker_load import is_idle, load_of
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
@@ -41,7 +42,7 @@ from pdspark.v1 import worker_pb2, worker_pb2_grpc
 ARGS = ["--page-size", "16", "--max-model-len", "128", "--max-num-seqs", "16", "--transfer-backend", "mooncake"]
 DECODE = [*ARGS, "--no-prefix-cache", "--max-waiting-streams", "256"]
 PARAMS = SamplingParams(max_tokens=4, **GREEDY)
-CONTROL_BUDGET_S = 0.1  # what a health or load call may take under any load
+CONTROL_BUDGET_S = scaled(0.1)  # what a health or load call may take under any load
 # The transfer engine's batch timeout (its least): the decode side's write grace, after which it frees the pages
 # of a transfer the prefill worker did not answer.
 MC_TIMEOUT_S = 5

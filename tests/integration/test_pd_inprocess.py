@@ -23,6 +23,7 @@ from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.prefill_worker import PrefillWorker
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import until
 from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import PoolKind, cache_buffers, item_pairs, registered_regions
@@ -391,7 +392,7 @@ def test_a_plan_with_an_unknown_payload_kind_fails_both_legs_at_once(pair):
 
     refused, prefill_error, seconds = pair.call(scenario())
     assert refused.code == prefill_error.code == ErrorCode.INCOMPATIBLE
-    assert "TransferPlan.buffers[0].pool" in refused.message and seconds < 1.0
+    assert "TransferPlan.buffers[0].pool" in refused.message and seconds < scaled(1.0)
     assert pair.free_counts_restored()
 
 
@@ -480,8 +481,8 @@ def test_abort_ends_a_waiting_request_at_once_on_either_worker(pair):
         return decode_out, decode_s, await waiting, time.monotonic() - t0
 
     decode_out, decode_s, prefill_out, prefill_s = pair.call(scenario())
-    assert decode_out["decode_error"].code == ErrorCode.ABORTED and decode_s < 1.0
-    assert prefill_out["prefill_error"].code == ErrorCode.ABORTED and prefill_s < 1.0
+    assert decode_out["decode_error"].code == ErrorCode.ABORTED and decode_s < scaled(1.0)
+    assert prefill_out["prefill_error"].code == ErrorCode.ABORTED and prefill_s < scaled(1.0)
     assert pair.free_counts_restored()
 
 
@@ -504,5 +505,5 @@ def test_abort_stops_a_running_request_with_an_abort_output(pair):
     outputs, seconds = pair.call(scenario())
     last = outputs[-1]
     assert last.finished and last.finish_reason == FinishReason.ABORT and len(last.token_ids) < 200
-    assert seconds < 1.0
+    assert seconds < scaled(1.0)
     assert pair.free_counts_restored()

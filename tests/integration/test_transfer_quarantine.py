@@ -24,6 +24,7 @@ from pdspark.errors import ErrorCode, RequestFailed, Unanswered
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import async_seen_at, until
 from pdspark.transfer.inprocess_backend import InProcessBackend
 from pdspark.transfer.plan import TransferResult, TransferStats
@@ -32,7 +33,7 @@ from pdspark.transfer.transfer_plan import registered_regions
 GRACE_S = 0.3
 PARAMS = SamplingParams(max_tokens=4, **GREEDY)
 PROMPT = random_prompts(1, [40], seed=70)[0]
-SLACK_S = 1.0  # how late a free may be observed on a loaded machine (timers, engine-loop turns, polling)
+SLACK_S = scaled(1.0)  # how late a free may be observed on a loaded machine (timers, engine-loop turns, polling)
 
 
 @pytest.fixture(scope="module")
