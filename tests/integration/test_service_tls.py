@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2_grpc
 from pdspark.cli import build_parser
 from pdspark.config import RouterConfig, TLSConfig, UpConfig, WorkerConfig
 from pdspark.errors import ConfigError, ErrorCode
-from pdspark.launcher import Launcher
+from pdspark.launch.up import Launcher
 from pdspark.options import parse_args, parse_options
 from pdspark.router.worker_registry import WorkerRegistry
 from pdspark.rpc.keepalive import SERVER_OPTIONS

@@ -13,7 +13,7 @@ import pytest
 from pdspark.cli import build_parser
 from pdspark.config import AuthConfig, RouterConfig, UpConfig, WorkerConfig
 from pdspark.errors import ConfigError
-from pdspark.launcher import Launcher, restart_delay, scrape_config
+from pdspark.launch.up import Launcher, restart_delay, scrape_config
 from pdspark.options import parse_args, parse_options
 
 

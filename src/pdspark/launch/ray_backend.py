@@ -1,6 +1,6 @@
 """`RayCluster`: `pdspark up --backend ray` runs the cluster's services as Ray actors (the `pdspark[ray]` extra).
 
-`pdspark.launcher` makes the plan (every service's command line, its ports picked up front) and all the output;
+`pdspark.launch.up` makes the plan (every service's command line, its ports picked up front) and all the output;
 this module runs that plan on Ray: a local Ray it starts (`ray.init`) or one it joins (`--ray-address`).
 
 NOTE: one code path. An actor (`ServiceActor`) starts its service exactly as the process backend does:
@@ -27,7 +27,7 @@ import warnings
 from typing import Any, NamedTuple
 
 from pdspark.config import UpConfig
-from pdspark.service_process import spawn_service, wait_ready
+from pdspark.launch.service_process import spawn_service, wait_ready
 
 _POLL_S = 1.0  # how often `poll` asks each actor about its service
 _STOP_TIMEOUT_S = 20.0  # for every service's graceful stop (SIGTERM, drain) before its actor is killed

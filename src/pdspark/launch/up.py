@@ -47,11 +47,11 @@ from dataclasses import dataclass
 
 from pdspark.assets import resolve_model
 from pdspark.config import AuthConfig, RouterConfig, TLSConfig, UpConfig, WorkerConfig
+from pdspark.launch.service_process import ServiceProcess, spawn_service
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import replace_options, secret_env, to_argv
 from pdspark.router.api_keys import is_loopback
 from pdspark.rpc.throwaway_ca import ThrowawayCA
-from pdspark.service_process import ServiceProcess, spawn_service
 
 STABLE_S = 60.0  # a run ready this long resets its service's failure count (and so its backoff)
 READY_TIMEOUT_S = 180.0  # a (re)started service not ready by then is stopped and counted as a failure
@@ -324,8 +324,8 @@ def launch(cfg: UpConfig) -> int:
 
 def run_on_ray(launcher: Launcher) -> int:
     """The same plan and output as `Launcher.run`, with each service in a Ray actor that Ray restarts (see
-    `pdspark.ray_launcher`). Ctrl-C / SIGTERM stops the services, their actors and the Ray processes started."""
-    from pdspark.ray_launcher import RayCluster, ServiceStartError
+    `pdspark.launch.ray_backend`). Ctrl-C / SIGTERM stops the services, their actors and the Ray processes started."""
+    from pdspark.launch.ray_backend import RayCluster, ServiceStartError
 
     cfg, stop = launcher.cfg, launcher.stop
     _log(f"pdspark up: starting Ray ({cfg.ray_address or 'local'}) for {cfg.prefill} prefill + {cfg.decode} "
