@@ -350,7 +350,7 @@ class UpConfig:
     auth: AuthConfig = nested(AuthConfig, "API keys of the router")
     tls: bool = option(False, "mutual TLS between the services and HTTPS/TLS on the router's ports, with "
                        "certificates of a throwaway CA made for this run (its path is printed for clients)")
-    # Supervision (see `pdspark.launch.up`): a service that exits is restarted on the same ports.
+    # Supervision (see `pdspark.launch.supervisor`): a service that exits is restarted on the same ports.
     restart: bool = option(True, "restart a service that exits, on the same ports (off: any exit stops the cluster)")
     restart_backoff_s: float = option(1.0, "seconds before restarting a service that exited; doubled per "
                                       "consecutive failure", minimum=0.1)

@@ -1,16 +1,16 @@
-"""`RayCluster`: `pdspark up --backend ray` runs the cluster's services as Ray actors (the `pdspark[ray]` extra).
-
-`pdspark.launch.up` makes the plan (every service's command line, its ports picked up front) and all the output;
-this module runs that plan on Ray: a local Ray it starts (`ray.init`) or one it joins (`--ray-address`).
+"""The Ray backend of `pdspark up --backend ray` (the `pdspark[ray]` extra): every run of a service in a Ray actor, on
+a local Ray it starts (`ray.init`) or one it joins (`--ray-address`).
 
 NOTE: one code path. An actor (`ServiceActor`) starts its service exactly as the process backend does:
 `spawn_service` runs `python -m pdspark.cli serve <role> ...` as the actor's child, tied by `PR_SET_PDEATHSIG` to
 the thread that spawned it, the actor's main thread (Ray runs a synchronous actor's methods there), so a killed
 actor takes its service with it.
-NOTE: restarts are Ray's. A service that exits makes its actor exit (`os._exit`), and Ray restarts the actor
-(`max_restarts=-1`; 0 with `--no-restart`). The new actor waits `restart_backoff_s`, then runs the same command
-line on the same ports: the router re-admits a worker at the address it already knows. `poll()` reports each exit
-and each restart (a new service pid that is ready).
+NOTE: restarts are the supervisor's, as with child processes. An actor hosts one run of its service; Ray does not
+restart it (`max_restarts=0`): the supervisor starts the next run in a new actor, after its backoff, on the same
+ports (the router re-admits a worker at the address it already knows). Stopping a run kills its actor, which would
+otherwise keep holding its resources (and a crash loop would pile them up).
+NOTE: polled state. A run reports what its actor last answered to `status`: `poll()` keeps at most one such call in
+flight per actor, asked every `_POLL_S`. An actor that dies (its process killed) ends its run.
 NOTE: placement. Every actor takes its role's resources (`--ray-*-resources`: `CPU`/`GPU` amounts, fractions
 allowed, or custom resources), so Ray places it where they are free. The addresses are picked on the launcher's
 machine and are loopback by default, so the actors are pinned to the launcher's node (a joined multi-node cluster
@@ -19,171 +19,182 @@ places them on that node only).
 
 from __future__ import annotations
 
+import math
 import os
-import sys
-import threading
 import time
-import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 from pdspark.config import UpConfig
-from pdspark.launch.service_process import spawn_service, wait_ready
+from pdspark.launch.plan import Service
+from pdspark.launch.service_process import spawn_service
 
-_POLL_S = 1.0  # how often `poll` asks each actor about its service
-_STOP_TIMEOUT_S = 20.0  # for every service's graceful stop (SIGTERM, drain) before its actor is killed
-
-
-class ServiceStartError(RuntimeError):
-    """A service failed its first start (a configuration error: `up` stops everything)."""
-
-
-class ServiceChange(NamedTuple):
-    """What `RayCluster.poll` saw happen to a service since the last poll."""
-
-    name: str
-    event: str  # "exited" or "restarted"
-    pid: int  # the service's pid: the one that exited, or the new one
-    info: dict  # a restarted service's ready line ({} for "exited")
-    restarts: int
+_POLL_S = 1.0  # how often each actor is asked about its service
+_STOP_TIMEOUT_S = 20.0  # for a service's graceful stop (SIGTERM, drain) before its actor is killed
+_TAIL_LINES = 40  # of a service's output, sent once it has ended (for the supervisor's report)
 
 
 class ServiceActor:
-    """One service as the child of a Ray actor (made remote by `RayCluster`)."""
+    """One run of one service, as the child of a Ray actor (made remote by `RayBackend`)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], restart_backoff_s: float):
-        import ray
-
-        with warnings.catch_warnings():  # 2.60 deprecates the property without a replacement
-            warnings.simplefilter("ignore")
-            restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        if restarted:
-            time.sleep(restart_backoff_s)
-        self.name = name
-        self.stopping = False
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
         self.process = spawn_service(name, argv, env)
-        threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True).start()
-
-    def _watch(self) -> None:
-        self.process.proc.wait()
-        if self.stopping:
-            return
-        self.process.drain()
-        print(f"pdspark up: {self.name} {self.process.exit_text}; its last stderr lines:\n"
-              f"{self.process.stderr_tail()}", file=sys.stderr, flush=True)
-        os._exit(1)  # Ray restarts the actor, which starts the service again
-
-    def wait_ready(self, timeout: float) -> dict:
-        wait_ready(self.process, timeout)
-        return self.status()
 
     def status(self) -> dict:
+        """Where the service stands; once it has ended, also its last output lines (`log`, `errors`)."""
         p = self.process
-        return {"pid": p.pid, "ready": p.ready, "info": p.info, "actor_pid": os.getpid()}
+        status = {"pid": p.pid, "ready": p.ready, "info": p.info, "returncode": p.returncode,
+                  "exit_text": p.exit_text, "actor_pid": os.getpid()}
+        if status["returncode"] is not None:
+            p.drain()
+            status.update(log=p.log[-_TAIL_LINES:], errors=p.errors[-_TAIL_LINES:])
+        return status
 
     def send_signal(self, signum: int) -> None:
-        if self.process.alive:
-            self.process.proc.send_signal(signum)
+        self.process.send_signal(signum)
 
-    def stop(self) -> int:
-        self.stopping = True
-        return self.process.stop()
+    def stop(self) -> dict:
+        self.process.stop()
+        return self.status()
 
 
-class _Tracked:
+class RayRun:
+    """A `ServiceRun` whose service is a Ray actor's child: it reports the actor's last `status` answer."""
+
     def __init__(self, actor: Any):
-        self.actor = actor
-        self.pid = 0
-        self.down = False
-        self.restarts = 0
-        self.pending: Any = None  # the outstanding `status` call
-        self.asked_at = 0.0
+        self._actor = actor
+        self._status: dict = {"pid": 0, "ready": False, "info": {}, "returncode": None, "exit_text": "running",
+                              "actor_pid": 0}
+        self._pending: Any = None  # the outstanding `status` call
+        self._asked_at = -math.inf
+        self._stopping: Any = None  # the outstanding `stop` call
+        self._lost: str | None = None  # why the run ended when its actor died (no exit status to tell)
+        self.freed = False  # its actor killed
+
+    @property
+    def pid(self) -> int:
+        return self._status["pid"]
+
+    @property
+    def info(self) -> dict:
+        return self._status["info"]
+
+    @property
+    def ready(self) -> bool:
+        return self._status["ready"]
+
+    @property
+    def alive(self) -> bool:
+        return self._lost is None and self._status["returncode"] is None and not self.freed
+
+    @property
+    def returncode(self) -> int | None:
+        return self._status["returncode"]
+
+    @property
+    def exit_text(self) -> str:
+        return self._lost or self._status["exit_text"]
+
+    @property
+    def details(self) -> dict:
+        return {"actor_pid": self._status["actor_pid"]}
+
+    def tail(self, n: int = 40) -> str:
+        return "".join(self._status.get("log", [])[-n:])
+
+    def stderr_tail(self, n: int = 10) -> str:
+        return "".join(self._status.get("errors", [])[-n:])
+
+    def drain(self) -> None:
+        pass  # the actor drained its service's output before it reported the end
+
+    def refresh(self, now: float) -> None:
+        """Take the answer to the status call in flight if there is one; else ask again, every `_POLL_S`."""
+        import ray
+
+        if not self.alive or self._stopping is not None:
+            return
+        if self._pending is None:
+            if now - self._asked_at >= _POLL_S:
+                self._pending, self._asked_at = self._actor.status.remote(), now
+            return
+        done, _ = ray.wait([self._pending], timeout=0)
+        if done:
+            ref, self._pending = self._pending, None
+            self._take(ref)
+
+    def send_signal(self, signum: int) -> None:
+        if self.alive:
+            self._actor.send_signal.remote(signum)
+
+    def terminate(self) -> None:
+        if self._stopping is None and not self.freed:
+            self._stopping = self._actor.stop.remote()
+
+    def stop(self) -> int | None:
+        import ray
+
+        if not self.freed:
+            self.terminate()
+            done, _ = ray.wait([self._stopping], timeout=_STOP_TIMEOUT_S)
+            if done:
+                self._take(done[0])  # the final status: exit code and last output lines
+            elif self.alive:
+                self._lost = f"not stopped within {_STOP_TIMEOUT_S:.0f}s (its Ray actor killed)"
+            self.kill()
+        return self.returncode
+
+    def kill(self) -> None:
+        """Kill the actor (and so its service) at once."""
+        import ray
+
+        if not self.freed:
+            ray.kill(self._actor, no_restart=True)
+            self.freed = True
+
+    def _take(self, ref: Any) -> None:
+        import ray
+
+        try:
+            self._status = ray.get(ref)
+        except ray.exceptions.RayError as e:  # the actor died, and its service with it
+            self._lost = self._lost or f"lost with its Ray actor ({type(e).__name__})"
 
 
-class RayCluster:
+class RayBackend:
+    """A `ServiceBackend` on Ray; creating it starts the local Ray (5-10 s) or joins `--ray-address`."""
+
     def __init__(self, cfg: UpConfig):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.cfg = cfg
-        self.started = cfg.ray_address is None  # else joined: ray.shutdown() only disconnects
-        ray.init(address=cfg.ray_address, num_cpus=cfg.ray_num_cpus if self.started else None,
-                 include_dashboard=False)
+        started = cfg.ray_address is None  # else joined: ray.shutdown() only disconnects
+        ray.init(address=cfg.ray_address, num_cpus=cfg.ray_num_cpus if started else None, include_dashboard=False)
         self._node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self._remote = ray.remote(ServiceActor)
-        self.services: dict[str, _Tracked] = {}
+        self._runs: list[RayRun] = []
 
-    def start(self, name: str, role: str, argv: list[str], env: dict[str, str]) -> None:
-        """Create the actor of one service (`role`: router, prefill or decode, for its resources)."""
-        resources = self.cfg.ray_resources(role)
+    def start(self, service: Service) -> RayRun:
+        resources = self.cfg.ray_resources(service.role)
         actor = self._remote.options(
             num_cpus=resources.pop("CPU", 0.0), num_gpus=resources.pop("GPU", 0.0), resources=resources,
-            max_restarts=-1 if self.cfg.restart else 0, scheduling_strategy=self._node,
-        ).remote(name, argv, env, self.cfg.restart_backoff_s)
-        self.services[name] = _Tracked(actor)
+            max_restarts=0, scheduling_strategy=self._node,
+        ).remote(service.name, service.argv, service.env)
+        run = RayRun(actor)
+        self._runs.append(run)
+        return run
 
-    def wait_ready(self, names: list[str], stop: threading.Event, timeout: float) -> dict[str, dict] | None:
-        """Every named service's status once all are ready; None if `stop` is set first. Raises
-        `ServiceStartError` for a service that fails to start."""
-        import ray
-
-        refs = {self.services[n].actor.wait_ready.remote(timeout): n for n in names}
-        out: dict[str, dict] = {}
-        while len(out) < len(names):
-            if stop.is_set():
-                return None
-            done, _ = ray.wait(list(set(refs) - {r for r, n in refs.items() if n in out}), timeout=0.2)
-            for ref in done:
-                name = refs[ref]
-                try:
-                    out[name] = ray.get(ref)
-                except ray.exceptions.RayError as e:
-                    raise ServiceStartError(f"{name} failed to start: {e}") from e
-                self.services[name].pid = out[name]["pid"]
-        return out
-
-    def poll(self) -> list[ServiceChange]:
-        """What happened to the services since the last call (at most one status call per service in flight)."""
-        import ray
-
-        changes: list[ServiceChange] = []
+    def poll(self) -> None:
+        self._runs = [r for r in self._runs if not r.freed]
         now = time.monotonic()
-        for name, s in self.services.items():
-            if s.pending is None:
-                if now - s.asked_at >= _POLL_S:
-                    s.pending, s.asked_at = s.actor.status.remote(), now
-                continue
-            done, _ = ray.wait([s.pending], timeout=0)
-            if not done:
-                continue
-            ref, s.pending = s.pending, None
-            try:
-                status = ray.get(ref)
-            except ray.exceptions.RayError:  # the actor died (and is restarting, or is gone for good)
-                status = None
-            if (status is None or status["pid"] != s.pid) and not s.down:
-                s.down = True
-                changes.append(ServiceChange(name, "exited", s.pid, {}, s.restarts))
-            if status is not None and s.down and status["ready"]:
-                s.down, s.pid, s.restarts = False, status["pid"], s.restarts + 1
-                changes.append(ServiceChange(name, "restarted", s.pid, status["info"], s.restarts))
-        return changes
+        for run in self._runs:
+            run.refresh(now)
 
-    def send_signal(self, name: str, signum: int) -> None:
-        """Pass a signal on to a service (SIGHUP: the router reads its key files again); does not wait."""
-        self.services[name].actor.send_signal.remote(signum)
-
-    def is_down_for_good(self, name: str) -> bool:
-        """With `--no-restart`, a service that exited stays down."""
-        return not self.cfg.restart and self.services[name].down
-
-    def shutdown(self, order: list[list[str]]) -> None:
-        """Stop the services group by group (each group at once, gracefully, bounded), kill their actors, then
-        stop the Ray processes `ray.init` started (or just disconnect from a joined cluster)."""
+    def close(self) -> None:
+        """Kill any actor left (the supervisor stops every run first), then stop the Ray processes `ray.init`
+        started (or just disconnect from a joined cluster)."""
         import ray
 
-        for group in order:
-            refs = [self.services[n].actor.stop.remote() for n in group if n in self.services]
-            ray.wait(refs, num_returns=len(refs), timeout=_STOP_TIMEOUT_S)
-        for s in self.services.values():
-            ray.kill(s.actor, no_restart=True)
+        for run in self._runs:
+            run.kill()
         ray.shutdown()
