@@ -43,7 +43,7 @@ import torch
 from report import RESULTS, figure, save_figure, write_json
 
 from pdspark import LLM, SamplingParams
-from pdspark.service_process import ServiceProcess, spawn_service, wait_ready
+from pdspark.launch.service_process import ServiceProcess, spawn_service, wait_ready
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 POLL_S = 0.05  # /workers polling while a fault is watched

@@ -40,9 +40,9 @@ from pathlib import Path
 import grpc
 from report import figure, save_figure, write_json
 
+from pdspark.launch.service_process import ServiceProcess
 from pdspark.rpc import convert
 from pdspark.rpc.multiplexed_client import MultiplexedClient
-from pdspark.service_process import ServiceProcess
 from pdspark.testing.services import start_router, start_worker
 from pdspark.types import SamplingParams
 from pdspark.v1 import worker_pb2, worker_pb2_grpc

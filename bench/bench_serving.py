@@ -37,7 +37,7 @@ from pathlib import Path
 from report import RESULTS, figure, paired_bars, save_figure, write_json
 
 from pdspark.assets import resolve_model
-from pdspark.service_process import ServiceProcess, spawn_service, wait_ready
+from pdspark.launch.service_process import ServiceProcess, spawn_service, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = RESULTS / "serving"  # guidellm's own JSON and console log per run (large; git-ignored)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from report import RESULTS, write_json
 
-from pdspark.service_process import ServiceProcess, start_service
+from pdspark.launch.service_process import ServiceProcess, start_service
 from pdspark.testing.prometheus_server import PrometheusServer
 from pdspark.testing.router_http import drop_a_stream, post
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdspark.service_process import ServiceProcess, spawn_process
+from pdspark.launch.service_process import ServiceProcess, spawn_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_DOMAIN = "cluster.local"  # the kubelet's default, as the chart's clusterDomain value

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _up(args: argparse.Namespace, cfg: UpConfig) -> int:
     require_engine("`pdspark up` (its workers)")
-    from pdspark.launcher import launch
+    from pdspark.launch.up import launch
 
     return launch(cfg)
 

@@ -28,7 +28,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "modelslim", "none"]  # `pdspark.model.loader.QUANTIZATIONS`
 Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # the names of `pdspark.router.policies.POLICIES`
 TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfer.backend.create_backend` takes
-UpBackend = Literal["process", "ray"]  # how `pdspark up` runs its services (`pdspark.launcher`)
+UpBackend = Literal["process", "ray"]  # how `pdspark up` runs its services (`pdspark.launch.up`)
 # How the router's Prefill and Generate calls reach a worker: one gRPC call each, or multiplexed on one stream per
 # worker (`pdspark.rpc.multiplexed_client`).
 WorkerCalls = Literal["per-request", "multiplexed"]
@@ -350,7 +350,7 @@ class UpConfig:
     auth: AuthConfig = nested(AuthConfig, "API keys of the router")
     tls: bool = option(False, "mutual TLS between the services and HTTPS/TLS on the router's ports, with "
                        "certificates of a throwaway CA made for this run (its path is printed for clients)")
-    # Supervision (see `pdspark.launcher`): a service that exits is restarted on the same ports.
+    # Supervision (see `pdspark.launch.supervisor`): a service that exits is restarted on the same ports.
     restart: bool = option(True, "restart a service that exits, on the same ports (off: any exit stops the cluster)")
     restart_backoff_s: float = option(1.0, "seconds before restarting a service that exited; doubled per "
                                       "consecutive failure", minimum=0.1)
@@ -358,7 +358,8 @@ class UpConfig:
     crash_loop_restarts: int = option(5, "consecutive failures of one service reported as a crash loop (restarts "
                                       "go on at the longest backoff)", minimum=1)
     otlp_endpoint: str | None = option(None, _OTLP_HELP + " (passed to the router and every worker)")
-    # Where the services run: child processes of `up`, or Ray actors (`pdspark.ray_launcher`; the `pdspark[ray]` extra).
+    # Where the services run: child processes of `up`, or Ray actors (`pdspark.launch.ray_backend`; the
+    # `pdspark[ray]` extra).
     backend: UpBackend = option("process", "run the services as child processes, or as Ray actors")
     ray_address: str | None = option(None, "with --backend ray: join this Ray cluster (`auto` or HOST:PORT) instead "
                                      "of starting a local one")

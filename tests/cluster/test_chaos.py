@@ -45,8 +45,8 @@ from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.client import Client, ClientError
 from pdspark.errors import ErrorCode
+from pdspark.launch.service_process import ServiceProcess, start_service
 from pdspark.rpc.status import reported_failure
-from pdspark.service_process import ServiceProcess, start_service
 from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until
 from pdspark.testing.worker_load import WorkerAt, load_of, what_is_held

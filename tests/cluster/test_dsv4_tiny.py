@@ -100,7 +100,7 @@ def test_pdspark_up_serves_dsv4_tiny_like_offline(tiny, prompts):
     import openai
 
     from pdspark.client import Client
-    from pdspark.service_process import start_service
+    from pdspark.launch.service_process import start_service
 
     cluster = start_service("pdspark up", ["up", "--port", "0", "--grpc-port", "0", "--max-model-len", "1024"],
                             timeout=240)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdspark.service_process import ServiceProcess, spawn_service, wait_ready
+from pdspark.launch.service_process import ServiceProcess, spawn_service, wait_ready
 from pdspark.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from proto_strategies import fields, requests
 

@@ -21,7 +21,7 @@ import pytest
 from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.client import Client
-from pdspark.service_process import ServiceProcess, start_service
+from pdspark.launch.service_process import ServiceProcess, start_service
 from pdspark.testing.waiting import wait_until
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 

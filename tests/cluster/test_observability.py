@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pdspark.service_process import start_service
+from pdspark.launch.service_process import start_service
 from pdspark.testing.prometheus_server import PrometheusServer, tool
 from pdspark.testing.router_http import drop_a_stream, post
 from pdspark.testing.waiting import wait_until

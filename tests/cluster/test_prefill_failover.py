@@ -32,7 +32,7 @@ import pytest
 
 from pdspark import LLM, SamplingParams
 from pdspark.client import AsyncClient
-from pdspark.service_process import ServiceProcess
+from pdspark.launch.service_process import ServiceProcess
 from pdspark.testing.services import ready, spawn_worker, start_router
 from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import seconds_until

@@ -13,7 +13,7 @@ import openai
 
 from helpers import make_llm
 from pdspark import SamplingParams
-from pdspark.service_process import ServiceProcess, start_service
+from pdspark.launch.service_process import ServiceProcess, start_service
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]

@@ -17,7 +17,7 @@ from conftest import random_prompts
 from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.client import AsyncClient, Client
-from pdspark.service_process import start_service
+from pdspark.launch.service_process import start_service
 from pdspark.testing.waiting import wait_until
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdspark.service_process import spawn_process, wait_ready
+from pdspark.launch.service_process import spawn_process, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 3

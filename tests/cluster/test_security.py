@@ -20,7 +20,7 @@ import pytest
 
 from pdspark.client import Client, ClientError
 from pdspark.errors import ErrorCode
-from pdspark.service_process import ServiceProcess, start_service
+from pdspark.launch.service_process import ServiceProcess, start_service
 
 K, A = "k-client-0123456789abcdef", "a-admin-0123456789abcdef"
 ROTATED = "k-rotated-0123456789abcdef"

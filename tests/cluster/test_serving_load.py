@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from pdspark import LLM, SamplingParams
-from pdspark.service_process import start_service
+from pdspark.launch.service_process import start_service
 from pdspark.testing.services import start_router
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 

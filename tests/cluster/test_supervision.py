@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdspark.service_process import ServiceProcess, start_service
+from pdspark.launch.service_process import ServiceProcess, start_service
 from pdspark.testing.waiting import wait_until
 
 ENGINE = ["--model", "dsv4-tiny", "--max-model-len", "512", "--max-num-seqs", "4", "--port", "0", "--grpc-port", "0"]

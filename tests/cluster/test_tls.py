@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdspark import LLM, SamplingParams
 from pdspark.client import Client, ClientError, TLSOptions
 from pdspark.errors import ErrorCode
-from pdspark.service_process import ServiceProcess, start_service
+from pdspark.launch.service_process import ServiceProcess, start_service
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 K, A = "k-client-0123456789abcdef", "a-admin-0123456789abcdef"

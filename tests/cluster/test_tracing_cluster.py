@@ -9,7 +9,7 @@ import time
 import urllib.request
 
 from otlp_collector import OtlpCollector
-from pdspark.service_process import start_service
+from pdspark.launch.service_process import start_service
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "4"]
 NAMES = {"request", "attempt", "prefill", "transfer", "decode", "submit_plan"}

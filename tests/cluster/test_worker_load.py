@@ -30,9 +30,9 @@ from conftest import random_prompts
 from helpers import GREEDY
 from pdspark import SamplingParams
 from pdspark.errors import ErrorCode
+from pdspark.launch.service_process import ServiceProcess
 from pdspark.rpc import convert
 from pdspark.rpc.status import failure_from_rpc_error
-from pdspark.service_process import ServiceProcess
 from pdspark.testing.services import ready, spawn_worker
 from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until

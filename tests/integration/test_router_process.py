@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdspark.service_process import ServiceProcess
+from pdspark.launch.service_process import ServiceProcess
 from pdspark.testing.services import start_router
 
 ROOT = Path(__file__).resolve().parents[2]

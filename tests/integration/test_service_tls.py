@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import stat
-import threading
 from pathlib import Path
 
 import grpc
@@ -20,7 +19,7 @@ from grpc_health.v1 import health_pb2_grpc
 from pdspark.cli import build_parser
 from pdspark.config import RouterConfig, TLSConfig, UpConfig, WorkerConfig
 from pdspark.errors import ConfigError, ErrorCode
-from pdspark.launcher import Launcher
+from pdspark.launch.plan import plan_cluster
 from pdspark.options import parse_args, parse_options
 from pdspark.router.worker_registry import WorkerRegistry
 from pdspark.rpc.keepalive import SERVER_OPTIONS
@@ -134,10 +133,10 @@ def test_up_tls_gives_every_service_its_own_certificate(tmp_path):
     folder.mkdir(mode=0o700)
     cfg = parse_args(UpConfig, ["--tls", "--prefill", "1", "--decode", "2", "--port", "0", "--grpc-port", "0",
                                 "--max-model-len", "256"], {})
-    launcher = Launcher(cfg, threading.Event(), str(folder))
+    plan = plan_cluster(cfg, str(folder))
     parser = build_parser()
     ca = str(folder / "ca.pem")
-    for s in launcher.workers:
+    for s in plan.workers:
         args = parser.parse_args(s.argv)
         w = parse_options(WorkerConfig, args, {}, fixed={"role": args.role})
         assert w.tls == TLSConfig(str(folder / f"{s.name}.pem"), str(folder / f"{s.name}.key"), ca), s.name
@@ -145,9 +144,9 @@ def test_up_tls_gives_every_service_its_own_certificate(tmp_path):
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [ROLE_URI_PREFIX + args.role]
         assert "localhost" in sans.get_values_for_type(x509.DNSName)
-    router = parse_options(RouterConfig, parser.parse_args(launcher.router.argv), {})
+    router = parse_options(RouterConfig, parser.parse_args(plan.router.argv), {})
     assert router.tls.tls_ca == ca and router.ssl_certfile == router.tls.tls_cert == str(folder / "router.pem")
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         ["ca.pem"] + [f"{n}.{ext}" for n in ("prefill-0", "decode-1", "decode-2", "router") for ext in ("pem", "key")])
     assert all(stat.S_IMODE(k.stat().st_mode) == 0o600 for k in folder.glob("*.key"))
-    assert not any("BEGIN" in a for s in launcher.services for a in s.argv)  # paths on the command line, no PEM
+    assert not any("BEGIN" in a for s in plan.services for a in s.argv)  # paths on the command line, no PEM

@@ -14,7 +14,7 @@ import threading
 
 import grpc
 
-from pdspark.service_process import spawn_process, wait_ready
+from pdspark.launch.service_process import spawn_process, wait_ready
 
 SPAWNS = 30
 READY = "import sys; print('{\"event\": \"ready\", \"ppid\": %d}' % __import__('os').getppid()); sys.stdout.flush()"

@@ -326,7 +326,7 @@ def test_keys_never_reach_a_command_line_a_repr_or_an_error_message():
 
 
 def test_up_passes_its_options_to_the_children():
-    from pdspark.launcher import router_config, worker_configs
+    from pdspark.launch.plan import router_config, worker_configs
 
     up = parse(UpConfig, ["--model", "m", "--page-size", "16", "--max-model-len", "256", "--no-speculative"])
     workers = worker_configs(up, has_draft=True)

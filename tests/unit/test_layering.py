@@ -25,7 +25,6 @@ LAYERS: dict[str, int] = {
     "quant": 1,  # quantized checkpoints (ModelSlim) and their reference kernels, under model
     "assets": 1,
     "options": 1,  # the flag/env/keyword generator under config
-    "orphan_guard": 0,  # a script service_process execs (stdlib only)
     "model": 2,
     "config": 3,
     "cache": 4,
@@ -36,12 +35,10 @@ LAYERS: dict[str, int] = {
     "client": 7,
     "router": 7,
     "llm": 7,
-    "service_process": 8,
-    "ray_launcher": 9,  # `pdspark up --backend ray`: the launcher's Ray backend
-    "launcher": 10,
-    "cli": 11,
-    "testing": 11,  # helpers for tests and benchmarks: stub workers, services started by PID, waits with deadlines
-    "__init__": 11,
+    "launch": 8,  # `pdspark up` (plan, supervisor, process and Ray backends) and `ServiceProcess`
+    "cli": 9,
+    "testing": 9,  # helpers for tests and benchmarks: stub workers, services started by PID, waits with deadlines
+    "__init__": 9,
 }
 
 

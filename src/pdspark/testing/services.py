@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pdspark.service_process import ServiceProcess, spawn_service, start_service, wait_ready
+from pdspark.launch.service_process import ServiceProcess, spawn_service, start_service, wait_ready
 from pdspark.testing.time_scale import scaled
 
 

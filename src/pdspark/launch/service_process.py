@@ -1,4 +1,5 @@
-"""`ServiceProcess`: a pdspark service started as a child process, ready once it prints its JSON ready line.
+"""`ServiceProcess`: a pdspark service started as a child process, ready once it prints its JSON ready line. It is
+also the process backend's `ServiceRun` (`pdspark.launch.backend`).
 
 Children are asked to die with their parent (Linux `PR_SET_PDEATHSIG`, set by `orphan_guard.py` before it execs the
 child's command), so a killed launcher leaves no orphans;
@@ -51,6 +52,15 @@ class ServiceProcess:
         return self.ready_event.is_set()
 
     @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    @property
+    def details(self) -> dict:
+        """Nothing to add to `up`'s ready event: the pid is where the service runs."""
+        return {}
+
+    @property
     def exit_text(self) -> str:
         """How the child ended, for logs: "exit code 1", "killed by SIGKILL" (or "running")."""
         code = self.proc.poll()
@@ -62,10 +72,13 @@ class ServiceProcess:
             return f"killed by signal {-code}"
         return f"exit code {code}"
 
+    def send_signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
     def terminate(self) -> None:
         """Ask the child to stop (SIGTERM) without waiting; `stop()` waits."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        self.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 15.0) -> int:
         self.terminate()
