@@ -17,7 +17,7 @@ from pdspark.router.dispatcher import DispatchChunk
 from pdspark.router.http_api import build_app
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
-from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.rpc import convert
 from pdspark.types import FinishReason, SamplingParams
 from pdspark.v1 import worker_pb2

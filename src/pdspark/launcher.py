@@ -49,7 +49,7 @@ from pdspark.assets import resolve_model
 from pdspark.config import AuthConfig, RouterConfig, TLSConfig, UpConfig, WorkerConfig
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import replace_options, secret_env, to_argv
-from pdspark.router.api_keys import is_loopback
+from pdspark.router.auth.api_keys import is_loopback
 from pdspark.rpc.throwaway_ca import ThrowawayCA
 from pdspark.service_process import ServiceProcess, spawn_service
 
@@ -378,7 +378,7 @@ def run_on_ray(launcher: Launcher) -> int:
 def scrape_config(http: str, auth: AuthConfig, host: str) -> str:
     """A Prometheus scrape config for the cluster (human text): HTTP service discovery at the router, which lists
     every metrics endpoint. The list names worker addresses, so it takes an admin key unless the router is a
-    development one (no key of either kind, loopback only: see `pdspark.router.api_keys`)."""
+    development one (no key of either kind, loopback only: see `pdspark.router.auth.api_keys`)."""
     url = f"{http}/prometheus/targets"
     lines = ["Prometheus: the router lists every metrics endpoint (its own and each worker's) at",
              f"  {url}  (HTTP service discovery). A scrape config:",

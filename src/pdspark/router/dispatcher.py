@@ -38,9 +38,9 @@ import grpc
 
 from pdspark.deadline import Deadline
 from pdspark.errors import ErrorCode, RequestFailed
-from pdspark.router.policies import Policy
 from pdspark.router.random_id import uuid4_hex
-from pdspark.router.worker_registry import ROLES, WorkerInfo, WorkerRegistry
+from pdspark.router.workers.policies import Policy
+from pdspark.router.workers.worker_registry import ROLES, WorkerInfo, WorkerRegistry
 from pdspark.rpc import convert, tracing
 from pdspark.rpc.multiplexed_client import MultiplexedCall
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure

@@ -29,13 +29,13 @@ from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.tokenizer import Tokenizer
 from pdspark.router.admission_queue import AdmissionQueue, AdmissionTicket
-from pdspark.router.api_keys import ANONYMOUS, Access, ApiKeys, Caller
-from pdspark.router.chat_template import ChatTemplate
+from pdspark.router.auth.api_keys import ANONYMOUS, Access, ApiKeys, Caller
+from pdspark.router.auth.key_quota import KeyQuota
 from pdspark.router.dispatcher import DispatchChunk, Dispatcher
-from pdspark.router.key_quota import KeyQuota
+from pdspark.router.openai.chat_template import ChatTemplate
 from pdspark.router.random_id import uuid4_hex
 from pdspark.router.router_metrics import RouterMetrics
-from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.rpc import tracing
 from pdspark.types import FinishReason, SamplingParams
 
