@@ -31,8 +31,9 @@ from pdspark.model.tokenizer import Tokenizer
 from pdspark.router.admission_queue import AdmissionQueue, AdmissionTicket
 from pdspark.router.auth.api_keys import ANONYMOUS, Access, ApiKeys, Caller
 from pdspark.router.auth.key_quota import KeyQuota
-from pdspark.router.dispatcher import DispatchChunk, Dispatcher
+from pdspark.router.dispatcher import Dispatcher
 from pdspark.router.openai.chat_template import ChatTemplate
+from pdspark.router.pair_attempt import DispatchChunk
 from pdspark.router.random_id import uuid4_hex
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.workers.worker_registry import WorkerRegistry
