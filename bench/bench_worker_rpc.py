@@ -6,7 +6,7 @@ servers run in one child process (its CPU is the "server" column); the calls are
 all threads, is the "client" column: the router's share). Transports:
 
 - `unary+stream`: today's path: a grpc.aio unary call (Prefill) and a unary-stream call (Generate) per request,
-  each with a timeout, as `Dispatcher._run_pair` makes them.
+  each with a timeout, as `PairAttempt.chunks` makes them.
 - `unary+unary`: the decode leg as a unary call too (a generic handler answering the one chunk): what a
   unary-stream call costs over a unary one.
 - `mux`: one long-lived bidirectional stream per (client, server) channel; each request is a frame tagged with an
@@ -322,7 +322,7 @@ class MuxBatched(Mux):
 
 
 class PdsparkMultiplexed:
-    """The router's `--worker-calls multiplexed`, called as `Dispatcher._run_pair` calls it."""
+    """The router's `--worker-calls multiplexed`, called as `PairAttempt.chunks` calls it."""
 
     def __init__(self, prefill: str, decode: str):
         self.channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in (prefill, decode)]

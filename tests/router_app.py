@@ -13,11 +13,11 @@ from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
-from pdspark.router.dispatcher import DispatchChunk
 from pdspark.router.http_api import build_app
+from pdspark.router.pair_attempt import DispatchChunk
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
-from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.rpc import convert
 from pdspark.types import FinishReason, SamplingParams
 from pdspark.v1 import worker_pb2

@@ -18,7 +18,7 @@ from pdspark.router.http_api import build_app
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.router_server import build_grpc_server
-from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.testing.worker_stubs import StubDecode, StubHealth, StubPrefill, serve_stub
 
 

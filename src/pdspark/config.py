@@ -26,7 +26,7 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "modelslim", "none"]  # `pdspark.model.loader.QUANTIZATIONS`
-Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # the names of `pdspark.router.policies.POLICIES`
+Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # `pdspark.router.workers.policies.POLICIES`
 TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfer.backend.create_backend` takes
 UpBackend = Literal["process", "ray"]  # how `pdspark up` runs its services (`pdspark.launch.up`)
 # How the router's Prefill and Generate calls reach a worker: one gRPC call each, or multiplexed on one stream per
@@ -185,7 +185,7 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class AuthConfig:
-    """Who may call the router (see `pdspark.router.api_keys`): clients with an API key on `/v1/*` and `/generate`
+    """Who may call the router (see `pdspark.router.auth.api_keys`): clients with an API key on `/v1/*` and `/generate`
     (HTTP `Authorization: Bearer`, gRPC `authorization` metadata), operators with an admin key on `/workers`. Several
     keys of each kind may be valid at once, so a key is rotated by adding the new one, moving its clients, then
     removing the old one. Keys in files are read again on SIGHUP."""

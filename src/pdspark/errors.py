@@ -69,7 +69,7 @@ class ErrorCode(enum.Enum):
     # Busy, not broken: the router tries another pair, and answers 429 + Retry-After when every pair is full.
     OVERLOADED = ("overloaded", 429, "RESOURCE_EXHAUSTED", True, "rate_limit_error")
     ALREADY_EXISTS = ("already_exists", 409, "ALREADY_EXISTS", False, "invalid_request_error")
-    # The router's API keys (`pdspark.router.api_keys`): no key or a wrong one; a valid key without the right.
+    # The router's API keys (`pdspark.router.auth.api_keys`): no key or a wrong one; a valid key without the right.
     UNAUTHENTICATED = ("unauthenticated", 401, "UNAUTHENTICATED", False, "authentication_error")
     PERMISSION_DENIED = ("permission_denied", 403, "PERMISSION_DENIED", False, "permission_error")
 

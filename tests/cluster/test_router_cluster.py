@@ -91,7 +91,7 @@ def test_openai_chat_equals_offline(cluster, offline, stream):
 
 
 def _render(offline, messages) -> str:
-    from pdspark.router.chat_template import ChatTemplate
+    from pdspark.router.openai.chat_template import ChatTemplate
 
     return ChatTemplate(offline.engine.tokenizer.chat_template).render(messages)
 

@@ -125,7 +125,7 @@ def test_a_name_that_stops_resolving_keeps_its_workers_and_says_so_once(tmp_path
             await until(lambda: len(h.registry.healthy("decode")) == 2 and h.registry.healthy("prefill"), 10,
                         "workers admitted")
             before = set(h.registry.workers)
-            caplog.set_level(logging.INFO, logger="pdspark.router.dns_discovery")
+            caplog.set_level(logging.INFO, logger="pdspark.router.workers.dns_discovery")
             hosts.unlink()  # every resolution fails now
             polls = discovery.polls
             await until(lambda: discovery.polls >= polls + 5, 10, "five failed rounds")

@@ -13,8 +13,8 @@ import urllib.request
 import openai
 import pytest
 
-from pdspark.router.api_error import ErrorResponse
-from pdspark.router.openapi_document import openapi_document
+from pdspark.router.openai.api_error import ErrorResponse
+from pdspark.router.openai.openapi_document import openapi_document
 from router_app import FAIL_AT_ONCE, FAIL_MID_STREAM, HANG_AFTER_FIRST, RouterApp
 
 

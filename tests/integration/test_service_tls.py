@@ -21,7 +21,7 @@ from pdspark.config import RouterConfig, TLSConfig, UpConfig, WorkerConfig
 from pdspark.errors import ConfigError, ErrorCode
 from pdspark.launch.plan import plan_cluster
 from pdspark.options import parse_args, parse_options
-from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.rpc.keepalive import SERVER_OPTIONS
 from pdspark.rpc.multiplexed_client import MultiplexedClient
 from pdspark.rpc.peer_roles import PeerRoleInterceptor

@@ -199,7 +199,7 @@ def test_one_trace_across_router_prefill_transfer_and_decode(spans, worker_calls
     from pdspark.router.dispatcher import Dispatcher
     from pdspark.router.router_core import RouterCore, Totals
     from pdspark.router.router_metrics import RouterMetrics
-    from pdspark.router.worker_registry import WorkerRegistry
+    from pdspark.router.workers.worker_registry import WorkerRegistry
     from pdspark.serving.worker_server import WorkerServer
     from pdspark.types import SamplingParams
     from router_harness import LowestAddress

@@ -27,7 +27,7 @@ from pdspark.router.grpc_api import RouterServicer
 from pdspark.router.http_api import build_app
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
-from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
 from pdspark.transfer.plan import TransferResult, TransferStats
 from pdspark.types import FinishReason, RequestOutput

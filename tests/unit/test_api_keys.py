@@ -9,8 +9,8 @@ import pytest
 
 from pdspark.config import AuthConfig
 from pdspark.errors import ConfigError, ErrorCode, RequestFailed
-from pdspark.router.api_keys import Access, ApiKeys, Role, bearer_token, is_loopback
-from pdspark.router.key_quota import KeyQuota
+from pdspark.router.auth.api_keys import Access, ApiKeys, Role, bearer_token, is_loopback
+from pdspark.router.auth.key_quota import KeyQuota
 
 CLIENT, CLIENT2, ADMIN = "client-key-0123456789", "client-key-abcdefghij", "admin-key-0123456789"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from pdspark.router import approx_prefix_tree
-from pdspark.router.approx_prefix_tree import ApproxPrefixTree
+from pdspark.router.workers import approx_prefix_tree
+from pdspark.router.workers.approx_prefix_tree import ApproxPrefixTree
 
 B = 4  # tokens per block
 

@@ -402,7 +402,7 @@ def test_existing_up_and_generate_flags():
 
 
 def test_choices_match_the_code_that_uses_them():
-    from pdspark.router.policies import POLICIES
+    from pdspark.router.workers.policies import POLICIES
     from pdspark.transfer.backend import BACKENDS
 
     assert typing.get_args(config_module.Policy) == POLICIES

@@ -10,8 +10,8 @@ import pytest
 from pdspark.config import DnsTarget, RouterConfig
 from pdspark.errors import ConfigError
 from pdspark.options import parse_args
-from pdspark.router.dns_discovery import DnsDiscovery, ResolveError, read_hosts_file, worker_address
-from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.router.workers.dns_discovery import DnsDiscovery, ResolveError, read_hosts_file, worker_address
+from pdspark.router.workers.worker_registry import WorkerRegistry
 
 
 def test_dns_flags_repeat_or_take_commas_and_come_from_the_environment():

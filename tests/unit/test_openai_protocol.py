@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdspark.router import openai_protocol as oai
-from pdspark.router.api_error import ErrorResponse
-from pdspark.router.chat_template import ChatTemplate
-from pdspark.router.generate_request import GenerateRequest
-from pdspark.router.openai_protocol import ApiError
-from pdspark.router.sampling_fields import MAX_PROMPT_CHARS, MAX_SEED
+from pdspark.router.openai import openai_protocol as oai
+from pdspark.router.openai.api_error import ErrorResponse
+from pdspark.router.openai.chat_template import ChatTemplate
+from pdspark.router.openai.generate_request import GenerateRequest
+from pdspark.router.openai.openai_protocol import ApiError
+from pdspark.router.openai.sampling_fields import MAX_PROMPT_CHARS, MAX_SEED
 
 MAX_MODEL_LEN = 64
 

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from pdspark.router.api_error import ErrorResponse
-from pdspark.router.chat_completion_request import ChatCompletionRequest
-from pdspark.router.completion_request import CompletionRequest
-from pdspark.router.generate_request import GenerateRequest
-from pdspark.router.openapi_document import openapi_document
+from pdspark.router.openai.api_error import ErrorResponse
+from pdspark.router.openai.chat_completion_request import ChatCompletionRequest
+from pdspark.router.openai.completion_request import CompletionRequest
+from pdspark.router.openai.generate_request import GenerateRequest
+from pdspark.router.openai.openapi_document import openapi_document
 
 DOC = openapi_document()
 SCHEMAS = DOC["components"]["schemas"]

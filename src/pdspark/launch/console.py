@@ -11,7 +11,7 @@ import os
 import sys
 
 from pdspark.config import AuthConfig, UpConfig
-from pdspark.router.api_keys import is_loopback
+from pdspark.router.auth.api_keys import is_loopback
 
 
 def log(msg: str) -> None:
@@ -31,7 +31,7 @@ def starting_line(cfg: UpConfig, speculative: str | None) -> str:
 def scrape_config(http: str, auth: AuthConfig, host: str) -> str:
     """A Prometheus scrape config for the cluster (human text): HTTP service discovery at the router, which lists
     every metrics endpoint. The list names worker addresses, so it takes an admin key unless the router is a
-    development one (no key of either kind, loopback only: see `pdspark.router.api_keys`)."""
+    development one (no key of either kind, loopback only: see `pdspark.router.auth.api_keys`)."""
     url = f"{http}/prometheus/targets"
     lines = ["Prometheus: the router lists every metrics endpoint (its own and each worker's) at",
              f"  {url}  (HTTP service discovery). A scrape config:",

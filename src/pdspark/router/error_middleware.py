@@ -17,7 +17,7 @@ from contextvars import ContextVar
 
 from aiohttp import web
 
-from pdspark.router.api_error import ApiError
+from pdspark.router.openai.api_error import ApiError
 
 logger = logging.getLogger(__name__)
 

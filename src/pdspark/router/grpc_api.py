@@ -16,9 +16,8 @@ from __future__ import annotations
 import math
 
 from pdspark.errors import ErrorCode, InvalidRequestError, RequestFailed, as_request_failed
-from pdspark.router.auth_interceptor import authorization_of
-from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
-from pdspark.router.sampling_fields import (
+from pdspark.router.auth.auth_interceptor import authorization_of
+from pdspark.router.openai.sampling_fields import (
     MAX_PROMPT_CHARS,
     MAX_SEED,
     MAX_STOP_CHARS,
@@ -26,6 +25,7 @@ from pdspark.router.sampling_fields import (
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
 )
+from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 from pdspark.rpc import convert, status
 from pdspark.types import SamplingParams
 from pdspark.v1 import router_pb2, router_pb2_grpc

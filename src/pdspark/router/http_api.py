@@ -21,16 +21,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdspark.errors import ErrorCode, RequestFailed
-from pdspark.router import openai_protocol as oai
-from pdspark.router.api_error import ApiError, error_body
-from pdspark.router.auth_middleware import auth_middleware, current_caller
-from pdspark.router.chat_completion_request import ChatCompletionRequest
-from pdspark.router.completion_request import CompletionRequest
+from pdspark.router.auth.auth_middleware import auth_middleware, current_caller
 from pdspark.router.error_middleware import error_middleware, json_error, mark_started
-from pdspark.router.generate_request import GenerateRequest
-from pdspark.router.openapi_document import openapi_document
-from pdspark.router.prometheus_targets import prometheus_targets
+from pdspark.router.openai import openai_protocol as oai
+from pdspark.router.openai.api_error import ApiError, error_body
+from pdspark.router.openai.chat_completion_request import ChatCompletionRequest
+from pdspark.router.openai.completion_request import CompletionRequest
+from pdspark.router.openai.generate_request import GenerateRequest
+from pdspark.router.openai.openapi_document import openapi_document
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
+from pdspark.router.workers.prometheus_targets import prometheus_targets
 
 logger = logging.getLogger(__name__)
 

@@ -29,13 +29,14 @@ from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.tokenizer import Tokenizer
 from pdspark.router.admission_queue import AdmissionQueue, AdmissionTicket
-from pdspark.router.api_keys import ANONYMOUS, Access, ApiKeys, Caller
-from pdspark.router.chat_template import ChatTemplate
-from pdspark.router.dispatcher import DispatchChunk, Dispatcher
-from pdspark.router.key_quota import KeyQuota
+from pdspark.router.auth.api_keys import ANONYMOUS, Access, ApiKeys, Caller
+from pdspark.router.auth.key_quota import KeyQuota
+from pdspark.router.dispatcher import Dispatcher
+from pdspark.router.openai.chat_template import ChatTemplate
+from pdspark.router.pair_attempt import DispatchChunk
 from pdspark.router.random_id import uuid4_hex
 from pdspark.router.router_metrics import RouterMetrics
-from pdspark.router.worker_registry import WorkerRegistry
+from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.rpc import tracing
 from pdspark.types import FinishReason, SamplingParams
 
@@ -66,6 +67,80 @@ class _Live:
 
     ticket: AdmissionTicket
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class _Observed:
+    """One request's span, outcome and metrics, as a context around its admission and dispatch: the clock starts
+    on entry; each chunk is timed (TTFT, inter-token latency) and counted into `totals`; the way the block is left
+    is the outcome (a `RequestFailed`'s code, `cancelled` when the client went away, `error` for anything else),
+    and the latency, token counters, outcome count and span's end are recorded on the way out, whatever it was."""
+
+    def __init__(self, metrics: RouterMetrics, api: str, request_id: str, label: str, totals: Totals):
+        self.metrics = metrics
+        self.api = api
+        self.request_id = request_id
+        self.label = label
+        self.totals = totals
+        self.rejected = "key_limit"  # what an OVERLOADED failure from here on is a rejection by
+        self.span = tracing.NO_SPAN
+
+    def __enter__(self) -> _Observed:
+        self.t0 = self.last = time.perf_counter()  # `last`: when the last chunk with tokens arrived
+        self.first = True
+        self.span = tracing.start("request", attributes={
+            "pdspark.request_id": self.request_id, "pdspark.api": self.api,
+            "pdspark.prompt_tokens": self.totals.prompt_tokens,
+        } if tracing.enabled() else None)
+        return self
+
+    def admitted(self, queue_time_s: float) -> None:
+        self.metrics.queue_time.observe(queue_time_s)
+        self.span.add_event("admitted")
+
+    def chunk(self, chunk: DispatchChunk) -> None:
+        totals = self.totals
+        now = time.perf_counter()
+        if self.first:
+            self.metrics.ttft.observe(now - self.t0)
+            self.first = False
+        elif chunk.token_ids:
+            self.metrics.observe_tokens(now - self.last, len(chunk.token_ids))
+        if chunk.token_ids:
+            self.last = now
+        totals.completion_tokens = chunk.completion_tokens
+        totals.cached_tokens = chunk.cached_tokens
+        totals.prefill_worker, totals.decode_worker = chunk.prefill_worker, chunk.decode_worker
+        if chunk.finished:
+            totals.finish_reason = chunk.finish_reason
+
+    def __exit__(self, exc_type: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
+        m, totals = self.metrics, self.totals
+        outcome = "error"
+        if e is None:
+            outcome = "ok"
+        elif isinstance(e, RequestFailed):
+            outcome = e.code.value
+            if e.code is ErrorCode.OVERLOADED:
+                m.rejected.labels(reason=self.rejected).inc()
+            # A refused request is routine under load: not one log line each.
+            log = logger.debug if e.code is ErrorCode.OVERLOADED else logger.info
+            log("request %s (label %r, %s) failed: %s", self.request_id, self.label, self.api, e)
+        elif isinstance(e, (GeneratorExit, asyncio.CancelledError)):
+            outcome = "cancelled"  # the client went away; the dispatcher cancels both legs
+        m.e2e.observe(time.perf_counter() - self.t0)
+        m.count_request(self.api, outcome)
+        m.prompt_tokens.inc(totals.prompt_tokens)
+        if totals.completion_tokens:  # an `inc(0)` changes nothing and costs a lock (most requests cache none)
+            m.completion_tokens.inc(totals.completion_tokens)
+        if totals.cached_tokens:
+            m.cached_tokens.inc(totals.cached_tokens)
+        logger.debug("request %s (label %r, %s): %s in %.3f s", self.request_id, self.label, self.api, outcome,
+                     time.perf_counter() - self.t0)
+        if self.span is not tracing.NO_SPAN:
+            tracing.finish(self.span, None if outcome == "ok" else outcome, {
+                "pdspark.outcome": outcome, "pdspark.completion_tokens": totals.completion_tokens,
+                "pdspark.cached_tokens": totals.cached_tokens,
+                "pdspark.finish_reason": totals.finish_reason.value if totals.finish_reason else ""})
 
 
 def clean_label(label: str | None) -> str:
@@ -138,81 +213,35 @@ class RouterCore:
                 when the timeout passed (queued or at the workers); `ABORTED`; or why no pair could serve it.
         """
         reveal = self.keys.allows(caller, Access.LIST_WORKERS)
-        m = self.metrics
-        t0 = time.perf_counter()
-        deadline = Deadline.after(self.timeout_for(timeout_s))
-        outcome = "error"
-        rejected = "key_limit"  # what an OVERLOADED failure from here on is a rejection by
         assert request_id not in self.live, f"request id {request_id} is in use: ids come from new_request_id"
-        span = tracing.start("request", attributes={
-            "pdspark.request_id": request_id, "pdspark.api": api, "pdspark.prompt_tokens": totals.prompt_tokens,
-        } if tracing.enabled() else None)
         try:
-            self.key_quota.enter(caller.key_id)
-            rejected = "queue_full"
-            try:
-                live = _Live(self.admission.enter())
-            except RequestFailed:
-                self.key_quota.leave(caller.key_id)
-                raise
-            rejected = "workers_full"
-            self.live[request_id] = live
-            try:
-                m.queue_time.observe(await live.ticket.wait(deadline.remaining()))
-                span.add_event("admitted")
-                first = True
-                last = t0  # when the last chunk with tokens arrived
-                async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, deadline, live.aborted,
-                                                            trace=span):
-                    if not reveal:
-                        chunk = chunk.without_workers()
-                    now = time.perf_counter()
-                    if first:
-                        m.ttft.observe(now - t0)
-                        first = False
-                    elif chunk.token_ids:
-                        m.observe_tokens(now - last, len(chunk.token_ids))
-                    if chunk.token_ids:
-                        last = now
-                    totals.completion_tokens = chunk.completion_tokens
-                    totals.cached_tokens = chunk.cached_tokens
-                    totals.prefill_worker, totals.decode_worker = chunk.prefill_worker, chunk.decode_worker
-                    if chunk.finished:
-                        totals.finish_reason = chunk.finish_reason
-                    yield chunk
-            finally:
-                live.ticket.release()
-                del self.live[request_id]
-                self.key_quota.leave(caller.key_id)
-            outcome = "ok"
+            with _Observed(self.metrics, api, request_id, label, totals) as observed:
+                deadline = Deadline.after(self.timeout_for(timeout_s))
+                self.key_quota.enter(caller.key_id)
+                observed.rejected = "queue_full"
+                try:
+                    live = _Live(self.admission.enter())
+                except RequestFailed:
+                    self.key_quota.leave(caller.key_id)
+                    raise
+                observed.rejected = "workers_full"
+                self.live[request_id] = live
+                try:
+                    observed.admitted(await live.ticket.wait(deadline.remaining()))
+                    async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, deadline,
+                                                                live.aborted, trace=observed.span):
+                        if not reveal:
+                            chunk = chunk.without_workers()
+                        observed.chunk(chunk)
+                        yield chunk
+                finally:
+                    live.ticket.release()
+                    del self.live[request_id]
+                    self.key_quota.leave(caller.key_id)
         except RequestFailed as e:
-            outcome = e.code.value
-            if e.code is ErrorCode.OVERLOADED:
-                m.rejected.labels(reason=rejected).inc()
-            # A refused request is routine under load: not one log line each.
-            log = logger.debug if e.code is ErrorCode.OVERLOADED else logger.info
-            log("request %s (label %r, %s) failed: %s", request_id, label, api, e)
             if reveal:
                 raise
             raise RequestFailed(e.code, self.redact(e.message)) from None
-        except (GeneratorExit, asyncio.CancelledError):
-            outcome = "cancelled"  # the client went away; the dispatcher cancels both legs
-            raise
-        finally:
-            m.e2e.observe(time.perf_counter() - t0)
-            m.count_request(api, outcome)
-            m.prompt_tokens.inc(totals.prompt_tokens)
-            if totals.completion_tokens:  # an `inc(0)` changes nothing and costs a lock (most requests cache none)
-                m.completion_tokens.inc(totals.completion_tokens)
-            if totals.cached_tokens:
-                m.cached_tokens.inc(totals.cached_tokens)
-            logger.debug("request %s (label %r, %s): %s in %.3f s", request_id, label, api, outcome,
-                         time.perf_counter() - t0)
-            if span is not tracing.NO_SPAN:
-                tracing.finish(span, None if outcome == "ok" else outcome, {
-                    "pdspark.outcome": outcome, "pdspark.completion_tokens": totals.completion_tokens,
-                    "pdspark.cached_tokens": totals.cached_tokens,
-                    "pdspark.finish_reason": totals.finish_reason.value if totals.finish_reason else ""})
 
     def abort(self, request_id: str) -> bool:
         """Abort the request with the router's id `request_id`, wherever it is (queued or at the workers); it ends

@@ -23,15 +23,15 @@ from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig, resolve_max_model_len
 from pdspark.errors import ConfigError
 from pdspark.model.model_config import ModelConfig
-from pdspark.router.auth_interceptor import AuthInterceptor
+from pdspark.router.auth.auth_interceptor import AuthInterceptor
 from pdspark.router.dispatcher import Dispatcher
-from pdspark.router.dns_discovery import DnsDiscovery
 from pdspark.router.grpc_api import RouterServicer
 from pdspark.router.http_api import build_app
-from pdspark.router.policies import make_policy
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
-from pdspark.router.worker_registry import WorkerInfo, WorkerRegistry
+from pdspark.router.workers.dns_discovery import DnsDiscovery
+from pdspark.router.workers.policies import make_policy
+from pdspark.router.workers.worker_registry import WorkerInfo, WorkerRegistry
 from pdspark.rpc import tracing
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.tls_credentials import public_server_credentials, public_ssl_context

@@ -19,9 +19,9 @@ from contextvars import ContextVar
 from aiohttp import web
 
 from pdspark.errors import ErrorCode
-from pdspark.router.api_error import ApiError
-from pdspark.router.api_keys import ANONYMOUS, Access, ApiKeys, Caller
+from pdspark.router.auth.api_keys import ANONYMOUS, Access, ApiKeys, Caller
 from pdspark.router.error_middleware import Handler, json_error
+from pdspark.router.openai.api_error import ApiError
 from pdspark.router.router_metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)

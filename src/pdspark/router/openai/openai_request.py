@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from pdspark.router.sampling_fields import MAX_INT32, MAX_NAME_CHARS, STRICT, SamplingFields
+from pdspark.router.openai.sampling_fields import MAX_INT32, MAX_NAME_CHARS, STRICT, SamplingFields
 
 
 class StreamOptions(BaseModel):

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, Tag
 from pydantic_core import PydanticCustomError
 
-from pdspark.router.openai_request import OpenAIRequest
-from pdspark.router.sampling_fields import (
+from pdspark.router.openai.openai_request import OpenAIRequest
+from pdspark.router.openai.sampling_fields import (
     MAX_LOGPROBS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,

@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, Tag, field_validator
 from pydantic_core import PydanticCustomError
 
-from pdspark.router.openai_request import OpenAIRequest
-from pdspark.router.sampling_fields import MAX_INT32, MAX_LOGPROBS, MAX_PROMPT_CHARS, STRICT, by_json_type
+from pdspark.router.openai.openai_request import OpenAIRequest
+from pdspark.router.openai.sampling_fields import MAX_INT32, MAX_LOGPROBS, MAX_PROMPT_CHARS, STRICT, by_json_type
 
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256

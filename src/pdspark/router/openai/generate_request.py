@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdspark.router.sampling_fields import (
+from pdspark.router.openai.sampling_fields import (
     MAX_INT32,
     MAX_LOGPROBS,
     MAX_NAME_CHARS,

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 
 from pdspark.errors import ErrorCode, RequestFailed
-from pdspark.router.api_keys import Access, ApiKeys
+from pdspark.router.auth.api_keys import Access, ApiKeys
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.rpc import status
 from pdspark.v1 import router_pb2

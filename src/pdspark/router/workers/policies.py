@@ -11,8 +11,8 @@ import itertools
 import random
 from typing import Protocol
 
-from pdspark.router.approx_prefix_tree import ApproxPrefixTree
-from pdspark.router.worker_registry import WorkerInfo
+from pdspark.router.workers.approx_prefix_tree import ApproxPrefixTree
+from pdspark.router.workers.worker_registry import WorkerInfo
 
 POLICIES = ("round_robin", "power_of_two", "cache_aware")
 

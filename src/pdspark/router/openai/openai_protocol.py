@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from pdspark.errors import InvalidRequestError
-from pdspark.router.api_error import ApiError, from_validation_error
-from pdspark.router.chat_completion_request import ChatCompletionRequest
-from pdspark.router.completion_request import CompletionRequest
-from pdspark.router.generate_request import GenerateRequest, GenerateSamplingParams
-from pdspark.router.openai_request import StreamOptions
+from pdspark.router.openai.api_error import ApiError, from_validation_error
+from pdspark.router.openai.chat_completion_request import ChatCompletionRequest
+from pdspark.router.openai.completion_request import CompletionRequest
+from pdspark.router.openai.generate_request import GenerateRequest, GenerateSamplingParams
+from pdspark.router.openai.openai_request import StreamOptions
+from pdspark.router.openai.sampling_fields import SamplingFields
 from pdspark.router.random_id import uuid4_hex
-from pdspark.router.sampling_fields import SamplingFields
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from pdspark.model.tokenizer import Tokenizer
-    from pdspark.router.chat_template import ChatTemplate
+    from pdspark.router.openai.chat_template import ChatTemplate
 
 __all__ = ["ApiError", "ParsedRequest", "ServedModel", "parse", "parse_chat", "parse_completion", "parse_generate",
            "validate"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
-from pdspark.router.worker_registry import WorkerInfo
+from pdspark.router.workers.worker_registry import WorkerInfo
 
 ROUTER_INSTANCE = "router"
 

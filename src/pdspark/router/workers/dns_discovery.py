@@ -27,7 +27,7 @@ import socket
 from collections.abc import Callable
 
 from pdspark.config import DnsTarget
-from pdspark.router.worker_registry import WorkerInfo, WorkerRegistry
+from pdspark.router.workers.worker_registry import WorkerInfo, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 DRAIN_S = 30.0  # how long the calls on a vanished worker may go on (a terminating pod drains on SIGTERM)

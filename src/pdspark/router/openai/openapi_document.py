@@ -15,10 +15,10 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from pdspark.router.api_error import ErrorResponse
-from pdspark.router.chat_completion_request import ChatCompletionRequest
-from pdspark.router.completion_request import CompletionRequest
-from pdspark.router.generate_request import GenerateRequest
+from pdspark.router.openai.api_error import ErrorResponse
+from pdspark.router.openai.chat_completion_request import ChatCompletionRequest
+from pdspark.router.openai.completion_request import CompletionRequest
+from pdspark.router.openai.generate_request import GenerateRequest
 
 _REF = "#/components/schemas/{model}"
 
