@@ -77,6 +77,8 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg, rope)
         elif layer_type == HCA:
             self.compressor = Compressor(D, d, cfg.hca_ratio, False, cfg.rms_norm_eps, rope)
+        # Every projection of the layer input in one matmul (`fuse`, inference only); None until then.
+        self.fused_x: FusedLinear | None = None
 
     def project_kv(self, x: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """The raw K=V latent `[T, d]` of each token (normalised and rotated), as written to the SWA pool."""
@@ -127,10 +129,11 @@ class Attention(nn.Module):
             parts.append(self.compressor.wkv_gate)
         if self.indexer is not None:
             parts += [self.indexer.compressor.wkv_gate, self.indexer.weights_proj]
-        self._fused_x = FusedLinear(parts)
+        self.fused_x = FusedLinear(parts)
 
     def _project_x(self, x: torch.Tensor) -> XProjection:
-        fused = getattr(self, "_fused_x", None)
+        fused = self.fused_x
+        parts: list[torch.Tensor | None]
         if fused is not None and not torch.is_grad_enabled():
             parts = list(fused(x))
         else:
@@ -140,7 +143,9 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 parts += [self.mm(x, self.indexer.compressor.wkv_gate), self.mm(x, self.indexer.weights_proj)]
         parts += [None] * (5 - len(parts))
-        return XProjection(*parts)
+        qa, kv, comp, idx_comp, idx_w = parts
+        assert qa is not None and kv is not None  # every layer projects q_a and the latent
+        return XProjection(qa, kv, comp, idx_comp, idx_w)
 
     def project_q(self, x: torch.Tensor, rope_at: RopeAt) -> QProjection:
         """The queries of `x [T, D]`."""

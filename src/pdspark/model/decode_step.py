@@ -63,15 +63,15 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
     attn, moe = layer.attn, layer.ffn
     if not (isinstance(attn, Attention) and isinstance(moe, MoE)):
         return f"{type(attn).__name__}/{type(moe).__name__} modules (quantized weights)"
-    fused_x = getattr(attn, "_fused_x", None)
-    c_decode = getattr(moe, "_c_decode", None)
+    fused_x, c_decode = attn.fused_x, moe.c_decode
+    wx = fused_x.groups[0][1] if fused_x is not None and len(fused_x.groups) == 1 else None
     frozen = (layer.attn_hc._frozen, layer.ffn_hc._frozen)
-    if fused_x is None or len(fused_x.groups) != 1 or c_decode is None or None in frozen:
+    if not isinstance(wx, torch.Tensor) or c_decode is None or None in frozen:
         return "projections not fused into one fp32 matrix (quantized or non-fp32 weights)"
     w: dict[str, torch.Tensor | None] = {
         "attn_fn": frozen[0][0], "attn_scale": frozen[0][1], "attn_base": frozen[0][2],  # type: ignore[index]
         "ffn_fn": frozen[1][0], "ffn_scale": frozen[1][1], "ffn_base": frozen[1][2],  # type: ignore[index]
-        "attn_norm": layer.attn_norm.weight, "ffn_norm": layer.ffn_norm.weight, "wx": fused_x.groups[0][1],
+        "attn_norm": layer.attn_norm.weight, "ffn_norm": layer.ffn_norm.weight, "wx": wx,
         "q_norm": attn.q_norm.weight, "wq_b": attn.wq_b, "kv_norm": attn.kv_norm.weight, "sink": attn.attn_sink,
         "wo_a": attn.wo_a, "wo_b": attn.wo_b, "moe_in": c_decode[0], "w13": moe.w13, "w2": moe.w2,
         "w2s": c_decode[1],

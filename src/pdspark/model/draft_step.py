@@ -58,9 +58,9 @@ def _stage_weights(stage: DraftStage) -> dict[str, torch.Tensor | None] | None:
         "attn_fn": frozen[0][0], "attn_scale": frozen[0][1], "attn_base": frozen[0][2],  # type: ignore[index]
         "ffn_fn": frozen[1][0], "ffn_scale": frozen[1][1], "ffn_base": frozen[1][2],  # type: ignore[index]
         "attn_norm": stage.attn_norm.weight, "ffn_norm": stage.ffn_norm.weight,
-        "wx": _single(getattr(attn, "_fused_x", None)), "q_norm": attn.q_norm.weight, "wq_b": attn.wq_b,
+        "wx": _single(attn.fused_x), "q_norm": attn.q_norm.weight, "wq_b": attn.wq_b,
         "kv_norm": attn.kv_norm.weight, "sink": attn.attn_sink, "wo_a": attn.wo_a, "wo_b": attn.wo_b,
-        "gate_up": _single(getattr(stage, "_gate_up", None)), "down": ffn.w2,
+        "gate_up": _single(stage.gate_up), "down": ffn.w2,
     }
 
 

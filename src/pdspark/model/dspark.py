@@ -72,7 +72,8 @@ class DraftAttention(Attention):
         """`forward_block` with fewer ops, bit for bit: `x [M*G, D]`, `ctx_kv [M, W, d]` -> `[M*G, D]`."""
         M, T, H = ctx_kv.shape[0], x.shape[0], self.n_heads
         assert self._block_sinks is not None, "prepare_block() first"
-        qa, latent = self._fused_x(x)  # one matmul: the same bits per column as two
+        assert self.fused_x is not None, "prepare_block() first"
+        qa, latent = self.fused_x(x)  # one matmul: the same bits per column as two
         q = self._q_from(qa, block.rope_at).q  # [T, H, d]
         kv = torch.cat([ctx_kv, block.rope_at.apply(self.kv_norm(latent)).view(M, T // M, -1)], dim=1)  # [M, K, d]
         # sink_attention's ops, in place where it allocated, and the mask inverted once per block, not per stage.
@@ -103,6 +104,7 @@ class DraftStage(DecoderLayer):
         else:
             ffn = SharedExpert(cfg.hidden_size, dcfg.intermediate_size, cfg.swiglu_limit)
         super().__init__(cfg, DraftAttention(cfg), ffn)
+        self.gate_up: FusedLinear | None = None  # a dense SwiGLU's gate and up in one matmul (`prepare_inference`)
 
     def forward(  # type: ignore[override]
         self, h: torch.Tensor, ids: torch.Tensor, rope_at: RopeAt, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor
@@ -121,7 +123,7 @@ class DraftStage(DecoderLayer):
         self.ffn_hc.freeze()
         self.attn.prepare_block(gamma)
         if isinstance(self.ffn, SharedExpert):
-            self._gate_up = FusedLinear([self.ffn.w1, self.ffn.w3])
+            self.gate_up = FusedLinear([self.ffn.w1, self.ffn.w3])
 
     def forward_prepared(self, h: torch.Tensor, block: BlockInputs, ctx_kv: torch.Tensor) -> torch.Tensor:
         """`forward` with fewer ops (after `prepare_inference`), bit for bit: `h [M*G, hc, D]` -> `[M*G, hc, D]`."""
@@ -133,7 +135,8 @@ class DraftStage(DecoderLayer):
         if isinstance(self.ffn, MoE):
             y = self.ffn(x, block.ids)
         else:
-            gate, up = self._gate_up(x)  # one matmul: the same bits per column as two
+            assert self.gate_up is not None, "prepare_inference() first"
+            gate, up = self.gate_up(x)  # one matmul: the same bits per column as two
             y = linear(swiglu(gate, up, self.ffn.limit), self.ffn.w2)
         return HyperConnection.expand(y, h, post, comb)
 

@@ -78,16 +78,23 @@ class MoE(nn.Module):
         self.shared = SharedExpert(d, inter, cfg.swiglu_limit)
         # Quantized checkpoints: the routed experts as int8 (the loader installs them and drops w13/w2).
         self.experts: QuantExperts | None = None
+        # Laid out by `fuse` (inference only), once the weights are final; None until then.
+        self.fused_in: FusedLinear | None = None  # the router and the shared expert's gate/up: one matmul
+        self.c_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # the C decode's fused input and shared down
+        self._expert_w13: list[torch.Tensor] | None = None  # per-expert views: an expert is a list lookup
+        self._expert_w2: list[torch.Tensor] | None = None
+        self._dense_w13: torch.Tensor | None = None  # [E * 2I, D]: few experts, every one on every token
+        self._dense_w2t: torch.Tensor | None = None  # [E, I, D]
 
     def fuse(self) -> None:
         """Inference only: the router and the shared expert's gate/up read the same input: one matmul."""
-        self._fused_in = FusedLinear([self.gate, self.shared.w1, self.shared.w3])
+        self.fused_in = FusedLinear([self.gate, self.shared.w1, self.shared.w3])
         if self.experts is not None:
             return
         # Float router, shared expert and experts: a decode token's whole MoE is one matmul and one C call.
-        (_, w_in), *rest = self._fused_in.groups
+        (_, w_in), *rest = self.fused_in.groups
         w2s = self.shared.w2
-        self._c_decode = (w_in.detach(), w2s.detach()) if not rest and isinstance(w_in, torch.Tensor) and isinstance(
+        self.c_decode = (w_in.detach(), w2s.detach()) if not rest and isinstance(w_in, torch.Tensor) and isinstance(
             w2s, torch.Tensor) else None
         # Per-expert views in Python lists: picking an expert is then a list lookup, not a tensor op.
         self._expert_w13 = list(self.w13.detach().unbind(0))
@@ -119,10 +126,10 @@ class MoE(nn.Module):
         return Routing(ids, weights * self.scaling)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self, "_fused_in", None) if not torch.is_grad_enabled() else None
-        c_decode = getattr(self, "_c_decode", None) if fused is not None else None
+        fused = self.fused_in if not torch.is_grad_enabled() else None
+        c_decode = self.c_decode if fused is not None else None
         if c_decode is not None and x.shape[0] * self.top_k <= _PAIR_LOOP_MAX and (
-                x.shape[0] == 1 or not hasattr(self, "_dense_w13")):
+                x.shape[0] == 1 or self._dense_w13 is None):
             out = self._decode_in_c(x, input_ids, *c_decode)
             if out is not None:
                 return out
@@ -136,7 +143,7 @@ class MoE(nn.Module):
         T = x.shape[0]
         if self.experts is not None:
             routed = self.experts(x, ids, weights, partial(swiglu, limit=self.limit))
-        elif fused is not None and hasattr(self, "_dense_w13") and T > 1 and T * self.n_experts <= _DENSE_MAX_ROWS:
+        elif fused is not None and self._dense_w13 is not None and T > 1 and T * self.n_experts <= _DENSE_MAX_ROWS:
             routed = self._routed_dense(x, ids, weights)
         elif ids.numel() <= _PAIR_LOOP_MAX:
             routed = self._routed_by_pair(x, ids, weights)
@@ -156,8 +163,10 @@ class MoE(nn.Module):
 
     def _routed_by_pair(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Few (token, expert) pairs (decode): run each pair against its expert's weights in place."""
-        fused = hasattr(self, "_expert_w13") and not torch.is_grad_enabled()
-        w13, w2 = (self._expert_w13, self._expert_w2) if fused else (self.w13, self.w2)
+        w13: list[torch.Tensor] | torch.Tensor = self.w13
+        w2: list[torch.Tensor] | torch.Tensor = self.w2
+        if self._expert_w13 is not None and self._expert_w2 is not None and not torch.is_grad_enabled():
+            w13, w2 = self._expert_w13, self._expert_w2
         rows: list[torch.Tensor] = []
         # (Python floats from fp32 weights are exact: the products equal those with the weight tensor.)
         for t, (experts, ws) in enumerate(zip(ids.tolist(), weights.tolist())):
@@ -174,6 +183,7 @@ class MoE(nn.Module):
         """Every expert on every token, unrouted pairs weighted 0: beyond the routed terms the sum over experts adds
         only zeros, so this is the routed sum up to rounding (other matmul shapes, another order of terms)."""
         T, E = x.shape[0], self.n_experts
+        assert self._dense_w13 is not None and self._dense_w2t is not None, "fuse() lays them out"
         inter = self._dense_w2t.shape[1]
         h = self.mm(x, self._dense_w13).view(T, E, 2 * inter)
         act = swiglu(h[..., :inter], h[..., inter:], self.limit)  # [T, E, I]
