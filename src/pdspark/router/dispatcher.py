@@ -31,7 +31,7 @@ import functools
 import itertools
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 
 from pdspark.deadline import Deadline
@@ -79,7 +79,7 @@ class Dispatcher:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, deadline: Deadline,
                        aborted: asyncio.Event | None = None,
-                       trace: tracing.Span = tracing.NO_SPAN) -> AsyncIterator[DispatchChunk]:
+                       trace: tracing.Span = tracing.NO_SPAN) -> AsyncGenerator[DispatchChunk, None]:
         """Stream the request's tokens, migrating the stream to another pair when its decode leg fails.
 
         Args:

@@ -16,6 +16,7 @@ worker's address replaced by its name, any other IP address by `<address>`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -228,12 +229,15 @@ class RouterCore:
                 self.live[request_id] = live
                 try:
                     observed.admitted(await live.ticket.wait(deadline.remaining()))
-                    async for chunk in self.dispatcher.generate(request_id, prompt_ids, params, deadline,
-                                                                live.aborted, trace=observed.span):
-                        if not reveal:
-                            chunk = chunk.without_workers()
-                        observed.chunk(chunk)
-                        yield chunk
+                    # `aclosing`: a caller that goes away (GeneratorExit at the `yield`) ends the attempt's legs
+                    # here and now, not whenever the garbage collector finalizes the dispatcher's generator.
+                    async with contextlib.aclosing(self.dispatcher.generate(
+                            request_id, prompt_ids, params, deadline, live.aborted, trace=observed.span)) as chunks:
+                        async for chunk in chunks:
+                            if not reveal:
+                                chunk = chunk.without_workers()
+                            observed.chunk(chunk)
+                            yield chunk
                 finally:
                     live.ticket.release()
                     del self.live[request_id]
