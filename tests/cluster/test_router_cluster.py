@@ -3,7 +3,10 @@ get exactly the offline engine's greedy tokens; routing, bad requests and discon
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import time
 import urllib.error
@@ -22,9 +25,7 @@ from pdspark.testing.worker_load import WorkerAt, load_of
 from pdspark.v1 import worker_pb2
 
 ENGINE = ["--page-size", "16", "--max-model-len", "2048", "--max-num-seqs", "8"]
-# A stream that is still generating when the test acts on it: at the fastest seen here (a few ms a token, DSpark
-# accepting several a step) it runs for seconds, while reading its first chunks takes tens of milliseconds (a
-# 220-token stream could finish in between).
+# A stream with far more chunks left than the one or two a router writes before it notices a client gone.
 LONG_TOKENS = 2000
 # Worker administration needs an admin key (generation stays open: no API key); it travels by environment.
 ADMIN_KEY = "admin-key-for-router-cluster-tests"
@@ -168,16 +169,39 @@ def worker_loads(info) -> list[worker_pb2.LoadReport]:
     return [load_of(WorkerAt(w["role"], w["address"])) for w in list_workers(info)]
 
 
-def cancelled_at_the_decode_worker(info, before: dict[str, int], what: str) -> None:
-    """The stream that `what` ended is over at the workers, and the decode worker counts its call cancelled, not
-    served: `what`, not the stream's end, freed them. (No bound on how soon: a stream of LONG_TOKENS would still have
-    seconds to run; the outcome, not a time, tells the two apart.)"""
-    def ended() -> dict[str, int]:
-        after = decode_outcomes(info)
-        return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+def router_outcomes(info, api: str) -> dict[str, int]:
+    """`pdspark_router_requests_total` of `api` by outcome, from the router's /metrics."""
+    prefix = f'pdspark_router_requests_total{{api="{api}",outcome="'
+    with urllib.request.urlopen(info["http"] + "/metrics", timeout=10) as r:
+        return {line[len(prefix):].split('"')[0]: int(float(line.rsplit(" ", 1)[1]))
+                for line in r.read().decode().splitlines() if line.startswith(prefix)}
 
-    wait_until(lambda: ended() and workers_idle(info), 30, f"the request ended at the workers after {what}")
-    assert ended() == {"cancelled": 1}
+
+def new_outcomes(info, api: str, before: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in router_outcomes(info, api).items() if n != before.get(k, 0)}
+
+
+@contextlib.contextmanager
+def decode_stopped(info):
+    """The decode worker stopped (SIGSTOP) for the block: a stream it serves cannot end meanwhile, so a cancel or a
+    disconnect made in the block provably comes before the stream's end (a random tiny model writes 2,000 tokens in
+    well under a second, so no stream length makes that a matter of time). SIGCONT whatever happens; then the
+    router lists the worker healthy again (a stop past its health checks' bound marks it down)."""
+    pid = info["services"]["decode-1"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_until(lambda: all(w["healthy"] for w in list_workers(info)), 30, "the decode worker healthy again")
+
+
+def ended_by_the_client(info, api: str, before: dict[str, int], what: str) -> None:
+    """The router ended the request as cancelled (not served) because of `what`, and the workers hold nothing
+    after it."""
+    wait_until(lambda: new_outcomes(info, api, before), 30, f"the router ends the request after {what}")
+    assert new_outcomes(info, api, before) == {"cancelled": 1}
+    wait_until(lambda: workers_idle(info), 30, f"nothing held at the workers after {what}")
 
 
 def workers_idle(info) -> bool:
@@ -214,7 +238,7 @@ def test_streams_read_to_their_last_chunk_count_ok_on_the_decode_worker(cluster)
 
 
 def test_client_disconnect_frees_both_workers(cluster):
-    before = decode_outcomes(cluster)
+    before = router_outcomes(cluster, "completions")
     host, port = cluster["http"].removeprefix("http://").split(":")
     body = json.dumps({"prompt": "def main():", "max_tokens": LONG_TOKENS, "temperature": 0.8, "stream": True,
                        "ignore_eos": True}).encode()
@@ -224,8 +248,9 @@ def test_client_disconnect_frees_both_workers(cluster):
     received = b""
     while received.count(b"data:") < 3:
         received += sock.recv(4096)
-    sock.close()
-    cancelled_at_the_decode_worker(cluster, before, "the disconnect")
+    with decode_stopped(cluster):
+        sock.close()  # the router learns it at its next write: the stream's next chunk, after the worker resumes
+    ended_by_the_client(cluster, "completions", before, "the disconnect")
 
 
 def test_models_health_workers_metrics(cluster):
@@ -278,13 +303,15 @@ def test_two_by_two_cluster_and_cache_aware_routing(ckpt, offline):
 
 
 def test_sdk_cancel_aborts_on_the_server(cluster):
-    before = decode_outcomes(cluster)
+    before = router_outcomes(cluster, "grpc")
     with Client(cluster["grpc"], timeout=60) as client:
         stream = client.stream(PROMPTS[0], max_tokens=LONG_TOKENS, temperature=0.8, ignore_eos=True)
         chunks = iter(stream)
         next(chunks), next(chunks)
-        stream.cancel()
-        cancelled_at_the_decode_worker(cluster, before, "cancel()")
+        with decode_stopped(cluster):
+            stream.cancel()
+            wait_until(lambda: new_outcomes(cluster, "grpc", before), 30, "the router ends the request")
+    ended_by_the_client(cluster, "grpc", before, "cancel()")
 
 
 def test_sdk_deadline_is_enforced(cluster):
