@@ -21,8 +21,7 @@ from pdspark import SamplingParams
 from pdspark.client import AsyncClient, Client
 from pdspark.launch.service_process import start_service
 from pdspark.testing.waiting import wait_until
-from pdspark.testing.worker_load import WorkerAt, load_of
-from pdspark.v1 import worker_pb2
+from pdspark.testing.worker_load import WorkerAt, is_idle
 
 ENGINE = ["--page-size", "16", "--max-model-len", "2048", "--max-num-seqs", "8"]
 # A stream with far more chunks left than the one or two a router writes before it notices a client gone.
@@ -165,10 +164,6 @@ def list_workers(info) -> list[dict]:
         return json.loads(r.read())
 
 
-def worker_loads(info) -> list[worker_pb2.LoadReport]:
-    return [load_of(WorkerAt(w["role"], w["address"])) for w in list_workers(info)]
-
-
 def router_outcomes(info, api: str) -> dict[str, int]:
     """`pdspark_router_requests_total` of `api` by outcome, from the router's /metrics."""
     prefix = f'pdspark_router_requests_total{{api="{api}",outcome="'
@@ -205,8 +200,7 @@ def ended_by_the_client(info, api: str, before: dict[str, int], what: str) -> No
 
 
 def workers_idle(info) -> bool:
-    return all(r.running == 0 and r.waiting == 0 and all(r.pages_used[k] == r.pages_cached[k] for k in r.pages_used)
-               for r in worker_loads(info))
+    return all(is_idle(WorkerAt(w["role"], w["address"])) for w in list_workers(info))
 
 
 def decode_outcomes(info) -> dict[str, int]:
