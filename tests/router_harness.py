@@ -62,8 +62,9 @@ class RouterHarness:
         h.prefill = sorted((s for s in served if isinstance(s, StubPrefill)), key=lambda s: h.address[id(s)])
         h.decode = sorted((s for s in served if isinstance(s, StubDecode)), key=lambda s: h.address[id(s)])
         cfg = build(RouterConfig, options)
-        h.registry = WorkerRegistry(health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
-                                    load_interval_s=cfg.load_interval_s,
+        h.registry = WorkerRegistry(health_interval_s=cfg.health.health_interval_s,
+                                    health_timeout_s=cfg.health.health_timeout_s,
+                                    load_interval_s=cfg.health.load_interval_s,
                                     multiplexed=cfg.worker_calls == "multiplexed")
         for s in h.prefill:
             h.registry.add("prefill", h.address[id(s)])

@@ -2,10 +2,12 @@
 
 The model architecture (`ModelConfig`) comes from the checkpoint; these are the knobs. `EngineConfig` composes the
 cache and scheduler options, `AuthConfig` the router's API keys, `TLSConfig` the certificates of mutual TLS between
-services; `WorkerConfig`, `RouterConfig`, `UpConfig` and
+services, and `RouterConfig` composes `AdmissionConfig` (limits on requests), `HealthConfig` (watching the workers)
+and `DiscoveryConfig` (workers found by DNS) beside those two. `WorkerConfig`, `RouterConfig`, `UpConfig` and
 `GenerateConfig` are what `pdspark serve prefill|decode`, `serve router`, `up` and `generate` run on. Their flags,
 `PDSPARK_*` variables and keyword options are generated from these fields by `pdspark.options` (the only place that
-reads either).
+reads either); a nested config's options are flattened, so which sub-config holds a field never shows in a flag or
+variable name.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ _OTLP_HELP = ("OTLP/gRPC endpoint spans are exported to (e.g. http://127.0.0.1:4
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
     """The context length served: the requested one, else the model's limit capped at `DEFAULT_MAX_MODEL_LEN`."""
     return requested if requested is not None else min(DEFAULT_MAX_MODEL_LEN, model_limit)
+
+
+def _require_positive(config: Any, *names: str) -> None:
+    """ConfigError naming the first of `config`'s fields `names` that is not > 0 (durations and intervals, where a
+    bound of `minimum=0` would still let 0 through)."""
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"invalid value {getattr(config, name)!r} for `{name}`; allowed: a number > 0")
 
 
 @dataclass(frozen=True)
@@ -233,6 +243,89 @@ def split_dns_target(target: str, field: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """Workers found by DNS (`pdspark.router.workers.dns_discovery`), beside the fixed `--prefill`/`--decode`
+    addresses: Kubernetes headless Services, or any name with several A/AAAA records; no API access needed."""
+
+    prefill_dns: tuple[str, ...] = option(
+        (), "DNS names (name:port, comma-separated or repeated) whose addresses are prefill workers, re-resolved "
+        "every --dns-interval-s: a new address is admitted, a vanished one retired; beside --prefill")
+    decode_dns: tuple[str, ...] = option(
+        (), "DNS names (name:port) whose addresses are decode workers, as --prefill-dns; beside --decode")
+    dns_interval_s: float = option(5.0, "seconds between resolutions of --prefill-dns/--decode-dns")
+    # NOTE: a test/dev hook (tests, and a rendered Helm chart run as local processes), not for production.
+    hosts_file: str | None = option(
+        None, "test/dev hook: a file in /etc/hosts format consulted before DNS by --prefill-dns/--decode-dns (a "
+        "name on several lines has several addresses); re-read at every resolution")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        _require_positive(self, "dns_interval_s")
+        # Parsed once here so a malformed target stops the router at start, not at its first resolution.
+        for name in ("prefill_dns", "decode_dns"):
+            for target in getattr(self, name):
+                split_dns_target(target, name)
+
+    @property
+    def dns_targets(self) -> tuple[DnsTarget, ...]:
+        """`prefill_dns` and `decode_dns`, parsed."""
+        return tuple(DnsTarget(role, *split_dns_target(target, f"{role}_dns"))
+                     for role in ("prefill", "decode") for target in getattr(self, f"{role}_dns"))
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Which requests the router lets in, and for how long: beyond these bounds a request waits in the router's
+    queue or is refused at once (`pdspark.router.admission_queue`, `pdspark.router.auth.key_quota`)."""
+
+    # A default 1 prefill + 1 decode cluster runs 64 sequences per engine (max_num_seqs): twice that in flight keeps
+    # the decode batch full while the next requests are in prefill and transfer; the queue holds bursts of hundreds
+    # of requests, which wait for a turn instead of being refused.
+    max_in_flight: int = option(128, "requests at the workers at once; more wait in the router's queue", minimum=1)
+    max_queued: int = option(1024, "requests waiting for a turn; beyond them a request is refused at once (HTTP 429 "
+                             "+ Retry-After, gRPC RESOURCE_EXHAUSTED)", minimum=0)
+    # Limits against one client starving the rest, or the router itself. Per key: half the router's room by default,
+    # so one key cannot fill the router alone, while a benchmark at concurrency 256 still fits.
+    max_in_flight_per_key: int | None = option(
+        None, "requests one API key may have in the router at once, queued or at the workers (default: half of "
+        "max-in-flight + max-queued); more are refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED). "
+        "Requests without a key (an open API) are not counted", minimum=1)
+    # A prompt of DSV4's full 1M-token context fits, as text or as token ids in JSON (about 7 bytes each); anything
+    # larger cannot be served anyway.
+    max_body_bytes: int = option(8 << 20, "largest HTTP request body and gRPC request message read (HTTP 413, gRPC "
+                                 "RESOURCE_EXHAUSTED beyond)", minimum=1024)
+    request_timeout_s: float = option(600.0, "a request's timeout when its caller sets none, and the longest one a "
+                                      "caller may set (queueing, every attempt and the whole stream)")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        _require_positive(self, "request_timeout_s")
+
+    @property
+    def key_in_flight_limit(self) -> int:
+        """`max_in_flight_per_key`, resolved."""
+        if self.max_in_flight_per_key is not None:
+            return self.max_in_flight_per_key
+        return max(1, (self.max_in_flight + self.max_queued) // 2)
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """How the router watches its workers (`pdspark.router.workers.worker_registry`). A worker that misses 2 health
+    checks in a row is skipped, so a dead or hung one is detected within about interval + 2 x timeout (1.5 s by
+    default). Load reports are polled apart and never count against health."""
+
+    health_interval_s: float = option(0.5, "seconds between liveness checks (gRPC health) of each worker",
+                                      flag="health-interval")
+    health_timeout_s: float = option(0.5, "seconds a worker's health check may take before it counts as missed")
+    load_interval_s: float = option(1.0, "seconds between load reports (GetLoad) polled from each worker")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        _require_positive(self, "health_interval_s", "health_timeout_s", "load_interval_s")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """`pdspark serve router`."""
 
@@ -251,17 +344,7 @@ class RouterConfig:
     tls: TLSConfig = nested(TLSConfig, "mutual TLS to the workers")
     prefill: tuple[str, ...] = option((), "prefill worker addresses (host:port, comma-separated)")
     decode: tuple[str, ...] = option((), "decode worker addresses (host:port, comma-separated)")
-    # Discovery by DNS (Kubernetes headless Services, or any name with several A/AAAA records): no API access.
-    prefill_dns: tuple[str, ...] = option(
-        (), "DNS names (name:port, comma-separated or repeated) whose addresses are prefill workers, re-resolved "
-        "every --dns-interval-s: a new address is admitted, a vanished one retired; beside --prefill")
-    decode_dns: tuple[str, ...] = option(
-        (), "DNS names (name:port) whose addresses are decode workers, as --prefill-dns; beside --decode")
-    dns_interval_s: float = option(5.0, "seconds between resolutions of --prefill-dns/--decode-dns")
-    # NOTE: a test/dev hook (tests, and a rendered Helm chart run as local processes), not for production.
-    hosts_file: str | None = option(
-        None, "test/dev hook: a file in /etc/hosts format consulted before DNS by --prefill-dns/--decode-dns (a "
-        "name on several lines has several addresses); re-read at every resolution")
+    discovery: DiscoveryConfig = nested(DiscoveryConfig, "workers discovered by DNS")
     prefill_policy: Policy = option("cache_aware", "how a request's prefill worker is picked")
     decode_policy: Policy = option("power_of_two", "how a request's decode worker is picked")
     max_model_len: int | None = option(
@@ -276,34 +359,14 @@ class RouterConfig:
         "multiplexed", "how Prefill and Generate calls reach the workers: multiplexed on one long-lived stream per "
         "worker, every call queued meanwhile in one message, or one gRPC call each (per-request: workers that do "
         "not serve the Calls stream)")
+    # Failure handling (`Dispatcher`): how far a request already let in may go after failed pairs. Not admission,
+    # which decides whether and how long a request is let in at all.
     max_attempts: int = option(3, "pairs a request tries before its first token (and after each migration) before "
                                "it fails", minimum=1)
     max_migrations: int = option(3, "times a stream whose decode worker failed mid-stream is moved to another pair "
                                  "(prompt + tokens so far) before it fails; 0: never", minimum=0)
-    # Admission. A default 1 prefill + 1 decode cluster runs 64 sequences per engine (max_num_seqs): twice that in
-    # flight keeps the decode batch full while the next requests are in prefill and transfer; the queue holds
-    # bursts of hundreds of requests, which wait for a turn instead of being refused.
-    max_in_flight: int = option(128, "requests at the workers at once; more wait in the router's queue", minimum=1)
-    max_queued: int = option(1024, "requests waiting for a turn; beyond them a request is refused at once (HTTP 429 "
-                             "+ Retry-After, gRPC RESOURCE_EXHAUSTED)", minimum=0)
-    # Limits against one client starving the rest, or the router itself. Per key: half the router's room by default,
-    # so one key cannot fill the router alone, while a benchmark at concurrency 256 still fits.
-    max_in_flight_per_key: int | None = option(
-        None, "requests one API key may have in the router at once, queued or at the workers (default: half of "
-        "max-in-flight + max-queued); more are refused at once (HTTP 429 + Retry-After, gRPC RESOURCE_EXHAUSTED). "
-        "Requests without a key (an open API) are not counted", minimum=1)
-    # A prompt of DSV4's full 1M-token context fits, as text or as token ids in JSON (about 7 bytes each); anything
-    # larger cannot be served anyway.
-    max_body_bytes: int = option(8 << 20, "largest HTTP request body and gRPC request message read (HTTP 413, gRPC "
-                                 "RESOURCE_EXHAUSTED beyond)", minimum=1024)
-    request_timeout_s: float = option(600.0, "a request's timeout when its caller sets none, and the longest one a "
-                                      "caller may set (queueing, every attempt and the whole stream)")
-    # Liveness: a worker that misses 2 health checks in a row is skipped, so a dead or hung one is detected within
-    # about interval + 2 x timeout (1.5 s by default). Load reports are polled apart and never count against health.
-    health_interval_s: float = option(0.5, "seconds between liveness checks (gRPC health) of each worker",
-                                      flag="health-interval")
-    health_timeout_s: float = option(0.5, "seconds a worker's health check may take before it counts as missed")
-    load_interval_s: float = option(1.0, "seconds between load reports (GetLoad) polled from each worker")
+    admission: AdmissionConfig = nested(AdmissionConfig, "admission: limits on requests in the router")
+    health: HealthConfig = nested(HealthConfig, "worker liveness checks and load reports")
     otlp_endpoint: str | None = option(None, _OTLP_HELP)
     # Off by default: a line per request costs the router about a tenth of its per-request time at load (formatting
     # and a write to stderr on the event loop); the metrics count every request anyway.
@@ -313,26 +376,7 @@ class RouterConfig:
         validate(self)
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ConfigError("`ssl_certfile` and `ssl_keyfile` go together (HTTPS and TLS on the public ports)")
-        for name in ("transfer_timeout_s", "request_timeout_s", "health_interval_s", "health_timeout_s",
-                     "load_interval_s", "dns_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"invalid value {getattr(self, name)!r} for `{name}`; allowed: a number > 0")
-        for name in ("prefill_dns", "decode_dns"):
-            for target in getattr(self, name):
-                split_dns_target(target, name)
-
-    @property
-    def dns_targets(self) -> tuple[DnsTarget, ...]:
-        """`prefill_dns` and `decode_dns`, parsed."""
-        return tuple(DnsTarget(role, *split_dns_target(target, f"{role}_dns"))
-                     for role in ("prefill", "decode") for target in getattr(self, f"{role}_dns"))
-
-    @property
-    def key_in_flight_limit(self) -> int:
-        """`max_in_flight_per_key`, resolved."""
-        if self.max_in_flight_per_key is not None:
-            return self.max_in_flight_per_key
-        return max(1, (self.max_in_flight + self.max_queued) // 2)
+        _require_positive(self, "transfer_timeout_s")
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,7 @@ def test_rendered_args_and_env_parse_as_the_services_configs(values: Path | None
         if role == "router":
             cfg = parse_args(RouterConfig, c.get("args", []), environ)
             assert (cfg.host, cfg.port, cfg.grpc_port) == ("0.0.0.0", 8000, 50050)
-            assert {t.role for t in cfg.dns_targets} == {"prefill", "decode"}
+            assert {t.role for t in cfg.discovery.dns_targets} == {"prefill", "decode"}
         else:
             cfg = parse_args(WorkerConfig, c.get("args", []), environ, role=role)
             assert (cfg.host, cfg.port, cfg.metrics_port) == ("0.0.0.0", 50051, 9100)

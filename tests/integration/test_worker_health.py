@@ -33,7 +33,7 @@ async def completion(s: aiohttp.ClientSession, h: RouterHarness) -> dict:
 
 
 def test_the_defaults_promise_detection_within_2_s():
-    cfg = RouterConfig()
+    cfg = RouterConfig().health
     assert cfg.health_interval_s + 2 * cfg.health_timeout_s <= DETECT_S
 
 

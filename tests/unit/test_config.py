@@ -12,9 +12,12 @@ import pytest
 import pdspark.config as config_module
 from pdspark.cli import build_parser
 from pdspark.config import (
+    AdmissionConfig,
     CacheConfig,
+    DiscoveryConfig,
     EngineConfig,
     GenerateConfig,
+    HealthConfig,
     RouterConfig,
     SchedulerConfig,
     UpConfig,
@@ -221,7 +224,7 @@ def test_tuples_are_comma_separated():
 def test_old_variable_names_still_apply():
     cfg = parse(RouterConfig, env={"PDSPARK_TRANSFER_TIMEOUT": "5", "PDSPARK_HEALTH_INTERVAL": "0.5",
                                    "PDSPARK_PREFILL_POLICY": "round_robin", "PDSPARK_GRPC_PORT": "50050"})
-    assert (cfg.transfer_timeout_s, cfg.health_interval_s, cfg.prefill_policy, cfg.grpc_port) == \
+    assert (cfg.transfer_timeout_s, cfg.health.health_interval_s, cfg.prefill_policy, cfg.grpc_port) == \
            (5.0, 0.5, "round_robin", 50050)
 
 
@@ -252,6 +255,11 @@ def test_keyword_options_are_validated_like_flags():
         CacheConfig(enable_prefix_cache=1)
     with pytest.raises(ConfigError, match=r"`transfer_timeout_s`; allowed: a number > 0"):
         RouterConfig(transfer_timeout_s=0)
+    # The router's sub-configs check their own fields, and name them, whichever way the value came in.
+    with pytest.raises(ConfigError, match=r"invalid value 0 for `health_timeout_s`; allowed: a number > 0"):
+        build(RouterConfig, {"health_timeout_s": 0})
+    with pytest.raises(ConfigError, match=r"invalid value -1.0 for `request_timeout_s`; allowed: a number > 0"):
+        AdmissionConfig(request_timeout_s=-1.0)
     with pytest.raises(ConfigError, match=r"`role`; allowed: 'prefill', 'decode'"):
         WorkerConfig(role="both")
 
@@ -385,7 +393,17 @@ def test_existing_router_flags():
     assert cfg == RouterConfig(model="m", served_model_name="n", host="0.0.0.0", port=0, grpc_port=0,
                                prefill=("a:1", "b:2"), decode=("c:3",), prefill_policy="round_robin",
                                decode_policy="cache_aware", max_model_len=512, transfer_timeout_s=5.0,
-                               health_interval_s=0.5)
+                               health=HealthConfig(health_interval_s=0.5))
+    # The admission, health and discovery options live in sub-configs; their flags and variables are flat, as before.
+    cfg = cli_config(["serve", "router", "--max-in-flight", "8", "--max-queued", "16", "--max-in-flight-per-key", "4",
+                      "--max-body-bytes", "4096", "--request-timeout-s", "60", "--health-timeout-s", "0.25",
+                      "--load-interval-s", "2", "--prefill-dns", "pf:1", "--decode-dns", "dc:2",
+                      "--dns-interval-s", "3"], {"PDSPARK_HOSTS_FILE": "/h", "PDSPARK_HEALTH_INTERVAL": "0.75"})
+    assert cfg == RouterConfig(
+        admission=AdmissionConfig(max_in_flight=8, max_queued=16, max_in_flight_per_key=4, max_body_bytes=4096,
+                                  request_timeout_s=60.0),
+        health=HealthConfig(health_interval_s=0.75, health_timeout_s=0.25, load_interval_s=2.0),
+        discovery=DiscoveryConfig(prefill_dns=("pf:1",), decode_dns=("dc:2",), dns_interval_s=3.0, hosts_file="/h"))
 
 
 def test_existing_up_and_generate_flags():

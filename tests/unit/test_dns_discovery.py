@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdspark.config import DnsTarget, RouterConfig
+from pdspark.config import DiscoveryConfig, DnsTarget, RouterConfig
 from pdspark.errors import ConfigError
 from pdspark.options import parse_args
 from pdspark.router.workers.dns_discovery import DnsDiscovery, ResolveError, read_hosts_file, worker_address
@@ -17,24 +17,24 @@ from pdspark.router.workers.worker_registry import WorkerRegistry
 def test_dns_flags_repeat_or_take_commas_and_come_from_the_environment():
     cfg = parse_args(RouterConfig, ["--prefill-dns", "pf.a:1,pf.b:2", "--prefill-dns", "pf.c:3",
                                     "--dns-interval-s", "2.5"], {"PDSPARK_DECODE_DNS": "dc:4",
-                                                                  "PDSPARK_HOSTS_FILE": "/h"})
+                                                                  "PDSPARK_HOSTS_FILE": "/h"}).discovery
     assert cfg.prefill_dns == ("pf.a:1", "pf.b:2", "pf.c:3")
     assert cfg.dns_targets == (DnsTarget("prefill", "pf.a", 1), DnsTarget("prefill", "pf.b", 2),
                                DnsTarget("prefill", "pf.c", 3), DnsTarget("decode", "dc", 4))
     assert cfg.dns_interval_s == 2.5 and cfg.hosts_file == "/h"
     assert parse_args(RouterConfig, ["--prefill", "a:1", "--prefill", "b:2"]).prefill == ("a:1", "b:2")
-    assert RouterConfig().dns_interval_s == 5.0 and RouterConfig().dns_targets == ()
+    assert DiscoveryConfig().dns_interval_s == 5.0 and RouterConfig().discovery.dns_targets == ()
 
 
 @pytest.mark.parametrize("bad", ["pf", "pf:", ":80", "pf:0", "pf:65536", "pf:http", "a:b:80"])
 def test_a_dns_target_without_name_and_port_is_refused(bad):
     with pytest.raises(ConfigError, match="name:port"):
-        RouterConfig(decode_dns=(bad,))
+        DiscoveryConfig(decode_dns=(bad,))
 
 
 def test_the_dns_interval_must_be_positive():
     with pytest.raises(ConfigError, match="dns_interval_s"):
-        RouterConfig(dns_interval_s=0)
+        DiscoveryConfig(dns_interval_s=0)
 
 
 def test_the_hosts_file_gives_every_address_of_a_name(tmp_path):

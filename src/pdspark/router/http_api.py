@@ -38,7 +38,7 @@ def build_app(core: RouterCore) -> web.Application:
     """The router's HTTP application. Every error it answers is OpenAI's error object (`error_middleware`); every
     request is checked against the router's keys first (`auth_middleware`)."""
     api = HttpApi(core)
-    app = web.Application(client_max_size=core.options.max_body_bytes,
+    app = web.Application(client_max_size=core.options.admission.max_body_bytes,
                           middlewares=[error_middleware, auth_middleware(core.keys, core.metrics)])
     app.on_response_prepare.append(mark_started)
     app.on_response_prepare.append(_echo_request_id)
@@ -133,7 +133,7 @@ class HttpApi:
     async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
         core = self.core
         try:
-            raw = await _body(request, core.options.max_body_bytes)
+            raw = await _body(request, core.options.admission.max_body_bytes)
             req: ChatCompletionRequest | CompletionRequest
             if chat:
                 req = oai.validate(ChatCompletionRequest, raw)
@@ -211,7 +211,7 @@ class HttpApi:
         """`{"text" | "input_ids", "sampling_params": {...}, "stream"}` -> `{"text", "output_ids", "meta_info"}`."""
         core = self.core
         try:
-            req = oai.validate(GenerateRequest, await _body(request, core.options.max_body_bytes))
+            req = oai.validate(GenerateRequest, await _body(request, core.options.admission.max_body_bytes))
             parsed = oai.parse_generate(req, self.served)
             timeout = _timeout(request)
         except ApiError as e:
@@ -297,7 +297,7 @@ class HttpApi:
 
     async def add_worker(self, request: web.Request) -> web.Response:
         try:
-            body = json.loads(await _body(request, self.core.options.max_body_bytes))
+            body = json.loads(await _body(request, self.core.options.admission.max_body_bytes))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from e
         if not isinstance(body, dict) or not isinstance(body.get("address"), str):

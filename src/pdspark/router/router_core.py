@@ -166,16 +166,16 @@ class RouterCore:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.options = options
-        self.request_timeout_s = options.request_timeout_s
+        self.request_timeout_s = options.admission.request_timeout_s
         self.keys = ApiKeys(options.auth, options.host)
-        self.admission = AdmissionQueue(options.max_in_flight, options.max_queued)
-        self.key_quota = KeyQuota(options.key_in_flight_limit)
+        self.admission = AdmissionQueue(options.admission.max_in_flight, options.admission.max_queued)
+        self.key_quota = KeyQuota(options.admission.key_in_flight_limit)
         self.live: dict[str, _Live] = {}
         # Read at scrape time: the queue is the one source of these numbers.
         metrics.in_flight.set_function(lambda: self.admission.in_flight)
         metrics.queued.set_function(lambda: self.admission.queued)
-        metrics.max_in_flight.set(options.max_in_flight)
-        metrics.max_queued.set(options.max_queued)
+        metrics.max_in_flight.set(options.admission.max_in_flight)
+        metrics.max_queued.set(options.admission.max_queued)
         for w in registry.workers.values():
             metrics.worker_added(w.role, w.name)
 

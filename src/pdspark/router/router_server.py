@@ -53,7 +53,7 @@ def build_grpc_server(core: RouterCore) -> tuple[grpc.aio.Server, health.aio.Hea
     """The router's gRPC server (no port yet): the `Router` service behind the key check, health and reflection
     open; undecodable requests are INVALID_ARGUMENT; requests over `max_body_bytes` are refused by gRPC itself
     (RESOURCE_EXHAUSTED), as HTTP refuses them."""
-    options = (*SERVER_OPTIONS, ("grpc.max_receive_message_length", core.options.max_body_bytes))
+    options = (*SERVER_OPTIONS, ("grpc.max_receive_message_length", core.options.admission.max_body_bytes))
     # Malformed bytes are INVALID_ARGUMENT, not grpc's UNKNOWN; the key is checked before any handler runs.
     server = grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor(),
                                                             AuthInterceptor(core.keys, core.metrics)])
@@ -83,8 +83,9 @@ def _warn_if_exposed(cfg: RouterConfig, core: RouterCore) -> None:
 def build_core(cfg: RouterConfig) -> RouterCore:
     path = resolve_model(cfg.model)
     model_cfg = ModelConfig.from_dir(path)
-    registry = WorkerRegistry(health_interval_s=cfg.health_interval_s, health_timeout_s=cfg.health_timeout_s,
-                              load_interval_s=cfg.load_interval_s, tls=cfg.tls,
+    registry = WorkerRegistry(health_interval_s=cfg.health.health_interval_s,
+                              health_timeout_s=cfg.health.health_timeout_s,
+                              load_interval_s=cfg.health.load_interval_s, tls=cfg.tls,
                               multiplexed=cfg.worker_calls == "multiplexed")
     for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)):
         for address in addresses:
@@ -101,7 +102,8 @@ def build_core(cfg: RouterConfig) -> RouterCore:
 def build_discovery(cfg: RouterConfig, core: RouterCore) -> DnsDiscovery | None:
     """The DNS discovery of `--prefill-dns`/`--decode-dns` (None without either): it admits and retires workers
     as `POST`/`DELETE /workers` do (metrics series, the policies' memory)."""
-    if not cfg.dns_targets:
+    discovery = cfg.discovery
+    if not discovery.dns_targets:
         return None
 
     def admitted(w: WorkerInfo) -> None:
@@ -112,7 +114,8 @@ def build_discovery(cfg: RouterConfig, core: RouterCore) -> DnsDiscovery | None:
         core.dispatcher.prefill_policy.forget(w.address)
         core.dispatcher.decode_policy.forget(w.address)
 
-    return DnsDiscovery(core.registry, cfg.dns_targets, cfg.dns_interval_s, cfg.hosts_file, admitted, retired)
+    return DnsDiscovery(core.registry, discovery.dns_targets, discovery.dns_interval_s, discovery.hosts_file,
+                        admitted, retired)
 
 
 def _public_tls(cfg: RouterConfig) -> tuple[ssl.SSLContext | None, grpc.ServerCredentials | None]:

@@ -67,7 +67,7 @@ class DnsDiscovery:
 
     Args:
         registry: where workers are added and retired.
-        targets: the names to resolve (`RouterConfig.dns_targets`).
+        targets: the names to resolve (`DiscoveryConfig.dns_targets`).
         interval_s: seconds between resolutions; one resolution may take as long before it counts as failed.
         hosts_file: the test/dev override consulted before DNS (module doc).
         on_admit: called with each worker added.
