@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import cluster_pool as pool
+from cluster_pool import admin_headers, cluster_pool, dsv4_tiny_cluster, faults, one_by_one  # noqa: F401 (fixtures)
 from draft_reference import add_random_draft
 from hf_reference import CSA, HCA, SLIDING, TinySpec, save_hf_checkpoint, write_byte_tokenizer
 from pdspark.config import EngineConfig
+from pdspark.testing.offline_reference import OfflineReference
 
 # Tests measure behaviour, not speed: one intra-op thread keeps runs steady on shared 2-core machines.
 torch.set_num_threads(int(os.environ.get("PDSPARK_TEST_THREADS", "1")))
@@ -110,11 +113,23 @@ def modelslim_dir() -> Path:
 TIERS = ("unit", "integration", "cluster")  # tests/<tier>/: one layer in-process; components in-process; processes
 
 
-def pytest_collection_modifyitems(items) -> None:
+def pytest_collection_modifyitems(config, items) -> None:
     """Each test is marked with its tier (the folder it lives in): `pytest -m "not cluster"` runs the in-process
     tiers; `make test` runs every tier."""
     for item in items:
         tier = next((t for t in TIERS if f"/tests/{t}/" in str(item.path)), None)
         if tier is not None:
             item.add_marker(tier)
+    pool.order_and_plan_releases(config, items)
 
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item) -> None:
+    """A shared cluster stops after its last test (`cluster_pool`)."""
+    pool.release_after_last_user(item)
+
+
+@pytest.fixture(scope="session")
+def offline_reference() -> OfflineReference:
+    """The session's offline engines and their outputs (the equality ladder's bottom), shared by every test."""
+    return OfflineReference()

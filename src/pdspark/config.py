@@ -402,6 +402,8 @@ class UpConfig:
     crash_loop_restarts: int = option(5, "consecutive failures of one service reported as a crash loop (restarts "
                                       "go on at the longest backoff)", minimum=1)
     otlp_endpoint: str | None = option(None, _OTLP_HELP + " (passed to the router and every worker)")
+    transfer_timeout_s: float = option(30.0, "seconds a request's cache transfer may take before the pair is "
+                                       "failed (the router's --transfer-timeout)", flag="transfer-timeout")
     # Where the services run: child processes of `up`, or Ray actors (`pdspark.launch.ray_backend`; the
     # `pdspark[ray]` extra).
     backend: UpBackend = option("process", "run the services as child processes, or as Ray actors")
@@ -422,6 +424,7 @@ class UpConfig:
         validate(self)
         for role in ("router", "prefill", "decode"):
             self.ray_resources(role)  # raises ConfigError on a malformed one
+        _require_positive(self, "transfer_timeout_s")
         if self.max_restart_backoff_s < self.restart_backoff_s:
             raise ConfigError(f"`max_restart_backoff_s` ({self.max_restart_backoff_s}) must be >= "
                               f"`restart_backoff_s` ({self.restart_backoff_s})")

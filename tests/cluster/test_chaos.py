@@ -1,24 +1,31 @@
-"""Chaos: one process of a `pdspark up --prefill 2 --decode 2` cluster (DSpark on) is SIGKILLed, or SIGSTOPped and
-SIGCONTed after a hold of 1-3 s, at a moment hypothesis picks, while a mixed load runs: 8 requests, greedy and
-seeded, streamed and not, through the OpenAI HTTP API and the gRPC SDK (`pdspark.client.Client`), sent 0.15 s
-apart. Each example asserts:
+"""The failure matrix: one process of the shared `faults` cluster (2 prefill + 3 decode workers, DSpark on) is
+SIGKILLed, or SIGSTOPped and SIGCONTed after a hold of 1-3 s, while a mixed load runs: 8 requests, greedy and seeded,
+streamed and not, through the OpenAI HTTP API and the gRPC SDK (`pdspark.client.Client`), sent 0.15 s apart.
+
+The fault hits work, never an idle process: a worker is stopped first and signalled only if the router's books show
+it holding an unanswered leg of a request (a prefill worker until it answered, a decode worker until its stream
+ended); otherwise it is resumed and another moment is taken. The test fails if no worker of the kind held work while
+the load ran. Each example asserts:
 
 - every request ends within its deadline (nothing hangs), with its full answer or a clean error: an HTTP status
   with OpenAI's error body (or the error event of a broken SSE stream), a `ClientError` with its `error_code`; and
   when the router itself is killed, a broken connection (its streams are lost by design). A worker fault loses no
-  request: every one completes (decode streams migrate, prefill failures before the first token are retried);
+  request: every one completes (decode streams migrate, prefill failures before the first token are retried), and a
+  killed worker's unanswered legs cost the router at least one retry or migration (its counters);
 - no streamed token is lost or repeated: the chunks add up to the answer (token ids for the SDK; the text and the
-  usage count for SSE), which equals the offline engine's (`make_llm`, one engine, DSpark off), greedy and seeded
-  alike; what a killed router cut short is a prefix of it;
+  usage count for SSE), which equals the offline engine's (one engine, no P/D, DSpark off), greedy and seeded alike;
+  what a killed router cut short is a prefix of it;
+- supervision: a killed service is restarted at its address (a new pid), the router re-admits it and every worker
+  is healthy again; a stopped one is the same process afterwards (nothing restarted);
 - afterwards every worker's pools are back to their free counts (GetLoad: nothing running, waiting, queued or in
-  transfer; every used page is a prefix-cache page), and the cluster serves again. The recovery time (signal ->
-  every worker healthy in /workers and a fresh request served) is printed (`pytest -s`).
+  transfer; every used page is a prefix-cache page), and the cluster serves again.
 
 Every (process kind, signal) pair is a parametrized case, so each run covers all six; hypothesis draws the rest per
-example (the load's order and prompts, which stream triggers the fault and after how many of its tokens, which
-instance when two are equally busy, the hold) and prints the falsifying example and its reproduction blob on
-failure. Shrinking is off: an example costs seconds of real processes. `PDSPARK_CHAOS_EXAMPLES=N` runs N examples
-per case (default 1), for a longer soak.
+example (the load's order and prompts, which stream triggers a decode or router fault and after how many of its
+tokens, the hold) and prints the falsifying example and its reproduction blob on failure. Shrinking is off: an
+example costs seconds of real processes. `PDSPARK_CHAOS_EXAMPLES=N` runs N examples per case (default 1), for a
+longer soak. The cases that must always run are explicit: a single stream whose decode worker is killed after its
+first token or in its middle migrates with exactly one migration, over SSE and the SDK, greedy and seeded.
 """
 
 from __future__ import annotations
@@ -30,30 +37,28 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from threading import Event
 from typing import Any
 
 import grpc
+import openai
 import pytest
 from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from helpers import make_llm
+from cluster_pool import FAULT_MC_TIMEOUT_S, FAULT_TRANSFER_TIMEOUT_S
 from pdspark import SamplingParams
 from pdspark.client import Client, ClientError
 from pdspark.errors import ErrorCode
-from pdspark.launch.service_process import ServiceProcess, start_service
+from pdspark.launch.service_process import ServiceProcess
 from pdspark.rpc.status import reported_failure
 from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until
 from pdspark.testing.worker_load import WorkerAt, load_of, what_is_held
 
-ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
-# A killed worker is back within seconds (same port); the others serve meanwhile.
-SUPERVISION = ["--restart-backoff-s", "0.5", "--max-restart-backoff-s", "1"]
 MAX_TOKENS = 64
 # Byte-level prompts of different lengths (the test checkpoint's tokenizer is one token per byte).
 PROMPTS = [
@@ -66,10 +71,16 @@ PROMPTS = [
 ]
 SEEDED = dict(temperature=0.9, top_p=0.95)
 STAGGER_S = 0.15  # between the starts of the load's requests: some are always in prefill when the fault hits
-REQUEST_TIMEOUT_S = 30.0  # the router's bound on each request (X-Request-Timeout, the SDK's timeout)
+REQUEST_TIMEOUT_S = scaled(30.0)  # the router's bound on each request (X-Request-Timeout, the SDK's timeout)
 LOAD_DEADLINE_S = scaled(45.0)  # a request not over by then hangs
 EXAMPLES = int(os.environ.get("PDSPARK_CHAOS_EXAMPLES", "1"))
-WORKERS = {"prefill": ("prefill-0", "prefill-1"), "decode": ("decode-2", "decode-3")}
+WORKERS = {"prefill": ("prefill-0", "prefill-1"), "decode": ("decode-2", "decode-3", "decode-4")}
+# Pages quarantined after a stopped or killed prefill worker come back once no write of its can land: the plan's
+# deadline (the cluster's transfer timeout) + the transfer engine's timeout; 10 s more for the sweep and the load.
+# (Bounds given to `wait_until` are scaled there.)
+FREE_WITHIN_S = FAULT_TRANSFER_TIMEOUT_S + FAULT_MC_TIMEOUT_S + 10
+RESTART_WITHIN_S = 60  # a killed service is restarted (0.5-1 s backoff) and loaded again within this
+HEALTHY_WITHIN_S = 30  # ... and the router counts every worker healthy, and serves, within this
 
 
 @dataclass(frozen=True)
@@ -96,8 +107,7 @@ class Fault:
     kind: str  # "prefill", "decode" or "router"
     signal: str  # "SIGKILL" or "SIGSTOP"
     trigger: int  # which streamed request of the load triggers it
-    after_tokens: int  # ... once it received this many tokens (or ended)
-    instance: int  # which of two equally busy workers
+    after_tokens: int  # ... once it received this many tokens (or ended); a prefill fault does not wait for one
     hold_s: float  # SIGSTOP: how long until SIGCONT
 
 
@@ -129,45 +139,14 @@ def loads(draw) -> list[Req]:
     return [Req(r.api, r.streamed, r.seeded, draw(st.integers(0, len(PROMPTS) - 1))) for r in order]
 
 
-def faults(kind: str, sig: str) -> st.SearchStrategy[Fault]:
-    # A prefill works before a stream's first tokens: hit it early, while the later requests are still arriving.
-    after = st.integers(1, 4) if kind == "prefill" else st.integers(1, 48)
-    return st.builds(Fault, st.just(kind), st.just(sig), st.integers(0, 3), after, st.integers(0, 1),
-                     st.sampled_from([1.0, 2.0, 3.0]))
+def fault_cases(kind: str, sig: str) -> st.SearchStrategy[Fault]:
+    # A prefill worker is hit while it holds a leg (whenever that is: `freeze_busy`); a decode worker or the router
+    # once the trigger stream has this many tokens.
+    after = st.just(0) if kind == "prefill" else st.integers(1, 48)
+    return st.builds(Fault, st.just(kind), st.just(sig), st.integers(0, 3), after, st.sampled_from([1.0, 2.0, 3.0]))
 
 
-# ---- the cluster -----------------------------------------------------------------------------------------------------
-# Mooncake's transfer timeout short (the write grace of a quarantine): see `cluster`. The plan's deadline is the
-# router's transfer timeout (30 s by default; `pdspark up` passes it on its command line).
-QUARANTINE_ENV = {"MC_TRANSFER_TIMEOUT": "3"}
-FREE_WITHIN_S = scaled(30 + 3 + 10)
-
-
-@pytest.fixture(scope="module")
-def cluster(draft_ckpt) -> Iterator[ServiceProcess]:
-    """The children inherit `QUARANTINE_ENV`, so that pages quarantined after a stopped or killed prefill worker
-    (freed once no write of its can land: the plan's deadline + the transfer engine's timeout) come back within
-    `FREE_WITHIN_S`."""
-    service = start_service("pdspark up", ["up", "--model", str(draft_ckpt), "--prefill", "2", "--decode", "2",
-                                           "--port", "0", "--grpc-port", "0", *ENGINE, *SUPERVISION],
-                            timeout=240, env={"OMP_NUM_THREADS": "1", **QUARANTINE_ENV})
-    try:
-        yield service
-    finally:
-        assert service.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def offline(draft_ckpt) -> dict[tuple[int, bool], tuple[list[int], str]]:
-    """(prompt, seeded) -> the uninterrupted output: one engine, no P/D, DSpark off (the equality ladder's bottom)."""
-    llm = make_llm(draft_ckpt, page_size=16, max_model_len=256)
-    keys = [(p, seeded) for p in range(len(PROMPTS)) for seeded in (False, True)]
-    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **Req("sdk", True, s, p).sampling())
-              for p, s in keys]
-    outs = llm.generate([PROMPTS[p] for p, _ in keys], params)
-    return {k: (list(o.token_ids), o.text or "") for k, o in zip(keys, outs)}
-
-
+# ---- the cluster's state -----------------------------------------------------------------------------------------
 def current(cluster: ServiceProcess, name: str) -> dict:
     """`{"pid", "address"}` of the service's current run (after any restart)."""
     restarts = [e for e in cluster.events if e.get("event") == "restarted" and e.get("service") == name]
@@ -178,24 +157,31 @@ def restarts(cluster: ServiceProcess, name: str) -> int:
     return sum(1 for e in cluster.events if e.get("event") == "restarted" and e.get("service") == name)
 
 
-def workers(cluster: ServiceProcess) -> list[dict] | None:
+def workers(cluster: ServiceProcess, admin: dict) -> list[dict] | None:
     """/workers, or None while the router does not answer (killed, restarting)."""
     try:
-        with urllib.request.urlopen(cluster.info["http"] + "/workers", timeout=5) as r:
+        request = urllib.request.Request(cluster.info["http"] + "/workers", headers=admin)
+        with urllib.request.urlopen(request, timeout=scaled(5)) as r:
             return json.loads(r.read())
     except (OSError, http.client.HTTPException):
         return None
 
 
-def all_healthy(cluster: ServiceProcess) -> bool:
-    ws = workers(cluster)
-    return ws is not None and len(ws) == 4 and all(w["healthy"] for w in ws)
+def all_healthy(cluster: ServiceProcess, admin: dict) -> bool:
+    ws = workers(cluster, admin)
+    return ws is not None and len(ws) == sum(map(len, WORKERS.values())) and all(w["healthy"] for w in ws)
+
+
+def legs_held(cluster: ServiceProcess, admin: dict, kind: str) -> dict[str, int]:
+    """Worker name -> the unanswered legs the router has on it (its books: `in_flight` in /workers), for `kind`."""
+    by_address = {w["address"]: w["in_flight"] for w in workers(cluster, admin) or []}
+    return {name: by_address.get(current(cluster, name)["address"], 0) for name in WORKERS[kind]}
 
 
 def counters(cluster: ServiceProcess) -> dict[str, float]:
     """The router's migration and retry counters (empty while it does not answer)."""
     try:
-        with urllib.request.urlopen(cluster.info["http"] + "/metrics", timeout=5) as r:
+        with urllib.request.urlopen(cluster.info["http"] + "/metrics", timeout=scaled(5)) as r:
             text = r.read().decode()
     except (OSError, http.client.HTTPException):
         return {}
@@ -206,10 +192,23 @@ def counters(cluster: ServiceProcess) -> dict[str, float]:
 def serves(cluster: ServiceProcess) -> bool:
     """A fresh small request succeeds."""
     try:
-        with Client(cluster.info["grpc"], timeout=10) as client:
+        with Client(cluster.info["grpc"], timeout=scaled(10)) as client:
             return len(client.generate("x = 1", max_tokens=4, temperature=0, ignore_eos=True).token_ids) == 4
     except ClientError:
         return False
+
+
+def leftovers(cluster: ServiceProcess, among: set[str] | None = None) -> list[str]:
+    """What the workers (those at the addresses `among`, if given) still hold (GetLoad), by worker; empty when
+    every pool is back to its free counts."""
+    return [f"{worker}: {holds}" for role, names in WORKERS.items() for worker in names
+            if among is None or current(cluster, worker)["address"] in among
+            if (holds := what_is_held(load_of(WorkerAt(role, current(cluster, worker)["address"]))))]
+
+
+def ready_for_a_case(cluster: ServiceProcess, admin: dict) -> bool:
+    """Every worker healthy in the router's view and holding nothing itself."""
+    return all_healthy(cluster, admin) and not leftovers(cluster)
 
 
 # ---- the load ----------------------------------------------------------------------------------------------------
@@ -341,37 +340,66 @@ def run_load(cluster: ServiceProcess, load: list[Req], fault: Fault, trigger: Ev
 
 
 # ---- the fault ---------------------------------------------------------------------------------------------------
-def victim(cluster: ServiceProcess, fault: Fault) -> str:
-    """The service to signal: the router, or the busier worker of the kind (ties: the drawn instance)."""
+@dataclass(frozen=True)
+class Hit:
+    """The service a fault hit: its name, its run before the fault (`{"pid", "address"}`) and its restarts then."""
+
+    name: str
+    before: dict
+    restarts: int
+
+
+def freeze_busy(cluster: ServiceProcess, admin: dict, kind: str, until: float) -> str:
+    """SIGSTOP a worker of `kind` that holds an unanswered leg on the router's books; its name (it stays stopped).
+    The worker is stopped before its legs are read again, so the count cannot fall in between (a stopped worker
+    answers nothing): what is read is what the fault hits. Fails the test when no worker of the kind held a leg
+    before `until`: the fault would have hit an idle worker, and proven nothing."""
+    while time.monotonic() < until:
+        books = legs_held(cluster, admin, kind)
+        name = max(books, key=lambda n: books[n])
+        if books[name] > 0:
+            pid = current(cluster, name)["pid"]
+            os.kill(pid, signal.SIGSTOP)
+            if legs_held(cluster, admin, kind)[name] > 0:
+                return name
+            os.kill(pid, signal.SIGCONT)  # it answered in between: another moment
+        time.sleep(0.005)  # the polling interval, not a synchronisation
+    raise AssertionError(f"no {kind} worker held a leg of a request while the load ran: the fault would hit an idle "
+                         "worker")
+
+
+def hit(cluster: ServiceProcess, admin: dict, fault: Fault, until: float) -> Hit:
+    """Stop the fault's victim (the router, or a busy worker of the kind), then kill it, or resume it after the
+    hold."""
     if fault.kind == "router":
-        return "router"
-    names = WORKERS[fault.kind]
-
-    def work(name: str) -> int:
-        report = load_of(WorkerAt(fault.kind, current(cluster, name)["address"]))
-        return report.running if fault.kind == "decode" else report.transfers_in_flight
-
-    amounts = [work(n) for n in names]
-    return names[fault.instance] if amounts[0] == amounts[1] else names[amounts.index(max(amounts))]
-
-
-def inject(cluster: ServiceProcess, fault: Fault, name: str) -> None:
-    pid = current(cluster, name)["pid"]
+        name = "router"
+        os.kill(current(cluster, name)["pid"], signal.SIGSTOP)
+    else:
+        name = freeze_busy(cluster, admin, fault.kind, until)
+    victim = Hit(name, current(cluster, name), restarts(cluster, name))
+    pid = victim.before["pid"]
     if fault.signal == "SIGKILL":
         os.kill(pid, signal.SIGKILL)
-        return
-    os.kill(pid, signal.SIGSTOP)
+        return victim
     try:
         time.sleep(fault.hold_s)  # the fault itself: the process stays stopped this long
     finally:
         os.kill(pid, signal.SIGCONT)
+    return victim
 
 
-def recover(cluster: ServiceProcess, fault: Fault, name: str, restarts_before: int) -> None:
+def recover(cluster: ServiceProcess, admin: dict, fault: Fault, victim: Hit) -> None:
+    """Supervision: a killed service is restarted at its address (a new pid), a stopped one is the same process
+    (nothing restarted); then every worker is healthy in /workers and a fresh request is served."""
+    name = victim.name
     if fault.signal == "SIGKILL":
-        wait_until(lambda: restarts(cluster, name) > restarts_before, 60, f"the launcher restarts {name}")
-    wait_until(lambda: all_healthy(cluster), 30, "every worker healthy in /workers")
-    wait_until(lambda: serves(cluster), 30, "a fresh request served")
+        wait_until(lambda: restarts(cluster, name) > victim.restarts, RESTART_WITHIN_S, f"the launcher restarts {name}")
+        after = current(cluster, name)
+        assert after["address"] == victim.before["address"] and after["pid"] != victim.before["pid"], after
+    else:
+        assert restarts(cluster, name) == victim.restarts and current(cluster, name) == victim.before
+    wait_until(lambda: all_healthy(cluster, admin), HEALTHY_WITHIN_S, "every worker healthy in /workers")
+    wait_until(lambda: serves(cluster), HEALTHY_WITHIN_S, "a fresh request served")
 
 
 # ---- the checks --------------------------------------------------------------------------------------------------
@@ -405,55 +433,142 @@ def _first_difference(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+@pytest.fixture(scope="module")
+def offline(offline_reference, draft_ckpt) -> dict[tuple[int, bool], tuple[list[int], str]]:
+    """(prompt, seeded) -> the uninterrupted output: one engine, no P/D, DSpark off (the equality ladder's bottom)."""
+    keys = [(p, seeded) for p in range(len(PROMPTS)) for seeded in (False, True)]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **Req("sdk", True, s, p).sampling())
+              for p, s in keys]
+    refs = offline_reference.outputs(draft_ckpt, [PROMPTS[p] for p, _ in keys], params)
+    return {k: (r.token_ids, r.text) for k, r in zip(keys, refs)}
+
+
+@pytest.mark.kills
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 @pytest.mark.parametrize("kind", ["decode", "prefill", "router"])
 @settings(max_examples=EXAMPLES, deadline=None, print_blob=True, report_multiple_bugs=False,
           phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(data=st.data())
-def test_cluster_rides_through_a_fault(cluster, offline, kind, sig, data):
+def test_cluster_rides_through_a_fault(faults, admin_headers, offline, kind, sig, data):
     load = data.draw(loads(), label="load")
-    fault = data.draw(faults(kind, sig), label="fault")
+    fault = data.draw(fault_cases(kind, sig), label="fault")
     # Hypothesis tries the simplest example first: with one example per case, every run would be that one.
-    assume(not (all(r.prompt == 0 for r in load) and fault.trigger == 0 and fault.after_tokens == 1))
-    chaos_example(cluster, offline, load, fault)
+    assume(not (all(r.prompt == 0 for r in load) and fault.trigger == 0 and fault.after_tokens <= 1))
+    chaos_example(faults, admin_headers, offline, load, fault)
 
 
-def chaos_example(cluster: ServiceProcess, offline: dict, load: list[Req], fault: Fault) -> None:
-    wait_until(lambda: all_healthy(cluster), 60, "every worker healthy before the example")
+def chaos_example(cluster: ServiceProcess, admin: dict, offline: dict, load: list[Req], fault: Fault) -> None:
+    wait_until(lambda: ready_for_a_case(cluster, admin), FREE_WITHIN_S,
+               "every worker healthy and holding nothing before the example", describe=lambda: str(leftovers(cluster)))
     counted = counters(cluster)
     trigger = Event()
     futures = run_load(cluster, load, fault, trigger)
-    name = ""
+    until = time.monotonic() + LOAD_DEADLINE_S
     try:
-        assert trigger.wait(LOAD_DEADLINE_S), "the trigger stream neither reached its token count nor ended"
-        name = victim(cluster, fault)
-        before = restarts(cluster, name)
+        if fault.kind != "prefill":
+            assert trigger.wait(LOAD_DEADLINE_S), "the trigger stream neither reached its token count nor ended"
+        victim = hit(cluster, admin, fault, until)
         signalled = time.monotonic()
-        inject(cluster, fault, name)
     finally:
         done, hung = wait(futures, timeout=LOAD_DEADLINE_S)
     assert not hung, f"{len(hung)} request(s) did not end within {LOAD_DEADLINE_S:.0f}s"
     outcomes = [f.result() for f in futures]
-    recover(cluster, fault, name, before)
+    recover(cluster, admin, fault, victim)
     recovery_s = time.monotonic() - signalled
     found = [f"{o.req}: {p}" for o in outcomes for p in problems(o, fault, offline[(o.req.prompt, o.req.seeded)])]
-    after = counters(cluster)  # a restarted router counts from 0 again
+    if fault.kind != "router":  # (a restarted router counts from 0 again)
+        after = counters(cluster)
+        cost = {k: after[k] - counted[k] for k in sorted(after)}
+        if fault.signal == "SIGKILL" and not sum(cost.values()):
+            found.append(f"{victim.name} was killed holding a leg, yet the router counted no retry or migration")
     failed = sum(not o.completed for o in outcomes)
-    report = [f"{fault.signal} {name} after {fault.after_tokens} tokens of a stream"
-              + (f", held {fault.hold_s:.0f}s" if fault.signal == "SIGSTOP" else ""),
-              f"recovered {recovery_s:.1f}s after the signal (every worker healthy, a fresh request served)",
-              f"{len(outcomes) - failed} requests completed, {failed} failed",
-              f"slowest {max(o.seconds for o in outcomes):.1f}s"]
-    if fault.kind != "router":
-        report += [f"{k} +{after[k] - counted[k]:.0f}" for k in sorted(after)]
-    print("\n" + "; ".join(report))
-
-    def leftovers() -> list[str]:
-        return [f"{worker}: {holds}" for role, names in WORKERS.items() for worker in names
-                if (holds := what_is_held(load_of(WorkerAt(role, current(cluster, worker)["address"]))))]
-
-    deadline = time.monotonic() + FREE_WITHIN_S
-    while (left := leftovers()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    found += [f"pools not back to their free counts {FREE_WITHIN_S}s after recovery: {x}" for x in left]
+    print(f"\n{fault.signal} {victim.name}" + (f" held {fault.hold_s:.0f}s" if fault.signal == "SIGSTOP" else "")
+          + f"; recovered {recovery_s:.1f}s after the signal; {len(outcomes) - failed} requests completed, "
+          f"{failed} failed; slowest {max(o.seconds for o in outcomes):.1f}s")
     assert not found, f"{len(found)} problem(s):\n  " + "\n  ".join(found)
+    wait_until(lambda: not leftovers(cluster), FREE_WITHIN_S, "every worker's pools back to their free counts",
+               describe=lambda: str(leftovers(cluster)))
+
+
+# ---- the cases that always run: one stream, its decode worker killed at a chosen token -----------------------------
+STREAM_PROMPT = "def fibonacci(n):"
+STREAM_TOKENS = 96
+SAMPLINGS = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=0.9, top_p=0.95, seed=1234)}
+
+
+@pytest.fixture(scope="module")
+def offline_stream(offline_reference, draft_ckpt) -> dict[str, tuple[list[int], str]]:
+    """Sampling id -> the uninterrupted output of `STREAM_PROMPT` (DSpark and plain give the same tokens)."""
+    refs = offline_reference.outputs(draft_ckpt, [STREAM_PROMPT] * len(SAMPLINGS), [
+        SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True, **sampling) for sampling in SAMPLINGS.values()])
+    return {name: (r.token_ids, r.text) for name, r in zip(SAMPLINGS, refs)}
+
+
+def ready_for_a_stream(cluster: ServiceProcess, admin: dict) -> bool:
+    """Both prefill workers and at least two decode workers healthy (one to kill, one to migrate to), and no
+    worker holding anything. A decode worker killed by the case before may still be restarting meanwhile."""
+    ws = workers(cluster, admin)
+    if ws is None:
+        return False
+    healthy = {w["address"] for w in ws if w["healthy"]}
+    decodes = [current(cluster, n)["address"] in healthy for n in WORKERS["decode"]]
+    prefills = [current(cluster, n)["address"] in healthy for n in WORKERS["prefill"]]
+    return all(prefills) and sum(decodes) >= 2 and not leftovers(cluster, among=healthy)
+
+
+def kill_busy_decode(cluster: ServiceProcess, admin: dict) -> str:
+    """SIGKILL the decode worker that holds the (one) stream in flight; its name."""
+    name = freeze_busy(cluster, admin, "decode", time.monotonic() + scaled(10))
+    os.kill(current(cluster, name)["pid"], signal.SIGKILL)
+    return name
+
+
+def openai_stream(cluster: ServiceProcess, admin: dict, sampling: dict, kill_after: int) -> tuple[str, str | None]:
+    client = openai.OpenAI(base_url=cluster.info["http"] + "/v1", api_key="none", max_retries=0,
+                           timeout=scaled(120))
+    extra = {"ignore_eos": True, **({"seed": sampling["seed"]} if "seed" in sampling else {})}
+    kw = {k: v for k, v in sampling.items() if k != "seed"}
+    pieces, finish, received = [], None, 0
+    for chunk in client.completions.create(model=cluster.info["model"], prompt=STREAM_PROMPT,
+                                           max_tokens=STREAM_TOKENS, stream=True, extra_body=extra, **kw):
+        if not chunk.choices:
+            continue
+        pieces.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+        received += 1
+        if received == kill_after:
+            kill_busy_decode(cluster, admin)
+    return "".join(pieces), finish
+
+
+def sdk_stream(cluster: ServiceProcess, admin: dict, sampling: dict, kill_after: int) -> tuple[list[int], str]:
+    token_ids, text = [], []
+    with Client(cluster.info["grpc"], timeout=scaled(120)) as client:
+        for chunk in client.stream(STREAM_PROMPT, max_tokens=STREAM_TOKENS, ignore_eos=True, **sampling):
+            before = len(token_ids)
+            token_ids += chunk.token_ids
+            text.append(chunk.text)
+            if before < kill_after <= len(token_ids):
+                kill_busy_decode(cluster, admin)
+    return token_ids, "".join(text)
+
+
+@pytest.mark.kills
+@pytest.mark.parametrize("sampling_id", list(SAMPLINGS))
+@pytest.mark.parametrize("kill_after", [1, 24], ids=["after-first-token", "mid-stream"])
+@pytest.mark.parametrize("api", ["openai-sse", "grpc-sdk"])
+def test_a_stream_whose_decode_worker_is_killed_migrates_once_and_equals_offline(
+        faults, admin_headers, offline_stream, api, sampling_id, kill_after):
+    sampling = SAMPLINGS[sampling_id]
+    wait_until(lambda: ready_for_a_stream(faults, admin_headers), RESTART_WITHIN_S,
+               "two decode workers healthy and every healthy worker idle before the case")
+    before = counters(faults)
+    want_ids, want_text = offline_stream[sampling_id]
+    if api == "openai-sse":
+        text, finish = openai_stream(faults, admin_headers, sampling, kill_after)
+        assert finish == "length"
+    else:
+        ids, text = sdk_stream(faults, admin_headers, sampling, kill_after)
+        assert ids == want_ids
+    assert text == want_text
+    assert counters(faults) == {**before, "migrations": before["migrations"] + 1}

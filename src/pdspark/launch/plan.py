@@ -70,7 +70,7 @@ def router_config(cfg: UpConfig, prefill: list[str], decode: list[str]) -> Route
     # The router admits what the workers serve: the same max_model_len (None on both sides resolves the same way).
     return RouterConfig(model=cfg.model, host=cfg.host, port=cfg.port, grpc_port=cfg.grpc_port, auth=cfg.auth,
                         prefill=tuple(prefill), decode=tuple(decode), max_model_len=cfg.engine.scheduler.max_model_len,
-                        otlp_endpoint=cfg.otlp_endpoint)
+                        otlp_endpoint=cfg.otlp_endpoint, transfer_timeout_s=cfg.transfer_timeout_s)
 
 
 def free_ports(host: str, n: int) -> list[int]:

@@ -110,6 +110,7 @@ class PairAttempt:
         self.prefill_call: asyncio.Future | None = None
         self.failure: PairFailed | None = None  # why the attempt was ended from outside (its decode stream cancelled)
         self.streaming = False  # the decode stream sent its first chunk
+        self._prefill_counted = False  # the leg counts in the prefill worker's `in_flight`
 
     async def chunks(self) -> AsyncGenerator[DispatchChunk, None]:
         """Send both legs and stream the decode worker's chunks: with `generated`, the prefill computes prompt +
@@ -131,6 +132,7 @@ class PairAttempt:
         error: str | None = "cancelled"
         timeout_ms = convert.timeout_to_ms(transfer_timeout_s)  # relative: each worker times it from receipt
         prefill.in_flight += 1
+        self._prefill_counted = True
         decode.in_flight += 1
         try:
             self.prefill_call = asyncio.ensure_future(registry.prefill_call(
@@ -139,6 +141,7 @@ class PairAttempt:
                                                    sampling=request.sampling, timeout_ms=timeout_ms),
                 min(transfer_timeout_s + 5, request.deadline.remaining()), metadata))
             self.prefill_call.add_done_callback(self._prefill_done)
+            self.prefill_call.add_done_callback(self._prefill_answered)
             stream = self.stream = registry.generate_call(
                 decode, worker_pb2.GenerateRequest(request_id=request.worker_request_id, transfer_id=transfer_id,
                                                    prompt_token_ids=request.prompt_ids, sampling=request.sampling,
@@ -184,7 +187,7 @@ class PairAttempt:
                     await self._prefill_outcome()
             finally:
                 tracing.finish(span, error)
-                prefill.in_flight -= 1
+                self._prefill_answered(None)  # (when the call was never made)
                 decode.in_flight -= 1
                 if self.on_over is not None:
                     self.on_over(self)
@@ -204,6 +207,13 @@ class PairAttempt:
                                                            and not prefill_answered)
         if needed:
             self.end(PairFailed(failure, worker.address))
+
+    def _prefill_answered(self, _call: asyncio.Future | None) -> None:
+        """The prefill worker holds the attempt's leg no more (`WorkerInfo.in_flight`), once."""
+        if not self._prefill_counted:
+            return
+        self._prefill_counted = False
+        self.prefill.in_flight -= 1
 
     def _prefill_done(self, call: asyncio.Future) -> None:
         """A prefill leg that fails ends the pair at once: the decode worker would otherwise wait for a transfer

@@ -63,7 +63,9 @@ class WorkerInfo:
     metrics_url: str = ""
     healthy: bool = True
     reported_load: int = 0  # running + waiting requests, from the worker's last GetLoad
-    in_flight: int = 0  # requests this router has on the worker right now
+    # Legs of requests this router has on the worker right now and not answered: a prefill worker's until it
+    # answered its Prefill call (after that the request needs it no more), a decode worker's until its stream ended.
+    in_flight: int = 0
     failures: int = 0  # health checks missed in a row
     last_check: float = 0.0  # time.time() of the last health check
     last_load: float = 0.0  # time.time() of the last load report received

@@ -1,0 +1,142 @@
+"""The cluster tier's shared clusters: a few `pdspark up` shapes, each booted once per session by the first test that
+asks for it and stopped after the last one, instead of one boot per module (fixtures and hooks registered by
+tests/conftest.py).
+
+- `one_by_one`: 1 prefill + 1 decode on the draft checkpoint (DSpark on), room for a 2,000-token stream, an admin key.
+- `dsv4_tiny`: the shipped model with `pdspark up`'s defaults (the engine a user gets).
+- `faults`: 2 prefill + 3 decode on the draft checkpoint, restarted within a second, quarantines freed within
+  seconds: the failure matrix (`test_chaos.py`) and the tests that need several workers of a role. Tests that kill
+  or stop its processes run last in the session (`KILLS`), so the others see it as booted.
+
+Every shape's tests leave it as they found it: every worker healthy and holding nothing (the fault tests wait for
+that before and after each case). A cluster that does not stop cleanly (exit code 0 on SIGTERM) fails the session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from pdspark.launch.service_process import ServiceProcess, start_service
+from pdspark.testing.time_scale import scaled
+
+# Worker administration (/workers, the admin's `meta_info`) needs the admin key on every shared shape; generation stays
+# open (no API key).
+ADMIN_KEY = "admin-key-of-the-cluster-tier"
+# Threads: shared 2-core machines; the children inherit the launcher's environment.
+QUIET_THREADS = {"OMP_NUM_THREADS": "1"}
+BOOT_TIMEOUT_S = scaled(240)  # a boot loads 3-6 processes' models; more is a hung start
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One `pdspark up` command line: `args` after `up` (`{draft}`: the draft checkpoint's path) and the environment
+    its services inherit."""
+
+    args: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# The fault shape's quarantines: pages of a stopped or killed prefill worker come back once no write of its can land,
+# the plan's deadline (the router's transfer timeout) + the transfer engine's timeout. Both short: a case waits for it.
+FAULT_TRANSFER_TIMEOUT_S = 8
+FAULT_MC_TIMEOUT_S = 3
+
+SHAPES = {
+    "one_by_one": Shape(("--model", "{draft}", "--page-size", "16", "--max-model-len", "2048", "--max-num-seqs", "8"),
+                        {"PDSPARK_ADMIN_API_KEY": ADMIN_KEY, **QUIET_THREADS}),
+    "dsv4_tiny": Shape(()),
+    "faults": Shape(("--model", "{draft}", "--prefill", "2", "--decode", "3", "--page-size", "16",
+                     "--max-model-len", "256", "--max-num-seqs", "8",
+                     # A killed service is back within seconds (same ports); the others serve meanwhile.
+                     "--restart-backoff-s", "0.5", "--max-restart-backoff-s", "1",
+                     "--transfer-timeout", str(FAULT_TRANSFER_TIMEOUT_S)),
+                    {"PDSPARK_ADMIN_API_KEY": ADMIN_KEY, "MC_TRANSFER_TIMEOUT": str(FAULT_MC_TIMEOUT_S),
+                     **QUIET_THREADS}),
+}
+# Fixture name -> shape: a test that uses the fixture (directly or through another fixture) uses the shape.
+FIXTURES = {"one_by_one": "one_by_one", "dsv4_tiny_cluster": "dsv4_tiny", "faults": "faults"}
+KILLS = "kills"  # the marker of tests that kill or stop processes of a shared cluster
+
+
+class ClusterPool:
+    """Shared clusters by shape name, booted on first use."""
+
+    def __init__(self, draft: str):
+        self.draft = draft
+        self.running: dict[str, ServiceProcess] = {}
+        self.failures: list[str] = []
+
+    def get(self, name: str) -> ServiceProcess:
+        if name not in self.running:
+            shape = SHAPES[name]
+            args = [a.replace("{draft}", self.draft) for a in shape.args]
+            self.running[name] = start_service(f"pdspark up ({name})", ["up", "--port", "0", "--grpc-port", "0",
+                                                                         *args],
+                                               timeout=BOOT_TIMEOUT_S, env=shape.env)
+        return self.running[name]
+
+    def release(self, name: str) -> None:
+        """Stop the shape's cluster (its last test is over); a failure is reported at the session's end."""
+        service = self.running.pop(name, None)
+        if service is not None and (code := service.stop()) != 0:
+            self.failures.append(f"{name}: `pdspark up` ended with {code}:\n{service.tail()}")
+
+    def close(self) -> None:
+        for name in list(self.running):
+            self.release(name)
+
+
+POOL = pytest.StashKey[ClusterPool]()
+LAST_USER = pytest.StashKey[dict[str, str]]()
+
+
+@pytest.fixture(scope="session")
+def cluster_pool(request, draft_ckpt) -> Iterator[ClusterPool]:
+    pool = ClusterPool(str(draft_ckpt))
+    request.config.stash[POOL] = pool
+    yield pool
+    pool.close()
+    assert not pool.failures, "\n".join(pool.failures)
+
+
+@pytest.fixture
+def one_by_one(cluster_pool) -> ServiceProcess:
+    return cluster_pool.get("one_by_one")
+
+
+@pytest.fixture
+def dsv4_tiny_cluster(cluster_pool) -> ServiceProcess:
+    return cluster_pool.get("dsv4_tiny")
+
+
+@pytest.fixture
+def faults(cluster_pool) -> ServiceProcess:
+    return cluster_pool.get("faults")
+
+
+@pytest.fixture(scope="session")
+def admin_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def _shapes_of(item) -> set[str]:
+    return {shape for fixture, shape in FIXTURES.items() if fixture in getattr(item, "fixturenames", ())}
+
+
+def order_and_plan_releases(config, items) -> None:
+    """Tests that kill processes of a shared cluster run after every other test (a stable sort keeps the rest in
+    their order); each shape is stopped after its last test (`LAST_USER`)."""
+    items.sort(key=lambda item: item.get_closest_marker(KILLS) is not None)
+    config.stash[LAST_USER] = {shape: item.nodeid for item in items for shape in _shapes_of(item)}
+
+
+def release_after_last_user(item) -> None:
+    pool = item.config.stash.get(POOL, None)
+    if pool is None:
+        return
+    for shape, nodeid in item.config.stash.get(LAST_USER, {}).items():
+        if nodeid == item.nodeid:
+            pool.release(shape)
