@@ -146,13 +146,15 @@ def test_draft_context_kept_by_steps_without_drafts_ends_as_written_at_every_ste
         if num_drafts is not None:
             llm.engine.scheduler.num_drafts = num_drafts
         engine, kept, waiting = llm.engine, [], []
-        keep, propose = engine._keep_context, engine.drafter.propose
-        engine._keep_context = lambda produced, out: (kept.append(len(produced)), keep(produced, out))
-        engine.drafter.propose = lambda reqs, n: (waiting.append(engine._backlog.rows), propose(reqs, n))[1]
+        drafter = engine.drafter
+        keep, base_logits = drafter.keep, drafter._base_logits
+        drafter.keep = lambda *rows: (kept.append(rows[0].shape[0]), keep(*rows))
+        # (the context is read in `_base_logits`, after `propose` wrote what was kept)
+        drafter._base_logits = lambda *a: (waiting.append(drafter.backlog.rows), base_logits(*a))[1]
         for prompt in prompts:
             greedy_outputs(llm, [prompt], 30)
         greedy_outputs(llm, prompts, 30)
-        assert not engine._backlog.rows and not any(waiting)  # every proposal read a written context
+        assert not drafter.backlog.rows and not any(waiting)  # every proposal read a written context
         assert_no_leaks(llm)
         return engine.kv.pools.draft_kv.clone(), len(kept), len(waiting)
 

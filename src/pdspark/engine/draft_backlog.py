@@ -1,12 +1,13 @@
-"""`DraftBacklog`: committed rows whose DSpark draft context is not written yet.
+"""`DraftBacklog`: committed rows whose DSpark draft context is not written yet (the data; `DSparkDrafter` owns it).
 
 With `speculative_policy="when-faster"` the engine may decode without drafts for long stretches; writing each
 step's draft context rows (`DSparkDrafter.inject`: ~45 µs a step, ~10% of a plain decode step of dsv4-tiny) only
 to keep them ready would tax the very mode that was chosen for speed. So a decode step without drafts keeps its
-committed rows' features here (one copy per step), and all kept rows are written in one call before any request
-is next drafted for, before one finishes or is aborted (the prefix cache may keep its pages), or once `MAX_ROWS`
-are waiting. Written in commit order, the rows end as eager writes would leave them (nothing else writes draft rows
-meanwhile). A row kept for pages its request no longer holds (it was preempted) is dropped: the slot is not its.
+committed rows' features here (`DSparkDrafter.keep`: one copy per step), and the drafter writes all kept rows in one
+call before its next write (`inject`) or proposal, before a request finishes or is aborted (`flush`: the prefix
+cache may keep its pages), or once `MAX_ROWS` are waiting. Written in commit order, the rows end as eager writes
+would leave them (nothing else writes draft rows meanwhile). A row kept for pages its request no longer holds (it
+was preempted) is dropped: the slot is not its.
 """
 
 from __future__ import annotations

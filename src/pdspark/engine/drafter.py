@@ -1,5 +1,10 @@
 """`DSparkDrafter`: proposes draft tokens for verify steps and keeps the draft's context (injected features).
 
+The drafter owns its context rows end to end: the engine hands it every committed row, to write now (`inject`) or
+later (`keep`: a decode step without drafts, see `draft_backlog`), and calls `flush` where rows must be in the pool
+before something else reads or caches them (an abort, a finish). Its own reads and writes put the kept rows first:
+`inject` writes them before the new rows, `propose` before it reads the context.
+
 A sampled draft is the race of the draft's q by its position's SAMPLE noise, the noise the target samples that position
 with (coupled verification, see `spec_verifier`): the verifier needs the draft tokens only, not q.
 """
@@ -11,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdspark.cache.kv_cache import KVCache
+from pdspark.cache.kv_cache import KVCache, ReqPages
+from pdspark.engine.draft_backlog import MAX_ROWS, DraftBacklog
 from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.engine.request import Request
 from pdspark.engine.sampler import filter_logits
@@ -41,10 +47,33 @@ class DSparkDrafter:
         # The whole draft forward as one C call where the draft and its pool allow it (else the module path).
         self._step = DraftStep.build(draft)
         self._pools: tuple[int, np.ndarray | None] | None = None  # (the pool's address, its `pool_table`)
+        self.backlog = DraftBacklog()  # context rows kept, not written yet (`keep`)
+
+    def keep(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor,
+             owners: list[tuple[Request, ReqPages | None]]) -> None:
+        """Keep the draft context rows of committed tokens for later (copies: the step's buffers are reused); `owners`
+        per row: its request and the pages it holds now. Written by the next `inject`, `propose` or `flush`, or here
+        once `MAX_ROWS` are kept."""
+        self.backlog.keep(features, positions, swa_slots, owners)
+        if self.backlog.rows >= MAX_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every kept row (one call), before anything reads or caches them."""
+        if not self.backlog.rows:
+            return
+        rows = self.backlog.take()
+        if rows is not None:
+            self._write(*rows)
+
+    def inject(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
+        """Write the draft context rows of committed tokens: `features [N, D*L]` at `positions` / `swa_slots` (the
+        kept rows first: they are older)."""
+        self.flush()
+        self._write(features, positions, swa_slots)
 
     @torch.inference_mode()
-    def inject(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
-        """Write the draft context rows of committed tokens: `features [N, D*L]` at `positions` / `swa_slots`."""
+    def _write(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
         if not features.shape[0]:
             return
         pools = self._pool_table()
@@ -56,7 +85,9 @@ class DSparkDrafter:
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], num_drafts: list[int]) -> list[DraftProposal]:
-        """One draft block per request, anchored at its last (not yet computed) token."""
+        """One draft block per request, anchored at its last (not yet computed) token (the kept context rows are
+        written first)."""
+        self.flush()
         anchors = [_last_token(r) for r in reqs]
         base = self._base_logits(anchors, reqs)  # [M, G, V]
         # Draft k (0-based) proposes position `num_tokens + k`, raced with that position's SAMPLE noise: the very noise
