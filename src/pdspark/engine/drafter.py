@@ -21,7 +21,7 @@ from pdspark.engine.draft_backlog import MAX_ROWS, DraftBacklog
 from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.engine.request import Request
 from pdspark.engine.sampler import filter_logits
-from pdspark.model.draft_step import DraftStep
+from pdspark.model.cpu.draft_step import DraftStep
 from pdspark.model.dspark import DSparkDraft
 
 # Memory for cached Markov bias rows (fp32, one `[vocab]` row per previous token): 2,048 rows at dsv4-tiny's 4,096.
@@ -76,8 +76,7 @@ class DSparkDrafter:
     def _write(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
         if not features.shape[0]:
             return
-        pools = self._pool_table()
-        if pools is not None and self._step is not None and self._step.inject(features, positions, swa_slots, pools):
+        if self._step is not None and self._step.try_inject(features, positions, swa_slots, self._pool_table()):
             return  # one C call
         self.kv.pools.draft_kv[:, swa_slots] = self.draft.context_kv(features, positions).to(
             self.kv.pools.draft_kv.dtype
@@ -111,12 +110,11 @@ class DSparkDrafter:
         valid = ctx_pos >= 0
         full = tables.req_to_token[slots[:, None], np.maximum(ctx_pos, 0)]
         rows = np.where(valid, self.kv.full_to_swa(full, tables), self.kv.pools.swa_dummy_slot)
-        pool = self.kv.pools.draft_kv
-        pools = self._pool_table()
-        if pools is not None and self._step is not None:
-            fused = self._step.logits(np.array(anchors), anchor_pos, pools, rows, valid)
+        if self._step is not None:
+            fused = self._step.try_logits(np.array(anchors), anchor_pos, self._pool_table(), rows, valid)
             if fused is not None:
                 return fused
+        pool = self.kv.pools.draft_kv
         dev = pool.device
         ctx_kv = pool[:, torch.from_numpy(rows.astype(np.int64)).to(dev)]  # [stages, M, W, d]
         h = self.draft.block_hidden(torch.tensor(anchors, device=dev), torch.from_numpy(anchor_pos).to(dev), ctx_kv,
