@@ -2,8 +2,9 @@
 
 The drafter owns its context rows end to end: the engine hands it every committed row, to write now (`inject`) or
 later (`keep`: a decode step without drafts, see `draft_backlog`), and calls `flush` where rows must be in the pool
-before something else reads or caches them (an abort, a finish). Its own reads and writes put the kept rows first:
-`inject` writes them before the new rows, `propose` before it reads the context.
+before something outside the drafter reads or writes them (a finish or abort: the pages may be shipped; a transfer
+reservation: the transfer writes its pages). Its own reads and writes put the kept rows first: `inject` writes them
+before the new rows, `propose` before it reads the context.
 
 A sampled draft is the race of the draft's q by its position's SAMPLE noise, the noise the target samples that position
 with (coupled verification, see `spec_verifier`): the verifier needs the draft tokens only, not q.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdspark.cache.kv_cache import KVCache, ReqPages
+from pdspark.cache.kv_cache import KVCache
 from pdspark.engine.draft_backlog import MAX_ROWS, DraftBacklog
 from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.engine.request import Request
@@ -49,17 +50,15 @@ class DSparkDrafter:
         self._pools: tuple[int, np.ndarray | None] | None = None  # (the pool's address, its `pool_table`)
         self.backlog = DraftBacklog()  # context rows kept, not written yet (`keep`)
 
-    def keep(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor,
-             owners: list[tuple[Request, ReqPages | None]]) -> None:
-        """Keep the draft context rows of committed tokens for later (copies: the step's buffers are reused); `owners`
-        per row: its request and the pages it holds now. Written by the next `inject`, `propose` or `flush`, or here
-        once `MAX_ROWS` are kept."""
-        self.backlog.keep(features, positions, swa_slots, owners)
+    def keep(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
+        """Keep the draft context rows of committed tokens for later (copies: the step's buffers are reused).
+        Written by the next `inject`, `propose` or `flush`, or here once `MAX_ROWS` are kept."""
+        self.backlog.keep(features, positions, swa_slots)
         if self.backlog.rows >= MAX_ROWS:
             self.flush()
 
     def flush(self) -> None:
-        """Write every kept row (one call), before anything reads or caches them."""
+        """Write every kept row (one call), before anything else reads or writes draft rows (`draft_backlog`)."""
         if not self.backlog.rows:
             return
         rows = self.backlog.take()

@@ -240,6 +240,9 @@ class Engine:
             self.kv.close(pages)
             return None
         self.kv.grow_tail(pages, len(prompt_token_ids))
+        # The transfer writes draft context rows into these pages; a kept row for a slot of theirs (a page freed
+        # since) must land before it, not over it.
+        self._flush_draft_context()
         return pages
 
     def cancel_transfer(self, pages: ReqPages) -> None:
@@ -396,8 +399,7 @@ class Engine:
         if self.drafter is not None and out.features is not None:
             if keep_context:  # (row i is chunk i's token)
                 n = len(produced)
-                self.drafter.keep(out.features[:n], out.positions[:n], out.swa_slots[:n],
-                                  [(p.chunk.request, p.chunk.request.pages) for p in produced])
+                self.drafter.keep(out.features[:n], out.positions[:n], out.swa_slots[:n])
             else:
                 # Committed rows from the first on (one request, or none rejected): views, not gathered copies.
                 idx = (slice(0, len(rows)) if rows and rows[-1] == len(rows) - 1
@@ -406,7 +408,8 @@ class Engine:
         self.scheduler.update([p.chunk for p in produced], [p.committed for p in produced])
 
     def _flush_draft_context(self) -> None:
-        """The drafter writes every draft context row it kept, before a request's pages are cached or freed."""
+        """The drafter writes every draft context row it kept: before pages are shipped (a finish, an abort) or
+        written by a transfer."""
         if self.drafter is not None:
             self.drafter.flush()
 
