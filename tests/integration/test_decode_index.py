@@ -12,7 +12,7 @@ from pdspark.engine.forward_batch import Chunk, build_forward_batch, index_layou
 from pdspark.hardware.cpu import kernel_abi
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.batch import CompressPlan
-from pdspark.model.decode_step import MAX_TOKENS
+from pdspark.model.cpu.decode_step import MAX_TOKENS
 
 # Chunk shapes, as (request, first position, length): decode tokens at and around group ends (CSA ratio 4, HCA
 # ratio 8 in the tiny specs), verify windows that close groups mid-chunk, several requests in one step.

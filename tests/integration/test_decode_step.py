@@ -1,4 +1,4 @@
-"""The C decode layer (`model.decode_step`) is the module path of a small decode step, token for token."""
+"""The C decode layer (`model.cpu.decode_step`) is the module path of a small decode step, token for token."""
 
 from __future__ import annotations
 
@@ -16,10 +16,16 @@ def test_c_decode_layers_give_the_module_paths_tokens_and_logprobs(checkpoints, 
     model = llm.engine.runner.model
     assert model._decode_step is not None  # fp32 CPU weights: every layer has a table
     calls = []
-    run_indexed = model._decode_step.run_indexed  # (every layer in one call: counted once per layer)
-    model._decode_step.run_indexed = lambda *a: calls.extend([1] * len(model.layers)) or run_indexed(*a)
-    run_layer = model._decode_step.run_layer  # (steps with captured features: one call per layer)
-    model._decode_step.run_layer = lambda *a: calls.append(1) or run_layer(*a)
+
+    def counted(try_run):  # layers the C path ran (every layer in one call on the indexed path: counted per layer)
+        def run(*a):
+            out = try_run(*a)
+            calls.extend([1] * len(model.layers) * (out is not None))
+            return out
+        return run
+
+    for name in ("try_run_indexed", "try_run"):
+        setattr(model._decode_step, name, counted(getattr(model._decode_step, name)))
     # Batches of 1 and of 3 decode tokens; prompts long enough that the sparse indexer picks among more entries.
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     for prompts in (random_prompts(1, [90], seed=5), random_prompts(3, [70, 100, 53], seed=6)):
@@ -40,7 +46,7 @@ def test_bf16_weights_give_the_fp32_kernels_bits_on_the_shipped_checkpoint():
     module path's). Decode steps of 1 and 3 tokens, and DSpark verify steps."""
     from pdspark.hardware.cpu import kernel_abi
     from pdspark.hardware.cpu import kernels as cpu_kernels
-    from pdspark.model.decode_step import DecodeStep
+    from pdspark.model.cpu.decode_step import DecodeStep
 
     for speculative in (None, "dspark"):
         llm = make_llm("dsv4-tiny", speculative=speculative)
@@ -97,7 +103,7 @@ def test_steps_the_c_path_does_not_cover_are_logged_once_per_reason_and_counted(
     no C step (here: the C kernels off), take the PyTorch path with one log line per reason and a count per step;
     small steps of an fp32 model count nothing."""
     from pdspark.hardware.cpu import kernels
-    from pdspark.model.decode_step import MAX_TOKENS
+    from pdspark.model.cpu.decode_step import MAX_TOKENS
 
     path, _ = checkpoints(MIXED)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

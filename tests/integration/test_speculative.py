@@ -146,13 +146,15 @@ def test_draft_context_kept_by_steps_without_drafts_ends_as_written_at_every_ste
         if num_drafts is not None:
             llm.engine.scheduler.num_drafts = num_drafts
         engine, kept, waiting = llm.engine, [], []
-        keep, propose = engine._keep_context, engine.drafter.propose
-        engine._keep_context = lambda produced, out: (kept.append(len(produced)), keep(produced, out))
-        engine.drafter.propose = lambda reqs, n: (waiting.append(engine._backlog.rows), propose(reqs, n))[1]
+        drafter = engine.drafter
+        keep, base_logits = drafter.keep, drafter._base_logits
+        drafter.keep = lambda *rows: (kept.append(rows[0].shape[0]), keep(*rows))
+        # (the context is read in `_base_logits`, after `propose` wrote what was kept)
+        drafter._base_logits = lambda *a: (waiting.append(drafter.backlog.rows), base_logits(*a))[1]
         for prompt in prompts:
             greedy_outputs(llm, [prompt], 30)
         greedy_outputs(llm, prompts, 30)
-        assert not engine._backlog.rows and not any(waiting)  # every proposal read a written context
+        assert not drafter.backlog.rows and not any(waiting)  # every proposal read a written context
         assert_no_leaks(llm)
         return engine.kv.pools.draft_kv.clone(), len(kept), len(waiting)
 
@@ -163,6 +165,43 @@ def test_draft_context_kept_by_steps_without_drafts_ends_as_written_at_every_ste
     # (A run with verify steps lays its pool out otherwise: not compared.)
     _, kept, proposals = draft_pool("when-faster", governor=SpecGovernor(3, probe_share=0.9))
     assert kept > 10 and proposals > 10
+
+
+def test_kept_draft_context_of_a_preempted_request_ends_as_written_at_every_step():
+    """A request preempted while its draft context rows are kept hands its pages to the prefix cache (dsv4-tiny: a
+    128-token unit, its window's SWA pages with it): the kept rows are still written to their slots, in commit
+    order, so the cache holds what writing at every step leaves. A transfer reservation writes every kept row first
+    (the transfer writes its pages next)."""
+    prompts = random_prompts(2, [20, 37], seed=3, vocab=4096)
+
+    def draft_pool(policy):
+        llm = make_llm("dsv4-tiny", speculative="dspark", speculative_policy=policy)
+        engine = llm.engine
+        if policy == "when-faster":
+            engine.governor = _Plain()
+        else:
+            engine.scheduler.num_drafts = 0  # plain steps, each writing its rows
+        ids = [engine.add_request(p, SamplingParams(max_tokens=200, **GREEDY)) for p in prompts]
+        for step in range(1, 111):
+            engine.step()
+            if step == 50 and policy == "when-faster":
+                assert engine.drafter.backlog.rows
+                pages = engine.reserve_transfer(prompts[0], SamplingParams(max_tokens=8, **GREEDY))
+                assert pages is not None and not engine.drafter.backlog.rows
+                engine.cancel_transfer(pages)
+        # Rows kept since the last write (at 256): positions inside the 128-token unit the cache takes.
+        assert policy != "when-faster" or engine.drafter.backlog.rows > 100
+        engine.scheduler.preempt(engine.scheduler.running[-1])
+        while engine.has_unfinished:
+            engine.step()
+        tokens = [engine.requests[i].output_token_ids for i in ids]
+        assert sum(engine.requests[i].num_preemptions for i in ids) == 1
+        return engine.kv.pools.draft_kv.clone(), tokens
+
+    eager, plain = draft_pool("always")
+    deferred, tokens = draft_pool("when-faster")
+    assert tokens == plain
+    assert torch.equal(deferred, eager)
 
 
 def test_abort_mid_verify_frees_everything(draft_ckpt):

@@ -1,4 +1,4 @@
-"""The draft forward as one C call (`model.draft_step.DraftStep`) against the prepared module path: its matmuls sum
+"""The draft forward as one C call (`model.cpu.draft_step.DraftStep`) against the prepared module path: its matmuls sum
 in another order than BLAS, so not bit for bit: the greedy picks are equal and the logits within 1e-5 of the
 logit scale; in the engine every greedy proposal of dsv4-tiny's shipped draft is the module path's."""
 
@@ -13,7 +13,7 @@ from pdspark import LLM, SamplingParams
 from pdspark.assets import resolve_model
 from pdspark.hardware.cpu import kernel_abi
 from pdspark.hardware.cpu import kernels as cpu_kernels
-from pdspark.model.draft_step import DraftStep
+from pdspark.model.cpu.draft_step import DraftStep
 
 needs_c = pytest.mark.skipif(cpu_kernels.load() is None, reason="C kernels off here: the C path cannot exist")
 
@@ -36,10 +36,13 @@ def test_one_c_call_matches_the_module_path():
         with torch.inference_mode():
             want = draft.base_logits(draft.block_hidden(torch.from_numpy(anchors), torch.from_numpy(anchor_pos),
                                                         pool[:, torch.from_numpy(rows)], torch.from_numpy(valid)))
-            got = step.logits(anchors, anchor_pos, DraftStep.pool_table(pool), rows, valid)
+            got = step.try_logits(anchors, anchor_pos, DraftStep.pool_table(pool), rows, valid)
         assert got is not None and got.shape == want.shape == (M, 5, draft.cfg.vocab_size)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    # Where the C path does not apply: None (no pool table; a block past the rotary table).
+    assert step.try_logits(anchors, anchor_pos, None, rows, valid) is None
+    assert step.try_logits(anchors, anchor_pos + step.max_len, DraftStep.pool_table(pool), rows, valid) is None
 
 
 @needs_c
@@ -55,12 +58,15 @@ def test_injected_context_rows_match_the_module_path():
     pool = torch.zeros(2, 300, draft.cfg.head_dim)  # [stages, rows, d]
     with torch.inference_mode():
         want = draft.context_kv(features, positions)  # [stages, N, d]
-        assert step.inject(features, positions, slots, DraftStep.pool_table(pool))
+        assert step.try_inject(features, positions, slots, DraftStep.pool_table(pool)) is True
     got = pool[:, slots]
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     pool[:, slots] = 0
     assert not pool.any()  # no other row written
-    assert not step.inject(features, positions.int(), slots, DraftStep.pool_table(pool))  # int32: module path
+    # Where the C path does not apply it writes nothing and says so with None (the module path's turn).
+    assert step.try_inject(features, positions.int(), slots, DraftStep.pool_table(pool)) is None  # int32 positions
+    assert step.try_inject(features, positions, slots, DraftStep.pool_table(pool.double())) is None  # no pool table
+    assert not pool.any()
 
 
 def test_drafts_it_does_not_cover_keep_the_module_path(monkeypatch):
@@ -125,10 +131,10 @@ def test_a_draft_of_bf16_numbers_reads_them_as_bf16_with_the_fp32_tables_bits(mo
     features = torch.randn(7, draft.cfg.hidden_size * 2, generator=g)
     positions, slots = torch.tensor([0, 1, 2, 50, 51, 200, 201]), torch.tensor([5, 9, 100, 3, 250, 77, 78])
     with torch.inference_mode():
-        a = halves.logits(anchors, anchor_pos, DraftStep.pool_table(pool), rows, valid)
-        b = full.logits(anchors, anchor_pos, DraftStep.pool_table(pool), rows, valid)
+        a = halves.try_logits(anchors, anchor_pos, DraftStep.pool_table(pool), rows, valid)
+        b = full.try_logits(anchors, anchor_pos, DraftStep.pool_table(pool), rows, valid)
         assert a is not None and torch.equal(a, b)
         pools = [torch.zeros(2, 300, draft.cfg.head_dim) for _ in range(2)]
-        assert halves.inject(features, positions, slots, DraftStep.pool_table(pools[0]))
-        assert full.inject(features, positions, slots, DraftStep.pool_table(pools[1]))
+        assert halves.try_inject(features, positions, slots, DraftStep.pool_table(pools[0])) is True
+        assert full.try_inject(features, positions, slots, DraftStep.pool_table(pools[1])) is True
     assert torch.equal(pools[0], pools[1]) and pools[0].any()

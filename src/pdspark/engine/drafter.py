@@ -1,5 +1,11 @@
 """`DSparkDrafter`: proposes draft tokens for verify steps and keeps the draft's context (injected features).
 
+The drafter owns its context rows end to end: the engine hands it every committed row, to write now (`inject`) or
+later (`keep`: a decode step without drafts, see `draft_backlog`), and calls `flush` where rows must be in the pool
+before something outside the drafter reads or writes them (a finish or abort: the pages may be shipped; a transfer
+reservation: the transfer writes its pages). Its own reads and writes put the kept rows first: `inject` writes them
+before the new rows, `propose` before it reads the context.
+
 A sampled draft is the race of the draft's q by its position's SAMPLE noise, the noise the target samples that position
 with (coupled verification, see `spec_verifier`): the verifier needs the draft tokens only, not q.
 """
@@ -12,10 +18,11 @@ import numpy as np
 import torch
 
 from pdspark.cache.kv_cache import KVCache
+from pdspark.engine.draft_backlog import MAX_ROWS, DraftBacklog
 from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.engine.request import Request
 from pdspark.engine.sampler import filter_logits
-from pdspark.model.draft_step import DraftStep
+from pdspark.model.cpu.draft_step import DraftStep
 from pdspark.model.dspark import DSparkDraft
 
 # Memory for cached Markov bias rows (fp32, one `[vocab]` row per previous token): 2,048 rows at dsv4-tiny's 4,096.
@@ -41,14 +48,34 @@ class DSparkDrafter:
         # The whole draft forward as one C call where the draft and its pool allow it (else the module path).
         self._step = DraftStep.build(draft)
         self._pools: tuple[int, np.ndarray | None] | None = None  # (the pool's address, its `pool_table`)
+        self.backlog = DraftBacklog()  # context rows kept, not written yet (`keep`)
+
+    def keep(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
+        """Keep the draft context rows of committed tokens for later (copies: the step's buffers are reused).
+        Written by the next `inject`, `propose` or `flush`, or here once `MAX_ROWS` are kept."""
+        self.backlog.keep(features, positions, swa_slots)
+        if self.backlog.rows >= MAX_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every kept row (one call), before anything else reads or writes draft rows (`draft_backlog`)."""
+        if not self.backlog.rows:
+            return
+        rows = self.backlog.take()
+        if rows is not None:
+            self._write(*rows)
+
+    def inject(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
+        """Write the draft context rows of committed tokens: `features [N, D*L]` at `positions` / `swa_slots` (the
+        kept rows first: they are older)."""
+        self.flush()
+        self._write(features, positions, swa_slots)
 
     @torch.inference_mode()
-    def inject(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
-        """Write the draft context rows of committed tokens: `features [N, D*L]` at `positions` / `swa_slots`."""
+    def _write(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
         if not features.shape[0]:
             return
-        pools = self._pool_table()
-        if pools is not None and self._step is not None and self._step.inject(features, positions, swa_slots, pools):
+        if self._step is not None and self._step.try_inject(features, positions, swa_slots, self._pool_table()):
             return  # one C call
         self.kv.pools.draft_kv[:, swa_slots] = self.draft.context_kv(features, positions).to(
             self.kv.pools.draft_kv.dtype
@@ -56,7 +83,9 @@ class DSparkDrafter:
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], num_drafts: list[int]) -> list[DraftProposal]:
-        """One draft block per request, anchored at its last (not yet computed) token."""
+        """One draft block per request, anchored at its last (not yet computed) token (the kept context rows are
+        written first)."""
+        self.flush()
         anchors = [_last_token(r) for r in reqs]
         base = self._base_logits(anchors, reqs)  # [M, G, V]
         # Draft k (0-based) proposes position `num_tokens + k`, raced with that position's SAMPLE noise: the very noise
@@ -80,12 +109,11 @@ class DSparkDrafter:
         valid = ctx_pos >= 0
         full = tables.req_to_token[slots[:, None], np.maximum(ctx_pos, 0)]
         rows = np.where(valid, self.kv.full_to_swa(full, tables), self.kv.pools.swa_dummy_slot)
-        pool = self.kv.pools.draft_kv
-        pools = self._pool_table()
-        if pools is not None and self._step is not None:
-            fused = self._step.logits(np.array(anchors), anchor_pos, pools, rows, valid)
+        if self._step is not None:
+            fused = self._step.try_logits(np.array(anchors), anchor_pos, self._pool_table(), rows, valid)
             if fused is not None:
                 return fused
+        pool = self.kv.pools.draft_kv
         dev = pool.device
         ctx_kv = pool[:, torch.from_numpy(rows.astype(np.int64)).to(dev)]  # [stages, M, W, d]
         h = self.draft.block_hidden(torch.tensor(anchors, device=dev), torch.from_numpy(anchor_pos).to(dev), ctx_kv,

@@ -16,7 +16,6 @@ import torch
 from pdspark.cache.kv_cache import KVCache, ReqPages
 from pdspark.cache.pool_sizes import PoolSizes
 from pdspark.config import EngineConfig
-from pdspark.engine.draft_backlog import MAX_ROWS, DraftBacklog
 from pdspark.engine.drafter import DraftProposal, DSparkDrafter
 from pdspark.engine.forward_batch import Chunk
 from pdspark.engine.model_runner import ModelRunner, RunOutput
@@ -140,7 +139,6 @@ class Engine:
         self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
         self.governor = (SpecGovernor(num_drafts) if self.drafter is not None
                          and config.speculative_policy == "when-faster" else None)
-        self._backlog = DraftBacklog()  # draft context rows not written yet (with the governor only)
         capture = draft.dcfg.target_layer_ids if self.drafter and draft is not None else ()
         streams = PrepareStreams(self.backend) if config.multi_stream_rows else None
         self.runner = ModelRunner(model, self.kv, capture, streams, config.multi_stream_rows)
@@ -219,7 +217,7 @@ class Engine:
         if req is None or req.finished:
             return False
         req.finish_reason = FinishReason.ABORT
-        self._write_context()
+        self._flush_draft_context()
         self.scheduler.finish(req)
         return True
 
@@ -242,6 +240,9 @@ class Engine:
             self.kv.close(pages)
             return None
         self.kv.grow_tail(pages, len(prompt_token_ids))
+        # The transfer writes draft context rows into these pages; a kept row for a slot of theirs (a page freed
+        # since) must land before it, not over it.
+        self._flush_draft_context()
         return pages
 
     def cancel_transfer(self, pages: ReqPages) -> None:
@@ -335,7 +336,6 @@ class Engine:
         verify = [c for c in chunks if c.num_drafts]
         if not verify or self.drafter is None:
             return {}
-        self._write_context()
         proposals = self.drafter.propose([c.request for c in verify], [c.num_drafts for c in verify])
         return {c.request.req_id: p for c, p in zip(verify, proposals)}
 
@@ -387,8 +387,8 @@ class Engine:
 
     def _commit(self, produced: list[_StepTokens], out: RunOutput, keep_context: bool = False) -> None:
         """Make the committed rows the request's computed state: draft context, rolled-back rings, page windows.
-        `keep_context`: a decode step without drafts, whose draft context rows are kept and written when next
-        needed (`DraftBacklog`)."""
+        `keep_context`: a decode step without drafts, whose draft context rows the drafter keeps and writes when
+        next needed (`DSparkDrafter.keep`)."""
         rows: list[int] = []
         row = 0
         for p in produced:
@@ -397,32 +397,21 @@ class Engine:
             if p.chunk.num_drafts:
                 self._clear_rejected_c128_rows(p)
         if self.drafter is not None and out.features is not None:
-            if keep_context:
-                self._keep_context(produced, out)
+            if keep_context:  # (row i is chunk i's token)
+                n = len(produced)
+                self.drafter.keep(out.features[:n], out.positions[:n], out.swa_slots[:n])
             else:
-                self._write_context()  # (older rows first)
                 # Committed rows from the first on (one request, or none rejected): views, not gathered copies.
                 idx = (slice(0, len(rows)) if rows and rows[-1] == len(rows) - 1
                        else torch.tensor(rows, dtype=torch.long))
                 self.drafter.inject(out.features[idx], out.positions[idx], out.swa_slots[idx])
         self.scheduler.update([p.chunk for p in produced], [p.committed for p in produced])
 
-    def _keep_context(self, produced: list[_StepTokens], out: RunOutput) -> None:
-        """Keep the draft context rows of a decode step without drafts (row i is chunk i's token) for later."""
-        assert out.features is not None
-        n = len(produced)
-        self._backlog.keep(out.features[:n], out.positions[:n], out.swa_slots[:n],
-                           [(p.chunk.request, p.chunk.request.pages) for p in produced])
-        if self._backlog.rows >= MAX_ROWS:
-            self._write_context()
-
-    def _write_context(self) -> None:
-        """Write every kept draft context row (one call), before anything reads or caches them."""
-        if not self._backlog.rows or self.drafter is None:
-            return
-        rows = self._backlog.take()
-        if rows is not None:
-            self.drafter.inject(*rows)
+    def _flush_draft_context(self) -> None:
+        """The drafter writes every draft context row it kept: before pages are shipped (a finish, an abort) or
+        written by a transfer."""
+        if self.drafter is not None:
+            self.drafter.flush()
 
     def _clear_rejected_c128_rows(self, p: _StepTokens) -> None:
         """C128 ring rows written by rejected drafts go back to empty, as if never written."""
@@ -445,7 +434,7 @@ class Engine:
                 if self.stop_checker.check(req):
                     # Rows past the stop token were computed for tokens we drop; keep the books consistent.
                     req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
-                    self._write_context()
+                    self._flush_draft_context()
                     self.scheduler.finish(req)
                     break
             self.stats.generated_tokens += j + 1

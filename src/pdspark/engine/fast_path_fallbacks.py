@@ -1,6 +1,6 @@
 """`FastPathFallbacks`: decode and verify steps the C fast path did not run, by reason, each reason logged once.
 
-The C step (`model.decode_step`) serves small decode/verify steps of fp32 CPU models; anything else takes the
+The C step (`model.cpu.decode_step`) serves small decode/verify steps of fp32 CPU models; anything else takes the
 PyTorch module path, which gives the same tokens, slower. That must never happen silently: the first step of each
 reason writes one log line saying why, and every such step counts (`pdspark_engine_fast_path_fallback_steps_total`).
 Prefill chunks are not counted: they take the module path by design (BLAS matmuls share each weight read).

@@ -19,7 +19,7 @@ from pdspark.engine.forward_batch import (
 )
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.hardware.prepare_streams import PrepareStreams, use_prepare_streams
-from pdspark.model.decode_step import MAX_TOKENS
+from pdspark.model.cpu.decode_step import MAX_TOKENS
 from pdspark.model.dsv4 import DSV4Model
 
 

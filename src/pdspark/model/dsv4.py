@@ -10,7 +10,7 @@ from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.batch import ForwardBatch, LayerCaches
-from pdspark.model.decode_step import DecodeStep, IndexedOutput
+from pdspark.model.cpu.decode_step import DecodeStep, IndexedOutput
 from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.hyper_connection import HyperHead
 from pdspark.model.model_config import SLIDING, ModelConfig
@@ -59,22 +59,18 @@ class DSV4Model(nn.Module):
     def forward(self, batch: ForwardBatch, pools: LayerCaches, capture: tuple[int, ...] = ()) -> ForwardOutput:
         """Run every layer over the step's tokens; `capture` lists layers whose output (the mean over the mHC
         streams) becomes a feature for the speculative drafter."""
+        if self._decode_step is not None:  # a small step: one C call per layer, where it applies
+            fast = self._decode_step.try_run(batch, pools, self.embed, (self.rope_main, self.rope_compress), capture)
+            if fast is not None:
+                return ForwardOutput(fast.hidden, fast.features)
         x = F.embedding(batch.input_ids, self.embed)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
         # Rotation factors at this step's positions, gathered once per table and shared by every layer.
         rope_at = {SLIDING: self.rope_main.at(batch.positions)}
         compress_at = self.rope_compress.at(batch.positions)
         captured: dict[int, torch.Tensor] = {}
-        decode = self._decode_step if self._decode_step is not None and DecodeStep.applies(batch) else None
-        pool_tables = None if decode is None else decode.pool_tables(pools)
-        step = None
-        if decode is not None and pool_tables is not None:
-            step = decode.step_table(batch, self.rope_compress, rope_at[SLIDING], compress_at)
         for i, layer in enumerate(self.layers):
-            if decode is not None and pool_tables is not None and step is not None:
-                h = decode.run_layer(i, h, pool_tables[i], step)  # one C call
-            else:
-                h = layer(h, batch, pools.layer(i), rope_at.get(self.cfg.layer_types[i], compress_at))
+            h = layer(h, batch, pools.layer(i), rope_at.get(self.cfg.layer_types[i], compress_at))
             if i in capture:
                 captured[i] = h.mean(dim=1)
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
@@ -87,10 +83,10 @@ class DSV4Model(nn.Module):
         part of `kernel_abi.DECODE_LAYOUT`. The streams `[T, hc, D]`, the features of the `capture` layers `[T, D *
         len(capture)]`, the positions and SWA slots `[T]` are views the next step overwrites; None where the C path
         does not apply (the caller then builds a `ForwardBatch`)."""
-        if self._decode_step is None or torch.is_grad_enabled():
+        if self._decode_step is None:
             return None
-        return self._decode_step.run_indexed(req, cache_layout, pools, self.embed,
-                                             (self.rope_main, self.rope_compress), capture)
+        return self._decode_step.try_run_indexed(req, cache_layout, pools, self.embed,
+                                                 (self.rope_main, self.rope_compress), capture)
 
     def prepare_inference(self, row_exact: bool = False) -> None:
         """Fuse the projections that read the same input and freeze the mHC mix parameters for the C collapse

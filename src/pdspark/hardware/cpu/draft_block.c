@@ -1,4 +1,4 @@
-/* pdspark CPU kernels, draft_block.c: a DSpark draft block (`model.draft_step`): every stage and the head of one
+/* pdspark CPU kernels, draft_block.c: a DSpark draft block (`model.cpu.draft_step`): every stage and the head of one
  * proposal in one call (`draft_block`), and the context rows of committed tokens (`draft_inject`). */
 #include "kernels.h"
 

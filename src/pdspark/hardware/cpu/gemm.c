@@ -282,7 +282,7 @@ static inline float hsum8(__m256 v) {
 /* out [T, N] (rows `os` apart) = x [T, K] (rows `xs` apart) @ w [N, K]^T for a draft block's few rows: four weight
  * rows times two block rows per pass in fused multiply-adds over 8 lanes (eight accumulators in registers), so each
  * weight load serves two rows and each row load four weights. Only the draft uses it: its own summation order,
- * with one rounding per multiply-add (the draft's logits need not match BLAS bit for bit; see model.draft_step).
+ * with one rounding per multiply-add (the draft's logits need not match BLAS bit for bit; see model.cpu.draft_step).
  * Instantiated for fp32 weights (`gemm_rows`) and bf16 bits (`gemm_rows_h`: each 8-lane load widens 8 values
  * exactly, so every multiply-add is the fp32 instance's on the same numbers). */
 #define LOAD8_F32(p) _mm256_loadu_ps(p)

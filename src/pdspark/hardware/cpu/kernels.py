@@ -8,7 +8,7 @@ PyTorch reference path.
 
 The boundary: the C loops trust the sizes they are given, so every array they index comes from a buffer Python sized
 with the C library's own formulas or limits (`moe_rows_scratch_floats`, `decode_layer_scratch_floats`,
-`pdspark_abi`), and the step builders check what they hand over (`model.decode_step`, `model.draft_step`);
+`pdspark_abi`), and the step builders check what they hand over (`model.cpu.decode_step`, `model.cpu.draft_step`);
 `KernelArgumentError` is what a wrong one raises.
 """
 
@@ -491,7 +491,7 @@ def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
                  ids: torch.Tensor) -> torch.Tensor:
     """One decoder layer of a decode step in one call: `h [T, hc, D]` -> `[T, hc, D]`. The arrays hold pointers
     (int64) and sizes (int32) and scalars (fp32) in the slots named by `DECODE_*`; the caller checked that every
-    tensor behind them is what the C loops read (see `model.decode_step`)."""
+    tensor behind them is what the C loops read (see `model.cpu.decode_step`)."""
     lib = load()
     assert lib is not None
     out = torch.empty_like(h)
@@ -577,7 +577,7 @@ def draft_block(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tenso
     """A DSpark proposal's draft forward in one call, into `logits [blocks * gamma, vocab]`. The arrays hold the
     `DRAFT_*` slots; `anchors`, `anchor_pos` (int64 `[blocks]`), `ctx` (int64 `[stages, 2]`: pool pointer, row
     stride), `rows` (int64 `[blocks, window]`) and `valid` (uint8 `[blocks, window]`) are addresses of host arrays
-    the caller keeps alive; the caller checked every tensor (see `model.draft_step`)."""
+    the caller keeps alive; the caller checked every tensor (see `model.cpu.draft_step`)."""
     lib = load()
     assert lib is not None
     lib.draft_block(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), anchors, anchor_pos, blocks, ctx, rows,
@@ -589,7 +589,7 @@ def draft_inject(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
     """`DSparkDrafter.inject` in one call: the context rows of `features [N, F]` (fp32) at `positions` (int64
     `[N]`) written to every stage's pool rows `slots` (int64 `[N]`); `ctx` is the address of the `[stages, 2]`
     int64 pool table. `scratch` holds at least `N * (2 * rope_dim + hidden + stages * head_dim) + head_dim + 80`
-    floats. The caller checked every tensor (see `model.draft_step`)."""
+    floats. The caller checked every tensor (see `model.cpu.draft_step`)."""
     lib = load()
     assert lib is not None
     lib.draft_inject(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), features.data_ptr(), features.shape[0],

@@ -7,13 +7,15 @@ and of the head are laid out once as a table of pointers (they are final after `
 is one call with the same steps in the same order as `DraftStage.forward_prepared`; its matmuls become loops that
 read each weight row once for all the block's rows (fused multiply-adds where the CPU has them). Summation orders
 differ from BLAS, so the logits match the module path to ~1e-6 of their scale, not bit for bit
-(`tests/unit/test_draft_step.py`); verification keeps the committed tokens the target's either way. Drafts it does
-not cover (routed-MoE stages, other dtypes or devices, quantized weights) keep the module path.
+(`tests/unit/test_draft_step.py`); verification keeps the committed tokens the target's either way. Two entry
+points, each returning None where it does not apply (the package's contract, `model.cpu`): `try_logits` (a
+proposal's base logits) and `try_inject` (context rows written to the draft's pool; True where it wrote them).
+Drafts it does not cover (routed-MoE stages, other dtypes or devices, quantized weights) keep the module path.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -147,7 +149,7 @@ def draft_table(draft: DSparkDraft) -> DraftTable | None:
 
 
 class DraftStep:
-    """The draft's table and the proposal forward that uses it."""
+    """The draft's table and the C paths that use it (`try_logits`, `try_inject`)."""
 
     def __init__(self, table: DraftTable, gamma: int, vocab: int, max_len: int):
         self.table = table
@@ -172,16 +174,17 @@ class DraftStep:
             return None
         return np.array([[pool[s].data_ptr(), pool.stride(1)] for s in range(pool.shape[0])], dtype=np.int64)
 
-    def inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pools: np.ndarray
-               ) -> bool:
-        """Write the context rows of `features [N, F]` at `positions [N]` to the pools' rows `slots [N]` (see
-        `DSparkDrafter.inject`); False (nothing written) where the C path does not apply."""
+    def try_inject(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   pools: np.ndarray | None) -> Literal[True] | None:
+        """Write the context rows of `features [N, F]` at `positions [N]` to the rows `slots [N]` of the pools
+        (`pool_table`) -> True; None (nothing written) where the C path does not apply: no pool table, a quantized
+        `main_proj`, features or indices not what the C loop reads, positions outside the rotary table."""
         ok = (self.table.injects and _fp32(features) is not None and features.dim() == 2
               and features.shape[1] == int(self.table.sizes[kernel_abi.DRAFT_SIZES.index("features")]))
         for t in (positions, slots):
             ok = ok and t.is_cpu and t.dtype is torch.int64 and t.is_contiguous() and t.shape == features.shape[:1]
-        if not ok or int(positions.max()) >= self.max_len or int(positions.min()) < 0:
-            return False
+        if not ok or pools is None or int(positions.max()) >= self.max_len or int(positions.min()) < 0:
+            return None
         sizes = self.table.sizes.tolist()
         r, D, HD, S = (sizes[kernel_abi.DRAFT_SIZES.index(n)] for n in ("rope_dim", "hidden", "head_dim", "stages"))
         need = features.shape[0] * (2 * r + D + S * HD) + HD + 80
@@ -191,13 +194,13 @@ class DraftStep:
                                  pools.ctypes.data, slots, self.scratch)
         return True
 
-    def logits(self, anchors: np.ndarray, anchor_pos: np.ndarray, pools: np.ndarray, rows: np.ndarray,
-               valid: np.ndarray) -> torch.Tensor | None:
+    def try_logits(self, anchors: np.ndarray, anchor_pos: np.ndarray, pools: np.ndarray | None, rows: np.ndarray,
+                   valid: np.ndarray) -> torch.Tensor | None:
         """Base logits `[M, G, V]` fp32 of M blocks: `anchors`, `anchor_pos [M]`; block m's context rows
-        `rows [M, W]` of the pools (`pool_table`) where `valid [M, W]`. None where a block runs past the rotary
-        table (the module path raises the error)."""
+        `rows [M, W]` of the pools (`pool_table`) where `valid [M, W]`. None where there is no pool table or no
+        block, or a block runs past the rotary table (the module path raises the error)."""
         M, W = rows.shape
-        if M == 0 or int(anchor_pos.max()) + self.gamma > self.max_len or int(anchor_pos.min()) < 0:
+        if pools is None or M == 0 or int(anchor_pos.max()) + self.gamma > self.max_len or int(anchor_pos.min()) < 0:
             return None
         host = [np.ascontiguousarray(anchors, dtype=np.int64), np.ascontiguousarray(anchor_pos, dtype=np.int64),
                 np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(valid, dtype=np.bool_)]

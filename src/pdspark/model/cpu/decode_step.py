@@ -1,11 +1,13 @@
-"""`DecodeStep`: the layers of a small decode step as one C call each (`hardware.cpu.kernels.decode_layer`).
+"""`DecodeStep`: the layers of a small decode step in C (`hardware.cpu.kernels.decode_layer`, `decode_layers`).
 
 A decode token's layer is ~40 small operations in PyTorch, each costing more in dispatch than in arithmetic. Here
 each layer's weights are laid out once as a table of pointers (the weights are final after `prepare_inference`),
 the step's indices once per step (shared by every layer), and a layer is one call with the same steps in the same
-order as `DecoderLayer.forward` (its BLAS matmuls become GEMV loops). Steps it does not cover (prefill chunks,
-more than `MAX_TOKENS` tokens, other dtypes or devices, quantized weights, the multi-stream prepare) keep the
-module path.
+order as `DecoderLayer.forward` (its BLAS matmuls become GEMV loops). Two entry points, each returning None where
+it does not apply (the package's contract, `model.cpu`): `try_run` over a built `ForwardBatch` (one C call per
+layer), and `try_run_indexed`, which builds the step's indices in C from the page tables and runs every layer in one
+more call. Steps they do not cover (prefill chunks, more than `MAX_TOKENS` tokens, other dtypes or devices,
+quantized weights, the multi-stream prepare) keep the module path.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from pdspark.hardware.cpu import kernel_abi
 from pdspark.hardware.cpu import kernels as cpu_kernels
@@ -29,8 +32,15 @@ from pdspark.model.rope import RotaryTable
 MAX_TOKENS = 8
 
 
+class StepOutput(NamedTuple):
+    """`DecodeStep.try_run`'s step."""
+
+    hidden: torch.Tensor  # [T, hc, D] final streams
+    features: torch.Tensor | None  # [T, D * len(capture)]: mean over streams after each captured layer
+
+
 class IndexedOutput(NamedTuple):
-    """`DecodeStep.run_indexed`'s step: views of buffers the next step overwrites (use them before it runs)."""
+    """`DecodeStep.try_run_indexed`'s step: views of buffers the next step overwrites (use them before it runs)."""
 
     hidden: torch.Tensor  # [T, hc, D] final streams
     features: torch.Tensor | None  # [T, D * len(capture)] drafter features (None: nothing captured)
@@ -140,7 +150,7 @@ def _plan_pointers(plan: CompressPlan | None) -> list[int]:
 
 
 class DecodeStep:
-    """Every layer's table, and the step path that uses them."""
+    """Every layer's table, and the step paths that use them (`try_run`, `try_run_indexed`)."""
 
     def __init__(self, tables: list[LayerTable], cfg: ModelConfig):
         self.tables = tables
@@ -168,15 +178,41 @@ class DecodeStep:
         return cls(tables, cfg)
 
     @staticmethod
-    def applies(batch: ForwardBatch) -> bool:
+    def _applies(batch: ForwardBatch) -> bool:
         """A step of a few tokens, each gathering its own window, with every index on the CPU."""
         return (batch.num_tokens <= MAX_TOKENS and not batch.segments and batch.prepare_streams is None
                 and batch.positions.is_cpu and not torch.is_grad_enabled())
 
+    def try_run(self, batch: ForwardBatch, pools: LayerCaches, embed: torch.Tensor,
+                ropes: tuple[RotaryTable, RotaryTable], capture: tuple[int, ...] = ()) -> StepOutput | None:
+        """Every layer of a small step (one C call each) -> its final streams and the features of the `capture`
+        layers, as `DSV4Model.forward`'s; None where the step or the pools are not what the C loops read (a
+        long or multi-stream step, grad mode, indices or pools off the CPU or not fp32 row-major).
+        `ropes`: the sliding and compressed rotary tables."""
+        if not self._applies(batch):
+            return None
+        pool_tables = self.pool_tables(pools)
+        if pool_tables is None:
+            return None
+        rope_main, rope_compress = ropes
+        x = F.embedding(batch.input_ids, embed)
+        h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
+        # The rotation factors at the step's positions, held in locals: the step table points into them.
+        main_at, comp_at = rope_main.at(batch.positions), rope_compress.at(batch.positions)
+        step = self.step_table(batch, rope_compress, main_at, comp_at)
+        captured: dict[int, torch.Tensor] = {}
+        for i in range(len(self.tables)):
+            h = self.run_layer(i, h, pool_tables[i], step)  # one C call
+            if i in capture:
+                captured[i] = h.mean(dim=1)
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        return StepOutput(h, features)
+
     def step_table(self, batch: ForwardBatch, rope_compress: RotaryTable,
                    main_at: tuple[torch.Tensor, torch.Tensor], comp_at: tuple[torch.Tensor, torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's pointer and size arrays (`kernel_abi.DECODE_STEP/STEP_SIZES`), shared by every layer."""
+        """The step's pointer and size arrays (`kernel_abi.DECODE_STEP/STEP_SIZES`), shared by every layer. They
+        point into `batch`, `main_at` and `comp_at`: the caller keeps those alive while the step runs."""
         csa, hca = batch.csa, batch.hca
         ptrs = [batch.positions.data_ptr(), batch.input_ids.data_ptr(), batch.swa_slots.data_ptr(),
                 batch.window.rows.data_ptr(), batch.window.valid.data_ptr(),
@@ -236,15 +272,19 @@ class DecodeStep:
                                         self.ids)
 
     # ---- the indexed path: the step's indices built in C from the page tables, every layer in one more call ----
-    def run_indexed(self, req: list[int], cache_layout: tuple[int, ...], pools: LayerCaches, embed: torch.Tensor,
-                    ropes: tuple[RotaryTable, RotaryTable], capture: tuple[int, ...] = ()) -> IndexedOutput | None:
+    def try_run_indexed(self, req: list[int], cache_layout: tuple[int, ...], pools: LayerCaches,
+                        embed: torch.Tensor, ropes: tuple[RotaryTable, RotaryTable], capture: tuple[int, ...] = ()
+                        ) -> IndexedOutput | None:
         """Every layer of a step of short chunks -> its streams, its drafter features (the output of each layer in
         `capture` averaged over the streams, as `DSV4Model.forward`'s) and its positions and SWA slots, all views
-        of buffers the next step reuses; None where the pools or tables are not what the C loops read.
+        of buffers the next step reuses; None for a step of more than `MAX_TOKENS` tokens, in grad mode, where the
+        pools or tables are not what the C loops read, or where a layer is captured twice or does not exist.
 
         `req`: `[n, (slot, start, length) per chunk, every chunk's token ids]`; `cache_layout`: the cache's part of
         `kernel_abi.DECODE_LAYOUT` (everything before the rotary tables); `ropes`: the sliding and compressed tables.
         The same indices as `build_forward_batch` (`kernels.decode_index`), without a `ForwardBatch`."""
+        if len(req) - 1 - 3 * req[0] > MAX_TOKENS or torch.is_grad_enabled():
+            return None
         st = self._indexed
         if st is None or st.cache_layout != cache_layout or st.pools is not pools:
             if self._not_indexed == (cache_layout, id(pools)):
