@@ -102,17 +102,17 @@ def cluster_pool(request, draft_ckpt) -> Iterator[ClusterPool]:
     assert not pool.failures, "\n".join(pool.failures)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def one_by_one(cluster_pool) -> ServiceProcess:
     return cluster_pool.get("one_by_one")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def dsv4_tiny_cluster(cluster_pool) -> ServiceProcess:
     return cluster_pool.get("dsv4_tiny")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def faults(cluster_pool) -> ServiceProcess:
     return cluster_pool.get("faults")
 
@@ -126,10 +126,18 @@ def _shapes_of(item) -> set[str]:
     return {shape for fixture, shape in FIXTURES.items() if fixture in getattr(item, "fixturenames", ())}
 
 
+def _folder(item) -> str:
+    """The test's folder under tests/ (its tier): "cluster" for tests/cluster/test_chaos.py::..."""
+    parts = item.nodeid.split("/")
+    return parts[1] if len(parts) > 2 else ""
+
+
 def order_and_plan_releases(config, items) -> None:
-    """Tests that kill processes of a shared cluster run after every other test (a stable sort keeps the rest in
-    their order); each shape is stopped after its last test (`LAST_USER`)."""
-    items.sort(key=lambda item: item.get_closest_marker(KILLS) is not None)
+    """Tests that kill processes of a shared cluster run after every other test of the tier that uses it (a stable
+    sort keeps the rest in their order; tiers keep theirs); each shape is stopped after its last test
+    (`LAST_USER`), so that no idle cluster runs beside the other tiers."""
+    order = {tier: n for n, tier in enumerate(dict.fromkeys(map(_folder, items)))}
+    items.sort(key=lambda item: (order[_folder(item)], item.get_closest_marker(KILLS) is not None))
     config.stash[LAST_USER] = {shape: item.nodeid for item in items for shape in _shapes_of(item)}
 
 

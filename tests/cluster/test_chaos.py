@@ -200,10 +200,20 @@ def serves(cluster: ServiceProcess) -> bool:
 
 def leftovers(cluster: ServiceProcess, among: set[str] | None = None) -> list[str]:
     """What the workers (those at the addresses `among`, if given) still hold (GetLoad), by worker; empty when
-    every pool is back to its free counts."""
-    return [f"{worker}: {holds}" for role, names in WORKERS.items() for worker in names
-            if among is None or current(cluster, worker)["address"] in among
-            if (holds := what_is_held(load_of(WorkerAt(role, current(cluster, worker)["address"]))))]
+    every pool is back to its free counts. A worker that does not answer (killed, restarting) is listed too."""
+    found = []
+    for role, names in WORKERS.items():
+        for worker in names:
+            address = current(cluster, worker)["address"]
+            if among is not None and address not in among:
+                continue
+            try:
+                holds = what_is_held(load_of(WorkerAt(role, address)))
+            except grpc.RpcError as e:
+                holds = f"no answer to GetLoad ({e.code()})"
+            if holds:
+                found.append(f"{worker}: {holds}")
+    return found
 
 
 def ready_for_a_case(cluster: ServiceProcess, admin: dict) -> bool:

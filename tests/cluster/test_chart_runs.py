@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from chart_pods import ROOT, Pod, Rendered, hosts_file_text, pods, service_url
-from pdspark import LLM, SamplingParams
+from pdspark import SamplingParams
 from pdspark.testing.time_scale import scaled
 
 CHART = ROOT / "deploy" / "helm" / "pdspark"
@@ -109,10 +109,10 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def offline() -> list[str]:
-    outputs = LLM(MODEL, max_model_len=256).generate(
-        PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    return [o.text for o in outputs]
+def offline(offline_reference) -> list[str]:
+    refs = offline_reference.outputs(MODEL, PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                    ignore_eos=True))
+    return [r.text for r in refs]
 
 
 def test_every_pod_runs_its_images_command_with_the_rendered_args(cluster):

@@ -96,28 +96,22 @@ def test_disaggregated_cluster_equals_offline(tiny, prompts):
         assert decode.stop() == 0 and prefill.stop() == 0
 
 
-def test_pdspark_up_serves_dsv4_tiny_like_offline(tiny, prompts):
+def test_pdspark_up_serves_dsv4_tiny_like_offline(tiny, prompts, dsv4_tiny_cluster):
     import openai
 
     from pdspark.client import Client
-    from pdspark.launch.service_process import start_service
 
-    cluster = start_service("pdspark up", ["up", "--port", "0", "--grpc-port", "0", "--max-model-len", "1024"],
-                            timeout=240)
-    try:
-        info = cluster.info
-        client = openai.OpenAI(base_url=info["http"] + "/v1", api_key="none", max_retries=0)
-        text = "def fibonacci(n):\n"
-        ref = tiny.generate([text], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].text
-        got = client.completions.create(model="dsv4-tiny", prompt=text, max_tokens=32, temperature=0,
-                                        extra_body={"ignore_eos": True}).choices[0].text
-        assert got == ref
-        streamed = "".join(c.text for c in Client(info["grpc"]).stream(text, max_tokens=32, temperature=0,
-                                                                        ignore_eos=True))
-        assert streamed == ref
-        long = client.completions.create(model="dsv4-tiny", prompt=prompts[4], max_tokens=16, temperature=0,
-                                         extra_body={"ignore_eos": True})
-        assert long.choices[0].text == tiny.generate(prompt_token_ids=[prompts[4]], sampling_params=SamplingParams(
-            temperature=0, max_tokens=16, ignore_eos=True))[0].text
-    finally:
-        assert cluster.stop() == 0
+    info = dsv4_tiny_cluster.info
+    client = openai.OpenAI(base_url=info["http"] + "/v1", api_key="none", max_retries=0)
+    text = "def fibonacci(n):\n"
+    ref = tiny.generate([text], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].text
+    got = client.completions.create(model="dsv4-tiny", prompt=text, max_tokens=32, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+    assert got == ref
+    streamed = "".join(c.text for c in Client(info["grpc"]).stream(text, max_tokens=32, temperature=0,
+                                                                    ignore_eos=True))
+    assert streamed == ref
+    long = client.completions.create(model="dsv4-tiny", prompt=prompts[4], max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert long.choices[0].text == tiny.generate(prompt_token_ids=[prompts[4]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True))[0].text

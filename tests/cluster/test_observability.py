@@ -20,13 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from pdspark.launch.service_process import start_service
+from cluster_pool import ADMIN_KEY
 from pdspark.testing.prometheus_server import PrometheusServer, tool
 from pdspark.testing.router_http import drop_a_stream, post
 from pdspark.testing.waiting import wait_until
 
-ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
-ADMIN_KEY = "admin-key-for-observability-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SHARED = list(range(10, 58))  # 48 tokens: a second request with this prefix hits 3 cached pages of 16
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,13 +33,10 @@ DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 RATE_WINDOW = "30s"  # what the tests put for the panels' $__rate_interval (30 scrapes at 1 s)
 
 
-
 @pytest.fixture(scope="module")
-def cluster(draft_ckpt):
-    service = start_service("pdspark up", ["up", "--model", str(draft_ckpt), "--port", "0", "--grpc-port", "0",
-                                           *ENGINE], timeout=240, env={"PDSPARK_ADMIN_API_KEY": ADMIN_KEY})
-    yield service
-    assert service.stop() == 0
+def cluster(one_by_one):
+    """The shared 1 prefill + 1 decode cluster (pages of 16 tokens)."""
+    return one_by_one
 
 
 @pytest.fixture(scope="module")

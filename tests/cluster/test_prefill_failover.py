@@ -30,7 +30,7 @@ import grpc
 import openai
 import pytest
 
-from pdspark import LLM, SamplingParams
+from pdspark import SamplingParams
 from pdspark.client import AsyncClient
 from pdspark.launch.service_process import ServiceProcess
 from pdspark.testing.services import ready, spawn_worker, start_router
@@ -66,11 +66,10 @@ def params(i: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def offline() -> list[tuple[list[int], str]]:
+def offline(offline_reference) -> list[tuple[list[int], str]]:
     """Each request's token ids and text from the offline engine, with DSpark as the decode worker runs it."""
-    llm = LLM(MODEL, max_model_len=256, max_num_seqs=16, speculative="dspark")
-    outs = llm.generate(PROMPTS, [params(i) for i in range(N)])
-    return [(list(o.token_ids), o.text or "") for o in outs]
+    refs = offline_reference.outputs(MODEL, PROMPTS, [params(i) for i in range(N)], speculative="dspark")
+    return [(r.token_ids, r.text) for r in refs]
 
 
 VICTIMS = 2  # one per test

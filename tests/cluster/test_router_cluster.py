@@ -15,44 +15,30 @@ import urllib.request
 import openai
 import pytest
 
+from cluster_pool import ADMIN_KEY
 from conftest import random_prompts
-from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.client import AsyncClient, Client
-from pdspark.launch.service_process import start_service
 from pdspark.testing.waiting import wait_until
 from pdspark.testing.worker_load import WorkerAt, is_idle
 
-ENGINE = ["--page-size", "16", "--max-model-len", "2048", "--max-num-seqs", "8"]
-# A stream with far more chunks left than the one or two a router writes before it notices a client gone.
+# A stream with far more chunks left than the one or two a router writes before it notices a client gone (the
+# shared `one_by_one` cluster serves 2,048 tokens of context).
 LONG_TOKENS = 2000
 # Worker administration needs an admin key (generation stays open: no API key); it travels by environment.
-ADMIN_KEY = "admin-key-for-router-cluster-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(draft_ckpt):
-    return draft_ckpt
-
-
-def up(ckpt, prefill: int, decode: int):
-    return start_service("pdspark up", ["up", "--model", str(ckpt), "--prefill", str(prefill), "--decode",
-                                        str(decode), "--port", "0", "--grpc-port", "0", *ENGINE], timeout=240,
-                         env={"PDSPARK_ADMIN_API_KEY": ADMIN_KEY})
+@pytest.fixture
+def cluster(one_by_one) -> dict:
+    """The shared 1 prefill + 1 decode cluster's ready line."""
+    return one_by_one.info
 
 
 @pytest.fixture(scope="module")
-def cluster(ckpt):
-    service = up(ckpt, 1, 1)
-    yield service.info
-    assert service.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def offline(ckpt):
-    return make_llm(ckpt, page_size=16, max_model_len=256)
+def offline(offline_reference, draft_ckpt):
+    return offline_reference.engine(draft_ckpt)
 
 
 def openai_client(info) -> openai.OpenAI:
@@ -269,31 +255,28 @@ def test_models_health_workers_metrics(cluster):
     assert "pdspark_router_requests_total" in text and "pdspark_router_time_to_first_token_seconds" in text
 
 
-def test_two_by_two_cluster_and_cache_aware_routing(ckpt, offline):
-    service = up(ckpt, 2, 2)
-    try:
-        info = service.info
-        (system,) = random_prompts(1, [120], vocab=256, seed=50)
-        outs = []
-        for suffix in random_prompts(3, [8, 15, 22], vocab=256, seed=51):
-            # With the admin key: `meta_info` names the workers (for admins only).
-            code, reply = post(info, "/generate", {"input_ids": system + suffix,
-                                                   "sampling_params": {"max_new_tokens": 12, "temperature": 0,
-                                                                       "ignore_eos": True}}, headers=ADMIN)
-            assert code == 200
-            outs.append(reply)
-            ref = offline.generate(prompt_token_ids=[system + suffix],
-                                   sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-            assert reply["output_ids"] == ref[0].token_ids
-        prefills = {o["meta_info"]["prefill_worker"] for o in outs}
-        assert len(prefills) == 1, "cache_aware routing keeps a shared prefix on one prefill worker"
-        assert all(o["meta_info"]["cached_tokens"] >= 96 for o in outs[1:])
-        client = openai_client(info)
-        texts = {client.completions.create(model=info["model"], prompt=p, max_tokens=12, temperature=0,
-                                           extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS}
-        assert texts == {expected(offline, p, 12) for p in PROMPTS}
-    finally:
-        assert service.stop() == 0
+def test_cache_aware_routing_keeps_a_shared_prefix_on_one_prefill_worker(faults, offline):
+    """On the shared fault cluster (2 prefill workers), before its faults."""
+    info = faults.info
+    (system,) = random_prompts(1, [120], vocab=256, seed=50)
+    outs = []
+    for suffix in random_prompts(3, [8, 15, 22], vocab=256, seed=51):
+        # With the admin key: `meta_info` names the workers (for admins only).
+        code, reply = post(info, "/generate", {"input_ids": system + suffix,
+                                               "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                                   "ignore_eos": True}}, headers=ADMIN)
+        assert code == 200
+        outs.append(reply)
+        ref = offline.generate(prompt_token_ids=[system + suffix],
+                               sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert reply["output_ids"] == ref[0].token_ids
+    prefills = {o["meta_info"]["prefill_worker"] for o in outs}
+    assert len(prefills) == 1, "cache_aware routing keeps a shared prefix on one prefill worker"
+    assert all(o["meta_info"]["cached_tokens"] >= 96 for o in outs[1:])
+    client = openai_client(info)
+    texts = {client.completions.create(model=info["model"], prompt=p, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS}
+    assert texts == {expected(offline, p, 12) for p in PROMPTS}
 
 
 def test_sdk_cancel_aborts_on_the_server(cluster):
@@ -344,11 +327,11 @@ def test_workers_added_and_removed_at_run_time(cluster):
     assert code == 400 and "role" in reply["error"]["message"]
 
 
-def test_seeded_sampling_through_the_router_equals_offline(cluster, ckpt):
+def test_seeded_sampling_through_the_router_equals_offline(cluster, offline_reference, draft_ckpt):
     """Same seed, same tokens: offline DSpark = router HTTP (completions) = SDK (sync stream), whatever else the
     cluster runs. Randomness comes from (seed, position, purpose), so the decode worker continues the prefill
     worker's stream without re-drawing token 1's randomness."""
-    offline = make_llm(ckpt, page_size=16, max_model_len=256, speculative="dspark")
+    offline = offline_reference.engine(draft_ckpt, speculative="dspark")
     prompt, seed = PROMPTS[0], 1234
     want = offline.generate([prompt], SamplingParams(temperature=0.9, max_tokens=24, seed=seed, ignore_eos=True))[0]
     assert len(want.token_ids) == 24

@@ -17,8 +17,7 @@ import aiohttp
 import grpc
 import pytest
 
-from pdspark import LLM, SamplingParams
-from pdspark.launch.service_process import start_service
+from pdspark import SamplingParams
 from pdspark.testing.services import start_router
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
@@ -29,20 +28,17 @@ PROMPTS = [f"def {name}_{i}(x):\n    " for i in range(16) for name in ("parse", 
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    service = start_service("pdspark up", ["up", "--port", "0", "--grpc-port", "0"], timeout=300)
-    try:
-        yield service
-    finally:
-        assert service.stop() == 0
+def cluster(dsv4_tiny_cluster):
+    """The shared cluster of `pdspark up`'s defaults."""
+    return dsv4_tiny_cluster
 
 
 @pytest.fixture(scope="module")
-def offline() -> dict[str, tuple[list[int], str]]:
+def offline(offline_reference) -> dict[str, tuple[list[int], str]]:
     """Greedy token ids and text of every prompt from the offline engine (the bottom rung of the equality ladder)."""
-    llm = LLM("dsv4-tiny", max_num_seqs=16)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    return {p: (list(o.token_ids), o.text or "") for p, o in zip(PROMPTS, outs)}
+    refs = offline_reference.outputs("dsv4-tiny", PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                          ignore_eos=True))
+    return {p: (r.token_ids, r.text) for p, r in zip(PROMPTS, refs)}
 
 
 def _get(url: str, timeout: float = 10) -> tuple[int, bytes]:

@@ -22,7 +22,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdspark import LLM, SamplingParams
+from pdspark import SamplingParams
 from pdspark.client import Client, ClientError, TLSOptions
 from pdspark.errors import ErrorCode
 from pdspark.launch.service_process import ServiceProcess, start_service
@@ -50,9 +50,9 @@ def ca(cluster) -> str:
 
 
 @pytest.fixture(scope="module")
-def offline_greedy() -> list[int]:
-    llm = LLM("dsv4-tiny", max_model_len=256, max_num_seqs=4)
-    return llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+def offline_greedy(offline_reference) -> list[int]:
+    return offline_reference.output("dsv4-tiny", PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                        ignore_eos=True)).token_ids
 
 
 def workers(cluster: ServiceProcess) -> dict[str, str]:
