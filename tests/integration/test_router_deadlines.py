@@ -80,6 +80,26 @@ def test_an_attempt_whose_stream_ended_waits_for_its_prefill_leg_instead_of_abor
     run(scenario())
 
 
+def test_a_prefill_worker_holds_a_leg_until_it_answered_a_decode_worker_until_its_stream_ended(worker_calls):
+    """The router's books (`in_flight` in /workers, which load-aware routing and the failure matrix read): a prefill
+    worker that answered its leg no longer holds the request, while the decode stream goes on."""
+    async def scenario():
+        async with await RouterHarness.start(worker_calls=worker_calls, request_timeout_s=2.0) as h, \
+                AsyncClient(h.grpc_address, timeout=30) as client:
+            h.decode[0].mode = HANG  # the stream never ends: only the router's timeout does
+            prefill, decode = (next(w for w in h.core.registry.workers.values() if w.role == role)
+                               for role in ("prefill", "decode"))
+            request = asyncio.ensure_future(client.generate(**PROMPT))
+            await until(lambda: h.prefill[0].answered, 5, "the prefill leg answered")
+            await until(lambda: prefill.in_flight == 0, 1, "the prefill worker's leg off the books")
+            assert decode.in_flight == 1
+            with pytest.raises(ClientError):
+                await request
+            assert (prefill.in_flight, decode.in_flight) == (0, 0)
+
+    run(scenario())
+
+
 def test_every_call_carries_what_is_left_of_the_callers_timeout(worker_calls):
     async def scenario():
         async with await RouterHarness.start(worker_calls=worker_calls) as h, \

@@ -75,6 +75,14 @@ def test_the_otlp_endpoint_reaches_the_router_and_every_worker(endpoint):
     assert parse_args(RouterConfig, [], {"PDSPARK_OTLP_ENDPOINT": "http://c:4317"}).otlp_endpoint == "http://c:4317"
 
 
+@pytest.mark.parametrize("flags, want", [([], 30.0), (["--transfer-timeout", "8"], 8.0)])
+def test_the_transfer_timeout_reaches_the_router(flags, want):
+    plan = plan_cluster(parse_args(UpConfig, [*flags, "--max-model-len", "256"], {}))
+    assert parse_options(RouterConfig, build_parser().parse_args(plan.router.argv), {}).transfer_timeout_s == want
+    with pytest.raises(ConfigError, match="transfer_timeout_s"):
+        parse_args(UpConfig, ["--transfer-timeout", "0"], {})
+
+
 def test_keys_reach_the_router_by_its_environment_only():
     env = {"PDSPARK_API_KEY": "client-key-0123456789", "PDSPARK_ADMIN_API_KEY": "admin-key-0123456789"}
     cfg = parse_args(UpConfig, ["--api-key-file", "/run/keys", "--max-model-len", "256"], env)
