@@ -14,6 +14,7 @@ import torch
 from draft_reference import add_random_draft
 from hf_reference import CSA, HCA, SLIDING, TinySpec, save_hf_checkpoint, write_byte_tokenizer
 from pdspark.config import EngineConfig
+from pdspark.testing.time_scale import scaled
 
 # Tests measure behaviour, not speed: one intra-op thread keeps runs steady on shared 2-core machines.
 torch.set_num_threads(int(os.environ.get("PDSPARK_TEST_THREADS", "1")))
@@ -103,7 +104,7 @@ def modelslim_dir() -> Path:
         python = REPO / ".venv-modelslim" / "bin" / "python"
         if not python.is_file():
             pytest.fail(f"no ModelSlim fixtures in {out} and no {python.parent.parent}: run `make modelslim-fixtures`")
-        subprocess.run([str(python), gen.__file__], check=True, timeout=1800)
+        subprocess.run([str(python), gen.__file__], check=True, timeout=scaled(1800))
     return out
 
 

@@ -14,6 +14,7 @@ import openai
 from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.launch.service_process import ServiceProcess, start_service
+from pdspark.testing.time_scale import scaled
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
@@ -37,7 +38,7 @@ def tagged_pids(tag: str) -> set[int]:
 
 
 def wait_event(service: ServiceProcess, event: str, name: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         for e in service.events:
             if e.get("event") == event and e.get("service") == name:
@@ -51,7 +52,7 @@ def test_ray_backend_serves_offline_greedy_restarts_and_ctrl_c_leaves_nothing():
     service = start_service("pdspark up", ["up", "--backend", "ray", "--ray-num-cpus", "2", "--model", "dsv4-tiny",
                                            "--prefill", "1", "--decode", "2", "--port", "0", "--grpc-port", "0",
                                            "--restart-backoff-s", "0.2", *ENGINE],
-                            timeout=150, env={TAG: tag})
+                            timeout=scaled(150), env={TAG: tag})
     try:
         info = service.info
         services = info["services"]
@@ -83,11 +84,11 @@ def test_ray_backend_serves_offline_greedy_restarts_and_ctrl_c_leaves_nothing():
     finally:
         service.proc.send_signal(signal.SIGINT)  # Ctrl-C
         try:
-            rc = service.proc.wait(60)
+            rc = service.proc.wait(scaled(60))
         finally:
             service.stop()
     assert rc == 0, service.tail()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while (left := tagged_pids(tag)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pdspark.testing.time_scale import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "pdspark"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
@@ -38,7 +40,7 @@ def _bin(name: str) -> str:
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([_bin("helm"), *args], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([_bin("helm"), *args], capture_output=True, text=True, timeout=scaled(60))
     if check:
         assert out.returncode == 0, out.stdout + out.stderr
     return out
@@ -411,7 +413,7 @@ def test_schema_rejects_wrongly_typed_values(bad: str):
 def _checkov(*args: str) -> list[dict]:
     env_ = {**os.environ, "PATH": f"{Path(_bin('helm')).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     out = subprocess.run([_bin("checkov"), "--config-file", str(ROOT / "deploy" / "checkov.yaml"), "-o", "json",
-                          *args], capture_output=True, text=True, timeout=180, env=env_, cwd=ROOT)
+                          *args], capture_output=True, text=True, timeout=scaled(180), env=env_, cwd=ROOT)
     reports = json.loads(out.stdout)
     return reports if isinstance(reports, list) else [reports]
 

@@ -14,6 +14,7 @@ import aiohttp
 import grpc
 
 from pdspark.router.router_server import build_discovery
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import until
 from pdspark.testing.worker_stubs import HOLD, StubDecode, StubPrefill, serve_stub
 from router_harness import RouterHarness
@@ -23,7 +24,7 @@ INTERVAL_S = 0.1
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, scaled(60)))
 
 
 async def serve_on_one_port(stubs: list, hosts: list[str]) -> tuple[list[grpc.aio.Server], int]:
@@ -152,6 +153,6 @@ def test_the_interval_is_honoured(tmp_path):
             # A change is seen within about one interval.
             write_hosts(hosts, {"pf.test": ["127.0.0.2"]})
             took = await until(lambda: h.registry.workers, 10, "the prefill worker admitted", interval_s=0.005)
-            assert took < INTERVAL_S + 1.0
+            assert took < INTERVAL_S + scaled(1.0)
 
     run(scenario())

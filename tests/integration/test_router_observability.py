@@ -12,6 +12,7 @@ import pytest
 
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import until
 from pdspark.testing.worker_stubs import HOLD
 from router_harness import RouterHarness
@@ -21,7 +22,7 @@ BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, scaled(60)))
 
 
 def sample(h: RouterHarness, name: str, **labels) -> float | None:
@@ -147,7 +148,7 @@ def test_429s_count_by_reason():
 def test_an_invalid_grpc_request_is_counted():
     async def scenario():
         async with await RouterHarness.start() as h:
-            async with AsyncClient(h.grpc_address, timeout=10) as client:
+            async with AsyncClient(h.grpc_address, timeout=scaled(10)) as client:
                 with pytest.raises(ClientError):
                     await client.generate(token_ids=[5, 6], max_tokens=2, temperature=1e9)
             assert sample(h, "pdspark_router_requests_total", api="grpc", outcome="invalid") == 1

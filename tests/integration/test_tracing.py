@@ -18,6 +18,7 @@ from opentelemetry.trace import StatusCode
 from otlp_collector import OtlpCollector
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.rpc import tracing
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import until
 from pdspark.testing.worker_stubs import OK, Delayed
 from router_harness import RouterHarness
@@ -26,7 +27,7 @@ BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 
 
 def run(coro, timeout_s: float = 60):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+    return asyncio.run(asyncio.wait_for(coro, scaled(timeout_s)))
 
 
 @pytest.fixture
@@ -162,7 +163,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 assert not isinstance(trace.get_tracer_provider(), TracerProvider)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -180,7 +181,7 @@ assert span.is_recording()
 (key, value), = [kv for kv in tracing.metadata_of(span) if kv[0] == "traceparent"]
 assert value.split("-")[2] == format(span.get_span_context().span_id, "016x")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -267,7 +268,7 @@ assert trace.get_tracer_provider().force_flush(10_000)
 """
     with OtlpCollector() as collector:
         out = subprocess.run([sys.executable, "-c", code, collector.endpoint], capture_output=True, text=True,
-                             timeout=120)
+                             timeout=scaled(120))
         assert out.returncode == 0, out.stderr[-3000:]
         (span,) = collector.spans
     assert (span.service, span.name, span.parent_span_id) == ("pdspark-prefill", "prefill", "")

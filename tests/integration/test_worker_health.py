@@ -23,7 +23,7 @@ BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+    return asyncio.run(asyncio.wait_for(coro, scaled(60)))
 
 
 async def completion(s: aiohttp.ClientSession, h: RouterHarness) -> dict:

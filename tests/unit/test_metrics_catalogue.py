@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
+from pdspark.testing.time_scale import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("metrics_catalogue", ROOT / "scripts" / "metrics_catalogue.py")
 assert _spec is not None and _spec.loader is not None
@@ -74,7 +76,7 @@ def test_the_catalogue_has_what_the_issue_asks_for():
 def promtool_findings(text: bytes) -> str:
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make setup` installs Debian's `prometheus` package, which has it"
-    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
+    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=scaled(60))
     return (out.stdout + out.stderr).decode() + ("" if out.returncode == 0 else f" (exit {out.returncode})")
 
 

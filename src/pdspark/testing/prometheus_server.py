@@ -17,6 +17,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdspark.testing.time_scale import scaled
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -59,11 +61,12 @@ class PrometheusServer:
         return self.log_path.read_text()[-chars:]
 
     def wait_ready(self, timeout_s: float = 15) -> None:
-        deadline = time.monotonic() + timeout_s
+        """Until `/-/ready` answers, within `timeout_s` (scaled)."""
+        deadline = time.monotonic() + scaled(timeout_s)
         while True:
             assert self.proc.poll() is None, f"prometheus exited: {self.tail()}"
             try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r:
+                with urllib.request.urlopen(self.url + "/-/ready", timeout=scaled(1)) as r:
                     r.read()
                 return
             except (urllib.error.URLError, ConnectionError):
@@ -71,7 +74,8 @@ class PrometheusServer:
                 time.sleep(0.1)
 
     def api(self, path: str, **params) -> dict:
-        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}", timeout=30) as r:
+        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}",
+                                    timeout=scaled(30)) as r:
             reply = json.loads(r.read())
         assert reply["status"] == "success", reply
         return reply["data"]
@@ -82,8 +86,8 @@ class PrometheusServer:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=scaled(10))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=scaled(10))
         self.log.close()
