@@ -24,6 +24,7 @@ import yaml
 from chart_pods import ROOT, Pod, Rendered, hosts_file_text, pods, service_url
 from pdspark import LLM, SamplingParams
 from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import wait_until
 
 CHART = ROOT / "deploy" / "helm" / "pdspark"
 VALUES = CHART / "ci" / "local-run-values.yaml"
@@ -141,11 +142,12 @@ def test_completions_through_the_router_service_equal_offline(cluster, offline):
     assert [first, *answers] == [offline[0], *offline]
     # The decode pods' /metrics on their rendered metrics port: together they ended every stream (a stream's count
     # may trail its last token to the client by a moment).
-    deadline = time.monotonic() + scaled(10)
-    while (ended := sum(decode_streams_ended(pod) for pod in all_pods[2:])) < 1 + len(PROMPTS):
-        assert time.monotonic() < deadline, ended
-        time.sleep(0.1)
-    assert ended == 1 + len(PROMPTS)
+    def ended() -> float:
+        return sum(decode_streams_ended(pod) for pod in all_pods[2:])
+
+    wait_until(lambda: ended() >= 1 + len(PROMPTS), 10, "every stream counted ended by the decode pods",
+               describe=lambda: f"({ended()})", interval_s=0.1)
+    assert ended() == 1 + len(PROMPTS)
     assert started_s < START_S
 
 

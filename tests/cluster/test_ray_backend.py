@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.launch.service_process import ServiceProcess, start_service
 from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import wait_until
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
@@ -38,13 +38,10 @@ def tagged_pids(tag: str) -> set[int]:
 
 
 def wait_event(service: ServiceProcess, event: str, name: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + scaled(timeout)
-    while time.monotonic() < deadline:
-        for e in service.events:
-            if e.get("event") == event and e.get("service") == name:
-                return e
-        time.sleep(0.2)
-    raise AssertionError(f"no {event} event for {name}:\n{service.tail()}")
+    """The first `event` event `pdspark up` printed for service `name`, within `timeout` (scaled)."""
+    return wait_until(lambda: next((e for e in service.events if e.get("event") == event and e.get("service") == name),
+                                   None), timeout, f"a {event} event for {name}",
+                      describe=lambda: f"\n{service.tail()}", interval_s=0.2)
 
 
 def test_ray_backend_serves_offline_greedy_restarts_and_ctrl_c_leaves_nothing():
@@ -88,7 +85,5 @@ def test_ray_backend_serves_offline_greedy_restarts_and_ctrl_c_leaves_nothing():
         finally:
             service.stop()
     assert rc == 0, service.tail()
-    deadline = time.monotonic() + scaled(30)
-    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
+    wait_until(lambda: not tagged_pids(tag), 30, "every process of the cluster gone", interval_s=0.5,
+               describe=lambda: str([Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in tagged_pids(tag)]))

@@ -18,16 +18,12 @@ from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.multiplexed_client import MultiplexedClient, batches
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
 from pdspark.testing.time_scale import scaled
-from pdspark.testing.waiting import until
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HANG, HOLD, StubDecode, StubPrefill, serve_stub
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 GENERATE = "/pdspark.v1.DecodeWorker/Calls"
 PREFILL = "/pdspark.v1.PrefillWorker/Calls"
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, scaled(30)))
 
 
 class CountingDecode(StubDecode):
@@ -82,7 +78,7 @@ def test_concurrent_calls_leave_in_one_message_and_each_gets_its_own_replies():
             assert stub.messages == 1  # queued before the writer woke: one message for all 20
             assert all(c.done() for c in calls)
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 @pytest.mark.parametrize("code", [ErrorCode.OVERLOADED, ErrorCode.TRANSFER, ErrorCode.INVALID_REQUEST])
@@ -97,7 +93,7 @@ def test_a_failure_keeps_its_status_details_and_typed_trailer(code):
             reported = reported_failure(e.value)
             assert reported is not None and reported.code is code and reported.message == "told so"
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_an_exception_in_the_handler_ends_the_call_unknown_without_a_trailer():
@@ -110,7 +106,7 @@ def test_an_exception_in_the_handler_ends_the_call_unknown_without_a_trailer():
                 assert e.value.code() is grpc.StatusCode.UNKNOWN and "a bug" in e.value.details()
                 assert reported_failure(e.value) is None
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_the_timeout_and_metadata_reach_the_worker_and_an_expired_call_is_cancelled_there():
@@ -129,7 +125,7 @@ def test_the_timeout_and_metadata_reach_the_worker_and_an_expired_call_is_cancel
             (seen,) = stub.calls
             assert seen.traceparent == "00-ab-cd-01" and seen.timeout_s is not None and 0 < seen.timeout_s <= expires_s
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_a_cancel_reaches_the_worker():
@@ -144,7 +140,7 @@ def test_a_cancel_reaches_the_worker():
                 await texts(call)
             await until(lambda: stub.cancelled == ["r"], 5, "the cancelled call cancelled on the worker")
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_cancelling_a_unary_calls_future_before_it_was_awaited_cancels_the_call():
@@ -157,7 +153,7 @@ def test_cancelling_a_unary_calls_future_before_it_was_awaited_cancels_the_call(
             response.cancel()
             await until(lambda: stub.cancelled == ["r"], 5, "the call cancelled on the worker")
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_a_broken_stream_ends_every_call_on_it_and_a_later_call_opens_a_new_one():
@@ -193,7 +189,7 @@ def test_a_broken_stream_ends_every_call_on_it_and_a_later_call_opens_a_new_one(
             await channel.close()
             await server.stop(None)
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_a_client_that_goes_away_ends_its_calls_on_the_worker():
@@ -211,7 +207,7 @@ def test_a_client_that_goes_away_ends_its_calls_on_the_worker():
                 assert e.value.code() is grpc.StatusCode.CANCELLED
             await until(lambda: sorted(stub.cancelled) == ["r0", "r1"], 5, "the calls cancelled on the worker")
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_batches_hold_at_most_their_bytes_and_a_larger_frame_alone():
@@ -234,7 +230,7 @@ def test_calls_on_a_closed_channel_fail_as_a_dead_workers_so_the_router_retries_
                 await texts(call)
             assert failure_from_rpc_error(e.value).code is ErrorCode.UNAVAILABLE
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_a_stopping_worker_refuses_new_calls_and_finishes_the_running_ones():
@@ -252,7 +248,7 @@ def test_a_stopping_worker_refuses_new_calls_and_finishes_the_running_ones():
             stub.release.set()
             assert await texts(running) == ["r;", "r;"]
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_bad_input_on_a_calls_stream_is_invalid_argument():
@@ -290,4 +286,4 @@ def test_bad_input_on_a_calls_stream_is_invalid_argument():
         finally:
             await server.stop(None)
 
-    run(scenario())
+    run_within(scenario(), 30)

@@ -335,10 +335,8 @@ def test_one_prompt_starts_before_its_plan_while_the_engine_is_idle(ckpt, pair):
     async def scenario():
         legs = [asyncio.ensure_future(pair.prefill.prefill(rid, f"t-{rid}", prompt, params, Deadline.after(scaled(20))))
                 for rid, prompt in (("a", prompts[0]), ("b", prompts[1]))]
-        deadline = time.monotonic() + scaled(20)
-        while not await on_engine("a", finished=True):
-            assert time.monotonic() < deadline, "the first prompt was not computed without its plan"
-            await asyncio.sleep(0.005)
+        await until(lambda: on_engine("a", finished=True), 20, "the first prompt computed without its plan",
+                    interval_s=0.005)
         early_b = await on_engine("b")
         decoded = await asyncio.gather(*(pair.dispatch(prompt, params, rid, transfer_id=f"t-{rid}", skip_prefill=True)
                                          for rid, prompt in (("a", prompts[0]), ("b", prompts[1]))))

@@ -14,15 +14,11 @@ import pytest
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.testing.time_scale import scaled
-from pdspark.testing.waiting import until
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HOLD
 from router_harness import RouterHarness
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, scaled(60)))
 
 
 async def post(session: aiohttp.ClientSession, h: RouterHarness, path="/v1/completions", body=None):
@@ -73,7 +69,7 @@ def test_a_flood_beyond_the_queue_gets_429_at_once_and_the_router_serves_right_a
             assert status == 200 and payload["usage"]["completion_tokens"] == 4
             assert (h.core.admission.in_flight, h.core.admission.queued) == (0, 0)
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_full_router_answers_grpc_with_resource_exhausted_and_retry_after():
@@ -93,7 +89,7 @@ def test_a_full_router_answers_grpc_with_resource_exhausted_and_retry_after():
             assert len((await held).token_ids) == 4
             assert len((await client.generate(token_ids=[5, 6, 7], max_tokens=4)).token_ids) == 4
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_queue_time_counts_against_the_request_timeout():
@@ -108,7 +104,7 @@ def test_queue_time_counts_against_the_request_timeout():
             h.decode[0].release.set()
             assert (await held)[0] == 200
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_full_decode_worker_sends_the_request_to_another_pair():
@@ -119,7 +115,7 @@ def test_a_full_decode_worker_sends_the_request_to_another_pair():
             assert status == 200 and payload["usage"]["completion_tokens"] == 4
             assert len(h.decode[0].calls) == 1 and len(h.decode[1].calls) == 1
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_every_worker_full_is_429_after_one_try_each():
@@ -132,7 +128,7 @@ def test_every_worker_full_is_429_after_one_try_each():
             assert "decode queue full" in payload["error"]["message"] and took < scaled(0.5)
             assert [len(d.calls) for d in h.decode] == [1, 1]
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_full_prefill_worker_fails_its_pair_at_once_and_another_prefill_serves():
@@ -153,4 +149,4 @@ def test_a_full_prefill_worker_fails_its_pair_at_once_and_another_prefill_serves
             # The first attempt's decode leg (if its call got there before the router cancelled it) was cancelled.
             assert h.decode[0].cancelled == [c.request_id for c in h.decode[0].calls[:-1]]
 
-    run(scenario())
+    run_within(scenario())

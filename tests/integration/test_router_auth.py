@@ -17,7 +17,7 @@ from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router.router_server import reload_keys
 from pdspark.testing.time_scale import scaled
-from pdspark.testing.waiting import until
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HOLD
 from pdspark.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router_harness import RouterHarness
@@ -30,10 +30,6 @@ GENERATION = [("POST", "/v1/completions", BODY),
               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
               ("GET", "/v1/models", None),
               ("POST", "/generate", {"input_ids": [5, 6, 7]})]
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, scaled(60)))
 
 
 def auth(key: str | None) -> dict[str, str]:
@@ -76,7 +72,7 @@ def test_generation_needs_an_api_key_and_probes_do_not():
             doc = (await call(s, h, "GET", "/openapi.json"))[2]
             assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"apiKey": []}]
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_only_an_admin_key_lists_registers_and_removes_workers():
@@ -104,7 +100,7 @@ def test_only_an_admin_key_lists_registers_and_removes_workers():
             status, _, payload = await call(s, h, "DELETE", "/workers?address=nowhere:1", key=ADMIN)
             assert status == 404 and payload["error"]["param"] == "address"
 
-    run(scenario())
+    run_within(scenario())
 
 
 @pytest.mark.parametrize("options, listable", [
@@ -125,7 +121,7 @@ def test_without_an_admin_key_worker_administration_is_off(options, listable):
             status, _, payload = await call(s, h, "POST", "/generate", {"input_ids": [5]}, key)
             assert status == 200 and bool(payload["meta_info"]["decode_worker"]) == listable
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_worker_addresses_reach_admins_only():
@@ -162,7 +158,7 @@ def test_worker_addresses_reach_admins_only():
             _, _, metrics = await call(s, h, "GET", "/metrics")
             assert 'worker="decode-1"' in metrics and decode not in metrics and prefill not in metrics
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_each_api_key_has_its_own_in_flight_limit():
@@ -185,7 +181,7 @@ def test_each_api_key_has_its_own_in_flight_limit():
             assert (await call(s, h, "POST", "/v1/completions", BODY, CLIENT))[0] == 200  # its slots came back
             assert h.core.key_quota._held == {}
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_the_grpc_api_needs_a_key_and_health_does_not(monkeypatch):
@@ -213,7 +209,7 @@ def test_the_grpc_api_needs_a_key_and_health_does_not(monkeypatch):
                 reply = await health.Check(health_pb2.HealthCheckRequest())
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    run(scenario())
+    run_within(scenario())
 
 
 @pytest.mark.parametrize("sampling, field", [
@@ -242,7 +238,7 @@ def test_the_grpc_api_holds_requests_to_https_bounds(sampling, field):
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert not h.decode[0].calls
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_no_key_reaches_a_log_line_or_metrics(caplog, tmp_path):
@@ -272,7 +268,7 @@ def test_no_key_reaches_a_log_line_or_metrics(caplog, tmp_path):
             return metrics
 
     with caplog.at_level(logging.DEBUG):
-        metrics = run(scenario())
+        metrics = run_within(scenario())
     assert "keys not reloaded" in caplog.text
     logged = caplog.text + "".join(str(r.args) for r in caplog.records)
     for key in (CLIENT, CLIENT2, ADMIN, WRONG):

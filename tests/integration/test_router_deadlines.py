@@ -5,7 +5,6 @@ cases on the calls to the workers run with those calls made one gRPC call each a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -16,7 +15,7 @@ import pytest
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.testing.time_scale import scaled
-from pdspark.testing.waiting import until
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HANG, OK, Delayed
 from pdspark.v1 import router_pb2, router_pb2_grpc
 from router_harness import RouterHarness
@@ -26,15 +25,6 @@ SLACK_S = scaled(0.3)  # how late past its timeout a request may end (scheduling
 # How far above the router's deadline a worker may read its call's timeout: gRPC rounds a deadline up when it puts
 # it on the wire (+0.6 and +9.5 ms seen).
 WIRE_S = 0.02
-
-
-@pytest.fixture(params=["per-request", "multiplexed"])
-def worker_calls(request) -> str:
-    return request.param
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, scaled(60)))
 
 
 def test_a_decode_that_never_answers_ends_the_request_at_the_routers_timeout_with_both_legs_cancelled(worker_calls):
@@ -59,7 +49,7 @@ def test_a_decode_that_never_answers_ends_the_request_at_the_routers_timeout_wit
             assert not h.core.live and h.core.admission.in_flight == 0
             print(f"\nDEADLINE after {took * 1e3:.0f} ms for a 500 ms timeout")
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_an_attempt_whose_stream_ended_waits_for_its_prefill_leg_instead_of_aborting_it(worker_calls):
@@ -78,7 +68,7 @@ def test_an_attempt_whose_stream_ended_waits_for_its_prefill_leg_instead_of_abor
             assert h.prefill[0].cancelled == [] and h.prefill[0].aborted == []
             assert not h.core.dispatcher.active and not h.core.live
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_every_call_carries_what_is_left_of_the_callers_timeout(worker_calls):
@@ -94,7 +84,7 @@ def test_every_call_carries_what_is_left_of_the_callers_timeout(worker_calls):
 
     caller_s = 5.0  # the caller's timeout, the behaviour under test (not a bound)
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_retries_share_one_deadline(worker_calls):
@@ -114,7 +104,7 @@ def test_retries_share_one_deadline(worker_calls):
             print(f"\nretry carried {second.timeout_s * 1e3:.0f} ms of the 1000 ms timeout; ended at "
                   f"{took * 1e3:.0f} ms")
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_the_http_stream_has_a_deadline_too():
@@ -137,7 +127,7 @@ def test_the_http_stream_has_a_deadline_too():
             async with s.post(h.http_url + "/v1/completions", json=body, headers={"X-Request-Timeout": "0.3"}) as r:
                 assert r.status == 504 and (await r.json())["error"]["code"] == "deadline"
 
-    run(scenario())
+    run_within(scenario())
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])
@@ -149,7 +139,7 @@ def test_a_bad_timeout_header_is_a_400_naming_it(value):
                 assert r.status == 400 and "X-Request-Timeout" in (await r.json())["error"]["message"]
             assert h.decode[0].calls == []
 
-    run(scenario())
+    run_within(scenario())
 
 
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
@@ -162,4 +152,4 @@ def test_a_bad_grpc_timeout_is_invalid_argument(value):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in e.value.details()
             assert h.decode[0].calls == []
 
-    run(scenario())
+    run_within(scenario())

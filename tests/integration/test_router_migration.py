@@ -6,7 +6,6 @@ made one gRPC call each and multiplexed on one stream per worker (`worker_calls`
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -16,19 +15,11 @@ import pytest
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode
 from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import run_within
 from pdspark.testing.worker_stubs import HANG
 from router_harness import RouterHarness
 
 PROMPT = [5, 6, 7]
-
-
-@pytest.fixture(params=["per-request", "multiplexed"])
-def worker_calls(request) -> str:
-    return request.param
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, scaled(60)))
 
 
 async def stream_ids(client: AsyncClient, **kw) -> list[int]:
@@ -49,7 +40,7 @@ def test_a_stream_that_breaks_mid_way_continues_on_another_pair_with_the_tokens_
             assert second.request_id != first.request_id
             assert h.core.metrics.migrations._value.get() == 1 and h.core.metrics.retries._value.get() == 0
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_http_sse_stream_survives_a_migration(worker_calls):
@@ -68,7 +59,7 @@ def test_http_sse_stream_survives_a_migration(worker_calls):
             first, second = h.decode[0].calls[0].request_id, h.decode[1].calls[0].request_id
             assert "".join(texts) == f"{first};" + f"{second};" * 5
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_the_migrations_of_a_request_are_bounded(worker_calls):
@@ -83,7 +74,7 @@ def test_the_migrations_of_a_request_are_bounded(worker_calls):
             assert sum(len(s.calls) for s in h.decode) == 3  # the first pair, then two migrations
             assert h.core.metrics.migrations._value.get() == 2
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_no_migration_when_disabled(worker_calls):
@@ -96,7 +87,7 @@ def test_no_migration_when_disabled(worker_calls):
             assert e.value.error_code is ErrorCode.UNAVAILABLE
             assert len(h.decode[1].calls) == 0
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_stalled_stream_on_a_worker_that_stops_answering_health_checks_migrates_within_two_seconds(worker_calls):
@@ -118,7 +109,7 @@ def test_a_stalled_stream_on_a_worker_that_stops_answering_health_checks_migrate
             assert h.decode[1].calls[0].generated_token_ids == (0, 1)
             print(f"\nstalled stream migrated after {took * 1e3:.0f} ms")
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_failure_before_the_first_token_is_a_retry_not_a_migration(worker_calls):
@@ -131,4 +122,4 @@ def test_a_failure_before_the_first_token_is_a_retry_not_a_migration(worker_call
             assert len(calls) == 2 and all(c.generated_token_ids == () for c in calls)
             assert h.core.metrics.retries._value.get() == 1 and h.core.metrics.migrations._value.get() == 0
 
-    run(scenario())
+    run_within(scenario())

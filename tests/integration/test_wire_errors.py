@@ -33,8 +33,9 @@ from pdspark.testing.time_scale import scaled
 from pdspark.transfer.plan import TransferResult, TransferStats
 from pdspark.types import FinishReason, RequestOutput
 from pdspark.v1 import router_pb2_grpc, worker_pb2_grpc
+from router_harness import LowestAddress
 
-UNREACHABLE = "127.0.0.1:1"  # sorts before every real 127.0.0.1 port: `FirstByAddress` tries it first
+UNREACHABLE = "127.0.0.1:1"  # sorts before every real 127.0.0.1 port: `LowestAddress` tries it first
 # A message that starts like another code's name: the code must come from the trailer, not from this text.
 MISLEADING = "DEADLINE: this text is not the code"
 
@@ -73,16 +74,6 @@ class FakeDecodeWorker:
 
     def stable_text_of(self, token_ids):
         return ""
-
-
-class FirstByAddress:
-    """A policy that always picks the lowest address: what a retry avoids is the only thing that changes the pick."""
-
-    def select(self, workers, prompt_ids):
-        return min(workers, key=lambda w: w.address)
-
-    def forget(self, address):
-        pass
 
 
 class AioServers:
@@ -126,7 +117,7 @@ class InProcessRouter:
             for address in addresses:
                 self.registry.add(role, address)
         metrics = RouterMetrics()
-        dispatcher = Dispatcher(self.registry, FirstByAddress(), FirstByAddress(), transfer_timeout_s=5,
+        dispatcher = Dispatcher(self.registry, LowestAddress(), LowestAddress(), transfer_timeout_s=5,
                                 max_attempts=3, metrics=metrics)
         max_len = min(4096, ModelConfig.from_dir(path).max_position_embeddings)
         self.core = RouterCore(path, "tiny", max_len, self.registry, dispatcher, metrics)
@@ -193,11 +184,6 @@ def decode(workers):
     fake, _ = workers
     fake.failure, fake.fail_with, fake.calls = None, None, []
     return fake
-
-
-@pytest.fixture(scope="module", params=["per-request", "multiplexed"])
-def worker_calls(request) -> str:
-    return request.param
 
 
 @pytest.fixture(scope="module")

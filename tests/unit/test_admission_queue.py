@@ -11,10 +11,7 @@ import pytest
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router.admission_queue import AdmissionQueue
 from pdspark.testing.time_scale import scaled
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, scaled(10)))
+from pdspark.testing.waiting import run_within
 
 
 def test_slots_then_queue_then_refused_at_once():
@@ -36,7 +33,7 @@ def test_slots_then_queue_then_refused_at_once():
             t.release()  # idempotent
         assert (q.in_flight, q.queued) == (0, 0)
 
-    run(scenario())
+    run_within(scenario(), 10)
 
 
 def test_the_queue_is_first_in_first_out_and_newcomers_do_not_jump_it():
@@ -60,7 +57,7 @@ def test_the_queue_is_first_in_first_out_and_newcomers_do_not_jump_it():
         assert order == [0, 1, 2]
         assert (q.in_flight, q.queued) == (0, 0)
 
-    run(scenario())
+    run_within(scenario(), 10)
 
 
 def test_a_queued_request_leaves_at_its_deadline_and_its_place_is_freed():
@@ -79,7 +76,7 @@ def test_a_queued_request_leaves_at_its_deadline_and_its_place_is_freed():
         holder.release()
         assert q.in_flight == 0
 
-    run(scenario())
+    run_within(scenario(), 10)
 
 
 def test_abort_ends_a_queued_wait_and_a_cancelled_waiter_passes_its_slot_on():
@@ -100,7 +97,7 @@ def test_abort_ends_a_queued_wait_and_a_cancelled_waiter_passes_its_slot_on():
         assert (q.in_flight, q.queued) == (0, 0)
         assert not holder.abort(RequestFailed(ErrorCode.ABORTED, "x"))  # not waiting: nothing to abort here
 
-    run(scenario())
+    run_within(scenario(), 10)
 
 
 def test_a_zero_queue_refuses_as_soon_as_every_slot_is_held():
@@ -113,4 +110,4 @@ def test_a_zero_queue_refuses_as_soon_as_every_slot_is_held():
         t.release()
         q.enter().release()
 
-    run(scenario())
+    run_within(scenario(), 10)

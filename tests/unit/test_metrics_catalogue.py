@@ -4,22 +4,18 @@ installed by `make setup`) finds nothing in any exporter's exposition."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 
+from pdspark.testing.script_module import load_script
 from pdspark.testing.time_scale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("metrics_catalogue", ROOT / "scripts" / "metrics_catalogue.py")
-assert _spec is not None and _spec.loader is not None
-catalogue = sys.modules["metrics_catalogue"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(catalogue)
+catalogue = load_script(ROOT / "scripts" / "metrics_catalogue.py")
 
 
 def test_catalogue_table_is_current():

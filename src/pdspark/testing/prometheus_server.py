@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -17,13 +16,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdspark.launch.plan import free_ports
 from pdspark.testing.time_scale import scaled
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tool(name: str) -> str:
@@ -50,7 +44,7 @@ class PrometheusServer:
             "scrape_configs": [{"job_name": "pdspark", "http_sd_configs": [sd]}],
         }
         (tmp / "prometheus.json").write_text(json.dumps(config))  # JSON is YAML
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{free_ports('127.0.0.1', 1)[0]}"
         self.log_path = tmp / "prometheus.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
