@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from console import Stopped, log, stop_on_signals
 from report import RESULTS, figure, save_figure, write_json
 
 from pdspark import LLM, SamplingParams
@@ -52,9 +53,6 @@ WATCH_TIMEOUT_S = 90.0  # detection and recovery must each happen within this lo
 DECODE_SCENARIOS = ("decode: no fault", "decode SIGKILL", "decode SIGSTOP")
 PREFILL_SCENARIOS = ("prefill: no fault", "prefill SIGKILL")
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -404,18 +402,10 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-class Stopped(BaseException):
-    """Ctrl-C or SIGTERM (a BaseException: no `except Exception` may swallow it)."""
-
-
-def _stopped(signum: int, _frame) -> None:
-    raise Stopped(signum)
-
 
 def main() -> int:
     args = parse_args()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _stopped)
+    stop_on_signals()
     from pdspark.assets import resolve_model
     from pdspark.model.model_config import ModelConfig
 

@@ -10,7 +10,6 @@ tokens/s counts the tokens generated after every request of the batch has its fi
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import resource
@@ -22,6 +21,8 @@ from pathlib import Path
 import torch
 from report import figure, paired_bars, save_figure, write_json
 
+from pdspark.testing.script_module import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = ("float", "w8a8_dynamic")
@@ -31,11 +32,7 @@ PROMPT_LEN = 32
 
 
 def default_fixtures() -> Path:
-    spec = importlib.util.spec_from_file_location("gen", ROOT / "scripts" / "make_modelslim_fixtures.py")
-    assert spec is not None and spec.loader is not None
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    return gen.fixture_dir()
+    return load_script(ROOT / "scripts" / "make_modelslim_fixtures.py").fixture_dir()
 
 
 def measure(path: Path, batch: int, max_tokens: int) -> dict:

@@ -38,8 +38,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
+from cpu_time import cpu_s
 from report import figure, save_figure, write_json
 
+from pdspark.launch.plan import free_ports
 from pdspark.launch.service_process import ServiceProcess
 from pdspark.rpc import convert
 from pdspark.rpc.multiplexed_client import MultiplexedClient
@@ -77,11 +79,6 @@ class Load:
     # other jobs sharing the cores.
     cpu_ms_per_request: float | None = None
 
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far, all threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wrk(url: str, script: Path, threads: int, connections: int, seconds: float, pid: int | None = None) -> Load:
@@ -128,13 +125,6 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
         proc.wait(10)
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- pdspark's direct path: the dual dispatch the router makes, from a client in this process ----------------------
@@ -210,7 +200,7 @@ class SglangStack:
         self.stubs, info = start_json_child([sys.executable, str(ROOT / "bench" / "http_stub_workers.py"),
                                              "--tokens", "1"])
         self.decode_url = f"{info['decode']}/v1/completions"
-        port = free_port()
+        (port,) = free_ports("127.0.0.1", 1)
         # Warnings only: its per-request log lines would be work pdspark's router does not do.
         self.router = subprocess.Popen(
             [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),

@@ -34,6 +34,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from console import Stopped, log, stop_on_signals
 from report import RESULTS, figure, paired_bars, save_figure, write_json
 
 from pdspark.assets import resolve_model
@@ -43,9 +44,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RAW = RESULTS / "serving"  # guidellm's own JSON and console log per run (large; git-ignored)
 APIS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class Cluster:
@@ -396,13 +394,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-class Stopped(BaseException):
-    """Ctrl-C or SIGTERM (a BaseException, like KeyboardInterrupt: no `except Exception` may swallow it)."""
-
-
-def _stopped(signum: int, _frame) -> None:
-    raise Stopped(signum)
-
 
 def main() -> int:
     args = parse_args()
@@ -412,8 +403,7 @@ def main() -> int:
         return 2
     # Both signals unwind through the finally blocks, which stop guidellm and the cluster. SIGINT is set explicitly:
     # a shell starting this in the background hands it SIGINT ignored, and Python then keeps it ignored.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _stopped)
+    stop_on_signals()
     RAW.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     total = len(args.apis) * len(args.concurrency)

@@ -33,8 +33,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -43,10 +41,10 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import uvloop
+from cpu_time import cpu_s, self_cpu_s
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from report import figure, save_figure, write_json
 
@@ -88,16 +86,6 @@ def _envelope_classes():
 
 MuxFrame, MuxBatch = _envelope_classes()
 
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far, all threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def self_cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 # ---- the servers (child process) -------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from console import log
 from report import RESULTS, write_json
 
 from pdspark.launch.service_process import ServiceProcess, start_service
@@ -34,9 +35,6 @@ RULES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))  # the 
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 SHARED = list(range(10, 170))  # a shared 160-token prefix (2.5 pages of 64): later requests hit the prefix cache
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def one_round(http: str, i: int) -> None:

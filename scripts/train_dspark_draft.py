@@ -27,7 +27,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import train_dsv4_tiny as tiny  # noqa: E402  (corpus, tokenizer and record helpers of the target recipe; a sibling script)
+from dsv4_tiny_recipe.card import write_card  # the target recipe's corpus, tokenizer and record (a sibling package)
+from dsv4_tiny_recipe.console import hms, log
+from dsv4_tiny_recipe.corpus import load_split
+from dsv4_tiny_recipe.recipe import DEFAULT_OUT, MASK
+from dsv4_tiny_recipe.record import read_record, write_record
+from dsv4_tiny_recipe.tokenizer import encode_docs, load_tokenizer
 from safetensors.torch import save_file
 
 from pdspark import LLM, SamplingParams  # noqa: E402
@@ -63,8 +68,8 @@ class DraftRecipe:
 
 def train_windows(outdir: Path, recipe: DraftRecipe) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic prompt windows and raw windows from the packed train split."""
-    tok = tiny.load_tokenizer(outdir)
-    stream = tiny.encode_docs(tok, tiny.load_split("train"))
+    tok = load_tokenizer(outdir)
+    stream = encode_docs(tok, load_split("train"))
     g = torch.Generator().manual_seed(recipe.seed)
     seq = recipe.prompt_len + recipe.gen_len
     starts = torch.randint(0, len(stream) - seq, (recipe.num_generated + recipe.num_raw,), generator=g)
@@ -85,7 +90,7 @@ def build_sequences(llm: LLM, recipe: DraftRecipe, prompts: torch.Tensor, raw: t
         outs = llm.generate(prompt_token_ids=prompts[i : i + chunk].tolist(), sampling_params=params)
         continuations += [o.token_ids for o in outs]
         done = i + len(outs)
-        tiny.log(f"[draft/data] generated {done}/{len(prompts)} continuations ({time.perf_counter() - t0:.0f}s)")
+        log(f"[draft/data] generated {done}/{len(prompts)} continuations ({time.perf_counter() - t0:.0f}s)")
     gen = torch.cat([prompts, torch.tensor(continuations)], dim=1)
     seqs = torch.cat([gen, raw])
     mask = torch.ones_like(seqs, dtype=torch.bool)
@@ -113,7 +118,7 @@ def capture_target(llm: LLM, seqs: torch.Tensor, layer_ids: tuple[int, ...], bat
         feats.append(out.features.view(len(rows), S, -1).to(torch.bfloat16))
         finals.append(model.norm(model.hc_head(out.hidden)).view(len(rows), S, -1).to(torch.bfloat16))
         if (i // batch) % 20 == 0:
-            tiny.log(f"[draft/data] target features {i + len(rows)}/{len(seqs)} ({time.perf_counter() - t0:.0f}s)")
+            log(f"[draft/data] target features {i + len(rows)}/{len(seqs)} ({time.perf_counter() - t0:.0f}s)")
     return torch.cat(feats), torch.cat(finals)
 
 
@@ -126,7 +131,7 @@ def make_draft(llm: LLM, recipe: DraftRecipe) -> DSparkDraft:
         num_stages=recipe.num_stages,
         target_layer_ids=recipe.target_layer_ids,
         gamma=recipe.gamma,
-        mask_token_id=tiny.MASK,
+        mask_token_id=MASK,
         markov_rank=recipe.markov_rank,
         intermediate_size=recipe.intermediate_size,
     )
@@ -210,9 +215,9 @@ def train(draft: DSparkDraft, head: torch.Tensor, seqs, mask, feats, finals, rec
         if step % 25 == 0 or step == steps - 1:
             el = time.perf_counter() - t0
             eta = el / (step + 1) * (steps - step - 1)
-            tiny.log(f"[draft/train] step {step + 1}/{steps} loss {float(loss):.4f} ce {stats['ce']:.3f} "
-                     f"tv {stats['tv']:.3f} tau_prob {stats['tau_prob']:.2f} lr {lr:.2e} "
-                     f"elapsed {tiny.hms(el)} eta {tiny.hms(eta)}")
+            log(f"[draft/train] step {step + 1}/{steps} loss {float(loss):.4f} ce {stats['ce']:.3f} "
+                f"tv {stats['tv']:.3f} tau_prob {stats['tau_prob']:.2f} lr {lr:.2e} "
+                f"elapsed {hms(el)} eta {hms(eta)}")
     return {"final_loss": float(loss), **stats, "steps": steps, "seconds": time.perf_counter() - t0}
 
 
@@ -244,8 +249,8 @@ def save_draft(outdir: Path, draft: DSparkDraft) -> None:
 
 
 def heldout_prompts(outdir: Path, n: int, length: int, seed: int) -> list[list[int]]:
-    tok = tiny.load_tokenizer(outdir)
-    stream = tiny.encode_docs(tok, tiny.load_split("heldout"))
+    tok = load_tokenizer(outdir)
+    stream = encode_docs(tok, load_split("heldout"))
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(stream) - length, (n,), generator=g)
     return [stream[s : s + length].tolist() for s in starts]
@@ -275,7 +280,7 @@ def evaluate(outdir: Path, n_prompts: int = 16, prompt_len: int = 128, max_token
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=tiny.DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--minutes", type=float, default=18.0, help="training budget (sets --steps by a probe)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--stage", choices=["all", "eval", "heldout"], default="all",
@@ -289,7 +294,7 @@ def main() -> None:
         return
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    record = tiny.read_record(args.out)
+    record = read_record(args.out)
     if args.stage == "all":
         recipe = DraftRecipe()
         t0 = time.perf_counter()
@@ -302,15 +307,15 @@ def main() -> None:
         draft = make_draft(llm, recipe)
         head = llm.engine.runner.model.head
         steps = args.steps or probe_steps(draft, head, seqs, mask, feats, finals, recipe, args.minutes)
-        tiny.log(f"[draft/train] {steps} steps (reproduce with --steps {steps})")
+        log(f"[draft/train] {steps} steps (reproduce with --steps {steps})")
         result = train(draft, head, seqs, mask, feats, finals, recipe, steps)
         save_draft(args.out, draft)
         params = sum(p.numel() for p in draft.parameters())
         record["draft"] = {"recipe": asdict(recipe), "data_seconds": data_s, "parameters": params, **result}
     record.setdefault("draft", {})["eval"] = evaluate(args.out)
-    tiny.log(f"[draft/eval] {json.dumps(record['draft']['eval'])}")
-    tiny.write_record(args.out, record)
-    tiny.write_card(args.out, record)
+    log(f"[draft/eval] {json.dumps(record['draft']['eval'])}")
+    write_record(args.out, record)
+    write_card(args.out, record)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 import subprocess
@@ -17,6 +16,8 @@ from draft_reference import add_random_draft
 from hf_reference import CSA, HCA, SLIDING, TinySpec, save_hf_checkpoint, write_byte_tokenizer
 from pdspark.config import EngineConfig
 from pdspark.testing.offline_reference import OfflineReference
+from pdspark.testing.script_module import load_script
+from pdspark.testing.time_scale import scaled
 
 # Tests measure behaviour, not speed: one intra-op thread keeps runs steady on shared 2-core machines.
 torch.set_num_threads(int(os.environ.get("PDSPARK_TEST_THREADS", "1")))
@@ -58,6 +59,13 @@ def draft_ckpt(checkpoints, tmp_path_factory):
     return dst
 
 
+@pytest.fixture(scope="module", params=["per-request", "multiplexed"])
+def worker_calls(request) -> str:
+    """How the router calls its workers (`--worker-calls`): a test that takes this runs once with each (module
+    scope: a module-scoped fixture of the test's may take it too)."""
+    return request.param
+
+
 def random_prompts(n: int, lengths: list[int], vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
@@ -88,12 +96,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _modelslim_generator():
-    spec = importlib.util.spec_from_file_location("make_modelslim_fixtures", REPO / "scripts" /
-                                                  "make_modelslim_fixtures.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # stdlib imports only: msmodelslim runs in its own venv
-    return module
+    """scripts/make_modelslim_fixtures.py (stdlib imports only: msmodelslim runs in its own venv)."""
+    return load_script(REPO / "scripts" / "make_modelslim_fixtures.py")
 
 
 @pytest.fixture(scope="session")
@@ -106,7 +110,7 @@ def modelslim_dir() -> Path:
         python = REPO / ".venv-modelslim" / "bin" / "python"
         if not python.is_file():
             pytest.fail(f"no ModelSlim fixtures in {out} and no {python.parent.parent}: run `make modelslim-fixtures`")
-        subprocess.run([str(python), gen.__file__], check=True, timeout=1800)
+        subprocess.run([str(python), gen.__file__], check=True, timeout=scaled(1800))
     return out
 
 

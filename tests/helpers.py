@@ -1,4 +1,4 @@
-"""Builders and checks shared by the engine tests."""
+"""Builders and checks shared by the tests."""
 
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ from pdspark import LLM, SamplingParams
 from pdspark.engine.forward_batch import Chunk, build_forward_batch
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def sample_value(registry, name: str, **labels) -> float | None:
+    """The value of a Prometheus registry's sample `name` with `labels` (None when it has none)."""
+    return registry.get_sample_value(name, labels)
 
 
 def make_llm(path, **kw) -> LLM:

@@ -19,6 +19,7 @@ from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.rpc import convert
+from pdspark.testing.time_scale import scaled
 from pdspark.types import FinishReason, SamplingParams
 from pdspark.v1 import worker_pb2
 
@@ -79,7 +80,7 @@ class RouterApp:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+        self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(scaled(30))
 
     async def _start(self) -> str:
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
@@ -89,6 +90,6 @@ class RouterApp:
         return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(scaled(30))
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.thread.join(scaled(10))

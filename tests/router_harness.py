@@ -4,11 +4,14 @@ all on the running event loop, so a test drives clients, router and workers from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
+import aiohttp
 import grpc
 from aiohttp import web
 
+from helpers import sample_value
 from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig
 from pdspark.model.model_config import ModelConfig
@@ -107,8 +110,22 @@ class RouterHarness:
         for server in self._servers.values():
             await server.stop(None)
 
+    def sample(self, name: str, **labels) -> float | None:
+        """The router's metric sample `name` with `labels` (None when it has none)."""
+        return sample_value(self.core.metrics.registry, name, **labels)
+
     async def __aenter__(self) -> RouterHarness:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+async def completion(h: RouterHarness, body: dict | None = None, session: aiohttp.ClientSession | None = None) -> dict:
+    """A completion through the router's HTTP API (`body`: by default 4 tokens after a 3-token prompt; `session`: by
+    default one of its own), which must answer 200; its JSON body."""
+    async with contextlib.AsyncExitStack() as stack:
+        s = session or await stack.enter_async_context(aiohttp.ClientSession())
+        async with s.post(h.http_url + "/v1/completions", json=body or {"prompt": [5, 6, 7], "max_tokens": 4}) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()

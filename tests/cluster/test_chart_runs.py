@@ -24,6 +24,7 @@ import yaml
 from chart_pods import ROOT, Pod, Rendered, hosts_file_text, pods, service_url
 from pdspark import SamplingParams
 from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import wait_until
 
 CHART = ROOT / "deploy" / "helm" / "pdspark"
 VALUES = CHART / "ci" / "local-run-values.yaml"
@@ -41,7 +42,7 @@ def helm_template() -> Rendered:
     helm_bin = str(helm) if helm.exists() else shutil.which("helm")
     assert helm_bin, "helm is missing: `make setup` (helm-tools) installs it"
     out = subprocess.run([helm_bin, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(VALUES)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stderr
     return Rendered([d for d in yaml.safe_load_all(out.stdout) if d], NAMESPACE)
 
@@ -49,7 +50,7 @@ def helm_template() -> Rendered:
 def post(url: str, body: dict, key: str, timeout: float = 30.0) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(),
                                      {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(request, timeout=timeout) as r:
+    with urllib.request.urlopen(request, timeout=scaled(timeout)) as r:
         return json.load(r)
 
 
@@ -59,7 +60,7 @@ def complete(url: str, prompt: str, key: str) -> str:
 
 
 def decode_streams_ended(pod: Pod) -> float:
-    with urllib.request.urlopen(f"http://{pod.ip}:{pod.port('metrics')}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://{pod.ip}:{pod.port('metrics')}/metrics", timeout=scaled(10)) as r:
         lines = r.read().decode().splitlines()
     return sum(float(line.split()[-1]) for line in lines if line.startswith(STREAMS_OK))
 
@@ -129,7 +130,7 @@ def test_every_pod_runs_its_images_command_with_the_rendered_args(cluster):
 def test_the_router_found_every_worker_pod_by_dns(cluster):
     rendered, all_pods, url, api_key, admin_key, *_ = cluster
     with urllib.request.urlopen(urllib.request.Request(url + "/workers", headers={
-            "Authorization": f"Bearer {admin_key}"}), timeout=10) as r:
+            "Authorization": f"Bearer {admin_key}"}), timeout=scaled(10)) as r:
         workers = {w["address"]: w["role"] for w in json.load(r)}
     assert workers == {f"{p.ip}:50051": p.labels["app.kubernetes.io/component"] for p in all_pods[1:]}
 
@@ -141,11 +142,12 @@ def test_completions_through_the_router_service_equal_offline(cluster, offline):
     assert [first, *answers] == [offline[0], *offline]
     # The decode pods' /metrics on their rendered metrics port: together they ended every stream (a stream's count
     # may trail its last token to the client by a moment).
-    deadline = time.monotonic() + 10
-    while (ended := sum(decode_streams_ended(pod) for pod in all_pods[2:])) < 1 + len(PROMPTS):
-        assert time.monotonic() < deadline, ended
-        time.sleep(0.1)
-    assert ended == 1 + len(PROMPTS)
+    def ended() -> float:
+        return sum(decode_streams_ended(pod) for pod in all_pods[2:])
+
+    wait_until(lambda: ended() >= 1 + len(PROMPTS), 10, "every stream counted ended by the decode pods",
+               describe=lambda: f"({ended()})", interval_s=0.1)
+    assert ended() == 1 + len(PROMPTS)
     assert started_s < START_S
 
 

@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 from conftest import MIXED
+from pdspark.testing.time_scale import scaled
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdspark.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "pdspark.cli", *args], capture_output=True, text=True,
+                          timeout=scaled(120))
 
 
 def test_generate_from_token_ids(checkpoints):

@@ -16,6 +16,7 @@ from pdspark import LLM, SamplingParams
 from pdspark.assets import resolve_model
 from pdspark.model.model_config import CSA, HCA, SLIDING, ModelConfig
 from pdspark.testing.services import ready, spawn_worker
+from pdspark.testing.time_scale import scaled
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.7, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True)
@@ -37,7 +38,8 @@ def prompts(tiny) -> list[list[int]]:
 
 def test_loads_by_name_from_any_directory(tmp_path):
     code = "from pdspark import LLM; print(LLM('dsv4-tiny', max_model_len=256).engine.model_config.vocab_size)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=scaled(120))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "4096"
 

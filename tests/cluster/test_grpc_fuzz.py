@@ -11,7 +11,6 @@ Deterministic (`derandomize`) and bounded: about 30 s on 2 cores, the processes'
 from __future__ import annotations
 
 import collections
-import time
 
 import grpc
 import pytest
@@ -19,6 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdspark.launch.service_process import ServiceProcess, spawn_service, wait_ready
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import wait_until
 from pdspark.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from proto_strategies import fields, requests
 
@@ -49,10 +50,10 @@ def services():
     started: list[ServiceProcess] = []
     try:
         for w in workers.values():
-            started.append(wait_ready(w, 120))
+            started.append(wait_ready(w, scaled(120)))
         router = wait_ready(spawn_service("router", [
             "serve", "router", "--model", "dsv4-tiny", "--max-model-len", "256", "--port", "0", "--grpc-port", "0",
-            "--prefill", workers["prefill"].address, "--decode", workers["decode"].address], env), 60)
+            "--prefill", workers["prefill"].address, "--decode", workers["decode"].address], env), scaled(60))
         started.append(router)
         yield {"prefill": workers["prefill"].address, "decode": workers["decode"].address,
                "router": router.info["grpc"], "processes": started}
@@ -133,12 +134,13 @@ def assert_nothing_held(prefill: grpc.Channel, decode: grpc.Channel, timeout_s: 
     """Every request ended by its deadline: no request, transfer or waiting stream is left, and every page in use
     is one only the prefix cache holds."""
     stubs = {"prefill": worker_pb2_grpc.PrefillWorkerStub(prefill), "decode": worker_pb2_grpc.DecodeWorkerStub(decode)}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = {name: stub.GetLoad(worker_pb2.LoadRequest(), timeout=5) for name, stub in stubs.items()}
-        held = {name: (r.running, r.waiting, r.queued, r.transfers_in_flight, dict(r.pages_used), dict(r.pages_cached))
-                for name, r in loads.items()}
-        if all(h[:4] == (0, 0, 0, 0) and h[4] == h[5] for h in held.values()):
-            return
-        assert time.monotonic() < deadline, f"still held {timeout_s} s after the fuzz: {held}"
-        time.sleep(0.2)
+    seen: dict = {}
+
+    def nothing_held() -> bool:
+        loads = {name: stub.GetLoad(worker_pb2.LoadRequest(), timeout=scaled(5)) for name, stub in stubs.items()}
+        seen.update({name: (r.running, r.waiting, r.queued, r.transfers_in_flight, dict(r.pages_used),
+                            dict(r.pages_cached)) for name, r in loads.items()})
+        return all(h[:4] == (0, 0, 0, 0) and h[4] == h[5] for h in seen.values())
+
+    wait_until(nothing_held, timeout_s, "nothing held after the fuzz", describe=lambda: f"(still held: {seen})",
+               interval_s=0.2)

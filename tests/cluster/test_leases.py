@@ -88,7 +88,7 @@ def stopped(worker):
 
 def metric_lines(worker) -> list[str]:
     url = f"http://127.0.0.1:{worker.info['metrics_port']}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as resp:
+    with urllib.request.urlopen(url, timeout=scaled(5)) as resp:
         return resp.read().decode().splitlines()
 
 
@@ -114,7 +114,7 @@ def generate(decode, prefill_address: str, prompt: list[int], request_id: str, t
         sampling=convert.sampling_to_pb(PARAMS), prefill_address=prefill_address, timeout_ms=int(TIMEOUT_S * 1000))
     with grpc.insecure_channel(decode.address) as channel:
         try:
-            for chunk in worker_pb2_grpc.DecodeWorkerStub(channel).Generate(request, timeout=TIMEOUT_S + 30):
+            for chunk in worker_pb2_grpc.DecodeWorkerStub(channel).Generate(request, timeout=TIMEOUT_S + scaled(30)):
                 out["tokens"] += chunk.token_ids
         except grpc.RpcError as e:
             out["error"] = e
@@ -126,7 +126,7 @@ def prefill_leg(prefill, prompt: list[int], request_id: str, transfer_id: str) -
     request = worker_pb2.PrefillRequest(request_id=request_id, transfer_id=transfer_id, prompt_token_ids=prompt,
                                         sampling=convert.sampling_to_pb(PARAMS), timeout_ms=int(TIMEOUT_S * 1000))
     with grpc.insecure_channel(prefill.address) as channel:
-        return worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(request, timeout=TIMEOUT_S + 30)
+        return worker_pb2_grpc.PrefillWorkerStub(channel).Prefill(request, timeout=TIMEOUT_S + scaled(30))
 
 
 def serve_one(prefill, decode, seed: int) -> dict:
@@ -135,7 +135,7 @@ def serve_one(prefill, decode, seed: int) -> dict:
     with ThreadPoolExecutor(1) as pool:
         leg = pool.submit(prefill_leg, prefill, prompt, rid, tid)
         out = generate(decode, prefill.address, prompt, rid, tid)
-        assert not leg.result(TIMEOUT_S + 30).result.HasField("error")
+        assert not leg.result(TIMEOUT_S + scaled(30)).result.HasField("error")
     return out
 
 
@@ -149,7 +149,7 @@ def test_a_prefill_worker_stopped_mid_transfer_loses_its_lease(pair):
         stream = pool.submit(generate, decode, prefill.address, prompt, rid, tid)
         wait_until(lambda: load_of(prefill).transfers_in_flight == 1, 10, "the plan at the prefill worker")
         with stopped(prefill) as stop:
-            out = stream.result(TIMEOUT_S + 30)
+            out = stream.result(TIMEOUT_S + scaled(30))
             failed_after = out["ended_at"] - stop.at
             # Quarantined while the prefill worker is still stopped: it could still write.
             reserved, metric = pages_held(load_of(decode)), quarantined(decode)
@@ -200,10 +200,10 @@ def test_a_decode_worker_stopped_mid_transfer_loses_its_lease(workers):
                 leg = pool.submit(prefill_leg, prefill, prompts[0], *ids[0])
                 freed_at = seen_at(prefill_holds_nothing, TIMEOUT_S + MC_TIMEOUT_S + SLACK_S,
                                     "the prefill worker's held pages freed")
-                answer = leg.result(10)
+                answer = leg.result(scaled(10))
                 # The second transfer ended when the lease cancelled its plan's call: its leg now fails at once.
                 late = prefill_leg(prefill, prompts[1], *ids[1])
-            outs = [stream.result(TIMEOUT_S + 30) for stream in streams]
+            outs = [stream.result(TIMEOUT_S + scaled(30)) for stream in streams]
             # The decode worker learns only now that its calls failed, as the write held up by it lands: its pages
             # stay quarantined for the grace from now, not from the plans' deadline, which passed while it stood.
             decode_freed_at = seen_at(lambda: not any(pages_held(load_of(decode)).values()), MC_TIMEOUT_S + SLACK_S + 2,
@@ -244,7 +244,7 @@ class StreamingClient:
     def _read(self) -> None:
         # The router vanishes mid-stream: the read ends with a reset, a broken chunk or a timeout.
         with contextlib.suppress(OSError, http.client.HTTPException), \
-                urllib.request.urlopen(self.request, timeout=60) as resp:
+                urllib.request.urlopen(self.request, timeout=scaled(60)) as resp:
             for line in resp:
                 if line.startswith(b"data: {"):
                     self.chunks.append(time.monotonic())
@@ -278,9 +278,9 @@ def test_a_vanished_router_s_requests_are_aborted_on_the_workers(pair, draft_ckp
         # The router is done with: SIGTERM would have the resumed router drain the streams it still holds, and it
         # did not exit within `stop()`'s 15 s (then SIGKILL) -- the workers' side is what this test checks.
         router.proc.kill()
-        router.proc.wait(10)
+        router.proc.wait(scaled(10))
         for c in clients:
-            c.done.result(30)
+            c.done.result(scaled(30))
             c.pool.shutdown()
     # Aborted, not simply finished: the decode worker ended the Generate streams as cancelled (their caller went
     # away), not ok (counted when a stream's handler returns, so it may follow the pages' release a little).
@@ -299,7 +299,7 @@ def test_a_vanished_router_s_requests_are_aborted_on_the_workers(pair, draft_ckp
             body = json.dumps({"prompt": "x = 1", "max_tokens": 3, "temperature": 0, "ignore_eos": True}).encode()
             request = urllib.request.Request(router.info["http"] + "/v1/completions", body,
                                              {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=30) as resp:
+            with urllib.request.urlopen(request, timeout=scaled(30)) as resp:
                 assert json.load(resp)["usage"]["completion_tokens"] == 3
         finally:
             assert router.stop() == 0

@@ -23,6 +23,7 @@ import pytest
 from cluster_pool import ADMIN_KEY
 from pdspark.testing.prometheus_server import PrometheusServer, tool
 from pdspark.testing.router_http import drop_a_stream, post
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -142,7 +143,7 @@ def test_promtool_finds_nothing_on_any_endpoint(cluster):
     assert len(urls) == 3, workers
     for url in urls:
         out = subprocess.run([tool("promtool"), "check", "metrics"], input=get(url), capture_output=True,
-                             timeout=60)
+                             timeout=scaled(60))
         assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), (url, out.stdout + out.stderr)
 
 
@@ -187,7 +188,7 @@ class BackgroundLoad:
 
     def stop(self) -> None:
         self.stop_event.set()
-        self.thread.join(timeout=60)
+        self.thread.join(timeout=scaled(60))
         assert self.error is None, f"the load failed: {self.error!r}"
 
 

@@ -15,6 +15,7 @@ from helpers import GREEDY, make_llm
 from pdspark import SamplingParams
 from pdspark.rpc import convert
 from pdspark.testing.services import ready, spawn_worker
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.worker_load import assert_idle
 from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -49,8 +50,11 @@ def stubs(prefill, decode):
             worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode.address)))
 
 
-def dispatch(prefill, decode, prompt, params, deadline_s=30.0, send_prefill=True, send_decode=True):
-    """The router's dual dispatch: Prefill and Generate concurrently, tied by a fresh transfer id."""
+def dispatch(prefill, decode, prompt, params, deadline_s=None, send_prefill=True, send_decode=True):
+    """The router's dual dispatch: Prefill and Generate concurrently, tied by a fresh transfer id. `deadline_s`: the
+    request's (by default a bound of 30 s, scaled)."""
+    if deadline_s is None:
+        deadline_s = scaled(30.0)
     p_stub, d_stub = stubs(prefill, decode)
     tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
     timeout_ms = int(deadline_s * 1000)  # relative: each worker times it from receipt
@@ -60,7 +64,7 @@ def dispatch(prefill, decode, prompt, params, deadline_s=30.0, send_prefill=True
     def run_prefill():
         req = worker_pb2.PrefillRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
                                         timeout_ms=timeout_ms)
-        result["prefill"] = p_stub.Prefill(req, timeout=deadline_s + 5).result
+        result["prefill"] = p_stub.Prefill(req, timeout=deadline_s + scaled(5)).result
 
     thread = threading.Thread(target=run_prefill)
     if send_prefill:
@@ -69,12 +73,12 @@ def dispatch(prefill, decode, prompt, params, deadline_s=30.0, send_prefill=True
         req = worker_pb2.GenerateRequest(request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
                                          prefill_address=prefill.address, timeout_ms=timeout_ms)
         try:
-            for chunk in d_stub.Generate(req, timeout=deadline_s + 30):
+            for chunk in d_stub.Generate(req, timeout=deadline_s + scaled(30)):
                 result["chunks"].append(chunk)
         except grpc.RpcError as e:
             result["decode_error"] = e
     if send_prefill:
-        thread.join(deadline_s + 10)
+        thread.join(deadline_s + scaled(10))
     result["tokens"] = [t for c in result["chunks"] for t in c.token_ids]
     return result
 
@@ -126,11 +130,11 @@ def test_incompatible_workers_refuse_with_a_clear_error(workers):
     try:
         t0 = time.monotonic()
         out = dispatch(prefill, other, random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY),
-                       deadline_s=20)
+                       deadline_s=scaled(20))
         assert out["decode_error"].code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "page_size" in out["decode_error"].details()
         assert out["prefill"].error.code == 2 and "page_size" in out["prefill"].error.message  # INCOMPATIBLE
-        assert time.monotonic() - t0 < 20
+        assert time.monotonic() - t0 < scaled(20)
         assert_idle(prefill, other, within_s=2.0)
     finally:
         other.stop()
@@ -141,7 +145,7 @@ def test_decode_gives_up_when_prefill_never_answers(cluster):
     out = dispatch(*cluster, random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=2.0,
                    send_prefill=False)
     assert out["decode_error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < scaled(5.0)
     assert_idle(*cluster, within_s=2.0)
 
 
@@ -150,7 +154,7 @@ def test_prefill_drops_a_request_whose_plan_never_arrives(cluster):
     out = dispatch(*cluster, random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=2.0,
                    send_decode=False)
     assert out["prefill"].error.code == 3 and "plan" in out["prefill"].error.message  # DEADLINE
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < scaled(5.0)
     assert_idle(*cluster, within_s=2.0)
 
 
@@ -161,9 +165,10 @@ def test_workers_serve_health_and_metrics(cluster):
 
     for w in cluster:
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(w.address))
-        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=scaled(5)).status
         assert status == health_pb2.HealthCheckResponse.SERVING
-        text = urllib.request.urlopen(f"http://127.0.0.1:{w.info['metrics_port']}/metrics", timeout=5).read().decode()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{w.info['metrics_port']}/metrics",
+                                      timeout=scaled(5)).read().decode()
         for name in ("pdspark_pool_used_pages", "pdspark_engine_running_requests", "pdspark_worker_transfers_in_flight",
                      "pdspark_engine_step_seconds_bucket", "pdspark_worker_requests_total"):
             assert name in text, name

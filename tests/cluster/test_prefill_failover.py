@@ -110,12 +110,12 @@ def cluster(started):
 
 def workers(router: ServiceProcess) -> dict[str, bool]:
     req = urllib.request.Request(router.info["http"] + "/workers", headers=ADMIN)
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=scaled(10)) as r:
         return {w["address"]: w["healthy"] for w in json.loads(r.read())}
 
 
 def retries(router: ServiceProcess) -> float:
-    with urllib.request.urlopen(router.info["http"] + "/metrics", timeout=10) as r:
+    with urllib.request.urlopen(router.info["http"] + "/metrics", timeout=scaled(10)) as r:
         line = next(x for x in r.read().decode().splitlines() if x.startswith("pdspark_router_retries_total "))
     return float(line.split()[1])
 
@@ -128,7 +128,7 @@ def set_worker(router: ServiceProcess, method: str, address: str) -> None:
     else:
         req = urllib.request.Request(router.info["http"] + f"/workers?address={address}", method="DELETE",
                                      headers=ADMIN)
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=scaled(10)) as r:
         assert r.status in (200, 201)
 
 
@@ -164,7 +164,7 @@ class FaultAtBusy(threading.Thread):
         with grpc.insecure_channel(self.victim.address) as channel:
             stub = worker_pb2_grpc.PrefillWorkerStub(channel)
             while not self.stop.wait(0.002):
-                report = stub.GetLoad(worker_pb2.LoadRequest(), timeout=5)
+                report = stub.GetLoad(worker_pb2.LoadRequest(), timeout=scaled(5))
                 if report.transfers_in_flight >= 2 and report.running >= 1:
                     os.kill(self.victim.pid, self.sig)
                     self.seen, self.at = report, time.monotonic()
@@ -187,7 +187,7 @@ def run_with_fault(router: ServiceProcess, victim: ServiceProcess, sig: signal.S
         done = time.monotonic()
     finally:
         fault.stop.set()
-        fault.join(10)
+        fault.join(scaled(10))
     assert fault.seen is not None, "the victim was never busy with two transfers while the requests ran"
     return answers, done - fault.at, fault.seen
 
@@ -230,7 +230,7 @@ def test_killed_prefill_worker_its_requests_complete_on_the_other(cluster, offli
     answers, seconds, seen = run_with_fault(router, victim, signal.SIGKILL)
     check_answers(answers, offline)
     assert retries(router) > retried  # requests did start on the victim
-    assert victim.proc.wait(5) == -signal.SIGKILL
+    assert victim.proc.wait(scaled(5)) == -signal.SIGKILL
     down_s = seconds_until(lambda: not workers(router)[victim.address], DETECT_S, "the killed worker marked down")
     idle_s = check_survivors_idle(prefill, decode)
     print(f"\nSIGKILL with {seen.transfers_in_flight} transfers in flight ({seen.running} prefilling) on the "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import openai
 from helpers import make_llm
 from pdspark import SamplingParams
 from pdspark.launch.service_process import ServiceProcess, start_service
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import wait_until
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "8"]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
@@ -37,13 +38,10 @@ def tagged_pids(tag: str) -> set[int]:
 
 
 def wait_event(service: ServiceProcess, event: str, name: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for e in service.events:
-            if e.get("event") == event and e.get("service") == name:
-                return e
-        time.sleep(0.2)
-    raise AssertionError(f"no {event} event for {name}:\n{service.tail()}")
+    """The first `event` event `pdspark up` printed for service `name`, within `timeout` (scaled)."""
+    return wait_until(lambda: next((e for e in service.events if e.get("event") == event and e.get("service") == name),
+                                   None), timeout, f"a {event} event for {name}",
+                      describe=lambda: f"\n{service.tail()}", interval_s=0.2)
 
 
 def test_ray_backend_serves_offline_greedy_restarts_and_ctrl_c_leaves_nothing():
@@ -51,7 +49,7 @@ def test_ray_backend_serves_offline_greedy_restarts_and_ctrl_c_leaves_nothing():
     service = start_service("pdspark up", ["up", "--backend", "ray", "--ray-num-cpus", "2", "--model", "dsv4-tiny",
                                            "--prefill", "1", "--decode", "2", "--port", "0", "--grpc-port", "0",
                                            "--restart-backoff-s", "0.2", *ENGINE],
-                            timeout=150, env={TAG: tag})
+                            timeout=scaled(150), env={TAG: tag})
     try:
         info = service.info
         services = info["services"]
@@ -83,11 +81,9 @@ def test_ray_backend_serves_offline_greedy_restarts_and_ctrl_c_leaves_nothing():
     finally:
         service.proc.send_signal(signal.SIGINT)  # Ctrl-C
         try:
-            rc = service.proc.wait(60)
+            rc = service.proc.wait(scaled(60))
         finally:
             service.stop()
     assert rc == 0, service.tail()
-    deadline = time.monotonic() + 30
-    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
+    wait_until(lambda: not tagged_pids(tag), 30, "every process of the cluster gone", interval_s=0.5,
+               describe=lambda: str([Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in tagged_pids(tag)]))

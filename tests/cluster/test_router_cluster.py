@@ -19,6 +19,7 @@ from cluster_pool import ADMIN_KEY
 from conftest import random_prompts
 from pdspark import SamplingParams
 from pdspark.client import AsyncClient, Client
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until
 from pdspark.testing.worker_load import WorkerAt, is_idle
 
@@ -87,7 +88,7 @@ def _render(offline, messages) -> str:
 
 
 def test_sdk_generate_and_stream_match(cluster, offline):
-    with Client(cluster["grpc"], timeout=60) as client:
+    with Client(cluster["grpc"], timeout=scaled(60)) as client:
         for prompt in PROMPTS[:2]:
             want = expected(offline, prompt, 18)
             result = client.generate(prompt, max_tokens=18, temperature=0, ignore_eos=True)
@@ -100,7 +101,7 @@ def test_async_sdk(cluster, offline):
     import asyncio
 
     async def run():
-        async with AsyncClient(cluster["grpc"], timeout=60) as client:
+        async with AsyncClient(cluster["grpc"], timeout=scaled(60)) as client:
             result = await client.generate(token_ids=[5, 6, 7, 8], max_tokens=10, temperature=0, ignore_eos=True)
             parts = [c.text async for c in client.stream(PROMPTS[0], max_tokens=10, temperature=0, ignore_eos=True)]
             return result, "".join(parts)
@@ -115,7 +116,7 @@ def post(info, path, body: bytes | dict, content_type="application/json", header
     req = urllib.request.Request(info["http"] + path, data=data, headers={"Content-Type": content_type,
                                                                            **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=scaled(30)) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -146,14 +147,15 @@ def test_bad_requests_get_openai_errors(cluster, path, body, status, param):
 
 
 def list_workers(info) -> list[dict]:
-    with urllib.request.urlopen(urllib.request.Request(info["http"] + "/workers", headers=ADMIN), timeout=10) as r:
+    request = urllib.request.Request(info["http"] + "/workers", headers=ADMIN)
+    with urllib.request.urlopen(request, timeout=scaled(10)) as r:
         return json.loads(r.read())
 
 
 def router_outcomes(info, api: str) -> dict[str, int]:
     """`pdspark_router_requests_total` of `api` by outcome, from the router's /metrics."""
     prefix = f'pdspark_router_requests_total{{api="{api}",outcome="'
-    with urllib.request.urlopen(info["http"] + "/metrics", timeout=10) as r:
+    with urllib.request.urlopen(info["http"] + "/metrics", timeout=scaled(10)) as r:
         return {line[len(prefix):].split('"')[0]: int(float(line.rsplit(" ", 1)[1]))
                 for line in r.read().decode().splitlines() if line.startswith(prefix)}
 
@@ -194,7 +196,7 @@ def decode_outcomes(info) -> dict[str, int]:
     prefix, counts = 'pdspark_worker_requests_total{outcome="', {}
     for w in list_workers(info):
         if w["role"] == "decode":
-            with urllib.request.urlopen(w["metrics_url"], timeout=10) as r:
+            with urllib.request.urlopen(w["metrics_url"], timeout=scaled(10)) as r:
                 for line in r.read().decode().splitlines():
                     if line.startswith(prefix) and (n := int(float(line.rsplit(" ", 1)[1]))):
                         outcome = line[len(prefix):].split('"')[0]
@@ -222,7 +224,7 @@ def test_client_disconnect_frees_both_workers(cluster):
     host, port = cluster["http"].removeprefix("http://").split(":")
     body = json.dumps({"prompt": "def main():", "max_tokens": LONG_TOKENS, "temperature": 0.8, "stream": True,
                        "ignore_eos": True}).encode()
-    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock = socket.create_connection((host, int(port)), timeout=scaled(30))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     received = b""
@@ -234,23 +236,23 @@ def test_client_disconnect_frees_both_workers(cluster):
 
 
 def test_models_health_workers_metrics(cluster):
-    with urllib.request.urlopen(cluster["http"] + "/v1/models", timeout=10) as r:
+    with urllib.request.urlopen(cluster["http"] + "/v1/models", timeout=scaled(10)) as r:
         assert json.loads(r.read())["data"][0]["id"] == cluster["model"]
-    with urllib.request.urlopen(cluster["http"] + "/health", timeout=10) as r:
+    with urllib.request.urlopen(cluster["http"] + "/health", timeout=scaled(10)) as r:
         assert json.loads(r.read())["status"] == "ok"
     workers = list_workers(cluster)
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
     assert all({"role", "address", "healthy", "load", "metrics_url"} <= set(w) for w in workers)
     # The router learns each worker's metrics URL from its load reports (health polls every 2 s).
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while not all(w["metrics_url"] for w in workers):
         assert time.monotonic() < deadline, f"/workers still lacks metrics URLs: {workers}"
         time.sleep(0.1)
         workers = list_workers(cluster)
     for w in workers:
-        with urllib.request.urlopen(w["metrics_url"], timeout=10) as r:
+        with urllib.request.urlopen(w["metrics_url"], timeout=scaled(10)) as r:
             assert "pdspark_pool_used_pages" in r.read().decode()
-    with urllib.request.urlopen(cluster["http"] + "/metrics", timeout=10) as r:
+    with urllib.request.urlopen(cluster["http"] + "/metrics", timeout=scaled(10)) as r:
         text = r.read().decode()
     assert "pdspark_router_requests_total" in text and "pdspark_router_time_to_first_token_seconds" in text
 
@@ -281,7 +283,7 @@ def test_cache_aware_routing_keeps_a_shared_prefix_on_one_prefill_worker(faults,
 
 def test_sdk_cancel_aborts_on_the_server(cluster):
     before = router_outcomes(cluster, "grpc")
-    with Client(cluster["grpc"], timeout=60) as client:
+    with Client(cluster["grpc"], timeout=scaled(60)) as client:
         stream = client.stream(PROMPTS[0], max_tokens=LONG_TOKENS, temperature=0.8, ignore_eos=True)
         chunks = iter(stream)
         next(chunks), next(chunks)
@@ -297,17 +299,14 @@ def test_sdk_deadline_is_enforced(cluster):
 
     with Client(cluster["grpc"]) as client:
         # A deadline of a quarter of what the request takes on this machine (a fixed one passed on fast CPUs).
-        client.generate(PROMPTS[1], max_tokens=2, timeout=60)  # the prompt cached: the timed run is all decode
+        client.generate(PROMPTS[1], max_tokens=2, timeout=scaled(60))  # the prompt cached: the timed run is all decode
         t0 = time.monotonic()
-        client.generate(PROMPTS[1], max_tokens=220, ignore_eos=True, timeout=60)
+        client.generate(PROMPTS[1], max_tokens=220, ignore_eos=True, timeout=scaled(60))
         whole = time.monotonic() - t0
         with pytest.raises(ClientError) as e:
             client.generate(PROMPTS[1], max_tokens=220, ignore_eos=True, timeout=whole / 4)
         assert e.value.code == "DEADLINE_EXCEEDED" and e.value.error_code is ErrorCode.DEADLINE
-    t0 = time.monotonic()
-    while not workers_idle(cluster):
-        assert time.monotonic() - t0 < 2.0
-        time.sleep(0.05)
+    wait_until(lambda: workers_idle(cluster), 2, "the workers idle once the deadline ended the request")
 
 
 def test_workers_added_and_removed_at_run_time(cluster):
@@ -320,7 +319,7 @@ def test_workers_added_and_removed_at_run_time(cluster):
         reply = client.completions.create(model=cluster["model"], prompt="x = 1", max_tokens=4)
         assert reply.usage.completion_tokens >= 1
     req = urllib.request.Request(cluster["http"] + "/workers?address=127.0.0.1:1", method="DELETE", headers=ADMIN)
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=scaled(10)) as r:
         assert r.status == 200
     assert "127.0.0.1:1" not in {w["address"] for w in list_workers(cluster)}
     code, reply = post(cluster, "/workers", {"role": "cook", "address": "127.0.0.1:2"}, headers=ADMIN)
@@ -339,7 +338,7 @@ def test_seeded_sampling_through_the_router_equals_offline(cluster, offline_refe
     got = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=24,
                                     temperature=0.9, seed=seed, extra_body={"ignore_eos": True}).choices[0].text
     assert got == want.text
-    with Client(cluster["grpc"], timeout=60) as sdk:
+    with Client(cluster["grpc"], timeout=scaled(60)) as sdk:
         streamed = "".join(c.text for c in sdk.stream(prompt, max_tokens=24, temperature=0.9, seed=seed,
                                                        ignore_eos=True))
     assert streamed == want.text

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from pdspark.launch.service_process import spawn_process, wait_ready
+from pdspark.testing.time_scale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 3
@@ -32,20 +33,20 @@ def test_the_router_serves_without_the_engine_extra():
                                     str(TOKENS)], child_env())
     router = None
     try:
-        wait_ready(stubs, 60)
+        wait_ready(stubs, scaled(60))
         router = wait_ready(spawn_process("router", [
             sys.executable, "-c", NO_ENGINE + "from pdspark.cli import main\nsys.exit(main(sys.argv[1:]))",
             "serve", "router", "--port", "0", "--grpc-port", "0",
-            "--prefill", stubs.info["prefill"], "--decode", stubs.info["decode"]], child_env()), 60)
-        with urllib.request.urlopen(router.info["http"] + "/health", timeout=10) as r:
+            "--prefill", stubs.info["prefill"], "--decode", stubs.info["decode"]], child_env()), scaled(60))
+        with urllib.request.urlopen(router.info["http"] + "/health", timeout=scaled(10)) as r:
             assert r.status == 200
         body = json.dumps({"model": "dsv4-tiny", "prompt": "def fibonacci(n):", "max_tokens": TOKENS}).encode()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while True:  # 503 until the first health checks of the stubs passed
             request = urllib.request.Request(router.info["http"] + "/v1/completions", body,
                                              {"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=10) as r:
+                with urllib.request.urlopen(request, timeout=scaled(10)) as r:
                     answer = json.load(r)
                 break
             except urllib.error.HTTPError as e:
@@ -73,7 +74,8 @@ def test_model_commands_name_the_missing_extra():
         "    from pdspark import LLM\n"
         "except ImportError as e:\n"
         "    print(json.dumps(['LLM', 2, str(e)]))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=child_env())
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120),
+                         env=child_env())
     assert out.returncode == 0, out.stderr[-2000:]
     results = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r[0] for r in results] == ["serve prefill", "serve decode", "generate --model dsv4-tiny hi", "up", "LLM"]

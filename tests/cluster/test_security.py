@@ -21,6 +21,7 @@ import pytest
 from pdspark.client import Client, ClientError
 from pdspark.errors import ErrorCode
 from pdspark.launch.service_process import ServiceProcess, start_service
+from pdspark.testing.time_scale import scaled
 
 K, A = "k-client-0123456789abcdef", "a-admin-0123456789abcdef"
 ROTATED = "k-rotated-0123456789abcdef"
@@ -38,7 +39,7 @@ def key_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(key_file):
     service = start_service("pdspark up", ["up", *ENGINE, "--api-key", K, "--admin-api-key", A, "--api-key-file",
-                                           str(key_file)], timeout=240, env={"OMP_NUM_THREADS": "1"})
+                                           str(key_file)], timeout=scaled(240), env={"OMP_NUM_THREADS": "1"})
     yield service
     assert service.stop() == 0
 
@@ -49,7 +50,7 @@ def request(cluster: ServiceProcess, method: str, path: str, body: bytes | dict 
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(cluster.info["http"] + path, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=scaled(60)) as r:
             raw = r.read()
             return r.status, json.loads(raw) if r.headers.get_content_type() == "application/json" else {}
     except urllib.error.HTTPError as e:
@@ -85,14 +86,14 @@ def test_the_openai_client_works_with_the_key_only(cluster):
 
 def test_the_sdk_with_and_without_the_key(cluster, monkeypatch):
     monkeypatch.delenv("PDSPARK_API_KEY", raising=False)
-    with Client(cluster.info["grpc"], timeout=60, api_key=K) as client:
+    with Client(cluster.info["grpc"], timeout=scaled(60), api_key=K) as client:
         assert client.generate("def f():", max_tokens=3, temperature=0, ignore_eos=True).completion_tokens == 3
     for kwargs in ({}, {"api_key": "wrong-key-0123456789"}):
-        with Client(cluster.info["grpc"], timeout=60, **kwargs) as client, pytest.raises(ClientError) as e:
+        with Client(cluster.info["grpc"], timeout=scaled(60), **kwargs) as client, pytest.raises(ClientError) as e:
             client.generate("def f():", max_tokens=3)
         assert (e.value.code, e.value.error_code) == ("UNAUTHENTICATED", ErrorCode.UNAUTHENTICATED)
     monkeypatch.setenv("PDSPARK_API_KEY", K)
-    with Client(cluster.info["grpc"], timeout=60) as client:
+    with Client(cluster.info["grpc"], timeout=scaled(60)) as client:
         assert client.generate("x", max_tokens=2, ignore_eos=True).completion_tokens == 2
 
 
@@ -144,7 +145,7 @@ def test_no_key_on_a_command_line_in_the_output_or_in_metrics(cluster):
                 environ = f.read().decode()
             assert K not in environ and A not in environ, name
     output = "".join(cluster.log) + json.dumps(cluster.events)
-    with urllib.request.urlopen(cluster.info["http"] + "/metrics", timeout=10) as r:  # open: for scrapers
+    with urllib.request.urlopen(cluster.info["http"] + "/metrics", timeout=scaled(10)) as r:  # open: for scrapers
         metrics = r.read().decode()
     assert 'pdspark_router_auth_failures_total{api="http",reason="invalid_key"}' in metrics
     for text in (output, metrics):
@@ -156,7 +157,7 @@ def test_a_key_file_is_read_again_on_sighup(cluster, key_file):
     assert request(cluster, "GET", "/v1/models", None, f"{ROTATED}-old")[0] == 200
     key_file.write_text(f"{ROTATED}\n")
     os.kill(cluster.pid, signal.SIGHUP)  # the launcher passes it to the router
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while request(cluster, "GET", "/v1/models", None, ROTATED)[0] != 200:
         assert time.monotonic() < deadline, "the new key is not accepted 10 s after SIGHUP"
         time.sleep(0.1)

@@ -19,6 +19,7 @@ import pytest
 
 from pdspark import SamplingParams
 from pdspark.testing.services import start_router
+from pdspark.testing.time_scale import scaled
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 CONCURRENCY = 256
@@ -52,7 +53,7 @@ def _loads(http: str) -> list:
     for w in json.loads(body):
         stub = worker_pb2_grpc.PrefillWorkerStub if w["role"] == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         with grpc.insecure_channel(w["address"]) as channel:
-            loads.append(stub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=10))
+            loads.append(stub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=scaled(10)))
     return loads
 
 
@@ -76,7 +77,7 @@ class Prober(threading.Thread):
             for path in self.worst:
                 t0 = time.monotonic()
                 try:
-                    status, _ = _get(self.http + path, timeout=5)
+                    status, _ = _get(self.http + path, timeout=scaled(5))
                     if status != 200:
                         self.failures.append(f"{path}: {status}")
                 except OSError as e:
@@ -128,14 +129,14 @@ def test_256_concurrent_requests_equal_offline_and_leave_nothing_held(cluster, o
         results = asyncio.run(_all(http, CONCURRENCY))
     finally:
         prober.stop.set()
-        prober.join(10)
+        prober.join(scaled(10))
     elapsed = time.monotonic() - t0
     for prompt, got in results:
         ids, text = offline[prompt]
         assert got == (text if isinstance(got, str) else ids), (prompt, got, ids, text)
     assert not prober.failures, prober.failures[:5]
     assert max(prober.worst.values()) < 1.0, prober.worst
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while not _idle(http):
         assert time.monotonic() < deadline, "workers still hold pages or requests 10 s after the load"
         time.sleep(0.1)
@@ -178,7 +179,7 @@ def test_a_flood_above_the_queue_bound_gets_429_at_once_then_service_resumes(clu
         body = json.dumps({"model": "dsv4-tiny", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0,
                            "ignore_eos": True}).encode()
         req = urllib.request.Request(http + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=scaled(60)) as r:
             assert r.status == 200  # right after the flood, normal service
     finally:
         assert router.stop() == 0

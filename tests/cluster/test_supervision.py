@@ -17,6 +17,7 @@ import urllib.request
 import pytest
 
 from pdspark.launch.service_process import ServiceProcess, start_service
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until
 
 ENGINE = ["--model", "dsv4-tiny", "--max-model-len", "512", "--max-num-seqs", "4", "--port", "0", "--grpc-port", "0"]
@@ -31,7 +32,7 @@ SUPERVISION = ["--restart-backoff-s", str(BACKOFF_S), "--max-restart-backoff-s",
 
 def health(info: dict) -> dict[str, bool]:
     """The router's view: worker address -> healthy."""
-    with urllib.request.urlopen(info["http"] + "/workers", timeout=10) as r:
+    with urllib.request.urlopen(info["http"] + "/workers", timeout=scaled(10)) as r:
         return {w["address"]: w["healthy"] for w in json.loads(r.read())}
 
 
@@ -41,7 +42,7 @@ def complete(info: dict, prompt: str = "def fibonacci(n):") -> int:
     req = urllib.request.Request(info["http"] + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=scaled(60)) as r:
             return json.loads(r.read())["usage"]["completion_tokens"]
     except urllib.error.HTTPError as e:
         raise AssertionError(f"request failed: {e.code} {e.read()!r}") from None
@@ -67,7 +68,7 @@ def alive(pid: int) -> bool:
 
 
 def up(*args: str) -> ServiceProcess:
-    return start_service("pdspark up", ["up", *ENGINE, *args], timeout=240, env=ENV)
+    return start_service("pdspark up", ["up", *ENGINE, *args], timeout=scaled(240), env=ENV)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def test_ctrl_c_stops_every_child(cluster):
     pids = [current(cluster, name)["pid"] for name in cluster.info["services"]]
     assert all(alive(pid) for pid in pids)
     cluster.proc.send_signal(signal.SIGINT)
-    assert cluster.proc.wait(60) == 0
+    assert cluster.proc.wait(scaled(60)) == 0
     assert not [pid for pid in pids if alive(pid)]  # the launcher waits for each child before exiting
 
 
@@ -142,7 +143,7 @@ def test_children_die_with_a_killed_launcher_restarted_ones_too():
         # No Ctrl-C handling here: children go because PR_SET_PDEATHSIG signals them when their creating thread
         # (the launcher's main thread, which also spawns restarts) dies.
         service.proc.kill()
-        service.proc.wait(10)
+        service.proc.wait(scaled(10))
         wait_until(lambda: not [pid for pid in pids if alive(pid)], 30, "every child exits after the launcher")
     finally:
         service.stop()
@@ -153,7 +154,7 @@ def test_no_restart_stops_the_cluster_when_a_service_exits():
     try:
         pids = [s["pid"] for s in service.info["services"].values()]
         os.kill(service.info["services"]["prefill-0"]["pid"], signal.SIGKILL)
-        assert service.proc.wait(60) == 1
+        assert service.proc.wait(scaled(60)) == 1
         assert not [pid for pid in pids if alive(pid)]
         service.drain()
         assert "prefill-0 exited (killed by SIGKILL); shutting down (--no-restart)" in service.tail()

@@ -26,6 +26,7 @@ from pdspark import SamplingParams
 from pdspark.client import Client, ClientError, TLSOptions
 from pdspark.errors import ErrorCode
 from pdspark.launch.service_process import ServiceProcess, start_service
+from pdspark.testing.time_scale import scaled
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 K, A = "k-client-0123456789abcdef", "a-admin-0123456789abcdef"
@@ -36,7 +37,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def cluster():
-    service = start_service("pdspark up", ["up", *ENGINE, "--tls"], timeout=240,
+    service = start_service("pdspark up", ["up", *ENGINE, "--tls"], timeout=scaled(240),
                             env={"OMP_NUM_THREADS": "1", "PDSPARK_API_KEY": K, "PDSPARK_ADMIN_API_KEY": A})
     ca_dir = Path(service.info["ca"]).parent
     yield service
@@ -70,7 +71,7 @@ def credentials(ca: str, name: str | None) -> grpc.ChannelCredentials:
 
 def health_check(channel: grpc.Channel) -> grpc.StatusCode:
     try:
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=scaled(5))
     except grpc.RpcError as e:
         return e.code()
     return grpc.StatusCode.OK
@@ -93,21 +94,22 @@ def test_the_openai_client_generates_over_https_trusting_the_ca(cluster, ca, off
                       ).completions.create(model=cluster.info["model"], prompt="x", max_tokens=2)
     with pytest.raises(openai.APIConnectionError):
         openai.OpenAI(base_url=cluster.info["http"].replace("https://", "http://") + "/v1", api_key=K,
-                      max_retries=0, timeout=10).completions.create(model=cluster.info["model"], prompt="x",
+                      max_retries=0, timeout=scaled(10)).completions.create(model=cluster.info["model"], prompt="x",
                                                                      max_tokens=2)
 
 
 def test_the_sdk_generates_over_tls_and_equals_offline_greedy(cluster, ca, offline_greedy, monkeypatch):
     monkeypatch.delenv("PDSPARK_API_KEY", raising=False)
     tls = TLSOptions.from_files(ca=ca)
-    with Client(cluster.info["grpc"], timeout=60, tls=tls, api_key=K) as client:
+    with Client(cluster.info["grpc"], timeout=scaled(60), tls=tls, api_key=K) as client:
         result = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     # Greedy through router -> prefill -> (Mooncake) -> decode, every control RPC on mTLS, equals the offline run.
     assert result.token_ids == offline_greedy
-    with Client(cluster.info["grpc"], timeout=60, tls=tls, api_key="") as client, pytest.raises(ClientError) as e:
+    with (Client(cluster.info["grpc"], timeout=scaled(60), tls=tls, api_key="") as client,
+          pytest.raises(ClientError) as e):
         client.generate(PROMPT, max_tokens=2)
     assert e.value.error_code is ErrorCode.UNAUTHENTICATED
-    with Client(cluster.info["grpc"], timeout=10, api_key=K) as plain, pytest.raises(ClientError) as e:
+    with Client(cluster.info["grpc"], timeout=scaled(10), api_key=K) as plain, pytest.raises(ClientError) as e:
         plain.generate(PROMPT, max_tokens=2)
     assert e.value.code == "UNAVAILABLE"
 
@@ -127,14 +129,14 @@ def test_a_worker_takes_each_rpc_only_from_the_role_that_makes_it(cluster, ca):
     prefill, decode = addresses["prefill-0"], addresses["decode-1"]
     with grpc.secure_channel(prefill, credentials(ca, "router")) as channel:
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-        assert stub.GetLoad(worker_pb2.LoadRequest(), timeout=10).running == 0
+        assert stub.GetLoad(worker_pb2.LoadRequest(), timeout=scaled(10)).running == 0
         with pytest.raises(grpc.RpcError) as e:  # a plan names memory to write: decode workers only
-            stub.SubmitPlan(worker_pb2.TransferPlan(transfer_id="t"), timeout=10)
+            stub.SubmitPlan(worker_pb2.TransferPlan(transfer_id="t"), timeout=scaled(10))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with grpc.secure_channel(decode, credentials(ca, "prefill-0")) as channel:
         stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-        for call in (lambda: stub.GetLoad(worker_pb2.LoadRequest(), timeout=10),
-                     lambda: next(stub.Generate(worker_pb2.GenerateRequest(request_id="r"), timeout=10))):
+        for call in (lambda: stub.GetLoad(worker_pb2.LoadRequest(), timeout=scaled(10)),
+                     lambda: next(stub.Generate(worker_pb2.GenerateRequest(request_id="r"), timeout=scaled(10)))):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -149,12 +151,12 @@ def test_certificates_are_private_and_no_material_shows(cluster, ca):
     secrets = [k.read_text() for k in keys] + [p.read_text() for p in folder.glob("*.pem")]
     context = ssl.create_default_context(cafile=ca)
     texts = ["".join(cluster.log), json.dumps(cluster.events)]
-    with urllib.request.urlopen(cluster.info["http"] + "/metrics", timeout=10, context=context) as r:
+    with urllib.request.urlopen(cluster.info["http"] + "/metrics", timeout=scaled(10), context=context) as r:
         texts.append(r.read().decode())
     for name, service in cluster.info["services"].items():
         if name != "router":
             with urllib.request.urlopen(f"http://127.0.0.1:{flag(service['pid'], '--metrics-port')}/metrics",
-                                        timeout=10) as r:
+                                        timeout=scaled(10)) as r:
                 texts.append(r.read().decode())
         texts.append(" ".join(argv_of(service["pid"])))
     for text in texts:

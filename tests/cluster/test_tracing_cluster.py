@@ -10,6 +10,7 @@ import urllib.request
 
 from otlp_collector import OtlpCollector
 from pdspark.launch.service_process import start_service
+from pdspark.testing.time_scale import scaled
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "4"]
 NAMES = {"request", "attempt", "prefill", "transfer", "decode", "submit_plan"}
@@ -18,15 +19,15 @@ NAMES = {"request", "attempt", "prefill", "transfer", "decode", "submit_plan"}
 def test_one_trace_across_the_processes_of_pdspark_up():
     with OtlpCollector() as collector:
         cluster = start_service("pdspark up", ["up", "--model", "dsv4-tiny", "--port", "0", "--grpc-port", "0",
-                                               "--otlp-endpoint", collector.endpoint, *ENGINE], timeout=240)
+                                               "--otlp-endpoint", collector.endpoint, *ENGINE], timeout=scaled(240))
         try:
             body = {"prompt": list(range(10, 42)), "max_tokens": 8, "ignore_eos": True}
             req = urllib.request.Request(cluster.info["http"] + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=60) as r:
+            with urllib.request.urlopen(req, timeout=scaled(60)) as r:
                 reply = json.loads(r.read())
             # Spans leave in batches (every 5 s by default).
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + scaled(30)
             while {s.name for s in collector.spans} < NAMES and time.monotonic() < deadline:
                 time.sleep(0.2)
         finally:

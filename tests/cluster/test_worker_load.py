@@ -82,8 +82,11 @@ class Dispatcher:
         self.decode = worker_pb2_grpc.DecodeWorkerStub(self.d_channel)
         self.prefill_address = prefill_address
 
-    async def generate(self, prompt, timeout_ms: int = 60_000, send_prefill: bool = True) -> dict:
-        """One request: its tokens, or the decode stream's failure; and how long it took to end."""
+    async def generate(self, prompt, timeout_ms: int | None = None, send_prefill: bool = True) -> dict:
+        """One request: its tokens, or the decode stream's failure; and how long it took to end. `timeout_ms`: the
+        request's deadline (by default a bound of 60 s, scaled)."""
+        if timeout_ms is None:
+            timeout_ms = round(scaled(60) * 1000)
         tid, rid = uuid.uuid4().hex, uuid.uuid4().hex
         sampling = convert.sampling_to_pb(PARAMS)
         t0 = time.monotonic()
@@ -91,12 +94,13 @@ class Dispatcher:
         if send_prefill:
             prefill = asyncio.ensure_future(self.prefill.Prefill(worker_pb2.PrefillRequest(
                 request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling, timeout_ms=timeout_ms),
-                timeout=timeout_ms / 1000 + 5))
+                timeout=timeout_ms / 1000 + scaled(5)))
         out: dict = {"tokens": []}
         try:
             async for chunk in self.decode.Generate(worker_pb2.GenerateRequest(
                     request_id=rid, transfer_id=tid, prompt_token_ids=prompt, sampling=sampling,
-                    prefill_address=self.prefill_address, timeout_ms=timeout_ms), timeout=timeout_ms / 1000 + 30):
+                    prefill_address=self.prefill_address, timeout_ms=timeout_ms),
+                    timeout=timeout_ms / 1000 + scaled(30)):
                 out["tokens"] += chunk.token_ids
         except grpc.aio.AioRpcError as e:
             out["error"] = e
@@ -119,6 +123,7 @@ _PROBE = r"""
 import json, select, sys, time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdspark.testing.time_scale import scaled
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 channel = grpc.insecure_channel(sys.argv[1])
@@ -127,11 +132,11 @@ out = {"health": [], "load": [], "serving": True, "max_queued": 0, "max_running"
 print("ready", flush=True)
 while not select.select([sys.stdin], [], [], 0.02)[0]:
     t0 = time.perf_counter()
-    status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+    status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=scaled(5)).status
     out["health"].append(time.perf_counter() - t0)
     out["serving"] &= status == health_pb2.HealthCheckResponse.SERVING
     t0 = time.perf_counter()
-    report = decode.GetLoad(worker_pb2.LoadRequest(), timeout=5)
+    report = decode.GetLoad(worker_pb2.LoadRequest(), timeout=scaled(5))
     out["load"].append(time.perf_counter() - t0)
     out["max_queued"] = max(out["max_queued"], report.queued)
     out["max_running"] = max(out["max_running"], report.running)
@@ -152,7 +157,7 @@ class ControlProbe:
         return self
 
     def __exit__(self, *exc) -> None:
-        out, _ = self.proc.communicate(timeout=30)  # closes its stdin: the probe stops and reports
+        out, _ = self.proc.communicate(timeout=scaled(30))  # closes its stdin: the probe stops and reports
         self.result = json.loads(out.strip().splitlines()[-1])
 
 
@@ -217,7 +222,7 @@ def test_a_full_queue_refuses_at_once_and_serves_again_once_it_drains(workers):
             assert failure_from_rpc_error(out["error"]).code is ErrorCode.OVERLOADED  # the typed trailer
         worst = max(o["seconds"] for o in refused)
         print(f"\n{len(refused)} refusals, slowest {worst * 1e3:.0f} ms")
-        assert worst < 0.5, f"a refusal took {worst:.2f}s: refusals must be immediate, not timeouts"
+        assert worst < scaled(0.5), f"a refusal took {worst:.2f}s: refusals must be immediate, not timeouts"
         assert "error" not in after and len(after["tokens"]) == PARAMS.max_tokens
     finally:
         assert small.stop() == 0
@@ -264,7 +269,7 @@ def test_a_stopped_prefill_worker_fails_requests_within_their_deadline(workers):
         slowest = max(o["seconds"] for o in outs)
         print(f"\n{k} requests to a stopped prefill worker failed after {min(o['seconds'] for o in outs):.2f}-"
               f"{slowest:.2f}s (deadline {timeout_ms / 1000:.1f}s)")
-        assert slowest < timeout_ms / 1000 + 0.5, f"a request ended {slowest:.2f}s after it was sent"
+        assert slowest < timeout_ms / 1000 + scaled(0.5), f"a request ended {slowest:.2f}s after it was sent"
 
         async def again() -> dict:
             dispatcher = Dispatcher(victim.address, decode.address)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pdspark.testing.time_scale import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 HADOLINT = Path(sys.executable).with_name("hadolint")
 ROLES = ["prefill", "decode", "router"]
@@ -20,7 +22,7 @@ ROLES = ["prefill", "decode", "router"]
 def test_hadolint_finds_nothing(role):
     dockerfile = ROOT / "services" / role / "Dockerfile"
     run = subprocess.run([str(HADOLINT), "--config", str(ROOT / ".hadolint.yaml"), str(dockerfile)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=scaled(60))
     assert run.returncode == 0, run.stdout + run.stderr
 
 

@@ -15,6 +15,7 @@ from pdspark.engine.factory import create_engine
 from pdspark.serving import engine_loop
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import HANDOFF_S, EngineLoop
+from pdspark.testing.time_scale import scaled
 from pdspark.types import FinishReason
 
 # Pools of 4 full pages of 16 tokens: a 40-token prompt takes 3, so a second one cannot start while the first
@@ -42,12 +43,12 @@ def test_loop_sleeps_while_the_only_request_waits_for_held_pages(engine):
 
     loop.add_ticker(count_steps)
     loop.start()
-    client = EngineClient(loop, timeout_s=30)
+    client = EngineClient(loop, timeout_s=scaled(30))
     try:
         held = threading.Event()
         blocked_done = threading.Event()
         asyncio.run(client.submit("held", [5] * 40, PARAMS, lambda out: out.finished and held.set(), hold_pages=True))
-        assert held.wait(30), "the first request never finished"
+        assert held.wait(scaled(30)), "the first request never finished"
 
         asyncio.run(client.submit("blocked", [6] * 40, PARAMS, lambda out: out.finished and blocked_done.set()))
         watch["from"] = loop.steps
@@ -57,10 +58,10 @@ def test_loop_sleeps_while_the_only_request_waits_for_held_pages(engine):
         assert not blocked_done.is_set()
 
         client.release("held")  # a command wakes the loop at once, long before its 60 s idle wait ends
-        assert blocked_done.wait(30), "the blocked request did not run once the pages were released"
+        assert blocked_done.wait(scaled(30)), "the blocked request did not run once the pages were released"
         assert engine.requests["blocked"].finish_reason == FinishReason.LENGTH
     finally:
-        loop.stop(timeout=5)
+        loop.stop(timeout=scaled(5))
     assert not loop.is_alive(), "stop() did not wake the waiting loop"
 
 
@@ -69,7 +70,7 @@ def test_a_failing_clean_up_is_logged_not_lost(engine, caplog):
     log, or a test that checks the logs for errors could never see it."""
     loop = EngineLoop(engine)
     loop.start()
-    client = EngineClient(loop, timeout_s=30)
+    client = EngineClient(loop, timeout_s=scaled(30))
     freed = threading.Event()
 
     def release(request_id: str) -> None:
@@ -80,11 +81,11 @@ def test_a_failing_clean_up_is_logged_not_lost(engine, caplog):
     try:
         with caplog.at_level("ERROR", logger="pdspark.serving.engine_client"):
             client.release("r1")
-            assert freed.wait(5)
+            assert freed.wait(scaled(5))
             loop.call(lambda: None)  # the clean-up's done-callback ran before this command's turn
         assert "engine-loop clean-up release failed" in caplog.text and "double free of page 3 (r1)" in caplog.text
     finally:
-        loop.stop(timeout=5)
+        loop.stop(timeout=scaled(5))
 
 
 class _Observer:
@@ -112,17 +113,17 @@ def test_the_observer_hears_every_step_with_its_batch_and_every_failure(engine):
 
     loop.add_ticker(ticker)
     loop.start()
-    client = EngineClient(loop, timeout_s=30)
+    client = EngineClient(loop, timeout_s=scaled(30))
     done = [threading.Event(), threading.Event()]
     params = SamplingParams(max_tokens=3, **GREEDY)
     try:
         for i, event in enumerate(done):
             asyncio.run(client.submit(f"r{i}", [5 + i] * 20, params,
                                       lambda out, e=event: out.finished and e.set()))
-        assert all(e.wait(30) for e in done)
+        assert all(e.wait(scaled(30)) for e in done)
         steps = loop.call(lambda: loop.steps)
     finally:
-        loop.stop(timeout=5)
+        loop.stop(timeout=scaled(5))
     # Every step that ran something was observed, with the requests it ran (both fit one batch at most).
     assert 0 < len(observer.steps) <= steps and all(0 < n <= 2 and s > 0 for s, n in observer.steps)
     assert max(n for _, n in observer.steps) == 2
@@ -145,12 +146,12 @@ def test_the_loop_steps_aside_for_a_waiting_thread_only_when_a_step_follows(engi
     monkeypatch.setattr(engine_loop.time, "sleep", sleep)
     loop = EngineLoop(engine)
     loop.start()
-    client = EngineClient(loop, timeout_s=30)
+    client = EngineClient(loop, timeout_s=scaled(30))
     finished = threading.Event()
 
     def barrier() -> None:  # two un-awaited commands: the drains before them (and their own) are over
         for _ in range(2):
-            loop.submit(lambda: None).result(10)
+            loop.submit(lambda: None).result(scaled(10))
 
     try:
         asyncio.run(client.submit("long", [5] * 20, SamplingParams(max_tokens=40, **GREEDY),
@@ -161,10 +162,10 @@ def test_the_loop_steps_aside_for_a_waiting_thread_only_when_a_step_follows(engi
         barrier()
         assert naps == [HANDOFF_S] * 2  # this call too, with the request's next step to come
         client.abort("long")
-        assert finished.wait(30)
+        assert finished.wait(scaled(30))
         client.release("long")
         assert not loop.call(lambda: engine.has_unfinished)
         barrier()
         assert naps == [HANDOFF_S] * 2  # nothing to step: no nap; the clean-ups: none either
     finally:
-        loop.stop(timeout=5)
+        loop.stop(timeout=scaled(5))

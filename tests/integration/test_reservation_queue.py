@@ -17,6 +17,7 @@ from pdspark.errors import ErrorCode, InvalidRequestError, RequestFailed
 from pdspark.serving.decode_worker import _Stream
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.reservation_queue import ReservationQueue, ReservationTicket
+from pdspark.testing.time_scale import scaled
 
 # One request slot: a second reservation must wait for the first to be let go.
 OPTS = dict(page_size=16, max_model_len=128, max_num_seqs=1, enable_prefix_cache=False)
@@ -44,15 +45,15 @@ def used(engine) -> dict[str, int]:
 def test_a_waiting_ticket_is_granted_when_pages_are_released_and_a_withdrawn_one_never(engine, loop):
     queue = ReservationQueue(engine)
     loop.add_ticker(queue.grant)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     first, second, third = (ReservationTicket([5 + i] * 40, PARAMS, deadline) for i in range(3))
     for ticket in (first, second, third):
         loop.call(queue.offer, ticket)
-    reservation = first.future.result(5)
+    reservation = first.future.result(scaled(5))
     assert not second.future.done() and len(queue) == 2  # the one slot is taken: both wait
     loop.call(queue.withdraw, third)  # its caller gave up while waiting
     loop.call(queue.cancel, reservation)  # pages released: the loop hands them to the next in line
-    granted = second.future.result(5)
+    granted = second.future.result(scaled(5))
     assert not third.future.done() and len(queue) == 0
     loop.call(queue.cancel, granted)
     loop.call(queue.cancel, granted)  # a second clean-up of the same reservation frees nothing twice
@@ -62,9 +63,9 @@ def test_a_waiting_ticket_is_granted_when_pages_are_released_and_a_withdrawn_one
 
 def test_a_reservation_granted_to_a_caller_who_left_is_freed(engine, loop):
     queue = ReservationQueue(engine)
-    ticket = ReservationTicket([5] * 40, PARAMS, time.monotonic() + 30)
+    ticket = ReservationTicket([5] * 40, PARAMS, time.monotonic() + scaled(30))
     loop.call(queue.offer, ticket)
-    assert ticket.future.result(5).pages.slot == 0 and loop.call(used, engine)
+    assert ticket.future.result(scaled(5)).pages.slot == 0 and loop.call(used, engine)
     loop.call(queue.withdraw, ticket)  # the caller went away as its pages came: they go back, not to waste
     assert loop.call(used, engine) == {}
 
@@ -72,21 +73,22 @@ def test_a_reservation_granted_to_a_caller_who_left_is_freed(engine, loop):
 def test_a_ticket_past_its_deadline_fails_in_line(engine, loop):
     queue = ReservationQueue(engine)
     loop.add_ticker(queue.grant)
-    holder = ReservationTicket([5] * 40, PARAMS, time.monotonic() + 30)
-    late = ReservationTicket([6] * 40, PARAMS, time.monotonic() + 0.2)
+    holder = ReservationTicket([5] * 40, PARAMS, time.monotonic() + scaled(30))
+    own_deadline_s = 0.2  # the behaviour under test: the ticket fails in line when it passes (not a bound)
+    late = ReservationTicket([6] * 40, PARAMS, time.monotonic() + own_deadline_s)
     loop.call(queue.offer, holder)
     loop.call(queue.offer, late)
     with pytest.raises(RequestFailed) as e:
-        late.future.result(5)
+        late.future.result(scaled(5))
     assert e.value.code is ErrorCode.DEADLINE and "no free pages" in e.value.message
-    loop.call(queue.cancel, holder.future.result(5))
+    loop.call(queue.cancel, holder.future.result(scaled(5)))
     assert loop.call(used, engine) == {}
 
 
 def test_a_ticket_for_a_prompt_that_never_fits_is_refused_at_once(engine, loop):
     queue = ReservationQueue(engine)
     with pytest.raises(InvalidRequestError, match="max_model_len"):  # it would wait for nothing
-        loop.call(queue.offer, ReservationTicket([5] * 200, PARAMS, time.monotonic() + 30))
+        loop.call(queue.offer, ReservationTicket([5] * 200, PARAMS, time.monotonic() + scaled(30)))
     assert len(queue) == 0
 
 

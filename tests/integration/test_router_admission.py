@@ -13,15 +13,12 @@ import pytest
 
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
-from pdspark.testing.waiting import until
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HOLD
 from router_harness import RouterHarness
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
 async def post(session: aiohttp.ClientSession, h: RouterHarness, path="/v1/completions", body=None):
@@ -52,7 +49,7 @@ def test_a_flood_beyond_the_queue_gets_429_at_once_and_the_router_serves_right_a
                 assert payload["error"]["type"] == "rate_limit_error" and payload["error"]["code"] == "overloaded"
                 assert "max_queued 2" in payload["error"]["message"]
             slowest = max(r[3] for r in refused)
-            assert slowest < 0.5, f"a refusal took {slowest:.3f} s"
+            assert slowest < scaled(0.5), f"a refusal took {slowest:.3f} s"
             print(f"\n{len(refused)} refusals, slowest {slowest * 1e3:.1f} ms")
             assert len(h.decode[0].calls) == 2  # nothing refused reached a worker
             # Busy is not unhealthy: /health stays 200 and shows the load.
@@ -72,13 +69,13 @@ def test_a_flood_beyond_the_queue_gets_429_at_once_and_the_router_serves_right_a
             assert status == 200 and payload["usage"]["completion_tokens"] == 4
             assert (h.core.admission.in_flight, h.core.admission.queued) == (0, 0)
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_full_router_answers_grpc_with_resource_exhausted_and_retry_after():
     async def scenario():
         async with await RouterHarness.start(max_in_flight=1, max_queued=0) as h, \
-                AsyncClient(h.grpc_address, timeout=30) as client:
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as client:
             h.decode[0].mode = HOLD
             held = asyncio.create_task(client.generate(token_ids=[5, 6, 7], max_tokens=4))
             await until(lambda: h.decode[0].running == 1, 5, "one request at the decode worker")
@@ -87,12 +84,12 @@ def test_a_full_router_answers_grpc_with_resource_exhausted_and_retry_after():
                 await client.generate(token_ids=[5, 6, 7], max_tokens=4)
             took = time.perf_counter() - t0
             assert e.value.code == "RESOURCE_EXHAUSTED" and e.value.error_code is ErrorCode.OVERLOADED
-            assert e.value.error_code.retryable and e.value.retry_after_s == 1.0 and took < 0.5
+            assert e.value.error_code.retryable and e.value.retry_after_s == 1.0 and took < scaled(0.5)
             h.decode[0].release.set()
             assert len((await held).token_ids) == 4
             assert len((await client.generate(token_ids=[5, 6, 7], max_tokens=4)).token_ids) == 4
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_queue_time_counts_against_the_request_timeout():
@@ -107,7 +104,7 @@ def test_queue_time_counts_against_the_request_timeout():
             h.decode[0].release.set()
             assert (await held)[0] == 200
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_full_decode_worker_sends_the_request_to_another_pair():
@@ -118,7 +115,7 @@ def test_a_full_decode_worker_sends_the_request_to_another_pair():
             assert status == 200 and payload["usage"]["completion_tokens"] == 4
             assert len(h.decode[0].calls) == 1 and len(h.decode[1].calls) == 1
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_every_worker_full_is_429_after_one_try_each():
@@ -128,10 +125,10 @@ def test_every_worker_full_is_429_after_one_try_each():
                 d.mode = RequestFailed(ErrorCode.OVERLOADED, "decode queue full")
             status, headers, payload, took = await post(s, h)
             assert status == 429 and headers["Retry-After"] == "1" and payload["error"]["type"] == "rate_limit_error"
-            assert "decode queue full" in payload["error"]["message"] and took < 0.5
+            assert "decode queue full" in payload["error"]["message"] and took < scaled(0.5)
             assert [len(d.calls) for d in h.decode] == [1, 1]
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_full_prefill_worker_fails_its_pair_at_once_and_another_prefill_serves():
@@ -142,7 +139,7 @@ def test_a_full_prefill_worker_fails_its_pair_at_once_and_another_prefill_serves
             h.decode[0].hang_with = {h.address[id(h.prefill[0])]}
             status, _, payload, took = await post(s, h)
             assert status == 200 and payload["usage"]["completion_tokens"] == 4
-            assert took < 2, f"the pair waited {took:.1f} s for a prefill that had refused"
+            assert took < scaled(2), f"the pair waited {took:.1f} s for a prefill that had refused"
             # The response can reach the client (the last token) before the second prefill call reaches its worker.
             await until(lambda: len(h.prefill[1].calls) == 1, 5, "the second attempt's prefill call")
             (first,), (second,) = ([c.request_id for c in p.calls] for p in h.prefill)
@@ -152,4 +149,4 @@ def test_a_full_prefill_worker_fails_its_pair_at_once_and_another_prefill_serves
             # The first attempt's decode leg (if its call got there before the router cancelled it) was cancelled.
             assert h.decode[0].cancelled == [c.request_id for c in h.decode[0].calls[:-1]]
 
-    run(scenario())
+    run_within(scenario())

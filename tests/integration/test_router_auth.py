@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router.router_server import reload_keys
-from pdspark.testing.waiting import until
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HOLD
 from pdspark.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router_harness import RouterHarness
@@ -29,10 +30,6 @@ GENERATION = [("POST", "/v1/completions", BODY),
               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
               ("GET", "/v1/models", None),
               ("POST", "/generate", {"input_ids": [5, 6, 7]})]
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
 def auth(key: str | None) -> dict[str, str]:
@@ -75,7 +72,7 @@ def test_generation_needs_an_api_key_and_probes_do_not():
             doc = (await call(s, h, "GET", "/openapi.json"))[2]
             assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"apiKey": []}]
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_only_an_admin_key_lists_registers_and_removes_workers():
@@ -103,7 +100,7 @@ def test_only_an_admin_key_lists_registers_and_removes_workers():
             status, _, payload = await call(s, h, "DELETE", "/workers?address=nowhere:1", key=ADMIN)
             assert status == 404 and payload["error"]["param"] == "address"
 
-    run(scenario())
+    run_within(scenario())
 
 
 @pytest.mark.parametrize("options, listable", [
@@ -124,14 +121,14 @@ def test_without_an_admin_key_worker_administration_is_off(options, listable):
             status, _, payload = await call(s, h, "POST", "/generate", {"input_ids": [5]}, key)
             assert status == 200 and bool(payload["meta_info"]["decode_worker"]) == listable
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_worker_addresses_reach_admins_only():
     async def scenario():
         async with await RouterHarness.start(**KEYS) as h, aiohttp.ClientSession() as s, \
-                AsyncClient(h.grpc_address, timeout=30, api_key=CLIENT) as client, \
-                AsyncClient(h.grpc_address, timeout=30, api_key=ADMIN) as admin:
+                AsyncClient(h.grpc_address, timeout=scaled(30), api_key=CLIENT) as client, \
+                AsyncClient(h.grpc_address, timeout=scaled(30), api_key=ADMIN) as admin:
             prefill, decode = h.address[id(h.prefill[0])], h.address[id(h.decode[0])]
             _, _, hidden = await call(s, h, "POST", "/generate", {"input_ids": [5]}, CLIENT)
             _, _, shown = await call(s, h, "POST", "/generate", {"input_ids": [5]}, ADMIN)
@@ -161,13 +158,13 @@ def test_worker_addresses_reach_admins_only():
             _, _, metrics = await call(s, h, "GET", "/metrics")
             assert 'worker="decode-1"' in metrics and decode not in metrics and prefill not in metrics
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_each_api_key_has_its_own_in_flight_limit():
     async def scenario():
         async with await RouterHarness.start(max_in_flight_per_key=2, **KEYS) as h, aiohttp.ClientSession() as s, \
-                AsyncClient(h.grpc_address, timeout=30, api_key=CLIENT) as grpc_client:
+                AsyncClient(h.grpc_address, timeout=scaled(30), api_key=CLIENT) as grpc_client:
             h.decode[0].mode = HOLD
             held = [asyncio.create_task(call(s, h, "POST", "/v1/completions", BODY, CLIENT)) for _ in range(2)]
             await until(lambda: h.decode[0].running == 2, 5, "two requests of one key at the decode worker")
@@ -184,24 +181,24 @@ def test_each_api_key_has_its_own_in_flight_limit():
             assert (await call(s, h, "POST", "/v1/completions", BODY, CLIENT))[0] == 200  # its slots came back
             assert h.core.key_quota._held == {}
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_the_grpc_api_needs_a_key_and_health_does_not(monkeypatch):
     async def scenario():
         async with await RouterHarness.start(**KEYS) as h:
             for key in ("", WRONG):
-                async with AsyncClient(h.grpc_address, timeout=30, api_key=key) as c:
+                async with AsyncClient(h.grpc_address, timeout=scaled(30), api_key=key) as c:
                     with pytest.raises(ClientError) as e:
                         await c.generate(token_ids=[5], max_tokens=2)
                     assert (e.value.code, e.value.error_code) == ("UNAUTHENTICATED", ErrorCode.UNAUTHENTICATED)
                     assert not e.value.error_code.retryable and WRONG not in e.value.message
                     assert not await c.abort("x")
             for key in (CLIENT, ADMIN):
-                async with AsyncClient(h.grpc_address, timeout=30, api_key=key) as c:
+                async with AsyncClient(h.grpc_address, timeout=scaled(30), api_key=key) as c:
                     assert (await c.generate(token_ids=[5], max_tokens=2)).completion_tokens == 4
             monkeypatch.setenv("PDSPARK_API_KEY", f"{CLIENT2},{CLIENT}")  # the router's list: the first key is used
-            async with AsyncClient(h.grpc_address, timeout=30) as c:
+            async with AsyncClient(h.grpc_address, timeout=scaled(30)) as c:
                 assert (await c.generate(token_ids=[5], max_tokens=2)).completion_tokens == 4
             async with grpc.aio.insecure_channel(h.grpc_address) as channel:
                 stub = router_pb2_grpc.RouterStub(channel)
@@ -212,7 +209,7 @@ def test_the_grpc_api_needs_a_key_and_health_does_not(monkeypatch):
                 reply = await health.Check(health_pb2.HealthCheckRequest())
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    run(scenario())
+    run_within(scenario())
 
 
 @pytest.mark.parametrize("sampling, field", [
@@ -241,7 +238,7 @@ def test_the_grpc_api_holds_requests_to_https_bounds(sampling, field):
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert not h.decode[0].calls
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_no_key_reaches_a_log_line_or_metrics(caplog, tmp_path):
@@ -254,7 +251,7 @@ def test_no_key_reaches_a_log_line_or_metrics(caplog, tmp_path):
             for key in (CLIENT, ADMIN, WRONG, None):
                 await call(s, h, "POST", "/v1/completions", BODY, key)
                 await call(s, h, "POST", "/workers", {"role": "decode", "address": "127.0.0.1:9"}, key)
-                async with AsyncClient(h.grpc_address, timeout=30, api_key=key or "") as c:
+                async with AsyncClient(h.grpc_address, timeout=scaled(30), api_key=key or "") as c:
                     with contextlib.suppress(ClientError):
                         await c.generate(token_ids=[5], max_tokens=2)
             # Rotation: a new key in the file, the old one out; a file left unreadable keeps the keys in use.
@@ -271,7 +268,7 @@ def test_no_key_reaches_a_log_line_or_metrics(caplog, tmp_path):
             return metrics
 
     with caplog.at_level(logging.DEBUG):
-        metrics = run(scenario())
+        metrics = run_within(scenario())
     assert "keys not reloaded" in caplog.text
     logged = caplog.text + "".join(str(r.args) for r in caplog.records)
     for key in (CLIENT, CLIENT2, ADMIN, WRONG):

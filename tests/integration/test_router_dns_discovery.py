@@ -14,16 +14,12 @@ import aiohttp
 import grpc
 
 from pdspark.router.router_server import build_discovery
-from pdspark.testing.waiting import until
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HOLD, StubDecode, StubPrefill, serve_stub
-from router_harness import RouterHarness
+from router_harness import RouterHarness, completion
 
-BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 INTERVAL_S = 0.1
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
 async def serve_on_one_port(stubs: list, hosts: list[str]) -> tuple[list[grpc.aio.Server], int]:
@@ -49,12 +45,6 @@ def write_hosts(path: Path, entries: dict[str, list[str]]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)  # atomic: discovery never reads half a file
-
-
-async def completion(s: aiohttp.ClientSession, h: RouterHarness) -> dict:
-    async with s.post(h.http_url + "/v1/completions", json=BODY) as r:
-        assert r.status == 200, await r.text()
-        return await r.json()
 
 
 @contextlib.asynccontextmanager
@@ -91,16 +81,16 @@ def test_workers_that_appear_are_admitted_and_serve_and_one_that_vanishes_is_ret
             await until(lambda: len(h.registry.healthy("prefill")) == 1 and len(h.registry.healthy("decode")) == 2,
                         10, "workers admitted and healthy")
             name_a = h.registry.workers[a].name
-            assert (await completion(s, h))["usage"]["completion_tokens"] == 4
+            assert (await completion(h, session=s))["usage"]["completion_tokens"] == 4
             assert len(prefill.calls) == 1 and len(decodes[0].calls) == 1  # the policy picks the lowest address
 
             # A stream on 127.0.0.3 as it vanishes: retired (no new picks), the stream still finishes.
             decodes[0].script = [HOLD]
-            held = asyncio.create_task(completion(s, h))
+            held = asyncio.create_task(completion(h, session=s))
             await until(lambda: decodes[0].running == 1, 10, "the stream reached 127.0.0.3")
             write_hosts(hosts, {"pf.test": ["127.0.0.2"], "dc.test": ["127.0.0.4"]})
             await until(lambda: a not in h.registry.workers, 10, "127.0.0.3 retired")
-            assert (await completion(s, h))["usage"]["completion_tokens"] == 4
+            assert (await completion(h, session=s))["usage"]["completion_tokens"] == 4
             assert len(decodes[1].calls) == 1  # the new request went to the one left
             decodes[0].release.set()
             assert (await held)["usage"]["completion_tokens"] == 4  # the in-flight stream was not cut
@@ -111,10 +101,10 @@ def test_workers_that_appear_are_admitted_and_serve_and_one_that_vanishes_is_ret
             await until(lambda: a in h.registry.workers and h.registry.workers[a].healthy, 10, "127.0.0.3 back")
             assert h.registry.workers[a].name == name_a
             assert h.registry.workers[b].name != name_a
-            assert (await completion(s, h))["usage"]["completion_tokens"] == 4
+            assert (await completion(h, session=s))["usage"]["completion_tokens"] == 4
             assert len(decodes[0].calls) == 3
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_name_that_stops_resolving_keeps_its_workers_and_says_so_once(tmp_path, caplog):
@@ -130,14 +120,14 @@ def test_a_name_that_stops_resolving_keeps_its_workers_and_says_so_once(tmp_path
             polls = discovery.polls
             await until(lambda: discovery.polls >= polls + 5, 10, "five failed rounds")
             assert set(h.registry.workers) == before
-            assert (await completion(s, h))["usage"]["completion_tokens"] == 4
+            assert (await completion(h, session=s))["usage"]["completion_tokens"] == 4
             warnings = [r for r in caplog.records if "does not resolve" in r.getMessage()]
             assert len(warnings) == 2, warnings  # pf.test and dc.test, once each
             write_hosts(hosts, {"pf.test": ["127.0.0.2"], "dc.test": ["127.0.0.4"]})
             await until(lambda: f"127.0.0.3:{port}" not in h.registry.workers, 10, "resolving again")
             assert sum("resolves again" in r.getMessage() for r in caplog.records) == 2
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_the_interval_is_honoured(tmp_path):
@@ -152,6 +142,6 @@ def test_the_interval_is_honoured(tmp_path):
             # A change is seen within about one interval.
             write_hosts(hosts, {"pf.test": ["127.0.0.2"]})
             took = await until(lambda: h.registry.workers, 10, "the prefill worker admitted", interval_s=0.005)
-            assert took < INTERVAL_S + 1.0
+            assert took < INTERVAL_S + scaled(1.0)
 
-    run(scenario())
+    run_within(scenario())

@@ -15,6 +15,7 @@ import pytest
 
 from pdspark.router.openai.api_error import ErrorResponse
 from pdspark.router.openai.openapi_document import openapi_document
+from pdspark.testing.time_scale import scaled
 from router_app import FAIL_AT_ONCE, FAIL_MID_STREAM, HANG_AFTER_FIRST, RouterApp
 
 
@@ -31,7 +32,7 @@ def call(app: RouterApp, method: str, path: str, body: bytes | dict | None = Non
     headers = {"Content-Type": content_type} if content_type and data is not None else {}
     req = urllib.request.Request(app.url + path, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=scaled(30)) as r:
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
@@ -119,14 +120,14 @@ def test_a_client_leaving_mid_stream_is_not_an_error(app, caplog):
     body = json.dumps({"prompt": [HANG_AFTER_FIRST], "stream": True}).encode()
     app.dispatcher.hung_closed.clear()
     with caplog.at_level(logging.WARNING):
-        with socket.create_connection((host, int(port)), timeout=30) as sock:
+        with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             received = b""
             while b"data:" not in received:
                 received += sock.recv(4096)
         # The request is closed on the server (the dispatcher's stream with it) once the client has gone.
-        assert app.dispatcher.hung_closed.wait(10)
+        assert app.dispatcher.hung_closed.wait(scaled(10))
     assert not [r for r in caplog.records if r.name.startswith("pdspark") and r.levelno >= logging.WARNING]
 
 
@@ -141,7 +142,7 @@ def test_a_body_over_the_limit_is_413_however_it_is_sent():
         req = urllib.request.Request(small.url + "/v1/completions", data=chunks, method="POST",
                                      headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(req, timeout=30)
+            urllib.request.urlopen(req, timeout=scaled(30))
         assert e.value.code == 413 and openai_error(413, dict(e.value.headers), e.value.read())
         # Just under the limit is served.
         status, _, _ = call(small, "POST", "/v1/completions", {"prompt": "x" * 900, "max_tokens": 1})

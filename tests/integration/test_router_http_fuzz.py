@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from pdspark.testing.time_scale import scaled
 from router_app import RouterApp
 
 CHECKS = [
@@ -55,10 +56,10 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(app, tmp_pat
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", app.url + "/openapi.json", *extra,
            "--checks", ",".join(CHECKS), "--phases", "examples,coverage,fuzzing", "--max-examples", "30",
            "--generation-deterministic", "--workers", "1", "--suppress-health-check", "all", "--no-color",
-           "--request-timeout", "10"]
+           "--request-timeout", str(scaled(10))]
     # In a fresh directory: schemathesis keeps a cache of past failures (`.schemathesis/`) where it runs, and would
     # replay them first; every run starts from nothing instead.
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(300), cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-2000:]
     assert "No issues found" in out.stdout and "Tested: 6" in out.stdout, out.stdout[-3000:]
     generated = re.search(r"(\d+) generated", out.stdout)

@@ -5,7 +5,6 @@ requests; only the router's id, told to the request's own caller, aborts it."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import aiohttp
@@ -16,15 +15,12 @@ from pdspark.client.client import REQUEST_ID_KEY as SDK_REQUEST_ID_KEY
 from pdspark.client.client import RETRY_AFTER_KEY as SDK_RETRY_AFTER_KEY
 from pdspark.errors import ErrorCode
 from pdspark.router.grpc_api import REQUEST_ID_KEY, RETRY_AFTER_KEY
-from pdspark.testing.waiting import until
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import run_within, until, wait_until
 from pdspark.testing.worker_stubs import HOLD
 from router_harness import RouterHarness
 
 PROMPT = dict(token_ids=[5, 6, 7], max_tokens=4)
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
 def test_the_sdk_reads_the_keys_the_router_writes():
@@ -33,8 +29,8 @@ def test_the_sdk_reads_the_keys_the_router_writes():
 
 def test_two_concurrent_streams_with_one_label_get_their_own_tokens():
     async def scenario():
-        async with await RouterHarness.start() as h, AsyncClient(h.grpc_address, timeout=30) as a, \
-                AsyncClient(h.grpc_address, timeout=30) as b:
+        async with await RouterHarness.start() as h, AsyncClient(h.grpc_address, timeout=scaled(30)) as a, \
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as b:
             h.decode[0].mode = HOLD
             streams = [a.stream(request_id="same-label", **PROMPT), b.stream(request_id="same-label", **PROMPT)]
 
@@ -54,13 +50,13 @@ def test_two_concurrent_streams_with_one_label_get_their_own_tokens():
                 assert "".join(c.text for c in chunks) == f"{rid};" * 4
             assert sorted(c.request_id for c in h.decode[0].calls) == sorted(ids)
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_label_from_another_connection_cannot_abort_and_the_routers_id_can():
     async def scenario():
-        async with await RouterHarness.start() as h, AsyncClient(h.grpc_address, timeout=30) as owner, \
-                AsyncClient(h.grpc_address, timeout=30) as other:
+        async with await RouterHarness.start() as h, AsyncClient(h.grpc_address, timeout=scaled(30)) as owner, \
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as other:
             h.decode[0].mode = HOLD
             stream = owner.stream(request_id="victim", **PROMPT)
             rid = await stream.request_id()
@@ -77,12 +73,12 @@ def test_a_label_from_another_connection_cannot_abort_and_the_routers_id_can():
             await until(lambda: h.decode[0].cancelled == [rid], 1, "the decode leg cancelled")
             assert not h.core.live and h.core.admission.in_flight == 0
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_the_owners_cancel_ends_its_request_on_the_workers():
     async def scenario():
-        async with await RouterHarness.start() as h, AsyncClient(h.grpc_address, timeout=30) as client:
+        async with await RouterHarness.start() as h, AsyncClient(h.grpc_address, timeout=scaled(30)) as client:
             h.decode[0].mode = HOLD
             stream = client.stream(request_id="mine", **PROMPT)
             rid = await stream.request_id()
@@ -92,7 +88,7 @@ def test_the_owners_cancel_ends_its_request_on_the_workers():
             assert h.core.admission.in_flight == 0
             print(f"\ncancel reached the decode stub in {took * 1e3:.0f} ms")
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_the_sync_sdks_cancel_ends_its_request_on_the_workers():
@@ -101,26 +97,25 @@ def test_the_sync_sdks_cancel_ends_its_request_on_the_workers():
             h.decode[0].mode = HOLD
 
             def start_and_cancel():
-                with Client(h.grpc_address, timeout=30) as client:
+                with Client(h.grpc_address, timeout=scaled(30)) as client:
                     stream = client.stream(request_id="mine", **PROMPT)
                     rid = stream.request_id()
-                    deadline = time.monotonic() + 5
-                    while h.decode[0].running != 1:  # the stub's count, read from this thread: an int, atomic
-                        assert time.monotonic() < deadline, "the request never reached the decode worker"
-                        time.sleep(0.01)
+                    # The stub's count, read from this thread: an int, atomic.
+                    wait_until(lambda: h.decode[0].running == 1, 5, "the request at the decode worker",
+                               interval_s=0.01)
                     stream.cancel()
                     return rid
 
-            rid = await asyncio.wait_for(asyncio.to_thread(start_and_cancel), 5)
+            rid = await asyncio.wait_for(asyncio.to_thread(start_and_cancel), scaled(5))
             await until(lambda: h.decode[0].cancelled == [rid] and not h.core.live, 1, "cancelled")
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_queued_request_is_aborted_where_it_waits():
     async def scenario():
         async with await RouterHarness.start(max_in_flight=1, max_queued=4) as h, \
-                AsyncClient(h.grpc_address, timeout=30) as client:
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as client:
             h.decode[0].mode = HOLD
             first = asyncio.create_task(client.generate(**PROMPT))
             await until(lambda: h.decode[0].running == 1, 5, "the first request at the decode worker")
@@ -135,7 +130,7 @@ def test_a_queued_request_is_aborted_where_it_waits():
             h.decode[0].release.set()
             assert len((await first).token_ids) == 4
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_http_labels_are_echoed_and_never_become_the_request_id():
@@ -162,4 +157,4 @@ def test_http_labels_are_echoed_and_never_become_the_request_id():
                 body = await r.json()
             assert body["id"] == h.decode[0].calls[-1].request_id != "someone"
 
-    run(scenario())
+    run_within(scenario())

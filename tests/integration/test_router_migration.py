@@ -6,7 +6,6 @@ made one gRPC call each and multiplexed on one stream per worker (`worker_calls`
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -15,19 +14,12 @@ import pytest
 
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import run_within
 from pdspark.testing.worker_stubs import HANG
 from router_harness import RouterHarness
 
 PROMPT = [5, 6, 7]
-
-
-@pytest.fixture(params=["per-request", "multiplexed"])
-def worker_calls(request) -> str:
-    return request.param
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
 async def stream_ids(client: AsyncClient, **kw) -> list[int]:
@@ -37,7 +29,7 @@ async def stream_ids(client: AsyncClient, **kw) -> list[int]:
 def test_a_stream_that_breaks_mid_way_continues_on_another_pair_with_the_tokens_so_far(worker_calls):
     async def scenario():
         async with await RouterHarness.start(worker_calls=worker_calls, prefills=2, decodes=2, tokens=8) as h, \
-                AsyncClient(h.grpc_address, timeout=30) as client:
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as client:
             h.decode[0].breaks = [3]  # the first decode worker dies after 3 tokens
             assert await stream_ids(client) == list(range(8))  # nothing lost, nothing repeated
             (first,), (second,) = h.decode[0].calls, h.decode[1].calls
@@ -48,7 +40,7 @@ def test_a_stream_that_breaks_mid_way_continues_on_another_pair_with_the_tokens_
             assert second.request_id != first.request_id
             assert h.core.metrics.migrations._value.get() == 1 and h.core.metrics.retries._value.get() == 0
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_http_sse_stream_survives_a_migration(worker_calls):
@@ -67,13 +59,13 @@ def test_http_sse_stream_survives_a_migration(worker_calls):
             first, second = h.decode[0].calls[0].request_id, h.decode[1].calls[0].request_id
             assert "".join(texts) == f"{first};" + f"{second};" * 5
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_the_migrations_of_a_request_are_bounded(worker_calls):
     async def scenario():
         async with await RouterHarness.start(worker_calls=worker_calls, decodes=2, tokens=8, max_migrations=2) as h, \
-                AsyncClient(h.grpc_address, timeout=30) as client:
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as client:
             for stub in h.decode:
                 stub.breaks = [1, 1, 1]  # every stream dies after one token
             with pytest.raises(ClientError) as e:
@@ -82,26 +74,26 @@ def test_the_migrations_of_a_request_are_bounded(worker_calls):
             assert sum(len(s.calls) for s in h.decode) == 3  # the first pair, then two migrations
             assert h.core.metrics.migrations._value.get() == 2
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_no_migration_when_disabled(worker_calls):
     async def scenario():
         async with await RouterHarness.start(worker_calls=worker_calls, decodes=2, tokens=8, max_migrations=0) as h, \
-                AsyncClient(h.grpc_address, timeout=30) as client:
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as client:
             h.decode[0].breaks = [2]
             with pytest.raises(ClientError) as e:
                 await stream_ids(client)
             assert e.value.error_code is ErrorCode.UNAVAILABLE
             assert len(h.decode[1].calls) == 0
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_stalled_stream_on_a_worker_that_stops_answering_health_checks_migrates_within_two_seconds(worker_calls):
     async def scenario():
         async with await RouterHarness.start(worker_calls=worker_calls, decodes=2, tokens=8, poll=True) as h, \
-                AsyncClient(h.grpc_address, timeout=30) as client:
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as client:
             h.decode[0].breaks = [(2, HANG)]  # two tokens, then the stream stalls ...
             received: list[int] = []
             stalled_at = None
@@ -113,21 +105,21 @@ def test_a_stalled_stream_on_a_worker_that_stops_answering_health_checks_migrate
             assert received == list(range(8))
             assert stalled_at is not None
             took = time.monotonic() - stalled_at
-            assert took < 2.0, f"the stalled stream moved after {took:.2f} s"
+            assert took < scaled(2.0), f"the stalled stream moved after {took:.2f} s"
             assert h.decode[1].calls[0].generated_token_ids == (0, 1)
             print(f"\nstalled stream migrated after {took * 1e3:.0f} ms")
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_failure_before_the_first_token_is_a_retry_not_a_migration(worker_calls):
     async def scenario():
         async with await RouterHarness.start(worker_calls=worker_calls, decodes=2, tokens=4) as h, \
-                AsyncClient(h.grpc_address, timeout=30) as client:
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as client:
             h.decode[0].breaks = [0]
             assert await stream_ids(client) == list(range(4))
             calls = h.decode[0].calls + h.decode[1].calls
             assert len(calls) == 2 and all(c.generated_token_ids == () for c in calls)
             assert h.core.metrics.retries._value.get() == 1 and h.core.metrics.migrations._value.get() == 0
 
-    run(scenario())
+    run_within(scenario())

@@ -12,20 +12,13 @@ import pytest
 
 from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode, RequestFailed
-from pdspark.testing.waiting import until
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HOLD
 from router_harness import RouterHarness
 
 CLIENT, ADMIN = "client-key-0123456789", "admin-key-0123456789"
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-def sample(h: RouterHarness, name: str, **labels) -> float | None:
-    return h.core.metrics.registry.get_sample_value(name, labels)
 
 
 async def get(s: aiohttp.ClientSession, url: str, key: str | None = None):
@@ -57,7 +50,7 @@ def test_prometheus_targets_lists_the_router_and_every_worker_by_name():
             _, groups = await get(s, h.http_url + "/prometheus/targets")
             assert sorted(g["labels"]["instance"] for g in groups) == ["decode-1", "prefill-0", "router"]
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_prometheus_targets_takes_an_admin_key_as_listing_workers_does():
@@ -75,9 +68,9 @@ def test_prometheus_targets_takes_an_admin_key_as_listing_workers_does():
             # No admin key configured: nobody may list the workers, so nobody gets the targets.
             status, payload = await get(s, h.http_url + "/prometheus/targets", CLIENT)
             assert status == 403 and "admin" in payload["error"]["message"]
-            assert sample(h, "pdspark_router_auth_failures_total", api="http", reason="forbidden") == 1
+            assert h.sample("pdspark_router_auth_failures_total", api="http", reason="forbidden") == 1
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_stream_counts_ttft_once_and_each_later_token_once():
@@ -87,35 +80,35 @@ def test_a_stream_counts_ttft_once_and_each_later_token_once():
             async with s.post(h.http_url + "/v1/completions", json={**BODY, "max_tokens": 5, "stream": True}) as r:
                 assert r.status == 200
                 await r.read()
-            assert sample(h, "pdspark_router_time_to_first_token_seconds_count") == 1
-            assert sample(h, "pdspark_router_inter_token_latency_seconds_count") == 4
-            mean = sample(h, "pdspark_router_inter_token_latency_seconds_sum") / 4
+            assert h.sample("pdspark_router_time_to_first_token_seconds_count") == 1
+            assert h.sample("pdspark_router_inter_token_latency_seconds_count") == 4
+            mean = h.sample("pdspark_router_inter_token_latency_seconds_sum") / 4
             assert 0.015 < mean < 0.5, mean
-            assert sample(h, "pdspark_router_requests_total", api="completions", outcome="ok") == 1
-            assert sample(h, "pdspark_router_completion_tokens_total") == 5
+            assert h.sample("pdspark_router_requests_total", api="completions", outcome="ok") == 1
+            assert h.sample("pdspark_router_completion_tokens_total") == 5
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_per_worker_series_live_from_registration_to_removal():
     async def scenario():
         async with await RouterHarness.start(admin_api_key=(ADMIN,)) as h, aiohttp.ClientSession() as s:
             # Workers given at start have their series before any request picked them.
-            assert sample(h, "pdspark_router_worker_selected_total", worker_role="prefill", worker="prefill-0") == 0
-            assert sample(h, "pdspark_router_worker_selected_total", worker_role="decode", worker="decode-1") == 0
+            assert h.sample("pdspark_router_worker_selected_total", worker_role="prefill", worker="prefill-0") == 0
+            assert h.sample("pdspark_router_worker_selected_total", worker_role="decode", worker="decode-1") == 0
             headers = {"Authorization": f"Bearer {ADMIN}"}
             async with s.post(h.http_url + "/workers", json={"role": "decode", "address": "127.0.0.1:1"},
                               headers=headers) as r:
                 assert r.status == 201 and (await r.json())["name"] == "decode-2"
-            assert sample(h, "pdspark_router_worker_selected_total", worker_role="decode", worker="decode-2") == 0
+            assert h.sample("pdspark_router_worker_selected_total", worker_role="decode", worker="decode-2") == 0
             async with s.delete(h.http_url + "/workers", params={"address": "127.0.0.1:1"}, headers=headers) as r:
                 assert r.status == 200
-            assert sample(h, "pdspark_router_worker_selected_total", worker_role="decode", worker="decode-2") is None
+            assert h.sample("pdspark_router_worker_selected_total", worker_role="decode", worker="decode-2") is None
             async with s.post(h.http_url + "/v1/completions", json=BODY) as r:
                 assert r.status == 200
-            assert sample(h, "pdspark_router_worker_selected_total", worker_role="decode", worker="decode-1") == 1
+            assert h.sample("pdspark_router_worker_selected_total", worker_role="decode", worker="decode-1") == 1
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_429s_count_by_reason():
@@ -137,19 +130,19 @@ def test_429s_count_by_reason():
             assert await held == 200
             h.decode[0].mode = RequestFailed(ErrorCode.OVERLOADED, "decode queue full")
             assert await post() == 429  # the only decode worker is full
-            assert [sample(h, "pdspark_router_rejected_requests_total", reason=reason)
+            assert [h.sample("pdspark_router_rejected_requests_total", reason=reason)
                     for reason in ("key_limit", "queue_full", "workers_full")] == [1, 1, 1]
-            assert sample(h, "pdspark_router_requests_total", api="completions", outcome="overloaded") == 3
+            assert h.sample("pdspark_router_requests_total", api="completions", outcome="overloaded") == 3
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_an_invalid_grpc_request_is_counted():
     async def scenario():
         async with await RouterHarness.start() as h:
-            async with AsyncClient(h.grpc_address, timeout=10) as client:
+            async with AsyncClient(h.grpc_address, timeout=scaled(10)) as client:
                 with pytest.raises(ClientError):
                     await client.generate(token_ids=[5, 6], max_tokens=2, temperature=1e9)
-            assert sample(h, "pdspark_router_requests_total", api="grpc", outcome="invalid") == 1
+            assert h.sample("pdspark_router_requests_total", api="grpc", outcome="invalid") == 1
 
-    run(scenario())
+    run_within(scenario())

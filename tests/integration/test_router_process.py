@@ -13,6 +13,7 @@ import pytest
 
 from pdspark.launch.service_process import ServiceProcess
 from pdspark.testing.services import start_router
+from pdspark.testing.time_scale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,13 +29,13 @@ def stub_pair():
                ServiceProcess("decode", proc, {"address": info["decode"]}))
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(scaled(10))
 
 
 def _complete(router: ServiceProcess) -> dict:
     body = json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 2}).encode()
     req = urllib.request.Request(f"{router.info['http']}/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
+    with urllib.request.urlopen(req, timeout=scaled(30)) as resp:
         return json.loads(resp.read())
 
 

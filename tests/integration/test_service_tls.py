@@ -28,6 +28,7 @@ from pdspark.rpc.peer_roles import PeerRoleInterceptor
 from pdspark.rpc.status import failure_from_rpc_error
 from pdspark.rpc.throwaway_ca import ROLE_URI_PREFIX, ThrowawayCA
 from pdspark.rpc.tls_credentials import aio_channel, server_credentials
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.worker_stubs import StubDecode, StubHealth
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
@@ -81,14 +82,15 @@ def test_each_rpc_only_from_the_role_that_makes_it(pki):
             # The Generate call as it is, and multiplexed on a `Calls` stream (`--worker-calls multiplexed`).
             calls = MultiplexedClient(channel, "/pdspark.v1.DecodeWorker/Calls")
             chunks, codes = [], set()
-            for call in (lambda: stub.Generate(worker_pb2.GenerateRequest(request_id="r"), timeout=10),
-                         lambda: calls.call("generate", worker_pb2.GenerateRequest(request_id="m"), timeout=10)):
+            for call in (lambda: stub.Generate(worker_pb2.GenerateRequest(request_id="r"), timeout=scaled(10)),
+                         lambda: calls.call("generate", worker_pb2.GenerateRequest(request_id="m"),
+                                            timeout=scaled(10))):
                 try:
                     chunks += [c.text async for c in call()]
                 except grpc.aio.AioRpcError as e:
                     codes.add(failure_from_rpc_error(e).code)
             try:
-                await stub.GetLoad(worker_pb2.LoadRequest(), timeout=10)
+                await stub.GetLoad(worker_pb2.LoadRequest(), timeout=scaled(10))
             except grpc.aio.AioRpcError as e:
                 codes.add(failure_from_rpc_error(e).code)
             assert len(codes) <= 1, codes  # each call refused alike, or none

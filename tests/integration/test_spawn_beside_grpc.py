@@ -15,6 +15,7 @@ import threading
 import grpc
 
 from pdspark.launch.service_process import spawn_process, wait_ready
+from pdspark.testing.time_scale import scaled
 
 SPAWNS = 30
 READY = "import sys; print('{\"event\": \"ready\", \"ppid\": %d}' % __import__('os').getppid()); sys.stdout.flush()"
@@ -29,7 +30,7 @@ def _call_grpc_until(stop: threading.Event) -> None:
             method = channel.unary_unary("/absent.Service/Method")
             while not stop.is_set():
                 try:
-                    await method(b"", timeout=1)
+                    await method(b"", timeout=scaled(1))
                 except grpc.aio.AioRpcError as e:
                     assert e.code() is grpc.StatusCode.UNIMPLEMENTED, e
         await server.stop(None)
@@ -43,12 +44,12 @@ def test_children_spawned_beside_busy_grpc_threads_all_start_with_nothing_on_std
     busy.start()
     try:
         for _ in range(SPAWNS):
-            child = wait_ready(spawn_process("child", [sys.executable, "-c", READY], dict(os.environ)), 30)
-            assert child.proc.wait(10) == 0
+            child = wait_ready(spawn_process("child", [sys.executable, "-c", READY], dict(os.environ)), scaled(30))
+            assert child.proc.wait(scaled(10)) == 0
             child.drain()
             assert child.errors == []
             # orphan_guard exec'd the command in place: the child's parent is this process.
             assert child.info["ppid"] == os.getpid()
     finally:
         stop.set()
-        busy.join(30)
+        busy.join(scaled(30))

@@ -4,11 +4,9 @@ of OpenTelemetry is even imported and calls carry no trace context."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 
-import aiohttp
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -18,15 +16,12 @@ from opentelemetry.trace import StatusCode
 from otlp_collector import OtlpCollector
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.rpc import tracing
-from pdspark.testing.waiting import until
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import OK, Delayed
-from router_harness import RouterHarness
+from router_harness import RouterHarness, completion
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
-
-
-def run(coro, timeout_s: float = 60):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
 @pytest.fixture
@@ -63,16 +58,10 @@ def carries(traceparent: str, span: ReadableSpan) -> bool:
     return (version, int(trace_id, 16), int(parent_id, 16)) == ("00", span.context.trace_id, span.context.span_id)
 
 
-async def complete(h: RouterHarness, body=BODY) -> dict:
-    async with aiohttp.ClientSession() as s, s.post(h.http_url + "/v1/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        return await r.json()
-
-
 def test_router_spans_and_the_context_the_workers_receive(spans):
     async def scenario():
         async with await RouterHarness.start() as h:
-            reply = await complete(h)
+            reply = await completion(h)
             await until(lambda: named(spans, "request"), 5, "the request span")
             request, attempt = one(spans, "request"), one(spans, "attempt")
             assert request.parent is None and child_of(attempt, request)
@@ -93,7 +82,7 @@ def test_router_spans_and_the_context_the_workers_receive(spans):
             assert carries(h.decode[0].calls[0].traceparent, attempt)
             assert [e.name for e in request.events] == ["admitted"]
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_retry_and_a_migration_are_events_of_the_request(spans):
@@ -103,7 +92,7 @@ def test_a_retry_and_a_migration_are_events_of_the_request(spans):
             # Long enough for the failed prefill leg to end the attempt (a call cancelled before it arrived leaves
             # the delay to the next one, which then only waits).
             h.decode[0].script = [Delayed(1.0, OK)]
-            await complete(h)
+            await completion(h)
             await until(lambda: named(spans, "request"), 5, "the request span")
             request = one(spans, "request")
             assert request.attributes is not None
@@ -118,7 +107,7 @@ def test_a_retry_and_a_migration_are_events_of_the_request(spans):
 
             spans.clear()
             h.decode[0].breaks = [1]  # the stream breaks after its first token: migrated to decode-3
-            await complete(h, {**BODY, "max_tokens": 4})
+            await completion(h, {**BODY, "max_tokens": 4})
             await until(lambda: named(spans, "request"), 5, "the request span")
             request = one(spans, "request")
             assert request.attributes is not None and request.attributes["pdspark.migrations"] == 1
@@ -129,18 +118,18 @@ def test_a_retry_and_a_migration_are_events_of_the_request(spans):
             assert second.attributes["pdspark.decode_worker"] == "decode-3"
             assert second.attributes["pdspark.generated_tokens"] == 1
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_calls_carry_no_trace_context_while_tracing_is_off():
     async def scenario():
         async with await RouterHarness.start() as h:
-            await complete(h)
+            await completion(h)
             await until(lambda: h.prefill[0].calls, 5, "the prefill call")  # it can trail the last token
             assert h.prefill[0].calls[0].traceparent == "" and h.decode[0].calls[0].traceparent == ""
 
     assert not tracing.enabled()
-    run(scenario())
+    run_within(scenario())
 
 
 def test_off_without_an_endpoint_nothing_of_opentelemetry_is_loaded():
@@ -162,7 +151,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 assert not isinstance(trace.get_tracer_provider(), TracerProvider)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -180,7 +169,7 @@ assert span.is_recording()
 (key, value), = [kv for kv in tracing.metadata_of(span) if kv[0] == "traceparent"]
 assert value.split("-")[2] == format(span.get_span_context().span_id, "016x")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -231,7 +220,7 @@ def test_one_trace_across_router_prefill_transfer_and_decode(spans, worker_calls
             for server in (prefill, decode):
                 await server.stop(0.5)
 
-    rid = run(scenario(), 120)
+    rid = run_within(scenario(), 120)
     request, attempt = one(spans, "request"), one(spans, "attempt")
     prefill_span, transfer, decode_span, plan = (one(spans, n) for n in ("prefill", "transfer", "decode",
                                                                          "submit_plan"))
@@ -267,7 +256,7 @@ assert trace.get_tracer_provider().force_flush(10_000)
 """
     with OtlpCollector() as collector:
         out = subprocess.run([sys.executable, "-c", code, collector.endpoint], capture_output=True, text=True,
-                             timeout=120)
+                             timeout=scaled(120))
         assert out.returncode == 0, out.stderr[-3000:]
         (span,) = collector.spans
     assert (span.service, span.name, span.parent_span_id) == ("pdspark-prefill", "prefill", "")

@@ -134,7 +134,7 @@ def test_a_transfer_the_prefill_worker_answered_frees_at_once(loop, answer):
         prefill = FakePrefill()
         worker = make_worker(loop, prefill)
         before = await used(loop)
-        task = await start(worker, prefill, deadline_s=20)
+        task = await start(worker, prefill, deadline_s=scaled(20))
         t0 = time.monotonic()
         if answer == "reported_failure":
             prefill.answer.set_exception(RequestFailed(ErrorCode.TRANSFER, "the prefill worker's writes failed"))
@@ -147,7 +147,7 @@ def test_a_transfer_the_prefill_worker_answered_frees_at_once(loop, answer):
         return freed_at - t0, worker
 
     seconds, worker = asyncio.run(scenario())
-    assert seconds < SLACK_S  # not the 20 s deadline: nothing is quarantined
+    assert seconds < SLACK_S  # not the (20 s) deadline: nothing is quarantined
     assert all(n == 0 for n in worker.quarantined_pages.values())
 
 
@@ -157,7 +157,7 @@ def test_giving_up_asks_the_prefill_worker_and_frees_once_it_answers(loop):
         prefill = FakePrefill()
         worker = make_worker(loop, prefill)
         before = await used(loop)
-        task = await start(worker, prefill, deadline_s=20)
+        task = await start(worker, prefill, deadline_s=scaled(20))
         assert worker.abort("r")
         with pytest.raises(RequestFailed) as failed:
             await task

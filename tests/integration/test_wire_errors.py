@@ -29,11 +29,13 @@ from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
+from pdspark.testing.time_scale import scaled
 from pdspark.transfer.plan import TransferResult, TransferStats
 from pdspark.types import FinishReason, RequestOutput
 from pdspark.v1 import router_pb2_grpc, worker_pb2_grpc
+from router_harness import LowestAddress
 
-UNREACHABLE = "127.0.0.1:1"  # sorts before every real 127.0.0.1 port: `FirstByAddress` tries it first
+UNREACHABLE = "127.0.0.1:1"  # sorts before every real 127.0.0.1 port: `LowestAddress` tries it first
 # A message that starts like another code's name: the code must come from the trailer, not from this text.
 MISLEADING = "DEADLINE: this text is not the code"
 
@@ -74,16 +76,6 @@ class FakeDecodeWorker:
         return ""
 
 
-class FirstByAddress:
-    """A policy that always picks the lowest address: what a retry avoids is the only thing that changes the pick."""
-
-    def select(self, workers, prompt_ids):
-        return min(workers, key=lambda w: w.address)
-
-    def forget(self, address):
-        pass
-
-
 class AioServers:
     """The workers' grpc.aio servers (as in a worker process), on an asyncio loop of their own thread."""
 
@@ -102,16 +94,16 @@ class AioServers:
             self.servers.append(server)
             return port
 
-        return f"127.0.0.1:{asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)}"
+        return f"127.0.0.1:{asyncio.run_coroutine_threadsafe(start(), self.loop).result(scaled(30))}"
 
     def close(self) -> None:
         async def stop() -> None:
             for server in self.servers:
                 await server.stop(None)
 
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(scaled(30))
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.thread.join(scaled(10))
 
 
 class InProcessRouter:
@@ -125,7 +117,7 @@ class InProcessRouter:
             for address in addresses:
                 self.registry.add(role, address)
         metrics = RouterMetrics()
-        dispatcher = Dispatcher(self.registry, FirstByAddress(), FirstByAddress(), transfer_timeout_s=5,
+        dispatcher = Dispatcher(self.registry, LowestAddress(), LowestAddress(), transfer_timeout_s=5,
                                 max_attempts=3, metrics=metrics)
         max_len = min(4096, ModelConfig.from_dir(path).max_position_embeddings)
         self.core = RouterCore(path, "tiny", max_len, self.registry, dispatcher, metrics)
@@ -135,7 +127,7 @@ class InProcessRouter:
         self.grpc_address, self.http_url = self._run(self._start())
 
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(scaled(30))
 
     async def _start(self) -> tuple[str, str]:
         self.server = grpc.aio.server()
@@ -159,14 +151,14 @@ class InProcessRouter:
     def close(self) -> None:
         self._run(self._stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.thread.join(scaled(10))
 
     def post_completion(self) -> tuple[int, dict]:
         body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4}).encode()
         req = urllib.request.Request(self.http_url + "/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=30) as r:
+            with urllib.request.urlopen(req, timeout=scaled(30)) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
@@ -194,11 +186,6 @@ def decode(workers):
     return fake
 
 
-@pytest.fixture(scope="module", params=["per-request", "multiplexed"])
-def worker_calls(request) -> str:
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def router(workers, worker_calls):
     _, addr = workers
@@ -210,7 +197,7 @@ def router(workers, worker_calls):
 @pytest.mark.parametrize("code", list(ErrorCode))
 def test_a_worker_failure_reaches_the_sdk_and_http_with_its_code(router, decode, code):
     decode.failure = RequestFailed(code, MISLEADING)
-    with Client(router.grpc_address, timeout=30) as client, pytest.raises(ClientError) as e:
+    with Client(router.grpc_address, timeout=scaled(30)) as client, pytest.raises(ClientError) as e:
         client.generate(token_ids=[5, 6, 7], max_tokens=4)
     assert e.value.error_code is code
     assert e.value.code == code.grpc_status
@@ -227,14 +214,14 @@ def test_a_worker_failure_reaches_the_sdk_and_http_with_its_code(router, decode,
 
 def test_an_engine_error_in_a_worker_keeps_its_meaning(router, decode):
     decode.failure = CapacityError("request needs 9 pages of 16 tokens; the pool has 4 in all")
-    with Client(router.grpc_address, timeout=30) as client, pytest.raises(ClientError) as e:
+    with Client(router.grpc_address, timeout=scaled(30)) as client, pytest.raises(ClientError) as e:
         client.generate(token_ids=[5, 6, 7], max_tokens=4)
     assert e.value.error_code is ErrorCode.CAPACITY and "pages" in e.value.message
     assert len(decode.calls) == 1  # a request that can never fit is not retried
 
 
 def test_the_finish_reason_reaches_the_sdk_and_http(router, decode):
-    with Client(router.grpc_address, timeout=30) as client:
+    with Client(router.grpc_address, timeout=scaled(30)) as client:
         result = client.generate(token_ids=[5, 6, 7], max_tokens=4)
     assert result.finish_reason is FinishReason.LENGTH and result.token_ids == [7]
     status, body = router.post_completion()
@@ -247,7 +234,7 @@ def test_a_reported_failure_retries_on_another_prefill_worker(workers, decode, w
     decode.failure, decode.fail_with = RequestFailed(ErrorCode.TRANSFER, "the prefill side failed to write"), {first}
     r = InProcessRouter([first, second], [addr["d"]], worker_calls)
     try:
-        with Client(r.grpc_address, timeout=30) as client:
+        with Client(r.grpc_address, timeout=scaled(30)) as client:
             result = client.generate(token_ids=[5, 6, 7], max_tokens=4)
     finally:
         r.close()
@@ -259,7 +246,7 @@ def test_an_unreachable_decode_worker_is_avoided_on_retry(workers, decode, worke
     _, addr = workers
     r = InProcessRouter([addr["p1"]], [UNREACHABLE, addr["d"]], worker_calls)
     try:
-        with Client(r.grpc_address, timeout=30) as client:
+        with Client(r.grpc_address, timeout=scaled(30)) as client:
             result = client.generate(token_ids=[5, 6, 7], max_tokens=4)
     finally:
         r.close()

@@ -14,22 +14,11 @@ import pytest
 
 from pdspark.config import RouterConfig
 from pdspark.testing.time_scale import scaled
-from pdspark.testing.waiting import until
+from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HANG, OK
-from router_harness import RouterHarness
+from router_harness import RouterHarness, completion
 
 DETECT_S = 2.0  # the bound for noticing a dead or hung worker (docs/operations.md)
-BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-async def completion(s: aiohttp.ClientSession, h: RouterHarness) -> dict:
-    async with s.post(h.http_url + "/v1/completions", json=BODY) as r:
-        assert r.status == 200
-        return await r.json()
 
 
 def test_the_defaults_promise_detection_within_2_s():
@@ -54,10 +43,10 @@ def test_a_worker_whose_load_report_hangs_stays_healthy_and_serves():
             assert decode.last_check > t0 + 2 * h.registry.load_interval_s  # it was being checked all along
             assert decode.last_load < t0  # ... and never got a load report
             assert h.worker(h.prefill[0]).last_load > t0  # the other worker's reports kept coming
-            body = await completion(s, h)
+            body = await completion(h, session=s)
             assert body["usage"]["completion_tokens"] == 4
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_hung_worker_is_skipped_within_2_s_and_back_when_it_answers():
@@ -68,14 +57,14 @@ def test_a_hung_worker_is_skipped_within_2_s_and_back_when_it_answers():
             h.health[id(h.decode[0])].mode = HANG
             took = await until(lambda: not hung.healthy, DETECT_S, "the hung worker marked unhealthy")
             print(f"\nhung worker marked unhealthy after {took * 1e3:.0f} ms")
-            await completion(s, h)
+            await completion(h, session=s)
             assert h.decode[0].calls == [] and len(h.decode[1].calls) == 1  # the policy would pick decode[0]
             h.health[id(h.decode[0])].mode = OK
             await until(lambda: hung.healthy, DETECT_S, "the worker healthy again")
-            await completion(s, h)
+            await completion(h, session=s)
             assert len(h.decode[0].calls) == 1
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_not_serving_worker_is_skipped_within_2_s():
@@ -87,7 +76,7 @@ def test_a_not_serving_worker_is_skipped_within_2_s():
             took = await until(lambda: not w.healthy, DETECT_S, "the NOT_SERVING worker marked unhealthy")
             print(f"\nNOT_SERVING worker marked unhealthy after {took * 1e3:.0f} ms")
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_dead_worker_is_skipped_within_2_s():
@@ -99,7 +88,7 @@ def test_a_dead_worker_is_skipped_within_2_s():
             took = await until(lambda: not w.healthy, DETECT_S, "the dead worker marked unhealthy")
             print(f"\ndead worker marked unhealthy after {took * 1e3:.0f} ms")
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_worker_added_at_run_time_is_watched():
@@ -110,7 +99,7 @@ def test_a_worker_added_at_run_time_is_watched():
             again = h.registry.add("decode", w.address)
             await until(lambda: again.last_check > 0 and again.last_load > 0, DETECT_S, "checks of the new entry")
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_a_fallen_worker_is_readmitted_at_once_the_first_time_then_with_backoff():
@@ -138,7 +127,7 @@ def test_a_fallen_worker_is_readmitted_at_once_the_first_time_then_with_backoff(
             assert waits[0] < 0.3 and waits[3] < 0.3
             assert 0.5 <= waits[1] < 0.8 and 1.0 <= waits[2] < 1.3
 
-    run(scenario())
+    run_within(scenario())
 
 
 def test_on_down_is_called_once_per_fall():
@@ -159,7 +148,7 @@ def test_on_down_is_called_once_per_fall():
             await until(lambda: not w.healthy, DETECT_S, "the worker marked unhealthy again")
             assert fallen == [w.address, w.address]
 
-    run(scenario())
+    run_within(scenario())
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -176,7 +165,7 @@ def test_requests_on_a_hung_worker_are_retried_elsewhere_once_it_is_marked_down(
             hung.mode = HANG
             if role == "prefill":
                 h.decode[0].hang_with = {h.address[id(hung)]}
-            requests = [asyncio.ensure_future(completion(s, h)) for _ in range(3)]
+            requests = [asyncio.ensure_future(completion(h, session=s)) for _ in range(3)]
             await until(lambda: len(hung.calls) == 3, 5, "every request's first attempt on the hung worker")
             t0 = time.monotonic()
             h.health[id(hung)].mode = HANG  # now it stops answering health checks too
@@ -195,4 +184,4 @@ def test_requests_on_a_hung_worker_are_retried_elsewhere_once_it_is_marked_down(
                 assert sorted(h.decode[0].cancelled) == first  # the first attempts' decode legs too
                 await until(lambda: sorted(hung.aborted) == first, 1, "Abort sent to the hung worker, not awaited")
 
-    run(scenario())
+    run_within(scenario())

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from pdspark.testing.time_scale import scaled
+
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules"
 ALERTS = {"PdsparkHighErrorRate", "PdsparkTTFTSLOBreach", "PdsparkTransferFailures", "PdsparkPoolNearlyFull",
           "PdsparkTargetDown", "PdsparkWorkerUnhealthy", "PdsparkAcceptanceCollapse"}
@@ -18,7 +20,7 @@ ALERTS = {"PdsparkHighErrorRate", "PdsparkTTFTSLOBreach", "PdsparkTransferFailur
 def promtool(*args: str) -> str:
     path = shutil.which("promtool")
     assert path, "promtool is missing: `make setup` installs Debian's `prometheus` package, which has it"
-    out = subprocess.run([path, *args], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([path, *args], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout + out.stderr
 

@@ -13,6 +13,7 @@ import torch
 
 from pdspark.hardware.cpu import kernel_abi, kernels
 from pdspark.model.hyper_connection import HyperConnection
+from pdspark.testing.time_scale import scaled
 
 
 def test_c_sinkhorn_matches_the_torch_reference():
@@ -416,9 +417,9 @@ def test_the_helper_thread_changes_no_bits_and_a_forked_child_gets_its_own():
             child = ctx.Process(target=_gemm_in_a_child, args=(x, w, q))
             child.start()
             try:
-                assert torch.equal(torch.tensor(q.get(timeout=60)), alone)
+                assert torch.equal(torch.tensor(q.get(timeout=scaled(60))), alone)
             finally:
-                child.join(10)
+                child.join(scaled(10))
                 if child.is_alive():
                     child.kill()
             assert child.exitcode == 0

@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import sample_value
 from pdspark.engine.engine import SpecStats
 from pdspark.serving.decode_metrics import DecodeMetrics
-
-
-def value(m: DecodeMetrics, name: str, **labels) -> float | None:
-    return m.registry.get_sample_value(name, labels)
 
 
 def test_every_label_set_exists_at_zero():
     m = DecodeMetrics(num_drafts=3)
     for position in ("1", "2", "3"):
-        assert value(m, "pdspark_spec_draft_tokens_total", position=position) == 0
-        assert value(m, "pdspark_spec_accepted_tokens_total", position=position) == 0
-    assert value(m, "pdspark_spec_verify_steps_total") == 0
-    assert value(m, "pdspark_transfer_failures_total", reason="checksum") == 0
+        assert sample_value(m.registry, "pdspark_spec_draft_tokens_total", position=position) == 0
+        assert sample_value(m.registry, "pdspark_spec_accepted_tokens_total", position=position) == 0
+    assert sample_value(m.registry, "pdspark_spec_verify_steps_total") == 0
+    assert sample_value(m.registry, "pdspark_transfer_failures_total", reason="checksum") == 0
     types = {f.name: f.type for f in m.registry.collect()}
     # Transfers are the prefill side's to count: here only the integrity check on arrival.
     assert not {"pdspark_transfer_bytes", "pdspark_transfer_seconds", "pdspark_transfer_writes"} & set(types)
@@ -29,8 +26,8 @@ def test_every_label_set_exists_at_zero():
 
 def test_no_speculation_no_position_series():
     m = DecodeMetrics(num_drafts=0)
-    assert value(m, "pdspark_spec_draft_tokens_total", position="1") is None
-    assert value(m, "pdspark_spec_verify_steps_total") == 0
+    assert sample_value(m.registry, "pdspark_spec_draft_tokens_total", position="1") is None
+    assert sample_value(m.registry, "pdspark_spec_verify_steps_total") == 0
 
 
 def verify(spec: SpecStats, drafts: int, accepted: int) -> None:
@@ -52,7 +49,7 @@ def test_acceptance_by_position_and_mean_length():
     m.spec.sample(spec)
     m.spec.sample(spec)  # nothing new: nothing moves
     assert spec.accepted_per_position == [2, 1, 1] and spec.drafted_per_position == [3, 3, 2]
-    assert value(m, "pdspark_spec_verify_steps_total") == 3
-    assert [value(m, "pdspark_spec_accepted_tokens_total", position=p) for p in "123"] == [2, 1, 1]
-    assert [value(m, "pdspark_spec_draft_tokens_total", position=p) for p in "123"] == [3, 3, 2]
-    assert value(m, "pdspark_spec_mean_acceptance_length_tokens") == pytest.approx((4 + 3) / 3)
+    assert sample_value(m.registry, "pdspark_spec_verify_steps_total") == 3
+    assert [sample_value(m.registry, "pdspark_spec_accepted_tokens_total", position=p) for p in "123"] == [2, 1, 1]
+    assert [sample_value(m.registry, "pdspark_spec_draft_tokens_total", position=p) for p in "123"] == [3, 3, 2]
+    assert sample_value(m.registry, "pdspark_spec_mean_acceptance_length_tokens") == pytest.approx((4 + 3) / 3)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from pdspark.testing.time_scale import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "device_check.sh"
 
@@ -25,7 +27,7 @@ def test_stops_on_a_machine_without_cuda(tmp_path):
         return
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True, text=True, env=env,
-                          timeout=120)
+                          timeout=scaled(120))
     assert proc.returncode == 2
     assert "not a usable CUDA machine" in proc.stderr
     why = "a CPU build" if torch.version.cuda is None else "no CUDA device is visible"

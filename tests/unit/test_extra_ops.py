@@ -18,6 +18,7 @@ import torch
 from torch.utils import cpp_extension
 
 from pdspark.hardware.extra_ops import abi_mismatch, library_namespaces, split_paths
+from pdspark.testing.time_scale import scaled
 
 NAMESPACE = "pdspark_test_ops"
 SOURCE = f"""
@@ -58,7 +59,7 @@ def ops_library() -> Path:
         source = out.with_name("ops.cpp")
         source.write_text(SOURCE)
         tmp = out.with_name(f".{os.getpid()}.so")
-        subprocess.run(_compile_command(source, tmp), check=True, capture_output=True, timeout=600)
+        subprocess.run(_compile_command(source, tmp), check=True, capture_output=True, timeout=scaled(600))
         os.replace(tmp, out)  # atomic: concurrent sessions race harmlessly
     return out
 
@@ -67,7 +68,8 @@ def _run(script: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`script` in a fresh interpreter (with this checkout's pdspark): a load there cannot touch this process."""
     env = {**os.environ, "PYTHONPATH": SRC}
     code = "import torch\nfrom pdspark.hardware.extra_ops import *\n" + textwrap.dedent(script)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=scaled(timeout))
 
 
 def test_paths_split_on_commas_and_pathsep_and_abi_tags_are_checked():

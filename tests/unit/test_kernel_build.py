@@ -17,6 +17,7 @@ import pytest
 
 from pdspark.hardware.cpu import kernel_build
 from pdspark.hardware.cpu.kernel_build import build_library, cache_key, compile_flags, source_bytes
+from pdspark.testing.time_scale import scaled
 
 TINY = """
 #include <stdlib.h>
@@ -244,7 +245,7 @@ def test_a_sanitized_build_catches_a_heap_overflow_under_the_preloaded_runtime(s
     )
     env = {**os.environ, "PDSPARK_SANITIZE": "1", "LD_PRELOAD": str(_asan_runtime()),
            "ASAN_OPTIONS": "detect_leaks=0", "PYTHONPATH": SRC, "TMPDIR": str(sandbox / "tmp")}
-    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=scaled(120))
     assert result.stdout.strip() == "2", result.stderr[-2000:]
     # UBSan's object-size check sees the store first; ASan would report it as a heap-buffer-overflow. Either aborts.
     assert result.returncode != 0

@@ -18,6 +18,7 @@ from pdspark.launch.console import scrape_config
 from pdspark.launch.plan import plan_cluster
 from pdspark.launch.supervisor import Supervisor, restart_delay
 from pdspark.options import parse_args, parse_options
+from pdspark.testing.time_scale import scaled
 
 
 def test_restart_delay_doubles_up_to_the_cap():
@@ -107,7 +108,7 @@ def test_the_printed_scrape_config_is_one_prometheus_takes(auth, tmp_path):
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make setup` installs Debian's `prometheus` package, which has it"
     out = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=scaled(60))
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -4,20 +4,18 @@ installed by `make setup`) finds nothing in any exporter's exposition."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 
+from pdspark.testing.script_module import load_script
+from pdspark.testing.time_scale import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("metrics_catalogue", ROOT / "scripts" / "metrics_catalogue.py")
-assert _spec is not None and _spec.loader is not None
-catalogue = sys.modules["metrics_catalogue"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(catalogue)
+catalogue = load_script(ROOT / "scripts" / "metrics_catalogue.py")
 
 
 def test_catalogue_table_is_current():
@@ -74,7 +72,7 @@ def test_the_catalogue_has_what_the_issue_asks_for():
 def promtool_findings(text: bytes) -> str:
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make setup` installs Debian's `prometheus` package, which has it"
-    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
+    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=scaled(60))
     return (out.stdout + out.stderr).decode() + ("" if out.returncode == 0 else f" (exit {out.returncode})")
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from pdspark.testing.time_scale import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
 
@@ -42,7 +44,8 @@ _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 def tracked_text_files() -> list[tuple[str, str]]:
     """(path, text) of every tracked file that is text: decodes as UTF-8 and holds no NUL byte."""
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True,
+                         timeout=scaled(60)).stdout
     files = []
     for rel in out.decode().split("\0"):
         if not rel or re.search(r"_pb2(_grpc)?\.pyi?$", rel):

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from pdspark.testing.time_scale import scaled
+
 TORCH_FREE = [
     "pdspark",
     "pdspark.client",
@@ -35,11 +37,11 @@ def test_imports_without_torch(module):
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
         "print(','.join(loaded[:5])); sys.exit(1 if loaded else 0)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, f"importing {module} loaded torch: {out.stdout.strip()} {out.stderr[-2000:]}"
 
 
 def test_llm_is_still_reachable_from_the_package():
     out = subprocess.run([sys.executable, "-c", "import pdspark; print(pdspark.LLM.__name__)"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0 and out.stdout.strip() == "LLM", out.stderr[-2000:]

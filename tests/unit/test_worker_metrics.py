@@ -8,15 +8,12 @@ from types import MappingProxyType
 from cache_builders import make_kv
 from prometheus_client import CollectorRegistry
 
+from helpers import sample_value
 from pdspark.engine.engine import EngineStats
 from pdspark.serving.engine_load import EngineLoad
 from pdspark.serving.engine_metrics import ERROR_STAGES, EngineMetrics
 from pdspark.serving.metrics import OUTCOMES, WorkerMetrics
 from pdspark.serving.pool_metrics import POOLS, RINGS, PoolMetrics
-
-
-def value(registry, name: str, **labels) -> float | None:
-    return registry.get_sample_value(name, labels)
 
 
 def load_of(kv, running: int = 0, waiting: int = 0) -> EngineLoad:
@@ -36,17 +33,17 @@ class _Engine:
 def test_common_series_exist_at_zero():
     m = WorkerMetrics("prefill")
     for outcome in OUTCOMES:
-        assert value(m.registry, "pdspark_worker_requests_total", outcome=outcome) == 0
+        assert sample_value(m.registry, "pdspark_worker_requests_total", outcome=outcome) == 0
     assert {"ok", "cancelled", "error", "overloaded", "deadline", "aborted"} <= set(OUTCOMES)
     assert "unauthenticated" not in OUTCOMES  # the router's key checks never reach a worker
     for stage in ERROR_STAGES:
-        assert value(m.registry, "pdspark_engine_errors_total", stage=stage) == 0
+        assert sample_value(m.registry, "pdspark_engine_errors_total", stage=stage) == 0
     for pool in POOLS:
-        assert value(m.registry, "pdspark_pool_used_pages", pool=pool) == 0
-        assert value(m.registry, "pdspark_pool_capacity_pages", pool=pool) == 0
+        assert sample_value(m.registry, "pdspark_pool_used_pages", pool=pool) == 0
+        assert sample_value(m.registry, "pdspark_pool_capacity_pages", pool=pool) == 0
     for ring in RINGS:
-        assert value(m.registry, "pdspark_pool_used_state_rows", ring=ring) == 0
-    assert value(m.registry, "pdspark_worker_rejected_requests_total") == 0
+        assert sample_value(m.registry, "pdspark_pool_used_state_rows", ring=ring) == 0
+    assert sample_value(m.registry, "pdspark_worker_rejected_requests_total") == 0
     types = {f.name: f.type for f in m.registry.collect()}
     assert types["pdspark_engine_step_seconds"] == types["pdspark_engine_batch_requests"] == "histogram"
     assert types["pdspark_engine_generated_tokens"] == types["pdspark_worker_requests"] == "counter"
@@ -59,10 +56,10 @@ def test_engine_metrics_observe_steps_and_count_tokens_by_difference():
     m.on_step(0.004, 3)
     m.on_step(0.02, 1)
     m.on_error("step")
-    assert value(registry, "pdspark_engine_step_seconds_count") == 2
-    assert value(registry, "pdspark_engine_batch_requests_sum") == 4
-    assert value(registry, "pdspark_engine_batch_requests_bucket", le="2.0") == 1
-    assert value(registry, "pdspark_engine_errors_total", stage="step") == 1
+    assert sample_value(registry, "pdspark_engine_step_seconds_count") == 2
+    assert sample_value(registry, "pdspark_engine_batch_requests_sum") == 4
+    assert sample_value(registry, "pdspark_engine_batch_requests_bucket", le="2.0") == 1
+    assert sample_value(registry, "pdspark_engine_errors_total", stage="step") == 1
     engine = _Engine(make_kv())
     load = load_of(engine.kv, running=2, waiting=5)
     engine.stats.generated_tokens = 7
@@ -70,14 +67,14 @@ def test_engine_metrics_observe_steps_and_count_tokens_by_difference():
     engine.stats.generated_tokens = 10
     m.sample(engine, load)  # type: ignore[arg-type]
     m.sample(engine, load)  # type: ignore[arg-type]
-    assert value(registry, "pdspark_engine_generated_tokens_total") == 10
-    assert value(registry, "pdspark_engine_running_requests") == 2
-    assert value(registry, "pdspark_engine_waiting_requests") == 5
-    assert value(registry, "pdspark_engine_fast_path_fallback_steps_total", reason="step_tokens") == 0
+    assert sample_value(registry, "pdspark_engine_generated_tokens_total") == 10
+    assert sample_value(registry, "pdspark_engine_running_requests") == 2
+    assert sample_value(registry, "pdspark_engine_waiting_requests") == 5
+    assert sample_value(registry, "pdspark_engine_fast_path_fallback_steps_total", reason="step_tokens") == 0
     engine.stats.fast_path_fallback_steps["step_tokens"] += 3
     m.sample(engine, load)  # type: ignore[arg-type]
     m.sample(engine, load)  # type: ignore[arg-type]
-    assert value(registry, "pdspark_engine_fast_path_fallback_steps_total", reason="step_tokens") == 3
+    assert sample_value(registry, "pdspark_engine_fast_path_fallback_steps_total", reason="step_tokens") == 3
 
 
 def test_pool_metrics_cover_pages_state_rings_and_slots():
@@ -90,18 +87,19 @@ def test_pool_metrics_cover_pages_state_rings_and_slots():
     usage, sizes = kv.usage(), kv.sizes
     full_used, swa_used = usage["full"].used, usage["swa"].used
     assert full_used > 0 and swa_used > 0
-    assert value(registry, "pdspark_pool_used_pages", pool="full") == full_used
-    assert value(registry, "pdspark_pool_capacity_pages", pool="full") == sizes.num_full_pages
-    assert value(registry, "pdspark_pool_used_pages", pool="swa") == swa_used
-    assert value(registry, "pdspark_pool_capacity_pages", pool="c128") == sizes.num_c128_pages
+    assert sample_value(registry, "pdspark_pool_used_pages", pool="full") == full_used
+    assert sample_value(registry, "pdspark_pool_capacity_pages", pool="full") == sizes.num_full_pages
+    assert sample_value(registry, "pdspark_pool_used_pages", pool="swa") == swa_used
+    assert sample_value(registry, "pdspark_pool_capacity_pages", pool="c128") == sizes.num_c128_pages
     # C4 rows live with the full pages; C4 state rings are per SWA page, C128 ones per request slot.
-    assert value(registry, "pdspark_pool_used_pages", pool="c4") == full_used
-    assert value(registry, "pdspark_pool_used_state_rows", ring="c4") == swa_used * sizes.csa_ring
-    assert value(registry, "pdspark_pool_capacity_state_rows", ring="c4") == sizes.num_swa_pages * sizes.csa_ring
-    assert value(registry, "pdspark_pool_used_state_rows", ring="c128") == sizes.hca_ring
-    assert value(registry, "pdspark_pool_capacity_state_rows", ring="c128") == sizes.num_req_slots * sizes.hca_ring
-    assert value(registry, "pdspark_pool_used_request_slots") == 1
-    assert value(registry, "pdspark_pool_capacity_request_slots") == sizes.num_req_slots
+    assert sample_value(registry, "pdspark_pool_used_pages", pool="c4") == full_used
+    assert sample_value(registry, "pdspark_pool_used_state_rows", ring="c4") == swa_used * sizes.csa_ring
+    assert sample_value(registry, "pdspark_pool_capacity_state_rows", ring="c4") == sizes.num_swa_pages * sizes.csa_ring
+    assert sample_value(registry, "pdspark_pool_used_state_rows", ring="c128") == sizes.hca_ring
+    assert (sample_value(registry, "pdspark_pool_capacity_state_rows", ring="c128")
+            == sizes.num_req_slots * sizes.hca_ring)
+    assert sample_value(registry, "pdspark_pool_used_request_slots") == 1
+    assert sample_value(registry, "pdspark_pool_capacity_request_slots") == sizes.num_req_slots
 
 
 def test_the_worker_samples_engine_and_pools_together():
@@ -109,5 +107,5 @@ def test_the_worker_samples_engine_and_pools_together():
     engine = _Engine(make_kv())
     engine.stats.generated_tokens = 3
     m.sample_engine(engine, load_of(engine.kv, running=1))  # type: ignore[arg-type]
-    assert value(m.registry, "pdspark_engine_generated_tokens_total") == 3
-    assert value(m.registry, "pdspark_pool_capacity_request_slots") == engine.kv.sizes.num_req_slots
+    assert sample_value(m.registry, "pdspark_engine_generated_tokens_total") == 3
+    assert sample_value(m.registry, "pdspark_pool_capacity_request_slots") == engine.kv.sizes.num_req_slots

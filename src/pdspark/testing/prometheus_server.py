@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -17,11 +16,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pdspark.launch.plan import free_ports
+from pdspark.testing.time_scale import scaled
 
 
 def tool(name: str) -> str:
@@ -48,7 +44,7 @@ class PrometheusServer:
             "scrape_configs": [{"job_name": "pdspark", "http_sd_configs": [sd]}],
         }
         (tmp / "prometheus.json").write_text(json.dumps(config))  # JSON is YAML
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{free_ports('127.0.0.1', 1)[0]}"
         self.log_path = tmp / "prometheus.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
@@ -59,11 +55,12 @@ class PrometheusServer:
         return self.log_path.read_text()[-chars:]
 
     def wait_ready(self, timeout_s: float = 15) -> None:
-        deadline = time.monotonic() + timeout_s
+        """Until `/-/ready` answers, within `timeout_s` (scaled)."""
+        deadline = time.monotonic() + scaled(timeout_s)
         while True:
             assert self.proc.poll() is None, f"prometheus exited: {self.tail()}"
             try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r:
+                with urllib.request.urlopen(self.url + "/-/ready", timeout=scaled(1)) as r:
                     r.read()
                 return
             except (urllib.error.URLError, ConnectionError):
@@ -71,7 +68,8 @@ class PrometheusServer:
                 time.sleep(0.1)
 
     def api(self, path: str, **params) -> dict:
-        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}", timeout=30) as r:
+        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}",
+                                    timeout=scaled(30)) as r:
             reply = json.loads(r.read())
         assert reply["status"] == "success", reply
         return reply["data"]
@@ -82,8 +80,8 @@ class PrometheusServer:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=scaled(10))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=scaled(10))
         self.log.close()

@@ -1,15 +1,18 @@
 """Polling an observable condition until it holds, with a deadline (scaled by the suite's time factor): the one way
-the tests wait for something another thread, task or process does, instead of sleeping."""
+the tests wait for something another thread, task or process does, instead of sleeping; and an asyncio scenario run
+with a deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from pdspark.testing.time_scale import scaled
+
+T = TypeVar("T")
 
 
 def _no_detail() -> str:
@@ -54,6 +57,12 @@ async def until(condition: Callable[[], Any], within_s: float, what: str, *, int
         assert loop.time() - t0 < limit, f"{what}: not within {limit:.3g} s"
         await asyncio.sleep(interval_s)
     return loop.time() - t0
+
+
+def run_within(scenario: Coroutine[Any, Any, T], within_s: float = 60.0) -> T:
+    """`asyncio.run(scenario)`, cancelled and failed (`TimeoutError`) when it has not ended within `within_s`
+    (scaled): a test's asyncio scenario never hangs the run."""
+    return asyncio.run(asyncio.wait_for(scenario, scaled(within_s)))
 
 
 async def _value(x: Any) -> Any:

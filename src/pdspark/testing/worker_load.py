@@ -7,6 +7,7 @@ from typing import NamedTuple, Protocol
 
 import grpc
 
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
@@ -27,9 +28,10 @@ class WorkerAt(NamedTuple):
 
 
 def load_of(worker: Worker, timeout_s: float = 5.0) -> worker_pb2.LoadReport:
+    """The worker's `GetLoad` answer, within `timeout_s` (scaled)."""
     stub = worker_pb2_grpc.PrefillWorkerStub if worker.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
     with grpc.insecure_channel(worker.address) as channel:
-        return stub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=timeout_s)
+        return stub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=scaled(timeout_s))
 
 
 def pages_held(report: worker_pb2.LoadReport) -> dict[str, int]:
