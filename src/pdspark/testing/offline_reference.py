@@ -59,13 +59,13 @@ class OfflineReference:
     def _generate(llm: LLM, prompts: list[str | Sequence[int]], params: list[SamplingParams]) -> list:
         """One batch: texts and token-id prompts go apart (`LLM.generate` takes one kind per call)."""
         outs: list = [None] * len(prompts)
-        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        ids = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+        texts = {i: p for i, p in enumerate(prompts) if isinstance(p, str)}
+        ids = {i: list(p) for i, p in enumerate(prompts) if not isinstance(p, str)}
         if texts:
-            for i, out in zip(texts, llm.generate([prompts[i] for i in texts], [params[i] for i in texts])):
+            for i, out in zip(texts, llm.generate(list(texts.values()), [params[i] for i in texts])):
                 outs[i] = out
         if ids:
-            for i, out in zip(ids, llm.generate(prompt_token_ids=[list(prompts[i]) for i in ids],
+            for i, out in zip(ids, llm.generate(prompt_token_ids=list(ids.values()),
                                                 sampling_params=[params[i] for i in ids])):
                 outs[i] = out
         return outs
