@@ -6,7 +6,7 @@ tests/conftest.py).
 - `dsv4_tiny`: the shipped model with `pdspark up`'s defaults (the engine a user gets).
 - `faults`: 2 prefill + 3 decode on the draft checkpoint, restarted within a second, quarantines freed within
   seconds: the failure matrix (`test_chaos.py`) and the tests that need several workers of a role. Tests that kill
-  or stop its processes run last in the session (`KILLS`), so the others see it as booted.
+  or stop its processes run after its other tests (`KILLS`), so those see it as booted.
 
 Every shape's tests leave it as they found it: every worker healthy and holding nothing (the fault tests wait for
 that before and after each case). A cluster that does not stop cleanly (exit code 0 on SIGTERM) fails the session.
@@ -133,11 +133,19 @@ def _folder(item) -> str:
 
 
 def order_and_plan_releases(config, items) -> None:
-    """Tests that kill processes of a shared cluster run after every other test of the tier that uses it (a stable
-    sort keeps the rest in their order; tiers keep theirs); each shape is stopped after its last test
-    (`LAST_USER`), so that no idle cluster runs beside the other tiers."""
-    order = {tier: n for n, tier in enumerate(dict.fromkeys(map(_folder, items)))}
-    items.sort(key=lambda item: (order[_folder(item)], item.get_closest_marker(KILLS) is not None))
+    """Within a tier, the tests of each shape run together (after the tests that use none, shapes in `SHAPES`
+    order), those that kill processes of its cluster last; each shape is stopped after its last test (`LAST_USER`).
+    An idle cluster's health checks and load reports cost CPU: no cluster stays up beside tests that do not use it.
+    A stable sort: tests otherwise keep their order, tiers keep theirs."""
+    tiers = {tier: n for n, tier in enumerate(dict.fromkeys(map(_folder, items)))}
+    rank = {shape: n + 1 for n, shape in enumerate(SHAPES)}
+
+    def key(item) -> tuple[int, int, bool]:
+        shapes = _shapes_of(item)
+        return (tiers[_folder(item)], min((rank[s] for s in shapes), default=0),
+                item.get_closest_marker(KILLS) is not None)
+
+    items.sort(key=key)
     config.stash[LAST_USER] = {shape: item.nodeid for item in items for shape in _shapes_of(item)}
 
 
