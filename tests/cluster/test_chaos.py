@@ -81,6 +81,9 @@ WORKERS = {"prefill": ("prefill-0", "prefill-1"), "decode": ("decode-2", "decode
 FREE_WITHIN_S = FAULT_TRANSFER_TIMEOUT_S + FAULT_MC_TIMEOUT_S + 10
 RESTART_WITHIN_S = 60  # a killed service is restarted (0.5-1 s backoff) and loaded again within this
 HEALTHY_WITHIN_S = 30  # ... and the router counts every worker healthy, and serves, within this
+# An answer a worker sent just before it was stopped reaches the router's books within this (loopback, then a turn of
+# the router's event loop; a loop behind a busy core takes tens of milliseconds).
+SETTLE_S = scaled(0.2)
 
 
 @dataclass(frozen=True)
@@ -361,18 +364,22 @@ class Hit:
 
 def freeze_busy(cluster: ServiceProcess, admin: dict, kind: str, until: float) -> str:
     """SIGSTOP a worker of `kind` that holds an unanswered leg on the router's books; its name (it stays stopped).
-    The worker is stopped before its legs are read again, so the count cannot fall in between (a stopped worker
-    answers nothing): what is read is what the fault hits. Fails the test when no worker of the kind held a leg
-    before `until`: the fault would have hit an idle worker, and proven nothing."""
+    The worker is stopped before its legs are read again, for `SETTLE_S`: a stopped worker answers nothing, so the
+    count can only fall by an answer sent before the stop, and that is on the books within `SETTLE_S`. What is read
+    then is what the fault hits. Fails the test when no worker of the kind held a leg before `until`: the fault
+    would have hit an idle worker, and proven nothing."""
     while time.monotonic() < until:
         books = legs_held(cluster, admin, kind)
         name = max(books, key=lambda n: books[n])
         if books[name] > 0:
             pid = current(cluster, name)["pid"]
             os.kill(pid, signal.SIGSTOP)
-            if legs_held(cluster, admin, kind)[name] > 0:
+            settled = time.monotonic() + SETTLE_S
+            while (held := legs_held(cluster, admin, kind)[name] > 0) and time.monotonic() < settled:
+                time.sleep(0.01)  # the polling interval
+            if held:
                 return name
-            os.kill(pid, signal.SIGCONT)  # it answered in between: another moment
+            os.kill(pid, signal.SIGCONT)  # it answered just before: another moment
         time.sleep(0.005)  # the polling interval, not a synchronisation
     raise AssertionError(f"no {kind} worker held a leg of a request while the load ran: the fault would hit an idle "
                          "worker")

@@ -58,7 +58,8 @@ def services():
         yield {"prefill": workers["prefill"].address, "decode": workers["decode"].address,
                "router": router.info["grpc"], "processes": started}
     finally:
-        for p in (*workers.values(), *started[2:]):
+        # The router first: a worker stopping waits (its grace) for the router's long-lived `Calls` stream to end.
+        for p in (*started[2:], *workers.values()):
             p.stop()
 
 

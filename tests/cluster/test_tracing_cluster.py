@@ -13,20 +13,22 @@ from pdspark.launch.service_process import start_service
 from pdspark.testing.time_scale import scaled
 
 ENGINE = ["--page-size", "16", "--max-model-len", "256", "--max-num-seqs", "4"]
+BATCH_DELAY_MS = 200  # OpenTelemetry's batch span processor, in every service (its environment variable)
 NAMES = {"request", "attempt", "prefill", "transfer", "decode", "submit_plan"}
 
 
 def test_one_trace_across_the_processes_of_pdspark_up():
     with OtlpCollector() as collector:
         cluster = start_service("pdspark up", ["up", "--model", "dsv4-tiny", "--port", "0", "--grpc-port", "0",
-                                               "--otlp-endpoint", collector.endpoint, *ENGINE], timeout=scaled(240))
+                                               "--otlp-endpoint", collector.endpoint, *ENGINE], timeout=scaled(240),
+                                env={"OTEL_BSP_SCHEDULE_DELAY": str(BATCH_DELAY_MS)})
         try:
             body = {"prompt": list(range(10, 42)), "max_tokens": 8, "ignore_eos": True}
             req = urllib.request.Request(cluster.info["http"] + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=scaled(60)) as r:
                 reply = json.loads(r.read())
-            # Spans leave in batches (every 5 s by default).
+            # Spans leave in batches, every `BATCH_DELAY_MS` here (5 s by default).
             deadline = time.monotonic() + scaled(30)
             while {s.name for s in collector.spans} < NAMES and time.monotonic() < deadline:
                 time.sleep(0.2)
