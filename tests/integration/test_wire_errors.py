@@ -72,7 +72,7 @@ class FakeDecodeWorker:
     def abort(self, request_id):
         return False
 
-    def stable_text_of(self, token_ids):
+    def stable_text_of(self, token_ids, stop_strings=()):
         return ""
 
 

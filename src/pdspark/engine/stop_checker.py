@@ -14,17 +14,19 @@ class StopChecker:
         self.max_model_len = max_model_len
 
     def check(self, req: Request) -> bool:
-        """Update `req.text` and set `finish_reason`/`stop_reason` when the last token ends the request."""
+        """Update `req.text` and set `finish_reason`/`stop_reason` when the last token ends the request. A stop
+        string ends it at the first place one occurs (the first listed of those starting there): the text ends
+        before it, and contains none of the stop strings. (Its stream holds back the tail that may start one:
+        `output_text.stream_text`.)"""
         token = req.output_token_ids[-1]
         p = req.params
         if self.tokenizer is not None:
             req.text = req.output_text.decode(self.tokenizer, req.output_token_ids)
-            for s in p.stop_strings:
-                # A new token can only complete a stop string that ends in the text's tail.
-                idx = req.text.find(s, max(0, len(req.text) - len(s) - 64))
-                if idx != -1:
-                    req.text = req.text[:idx]
-                    return _finish(req, FinishReason.STOP, s)
+            found = _first_stop_string(req.text, p.stop_strings)
+            if found is not None:
+                idx, s = found
+                req.text = req.text[:idx]
+                return _finish(req, FinishReason.STOP, s)
         if token in p.stop_token_ids:
             return _finish(req, FinishReason.STOP, token)
         if not p.ignore_eos and token in self.eos_token_ids:
@@ -38,3 +40,14 @@ def _finish(req: Request, reason: FinishReason, stop_reason: str | int | None) -
     req.finish_reason = reason
     req.stop_reason = stop_reason
     return True
+
+
+def _first_stop_string(text: str, stop_strings: tuple[str, ...]) -> tuple[int, str] | None:
+    """Where the stop string that occurs first in `text` starts, and which it is; None without one."""
+    first: tuple[int, str] | None = None
+    for s in stop_strings:
+        # A new token can only complete a stop string that ends in the text's tail.
+        idx = text.find(s, max(0, len(text) - len(s) - 64))
+        if idx != -1 and (first is None or idx < first[0]):
+            first = (idx, s)
+    return first

@@ -37,13 +37,14 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TypeVar
 
 from pdspark.cache.req_pages import ReqPages
 from pdspark.deadline import Deadline
+from pdspark.engine.output_text import stream_text
 from pdspark.errors import ErrorCode, RequestFailed, Unanswered
 from pdspark.serving.decode_metrics import CHECKSUM, DecodeMetrics
 from pdspark.serving.engine_client import EngineClient
@@ -190,11 +191,14 @@ class DecodeWorker:
             if stream.in_engine:
                 self.engine.release(request_id)
 
-    def stable_text_of(self, token_ids: list[int]) -> str:
-        """The stable text (a trailing incomplete UTF-8 sequence held back) a stream of `token_ids` has sent; ""
-        without a tokenizer."""
+    def stable_text_of(self, token_ids: list[int], stop_strings: Sequence[str] = ()) -> str:
+        """The stable text a stream of `token_ids` (not finished) has sent: a trailing incomplete UTF-8 sequence and
+        a tail that may start one of `stop_strings` held back (`output_text.stream_text`); "" without a
+        tokenizer."""
         tokenizer = self.engine.tokenizer
-        return tokenizer.decode(token_ids).rstrip("\ufffd") if tokenizer is not None and token_ids else ""
+        if tokenizer is None or not token_ids:
+            return ""
+        return stream_text(tokenizer.decode(token_ids), False, stop_strings)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now: before it runs, its `generate` raises ABORTED; once it runs, the engine aborts it

@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Sequence
 
 from pdspark.deadline import Deadline
+from pdspark.engine.output_text import stream_text
 from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, Unanswered, as_request_failed
 from pdspark.rpc import convert, status, tracing
 from pdspark.rpc.multiplexed_server import CallHandler, MultiplexedServer
@@ -156,13 +158,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # Its SubmitPlan call carries the decode span's trace context.
             async with contextlib.aclosing(stream), tracing.calls_under(span):
                 # A migrated stream's generated tokens reached the client already, with their stable text (the
-                # earlier worker streamed exactly that): only what follows is new. Decoded once the first output
-                # came: by then the engine has checked that those ids are in the vocabulary.
-                sent, sent_text = len(generated), None
+                # earlier worker streamed exactly that, the same tails held back): only what follows is new.
+                # Decoded once the first output came: by then the engine has checked that those ids are in the
+                # vocabulary.
+                sent, sent_text, stops = len(generated), None, params.stop_strings
                 async for out in stream:
                     if sent_text is None:
-                        sent_text = self.worker.stable_text_of(generated)
-                    text = stable_text(out)
+                        sent_text = self.worker.stable_text_of(generated, stops)
+                    text = stable_text(out, stops)
                     yield _chunk(out, sent, sent_text, text, logprob_base=len(generated))
                     sent, sent_text = len(out.token_ids), text
             outcome = "ok"
@@ -216,11 +219,12 @@ async def _refuse_if_overloaded(context, e: PdsparkError) -> RequestFailed:
     return failure
 
 
-def stable_text(out: RequestOutput) -> str:
-    """The decoded text safe to stream: a trailing incomplete UTF-8 sequence (decoded as U+FFFD) waits for the
-    tokens that complete it, so streamed pieces always concatenate to the final text."""
-    text = out.text or ""
-    return text if out.finished else text.rstrip("\ufffd")
+def stable_text(out: RequestOutput, stop_strings: Sequence[str] = ()) -> str:
+    """The decoded text safe to stream (`output_text.stream_text`): while the request runs, a trailing incomplete
+    UTF-8 sequence and the longest tail that may start one of `stop_strings` wait for the tokens after them, so no
+    part of a stop string is ever sent and streamed pieces always concatenate to the final text. Token ids are sent
+    as generated; only the text waits."""
+    return stream_text(out.text or "", out.finished, stop_strings)
 
 
 def _chunk(out: RequestOutput, sent: int, sent_text: str, text: str, logprob_base: int = 0
