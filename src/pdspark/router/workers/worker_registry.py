@@ -13,8 +13,13 @@ another's checks):
   falls again (up to `max_readmit_backoff_s`), so a worker that keeps falling over gets ever fewer requests. A
   worker that stays healthy for `stable_s` starts over.
 - `on_down`: callbacks told (on the event loop) when a worker is marked unhealthy. With it the dispatcher ends the
-  attempts on that worker that have no token yet, so that they are retried elsewhere now rather than when
+  attempts that still need that worker, so that they are retried (or migrated) elsewhere now rather than when
   keepalive or the transfer timeout ends them.
+- `on_closing`: callbacks told as the router is about to close its channel to a worker it no longer has: at once on
+  `remove`, once the drain is over on `retire` (its last call ended, or `drain_s` passed). The dispatcher ends the
+  attempts that still need that worker as `on_down` does (retried or migrated, never taken for a client's cancel),
+  then the channel closes; from then on the worker is `closed` and nothing calls it again (an attempt skips the
+  Abort it would send there: the closed channel ended the worker's calls, and the worker drops what they held).
 - load: `GetLoad` every `load_interval_s` (running and waiting requests, and the worker's metrics URL). A slow or
   failed load report keeps the last one and never touches health.
 
@@ -78,6 +83,7 @@ class WorkerInfo:
     calls: MultiplexedClient | None = field(default=None, repr=False)  # on `channel`, made by the first call
     # What clients and /metrics call the worker (`prefill-0`): its address is for admins only (see `api_keys`).
     name: str = ""
+    closed: bool = False  # removed (or retired and drained): its channel is closed, never to be called again
 
     @property
     def load(self) -> int:
@@ -106,10 +112,12 @@ class WorkerRegistry:
         self.stable_s = stable_s
         self.workers: dict[str, WorkerInfo] = {}
         self.on_down: list[Callable[[WorkerInfo], None]] = []  # called with a worker as it is marked unhealthy
+        # Called with a worker whose channel is about to close (removed, or retired and drained).
+        self.on_closing: list[Callable[[WorkerInfo], None]] = []
         self._registered = 0  # numbers the names: workers from flags are named as `pdspark up` names them
         # (role, address) -> name: a worker removed and added again (DNS discovery) keeps its name and its series.
         self._names: dict[tuple[str, str], str] = {}
-        self._draining: set[asyncio.Task] = set()  # retired workers' channels, closed once their calls end
+        self._draining: set[asyncio.Task] = set()  # channel closes under way, retired workers' drains included
 
     def add(self, role: str, address: str, metrics_url: str = "") -> WorkerInfo:
         if role not in ROLES:
@@ -124,21 +132,44 @@ class WorkerRegistry:
         return w
 
     def remove(self, address: str) -> WorkerInfo:
+        """Remove a worker now: the attempts that still need it end as a worker marked down's do (`on_closing`: the
+        dispatcher retries or migrates them), then its channel closes."""
         w = self.workers.pop(address)
-        if w.channel is not None:
-            asyncio.ensure_future(w.channel.close())
+        self._close(w)
         return w
 
     def retire(self, address: str, drain_s: float) -> WorkerInfo:
         """Remove a worker gently: no request picks it from now on, while the calls already on it may go on for up
-        to `drain_s` (its channel is closed when the last one ends, or then). A call cut then fails as a dead
-        worker's would (the dispatcher retries or migrates it)."""
+        to `drain_s` (its channel is closed when the last one ends, or then). The attempts still on it then end as
+        on `remove` (the dispatcher retries or migrates them)."""
         w = self.workers.pop(address)
+        task = asyncio.ensure_future(self._close_when_idle(w, drain_s))
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+        return w
+
+    async def _close_when_idle(self, w: WorkerInfo, drain_s: float) -> None:
+        deadline = time.monotonic() + drain_s
+        while w.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        self._close(w)
+
+    def _close(self, w: WorkerInfo) -> None:
+        """Close the channel to `w`, a worker no longer registered: first the attempts that still need it are ended
+        (`on_closing`), so that none takes the closed channel's cancel of its calls for its client's; `closed` keeps
+        every later call off the channel."""
+        if w.closed:
+            return
+        w.closed = True
+        for callback in self.on_closing:
+            try:
+                callback(w)
+            except Exception:  # one broken callback must not keep the others from their attempts, nor the close
+                logger.exception("on_closing callback for %s worker %s failed", w.role, w.address)
         if w.channel is not None:
-            task = asyncio.ensure_future(_close_when_idle(w, w.channel, drain_s))
+            task = asyncio.ensure_future(w.channel.close())
             self._draining.add(task)
             task.add_done_callback(self._draining.discard)
-        return w
 
     def healthy(self, role: str) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role and w.healthy]
@@ -258,16 +289,10 @@ class WorkerRegistry:
                     t.cancel()
 
 
-async def _close_when_idle(w: WorkerInfo, channel: grpc.aio.Channel, drain_s: float) -> None:
-    deadline = time.monotonic() + drain_s
-    while w.in_flight > 0 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    await channel.close()
-
-
 async def _every(interval_s: float, poll: Callable[[WorkerInfo], Awaitable[bool]], w: WorkerInfo) -> None:
-    """`poll(w)` every `interval_s` (at once again when one took longer): a missed answer is followed up at once."""
-    while True:
+    """`poll(w)` every `interval_s` (at once again when one took longer): a missed answer is followed up at once.
+    Ends once the worker's channel is closed (removed: `poll_forever` cancels the watch at its next round)."""
+    while not w.closed:
         started = time.monotonic()
         try:
             await poll(w)
