@@ -1,7 +1,10 @@
 """`WorkerRegistry`: the prefill and decode workers the router knows, their liveness and their load.
 
 Workers come from flags or are added/removed at run time (`/workers`, DNS discovery); a worker's name is stable
-per (role, address), so one that comes back keeps it, and `retire` removes one gently (its calls may end first).
+per (role, address), so one that comes back keeps it (and its metric series), and `retire` removes one gently (its
+calls may end first). The name of an address that is gone is kept for `name_retention_s` (a restarted pod, a DNS
+blip), and of at most `max_gone_names` such addresses, the most recently gone: with address churn (every pod of a
+rolling restart gets a new IP) the map stays bounded; an address back after that gets a new name.
 Busy is not unhealthy, so the two are watched apart, each worker on tasks of its own (a slow worker never delays
 another's checks):
 - liveness: the standard gRPC health `Check`, every `health_interval_s`, each with a short `health_timeout_s`.
@@ -36,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -59,6 +63,8 @@ _CALLS_METHOD = {role: f"/{worker_pb2.DESCRIPTOR.services_by_name[service].full_
 READMIT_BACKOFF_S = 1.0
 MAX_READMIT_BACKOFF_S = 30.0
 STABLE_S = 60.0
+NAME_RETENTION_S = 3600.0  # how long the name of an address that is gone is kept for it
+MAX_GONE_NAMES = 1024  # the names of at most this many addresses that are gone are kept (the most recently gone)
 
 
 @dataclass
@@ -98,7 +104,8 @@ class WorkerRegistry:
     def __init__(self, health_interval_s: float = 0.5, health_timeout_s: float = 0.5, load_interval_s: float = 1.0,
                  max_failures: int = 2, readmit_backoff_s: float = READMIT_BACKOFF_S,
                  max_readmit_backoff_s: float = MAX_READMIT_BACKOFF_S, stable_s: float = STABLE_S,
-                 tls: TLSConfig | None = None, multiplexed: bool = False):
+                 tls: TLSConfig | None = None, multiplexed: bool = False,
+                 name_retention_s: float = NAME_RETENTION_S, max_gone_names: int = MAX_GONE_NAMES):
         self.tls = tls
         self.multiplexed = multiplexed
         # Read once, here (at start): a missing file is a configuration error, not a failure of every call later.
@@ -116,7 +123,12 @@ class WorkerRegistry:
         self.on_closing: list[Callable[[WorkerInfo], None]] = []
         self._registered = 0  # numbers the names: workers from flags are named as `pdspark up` names them
         # (role, address) -> name: a worker removed and added again (DNS discovery) keeps its name and its series.
+        # The registered workers' and, for a while, those of workers gone (`_gone`).
         self._names: dict[tuple[str, str], str] = {}
+        # (role, address) -> time.monotonic() it left the registry, for names kept of workers gone: oldest first.
+        self._gone: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self.name_retention_s = name_retention_s
+        self.max_gone_names = max_gone_names
         self._draining: set[asyncio.Task] = set()  # channel closes under way, retired workers' drains included
 
     def add(self, role: str, address: str, metrics_url: str = "") -> WorkerInfo:
@@ -124,6 +136,8 @@ class WorkerRegistry:
             raise ValueError(f"unsupported worker role {role!r}; allowed: {', '.join(ROLES)}")
         if address in self.workers:
             raise ValueError(f"worker {address} is already registered")
+        self._gone.pop((role, address), None)
+        self._forget_names()
         if (role, address) not in self._names:
             self._names[role, address] = f"{role}-{self._registered}"
             self._registered += 1
@@ -131,10 +145,28 @@ class WorkerRegistry:
         self.workers[address] = w
         return w
 
+    def _left(self, w: WorkerInfo) -> None:
+        """`w` left the registry: its name is kept for its address for a while (`_forget_names`)."""
+        self._gone[w.role, w.address] = time.monotonic()
+        self._gone.move_to_end((w.role, w.address))
+        self._forget_names()
+
+    def _forget_names(self) -> None:
+        """Forget the names of addresses gone for `name_retention_s`, and beyond the `max_gone_names` most recently
+        gone."""
+        now = time.monotonic()
+        while self._gone:
+            key, since = next(iter(self._gone.items()))
+            if len(self._gone) <= self.max_gone_names and now - since < self.name_retention_s:
+                break  # oldest first: the rest are kept too
+            del self._gone[key]
+            self._names.pop(key, None)
+
     def remove(self, address: str) -> WorkerInfo:
         """Remove a worker now: the attempts that still need it end as a worker marked down's do (`on_closing`: the
         dispatcher retries or migrates them), then its channel closes."""
         w = self.workers.pop(address)
+        self._left(w)
         self._close(w)
         return w
 
@@ -143,6 +175,7 @@ class WorkerRegistry:
         to `drain_s` (its channel is closed when the last one ends, or then). The attempts still on it then end as
         on `remove` (the dispatcher retries or migrates them)."""
         w = self.workers.pop(address)
+        self._left(w)
         task = asyncio.ensure_future(self._close_when_idle(w, drain_s))
         self._draining.add(task)
         task.add_done_callback(self._draining.discard)
