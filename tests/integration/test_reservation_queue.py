@@ -85,6 +85,41 @@ def test_a_ticket_past_its_deadline_fails_in_line(engine, loop):
     assert loop.call(used, engine) == {}
 
 
+@pytest.mark.parametrize("leaves", ["withdrawn", "expired"])
+def test_a_ticket_behind_a_blocked_head_that_left_is_granted_without_pages_released(checkpoints, leaves):
+    """The queue skips retrying while the pools' page counts are those at which its head last did not fit. Once
+    that head left (its caller gave up, or its deadline passed), the next one, which may need fewer pages, is tried
+    at once: no page needs to be released first."""
+    path, _ = checkpoints(MIXED)
+    engine = create_engine(str(path), **{**OPTS, "max_num_seqs": 3, "num_full_pages": 8})
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        queue = ReservationQueue(engine)
+        loop.add_ticker(queue.grant)
+        deadline = time.monotonic() + scaled(30)
+        own_deadline_s = 0.3  # the behaviour under test: the blocked head's own deadline (not a bound)
+        holder = ReservationTicket([5] * 80, PARAMS, deadline)  # 5 of the 8 full pages
+        big = ReservationTicket([6] * 112, PARAMS, time.monotonic() + own_deadline_s if leaves == "expired"
+                                else deadline)  # 7 pages: waits for the holder
+        small = ReservationTicket([7] * 32, PARAMS, deadline)  # 2 pages: would fit now, but waits in line
+        for ticket in (holder, big, small):
+            loop.call(queue.offer, ticket)
+        holding = holder.future.result(scaled(5))
+        assert not big.future.done() and not small.future.done() and len(queue) == 2
+        if leaves == "withdrawn":
+            loop.call(queue.withdraw, big)
+        granted = small.future.result(scaled(5))  # the holder still holds its pages
+        assert granted.pages.slot != holding.pages.slot
+        if leaves == "expired":
+            assert big.future.done() and isinstance(big.future.exception(), RequestFailed)
+        for reservation in (holding, granted):
+            loop.call(queue.cancel, reservation)
+        assert loop.call(used, engine) == {}
+    finally:
+        loop.stop()
+
+
 def test_a_ticket_for_a_prompt_that_never_fits_is_refused_at_once(engine, loop):
     queue = ReservationQueue(engine)
     with pytest.raises(InvalidRequestError, match="max_model_len"):  # it would wait for nothing

@@ -1,5 +1,5 @@
 """DNS discovery's pieces: the flags, the hosts-file override, resolution through the system resolver, and the
-registry's stable names."""
+registry's stable names (kept for an address gone for a while, within a bound)."""
 
 from __future__ import annotations
 
@@ -74,5 +74,35 @@ def test_a_worker_added_again_keeps_its_name_and_new_ones_get_new_names():
         assert r.add("decode", "127.0.0.3:1").name == a
         assert r.add("prefill", "127.0.0.5:1").name not in (a, b)
         assert len({a, b}) == 2
+
+    asyncio.run(scenario())
+
+
+def test_the_names_of_addresses_gone_are_kept_for_a_while_then_forgotten():
+    """DNS churn (every pod restart a new address) must not grow the registry's name map for ever: the names of at
+    most `max_gone_names` addresses gone are kept, the most recently gone, and none gone for `name_retention_s`."""
+    async def scenario():
+        r = WorkerRegistry(max_gone_names=3)
+        kept = r.add("prefill", "127.0.0.2:1").name  # registered the whole time: never forgotten
+        names = {}
+        for i in range(100):
+            address = f"10.0.{i // 250}.{i % 250}:1"
+            names[address] = r.add("decode", address).name
+            if i % 2:
+                r.remove(address)
+            else:
+                r.retire(address, drain_s=1.0)
+        assert len(r._names) == 1 + 3  # the registered worker's and the 3 most recently gone
+        last, fourth_last = "10.0.0.99:1", "10.0.0.96:1"
+        assert r.add("decode", last).name == names[last]  # back within the retention: the same name
+        assert r.add("decode", fourth_last).name not in names.values()  # forgotten: a new one
+        assert r.workers["127.0.0.2:1"].name == kept
+
+        r = WorkerRegistry(name_retention_s=0.0)  # every name of an address gone is forgotten at once
+        a = r.add("decode", "127.0.0.3:1").name
+        r.remove("127.0.0.3:1")
+        r.add("decode", "127.0.0.4:1")
+        assert len(r._names) == 1
+        assert r.add("decode", "127.0.0.3:1").name != a
 
     asyncio.run(scenario())

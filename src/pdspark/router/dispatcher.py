@@ -16,6 +16,9 @@ Rules:
   at once, as a failure of that worker: a decode worker's (retried, or migrated once it streamed), and a prefill
   worker's until its leg answered. A hung worker costs a request the health checks' detection time, not its
   deadline; the Abort the hung prefill worker is sent is not waited for.
+- A worker removed (`DELETE /workers`), or retired (DNS discovery) and closed with calls still on it at the end of
+  its drain, ends the attempts that still need it the same way (`WorkerRegistry.on_closing`), before its channel
+  closes: they are retried or migrated, never taken for a client's cancel, and nothing is sent to the closed channel.
 - Every call to a worker carries a relative gRPC timeout: what is left of the request's one `Deadline`, shared by
   all attempts (the transfer rendezvous keeps its own, shorter, `transfer_timeout_s`). A client that goes away (or
   `abort`) cancels both legs.
@@ -76,6 +79,7 @@ class Dispatcher:
         self.metrics = metrics
         self.active: dict[str, PairAttempt] = {}  # the running attempt of each request (by the router's id)
         registry.on_down.append(self._worker_down)
+        registry.on_closing.append(self._worker_closing)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, deadline: Deadline,
                        aborted: asyncio.Event | None = None,
@@ -206,6 +210,14 @@ class Dispatcher:
                                                        "health checks")
         for attempt in list(self.active.values()):
             attempt.worker_down(worker, failure)
+
+    def _worker_closing(self, worker: WorkerInfo) -> None:
+        """The registry is about to close its channel to `worker` (removed, or retired and drained): end the attempts
+        that still need it, as for a worker marked down."""
+        failure = RequestFailed(ErrorCode.UNAVAILABLE, f"{worker.role} worker {worker.address} was removed from the "
+                                                       "router")
+        for attempt in list(self.active.values()):
+            attempt.worker_closing(worker, failure)
 
     def abort(self, request_id: str) -> bool:
         """End the running attempt of the request `request_id` (the router's id) with `ABORTED`; the attempt

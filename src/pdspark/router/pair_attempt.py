@@ -10,14 +10,15 @@ Rules:
   stream is the decode worker's; a failed prefill leg is the prefill worker's.
 - Every call carries a relative gRPC timeout: what is left of the request's `Deadline` (the transfer rendezvous
   keeps its own, shorter, `transfer_timeout_s`).
-- From outside (`end`, `worker_down`) an attempt is ended by cancelling its decode stream with the failure to
-  report; its reader raises that failure, a cancel of the reader's own task stays a cancel.
+- From outside (`end`, `worker_down`, `worker_closing`) an attempt is ended by cancelling its decode stream with the
+  failure to report; its reader raises that failure, a cancel of the reader's own task stays a cancel.
+- A worker the router no longer has (`WorkerInfo.closed`: removed, or retired and drained) is never called again:
+  the attempts that needed it were ended before its channel closed (`worker_closing`), and no Abort is sent there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
@@ -87,13 +88,14 @@ class LegCalls:
 
     registry: WorkerRegistry
     transfer_timeout_s: float  # the transfer rendezvous' own timeout, relative: each worker times it from receipt
-    background: set[asyncio.Future]  # Aborts sent to workers marked down, held (not awaited) until they end
+    background: set[asyncio.Future]  # Aborts sent to the prefill workers, held until they end
 
 
 class PairAttempt:
     """One attempt: its two legs (the prefill call, the decode stream) and the chunks the stream brings.
 
-    `chunks()` runs the attempt; it may be iterated once. `end` and `worker_down` end it from outside.
+    `chunks()` runs the attempt; it may be iterated once. `end`, `worker_down` and `worker_closing` end it from
+    outside.
     `on_over` is called once the stream is over and before unsettled legs are cancelled: from then on there is
     nothing left to end (the dispatcher drops the attempt from its map of running ones).
     """
@@ -117,7 +119,8 @@ class PairAttempt:
         generated, the decode continues after them, and the chunks carry only what follows.
 
         Raises:
-            PairFailed: a leg failed, or the attempt was ended from outside (`end`, `worker_down`).
+            PairFailed: a leg failed, or the attempt was ended from outside (`end`, `worker_down`,
+                `worker_closing`).
         """
         request, prefill, decode = self.request, self.prefill, self.decode
         registry, transfer_timeout_s = self.calls.registry, self.calls.transfer_timeout_s
@@ -171,8 +174,8 @@ class PairAttempt:
                 raise PairFailed(RequestFailed(failure.code, f"decode worker {decode.address}: {failure.message}"),
                                  avoid) from e
             except asyncio.CancelledError:
-                # The attempt was ended from outside (the prefill leg failed, `abort`, a worker marked down): that
-                # failure ends it. A cancel of this task (the client went away) stays a cancel.
+                # The attempt was ended from outside (the prefill leg failed, `abort`, a worker marked down or
+                # removed): that failure ends it. A cancel of this task (the client went away) stays a cancel.
                 if self.failure is None or _cancelling():
                     raise
                 raise self.failure from None
@@ -202,11 +205,21 @@ class PairAttempt:
     def worker_down(self, worker: WorkerInfo, failure: RequestFailed) -> None:
         """`worker` was marked down: end the attempt if it still needs it (its calls would hang until keepalive or
         their deadlines). A prefill worker is no longer needed once its leg answered."""
-        prefill_answered = self.streaming or (self.prefill_call is not None and self.prefill_call.done())
-        needed = self.decode.address == worker.address or (self.prefill.address == worker.address
-                                                           and not prefill_answered)
-        if needed:
+        if self._needs(lambda w: w.address == worker.address):
             self.end(PairFailed(failure, worker.address))
+
+    def worker_closing(self, worker: WorkerInfo, failure: RequestFailed) -> None:
+        """The router is about to close its channel to `worker` (this very entry: removed, or retired and drained):
+        end the attempt if it still needs it, as `worker_down` does, before the close cancels its calls (a cancel
+        the reader would otherwise take for its client's)."""
+        if self._needs(lambda w: w is worker):
+            self.end(PairFailed(failure, worker.address))
+
+    def _needs(self, match: Callable[[WorkerInfo], bool]) -> bool:
+        """Whether the attempt still needs a worker `match` picks: its decode worker always, its prefill worker until
+        the leg answered."""
+        prefill_answered = self.streaming or (self.prefill_call is not None and self.prefill_call.done())
+        return match(self.decode) or (match(self.prefill) and not prefill_answered)
 
     def _prefill_answered(self, _call: asyncio.Future | None) -> None:
         """The prefill worker holds the attempt's leg no more (`WorkerInfo.in_flight`), once."""
@@ -246,16 +259,21 @@ class PairAttempt:
             # Also when the call already ended without the worker's answer (its deadline passed, the transport
             # broke): the prefill worker may still hold the request or wait for its plan; Abort drops it.
             self.prefill_call.cancel()
+            if self.prefill.closed:
+                # Removed: its channel is closed (calling it raises), and the close ended the leg's call, so the
+                # worker drops what it held for it (as for any caller gone).
+                return
             abort = asyncio.ensure_future(self.calls.registry.prefill_stub(self.prefill).Abort(
                 worker_pb2.AbortRequest(request_id=self.request.worker_request_id), timeout=2))
+            background = self.calls.background
+            background.add(abort)
+            abort.add_done_callback(background.discard)
+            abort.add_done_callback(_consume)
             if not self.prefill.healthy:  # maybe hung: the retry does not wait for its answer
-                background = self.calls.background
-                background.add(abort)
-                abort.add_done_callback(background.discard)
-                abort.add_done_callback(_consume)
                 return
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await abort
+            # Waited for (its own timeout bounds it), but neither its failure nor its cancel is raised here: the
+            # worker may be removed meanwhile, its channel's close cancelling the Abort. A cancel of this task is.
+            await asyncio.wait({abort})
 
 
 def _prefill_settled(call: asyncio.Future) -> bool:

@@ -1,8 +1,18 @@
 """`PrefillClients`: the decode worker's asyncio gRPC clients of prefill workers (one channel per address, with
 keepalive: a prefill worker that hangs without closing its socket breaks the channel instead of holding calls; mutual
-TLS with the worker's own certificate when it has one)."""
+TLS with the worker's own certificate when it has one).
+
+A channel no call used for `idle_s` is closed and forgotten (made again on the next call to that address): prefill
+addresses come and go (DNS discovery, a pod restarted under a new IP), and one channel per address ever seen would
+grow without bound. A channel with a call on it is never closed."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -15,29 +25,73 @@ from pdspark.rpc.tls_credentials import aio_channel
 from pdspark.transfer.plan import TransferPlan, TransferResult
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
+IDLE_S = 300.0  # a channel to a prefill worker that no call used for this long is closed
+
+
+@dataclass
+class _Channel:
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.PrefillWorkerStub
+    calls: int = 0  # calls on it now
+    last_used: float = 0.0  # clock() when its last call ended (or it was made)
+
 
 class PrefillClients:
     """Channels are made on first use, on the asyncio loop that uses them (a grpc.aio channel belongs to one)."""
 
-    def __init__(self, tls: TLSConfig | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
-        """`credentials`: made from `tls` once (at start, where a bad file is a configuration error)."""
+    def __init__(self, tls: TLSConfig | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 idle_s: float = IDLE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        """`credentials`: made from `tls` once (at start, where a bad file is a configuration error). `clock`: the
+        time idleness is measured on (tests)."""
         self._tls, self._credentials = tls, credentials
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
+        self.idle_s = idle_s
+        self._clock = clock
+        self._channels: dict[str, _Channel] = {}
+        self._next_sweep = 0.0  # clock() from when idle channels are looked for again
+        self._closing: set[asyncio.Future] = set()  # closes of idle channels under way
 
-    def stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        if address not in self._stubs:
-            self._channels[address] = aio_channel(address, self._tls, CHANNEL_OPTIONS, self._credentials)
-            self._stubs[address] = worker_pb2_grpc.PrefillWorkerStub(self._channels[address])
-        return self._stubs[address]
+    @property
+    def addresses(self) -> list[str]:
+        """The prefill workers this decode worker holds a channel to."""
+        return list(self._channels)
+
+    @contextlib.contextmanager
+    def _stub(self, address: str) -> Iterator[worker_pb2_grpc.PrefillWorkerStub]:
+        """The stub for `address`, its channel counted as in use while the block runs."""
+        self._close_idle()
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = aio_channel(address, self._tls, CHANNEL_OPTIONS, self._credentials)
+            entry = self._channels[address] = _Channel(channel, worker_pb2_grpc.PrefillWorkerStub(channel),
+                                                       last_used=self._clock())
+        entry.calls += 1
+        try:
+            yield entry.stub
+        finally:
+            entry.calls -= 1
+            entry.last_used = self._clock()
+
+    def _close_idle(self) -> None:
+        """Close the channels no call used for `idle_s` (looked for at most every quarter of it)."""
+        now = self._clock()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + self.idle_s / 4
+        for address, entry in list(self._channels.items()):
+            if entry.calls == 0 and now - entry.last_used >= self.idle_s:
+                del self._channels[address]
+                closing = asyncio.ensure_future(entry.channel.close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
 
     async def submit_plan(self, address: str, plan: TransferPlan, timeout_s: float) -> TransferResult:
         """Send the plan and wait (at most `timeout_s`) for the result; raises `RequestFailed` (the prefill
         side's), or `Unanswered` (DEADLINE / UNAVAILABLE from the transport: the prefill worker may still be
         writing). Cancelling the caller cancels the call, which the prefill worker sees."""
         try:
-            msg = await self.stub(address).SubmitPlan(convert.plan_to_pb(plan), timeout=max(timeout_s, 0.001),
-                                                      metadata=tracing.outgoing_metadata())
+            with self._stub(address) as stub:
+                msg = await stub.SubmitPlan(convert.plan_to_pb(plan), timeout=max(timeout_s, 0.001),
+                                            metadata=tracing.outgoing_metadata())
         except grpc.RpcError as e:
             if (reported := reported_failure(e)) is not None:
                 raise reported from e
@@ -50,13 +104,15 @@ class PrefillClients:
         once no more writes can land); True when it had one. Raises `RequestFailed` when it does not answer within
         a lease."""
         try:
-            reply = await self.stub(address).Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=LEASE_S)
+            with self._stub(address) as stub:
+                reply = await stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=LEASE_S)
         except grpc.RpcError as e:
             raise failure_from_rpc_error(e) from e
         return reply.found
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        for entry in self._channels.values():
+            await entry.channel.close()
         self._channels.clear()
-        self._stubs.clear()
+        if self._closing:
+            await asyncio.wait(self._closing)

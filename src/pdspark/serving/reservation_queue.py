@@ -4,7 +4,8 @@ engine-loop thread.
 A request whose prompt cache arrives by transfer needs a request slot and pages for that cache before its plan can
 go out. While the pools are full it waits here as a `ReservationTicket`, without polling from outside: between
 steps the loop retries the head ticket, and only when the pools' page counts have changed since the head last did
-not fit (a request finished, a reservation was cancelled: pages were released). The caller awaits the ticket's
+not fit (a request finished, a reservation was cancelled: pages were released) or the head is another ticket (the
+one that did not fit left the line: withdrawn, expired). The caller awaits the ticket's
 future with its deadline; a caller that gives up withdraws the ticket (on the loop thread too, in order), so a
 waiting ticket is dropped and one granted meanwhile has its pages freed: nothing is handed to a caller who is gone.
 A granted reservation stays outstanding until it is adopted or cancelled, so a clean-up that races an adopt frees
@@ -54,6 +55,7 @@ class ReservationQueue:
         self._waiting: collections.deque[ReservationTicket] = collections.deque()
         self._outstanding: dict[int, ReqPages] = {}  # request slot -> granted pages, until adopted or cancelled
         self._blocked_at: dict | None = None  # the pools' page counts when the head last did not fit
+        self._blocked_head: ReservationTicket | None = None  # that head
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -70,8 +72,8 @@ class ReservationQueue:
         self._expire()
         if not self._waiting:
             return
-        if self.engine.kv.usage() == self._blocked_at:
-            return  # nothing released since the head last did not fit
+        if self._waiting[0] is self._blocked_head and self.engine.kv.usage() == self._blocked_at:
+            return  # nothing released since this head last did not fit
         while self._waiting:
             ticket = self._waiting[0]
             if ticket.future.cancelled():  # its caller gave up; the withdraw command is on its way
@@ -85,7 +87,7 @@ class ReservationQueue:
                     ticket.future.set_exception(as_request_failed(e))
                 continue
             if pages is None:
-                self._blocked_at = self.engine.kv.usage()
+                self._blocked_at, self._blocked_head = self.engine.kv.usage(), ticket
                 return
             self._waiting.popleft()
             if not ticket.future.set_running_or_notify_cancel():  # its caller (another thread) gave up just now
@@ -93,7 +95,7 @@ class ReservationQueue:
                 continue
             self._outstanding[pages.slot] = pages
             ticket.future.set_result(Reservation(pages, destination(self.engine.kv, pages, len(ticket.prompt_ids))))
-        self._blocked_at = None
+        self._blocked_at = self._blocked_head = None
 
     def withdraw(self, ticket: ReservationTicket) -> None:
         """The ticket's caller gave up: drop the ticket, or free the reservation it was granted meanwhile."""

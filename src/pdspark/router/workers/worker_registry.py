@@ -1,7 +1,10 @@
 """`WorkerRegistry`: the prefill and decode workers the router knows, their liveness and their load.
 
 Workers come from flags or are added/removed at run time (`/workers`, DNS discovery); a worker's name is stable
-per (role, address), so one that comes back keeps it, and `retire` removes one gently (its calls may end first).
+per (role, address), so one that comes back keeps it (and its metric series), and `retire` removes one gently (its
+calls may end first). The name of an address that is gone is kept for `name_retention_s` (a restarted pod, a DNS
+blip), and of at most `max_gone_names` such addresses, the most recently gone: with address churn (every pod of a
+rolling restart gets a new IP) the map stays bounded; an address back after that gets a new name.
 Busy is not unhealthy, so the two are watched apart, each worker on tasks of its own (a slow worker never delays
 another's checks):
 - liveness: the standard gRPC health `Check`, every `health_interval_s`, each with a short `health_timeout_s`.
@@ -13,8 +16,13 @@ another's checks):
   falls again (up to `max_readmit_backoff_s`), so a worker that keeps falling over gets ever fewer requests. A
   worker that stays healthy for `stable_s` starts over.
 - `on_down`: callbacks told (on the event loop) when a worker is marked unhealthy. With it the dispatcher ends the
-  attempts on that worker that have no token yet, so that they are retried elsewhere now rather than when
+  attempts that still need that worker, so that they are retried (or migrated) elsewhere now rather than when
   keepalive or the transfer timeout ends them.
+- `on_closing`: callbacks told as the router is about to close its channel to a worker it no longer has: at once on
+  `remove`, once the drain is over on `retire` (its last call ended, or `drain_s` passed). The dispatcher ends the
+  attempts that still need that worker as `on_down` does (retried or migrated, never taken for a client's cancel),
+  then the channel closes; from then on the worker is `closed` and nothing calls it again (an attempt skips the
+  Abort it would send there: the closed channel ended the worker's calls, and the worker drops what they held).
 - load: `GetLoad` every `load_interval_s` (running and waiting requests, and the worker's metrics URL). A slow or
   failed load report keeps the last one and never touches health.
 
@@ -31,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -54,6 +63,8 @@ _CALLS_METHOD = {role: f"/{worker_pb2.DESCRIPTOR.services_by_name[service].full_
 READMIT_BACKOFF_S = 1.0
 MAX_READMIT_BACKOFF_S = 30.0
 STABLE_S = 60.0
+NAME_RETENTION_S = 3600.0  # how long the name of an address that is gone is kept for it
+MAX_GONE_NAMES = 1024  # the names of at most this many addresses that are gone are kept (the most recently gone)
 
 
 @dataclass
@@ -78,6 +89,7 @@ class WorkerInfo:
     calls: MultiplexedClient | None = field(default=None, repr=False)  # on `channel`, made by the first call
     # What clients and /metrics call the worker (`prefill-0`): its address is for admins only (see `api_keys`).
     name: str = ""
+    closed: bool = False  # removed (or retired and drained): its channel is closed, never to be called again
 
     @property
     def load(self) -> int:
@@ -92,7 +104,8 @@ class WorkerRegistry:
     def __init__(self, health_interval_s: float = 0.5, health_timeout_s: float = 0.5, load_interval_s: float = 1.0,
                  max_failures: int = 2, readmit_backoff_s: float = READMIT_BACKOFF_S,
                  max_readmit_backoff_s: float = MAX_READMIT_BACKOFF_S, stable_s: float = STABLE_S,
-                 tls: TLSConfig | None = None, multiplexed: bool = False):
+                 tls: TLSConfig | None = None, multiplexed: bool = False,
+                 name_retention_s: float = NAME_RETENTION_S, max_gone_names: int = MAX_GONE_NAMES):
         self.tls = tls
         self.multiplexed = multiplexed
         # Read once, here (at start): a missing file is a configuration error, not a failure of every call later.
@@ -106,16 +119,25 @@ class WorkerRegistry:
         self.stable_s = stable_s
         self.workers: dict[str, WorkerInfo] = {}
         self.on_down: list[Callable[[WorkerInfo], None]] = []  # called with a worker as it is marked unhealthy
+        # Called with a worker whose channel is about to close (removed, or retired and drained).
+        self.on_closing: list[Callable[[WorkerInfo], None]] = []
         self._registered = 0  # numbers the names: workers from flags are named as `pdspark up` names them
         # (role, address) -> name: a worker removed and added again (DNS discovery) keeps its name and its series.
+        # The registered workers' and, for a while, those of workers gone (`_gone`).
         self._names: dict[tuple[str, str], str] = {}
-        self._draining: set[asyncio.Task] = set()  # retired workers' channels, closed once their calls end
+        # (role, address) -> time.monotonic() it left the registry, for names kept of workers gone: oldest first.
+        self._gone: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self.name_retention_s = name_retention_s
+        self.max_gone_names = max_gone_names
+        self._draining: set[asyncio.Task] = set()  # channel closes under way, retired workers' drains included
 
     def add(self, role: str, address: str, metrics_url: str = "") -> WorkerInfo:
         if role not in ROLES:
             raise ValueError(f"unsupported worker role {role!r}; allowed: {', '.join(ROLES)}")
         if address in self.workers:
             raise ValueError(f"worker {address} is already registered")
+        self._gone.pop((role, address), None)
+        self._forget_names()
         if (role, address) not in self._names:
             self._names[role, address] = f"{role}-{self._registered}"
             self._registered += 1
@@ -123,22 +145,64 @@ class WorkerRegistry:
         self.workers[address] = w
         return w
 
+    def _left(self, w: WorkerInfo) -> None:
+        """`w` left the registry: its name is kept for its address for a while (`_forget_names`)."""
+        self._gone[w.role, w.address] = time.monotonic()
+        self._gone.move_to_end((w.role, w.address))
+        self._forget_names()
+
+    def _forget_names(self) -> None:
+        """Forget the names of addresses gone for `name_retention_s`, and beyond the `max_gone_names` most recently
+        gone."""
+        now = time.monotonic()
+        while self._gone:
+            key, since = next(iter(self._gone.items()))
+            if len(self._gone) <= self.max_gone_names and now - since < self.name_retention_s:
+                break  # oldest first: the rest are kept too
+            del self._gone[key]
+            self._names.pop(key, None)
+
     def remove(self, address: str) -> WorkerInfo:
+        """Remove a worker now: the attempts that still need it end as a worker marked down's do (`on_closing`: the
+        dispatcher retries or migrates them), then its channel closes."""
         w = self.workers.pop(address)
-        if w.channel is not None:
-            asyncio.ensure_future(w.channel.close())
+        self._left(w)
+        self._close(w)
         return w
 
     def retire(self, address: str, drain_s: float) -> WorkerInfo:
         """Remove a worker gently: no request picks it from now on, while the calls already on it may go on for up
-        to `drain_s` (its channel is closed when the last one ends, or then). A call cut then fails as a dead
-        worker's would (the dispatcher retries or migrates it)."""
+        to `drain_s` (its channel is closed when the last one ends, or then). The attempts still on it then end as
+        on `remove` (the dispatcher retries or migrates them)."""
         w = self.workers.pop(address)
+        self._left(w)
+        task = asyncio.ensure_future(self._close_when_idle(w, drain_s))
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+        return w
+
+    async def _close_when_idle(self, w: WorkerInfo, drain_s: float) -> None:
+        deadline = time.monotonic() + drain_s
+        while w.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        self._close(w)
+
+    def _close(self, w: WorkerInfo) -> None:
+        """Close the channel to `w`, a worker no longer registered: first the attempts that still need it are ended
+        (`on_closing`), so that none takes the closed channel's cancel of its calls for its client's; `closed` keeps
+        every later call off the channel."""
+        if w.closed:
+            return
+        w.closed = True
+        for callback in self.on_closing:
+            try:
+                callback(w)
+            except Exception:  # one broken callback must not keep the others from their attempts, nor the close
+                logger.exception("on_closing callback for %s worker %s failed", w.role, w.address)
         if w.channel is not None:
-            task = asyncio.ensure_future(_close_when_idle(w, w.channel, drain_s))
+            task = asyncio.ensure_future(w.channel.close())
             self._draining.add(task)
             task.add_done_callback(self._draining.discard)
-        return w
 
     def healthy(self, role: str) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role and w.healthy]
@@ -258,16 +322,10 @@ class WorkerRegistry:
                     t.cancel()
 
 
-async def _close_when_idle(w: WorkerInfo, channel: grpc.aio.Channel, drain_s: float) -> None:
-    deadline = time.monotonic() + drain_s
-    while w.in_flight > 0 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    await channel.close()
-
-
 async def _every(interval_s: float, poll: Callable[[WorkerInfo], Awaitable[bool]], w: WorkerInfo) -> None:
-    """`poll(w)` every `interval_s` (at once again when one took longer): a missed answer is followed up at once."""
-    while True:
+    """`poll(w)` every `interval_s` (at once again when one took longer): a missed answer is followed up at once.
+    Ends once the worker's channel is closed (removed: `poll_forever` cancels the watch at its next round)."""
+    while not w.closed:
         started = time.monotonic()
         try:
             await poll(w)
