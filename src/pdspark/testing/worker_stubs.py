@@ -79,6 +79,10 @@ class _Stub:
             self.cancelled.append(request_id)
             raise
 
+    def _unstarted(self, request) -> None:
+        """A multiplexed call cancelled before its handler ran: cancelled under this stub all the same."""
+        self.cancelled.append(request.request_id)
+
     async def Abort(self, request, context):
         self.aborted.append(request.request_id)
         return worker_pb2.AbortResponse(found=False)
@@ -92,7 +96,8 @@ class _Stub:
 class StubPrefill(_Stub, worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self) -> None:
         super().__init__()
-        self.calls_server = MultiplexedServer({"prefill": CallHandler(self.Prefill, "prefill", streaming=False)})
+        self.calls_server = MultiplexedServer({"prefill": CallHandler(self.Prefill, "prefill", streaming=False,
+                                                                      unstarted=self._unstarted)})
 
     async def Calls(self, request_iterator, context):  # Prefill calls multiplexed, as a worker takes them
         async with contextlib.aclosing(self.calls_server.serve(request_iterator, context)) as replies:
@@ -115,7 +120,8 @@ class StubDecode(_Stub, worker_pb2_grpc.DecodeWorkerServicer):
         # Per call, in order: the stream breaks (UNAVAILABLE, as a worker that died) after this many chunks;
         # HANG: it stalls there instead (as a stopped worker's stream).
         self.breaks: list[int | tuple[int, str]] = []
-        self.calls_server = MultiplexedServer({"generate": CallHandler(self.Generate, "chunk", streaming=True)})
+        self.calls_server = MultiplexedServer({"generate": CallHandler(self.Generate, "chunk", streaming=True,
+                                                                       unstarted=self._unstarted)})
 
     async def Calls(self, request_iterator, context):  # Generate calls multiplexed, as a worker takes them
         async with contextlib.aclosing(self.calls_server.serve(request_iterator, context)) as replies:
