@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -199,7 +199,7 @@ class MultiplexedServer:
         self.taking_calls = False
 
     async def serve(self, frames: AsyncIterator[worker_pb2.CallFrames], context: Any
-                    ) -> AsyncIterator[worker_pb2.ReplyFrames]:
+                    ) -> AsyncGenerator[worker_pb2.ReplyFrames, None]:
         """The `Calls` handler: until the caller goes away, or it stopped sending and every call ended."""
         calls = _Calls(self, context)
         self.streams.add(calls)
