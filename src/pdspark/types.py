@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pdspark.errors import InvalidRequestError
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(str, enum.Enum):  # noqa: UP042 (a `StrEnum` would change what `str()` of a member says)
     """Why a request stopped generating; the same value from the engine to the HTTP body and the SDK. The value is
     OpenAI's `finish_reason` string ("abort" is vLLM's extension for a request the server stopped). The `str` base
     lets a reason compare equal to, and serialise as, that string."""

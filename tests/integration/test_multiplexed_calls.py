@@ -12,11 +12,14 @@ import contextlib
 import grpc
 import pytest
 
+from helpers import sample_value
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.multiplexed_client import MultiplexedClient, batches
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
+from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
+from pdspark.serving.metrics import WorkerMetrics
 from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import run_within, until
 from pdspark.testing.worker_stubs import HANG, HOLD, StubDecode, StubPrefill, serve_stub
@@ -283,6 +286,49 @@ def test_bad_input_on_a_calls_stream_is_invalid_argument():
                         pass
                 assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
                 assert reported_failure(e.value).code is ErrorCode.INVALID_REQUEST
+        finally:
+            await server.stop(None)
+
+    run_within(scenario(), 30)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_call_cancelled_in_the_message_that_brought_it_is_dropped_and_counted_cancelled(role):
+    """The router's caller goes away at once: the call's frame and its cancel leave in one message, so the worker
+    cancels the call's task before its first step and the servicer's handler never runs. The stream must drop the
+    call all the same (not hold it, and its prompt, for as long as the stream lives) and the worker count it
+    `cancelled`, as it counts a call cancelled while running."""
+
+    async def scenario():
+        metrics = WorkerMetrics(role)
+        # The worker's own servicer, with no worker behind it: the call never reaches its handler.
+        servicer = (DecodeServicer if role == "decode" else PrefillServicer)(None, metrics)
+        server = grpc.aio.server()
+        if role == "decode":
+            worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+        else:
+            worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+                client = MultiplexedClient(channel, GENERATE if role == "decode" else PREFILL)
+                kind, request = ("generate", generate("r")) if role == "decode" else \
+                    ("prefill", worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1, 2]))
+                call = client.call(kind, request, timeout=scaled(10))
+                assert call.cancel()  # before the writer's turn: the call and its cancel are one message
+                await until(lambda: servicer.calls.streams, 5, "the calls stream at the worker")
+                (stream,) = servicer.calls.streams
+
+                def cancelled() -> float | None:
+                    return sample_value(metrics.registry, "pdspark_worker_requests_total", outcome="cancelled")
+
+                await until(lambda: not stream.tasks, 5, "the call dropped from the stream's running calls")
+                assert not stream.started  # its task never took a step: the cancel came in the same message
+                await until(lambda: cancelled() == 1, 5, "the call counted cancelled")
+                assert sum(sample_value(metrics.registry, "pdspark_worker_requests_total", outcome=o) or 0
+                           for o in ("ok", "error")) == 0
+                await client.close()
         finally:
             await server.stop(None)
 

@@ -16,7 +16,7 @@ from pdspark.client import AsyncClient, ClientError
 from pdspark.errors import ErrorCode
 from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import run_within
-from pdspark.testing.worker_stubs import HANG
+from pdspark.testing.worker_stubs import CANCEL, HANG
 from router_harness import RouterHarness
 
 PROMPT = [5, 6, 7]
@@ -121,5 +121,43 @@ def test_a_failure_before_the_first_token_is_a_retry_not_a_migration(worker_call
             calls = h.decode[0].calls + h.decode[1].calls
             assert len(calls) == 2 and all(c.generated_token_ids == () for c in calls)
             assert h.core.metrics.retries._value.get() == 1 and h.core.metrics.migrations._value.get() == 0
+
+    run_within(scenario())
+
+
+@pytest.mark.parametrize("after", [3, 0])
+def test_a_stream_cancelled_on_the_workers_side_is_migrated_or_retried_not_ended(worker_calls, after):
+    """A decode stream that ends CANCELLED without the router asking (a proxy between them reset it, or the worker's
+    side cancelled it) failed on the worker's side, unlike a cancel of the router's own or its client's: after
+    tokens reached the client it migrates to the other pair, before them it is retried there. What reaches the
+    router: per-request, the call's own CANCELLED status; multiplexed, its `Calls` stream's (`CANCEL`)."""
+
+    async def scenario():
+        async with await RouterHarness.start(worker_calls=worker_calls, decodes=2, tokens=8) as h, \
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as client:
+            h.decode[0].breaks = [(after, CANCEL)]
+            assert await stream_ids(client) == list(range(8))  # nothing lost, nothing repeated
+            (first,), (second,) = h.decode[0].calls, h.decode[1].calls
+            assert first.generated_token_ids == () and second.generated_token_ids == tuple(range(after))
+            migrated = 1 if after else 0
+            assert h.sample("pdspark_router_migrations_total") == migrated
+            assert h.sample("pdspark_router_retries_total") == 1 - migrated
+
+    run_within(scenario())
+
+
+def test_a_prefill_leg_cancelled_on_the_workers_side_is_retried_on_another_pair(worker_calls):
+    """The same for a prefill leg: its CANCELLED (the call's, or its `Calls` stream's) is a retry elsewhere."""
+
+    async def scenario():
+        async with await RouterHarness.start(worker_calls=worker_calls, prefills=2, tokens=4) as h, \
+                AsyncClient(h.grpc_address, timeout=scaled(30)) as client:
+            h.prefill[0].mode = CANCEL
+            # Paired with it, the decode stream waits for its transfer (until the failed leg ends the attempt).
+            h.decode[0].hang_with = {h.address[id(h.prefill[0])]}
+            assert await stream_ids(client) == list(range(4))
+            assert len(h.prefill[0].calls) == len(h.prefill[1].calls) == 1
+            assert h.sample("pdspark_router_retries_total") == 1
+            assert h.sample("pdspark_router_migrations_total") == 0
 
     run_within(scenario())

@@ -30,7 +30,7 @@ from pdspark.router.random_id import uuid4_hex
 from pdspark.router.workers.worker_registry import WorkerInfo, WorkerRegistry
 from pdspark.rpc import convert, tracing
 from pdspark.rpc.multiplexed_client import MultiplexedCall
-from pdspark.rpc.status import failure_from_rpc_error, reported_failure
+from pdspark.rpc.status import failure_from_aio_error, reported_failure
 from pdspark.types import FinishReason, TokenLogprobs
 from pdspark.v1 import common_pb2, worker_pb2
 
@@ -162,7 +162,7 @@ class PairAttempt:
                                         msg.logprobs], msg.finished, convert.finish_reason_from_pb(msg.finish_reason),
                                         completion, msg.num_cached_tokens, prefill.address, decode.address)
             except grpc.aio.AioRpcError as e:
-                failure = failure_from_rpc_error(e)
+                failure = failure_from_aio_error(e)  # CANCELLED here is not ours (ours raises CancelledError)
                 # A failure the decode worker reported is about the transfer, so the prefill worker is the one to
                 # avoid; a call that failed without one never reached a working decode worker.
                 # A full decode worker (OVERLOADED) is itself the one to avoid.
@@ -235,7 +235,7 @@ class PairAttempt:
             return
         e = call.exception()
         if isinstance(e, grpc.aio.AioRpcError):
-            failure = failure_from_rpc_error(e)
+            failure = failure_from_aio_error(e)
         elif e is None and call.result().result.HasField("error"):
             failure = convert.failure_from_pb(call.result().result.error)
         else:

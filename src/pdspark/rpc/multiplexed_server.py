@@ -9,6 +9,11 @@ ends it. A call is cancelled (its task, as grpc cancels a handler) when its call
 passes, and when the stream ends: every call on a stream that goes away (the router died, or its connection broke)
 is cancelled, as the calls of a broken connection are. A worker that is stopping (`stop_taking_calls`) refuses new
 calls UNAVAILABLE, as a gRPC server in its grace period refuses new calls, while the running ones go on.
+
+A call cancelled before its task took a step (its `cancel` came in the message that brought it: the router's caller
+went away at once) never runs its handler, so none of the handler's own accounting happens: the stream drops it in
+its task's done-callback, whatever the task did, and the handler's `unstarted` records its outcome (a worker counts
+it `cancelled`, as it counts a call cancelled while running).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -42,6 +47,8 @@ class CallHandler:
     behaviour: Callable[[Any, Any], Any]  # (request, context): a coroutine (unary) or an async generator (streaming)
     reply: str  # `ReplyFrame.body` field of its replies: `prefill`, `chunk`
     streaming: bool
+    # (request): a call cancelled before `behaviour` ran at all; records what `behaviour` records of a cancelled call
+    unstarted: Callable[[Any], None] | None = None
 
 
 class CallAborted(Exception):
@@ -90,7 +97,8 @@ class _Calls:
         self.server = server
         self.handlers = server.handlers
         self.context = context
-        self.tasks: dict[int, asyncio.Task] = {}
+        self.tasks: dict[int, asyncio.Task] = {}  # the running calls, by id (each dropped by its done-callback)
+        self.started: set[int] = set()  # the calls in `tasks` whose task took its first step
         self.pending: list[worker_pb2.ReplyFrame] = []
         self.wake = asyncio.Event()
         self.drained = asyncio.Event()  # set whenever the writer takes the pending frames
@@ -124,8 +132,13 @@ class _Calls:
                         continue
                     deadline = loop.time() + frame.timeout_ms / 1000 if frame.timeout_ms else None
                     context = CallContext(tuple(frame.metadata.items()), deadline, self.context)
-                    task = asyncio.ensure_future(self._run(frame.call_id, handler, getattr(frame, kind), context))
+                    request = getattr(frame, kind)
+                    task = asyncio.ensure_future(self._run(frame.call_id, handler, request, context))
                     self.tasks[frame.call_id] = task
+                    # Not `_run`'s `finally`: a task cancelled before its first step (a `cancel` later in this same
+                    # message) never runs it, and its entry (and request, a whole prompt) would stay for as long as
+                    # the stream does.
+                    task.add_done_callback(functools.partial(self._call_done, frame.call_id, handler, request))
                     if deadline is not None:
                         timer = loop.call_at(deadline, task.cancel)  # as grpc cancels a handler at its deadline
                         task.add_done_callback(functools.partial(_stop_timer, timer))
@@ -134,6 +147,7 @@ class _Calls:
             self.wake.set()
 
     async def _run(self, call_id: int, handler: CallHandler, request: Any, context: CallContext) -> None:
+        self.started.add(call_id)
         try:
             if handler.streaming:
                 async with contextlib.aclosing(handler.behaviour(request, context)) as replies:
@@ -156,10 +170,17 @@ class _Calls:
         except Exception as e:
             logger.exception("call %d on a calls stream failed", call_id)
             self.reply(_ended(call_id, grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}"))
-        finally:
-            self.tasks.pop(call_id, None)
-            if not self.tasks:
-                self.wake.set()  # the writer may be waiting for the last call to end
+
+    def _call_done(self, call_id: int, handler: CallHandler, request: Any, task: asyncio.Task) -> None:
+        """A call's task is over, whatever it did: drop it; one cancelled before it ran gets its outcome recorded."""
+        if self.tasks.get(call_id) is task:
+            del self.tasks[call_id]
+        if call_id in self.started:
+            self.started.discard(call_id)
+        elif handler.unstarted is not None:  # cancelled before its first step: `behaviour` never saw it
+            handler.unstarted(request)
+        if not self.tasks:
+            self.wake.set()  # the writer may be waiting for the last call to end
 
     def close(self) -> None:
         for task in list(self.tasks.values()):
@@ -171,15 +192,17 @@ class MultiplexedServer:
         """`handlers`: by `CallFrame.body` field (`prefill`, `generate`), what a call of that kind runs."""
         self.handlers = handlers
         self.taking_calls = True
+        self.streams: set[_Calls] = set()  # the streams being served (each one's running calls: `tasks`)
 
     def stop_taking_calls(self) -> None:
         """From now on new calls are refused UNAVAILABLE (the worker is stopping); running calls go on."""
         self.taking_calls = False
 
     async def serve(self, frames: AsyncIterator[worker_pb2.CallFrames], context: Any
-                    ) -> AsyncIterator[worker_pb2.ReplyFrames]:
+                    ) -> AsyncGenerator[worker_pb2.ReplyFrames, None]:
         """The `Calls` handler: until the caller goes away, or it stopped sending and every call ended."""
         calls = _Calls(self, context)
+        self.streams.add(calls)
         # The RPC done (its caller killed: the connection closed) cancels every call on it, as a broken connection's
         # calls are. Not left to this generator's `finally`: grpc.aio ends a handler whose caller is gone at the
         # write that fails, without closing the handler's generator, which then only closes when it is garbage-
@@ -196,6 +219,7 @@ class MultiplexedServer:
                     yield worker_pb2.ReplyFrames(frames=batch)
             await reader  # its failure (a broken stream) ends the stream with it
         finally:
+            self.streams.discard(calls)
             reader.cancel()
             calls.close()
 

@@ -3,7 +3,9 @@
 A service that fails a call ends it with the code's gRPC status (`ErrorCode.grpc_status`) and the message as
 details, and attaches the typed failure, a serialized `ErrorDetail`, as trailing metadata under `ERROR_KEY`.
 The caller reads the code back from that metadata, never from the details text; a call that failed without it
-(the peer unreachable, the caller's own deadline or cancel) gets `ErrorCode.of_transport(status)`.
+(the peer unreachable, the caller's own deadline or cancel) gets `ErrorCode.of_transport(status)`. A grpc.aio
+call's own cancel never ends it with a status: `failure_from_aio_error` takes its CANCELLED for the peer's (or a
+proxy's), UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -55,3 +57,18 @@ def failure_from_rpc_error(e: grpc.RpcError) -> RequestFailed:
         return reported
     status: grpc.StatusCode = e.code()
     return RequestFailed(ErrorCode.of_transport(status.name), f"{status.name}: {e.details() or ''}")
+
+
+def failure_from_aio_error(e: grpc.RpcError) -> RequestFailed:
+    """`failure_from_rpc_error` for a grpc.aio call (or a `MultiplexedCall`): a CANCELLED status without the peer's
+    typed failure is UNAVAILABLE, which the router retries (or migrates, once tokens flowed).
+
+    Such a call that its caller cancelled raises `asyncio.CancelledError`, never an error with a status, so a
+    CANCELLED status is one its caller did not ask for: a proxy on the way reset the stream (RST_STREAM), or the
+    peer's side cancelled the call (or the multiplexed `Calls` stream it was on). That is about this call, not the
+    request: another worker can serve it. (Not for sync grpc, whose own cancel ends the call CANCELLED; the one
+    error with a status that this side makes is `MultiplexedClient.close`'s, which the router never calls.)
+    """
+    if e.code() is grpc.StatusCode.CANCELLED and reported_failure(e) is None:
+        return RequestFailed(ErrorCode.UNAVAILABLE, f"CANCELLED by the peer or a proxy: {e.details() or ''}")
+    return failure_from_rpc_error(e)

@@ -49,7 +49,7 @@ class ThrowawayCA:
 
         self.directory = Path(directory)
         self._key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         self._subject = subject
         self._cert = (
@@ -94,7 +94,7 @@ class ThrowawayCA:
         subject = [x509.NameAttribute(NameOID.COMMON_NAME, name)]
         if role is not None:
             subject.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name(subject))

@@ -14,7 +14,8 @@ for an engine step.
 failures, trace context and metrics as the gRPC call it stands for.
 
 Metrics: each `Prefill` call and `Generate` stream is counted once as it ends, by outcome (`ok`, `cancelled` when
-the caller went away before the last chunk, the failure's code, or `error`: an unexpected exception).
+the caller went away before the last chunk, the failure's code, or `error`: an unexpected exception). A multiplexed
+call cancelled before its handler ran (its cancel in the message that brought it) counts `cancelled` too.
 """
 
 from __future__ import annotations
@@ -59,12 +60,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker = worker
         self.metrics = metrics
         self.metrics_url = ""  # set by the server once its metrics endpoint listens
-        self.calls = MultiplexedServer({"prefill": CallHandler(self.Prefill, "prefill", streaming=False)})
+        self.calls = MultiplexedServer({"prefill": CallHandler(self.Prefill, "prefill", streaming=False,
+                                                               unstarted=self._unstarted)})
 
     async def Calls(self, request_iterator, context):
         async with contextlib.aclosing(self.calls.serve(request_iterator, context)) as replies:
             async for message in replies:
                 yield message
+
+    def _unstarted(self, request) -> None:
+        _count(self.metrics, "cancelled")  # a multiplexed call cancelled before `Prefill` ran
 
     async def Prefill(self, request, context):
         outcome = "error"
@@ -132,12 +137,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker = worker
         self.metrics = metrics
         self.metrics_url = ""  # set by the server once its metrics endpoint listens
-        self.calls = MultiplexedServer({"generate": CallHandler(self.Generate, "chunk", streaming=True)})
+        self.calls = MultiplexedServer({"generate": CallHandler(self.Generate, "chunk", streaming=True,
+                                                                unstarted=self._unstarted)})
 
     async def Calls(self, request_iterator, context):
         async with contextlib.aclosing(self.calls.serve(request_iterator, context)) as replies:
             async for message in replies:
                 yield message
+
+    def _unstarted(self, request) -> None:
+        _count(self.metrics, "cancelled")  # a multiplexed call cancelled before `Generate` ran
 
     async def Generate(self, request, context):
         outcome = "error"

@@ -129,7 +129,7 @@ class DnsDiscovery:
         loop = asyncio.get_running_loop()
         try:
             infos = await asyncio.wait_for(loop.getaddrinfo(name, port, type=socket.SOCK_STREAM), self.interval_s)
-        except (OSError, asyncio.TimeoutError) as e:  # socket.gaierror is an OSError
+        except (TimeoutError, OSError) as e:  # socket.gaierror is an OSError
             raise ResolveError(str(e) or "no answer in time") from e
         addresses = frozenset(worker_address(str(info[4][0]), port) for info in infos)
         if not addresses:
