@@ -291,7 +291,6 @@ def _consume(fut: asyncio.Future) -> None:
 
 
 def _cancelling() -> bool:
-    """Whether this task has been asked to cancel (Python 3.11+; before it, a cancel cannot be told apart)."""
+    """Whether this task has been asked to cancel."""
     task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return bool(cancelling()) if cancelling is not None else False
+    return task is not None and task.cancelling() > 0

@@ -252,7 +252,7 @@ class WorkerRegistry:
             health = self._stub(w, health_pb2_grpc.HealthStub)
             reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
             ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+        except (TimeoutError, grpc.aio.AioRpcError):
             ok = False
         now = time.monotonic()
         w.failures = 0 if ok else w.failures + 1
@@ -293,7 +293,7 @@ class WorkerRegistry:
         stub = self.prefill_stub(w) if w.role == "prefill" else self.decode_stub(w)
         try:
             load = await stub.GetLoad(worker_pb2.LoadRequest(), timeout=self.load_interval_s)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+        except (TimeoutError, grpc.aio.AioRpcError) as e:
             logger.debug("%s worker %s sent no load report: %s", w.role, w.address, e)
             return False
         w.reported_load = load.running + load.waiting
