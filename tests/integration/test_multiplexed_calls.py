@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import pytest
@@ -252,6 +253,29 @@ def test_a_stopping_worker_refuses_new_calls_and_finishes_the_running_ones():
             assert await texts(running) == ["r;", "r;"]
 
     run_within(scenario(), 30)
+
+
+def test_a_stopping_worker_ends_an_open_stream_with_its_last_call_so_its_grace_is_its_calls():
+    """A router keeps its `Calls` stream open between calls; a stopping worker must not spend its whole grace
+    waiting for it to close (a rolling restart paid the grace on every worker)."""
+    grace_s = scaled(30)
+
+    async def scenario():
+        stub = StubDecode(tokens=2)
+        stub.mode = HOLD
+        async with served(stub, GENERATE) as (client, server, _):
+            running = client.call("generate", generate("r"), timeout=scaled(10))
+            await until(lambda: len(stub.calls) == 1, 5, "the call at the worker")
+            stub.calls_server.stop_taking_calls()
+            stopped = asyncio.ensure_future(server.stop(grace_s))
+            stub.release.set()
+            assert await texts(running) == ["r;", "r;"]  # the running call ends as it would have
+            t0 = time.monotonic()
+            await stopped
+            # Waiting out the grace would take all of it: half rules that out on any machine.
+            assert time.monotonic() - t0 < grace_s / 2
+
+    run_within(scenario(), 60)
 
 
 def test_bad_input_on_a_calls_stream_is_invalid_argument():

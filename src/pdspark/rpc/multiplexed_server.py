@@ -8,7 +8,8 @@ trailing metadata, e.g. the typed `ErrorDetail`). An exception the handler lets 
 ends it. A call is cancelled (its task, as grpc cancels a handler) when its caller sends `cancel`, when its timeout
 passes, and when the stream ends: every call on a stream that goes away (the router died, or its connection broke)
 is cancelled, as the calls of a broken connection are. A worker that is stopping (`stop_taking_calls`) refuses new
-calls UNAVAILABLE, as a gRPC server in its grace period refuses new calls, while the running ones go on.
+calls UNAVAILABLE, as a gRPC server in its grace period refuses new calls, while the running ones go on; each stream
+then ends with its last call, so that the server's grace is not spent waiting for its callers to close them.
 
 A call cancelled before its task took a step (its `cancel` came in the message that brought it: the router's caller
 went away at once) never runs its handler, so none of the handler's own accounting happens: the stream drops it in
@@ -195,12 +196,17 @@ class MultiplexedServer:
         self.streams: set[_Calls] = set()  # the streams being served (each one's running calls: `tasks`)
 
     def stop_taking_calls(self) -> None:
-        """From now on new calls are refused UNAVAILABLE (the worker is stopping); running calls go on."""
+        """From now on new calls are refused UNAVAILABLE (the worker is stopping); running calls go on, and each
+        stream ends once its last call did (its caller opens a new one for its next call, which a stopping server
+        refuses): a stopping worker's grace is its calls', not as long as its callers keep their streams open."""
         self.taking_calls = False
+        for calls in self.streams:
+            calls.wake.set()
 
     async def serve(self, frames: AsyncIterator[worker_pb2.CallFrames], context: Any
                     ) -> AsyncGenerator[worker_pb2.ReplyFrames, None]:
-        """The `Calls` handler: until the caller goes away, or it stopped sending and every call ended."""
+        """The `Calls` handler: until the caller goes away, or it stopped sending (or the worker stopped taking calls)
+        and every call ended."""
         calls = _Calls(self, context)
         self.streams.add(calls)
         # The RPC done (its caller killed: the connection closed) cancels every call on it, as a broken connection's
@@ -210,14 +216,15 @@ class MultiplexedServer:
         context.add_done_callback(lambda _: calls.close())
         reader = asyncio.ensure_future(calls.read(frames))
         try:
-            while calls.reading or calls.tasks or calls.pending:
+            while (calls.reading and self.taking_calls) or calls.tasks or calls.pending:
                 await calls.wake.wait()
                 calls.wake.clear()
                 replies, calls.pending = calls.pending, []
                 calls.drained.set()
                 for batch in batches(replies) if replies else ():
                     yield worker_pb2.ReplyFrames(frames=batch)
-            await reader  # its failure (a broken stream) ends the stream with it
+            if not calls.reading:
+                await reader  # its failure (a broken stream) ends the stream with it
         finally:
             self.streams.discard(calls)
             reader.cancel()
