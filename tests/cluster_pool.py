@@ -41,7 +41,7 @@ class Shape:
 
 # The fault shape's quarantines: pages of a stopped or killed prefill worker come back once no write of its can land,
 # the plan's deadline (the router's transfer timeout) + the transfer engine's timeout. Both short: a case waits for it.
-FAULT_TRANSFER_TIMEOUT_S = 8
+FAULT_TRANSFER_TIMEOUT_S = 5
 FAULT_MC_TIMEOUT_S = 3
 
 SHAPES = {

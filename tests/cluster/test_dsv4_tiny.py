@@ -15,8 +15,8 @@ from test_pd_cluster import dispatch
 from pdspark import LLM, SamplingParams
 from pdspark.assets import resolve_model
 from pdspark.model.model_config import CSA, HCA, SLIDING, ModelConfig
-from pdspark.testing.services import ready, spawn_worker
 from pdspark.testing.time_scale import scaled
+from pdspark.testing.worker_load import WorkerAt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.7, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True)
@@ -77,25 +77,17 @@ def test_speculative_equals_plain_and_accepts_drafts(tiny, prompts, params, draf
     assert sum(o.spec_accepted_tokens for o in outs) > drafts_per_step * sum(o.spec_verify_steps for o in outs)
 
 
-def test_disaggregated_cluster_equals_offline(tiny, prompts):
-    args = ["--max-model-len", "1024", "--max-num-seqs", "4", "--speculative", "dspark"]
-    starting = [spawn_worker("prefill", "dsv4-tiny", *args), spawn_worker("decode", "dsv4-tiny", *args,
-                                                                         "--no-prefix-cache")]
-    try:
-        offline = tiny.generate(prompt_token_ids=prompts, sampling_params=GREEDY)  # while the workers load
-    except BaseException:
-        for worker in starting:
-            worker.stop()
-        raise
-    prefill, decode = ready(*starting)
-    try:
-        for prompt, ref in zip(prompts, offline):
-            out = dispatch(prefill, decode, prompt, GREEDY, deadline_s=60)
-            assert out["tokens"] == ref.token_ids
-            stats = out["prefill"].stats
-            assert stats.bytes_by_pool["C128_KV"] > 0 and stats.bytes_by_pool["DRAFT_KV"] > 0
-    finally:
-        assert decode.stop() == 0 and prefill.stop() == 0
+def test_disaggregated_cluster_equals_offline(tiny, prompts, dsv4_tiny_cluster):
+    """The shared cluster's workers (DSpark on), called as the router calls them."""
+    services = dsv4_tiny_cluster.info["services"]
+    prefill, decode = (WorkerAt(role, services[name]["address"]) for role, name in (("prefill", "prefill-0"),
+                                                                                     ("decode", "decode-1")))
+    offline = tiny.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    for prompt, ref in zip(prompts, offline):
+        out = dispatch(prefill, decode, prompt, GREEDY, deadline_s=scaled(60))
+        assert out["tokens"] == ref.token_ids
+        stats = out["prefill"].stats
+        assert stats.bytes_by_pool["C128_KV"] > 0 and stats.bytes_by_pool["DRAFT_KV"] > 0
 
 
 def test_pdspark_up_serves_dsv4_tiny_like_offline(tiny, prompts, dsv4_tiny_cluster):

@@ -46,7 +46,7 @@ MAX_TOKENS = 8
 TIMEOUT_S = 30.0  # each request's deadline (the router's default is 600 s)
 # A decode worker keeps the pages of a transfer its prefill worker never answered quarantined until no write of it
 # can land: the plan's deadline (the router's transfer timeout) + the transfer engine's timeout. Both short here.
-TRANSFER_TIMEOUT_S = 8
+TRANSFER_TIMEOUT_S = 5
 WORKER_ENV = {"MC_TRANSFER_TIMEOUT": "3"}
 ADMIN_KEY = "admin-key-for-failover-tests"  # adding and removing workers needs one
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
