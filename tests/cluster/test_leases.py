@@ -288,7 +288,9 @@ def test_a_vanished_router_s_requests_are_aborted_on_the_workers(pair, draft_ckp
         counts = {k: n - ended_before.get(k, 0) for k, n in ended(decode).items() if n > ended_before.get(k, 0)}
         return counts if sum(counts.values()) >= streams else None
 
-    endings = wait_until(since_before, 5, "the Generate streams ended")
+    endings = wait_until(since_before, 5, "the Generate streams ended", describe=lambda: (
+        f"(ended before: {ended_before}, now: {ended(decode)}; the decode worker's load: {load_of(decode)}; its "
+        f"last lines:\n{decode.tail(20)})"))
     print(f"\nrouter {signal.Signals(sig).name}: its running requests aborted and their pages freed "
           f"{freed_at - stopped_at:.2f}s later (one streamed {streamed} chunks at {rate:.0f}/s; ended {endings})")
     assert endings == {"cancelled": streams}, "the requests were not aborted (the model is too fast?)"
