@@ -25,6 +25,18 @@ from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.testing.worker_stubs import StubDecode, StubHealth, StubPrefill, serve_stub
 
 
+async def serve_front_ends(core: RouterCore) -> tuple[grpc.aio.Server, str, web.AppRunner, str]:
+    """The router's gRPC and HTTP front ends over `core`, each on a free loopback port: (gRPC server, its address,
+    the HTTP app runner, its URL). The caller stops both (`server.stop`, `runner.cleanup`)."""
+    server, _ = build_grpc_server(core)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    runner = web.AppRunner(build_app(core), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return server, address, runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
 class LowestAddress:
     """A policy that picks the lowest address: what a retry avoids is the only thing that changes the pick."""
 
@@ -79,14 +91,7 @@ class RouterHarness:
                                 max_attempts=cfg.max_attempts, max_migrations=cfg.max_migrations, metrics=metrics)
         max_len = min(4096, ModelConfig.from_dir(path).max_position_embeddings)
         h.core = RouterCore(path, "tiny", max_len, h.registry, dispatcher, metrics, cfg)
-        h.router, _ = build_grpc_server(h.core)
-        h.grpc_address = f"127.0.0.1:{h.router.add_insecure_port('127.0.0.1:0')}"
-        await h.router.start()
-        h.runner = web.AppRunner(build_app(h.core), handler_cancellation=True)
-        await h.runner.setup()
-        site = web.TCPSite(h.runner, "127.0.0.1", 0)
-        await site.start()
-        h.http_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        h.router, h.grpc_address, h.runner, h.http_url = await serve_front_ends(h.core)
         if poll:
             h._poller = asyncio.create_task(h.registry.poll_forever())
         return h

@@ -17,7 +17,6 @@ import threading
 
 import openai
 import pytest
-from aiohttp import web
 
 from pdspark import SamplingParams
 from pdspark.assets import resolve_model
@@ -26,14 +25,12 @@ from pdspark.config import RouterConfig, WorkerConfig
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.options import build
 from pdspark.router.dispatcher import Dispatcher
-from pdspark.router.http_api import build_app
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
-from pdspark.router.router_server import build_grpc_server
 from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.serving.worker_server import WorkerServer
 from pdspark.testing.time_scale import scaled
-from router_harness import LowestAddress
+from router_harness import LowestAddress, serve_front_ends
 
 MODEL = "dsv4-tiny"
 ENGINE = dict(page_size=16, max_model_len=256, speculative="dspark")
@@ -104,14 +101,7 @@ class Served:
         self.metrics = RouterMetrics()
         dispatcher = Dispatcher(self.registry, LowestAddress(), LowestAddress(), metrics=self.metrics)
         self.core = RouterCore(resolve_model(MODEL), "tiny", 256, self.registry, dispatcher, self.metrics, cfg)
-        self.grpc, _ = build_grpc_server(self.core)
-        self.grpc_address = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
-        await self.grpc.start()
-        self.runner = web.AppRunner(build_app(self.core), handler_cancellation=True)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.http_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        self.grpc, self.grpc_address, self.runner, self.http_url = await serve_front_ends(self.core)
 
     async def _stop(self) -> None:
         await self.grpc.stop(None)
