@@ -19,7 +19,7 @@ class ProcessBackend:
 
     def start(self, service: Service) -> ServiceProcess:
         assert threading.current_thread() is threading.main_thread(), "children die with the thread that made them"
-        return spawn_service(service.name, service.argv, service.env)
+        return spawn_service(service.name, service.argv, service.env, echo_stderr=True)
 
     def poll(self) -> None:
         pass

@@ -37,7 +37,7 @@ class ServiceActor:
     """One run of one service, as the child of a Ray actor (made remote by `RayBackend`)."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]):
-        self.process = spawn_service(name, argv, env)
+        self.process = spawn_service(name, argv, env, echo_stderr=True)  # Ray sends it on to the driver
 
     def status(self) -> dict:
         """Where the service stands; once it has ended, also its last output lines (`log`, `errors`)."""

@@ -4,7 +4,9 @@ also the process backend's `ServiceRun` (`pdspark.launch.backend`).
 Children are asked to die with their parent (Linux `PR_SET_PDEATHSIG`, set by `orphan_guard.py` before it execs the
 child's command), so a killed launcher leaves no orphans;
 `stop()` sends SIGTERM, waits, and kills only if the child does not exit in time. Every JSON line a child prints
-on stdout is kept as an event (`events`); the first `{"event": "ready", ...}` one is `info`.
+on stdout is kept as an event (`events`); the first `{"event": "ready", ...}` one is `info`. With `echo_stderr`,
+every line the child writes on stderr is also written on ours as it comes, prefixed with the service's name (`pdspark
+up`: a live worker's warnings and tracebacks reach the terminal, not only the last lines of one that exited).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 _MAX_LOG_LINES = 400
 _ORPHAN_GUARD = Path(__file__).with_name("orphan_guard.py")
+_ECHO_LOCK = threading.Lock()  # one whole line at a time on our stderr, whichever child's reader writes it
 
 
 @dataclass
@@ -34,6 +38,7 @@ class ServiceProcess:
     errors: list[str] = field(default_factory=list)  # the last lines of stderr alone
     ready_event: threading.Event = field(default_factory=threading.Event, repr=False)
     readers: list[threading.Thread] = field(default_factory=list, repr=False)
+    echo: Callable[[str], None] | None = field(default=None, repr=False)  # called with each stderr line as read
 
     @property
     def address(self) -> str:
@@ -115,26 +120,41 @@ class ServiceProcess:
             if not is_stdout:
                 self.errors.append(line)
                 del self.errors[:-_MAX_LOG_LINES]
+                if self.echo is not None:
+                    self.echo(line)
             self.log.append(line)
             del self.log[:-_MAX_LOG_LINES]
 
 
-def spawn_service(name: str, args: list[str], env: dict | None = None) -> ServiceProcess:
+def echo_prefixed(name: str) -> Callable[[str], None]:
+    """Write a child's stderr line on ours as `[name] line`, whole (children's readers run in their own threads)."""
+    def echo(line: str) -> None:
+        text = f"[{name}] {line}" if line.endswith("\n") else f"[{name}] {line}\n"  # a last line may lack one
+        with _ECHO_LOCK:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+    return echo
+
+
+def spawn_service(name: str, args: list[str], env: dict | None = None, echo_stderr: bool = False) -> ServiceProcess:
     """Start `python -m pdspark.cli <args>`, in this process's environment updated by `env`; call from the thread
-    that lives as long as the service (the child is tied to its creating thread by `PR_SET_PDEATHSIG`)."""
+    that lives as long as the service (the child is tied to its creating thread by `PR_SET_PDEATHSIG`). With
+    `echo_stderr`, its stderr lines are also written on ours, prefixed with `name`."""
     return spawn_process(name, [sys.executable, "-m", "pdspark.cli", *args],
-                         {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                         {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                         echo=echo_prefixed(name) if echo_stderr else None)
 
 
-def spawn_process(name: str, argv: list[str], env: dict[str, str], cwd: str | None = None) -> ServiceProcess:
+def spawn_process(name: str, argv: list[str], env: dict[str, str], cwd: str | None = None,
+                  echo: Callable[[str], None] | None = None) -> ServiceProcess:
     """Start `argv` with exactly the environment `env` (nothing inherited) in `cwd`; as `spawn_service`, from the
-    thread that lives as long as the process."""
+    thread that lives as long as the process. `echo` is called with each line of its stderr (in a reader thread)."""
     # No `preexec_fn` (see orphan_guard.py): `subprocess` then spawns with vfork, which runs no gRPC fork handlers.
     # The death signal fires when the *thread* that spawned the child exits, not the process: spawn from a thread
     # that lives as long as the parent (the main thread).
     guarded = [sys.executable, "-I", "-S", str(_ORPHAN_GUARD), str(os.getpid()), *argv]
     proc = subprocess.Popen(guarded, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
-    service = ServiceProcess(name, proc)
+    service = ServiceProcess(name, proc, echo=echo)
     for stream, is_stdout in ((proc.stdout, True), (proc.stderr, False)):
         service.readers.append(threading.Thread(target=service._read, args=(stream, is_stdout), daemon=True))
         service.readers[-1].start()
