@@ -88,7 +88,8 @@ class RouterHarness:
         path = resolve_model("dsv4-tiny")
         metrics = RouterMetrics()
         dispatcher = Dispatcher(h.registry, LowestAddress(), LowestAddress(), transfer_timeout_s=cfg.transfer_timeout_s,
-                                max_attempts=cfg.max_attempts, max_migrations=cfg.max_migrations, metrics=metrics)
+                                max_attempts=cfg.max_attempts, max_migrations=cfg.max_migrations,
+                                max_role_outage_wait_s=cfg.max_role_outage_wait_s, metrics=metrics)
         max_len = min(4096, ModelConfig.from_dir(path).max_position_embeddings)
         h.core = RouterCore(path, "tiny", max_len, h.registry, dispatcher, metrics, cfg)
         h.router, h.grpc_address, h.runner, h.http_url = await serve_front_ends(h.core)
@@ -103,6 +104,12 @@ class RouterHarness:
     async def stop_worker(self, stub) -> None:
         """Kill `stub`'s server (a worker that died)."""
         await self._servers[id(stub)].stop(None)
+
+    async def restart_worker(self, stub) -> None:
+        """Serve `stub` again at its address after `stop_worker` (a worker restarted on its port), with a fresh
+        health service."""
+        port = int(self.address[id(stub)].rpartition(":")[2])
+        self._servers[id(stub)], self.health[id(stub)], _ = await serve_stub(stub, port)
 
     async def close(self) -> None:
         if self._poller is not None:

@@ -365,6 +365,12 @@ class RouterConfig:
                                "it fails", minimum=1)
     max_migrations: int = option(3, "times a stream whose decode worker failed mid-stream is moved to another pair "
                                  "(prompt + tokens so far) before it fails; 0: never", minimum=0)
+    # A whole role down (`--decode 1` and its worker crashed) is usually a restart away: the launcher or Kubernetes
+    # brings the worker back in seconds, and the requests in flight have minutes of deadline.
+    max_role_outage_wait_s: float = option(
+        60.0, "seconds a request already let in waits, when no other worker of the role it failed on is healthy "
+        "(its worker crashed or is unreachable), for one to answer health checks again before it is retried or "
+        "migrated (bounded by the request's deadline; 0: fail at once)", minimum=0.0)
     admission: AdmissionConfig = nested(AdmissionConfig, "admission: limits on requests in the router")
     health: HealthConfig = nested(HealthConfig, "worker liveness checks and load reports")
     otlp_endpoint: str | None = option(None, _OTLP_HELP)

@@ -109,3 +109,62 @@ def test_pdspark_up_serves_dsv4_tiny_like_offline(tiny, prompts, dsv4_tiny_clust
                                      extra_body={"ignore_eos": True})
     assert long.choices[0].text == tiny.generate(prompt_token_ids=[prompts[4]], sampling_params=SamplingParams(
         temperature=0, max_tokens=16, ignore_eos=True))[0].text
+
+
+@pytest.mark.kills
+def test_the_only_decode_worker_killed_mid_stream_every_stream_completes_after_its_restart(tiny, dsv4_tiny_cluster):
+    """`pdspark up`'s one decode worker is SIGKILLed while 3 streams run: no other decode worker can take them, so
+    the router waits for the restarted one (`max_role_outage_wait_s`) and migrates them there: each completes equal
+    to offline (DSpark off, one engine), nothing lost or repeated."""
+    import os
+    import signal
+    import threading
+
+    from pdspark.client import Client
+
+    info = dsv4_tiny_cluster.info
+    texts = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n"]
+    # Long enough that every stream is still running when the kill comes (the test checks that it migrated).
+    params = SamplingParams(temperature=0, max_tokens=MIGRATED_TOKENS, ignore_eos=True)
+    want = [o.token_ids for o in tiny.generate(texts, params)]
+    got: list[list[int]] = [[] for _ in texts]
+    failures: list[BaseException] = []
+    first_tokens = threading.Semaphore(0)
+
+    def stream(i: int) -> None:
+        try:
+            client = Client(info["grpc"], timeout=scaled(180))
+            for chunk in client.stream(texts[i], max_tokens=MIGRATED_TOKENS, temperature=0, ignore_eos=True):
+                if not got[i]:
+                    first_tokens.release()
+                got[i] += chunk.token_ids
+        except BaseException as e:  # reported below, with the others' outcomes
+            failures.append(e)
+            first_tokens.release()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for _ in threads:  # every stream under way (or failed: reported below)
+        assert first_tokens.acquire(timeout=scaled(60)), "a stream got no first token"
+    migrated_before = _migrations(info["http"])
+    os.kill(info["services"]["decode-1"]["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(scaled(180))
+        assert not t.is_alive(), "a stream did not end"
+    assert not failures, failures
+    assert got == want
+    assert _migrations(info["http"]) > migrated_before  # the kill hit running streams
+    assert any(e.get("event") == "restarted" and e.get("service") == "decode-1" for e in dsv4_tiny_cluster.events)
+
+
+MIGRATED_TOKENS = 256
+
+
+def _migrations(http: str) -> float:
+    """The router's `pdspark_router_migrations_total`."""
+    import urllib.request
+
+    with urllib.request.urlopen(http + "/metrics", timeout=scaled(10)) as r:
+        return next(float(line.split()[1]) for line in r.read().decode().splitlines()
+                    if line.startswith("pdspark_router_migrations_total "))

@@ -19,6 +19,12 @@ Rules:
 - A worker removed (`DELETE /workers`), or retired (DNS discovery) and closed with calls still on it at the end of
   its drain, ends the attempts that still need it the same way (`WorkerRegistry.on_closing`), before its channel
   closes: they are retried or migrated, never taken for a client's cancel, and nothing is sent to the closed channel.
+- A worker that failed a request by being gone (`PairFailed.gone`: crashed, unreachable, marked down or removed;
+  not a failure it reported), when its role has no other healthy worker left: before the retry or migration, the
+  request waits for a worker of that role to answer a health check after the failure (a restart on the same
+  address, or another worker re-admitted), for up to `max_role_outage_wait_s` and never past its deadline. The wait
+  is not an attempt; the failure before it is. With one decode worker, its crash costs the streams the restart's
+  time, not their requests.
 - Every call to a worker carries a relative gRPC timeout: what is left of the request's one `Deadline`, shared by
   all attempts (the transfer rendezvous keeps its own, shorter, `transfer_timeout_s`). A client that goes away (or
   `abort`) cancels both legs.
@@ -34,6 +40,7 @@ import functools
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 
@@ -69,13 +76,15 @@ class _Progress:
 
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
-                 transfer_timeout_s: float = 30.0, max_attempts: int = 3, max_migrations: int = 3, metrics=None):
+                 transfer_timeout_s: float = 30.0, max_attempts: int = 3, max_migrations: int = 3,
+                 max_role_outage_wait_s: float = 60.0, metrics=None):
         self.registry = registry
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.calls = LegCalls(registry, transfer_timeout_s, set())
         self.max_attempts = max_attempts
         self.max_migrations = max_migrations
+        self.max_role_outage_wait_s = max_role_outage_wait_s
         self.metrics = metrics
         self.active: dict[str, PairAttempt] = {}  # the running attempt of each request (by the router's id)
         registry.on_down.append(self._worker_down)
@@ -137,6 +146,7 @@ class Dispatcher:
                             return  # whatever the stream does after its last chunk changes nothing for the caller
                 return
             except PairFailed as e:
+                failed_at = time.monotonic()
                 last = e.failure
                 if not e.failure.code.retryable:
                     raise e.failure from e.__cause__
@@ -150,9 +160,12 @@ class Dispatcher:
                     trace.set_attribute("pdspark.migrations", progress.migrations)
                     attempts = 0
                     excluded = {decode.address}
+                    await self._wait_out_outage(request_id, "decode", excluded, failed_at, e, deadline)
                     continue
                 attempts += 1
                 excluded.add(e.avoid)
+                await self._wait_out_outage(request_id, "prefill" if e.avoid == prefill.address else "decode",
+                                            excluded, failed_at, e, deadline)
                 if e.failure.code is ErrorCode.OVERLOADED and not self._untried_pair(excluded):
                     raise e.failure from e.__cause__  # every worker of a role is full: 429 now, not a retry on one
                 logger.warning("request %s attempt %d on (%s, %s) failed before its first token: %s", request_id,
@@ -176,6 +189,24 @@ class Dispatcher:
                        failure, progress.migrations, self.max_migrations)
         if self.metrics is not None:
             self.metrics.migrations.inc()
+
+    async def _wait_out_outage(self, request_id: str, role: str, excluded: set[str], failed_at: float,
+                               failed: PairFailed, deadline: Deadline) -> None:
+        """After `failed` (at `failed_at`) on a worker of `role`: when that worker was gone and no other worker of
+        the role is healthy, wait (bounded) for one to answer again and let the next pick have it (`excluded` no
+        longer holds it). Without one in time the next pick goes on as before (the same worker, or none)."""
+        if not failed.gone or self.max_role_outage_wait_s <= 0:
+            return
+        if any(w.address not in excluded for w in self.registry.healthy(role)):
+            return  # another worker of the role is there: retry or migrate to it now
+        within_s = min(self.max_role_outage_wait_s, deadline.remaining())
+        logger.warning("request %s: no %s worker left to take it (%s); waiting up to %.1f s for one to answer",
+                       request_id, role, failed.failure, within_s)
+        if self.metrics is not None:
+            self.metrics.role_outage_waits.inc()
+        back = await self.registry.wait_answering(role, failed_at, within_s)
+        if back is not None:
+            excluded.discard(back.address)
 
     def _name(self, address: str) -> str:
         """A worker's name (what spans and metrics call it, never its address)."""

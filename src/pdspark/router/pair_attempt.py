@@ -62,12 +62,15 @@ class DispatchChunk:
 
 
 class PairFailed(Exception):
-    """A pair's attempt failed: the failure to report, and the worker to avoid if the request is retried."""
+    """A pair's attempt failed: the failure to report, the worker to avoid if the request is retried, and whether
+    that worker looked gone (`gone`: its call failed without a failure it reported, e.g. a connection refused or
+    reset, or it was marked down or removed) rather than alive and refusing (a failure it reported)."""
 
-    def __init__(self, failure: RequestFailed, avoid: str):
+    def __init__(self, failure: RequestFailed, avoid: str, gone: bool = False):
         super().__init__(str(failure))
         self.failure = failure
         self.avoid = avoid
+        self.gone = gone
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,7 @@ class PairAttempt:
                                  and reported.code is not ErrorCode.OVERLOADED)
                 avoid = prefill.address if transfer_side else decode.address
                 raise PairFailed(RequestFailed(failure.code, f"decode worker {decode.address}: {failure.message}"),
-                                 avoid) from e
+                                 avoid, gone=reported is None) from e
             except asyncio.CancelledError:
                 # The attempt was ended from outside (the prefill leg failed, `abort`, a worker marked down or
                 # removed): that failure ends it. A cancel of this task (the client went away) stays a cancel.
@@ -206,14 +209,14 @@ class PairAttempt:
         """`worker` was marked down: end the attempt if it still needs it (its calls would hang until keepalive or
         their deadlines). A prefill worker is no longer needed once its leg answered."""
         if self._needs(lambda w: w.address == worker.address):
-            self.end(PairFailed(failure, worker.address))
+            self.end(PairFailed(failure, worker.address, gone=True))
 
     def worker_closing(self, worker: WorkerInfo, failure: RequestFailed) -> None:
         """The router is about to close its channel to `worker` (this very entry: removed, or retired and drained):
         end the attempt if it still needs it, as `worker_down` does, before the close cancels its calls (a cancel
         the reader would otherwise take for its client's)."""
         if self._needs(lambda w: w is worker):
-            self.end(PairFailed(failure, worker.address))
+            self.end(PairFailed(failure, worker.address, gone=True))
 
     def _needs(self, match: Callable[[WorkerInfo], bool]) -> bool:
         """Whether the attempt still needs a worker `match` picks: its decode worker always, its prefill worker until
@@ -234,14 +237,16 @@ class PairAttempt:
         if call.cancelled():
             return
         e = call.exception()
+        gone = False
         if isinstance(e, grpc.aio.AioRpcError):
             failure = failure_from_aio_error(e)
+            gone = reported_failure(e) is None
         elif e is None and call.result().result.HasField("error"):
             failure = convert.failure_from_pb(call.result().result.error)
         else:
             return
         failure = RequestFailed(failure.code, f"prefill worker {self.prefill.address}: {failure.message}")
-        self.end(PairFailed(failure, self.prefill.address))
+        self.end(PairFailed(failure, self.prefill.address, gone))
 
     async def _prefill_outcome(self) -> None:
         """Wait (briefly) for the prefill leg's answer once the decode stream ended, so that a leg about to settle

@@ -63,6 +63,9 @@ class RouterMetrics:
         self.retries = Counter("pdspark_router_retries_total", "Pair retries before the first token", registry=r)
         self.migrations = Counter("pdspark_router_migrations_total", "Streams moved to another pair after their "
                                   "decode leg failed mid-stream", registry=r)
+        self.role_outage_waits = Counter(
+            "pdspark_router_role_outage_waits_total", "Requests that waited for a worker of a role to answer again "
+            "because no other worker of that role was healthy", registry=r)
         self.selected = Counter("pdspark_router_worker_selected_total", "Routing decisions: a worker picked for an "
                                 "attempt, by the worker's role and name", ["worker_role", "worker"], registry=r)
         self.workers = Gauge("pdspark_router_workers", "Registered workers, by role and health", ["worker_role",

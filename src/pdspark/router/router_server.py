@@ -93,7 +93,8 @@ def build_core(cfg: RouterConfig) -> RouterCore:
     metrics = RouterMetrics()
     dispatcher = Dispatcher(registry, make_policy(cfg.prefill_policy), make_policy(cfg.decode_policy),
                             transfer_timeout_s=cfg.transfer_timeout_s, max_attempts=cfg.max_attempts,
-                            max_migrations=cfg.max_migrations, metrics=metrics)
+                            max_migrations=cfg.max_migrations, max_role_outage_wait_s=cfg.max_role_outage_wait_s,
+                            metrics=metrics)
     name = cfg.served_model_name or (cfg.model if "/" not in cfg.model else path.rstrip("/").split("/")[-1])
     max_len = resolve_max_model_len(cfg.max_model_len, model_cfg.max_position_embeddings)
     return RouterCore(path, name, max_len, registry, dispatcher, metrics, cfg)

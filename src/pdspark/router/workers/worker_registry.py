@@ -23,6 +23,9 @@ another's checks):
   attempts that still need that worker as `on_down` does (retried or migrated, never taken for a client's cancel),
   then the channel closes; from then on the worker is `closed` and nothing calls it again (an attempt skips the
   Abort it would send there: the closed channel ended the worker's calls, and the worker drops what they held).
+- `wait_answering`: a request whose role has no other healthy worker left (its worker crashed) waits for one that
+  answered a health check after the failure: a restarted worker answers at its first check (re-admitted at once
+  the first time it falls), often before it was ever marked down.
 - load: `GetLoad` every `load_interval_s` (running and waiting requests, and the worker's metrics URL). A slow or
   failed load report keeps the last one and never touches health.
 
@@ -37,6 +40,7 @@ included, presents the router's certificate and verifies the worker's against th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -82,6 +86,7 @@ class WorkerInfo:
     last_load: float = 0.0  # time.time() of the last load report received
     downs: int = 0  # times marked unhealthy since it last stayed healthy for `stable_s` (sets the re-admission wait)
     healthy_since: float = 0.0  # time.monotonic() it was last (re-)admitted
+    answered_at: float = 0.0  # time.monotonic() its last health check succeeded
     answering_since: float | None = None  # while unhealthy: time.monotonic() since when every check succeeded
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
     # The stubs on `channel`, by class, made once: a stub builds a callable per method of its service.
@@ -130,6 +135,8 @@ class WorkerRegistry:
         self.name_retention_s = name_retention_s
         self.max_gone_names = max_gone_names
         self._draining: set[asyncio.Task] = set()  # channel closes under way, retired workers' drains included
+        # Set (and replaced by a fresh one) at each health check a worker answered: `wait_answering` wakes on it.
+        self._answered = asyncio.Event()
 
     def add(self, role: str, address: str, metrics_url: str = "") -> WorkerInfo:
         if role not in ROLES:
@@ -256,6 +263,8 @@ class WorkerRegistry:
             ok = False
         now = time.monotonic()
         w.failures = 0 if ok else w.failures + 1
+        if ok:
+            w.answered_at = now
         w.last_check = time.time()
         if w.healthy:
             if w.failures >= self.max_failures:
@@ -269,7 +278,24 @@ class WorkerRegistry:
             if now - w.answering_since >= self.readmit_wait_s(w):
                 logger.info("%s worker %s is healthy again", w.role, w.address)
                 w.healthy, w.healthy_since, w.answering_since = True, now, None
+        if ok:
+            self._answered.set()
+            self._answered = asyncio.Event()
         return ok
+
+    async def wait_answering(self, role: str, since: float, within_s: float) -> WorkerInfo | None:
+        """A healthy worker of `role` that answered a health check after `since` (`time.monotonic()`): the first
+        there is, waited for up to `within_s`; None when there is none by then."""
+        deadline = time.monotonic() + within_s
+        while True:
+            answered = [w for w in self.healthy(role) if w.answered_at > since]
+            if answered:
+                return answered[0]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._answered.wait(), remaining)
 
     def readmit_wait_s(self, w: WorkerInfo) -> float:
         """How long an unhealthy worker must answer every check before it is re-admitted."""
