@@ -30,7 +30,8 @@ another's checks):
   failed load report keeps the last one and never touches health.
 
 Calls: `prefill_call` and `generate_call` make a request's two calls to its workers, one gRPC call each, or with
-`multiplexed` on one long-lived `Calls` stream per worker (`rpc/multiplexed_client.py`), which fail alike.
+`multiplexed` on one long-lived `Calls` stream per worker (`rpc/multiplexed_client.py`), which fail alike. A
+worker's channel, stubs and `Calls` client are made as it is added (`_connect`), never on a request's path.
 
 Every channel to a worker has HTTP/2 keepalive, so a connection to a vanished host fails (and the calls on it
 end) instead of hanging until their deadlines. With `tls` (mutual TLS) every channel, health checks and load reports
@@ -150,7 +151,24 @@ class WorkerRegistry:
             self._registered += 1
         w = WorkerInfo(role, address, metrics_url, healthy_since=time.monotonic(), name=self._names[role, address])
         self.workers[address] = w
+        self._connect(w)
         return w
+
+    def _connect(self, w: WorkerInfo) -> None:
+        """Build the worker's handle at admission: its channel, stubs and `Calls` client, so that no request pays
+        for (or races on) making them. Outside an event loop (a registry built before one runs) they are made on
+        first use instead: a grpc.aio channel belongs to the loop it is made on."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._stub(w, health_pb2_grpc.HealthStub)
+        if w.role == "prefill":
+            self.prefill_stub(w)
+        else:
+            self.decode_stub(w)
+        if self.multiplexed:
+            self._calls(w)
 
     def _left(self, w: WorkerInfo) -> None:
         """`w` left the registry: its name is kept for its address for a while (`_forget_names`)."""
