@@ -4,18 +4,27 @@ tests/conftest.py).
 
 - `one_by_one`: 1 prefill + 1 decode on the draft checkpoint (DSpark on), room for a 2,000-token stream, an admin key.
 - `dsv4_tiny`: the shipped model with `pdspark up`'s defaults (the engine a user gets).
+- `keys_tls`: 1 prefill + 1 decode of the shipped model with an API key (`API_KEY`), the admin key, the session's
+  key file (`key_file`: `KEY_FILE_TEXT`) and `--tls` (a throwaway CA, its path in the ready event's `ca`): the
+  security and TLS tests (`test_security.py`, `test_tls.py`). A test that rewrites the key file puts its text back
+  (and has it read again) before it ends.
 - `faults`: 2 prefill + 3 decode on the draft checkpoint, restarted within a second, quarantines freed within
   seconds: the failure matrix (`test_chaos.py`) and the tests that need several workers of a role. Tests that kill
   or stop its processes run after its other tests (`KILLS`), so those see it as booted.
 
+A shape's arguments name the session's files by placeholder: `{draft}` the draft checkpoint, `{key_file}` the API
+key file (`ClusterPool.files`).
+
 Every shape's tests leave it as they found it: every worker healthy and holding nothing (the fault tests wait for
-that before and after each case). A cluster that does not stop cleanly (exit code 0 on SIGTERM) fails the session.
+that before and after each case). A cluster that does not stop cleanly (exit code 0 on SIGTERM), or whose throwaway
+CA (`--tls`) outlives it, fails the session.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -23,8 +32,11 @@ from pdspark.launch.service_process import ServiceProcess, start_service
 from pdspark.testing.time_scale import scaled
 
 # Worker administration (/workers, the admin's `meta_info`) needs the admin key on every shared shape; generation stays
-# open (no API key).
+# open (no API key) except on `keys_tls`, where it needs `API_KEY` or a key of the key file.
 ADMIN_KEY = "admin-key-of-the-cluster-tier"
+API_KEY = "k-client-0123456789abcdef"
+FILE_KEY = "k-rotated-0123456789abcdef-old"  # the key file's one key, as the session starts
+KEY_FILE_TEXT = f"# the file's keys join --api-key's\n{FILE_KEY}\n"
 # Threads: shared 2-core machines; the children inherit the launcher's environment.
 QUIET_THREADS = {"OMP_NUM_THREADS": "1"}
 BOOT_TIMEOUT_S = scaled(240)  # a boot loads 3-6 processes' models; more is a hung start
@@ -32,8 +44,8 @@ BOOT_TIMEOUT_S = scaled(240)  # a boot loads 3-6 processes' models; more is a hu
 
 @dataclass(frozen=True)
 class Shape:
-    """One `pdspark up` command line: `args` after `up` (`{draft}`: the draft checkpoint's path) and the environment
-    its services inherit."""
+    """One `pdspark up` command line: `args` after `up` (`{draft}`: the draft checkpoint's path; `{key_file}`: the
+    session's API key file) and the environment its services inherit."""
 
     args: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
@@ -48,6 +60,9 @@ SHAPES = {
     "one_by_one": Shape(("--model", "{draft}", "--page-size", "16", "--max-model-len", "2048", "--max-num-seqs", "8"),
                         {"PDSPARK_ADMIN_API_KEY": ADMIN_KEY, **QUIET_THREADS}),
     "dsv4_tiny": Shape(()),
+    "keys_tls": Shape(("--model", "dsv4-tiny", "--max-model-len", "256", "--max-num-seqs", "4",
+                       "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--api-key-file", "{key_file}", "--tls"),
+                      QUIET_THREADS),
     "faults": Shape(("--model", "{draft}", "--prefill", "2", "--decode", "3", "--page-size", "16",
                      "--max-model-len", "256", "--max-num-seqs", "8",
                      # A killed service is back within seconds (same ports); the others serve meanwhile.
@@ -57,22 +72,26 @@ SHAPES = {
                      **QUIET_THREADS}),
 }
 # Fixture name -> shape: a test that uses the fixture (directly or through another fixture) uses the shape.
-FIXTURES = {"one_by_one": "one_by_one", "dsv4_tiny_cluster": "dsv4_tiny", "faults": "faults"}
+FIXTURES = {"one_by_one": "one_by_one", "dsv4_tiny_cluster": "dsv4_tiny", "keys_tls": "keys_tls", "faults": "faults"}
 KILLS = "kills"  # the marker of tests that kill or stop processes of a shared cluster
 
 
 class ClusterPool:
-    """Shared clusters by shape name, booted on first use."""
+    """Shared clusters by shape name, booted on first use. `files`: the session's files a shape's arguments name,
+    by placeholder ("draft" fills `{draft}`); `key_file`: the API key file (tests that rotate keys rewrite it)."""
 
-    def __init__(self, draft: str):
-        self.draft = draft
+    def __init__(self, draft: Path, key_file: Path):
+        self.key_file = key_file
+        self.files = {"draft": str(draft), "key_file": str(key_file)}
         self.running: dict[str, ServiceProcess] = {}
         self.failures: list[str] = []
 
     def get(self, name: str) -> ServiceProcess:
         if name not in self.running:
             shape = SHAPES[name]
-            args = [a.replace("{draft}", self.draft) for a in shape.args]
+            args = list(shape.args)
+            for placeholder, path in self.files.items():
+                args = [a.replace(f"{{{placeholder}}}", path) for a in args]
             self.running[name] = start_service(f"pdspark up ({name})", ["up", "--port", "0", "--grpc-port", "0",
                                                                          *args],
                                                timeout=BOOT_TIMEOUT_S, env=shape.env)
@@ -81,8 +100,13 @@ class ClusterPool:
     def release(self, name: str) -> None:
         """Stop the shape's cluster (its last test is over); a failure is reported at the session's end."""
         service = self.running.pop(name, None)
-        if service is not None and (code := service.stop()) != 0:
+        if service is None:
+            return
+        ca = service.info.get("ca")
+        if (code := service.stop()) != 0:
             self.failures.append(f"{name}: `pdspark up` ended with {code}:\n{service.tail()}")
+        if ca and Path(ca).parent.exists():
+            self.failures.append(f"{name}: the throwaway CA {Path(ca).parent} outlived its cluster")
 
     def close(self) -> None:
         for name in list(self.running):
@@ -94,8 +118,11 @@ LAST_USER = pytest.StashKey[dict[str, str]]()
 
 
 @pytest.fixture(scope="session")
-def cluster_pool(request, draft_ckpt) -> Iterator[ClusterPool]:
-    pool = ClusterPool(str(draft_ckpt))
+def cluster_pool(request, draft_ckpt, tmp_path_factory) -> Iterator[ClusterPool]:
+    key_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    key_file.write_text(KEY_FILE_TEXT)
+    key_file.chmod(0o600)
+    pool = ClusterPool(draft_ckpt, key_file)
     request.config.stash[POOL] = pool
     yield pool
     pool.close()
@@ -110,6 +137,11 @@ def one_by_one(cluster_pool) -> ServiceProcess:
 @pytest.fixture(scope="session")
 def dsv4_tiny_cluster(cluster_pool) -> ServiceProcess:
     return cluster_pool.get("dsv4_tiny")
+
+
+@pytest.fixture(scope="session")
+def keys_tls(cluster_pool) -> ServiceProcess:
+    return cluster_pool.get("keys_tls")
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import cluster_pool as pool
-from cluster_pool import admin_headers, cluster_pool, dsv4_tiny_cluster, faults, one_by_one  # noqa: F401 (fixtures)
+from cluster_pool import (  # noqa: F401 (fixtures)
+    admin_headers,
+    cluster_pool,
+    dsv4_tiny_cluster,
+    faults,
+    keys_tls,
+    one_by_one,
+)
 from draft_reference import add_random_draft
 from hf_reference import CSA, HCA, SLIDING, TinySpec, save_hf_checkpoint, write_byte_tokenizer
 from pdspark.config import EngineConfig

@@ -1,47 +1,57 @@
-"""API and admin keys on real processes: `pdspark up --api-key K --admin-api-key A` on the shipped model.
-Generation needs K (HTTP and gRPC), the official `openai` client and the SDK work with it and fail without it;
-only A administers workers; hostile values are 4xx; no key shows on a child's command line, in the launcher's
-output or in /metrics; a key added to the key file works after SIGHUP, and a removed one stops working.
+"""API and admin keys on real processes: the shared `keys_tls` cluster (`pdspark up --api-key K --admin-api-key A
+--api-key-file F --tls` on the shipped model; tests/cluster_pool.py), every request over HTTPS or gRPC over TLS
+trusting the run's CA. Generation needs K (HTTP and gRPC), the official `openai` client and the SDK work with it and
+fail without it; only A administers workers; hostile values are 4xx; no key shows on a child's command line, in the
+launcher's output (its services' stderr included) or in /metrics; a key added to the key file works after SIGHUP,
+and a removed one stops working (the file and its keys are put back after).
 
-One cluster for the whole module (about 20 s to start on 2 shared cores).
+The cluster is shared with test_tls.py (one boot, about 20 s on 2 shared cores): a test leaves it as it found it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
+import ssl
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 
-from pdspark.client import Client, ClientError
+from cluster_pool import ADMIN_KEY, API_KEY, FILE_KEY
+from pdspark.client import Client, ClientError, TLSOptions
 from pdspark.errors import ErrorCode
-from pdspark.launch.service_process import ServiceProcess, start_service
+from pdspark.launch.service_process import ServiceProcess
 from pdspark.testing.time_scale import scaled
 
-K, A = "k-client-0123456789abcdef", "a-admin-0123456789abcdef"
-ROTATED = "k-rotated-0123456789abcdef"
-ENGINE = ["--model", "dsv4-tiny", "--max-model-len", "256", "--max-num-seqs", "4", "--port", "0", "--grpc-port", "0"]
+K, A = API_KEY, ADMIN_KEY
+ROTATED = "k-rotated-0123456789abcdef"  # the key the SIGHUP test puts in the key file in place of FILE_KEY
 
 
 @pytest.fixture(scope="module")
-def key_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("keys") / "api-keys"
-    path.write_text(f"# the file's keys join --api-key's\n{ROTATED}-old\n")
-    path.chmod(0o600)
-    return path
+def cluster(keys_tls) -> ServiceProcess:
+    return keys_tls
 
 
 @pytest.fixture(scope="module")
-def cluster(key_file):
-    service = start_service("pdspark up", ["up", *ENGINE, "--api-key", K, "--admin-api-key", A, "--api-key-file",
-                                           str(key_file)], timeout=scaled(240), env={"OMP_NUM_THREADS": "1"})
-    yield service
-    assert service.stop() == 0
+def key_file(cluster_pool) -> Path:
+    return cluster_pool.key_file
+
+
+@functools.cache
+def trusting(ca: str) -> ssl.SSLContext:
+    """An HTTPS context trusting the run's CA (and only it)."""
+    return ssl.create_default_context(cafile=ca)
+
+
+def openai_client(cluster: ServiceProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.info["http"] + "/v1", api_key=key, max_retries=0,
+                         http_client=openai.DefaultHttpxClient(verify=trusting(cluster.info["ca"])))
 
 
 def request(cluster: ServiceProcess, method: str, path: str, body: bytes | dict | None = None,
@@ -50,7 +60,7 @@ def request(cluster: ServiceProcess, method: str, path: str, body: bytes | dict 
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(cluster.info["http"] + path, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=scaled(60)) as r:
+        with urllib.request.urlopen(req, timeout=scaled(60), context=trusting(cluster.info["ca"])) as r:
             raw = r.read()
             return r.status, json.loads(raw) if r.headers.get_content_type() == "application/json" else {}
     except urllib.error.HTTPError as e:
@@ -73,27 +83,30 @@ def test_generation_needs_the_api_key(cluster):
 
 
 def test_the_openai_client_works_with_the_key_only(cluster):
+    assert cluster.info["http"].startswith("https://")
     model = cluster.info["model"]
-    client = openai.OpenAI(base_url=cluster.info["http"] + "/v1", api_key=K, max_retries=0)
+    client = openai_client(cluster, K)
     reply = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=4, temperature=0)
     assert reply.usage.completion_tokens >= 1
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert chat.choices[0].message.role == "assistant"
-    wrong = openai.OpenAI(base_url=cluster.info["http"] + "/v1", api_key="wrong-key-0123456789", max_retries=0)
+    wrong = openai_client(cluster, "wrong-key-0123456789")
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=model, prompt="x", max_tokens=2)
 
 
 def test_the_sdk_with_and_without_the_key(cluster, monkeypatch):
     monkeypatch.delenv("PDSPARK_API_KEY", raising=False)
-    with Client(cluster.info["grpc"], timeout=scaled(60), api_key=K) as client:
+    tls = TLSOptions.from_files(ca=cluster.info["ca"])
+    with Client(cluster.info["grpc"], timeout=scaled(60), tls=tls, api_key=K) as client:
         assert client.generate("def f():", max_tokens=3, temperature=0, ignore_eos=True).completion_tokens == 3
     for kwargs in ({}, {"api_key": "wrong-key-0123456789"}):
-        with Client(cluster.info["grpc"], timeout=scaled(60), **kwargs) as client, pytest.raises(ClientError) as e:
+        with (Client(cluster.info["grpc"], timeout=scaled(60), tls=tls, **kwargs) as client,
+              pytest.raises(ClientError) as e):
             client.generate("def f():", max_tokens=3)
         assert (e.value.code, e.value.error_code) == ("UNAUTHENTICATED", ErrorCode.UNAUTHENTICATED)
     monkeypatch.setenv("PDSPARK_API_KEY", K)
-    with Client(cluster.info["grpc"], timeout=scaled(60)) as client:
+    with Client(cluster.info["grpc"], timeout=scaled(60), tls=tls) as client:
         assert client.generate("x", max_tokens=2, ignore_eos=True).completion_tokens == 2
 
 
@@ -145,21 +158,32 @@ def test_no_key_on_a_command_line_in_the_output_or_in_metrics(cluster):
                 environ = f.read().decode()
             assert K not in environ and A not in environ, name
     output = "".join(cluster.log) + json.dumps(cluster.events)
-    with urllib.request.urlopen(cluster.info["http"] + "/metrics", timeout=scaled(10)) as r:  # open: for scrapers
+    with urllib.request.urlopen(cluster.info["http"] + "/metrics", timeout=scaled(10),  # open: for scrapers
+                                context=trusting(cluster.info["ca"])) as r:
         metrics = r.read().decode()
     assert 'pdspark_router_auth_failures_total{api="http",reason="invalid_key"}' in metrics
     for text in (output, metrics):
-        assert K not in text and A not in text and ROTATED not in text
+        assert K not in text and A not in text and ROTATED not in text and FILE_KEY not in text
     assert "127.0.0.1:" not in metrics  # workers are named there, not addressed
 
 
 def test_a_key_file_is_read_again_on_sighup(cluster, key_file):
-    assert request(cluster, "GET", "/v1/models", None, f"{ROTATED}-old")[0] == 200
-    key_file.write_text(f"{ROTATED}\n")
-    os.kill(cluster.pid, signal.SIGHUP)  # the launcher passes it to the router
+    assert request(cluster, "GET", "/v1/models", None, FILE_KEY)[0] == 200
+    before = key_file.read_text()
+    try:
+        reload_keys(cluster, key_file, f"{ROTATED}\n", accepted=ROTATED)
+        assert request(cluster, "GET", "/v1/models", None, FILE_KEY)[0] == 401
+        assert request(cluster, "GET", "/v1/models", None, K)[0] == 200  # --api-key's keys stay
+    finally:  # the shared cluster as it was: the file's old text, its key accepted, the rotated one not
+        reload_keys(cluster, key_file, before, accepted=FILE_KEY)
+    assert request(cluster, "GET", "/v1/models", None, ROTATED)[0] == 401
+
+
+def reload_keys(cluster: ServiceProcess, key_file: Path, text: str, accepted: str) -> None:
+    """Write the key file, SIGHUP the launcher (it passes it to the router) and wait until `accepted` works."""
+    key_file.write_text(text)
+    os.kill(cluster.pid, signal.SIGHUP)
     deadline = time.monotonic() + scaled(10)
-    while request(cluster, "GET", "/v1/models", None, ROTATED)[0] != 200:
+    while request(cluster, "GET", "/v1/models", None, accepted)[0] != 200:
         assert time.monotonic() < deadline, "the new key is not accepted 10 s after SIGHUP"
         time.sleep(0.1)
-    assert request(cluster, "GET", "/v1/models", None, f"{ROTATED}-old")[0] == 401
-    assert request(cluster, "GET", "/v1/models", None, K)[0] == 200  # --api-key's keys stay

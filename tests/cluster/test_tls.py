@@ -1,11 +1,14 @@
-"""Mutual TLS on real processes: `pdspark up --api-key K --admin-api-key A --tls` on the shipped model.
+"""Mutual TLS on real processes: the shared `keys_tls` cluster (`pdspark up --api-key K --admin-api-key A
+--api-key-file F --tls` on the shipped model; tests/cluster_pool.py), every request to the router with the key K.
 The `openai` client (trusting the printed CA) and the SDK (`TLSOptions` + API key) generate, greedy equal to the
 offline engine, so the prefill -> decode transfer ran under mTLS; a plain-text client reaches neither the router nor
 a worker, nor does a TLS client without a certificate of the cluster's CA; a worker takes each RPC only from the
 role that makes it; no key or certificate material shows in the output, the events or any /metrics; the
-certificates are private while the cluster runs and gone when it stops.
+certificates are private while the cluster runs and gone when it stops (checked by the pool as it stops the shape:
+`ClusterPool.release`).
 
-One cluster for the module (about 20 s to start on 2 shared cores).
+The cluster is shared with test_security.py (one boot, about 20 s on 2 shared cores): a test leaves it as it found
+it.
 """
 
 from __future__ import annotations
@@ -22,27 +25,22 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster_pool import ADMIN_KEY, API_KEY
 from pdspark import SamplingParams
 from pdspark.client import Client, ClientError, TLSOptions
 from pdspark.errors import ErrorCode
-from pdspark.launch.service_process import ServiceProcess, start_service
+from pdspark.launch.service_process import ServiceProcess
 from pdspark.testing.time_scale import scaled
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
-K, A = "k-client-0123456789abcdef", "a-admin-0123456789abcdef"
-ENGINE = ["--model", "dsv4-tiny", "--max-model-len", "256", "--max-num-seqs", "4", "--port", "0", "--grpc-port", "0"]
+K, A = API_KEY, ADMIN_KEY
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    service = start_service("pdspark up", ["up", *ENGINE, "--tls"], timeout=scaled(240),
-                            env={"OMP_NUM_THREADS": "1", "PDSPARK_API_KEY": K, "PDSPARK_ADMIN_API_KEY": A})
-    ca_dir = Path(service.info["ca"]).parent
-    yield service
-    assert service.stop() == 0
-    assert not ca_dir.exists(), "the throwaway CA outlived its cluster"
+def cluster(keys_tls) -> ServiceProcess:
+    return keys_tls
 
 
 @pytest.fixture(scope="module")
