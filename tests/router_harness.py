@@ -13,7 +13,7 @@ from aiohttp import web
 
 from helpers import sample_value
 from pdspark.assets import resolve_model
-from pdspark.config import RouterConfig
+from pdspark.config import RouterConfig, resolve_max_model_len
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
 from pdspark.router.dispatcher import Dispatcher
@@ -61,10 +61,10 @@ class RouterHarness:
     @classmethod
     async def start(cls, prefills: int = 1, decodes: int = 1, tokens: int = 4, poll: bool = False,
                     **options) -> RouterHarness:
-        """`options`: `RouterConfig` options (flat: `api_key=("k",)`); `poll`: run the registry's health and load
-        polling. `worker_calls` not given: `PDSPARK_WORKER_CALLS` decides, else the option's default, as in a
-        router process (so that one variable runs every router test, harness and processes, over either
-        transport)."""
+        """`options`: `RouterConfig` options (flat: `api_key=("k",)`; `max_model_len` as the router resolves it);
+        `poll`: run the registry's health and load polling. `worker_calls` not given: `PDSPARK_WORKER_CALLS`
+        decides, else the option's default, as in a router process (so that one variable runs every router test,
+        harness and processes, over either transport)."""
         if calls := os.environ.get("PDSPARK_WORKER_CALLS"):
             options.setdefault("worker_calls", calls)
         h = cls()
@@ -89,7 +89,7 @@ class RouterHarness:
         metrics = RouterMetrics()
         dispatcher = Dispatcher(h.registry, LowestAddress(), LowestAddress(), transfer_timeout_s=cfg.transfer_timeout_s,
                                 max_attempts=cfg.max_attempts, max_migrations=cfg.max_migrations, metrics=metrics)
-        max_len = min(4096, ModelConfig.from_dir(path).max_position_embeddings)
+        max_len = resolve_max_model_len(cfg.max_model_len, ModelConfig.from_dir(path).max_position_embeddings)
         h.core = RouterCore(path, "tiny", max_len, h.registry, dispatcher, metrics, cfg)
         h.router, h.grpc_address, h.runner, h.http_url = await serve_front_ends(h.core)
         if poll:
@@ -109,6 +109,7 @@ class RouterHarness:
             self._poller.cancel()
         await self.router.stop(None)
         await self.runner.cleanup()
+        self.core.prompt_work.close()
         for w in self.registry.workers.values():
             if w.channel is not None:
                 await w.channel.close()

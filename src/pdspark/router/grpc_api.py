@@ -25,6 +25,7 @@ from pdspark.router.openai.sampling_fields import (
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
 )
+from pdspark.router.prompt_work import too_long_for_context
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 from pdspark.rpc import convert, status
 from pdspark.types import SamplingParams
@@ -41,7 +42,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request, context):
         core = self.core
         try:
-            ids = self._prompt(request)
+            # A long prompt is tokenized off the event loop: see `prompt_work`.
+            which = request.WhichOneof("prompt")
+            weight = len(request.text) if which == "text" else len(request.token_ids.ids) if which else 0
+            ids = await core.prompt_work.run(weight, self._prompt, request)
             params = convert.sampling_from_pb(request.sampling)
             _check_bounds(params, core.model_config.vocab_size)
             if len(ids) + params.max_tokens > core.max_model_len:
@@ -83,15 +87,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.RouterAbortResponse(found=self.core.abort(request.request_id))
 
     def _prompt(self, request) -> list[int]:
+        """The prompt's token ids, checked; reads `request` and the core's fixed parts only (it may run on a
+        thread of its own)."""
         which = request.WhichOneof("prompt")
         if which == "token_ids":
             ids = list(request.token_ids.ids)
         elif which == "text":
             if self.core.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; send `token_ids`")
-            if len(request.text) > MAX_PROMPT_CHARS:
-                raise InvalidRequestError(f"`text` has {len(request.text)} characters; at most {MAX_PROMPT_CHARS}")
-            ids = self.core.tokenizer.encode(request.text)
+            text = request.text  # each read of the field copies it out of the message
+            if len(text) > MAX_PROMPT_CHARS:
+                raise InvalidRequestError(f"`text` has {len(text)} characters; at most {MAX_PROMPT_CHARS}", "text")
+            too_long = too_long_for_context("text", len(text), self.core.max_token_chars, self.core.max_model_len)
+            if too_long is not None:
+                raise InvalidRequestError(too_long, "text")
+            ids = self.core.tokenizer.encode(text)
         else:
             raise InvalidRequestError("`prompt` is required: set `text` or `token_ids`")
         if not ids:

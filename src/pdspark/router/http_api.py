@@ -121,7 +121,7 @@ class HttpApi:
     def __init__(self, core: RouterCore):
         self.core = core
         self.served = oai.ServedModel(core.served_name, core.max_model_len, core.model_config.vocab_size,
-                                      core.tokenizer, core.chat_template)
+                                      core.tokenizer, core.chat_template, core.max_token_chars)
 
     # ---- OpenAI -----------------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -135,12 +135,15 @@ class HttpApi:
         try:
             raw = await _body(request, core.options.admission.max_body_bytes)
             req: ChatCompletionRequest | CompletionRequest
+            # A long prompt is tokenized (its chat template rendered) off the event loop: see `prompt_work`.
             if chat:
                 req = oai.validate(ChatCompletionRequest, raw)
-                parsed = oai.parse_chat(req, self.served)
+                weight = sum(len(m.text()) for m in req.messages)
+                parsed = await core.prompt_work.run(weight, oai.parse_chat, req, self.served)
             else:
                 req = oai.validate(CompletionRequest, raw)
-                parsed = oai.parse_completion(req, self.served)
+                weight = len(req.prompt_value())
+                parsed = await core.prompt_work.run(weight, oai.parse_completion, req, self.served)
             timeout = _timeout(request)
         except ApiError as e:
             core.metrics.count_request("chat" if chat else "completions", "invalid")
@@ -212,7 +215,8 @@ class HttpApi:
         core = self.core
         try:
             req = oai.validate(GenerateRequest, await _body(request, core.options.admission.max_body_bytes))
-            parsed = oai.parse_generate(req, self.served)
+            weight = len(req.text or "") + len(req.input_ids or ())
+            parsed = await core.prompt_work.run(weight, oai.parse_generate, req, self.served)
             timeout = _timeout(request)
         except ApiError as e:
             core.metrics.count_request("generate", "invalid")

@@ -163,6 +163,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
         discoverer.cancel()
     await server.stop(5)
     await runner.cleanup()
+    core.prompt_work.close()
 
 
 def run_router(cfg: RouterConfig) -> int:
