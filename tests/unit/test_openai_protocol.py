@@ -241,6 +241,15 @@ def test_a_text_too_long_for_the_context_is_refused_by_its_length_untokenized(ro
     ErrorResponse.model_validate(e.value.body())
 
 
+def test_the_length_check_alone_names_the_field_and_leaves_token_ids_alone():
+    served = oai.ServedModel("m", MAX_MODEL_LEN, 256, UncalledTokenizer(), None, max_token_chars=4)  # type: ignore[arg-type]
+    with pytest.raises(ApiError) as e:
+        oai.check_text_fits("x" * 4 * MAX_MODEL_LEN, served, "text")
+    assert (e.value.param, e.value.code) == ("text", "context_length_exceeded") and "`text`" in e.value.message
+    for fits in ("x" * (4 * MAX_MODEL_LEN - 4), [1] * 10 * MAX_MODEL_LEN, None):
+        oai.check_text_fits(fits, served, "text")
+
+
 def test_a_text_whose_length_may_fit_is_tokenized_and_judged_by_its_tokens():
     served = oai.ServedModel("m", MAX_MODEL_LEN, 256, ByteTokenizer(), ChatTemplate(None),  # type: ignore[arg-type]
                              max_token_chars=4)

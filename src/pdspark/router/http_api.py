@@ -161,15 +161,17 @@ class HttpApi:
         try:
             raw = await _body(request, core.options.admission.max_body_bytes)
             req: ChatCompletionRequest | CompletionRequest
-            # A long prompt is tokenized (its chat template rendered) off the event loop: see `prompt_work`.
+            # A long prompt is tokenized (its chat template rendered) off the event loop: see `prompt_work`. A text
+            # that cannot fit is refused by its length first, here (a chat prompt's once its template is rendered).
             if chat:
                 req = oai.validate(ChatCompletionRequest, raw)
                 weight = sum(len(m.text()) for m in req.messages)
                 parsed = await core.prompt_work.run(weight, oai.parse_chat, req, self.served)
             else:
                 req = oai.validate(CompletionRequest, raw)
-                weight = len(req.prompt_value())
-                parsed = await core.prompt_work.run(weight, oai.parse_completion, req, self.served)
+                prompt = req.prompt_value()
+                oai.check_text_fits(prompt, self.served, "prompt")
+                parsed = await core.prompt_work.run(len(prompt), oai.parse_completion, req, self.served)
             timeout = _timeout(request)
         except ApiError as e:
             core.metrics.count_request("chat" if chat else "completions", "invalid")
@@ -241,6 +243,7 @@ class HttpApi:
         core = self.core
         try:
             req = oai.validate(GenerateRequest, await _body(request, core.options.admission.max_body_bytes))
+            oai.check_text_fits(req.text, self.served, "text")  # as `_openai` does
             weight = len(req.text or "") + len(req.input_ids or ())
             parsed = await core.prompt_work.run(weight, oai.parse_generate, req, self.served)
             timeout = _timeout(request)

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from pdspark.model.tokenizer import Tokenizer
     from pdspark.router.openai.chat_template import ChatTemplate
 
-__all__ = ["ApiError", "ParsedRequest", "ServedModel", "parse", "parse_chat", "parse_completion", "parse_generate",
-           "validate"]
+__all__ = ["ApiError", "ParsedRequest", "ServedModel", "check_text_fits", "parse", "parse_chat", "parse_completion",
+           "parse_generate", "validate"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -145,12 +145,19 @@ def _check_model(name: str | None, served: ServedModel) -> None:
                        "model_not_found")
 
 
+def check_text_fits(text: object, served: ServedModel, param: str) -> None:
+    """Refuse a text prompt (`text` of any other type: nothing to check) that cannot fit the context by its length
+    alone. Cheap: the router does it before a long prompt waits for a thread to tokenize it (`PromptWork`)."""
+    if isinstance(text, str):
+        too_long = too_long_for_context(param, len(text), served.max_token_chars, served.max_model_len)
+        if too_long is not None:
+            raise ApiError(400, too_long, param, "context_length_exceeded")
+
+
 def _tokenize(text: str, served: ServedModel, param: str) -> list[int]:
     """`text`'s tokens; a text too long for the context is refused by its length first, untokenized."""
     assert served.tokenizer is not None  # the callers refused a model without one
-    too_long = too_long_for_context(param, len(text), served.max_token_chars, served.max_model_len)
-    if too_long is not None:
-        raise ApiError(400, too_long, param, "context_length_exceeded")
+    check_text_fits(text, served, param)
     return served.tokenizer.encode(text)
 
 
