@@ -5,37 +5,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 
 import aiohttp
 import grpc
-from aiohttp import web
 
 from helpers import sample_value
 from pdspark.assets import resolve_model
-from pdspark.config import RouterConfig
+from pdspark.config import RouterConfig, resolve_max_model_len
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
 from pdspark.router.dispatcher import Dispatcher
-from pdspark.router.http_api import build_app
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
-from pdspark.router.router_server import build_grpc_server
+from pdspark.router.router_server import HttpListeners, build_grpc_server, start_http
 from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.testing.worker_stubs import StubDecode, StubHealth, StubPrefill, serve_stub
 
 
-async def serve_front_ends(core: RouterCore) -> tuple[grpc.aio.Server, str, web.AppRunner, str]:
-    """The router's gRPC and HTTP front ends over `core`, each on a free loopback port: (gRPC server, its address,
-    the HTTP app runner, its URL). The caller stops both (`server.stop`, `runner.cleanup`)."""
+async def serve_front_ends(core: RouterCore) -> tuple[grpc.aio.Server, str, HttpListeners, str]:
+    """The router's gRPC and HTTP front ends over `core`, each on a free loopback port (the admin routes on one of
+    their own when `core`'s options have an `admin_port`): (gRPC server, its address, the HTTP listeners, the main
+    one's URL). The caller stops both (`server.stop`, `listeners.cleanup`)."""
     server, _ = build_grpc_server(core)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
-    runner = web.AppRunner(build_app(core), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return server, address, runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    listeners = await start_http(core, dataclasses.replace(core.options, host="127.0.0.1", port=0), None)
+    return server, address, listeners, f"http://127.0.0.1:{listeners.port}"
+
 
 class LowestAddress:
     """A policy that picks the lowest address: what a retry avoids is the only thing that changes the pick."""
@@ -61,9 +59,10 @@ class RouterHarness:
     @classmethod
     async def start(cls, prefills: int = 1, decodes: int = 1, tokens: int = 4, poll: bool = False,
                     **options) -> RouterHarness:
-        """`options`: `RouterConfig` options (flat: `api_key=("k",)`); `poll`: run the registry's health and load
-        polling. `worker_calls` not given: `PDSPARK_WORKER_CALLS` decides, else the option's default, as in a
-        router process (so that one variable runs every router test, harness and processes, over either
+        """`options`: `RouterConfig` options (flat: `api_key=("k",)`; `max_model_len` as the router resolves it;
+        `admin_port=0`: the admin routes on a port of their own, at `admin_url`); `poll`: run the registry's health
+        and load polling. `worker_calls` not given: `PDSPARK_WORKER_CALLS` decides, else the option's default, as in
+        a router process (so that one variable runs every router test, harness and processes, over either
         transport)."""
         if calls := os.environ.get("PDSPARK_WORKER_CALLS"):
             options.setdefault("worker_calls", calls)
@@ -90,9 +89,12 @@ class RouterHarness:
         dispatcher = Dispatcher(h.registry, LowestAddress(), LowestAddress(), transfer_timeout_s=cfg.transfer_timeout_s,
                                 max_attempts=cfg.max_attempts, max_migrations=cfg.max_migrations,
                                 max_role_outage_wait_s=cfg.max_role_outage_wait_s, metrics=metrics)
-        max_len = min(4096, ModelConfig.from_dir(path).max_position_embeddings)
+        max_len = resolve_max_model_len(cfg.max_model_len, ModelConfig.from_dir(path).max_position_embeddings)
         h.core = RouterCore(path, "tiny", max_len, h.registry, dispatcher, metrics, cfg)
-        h.router, h.grpc_address, h.runner, h.http_url = await serve_front_ends(h.core)
+        h.router, h.grpc_address, h.listeners, h.http_url = await serve_front_ends(h.core)
+        # With `admin_port`: where the admin routes are (else on `http_url`).
+        h.admin_url = (f"http://127.0.0.1:{h.listeners.admin_port}" if h.listeners.admin_port is not None
+                       else h.http_url)
         if poll:
             h._poller = asyncio.create_task(h.registry.poll_forever())
         return h
@@ -115,7 +117,8 @@ class RouterHarness:
         if self._poller is not None:
             self._poller.cancel()
         await self.router.stop(None)
-        await self.runner.cleanup()
+        await self.listeners.cleanup()
+        self.core.prompt_work.close()
         for w in self.registry.workers.values():
             if w.channel is not None:
                 await w.channel.close()

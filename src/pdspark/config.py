@@ -335,6 +335,11 @@ class RouterConfig:
     host: str = option(LOOPBACK, "HTTP and gRPC bind address")
     port: int = option(ROUTER_HTTP_PORT, "HTTP port (0: any free port)", **_PORT)
     grpc_port: int = option(0, "gRPC port (0: any free port)", **_PORT)
+    # Worker administration on a listener of its own, so that a firewall or network policy can keep it from the
+    # clients the main port faces (its keys still apply there, and its TLS).
+    admin_port: int | None = option(
+        None, "HTTP port of the admin routes (/workers, /prometheus/targets), which then answer 404 on --port; same "
+        "host, TLS and keys (0: any free port; none: on --port)", **_PORT)
     auth: AuthConfig = nested(AuthConfig, "API keys")
     # The public ports (HTTP and gRPC) and the calls to the workers are secured apart: clients may trust a public
     # CA, the workers only the cluster's own.
@@ -383,6 +388,9 @@ class RouterConfig:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ConfigError("`ssl_certfile` and `ssl_keyfile` go together (HTTPS and TLS on the public ports)")
         _require_positive(self, "transfer_timeout_s")
+        if self.admin_port and self.admin_port in (self.port, self.grpc_port):
+            raise ConfigError(f"`admin_port` ({self.admin_port}) must differ from `port` ({self.port}) and "
+                              f"`grpc_port` ({self.grpc_port})")
 
 
 @dataclass(frozen=True)
@@ -395,6 +403,9 @@ class UpConfig:
     host: str = option(LOOPBACK, "router bind address")
     port: int = option(ROUTER_HTTP_PORT, "router HTTP port (0: any free port)", **_PORT)
     grpc_port: int = option(50050, "router gRPC port (0: any free port)", **_PORT)
+    admin_port: int | None = option(
+        None, "router HTTP port of the admin routes (/workers, /prometheus/targets), off --port (0: any free port; "
+        "none: on --port; the router's --admin-port)", **_PORT)
     speculative: bool = option(True, "decode with DSpark when the checkpoint ships a draft")
     # Passed to the router by environment, never on its command line.
     auth: AuthConfig = nested(AuthConfig, "API keys of the router")
@@ -431,6 +442,9 @@ class UpConfig:
         for role in ("router", "prefill", "decode"):
             self.ray_resources(role)  # raises ConfigError on a malformed one
         _require_positive(self, "transfer_timeout_s")
+        if self.admin_port and self.admin_port in (self.port, self.grpc_port):
+            raise ConfigError(f"`admin_port` ({self.admin_port}) must differ from `port` ({self.port}) and "
+                              f"`grpc_port` ({self.grpc_port})")
         if self.max_restart_backoff_s < self.restart_backoff_s:
             raise ConfigError(f"`max_restart_backoff_s` ({self.max_restart_backoff_s}) must be >= "
                               f"`restart_backoff_s` ({self.restart_backoff_s})")

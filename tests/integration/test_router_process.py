@@ -1,11 +1,13 @@
-"""The router as its own process (`pdspark serve router`, on uvloop) over stub workers: it serves completions, and
-logs a line per HTTP request only when started with `--access-log`."""
+"""The router as its own process (`pdspark serve router`, on uvloop) over stub workers: it serves completions, logs a
+line per HTTP request only when started with `--access-log`, and with `--admin-port` serves the admin routes there
+(named on its ready line) and not on its main port."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -51,3 +53,25 @@ def test_the_router_process_serves_and_logs_requests_only_when_asked(stub_pair, 
     assert reply["choices"][0]["finish_reason"] == "length"
     access = [line for line in router.errors if "aiohttp.access" in line and "/v1/completions" in line]
     assert len(access) == (1 if logged else 0), router.stderr_tail()
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=scaled(30)) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_the_router_process_serves_the_admin_routes_on_the_admin_port(stub_pair):
+    router = start_router("dsv4-tiny", [stub_pair[0]], [stub_pair[1]], "--admin-port", "0")
+    try:
+        admin = router.info["admin"]
+        assert admin == f"http://127.0.0.1:{router.info['admin_port']}" and admin != router.info["http"]
+        # A development router (loopback, no keys): listing is open, on the admin port only.
+        assert [_status(admin + path) for path in ("/workers", "/prometheus/targets")] == [200, 200]
+        assert [_status(router.info["http"] + path) for path in ("/workers", "/prometheus/targets")] == [404, 404]
+        assert _complete(router)["usage"]["completion_tokens"] == 2
+    finally:
+        router.stop()
+        router.drain()

@@ -317,6 +317,18 @@ def test_to_argv_parses_back_whatever_the_environment(cls):
                       {}, **FIXED.get(cls, {})) == parse(cls)
 
 
+def test_the_admin_port_is_a_port_of_its_own():
+    assert parse(RouterConfig).admin_port is None
+    assert parse(RouterConfig, ["--admin-port", "9001"]).admin_port == 9001
+    assert parse(RouterConfig, env={"PDSPARK_ADMIN_PORT": "0"}).admin_port == 0  # any free port
+    assert parse(RouterConfig, ["--admin-port", "none"], {"PDSPARK_ADMIN_PORT": "9001"}).admin_port is None
+    for argv in (["--admin-port", "8000"], ["--admin-port", "9001", "--grpc-port", "9001"]):
+        with pytest.raises(ConfigError, match="`admin_port` .* must differ"):
+            parse(RouterConfig, argv)
+    with pytest.raises(ConfigError, match="admin_port"):
+        parse(RouterConfig, ["--admin-port", "65536"])
+
+
 def test_keys_never_reach_a_command_line_a_repr_or_an_error_message():
     cfg = parse(RouterConfig, ["--api-key", "client-key-1,client-key-2"], {"PDSPARK_ADMIN_API_KEY": "admin-key-1"})
     assert (cfg.auth.api_key, cfg.auth.admin_api_key) == (("client-key-1", "client-key-2"), ("admin-key-1",))

@@ -84,6 +84,20 @@ def test_the_transfer_timeout_reaches_the_router(flags, want):
         parse_args(UpConfig, ["--transfer-timeout", "0"], {})
 
 
+@pytest.mark.parametrize("flags, fixed", [([], None), (["--admin-port", "18125"], 18125), (["--admin-port", "0"], 0)])
+def test_the_admin_port_reaches_the_router(flags, fixed):
+    plan = plan_cluster(parse_args(UpConfig, [*flags, "--port", "0", "--grpc-port", "0", "--max-model-len", "256"], {}))
+    router = parse_options(RouterConfig, build_parser().parse_args(plan.router.argv), {})
+    if fixed is None:
+        assert router.admin_port is None  # the admin routes stay on the main port
+    elif fixed:
+        assert router.admin_port == fixed
+    else:  # any free port, picked up front as the others (a restarted router keeps it)
+        assert router.admin_port and router.admin_port not in (router.port, router.grpc_port, 0)
+    with pytest.raises(ConfigError, match="admin_port"):
+        parse_args(UpConfig, ["--admin-port", "18126", "--port", "18126"], {})
+
+
 def test_keys_reach_the_router_by_its_environment_only():
     env = {"PDSPARK_API_KEY": "client-key-0123456789", "PDSPARK_ADMIN_API_KEY": "admin-key-0123456789"}
     cfg = parse_args(UpConfig, ["--api-key-file", "/run/keys", "--max-model-len", "256"], env)

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from pdspark.router.openai import openai_protocol as oai
 from pdspark.router.openai.api_error import ErrorResponse
+from pdspark.router.openai.chat_completion_request import ChatCompletionRequest
 from pdspark.router.openai.chat_template import ChatTemplate
+from pdspark.router.openai.completion_request import CompletionRequest
 from pdspark.router.openai.generate_request import GenerateRequest
 from pdspark.router.openai.openai_protocol import ApiError
 from pdspark.router.openai.sampling_fields import MAX_PROMPT_CHARS, MAX_SEED
@@ -207,6 +209,58 @@ def test_refused_requests_name_the_field(fn, body, status, param, code):
     e = refused(fn, body)
     assert (e.status, e.param, e.code) == (status, param, code), e.message
     assert f"`{param}`" in e.message and e.type == "invalid_request_error"
+
+
+class UncalledTokenizer(ByteTokenizer):
+    """A tokenizer a text must not reach."""
+
+    def encode(self, text: str) -> list[int]:
+        raise AssertionError(f"a text of {len(text)} characters was tokenized")
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("completions", {"prompt": "x" * 4 * MAX_MODEL_LEN}, "prompt"),
+    ("completions", {"prompt": ["x" * 4 * MAX_MODEL_LEN]}, "prompt"),
+    ("chat", {"messages": [{"role": "user", "content": "x" * 4 * MAX_MODEL_LEN}]}, "messages"),
+    ("generate", {"text": "x" * 4 * MAX_MODEL_LEN}, "text"),
+])
+def test_a_text_too_long_for_the_context_is_refused_by_its_length_untokenized(route, body, param):
+    # At most 4 characters a token: 4 * MAX_MODEL_LEN characters are at least MAX_MODEL_LEN tokens, no room left.
+    served = oai.ServedModel("m", MAX_MODEL_LEN, 256, UncalledTokenizer(), ChatTemplate(None),  # type: ignore[arg-type]
+                             max_token_chars=4)
+    with pytest.raises(ApiError) as e:
+        if route == "completions":
+            oai.parse_completion(oai.validate(CompletionRequest, body), served)
+        elif route == "chat":
+            oai.parse_chat(oai.validate(ChatCompletionRequest, body), served)
+        else:
+            oai.parse_generate(oai.validate(GenerateRequest, body), served)
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, "context_length_exceeded")
+    assert f"(`{param}`) has" in e.value.message and "characters" in e.value.message, e.value.message
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in e.value.message
+    ErrorResponse.model_validate(e.value.body())
+
+
+def test_the_length_check_alone_names_the_field_and_leaves_token_ids_alone():
+    served = oai.ServedModel("m", MAX_MODEL_LEN, 256, UncalledTokenizer(), None, max_token_chars=4)  # type: ignore[arg-type]
+    with pytest.raises(ApiError) as e:
+        oai.check_text_fits("x" * 4 * MAX_MODEL_LEN, served, "text")
+    assert (e.value.param, e.value.code) == ("text", "context_length_exceeded") and "`text`" in e.value.message
+    for fits in ("x" * (4 * MAX_MODEL_LEN - 4), [1] * 10 * MAX_MODEL_LEN, None):
+        oai.check_text_fits(fits, served, "text")
+
+
+def test_a_text_whose_length_may_fit_is_tokenized_and_judged_by_its_tokens():
+    served = oai.ServedModel("m", MAX_MODEL_LEN, 256, ByteTokenizer(), ChatTemplate(None),  # type: ignore[arg-type]
+                             max_token_chars=4)
+    # One character short of the bound: tokenized (one token a byte here), then refused by its tokens.
+    text = "x" * (4 * MAX_MODEL_LEN - 4)
+    with pytest.raises(ApiError) as e:
+        oai.parse_completion(oai.validate(CompletionRequest, {"prompt": text}), served)
+    assert e.value.code == "context_length_exceeded" and f"has {len(text)}, which" in e.value.message
+    # Without a bound from the tokenizer, only the tokens count.
+    unbounded = oai.ServedModel("m", MAX_MODEL_LEN, 256, ByteTokenizer(), ChatTemplate(None))  # type: ignore[arg-type]
+    assert oai.parse_completion(oai.validate(CompletionRequest, {"prompt": "x" * 8}), unbounded).prompt_ids
 
 
 @pytest.mark.parametrize("raw, message", [

@@ -55,6 +55,9 @@ def scrape_config(http: str, auth: AuthConfig, host: str) -> str:
 def print_endpoints(info: dict, services: dict[str, dict], needs_key: bool, ca: str | None = None) -> None:
     """The `ready` event (every service's pid and address), then the endpoints with examples to paste."""
     http, grpc_addr, model = info["http"], info["grpc"], info["model"]
+    # With --admin-port the admin routes are there, and not on the main port.
+    admin = (f"  Admin       : {info['admin']}/workers, /prometheus/targets\n" if "admin" in info else "")
+    also = "/generate, /health, /metrics" + ("" if admin else ", /workers")
     event(event="ready", http=http, grpc=grpc_addr, model=model, pid=os.getpid(), services=services, ca=ca)
     # With API keys, the examples read the key from the environment: it is never printed.
     auth = " -H \"Authorization: Bearer $PDSPARK_API_KEY\"" if needs_key else ""
@@ -69,9 +72,9 @@ def print_endpoints(info: dict, services: dict[str, dict], needs_key: bool, ca: 
     sdk_import = "Client, TLSOptions" if ca else "Client"
     print(f"""
 pdspark cluster is up.
-  OpenAI HTTP : {http}/v1   (also {http}/generate, /health, /metrics, /workers)
+  OpenAI HTTP : {http}/v1   (also {http}{also})
   gRPC        : {grpc_addr}   (pdspark.v1.Router)
-{keys}{tls}
+{admin}{keys}{tls}
 Try it:
   curl{cacert} {http}/v1/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}}'

@@ -3,9 +3,9 @@
 Pure data: nothing here starts a process. (With `--tls` the plan does write the certificates of a throwaway CA to
 the directory it is given: the command lines name them.)
 
-NOTE: stable addresses. Every port is picked up front (gRPC and metrics per worker, HTTP and gRPC for the router)
-and passed explicitly, so a restarted worker answers at the address the router already knows (its health checks
-re-admit it) and a restarted router serves on the same endpoints.
+NOTE: stable addresses. Every port is picked up front (gRPC and metrics per worker; HTTP, gRPC and, when asked for,
+admin for the router) and passed explicitly, so a restarted worker answers at the address the router already knows
+(its health checks re-admit it) and a restarted router serves on the same endpoints.
 NOTE: keys. The router gets its API and admin keys in its environment (`secret_env`), never on its command line,
 which every user of the machine can read in `ps`; the workers get those variables blanked.
 NOTE: TLS. A throwaway CA issues every service a certificate naming its role; the services get the paths as flags
@@ -68,9 +68,10 @@ def worker_configs(cfg: UpConfig, has_draft: bool) -> dict[str, WorkerConfig]:
 
 def router_config(cfg: UpConfig, prefill: list[str], decode: list[str]) -> RouterConfig:
     # The router admits what the workers serve: the same max_model_len (None on both sides resolves the same way).
-    return RouterConfig(model=cfg.model, host=cfg.host, port=cfg.port, grpc_port=cfg.grpc_port, auth=cfg.auth,
-                        prefill=tuple(prefill), decode=tuple(decode), max_model_len=cfg.engine.scheduler.max_model_len,
-                        otlp_endpoint=cfg.otlp_endpoint, transfer_timeout_s=cfg.transfer_timeout_s)
+    return RouterConfig(model=cfg.model, host=cfg.host, port=cfg.port, grpc_port=cfg.grpc_port,
+                        admin_port=cfg.admin_port, auth=cfg.auth, prefill=tuple(prefill), decode=tuple(decode),
+                        max_model_len=cfg.engine.scheduler.max_model_len, otlp_endpoint=cfg.otlp_endpoint,
+                        transfer_timeout_s=cfg.transfer_timeout_s)
 
 
 def free_ports(host: str, n: int) -> list[int]:
@@ -120,9 +121,10 @@ def _workers(cfg: UpConfig, base: dict[str, WorkerConfig],
 
 
 def _router(cfg: UpConfig, addresses: dict[str, list[str]], ca: ThrowawayCA | None) -> Service:
-    ports = iter(free_ports(cfg.host, [cfg.port, cfg.grpc_port].count(0)))
+    ports = iter(free_ports(cfg.host, [cfg.port, cfg.grpc_port, cfg.admin_port].count(0)))
     router = dataclasses.replace(router_config(cfg, addresses["prefill"], addresses["decode"]),
-                                 port=cfg.port or next(ports), grpc_port=cfg.grpc_port or next(ports))
+                                 port=cfg.port or next(ports), grpc_port=cfg.grpc_port or next(ports),
+                                 admin_port=next(ports) if cfg.admin_port == 0 else cfg.admin_port)
     if ca is not None:
         # One certificate for both ends: the router's public ports and its calls to the workers.
         tls = _tls(ca, "router", "router", cfg.host)

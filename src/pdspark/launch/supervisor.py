@@ -136,7 +136,7 @@ class Supervisor:
             services[s.name] = {"pid": s.run.pid, "address": _address(s.run), **s.run.details}
         print_endpoints(router.info, services, needs_key=bool(self.cfg.auth.api_key or self.cfg.auth.api_key_file),
                         ca=self.plan.ca_path)
-        log(scrape_config(router.info["http"], self.cfg.auth, self.cfg.host))
+        log(scrape_config(router.info.get("admin", router.info["http"]), self.cfg.auth, self.cfg.host))
 
     def _supervise(self) -> int:
         while not self.stop.wait(TICK_S):

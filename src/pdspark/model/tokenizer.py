@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import ByteLevel
+
+# Texts longer than this are encoded with `encode_batch_fast`, which releases the GIL while its Rust code runs;
+# `encode` holds it throughout (about 1 us a character: seconds for a prompt of megabytes), so a thread tokenizing a
+# long prompt would stall every other thread of the process (the router's event loop) however it is scheduled. The
+# fast form keeps no character offsets, which also makes the encoding several times cheaper to free (that runs with
+# the GIL held: about 0.2 s for the full form of 3 M tokens). All give the same ids; shorter texts take `encode`,
+# which skips the batch's overhead.
+RELEASE_GIL_CHARS = 2048
+
+# The parts of a tokenizer under which every character of a text ends up in some token, and no token stands for
+# more characters than its own vocabulary entry spells (`Tokenizer.max_token_chars`). Normalizers that only
+# decompose or change case never make a text shorter; pre-tokenizers that split without removing keep every
+# character (a `Split`/`Punctuation` keeps them unless its behavior is `Removed`; `Whitespace`, `WhitespaceSplit`,
+# `BertPreTokenizer` and `CharDelimiterSplit` drop some, and so are not here).
+_KEEPING_NORMALIZERS = frozenset({"Sequence", "Lowercase", "NFD", "NFKD", "Prepend"})
+_KEEPING_PRE_TOKENIZERS = frozenset({"Sequence", "ByteLevel", "Split", "Punctuation", "Digits", "Metaspace",
+                                     "UnicodeScripts"})
 
 
 class Tokenizer:
@@ -33,7 +52,35 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
+        if len(text) > RELEASE_GIL_CHARS:
+            # `encode_batch_fast` is there from tokenizers 0.20 on.
+            encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+            return encode_batch([text])[0].ids
         return self._tok.encode(text).ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for, or None where this tokenizer sets no such bound.
+
+        With it, a text of `n` characters is at least `ceil(n / max_token_chars)` tokens: a prompt too long for the
+        context is refused by its length alone, before the seconds a prompt of megabytes takes to tokenize. A
+        token's vocabulary entry is at least as long as the text it covers (byte-level entries spell one character
+        per byte, a character being one byte or more; a subword prefix or suffix only lengthens an entry), and an
+        added token stands for its own content. That holds only while the tokenizer cannot make a text shorter
+        before the model sees it, nor map a run of unknown characters of any length to one token: no truncation,
+        normalizers and pre-tokenizers that keep every character, a BPE model that does not fuse unknown
+        characters, and no added token that swallows the whitespace around it (`lstrip`/`rstrip`). Any other
+        tokenizer gets None (the request-size limits still bound what it is given)."""
+        spec = json.loads(self._tok.to_str())
+        model = spec.get("model") or {}
+        sound = (spec.get("truncation") is None
+                 and _keeps_every_char(spec.get("normalizer"), _KEEPING_NORMALIZERS, "normalizers")
+                 and _keeps_every_char(spec.get("pre_tokenizer"), _KEEPING_PRE_TOKENIZERS, "pretokenizers")
+                 and model.get("type") == "BPE" and not (model.get("unk_token") and model.get("fuse_unk"))
+                 and not any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or ()))
+        if not sound:
+            return None
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=None)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -47,3 +94,12 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+
+def _keeps_every_char(part: dict[str, Any] | None, keeping: frozenset[str], children: str) -> bool:
+    """Whether a normalizer or pre-tokenizer (`tokenizer.json`'s spelling; None: absent) keeps every character."""
+    if part is None:
+        return True
+    if part.get("type") not in keeping or part.get("behavior") == "Removed":
+        return False
+    return all(_keeps_every_char(child, keeping, children) for child in part.get(children) or ())

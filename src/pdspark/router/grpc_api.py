@@ -25,6 +25,7 @@ from pdspark.router.openai.sampling_fields import (
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
 )
+from pdspark.router.prompt_work import too_long_for_context
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 from pdspark.rpc import convert, status
 from pdspark.types import SamplingParams
@@ -41,7 +42,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request, context):
         core = self.core
         try:
-            ids = self._prompt(request)
+            which = request.WhichOneof("prompt")
+            text = request.text if which == "text" else None  # each read of the field copies it out of the message
+            if text is not None:
+                self._check_text(text)  # here: a text refused by its length need not wait for a thread
+            # A long prompt is tokenized off the event loop: see `prompt_work`.
+            weight = len(text) if text is not None else len(request.token_ids.ids) if which else 0
+            ids = await core.prompt_work.run(weight, self._prompt, request, text)
             params = convert.sampling_from_pb(request.sampling)
             _check_bounds(params, core.model_config.vocab_size)
             if len(ids) + params.max_tokens > core.max_model_len:
@@ -82,16 +89,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         nothing."""
         return router_pb2.RouterAbortResponse(found=self.core.abort(request.request_id))
 
-    def _prompt(self, request) -> list[int]:
+    def _check_text(self, text: str) -> None:
+        """A text prompt's checks before it is tokenized: a tokenizer to do it, and a length that may fit."""
+        if self.core.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send `token_ids`")
+        if len(text) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError(f"`text` has {len(text)} characters; at most {MAX_PROMPT_CHARS}", "text")
+        too_long = too_long_for_context("text", len(text), self.core.max_token_chars, self.core.max_model_len)
+        if too_long is not None:
+            raise InvalidRequestError(too_long, "text")
+
+    def _prompt(self, request, text: str | None) -> list[int]:
+        """The prompt's token ids, checked (`text`: the request's text prompt, checked by `_check_text`); reads its
+        arguments and the core's fixed parts only (it may run on a thread of its own)."""
         which = request.WhichOneof("prompt")
         if which == "token_ids":
             ids = list(request.token_ids.ids)
-        elif which == "text":
-            if self.core.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer; send `token_ids`")
-            if len(request.text) > MAX_PROMPT_CHARS:
-                raise InvalidRequestError(f"`text` has {len(request.text)} characters; at most {MAX_PROMPT_CHARS}")
-            ids = self.core.tokenizer.encode(request.text)
+        elif text is not None:
+            assert self.core.tokenizer is not None  # `_check_text` refused a model without one
+            ids = self.core.tokenizer.encode(text)
         else:
             raise InvalidRequestError("`prompt` is required: set `text` or `token_ids`")
         if not ids:

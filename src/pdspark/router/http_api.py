@@ -9,13 +9,17 @@ A request may set its timeout with the `X-Request-Timeout` header (seconds; at m
 router's own. A request the router has no room for gets 429 with `Retry-After` at once.
 
 Keys (`auth_middleware`, rules in `api_keys`): generation needs an API key when the router has any, `/workers` and
-`/prometheus/targets` an admin key; a caller who may not list workers sees no worker address in a response either."""
+`/prometheus/targets` an admin key; a caller who may not list workers sees no worker address in a response either.
+
+With `--admin-port` those two admin routes are an application of their own (`build_app(core, "admin")`), served on
+that port and absent (404) from the main one; `router_server.start_http` starts both."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+from typing import Literal
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,18 +35,29 @@ from pdspark.router.openai.generate_request import GenerateRequest
 from pdspark.router.openai.openapi_document import openapi_document
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 from pdspark.router.workers.prometheus_targets import prometheus_targets
+from pdspark.router.workers.worker_address import address_problem
 
 logger = logging.getLogger(__name__)
 
-def build_app(core: RouterCore) -> web.Application:
-    """The router's HTTP application. Every error it answers is OpenAI's error object (`error_middleware`); every
-    request is checked against the router's keys first (`auth_middleware`)."""
-    api = HttpApi(core)
+Routes = Literal["all", "public", "admin"]
+
+
+def build_app(core: RouterCore, routes: Routes = "all", metrics_port: int | None = None) -> web.Application:
+    """The router's HTTP application: every route, or only the public ones or only the admin ones (`/workers`,
+    `/prometheus/targets`) when they are served on ports of their own. Every error it answers is OpenAI's error
+    object (`error_middleware`); every request is checked against the router's keys first (`auth_middleware`).
+
+    Args:
+        metrics_port: where the router's own `/metrics` is, when not on this application's port (the admin one):
+            what `/prometheus/targets` lists for it.
+    """
+    api = HttpApi(core, metrics_port)
     app = web.Application(client_max_size=core.options.admission.max_body_bytes,
-                          middlewares=[error_middleware, auth_middleware(core.keys, core.metrics)])
+                          middlewares=[error_middleware,
+                                       auth_middleware(core.keys, core.metrics, admin_routes=routes != "public")])
     app.on_response_prepare.append(mark_started)
     app.on_response_prepare.append(_echo_request_id)
-    app.add_routes([
+    public = [
         web.post("/v1/completions", api.completions),
         web.post("/v1/chat/completions", api.chat_completions),
         web.get("/v1/models", api.models),
@@ -50,12 +65,22 @@ def build_app(core: RouterCore) -> web.Application:
         web.get("/openapi.json", api.openapi),
         web.get("/health", api.health),
         web.get("/metrics", api.metrics),
+    ]
+    admin = [
         web.get("/prometheus/targets", api.prometheus_targets),
         web.get("/workers", api.workers),
         web.post("/workers", api.add_worker),
         web.delete("/workers", api.remove_worker),
-    ])
+    ]
+    app.add_routes({"all": public + admin, "public": public, "admin": admin}[routes])
     return app
+
+
+def _with_port(host: str, port: int) -> str:
+    """A `Host` header's value (name, name:port, [v6] or [v6]:port) with `port` for its port."""
+    # A name or an IPv4 address holds no colon; an IPv6 address is in brackets.
+    name = host[:host.index("]") + 1] if host.startswith("[") and "]" in host else host.partition(":")[0]
+    return f"{name}:{port}"
 
 
 def _failure(e: RequestFailed) -> web.Response:
@@ -118,10 +143,11 @@ async def _body(request: web.Request, max_bytes: int) -> bytes:
 
 
 class HttpApi:
-    def __init__(self, core: RouterCore):
+    def __init__(self, core: RouterCore, metrics_port: int | None = None):
         self.core = core
+        self.metrics_port = metrics_port
         self.served = oai.ServedModel(core.served_name, core.max_model_len, core.model_config.vocab_size,
-                                      core.tokenizer, core.chat_template)
+                                      core.tokenizer, core.chat_template, core.max_token_chars)
 
     # ---- OpenAI -----------------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -135,12 +161,17 @@ class HttpApi:
         try:
             raw = await _body(request, core.options.admission.max_body_bytes)
             req: ChatCompletionRequest | CompletionRequest
+            # A long prompt is tokenized (its chat template rendered) off the event loop: see `prompt_work`. A text
+            # that cannot fit is refused by its length first, here (a chat prompt's once its template is rendered).
             if chat:
                 req = oai.validate(ChatCompletionRequest, raw)
-                parsed = oai.parse_chat(req, self.served)
+                weight = sum(len(m.text()) for m in req.messages)
+                parsed = await core.prompt_work.run(weight, oai.parse_chat, req, self.served)
             else:
                 req = oai.validate(CompletionRequest, raw)
-                parsed = oai.parse_completion(req, self.served)
+                prompt = req.prompt_value()
+                oai.check_text_fits(prompt, self.served, "prompt")
+                parsed = await core.prompt_work.run(len(prompt), oai.parse_completion, req, self.served)
             timeout = _timeout(request)
         except ApiError as e:
             core.metrics.count_request("chat" if chat else "completions", "invalid")
@@ -212,7 +243,9 @@ class HttpApi:
         core = self.core
         try:
             req = oai.validate(GenerateRequest, await _body(request, core.options.admission.max_body_bytes))
-            parsed = oai.parse_generate(req, self.served)
+            oai.check_text_fits(req.text, self.served, "text")  # as `_openai` does
+            weight = len(req.text or "") + len(req.input_ids or ())
+            parsed = await core.prompt_work.run(weight, oai.parse_generate, req, self.served)
             timeout = _timeout(request)
         except ApiError as e:
             core.metrics.count_request("generate", "invalid")
@@ -289,8 +322,10 @@ class HttpApi:
 
     async def prometheus_targets(self, request: web.Request) -> web.Response:
         """Prometheus HTTP service discovery: every metrics endpoint of the cluster (see `prometheus_targets`)."""
+        # The router as the scraper reached it, on the port of its `/metrics` when that is another one.
+        router = request.host if self.metrics_port is None else _with_port(request.host, self.metrics_port)
         return web.json_response(prometheus_targets(self.core.registry.workers.values(), self.core.served_name,
-                                                    request.host, request.scheme))
+                                                    router, request.scheme))
 
     async def workers(self, request: web.Request) -> web.Response:
         return web.json_response([w.to_json() for w in self.core.registry.workers.values()])
@@ -302,6 +337,9 @@ class HttpApi:
             raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from e
         if not isinstance(body, dict) or not isinstance(body.get("address"), str):
             raise ApiError(422, "`address` (host:port) and `role` (prefill or decode) are required", "address")
+        problem = address_problem(body["address"])
+        if problem is not None:
+            raise ApiError(400, problem, "address", "invalid_address")
         try:
             w = self.core.registry.add(str(body.get("role")), body["address"], str(body.get("metrics_url", "")))
         except ValueError as e:

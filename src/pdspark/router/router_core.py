@@ -35,6 +35,7 @@ from pdspark.router.auth.key_quota import KeyQuota
 from pdspark.router.dispatcher import Dispatcher
 from pdspark.router.openai.chat_template import ChatTemplate
 from pdspark.router.pair_attempt import DispatchChunk
+from pdspark.router.prompt_work import PromptWork
 from pdspark.router.random_id import uuid4_hex
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.workers.worker_registry import WorkerRegistry
@@ -162,6 +163,9 @@ class RouterCore:
         self.max_model_len = max_model_len
         self.tokenizer = Tokenizer.from_dir(Path(model_path), cfg.eos_token_ids)
         self.chat_template = ChatTemplate(self.tokenizer.chat_template if self.tokenizer else None)
+        # Read here, at start: it reads the whole vocabulary once.
+        self.max_token_chars = self.tokenizer.max_token_chars if self.tokenizer else None
+        self.prompt_work = PromptWork()
         self.registry = registry
         self.dispatcher = dispatcher
         self.metrics = metrics

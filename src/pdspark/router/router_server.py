@@ -2,7 +2,8 @@
 registry's health polling and DNS discovery (`--prefill-dns`/`--decode-dns`) beside them; one JSON ready line on stdout;
 SIGTERM/SIGINT drain and stop; SIGHUP reads the key files again (key rotation without a restart). With
 `--ssl-certfile`/`--ssl-keyfile` both public ports speak TLS (HTTPS; gRPC without client certificates: clients
-authenticate with API keys); with `--tls-*` the calls to the workers use mutual TLS (`WorkerRegistry`)."""
+authenticate with API keys); with `--tls-*` the calls to the workers use mutual TLS (`WorkerRegistry`). With
+`--admin-port` the admin routes have an HTTP listener of their own (`start_http`), with the same TLS and keys."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 import signal
 import ssl
 import sys
+from dataclasses import dataclass
 
 import grpc
 import uvloop
@@ -26,7 +28,7 @@ from pdspark.model.model_config import ModelConfig
 from pdspark.router.auth.auth_interceptor import AuthInterceptor
 from pdspark.router.dispatcher import Dispatcher
 from pdspark.router.grpc_api import RouterServicer
-from pdspark.router.http_api import build_app
+from pdspark.router.http_api import Routes, build_app
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.workers.dns_discovery import DnsDiscovery
@@ -127,19 +129,62 @@ def _public_tls(cfg: RouterConfig) -> tuple[ssl.SSLContext | None, grpc.ServerCr
             public_server_credentials(cfg.ssl_certfile, cfg.ssl_keyfile))
 
 
+@dataclass
+class HttpListeners:
+    """The router's HTTP listeners: every route on `port`; or, with `--admin-port`, the admin routes on
+    `admin_port` and the others on `port`."""
+
+    runners: list[web.AppRunner]
+    port: int
+    admin_port: int | None = None
+
+    async def cleanup(self) -> None:
+        for runner in self.runners:
+            await runner.cleanup()
+
+
+async def start_http(core: RouterCore, cfg: RouterConfig, ssl_context: ssl.SSLContext | None) -> HttpListeners:
+    """Listen on `cfg`'s host and ports (0: any free one): HTTPS with `ssl_context`, aiohttp's access log with
+    `--access-log`; the admin routes on a listener of their own with `--admin-port`."""
+    split = cfg.admin_port is not None
+    runner, port = await _listen(core, cfg, "public" if split else "all", cfg.port, ssl_context)
+    listeners = HttpListeners([runner], port)
+    if cfg.admin_port is not None:
+        try:
+            # The router's own metrics target, in the admin routes' Prometheus discovery, is on the main port.
+            runner, listeners.admin_port = await _listen(core, cfg, "admin", cfg.admin_port, ssl_context,
+                                                         metrics_port=port)
+        except BaseException:
+            await listeners.cleanup()
+            raise
+        listeners.runners.append(runner)
+    return listeners
+
+
+async def _listen(core: RouterCore, cfg: RouterConfig, routes: Routes, port: int, ssl_context: ssl.SSLContext | None,
+                  metrics_port: int | None = None) -> tuple[web.AppRunner, int]:
+    """`build_app(core, routes)` listening on `port`: its runner, and the port it got."""
+    app = build_app(core, routes, metrics_port)
+    runner = (web.AppRunner(app, handler_cancellation=True) if cfg.access_log
+              else web.AppRunner(app, handler_cancellation=True, access_log=None))
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, cfg.host, port, ssl_context=ssl_context)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
 async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     core = build_core(cfg)
     _warn_if_exposed(cfg, core)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys, core)
     # Read before anything listens: a bad certificate path is a configuration error at start.
     ssl_context, grpc_credentials = _public_tls(cfg)
-    app = build_app(core)
-    runner = (web.AppRunner(app, handler_cancellation=True) if cfg.access_log
-              else web.AppRunner(app, handler_cancellation=True, access_log=None))
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
-    await site.start()
-    http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    listeners = await start_http(core, cfg, ssl_context)
+    http_port = listeners.port
     server, health_servicer = build_grpc_server(core)
     grpc_address = f"{cfg.host}:{cfg.grpc_port}"
     grpc_port = (server.add_insecure_port(grpc_address) if grpc_credentials is None
@@ -152,8 +197,10 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     discoverer = asyncio.create_task(discovery.run()) if discovery is not None else None
     public_tls = ssl_context is not None
     scheme = "https" if public_tls else "http"
+    admin = ({} if listeners.admin_port is None else
+             {"admin": f"{scheme}://{cfg.host}:{listeners.admin_port}", "admin_port": listeners.admin_port})
     print(json.dumps({"event": "ready", "role": "router", "http": f"{scheme}://{cfg.host}:{http_port}",
-                      "grpc": f"{cfg.host}:{grpc_port}", "http_port": http_port, "grpc_port": grpc_port,
+                      "grpc": f"{cfg.host}:{grpc_port}", "http_port": http_port, "grpc_port": grpc_port, **admin,
                       "model": core.served_name, "tls": public_tls, "worker_tls": cfg.tls.enabled}), flush=True)
     await stop.wait()
     logger.info("router stopping")
@@ -163,7 +210,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     if discoverer is not None:
         discoverer.cancel()
     await server.stop(5)
-    await runner.cleanup()
+    await listeners.cleanup()
+    core.prompt_work.close()
 
 
 def run_router(cfg: RouterConfig) -> int:

@@ -35,13 +35,17 @@ def current_caller() -> Caller:
     return _caller.get(ANONYMOUS)
 
 
-def access_of(request: web.Request) -> Access:
+def access_of(request: web.Request, admin_routes: bool = True) -> Access:
     """What `request`'s route needs: by the route it matched (the path as registered, whatever the spelling of the
-    request's), else by its path (an unknown `/v1/...` is refused before it is found missing)."""
+    request's), else by its path (an unknown `/v1/...` is refused before it is found missing). `admin_routes`: False
+    on an application without them (the main port, with `--admin-port`), where their paths are unknown to everyone
+    (404), as any other."""
     resource = request.match_info.route.resource
     path = resource.canonical if resource is not None else request.path
     if path == "/generate" or path.startswith("/v1/") or path == "/v1":
         return Access.GENERATE
+    if not admin_routes:
+        return Access.OPEN
     if path == "/workers":
         return Access.LIST_WORKERS if request.method in ("GET", "HEAD") else Access.MANAGE_WORKERS
     if path == "/prometheus/targets":
@@ -49,11 +53,13 @@ def access_of(request: web.Request) -> Access:
     return Access.OPEN
 
 
-def auth_middleware(keys: ApiKeys, metrics: RouterMetrics):
+def auth_middleware(keys: ApiKeys, metrics: RouterMetrics, admin_routes: bool = True):
+    """The key check of an application; `admin_routes`: whether it serves them (see `access_of`)."""
+
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         caller = keys.identify(request.headers.get("Authorization"))
-        failure = keys.refusal(caller, access_of(request))
+        failure = keys.refusal(caller, access_of(request, admin_routes))
         if failure is not None:
             unauthenticated = failure.code is ErrorCode.UNAUTHENTICATED
             reason = ("invalid_key" if caller.presented else "missing_key") if unauthenticated else "forbidden"

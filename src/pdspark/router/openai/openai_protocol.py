@@ -3,8 +3,10 @@
 are built in OpenAI's shapes.
 
 The models bound every field on their own; what depends on the served model is checked here: the model's name
-(404), the tokenized prompt against the vocabulary and the context, `max_tokens` against the room the prompt
-leaves. Errors are `ApiError`s in OpenAI's shape (see `api_error` for the statuses).
+(404), a prompt's text against the context by its length (before it is tokenized: see `prompt_work`), the tokenized
+prompt against the vocabulary and the context, `max_tokens` against the room the prompt leaves. Parsing touches
+nothing but its arguments, so the router may run it on a thread of its own (`PromptWork`). Errors are `ApiError`s
+in OpenAI's shape (see `api_error` for the statuses).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pdspark.router.openai.completion_request import CompletionRequest
 from pdspark.router.openai.generate_request import GenerateRequest, GenerateSamplingParams
 from pdspark.router.openai.openai_request import StreamOptions
 from pdspark.router.openai.sampling_fields import SamplingFields
+from pdspark.router.prompt_work import too_long_for_context
 from pdspark.router.random_id import uuid4_hex
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 
@@ -29,8 +32,8 @@ if TYPE_CHECKING:
     from pdspark.model.tokenizer import Tokenizer
     from pdspark.router.openai.chat_template import ChatTemplate
 
-__all__ = ["ApiError", "ParsedRequest", "ServedModel", "parse", "parse_chat", "parse_completion", "parse_generate",
-           "validate"]
+__all__ = ["ApiError", "ParsedRequest", "ServedModel", "check_text_fits", "parse", "parse_chat", "parse_completion",
+           "parse_generate", "validate"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -49,6 +52,9 @@ class ServedModel:
     vocab_size: int
     tokenizer: Tokenizer | None = None
     chat_template: ChatTemplate | None = None
+    # The most characters one token stands for (`Tokenizer.max_token_chars`; None: no bound): what refuses a text
+    # too long for the context before it is tokenized.
+    max_token_chars: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,8 @@ def validate(model: type[M], body: bytes | str | object) -> M:
 
 
 def parse(body: bytes | object, *, chat: bool, served_model: str, tokenizer, chat_template, max_model_len: int,
-          vocab_size: int) -> ParsedRequest:
-    served = ServedModel(served_model, max_model_len, vocab_size, tokenizer, chat_template)
+          vocab_size: int, max_token_chars: int | None = None) -> ParsedRequest:
+    served = ServedModel(served_model, max_model_len, vocab_size, tokenizer, chat_template, max_token_chars)
     if chat:
         return parse_chat(validate(ChatCompletionRequest, body), served)
     return parse_completion(validate(CompletionRequest, body), served)
@@ -86,7 +92,7 @@ def parse_completion(req: CompletionRequest, served: ServedModel) -> ParsedReque
     if isinstance(prompt, str):
         if served.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer; send `prompt` as a list of token ids", "prompt")
-        ids = served.tokenizer.encode(prompt)
+        ids = _tokenize(prompt, served, "prompt")
     else:
         ids = list(prompt)
     _check_prompt(ids, served, "prompt")
@@ -101,7 +107,8 @@ def parse_chat(req: ChatCompletionRequest, served: ServedModel) -> ParsedRequest
     if served.tokenizer is None or served.chat_template is None:
         raise ApiError(400, "this model has no tokenizer; use /v1/completions with token ids", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    ids = served.tokenizer.encode(served.chat_template.render(messages))
+    # Counted once rendered: the template decides how much of the messages the prompt holds.
+    ids = _tokenize(served.chat_template.render(messages), served, "messages")
     _check_prompt(ids, served, "messages")
     name, value = (("max_completion_tokens", req.max_completion_tokens) if req.max_completion_tokens is not None
                    else ("max_tokens", req.max_tokens))
@@ -120,7 +127,7 @@ def parse_generate(req: GenerateRequest, served: ServedModel) -> ParsedRequest:
     elif req.text is not None:
         if served.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer; send `input_ids`", "text")
-        ids, param = served.tokenizer.encode(req.text), "text"
+        ids, param = _tokenize(req.text, served, "text"), "text"
     else:
         raise ApiError(422, "`text` (a string) or `input_ids` (token ids) is required", "text", "missing")
     _check_prompt(ids, served, param)
@@ -136,6 +143,22 @@ def _check_model(name: str | None, served: ServedModel) -> None:
     if name is not None and name != served.name:
         raise ApiError(404, f"`model`: the model `{name}` does not exist; this server serves `{served.name}`", "model",
                        "model_not_found")
+
+
+def check_text_fits(text: object, served: ServedModel, param: str) -> None:
+    """Refuse a text prompt (`text` of any other type: nothing to check) that cannot fit the context by its length
+    alone. Cheap: the router does it before a long prompt waits for a thread to tokenize it (`PromptWork`)."""
+    if isinstance(text, str):
+        too_long = too_long_for_context(param, len(text), served.max_token_chars, served.max_model_len)
+        if too_long is not None:
+            raise ApiError(400, too_long, param, "context_length_exceeded")
+
+
+def _tokenize(text: str, served: ServedModel, param: str) -> list[int]:
+    """`text`'s tokens; a text too long for the context is refused by its length first, untokenized."""
+    assert served.tokenizer is not None  # the callers refused a model without one
+    check_text_fits(text, served, param)
+    return served.tokenizer.encode(text)
 
 
 def _check_prompt(ids: list[int], served: ServedModel, param: str) -> None:
