@@ -23,8 +23,9 @@ another's checks):
   attempts that still need that worker as `on_down` does (retried or migrated, never taken for a client's cancel),
   then the channel closes; from then on the worker is `closed` and nothing calls it again (an attempt skips the
   Abort it would send there: the closed channel ended the worker's calls, and the worker drops what they held).
-- load: `GetLoad` every `load_interval_s` (running and waiting requests, and the worker's metrics URL). A slow or
-  failed load report keeps the last one and never touches health.
+- load: `GetLoad` every `load_interval_s` (running and waiting requests; a decode worker's reservation queue and
+  quarantined request slots, which count as load too; and the worker's metrics URL). A slow or failed load report
+  keeps the last one and never touches health.
 
 Calls: `prefill_call` and `generate_call` make a request's two calls to its workers, one gRPC call each, or with
 `multiplexed` on one long-lived `Calls` stream per worker (`rpc/multiplexed_client.py`), which fail alike.
@@ -73,7 +74,14 @@ class WorkerInfo:
     address: str
     metrics_url: str = ""
     healthy: bool = True
-    reported_load: int = 0  # running + waiting requests, from the worker's last GetLoad
+    # From the worker's last GetLoad: running + waiting requests, and on a decode worker also the requests in its
+    # reservation queue (`queued`) and its quarantined request slots: a slot no request can take until no write of a
+    # failed transfer can land is as busy as a running one, so a worker whose free slots are all quarantined is not
+    # picked over one with room (it would refuse or queue the request until its deadline).
+    reported_load: int = 0
+    queued: int = 0  # decode: requests waiting for a slot and pages (its reservation queue)
+    quarantined_slots: int = 0  # decode: request slots held by quarantined transfers
+    quarantined_pages: dict[str, int] = field(default_factory=dict)  # decode: their pages, per pool
     # Legs of requests this router has on the worker right now and not answered: a prefill worker's until it
     # answered its Prefill call (after that the request needs it no more), a decode worker's until its stream ended.
     in_flight: int = 0
@@ -97,7 +105,9 @@ class WorkerInfo:
 
     def to_json(self) -> dict:
         return {"name": self.name, "role": self.role, "address": self.address, "healthy": self.healthy,
-                "load": self.load, "in_flight": self.in_flight, "metrics_url": self.metrics_url}
+                "load": self.load, "in_flight": self.in_flight, "queued": self.queued,
+                "quarantined_slots": self.quarantined_slots, "quarantined_pages": dict(self.quarantined_pages),
+                "metrics_url": self.metrics_url}
 
 
 class WorkerRegistry:
@@ -296,7 +306,9 @@ class WorkerRegistry:
         except (TimeoutError, grpc.aio.AioRpcError) as e:
             logger.debug("%s worker %s sent no load report: %s", w.role, w.address, e)
             return False
-        w.reported_load = load.running + load.waiting
+        w.queued, w.quarantined_slots = load.queued, load.quarantined_slots
+        w.quarantined_pages = dict(load.quarantined_pages)
+        w.reported_load = load.running + load.waiting + load.queued + load.quarantined_slots
         w.metrics_url = w.metrics_url or load.metrics_url  # a URL given at registration wins
         w.last_load = time.time()
         return True
