@@ -32,8 +32,9 @@ in the transfer engine.
 
 Admission: the worker holds as many requests as its engine runs (request slots) plus at most `max_waiting`
 waiting for a slot and pages; one more is refused at once with OVERLOADED. A quarantined slot serves nobody until
-its quarantine ends (later than the deadline of a request that would wait for it now), so the line shrinks with the
-slots that are not quarantined: `max_waiting` times their share, and none at all while every slot is quarantined.
+its quarantine ends (its plan's deadline + the transfer engine's timeout: most often later than the deadline of a
+request that would wait for it now), so the line shrinks with the slots that are not quarantined: `max_waiting`
+times their share, and none at all while every slot is quarantined.
 A request that waited its deadline out without room (all but a margin of it: see `_reserve`) fails with OVERLOADED
 too: this worker's shortage, which the router avoids on the retry, not the transfer's. The load report counts the
 queue and the quarantined slots and pages (`GetLoad`), and the router counts them as load. Everything here runs on
@@ -218,7 +219,7 @@ class DecodeWorker:
         if quarantined == self.slots:
             return RequestFailed(ErrorCode.OVERLOADED, f"all {self.slots} request slots of this decode worker are "
                                  "quarantined (transfers whose prefill worker did not answer, held until no write "
-                                 "of theirs can land): none would be free before the deadline")
+                                 "of theirs can land: their plans' deadline + the transfer engine's timeout)")
         share = f" with {quarantined} of its {self.slots} request slots quarantined" if quarantined else ""
         return RequestFailed(ErrorCode.OVERLOADED, f"{self.waiting} requests already wait for a slot and pages, the "
                              f"most this decode worker queues{share} (max_waiting_streams)")
