@@ -130,13 +130,15 @@ async def _connected(channel: grpc.aio.Channel, address: str, deadline: float) -
     (TRANSIENT_FAILURE: a connection failed, e.g. refused by a dead prefill worker's host) or has not connected by
     `deadline` (`time.monotonic()`).
 
-    Why a plan waits for this instead of going out and reading the failure: a call that fails UNAVAILABLE may have
-    been sent or not, and nothing gRPC reports tells the two apart. Its status codes do not (gRPC's statuscodes.md
-    gives UNAVAILABLE both to a connection that broke after "some data transmitted" and to one never made), and its
-    error texts are no interface. Only not making the call is proof that the plan never left, so the call is made
-    only once the channel is READY: a channel in TRANSIENT_FAILURE would fail it at once anyway ("fail fast",
-    gRPC's wait-for-ready.md), while one still connecting (IDLE, CONNECTING) would hold it until the connection is
-    made or fails, which this wait does instead. A plan that goes out on a READY channel and fails is `Unanswered`,
+    Why a plan waits for this instead of going out and reading the failure: a failed call may have been sent or
+    not, and nothing gRPC reports tells the two apart. Its status codes do not: UNAVAILABLE is both a connection
+    that broke after "some data transmitted" (gRPC's doc/statuscodes.md) and a call failed fast on a channel that
+    never connected (doc/wait-for-ready.md, doc/fail_fast.md), and DEADLINE_EXCEEDED may come "either when the
+    client is unable to send the request to the server or when the server fails to respond in time"
+    (statuscodes.md). Its error texts are no interface. Only not making the call is proof that the plan never left,
+    so the call is made only once the channel is READY: a channel in TRANSIENT_FAILURE would fail it at once anyway
+    ("fail fast"), while one still connecting (IDLE, CONNECTING) would hold it until the connection is made or
+    fails, which this wait does instead. A plan that goes out on a READY channel and fails is `Unanswered`,
     as before: the connection may have broken after the plan reached the prefill worker. (The plan is one unary
     call of its own on this channel, never a multiplexed `Calls` stream, whose frames share a connection that may
     be up for one call and gone for the next.)"""
