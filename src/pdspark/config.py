@@ -178,7 +178,8 @@ class WorkerConfig:
     # concurrent requests; each waiting request costs a coroutine and a little memory, no thread.
     max_waiting_streams: int = option(
         1024, "decode: Generate calls that may wait for destination pages beyond those the engine runs "
-        "(max-num-seqs); more are refused at once with OVERLOADED", minimum=1)
+        "(max-num-seqs), fewer in proportion while request slots are quarantined; more are refused at once with "
+        "OVERLOADED", minimum=1)
     max_pending_prefills: int = option(
         1024, "prefill: transfers in flight (queued, prefilling, waiting for their plan, writing); more are "
         "refused at once with OVERLOADED", minimum=1)

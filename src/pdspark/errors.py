@@ -115,6 +115,11 @@ class Unanswered(RequestFailed):
     lease lapsed), or it was unreachable. Unlike a failure the peer reported, the peer may still be acting on it."""
 
 
+class NotSent(RequestFailed):
+    """A call that was never made: its peer was unreachable when it was due (no connection to it), so the request
+    never left this process. Unlike `Unanswered`, the peer cannot be acting on it."""
+
+
 def as_request_failed(e: PdsparkError) -> RequestFailed:
     """The wire-level failure for an engine-side error."""
     if isinstance(e, RequestFailed):

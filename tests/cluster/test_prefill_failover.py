@@ -8,7 +8,10 @@ when its GetLoad shows transfers in flight (waiting for their plan, prefilling o
   it down, within their deadline and long before keepalive or the transfer timeout would end them;
 - afterwards every surviving worker holds nothing (no request, no transfer, no page beyond its prefix cache): the
   decode worker's reservations for the failed attempts were released, once (a second free would be logged as a
-  failed engine-loop clean-up), and it keeps serving.
+  failed engine-loop clean-up), and it keeps serving;
+- a killed worker's plans in flight leave their decode slots quarantined for a while, which the router lists (and
+  counts as load) until they are freed; the plans sent to its address after its death never left, and hold nothing,
+  so no request waits out a transfer timeout behind them.
 
 The victim is a third prefill worker added to the router for one test and removed after it; the router routes
 prefills round-robin, so that half of the requests start on the victim whatever the prefix cache holds.
@@ -108,10 +111,31 @@ def cluster(started):
     finally:
         router.stop()
 
-def workers(router: ServiceProcess) -> dict[str, bool]:
+def listing(router: ServiceProcess) -> dict[str, dict]:
+    """The router's `/workers`, by address."""
     req = urllib.request.Request(router.info["http"] + "/workers", headers=ADMIN)
     with urllib.request.urlopen(req, timeout=scaled(10)) as r:
-        return {w["address"]: w["healthy"] for w in json.loads(r.read())}
+        return {w["address"]: w for w in json.loads(r.read())}
+
+
+def workers(router: ServiceProcess) -> dict[str, bool]:
+    return {address: w["healthy"] for address, w in listing(router).items()}
+
+
+class QuarantineWatch(threading.Thread):
+    """Reads the router's `/workers` every 0.1 s (the router polls each worker's load every second; a quarantine
+    lasts the transfer timeout + the transfer engine's) for the most quarantined request slots it lists for one
+    worker."""
+
+    def __init__(self, router: ServiceProcess, address: str):
+        super().__init__(daemon=True)
+        self.router, self.address = router, address
+        self.stop = threading.Event()
+        self.most = 0
+
+    def run(self) -> None:
+        while not self.stop.wait(0.1):
+            self.most = max(self.most, listing(self.router)[self.address]["quarantined_slots"])
 
 
 def retries(router: ServiceProcess) -> float:
@@ -227,15 +251,28 @@ def check_survivors_idle(prefill: ServiceProcess, decode: ServiceProcess) -> flo
 def test_killed_prefill_worker_its_requests_complete_on_the_other(cluster, offline, victim):
     prefill, decode, router = cluster
     retried = retries(router)
-    answers, seconds, seen = run_with_fault(router, victim, signal.SIGKILL)
-    check_answers(answers, offline)
-    assert retries(router) > retried  # requests did start on the victim
-    assert victim.proc.wait(scaled(5)) == -signal.SIGKILL
-    down_s = seconds_until(lambda: not workers(router)[victim.address], DETECT_S, "the killed worker marked down")
-    idle_s = check_survivors_idle(prefill, decode)
+    watch = QuarantineWatch(router, decode.address)
+    watch.start()
+    try:
+        answers, seconds, seen = run_with_fault(router, victim, signal.SIGKILL)
+        check_answers(answers, offline)
+        assert retries(router) > retried  # requests did start on the victim
+        assert victim.proc.wait(scaled(5)) == -signal.SIGKILL
+        down_s = seconds_until(lambda: not workers(router)[victim.address], DETECT_S, "the killed worker marked down")
+        idle_s = check_survivors_idle(prefill, decode)
+    finally:
+        watch.stop.set()
+        watch.join(scaled(10))
+    # The plans the victim held when it died: quarantined (it may have been writing), and listed meanwhile.
+    assert watch.most > 0, "the router never listed the decode worker's quarantined slots"
+    seconds_until(lambda: listing(router)[decode.address]["quarantined_slots"] == 0, 3,
+                  "the freed slots gone from the router's listing (its next load report)")
+    # No request waited out a transfer timeout: plans sent to the dead worker's address never left, so they held
+    # no slot quarantined, and each attempt on it failed at once.
+    assert seconds < scaled(TRANSFER_TIMEOUT_S), f"the requests took {seconds:.1f}s after the kill"
     print(f"\nSIGKILL with {seen.transfers_in_flight} transfers in flight ({seen.running} prefilling) on the "
           f"victim: {N} requests done {seconds:.2f}s after the kill; marked down within {down_s:.2f}s more; "
-          f"survivors idle {idle_s:.2f}s later")
+          f"survivors idle {idle_s:.2f}s later; at most {watch.most} decode slots quarantined meanwhile")
 
 
 def test_stopped_prefill_worker_its_requests_are_retried_once_it_is_marked_down(cluster, offline, victim):

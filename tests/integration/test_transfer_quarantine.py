@@ -2,7 +2,9 @@
 at once when the prefill worker answered; once it answered when the decode side gave up first (it asks the prefill
 worker to drop the transfer rather than cancel the call); and only after the plan's deadline plus the backend's
 write grace when the prefill worker never answered, since it may still write until then (and never sooner than
-that grace after the decode worker learns of it).
+that grace after the decode worker learns of it); at once again when the plan never left (the prefill worker was
+unreachable when it was due). Quarantined slots and pages show in the load report, and a worker whose every slot is
+quarantined refuses at once.
 
 A real engine and `DecodeWorker` on the in-process backend; the prefill worker is played by the test, which
 answers each plan (or not) when it chooses. Every free is observed on the pools, with a deadline.
@@ -20,15 +22,18 @@ from helpers import GREEDY
 from pdspark import SamplingParams
 from pdspark.deadline import Deadline
 from pdspark.engine.factory import create_engine
-from pdspark.errors import ErrorCode, RequestFailed, Unanswered
+from pdspark.errors import ErrorCode, NotSent, RequestFailed, Unanswered
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
 from pdspark.serving.engine_loop import EngineLoop
+from pdspark.serving.grpc_services import DecodeServicer
+from pdspark.serving.reservation_queue import no_room
 from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import async_seen_at, until
 from pdspark.transfer.inprocess_backend import InProcessBackend
 from pdspark.transfer.plan import TransferResult, TransferStats
 from pdspark.transfer.transfer_plan import registered_regions
+from pdspark.v1 import worker_pb2
 
 GRACE_S = 0.3
 PARAMS = SamplingParams(max_tokens=4, **GREEDY)
@@ -222,3 +227,102 @@ def test_a_failure_learnt_late_quarantines_for_the_grace_from_then(loop):
     learnt_at, freed_at, worker = asyncio.run(scenario())
     assert learnt_at + GRACE_S <= freed_at < learnt_at + GRACE_S + SLACK_S
     assert all(n == 0 for n in worker.quarantined_pages.values())
+
+
+def test_a_plan_that_never_left_frees_its_pages_at_once(loop):
+    """The prefill worker was unreachable when the plan was due (`NotSent`): nothing can be written, so nothing is
+    quarantined."""
+    async def scenario():
+        prefill = FakePrefill()
+        worker = make_worker(loop, prefill)
+        before = await used(loop)
+        task = await start(worker, prefill, deadline_s=scaled(20))
+        t0 = time.monotonic()
+        prefill.answer.set_exception(NotSent(ErrorCode.UNAVAILABLE, "prefill worker unreachable; not sent"))
+        with pytest.raises(RequestFailed) as failed:
+            await task
+        quarantined = dict(worker.quarantined_pages)
+        freed_at = await async_seen_at(lambda: restored(loop, before), 10, "the pages freed")
+        return failed.value, quarantined, freed_at - t0, worker
+
+    failure, quarantined, seconds, worker = asyncio.run(scenario())
+    assert failure.code is ErrorCode.UNAVAILABLE
+    assert all(n == 0 for n in quarantined.values())
+    assert seconds < SLACK_S  # not the plan's deadline + grace
+    assert worker.transfers_in_flight == 0
+
+
+class UnansweredPrefill:
+    """A prefill worker whose lease lapses as each plan reaches it: every plan ends `Unanswered`."""
+
+    def __init__(self) -> None:
+        self.plans: list = []
+
+    async def send_plan(self, address, plan, timeout_s):
+        self.plans.append(plan)
+        raise Unanswered(ErrorCode.UNAVAILABLE, "the prefill worker's lease lapsed")
+
+    async def abort_plan(self, address, request_id):
+        return False
+
+
+async def _fails(worker: DecodeWorker, request_id: str, deadline_s: float) -> RequestFailed:
+    with pytest.raises(RequestFailed) as failed:
+        async for _ in worker.generate(request_id, f"t-{request_id}", PROMPT, PARAMS, "peer",
+                                       Deadline.after(deadline_s)):
+            pass
+    return failed.value
+
+
+def test_a_worker_whose_slots_are_all_quarantined_reports_them_and_refuses_at_once(loop):
+    """Every request slot (4) is quarantined: the load report shows them (slots and pages), and a request that
+    could only wait for the quarantines to end (after its deadline) is refused with OVERLOADED at once, so the
+    router tries another decode worker, instead of waiting in line until its deadline."""
+    async def scenario():
+        worker = make_worker(loop, UnansweredPrefill())
+        servicer = DecodeServicer(worker)
+        before = await used(loop)
+        slots = loop.engine.kv.usage()["req_slots"].total
+        quarantine_s = scaled(3.0)  # each plan's deadline: how long its slot stays quarantined (the behaviour)
+        for i in range(slots):
+            assert (await _fails(worker, f"q{i}", quarantine_s)).code is ErrorCode.UNAVAILABLE
+        await until(lambda: worker.quarantined_pages["req_slots"] == slots, 5, "every slot quarantined")
+        report = await servicer.GetLoad(worker_pb2.LoadRequest(), None)
+        t0 = time.monotonic()
+        refused = await _fails(worker, "late", scaled(20))
+        refused_s = time.monotonic() - t0
+        await async_seen_at(lambda: restored(loop, before), 10, "the quarantined pages freed")
+        after = await servicer.GetLoad(worker_pb2.LoadRequest(), None)
+        return slots, report, refused, refused_s, after
+
+    slots, report, refused, refused_s, after = asyncio.run(scenario())
+    assert report.quarantined_slots == slots
+    assert report.quarantined_pages["req_slots"] == slots and report.quarantined_pages["full"] > 0
+    assert refused.code is ErrorCode.OVERLOADED and "quarantined" in refused.message
+    assert refused_s < SLACK_S  # at once, not at its 20 s deadline
+    assert after.quarantined_slots == 0 and not any(after.quarantined_pages.values())
+
+
+def test_a_request_gives_up_waiting_for_room_before_the_prefill_side_gives_up_on_its_plan(loop):
+    """No room for the prompt's cache before the deadline is this decode worker's own shortage: it ends the wait a
+    margin before the deadline (the prefill worker fails the rendezvous at the deadline, which the router would
+    blame on the prefill worker), and reports OVERLOADED, which the router blames on this worker."""
+    async def scenario():
+        worker = make_worker(loop, FakePrefill())
+        waited_until: list[float] = []
+
+        async def full(prompt_ids, params, deadline_at):  # every slot busy: the wait ends with no room
+            waited_until.append(deadline_at)
+            raise no_room()
+
+        worker.engine.reserve = full
+        deadline = Deadline.after(scaled(20))
+        with pytest.raises(RequestFailed) as failed:
+            async for _ in worker.generate("r", "t", PROMPT, PARAMS, "peer", deadline):
+                pass
+        return deadline, waited_until, failed.value
+
+    deadline, waited_until, failure = asyncio.run(scenario())
+    assert failure.code is ErrorCode.OVERLOADED
+    # 10% of what is left, at most a second (here a second): the plan's own answer margin.
+    assert deadline.at - waited_until[0] == pytest.approx(1.0)

@@ -29,6 +29,7 @@ from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.workers.worker_registry import WorkerRegistry
 from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
+from pdspark.serving.reservation_queue import no_room
 from pdspark.testing.time_scale import scaled
 from pdspark.transfer.plan import TransferResult, TransferStats
 from pdspark.types import FinishReason, RequestOutput
@@ -252,3 +253,27 @@ def test_an_unreachable_decode_worker_is_avoided_on_retry(workers, decode, worke
         r.close()
     # The first pick failed in the transport (no ErrorDetail): the decode worker itself was avoided.
     assert result.finish_reason is FinishReason.LENGTH and decode.calls == [addr["p1"]]
+
+
+def test_a_decode_worker_without_room_for_the_cache_is_avoided_on_retry(workers, decode, worker_calls):
+    """A decode worker that found no room for the prompt's cache before the deadline reports its own shortage
+    (`reservation_queue.no_room`): the retry goes to another decode worker, not back to the full one (the failure
+    used to read as the transfer's, so only the prefill worker was avoided)."""
+    _, addr = workers
+    other = FakeDecodeWorker()
+    servers = AioServers()
+    try:
+        spare_address = servers.serve(DecodeServicer(other), worker_pb2_grpc.add_DecodeWorkerServicer_to_server)
+        fakes = {addr["d"]: decode, spare_address: other}
+        full, spare = sorted(fakes)  # `LowestAddress` picks the full one first
+        fakes[full].failure = no_room()
+        r = InProcessRouter([addr["p1"]], [full, spare], worker_calls)
+        try:
+            with Client(r.grpc_address, timeout=scaled(30)) as client:
+                result = client.generate(token_ids=[5, 6, 7], max_tokens=4)
+        finally:
+            r.close()
+    finally:
+        servers.close()
+    assert result.finish_reason is FinishReason.LENGTH
+    assert fakes[full].calls == [addr["p1"]] and fakes[spare].calls == [addr["p1"]]

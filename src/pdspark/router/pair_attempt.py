@@ -6,7 +6,8 @@ Rules:
 - The decode worker's stream is the response. The prefill leg runs beside it; when either leg fails, the other is
   cancelled (the decode stream is closed; the prefill worker gets `Abort`), so no half of a pair is left waiting.
 - A failure is blamed on the worker to avoid on a retry: a failure the decode worker reported before its first
-  token is about the transfer (the prefill worker is avoided) unless it is `OVERLOADED`; any other failure of the
+  token is about the transfer (the prefill worker is avoided) unless it is `OVERLOADED`, the decode worker's own
+  shortage (its line was full, or no room for the cache came before the deadline); any other failure of the
   stream is the decode worker's; a failed prefill leg is the prefill worker's.
 - Every call carries a relative gRPC timeout: what is left of the request's `Deadline` (the transfer rendezvous
   keeps its own, shorter, `transfer_timeout_s`).
@@ -168,7 +169,8 @@ class PairAttempt:
                 failure = failure_from_aio_error(e)  # CANCELLED here is not ours (ours raises CancelledError)
                 # A failure the decode worker reported is about the transfer, so the prefill worker is the one to
                 # avoid; a call that failed without one never reached a working decode worker.
-                # A full decode worker (OVERLOADED) is itself the one to avoid.
+                # A full decode worker (OVERLOADED: refused at admission, or no room for the cache came before the
+                # deadline) is itself the one to avoid.
                 # Once tokens flow, the transfer is over: the decode worker is the one that failed.
                 reported = reported_failure(e)
                 transfer_side = (not self.streaming and reported is not None

@@ -9,6 +9,10 @@ A plan that is out (its `SubmitPlan` call runs) lets the prefill worker write in
 are freed depends on what we know of its writes:
 - It answered: the cache arrived, or it reported a failure (which it does only once its writes stopped). Freed at
   once.
+- It never got the plan (`NotSent`: no connection to it when the plan was due, so the call was never made; see
+  `PrefillClients.submit_plan`): nothing can be written. Freed at once. (Most often a prefill worker that died:
+  the plans it held are quarantined as below, and those sent to its address afterwards must not be, or every slot
+  of this worker ends up quarantined behind one dead peer.)
 - We give up first (an abort, or our caller went away, e.g. the router's lease lapsed): the request ends at once,
   but the call is not cancelled: we ask the prefill worker to fail the transfer (`abort_plan`) and free the pages
   as its answer says. (Without `abort_plan`, the call is cancelled, and nothing is known: as below.)
@@ -27,8 +31,15 @@ together, so its call is cancelled before a write can start, but nothing enforce
 in the transfer engine.
 
 Admission: the worker holds as many requests as its engine runs (request slots) plus at most `max_waiting`
-waiting for pages; one more is refused at once with OVERLOADED. Everything here runs on the asyncio loop (no
-locks): a request is a coroutine that holds no thread while it waits (for pages, the plan's answer, tokens).
+waiting for a slot and pages; one more is refused at once with OVERLOADED. A quarantined slot serves nobody until
+its quarantine ends (its plan's deadline + the transfer engine's timeout: most often later than the deadline of a
+request that would wait for it now), so the line shrinks with the slots that are not quarantined: `max_waiting`
+times their share, and none at all while every slot is quarantined.
+A request that waited its deadline out without room (all but a margin of it: see `_reserve`) fails with OVERLOADED
+too: this worker's shortage, which the router avoids on the retry, not the transfer's. The load report counts the
+queue and the quarantined slots and pages (`GetLoad`), and the router counts them as load. Everything here runs on
+the asyncio loop (no locks): a request is a coroutine that holds no thread while it waits (for pages, the plan's
+answer, tokens).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -45,7 +57,7 @@ from typing import TypeVar
 from pdspark.cache.req_pages import ReqPages
 from pdspark.deadline import Deadline
 from pdspark.engine.output_text import stream_text
-from pdspark.errors import ErrorCode, RequestFailed, Unanswered
+from pdspark.errors import ErrorCode, NotSent, RequestFailed, Unanswered
 from pdspark.serving.decode_metrics import CHECKSUM, DecodeMetrics
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
@@ -59,7 +71,7 @@ from pdspark.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 # submit_plan(prefill_address, plan, timeout_s) -> TransferResult (raises RequestFailed; Unanswered when the
-# prefill worker did not answer)
+# prefill worker did not answer; NotSent when the plan never left)
 PlanSender = Callable[[str, TransferPlan, float], Awaitable[TransferResult]]
 # abort_plan(prefill_address, request_id): ask the prefill worker to fail the transfer of `request_id`
 PlanAborter = Callable[[str, str], Awaitable[object]]
@@ -134,7 +146,9 @@ class DecodeWorker:
         self.transfers_in_flight = 0  # plans out: their SubmitPlan calls run
         self.stall_timeout_s = STALL_TIMEOUT_S
         self._quarantined: dict[int, dict[str, int]] = {}  # request slot -> its pages per pool, until freed
-        self.quarantined_pages = dict.fromkeys(loop.engine.kv.usage(), 0)  # per pool, as `KVCache.usage` names them
+        usage = loop.engine.kv.usage()
+        self.slots = usage["req_slots"].total  # request slots: fixed at start
+        self.quarantined_pages = dict.fromkeys(usage, 0)  # per pool, as `KVCache.usage` names them
         self._count_quarantined({})  # every pool's gauge exists from the start
         self._tasks: set[asyncio.Task] = set()
 
@@ -142,19 +156,19 @@ class DecodeWorker:
                        prefill_address: str, deadline: Deadline, prompt: str | None = None,
                        generated: list[int] | tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes. Raises `RequestFailed` before the first one:
-        OVERLOADED (at once) when `max_waiting` requests already wait for pages, ALREADY_EXISTS for an id in
-        flight here, DEADLINE when the pages or the transfer did not come by `deadline`, or what the prefill side
-        reported. Closing the generator (the caller went away) lets go of everything the request holds.
+        OVERLOADED at once when the line for a slot and pages is full (`line_limit`), or when no room came by
+        (nearly) `deadline`; ALREADY_EXISTS for an id in flight here; DEADLINE when the transfer did not come by
+        `deadline`, or what the prefill side reported. Closing the generator (the caller went away) lets go of
+        everything the request holds.
 
         `generated`: a migrated stream's tokens produced by an earlier decode worker; the transfer brings the cache
         of prompt + generated, and the outputs' `token_ids` start with them (`logprobs` only cover the new ones)."""
         if request_id in self._active:
             raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
-        if self.waiting >= self.max_waiting:
+        if self.waiting >= self.line_limit():
             if self.metrics is not None:
                 self.metrics.refused.inc()
-            raise RequestFailed(ErrorCode.OVERLOADED, f"{self.waiting} requests already wait for pages, the most "
-                                                      "this decode worker queues (max_waiting_streams)")
+            raise self._refusal()
         stream = self._active[request_id] = _Stream()
         # The cache to receive covers the context; the room to reserve is what is left to generate.
         context = [*prompt_ids, *generated]
@@ -191,6 +205,25 @@ class DecodeWorker:
             if stream.in_engine:
                 self.engine.release(request_id)
 
+    @property
+    def quarantined_slots(self) -> int:
+        return self.quarantined_pages["req_slots"]
+
+    def line_limit(self) -> int:
+        """How many requests may wait for a slot and pages now: `max_waiting` times the share of the request slots
+        that are not quarantined (at least 1 while one is not), 0 while all are."""
+        return math.ceil(self.max_waiting * (self.slots - self.quarantined_slots) / self.slots)
+
+    def _refusal(self) -> RequestFailed:
+        quarantined = self.quarantined_slots
+        if quarantined == self.slots:
+            return RequestFailed(ErrorCode.OVERLOADED, f"all {self.slots} request slots of this decode worker are "
+                                 "quarantined (transfers whose prefill worker did not answer, held until no write "
+                                 "of theirs can land: their plans' deadline + the transfer engine's timeout)")
+        share = f" with {quarantined} of its {self.slots} request slots quarantined" if quarantined else ""
+        return RequestFailed(ErrorCode.OVERLOADED, f"{self.waiting} requests already wait for a slot and pages, the "
+                             f"most this decode worker queues{share} (max_waiting_streams)")
+
     def stable_text_of(self, token_ids: list[int], stop_strings: Sequence[str] = ()) -> str:
         """The stable text a stream of `token_ids` (not finished) has sent: a trailing incomplete UTF-8 sequence and
         a tail that may start one of `stop_strings` held back (`output_text.stream_text`); "" without a
@@ -214,9 +247,14 @@ class DecodeWorker:
 
     async def _reserve(self, stream: _Stream, prompt_ids: list[int], params: SamplingParams,
                        deadline: Deadline) -> Reservation:
+        # The wait for room ends the plan's answer margin before the deadline (OVERLOADED, `reservation_queue.no_room`):
+        # the prefill worker fails the rendezvous at the deadline ("the plan did not arrive"), a failure the router
+        # blames on the prefill worker, and whichever of the two reaches it first names the worker its retry avoids.
+        # This worker's own shortage must win, or the retry comes back to this full worker.
+        give_up_at = deadline.at - _answer_margin(deadline.remaining())
         self.waiting += 1
         try:
-            return await stream.guard(self.engine.reserve(prompt_ids, params, deadline.at),
+            return await stream.guard(self.engine.reserve(prompt_ids, params, give_up_at),
                                       undo=self.engine.cancel_reservation)
         finally:
             self.waiting -= 1
@@ -230,7 +268,7 @@ class DecodeWorker:
             session=self.backend.session_id,
             compat=self.compat,
             buffers=tuple(self.buffers),
-            timeout_s=remaining - min(_ANSWER_MARGIN_MAX_S, _ANSWER_MARGIN * remaining),
+            timeout_s=remaining - _answer_margin(remaining),
             **reservation.plan_fields,
         )
         sent_at = time.monotonic()
@@ -271,7 +309,7 @@ class DecodeWorker:
         call.add_done_callback(functools.partial(self._settle, plan=plan, reservation=reservation, sent_at=sent_at))
 
     def _settle(self, call: asyncio.Future, plan: TransferPlan, reservation: Reservation, sent_at: float) -> None:
-        if _answered(call):
+        if _writes_over(call):
             self.engine.cancel_reservation(reservation)
             return
         # The prefill worker may still write: none of its batches starts after the plan's deadline, and one that
@@ -305,13 +343,21 @@ class DecodeWorker:
         task.add_done_callback(_log_failure)
 
 
-def _answered(call: asyncio.Future) -> bool:
-    """Whether the prefill worker answered the plan: a result, or a failure it reported (it reports one only once
-    its writes stopped). Anything else (cancelled, `Unanswered`, an unexpected error) leaves its writes unknown."""
+def _answer_margin(remaining: float) -> float:
+    """Of the time left when the plan goes out, what is kept for the last write to land and the answer to come
+    back."""
+    return min(_ANSWER_MARGIN_MAX_S, _ANSWER_MARGIN * remaining)
+
+
+def _writes_over(call: asyncio.Future) -> bool:
+    """Whether no write of the plan's can land any more: the prefill worker answered (a result, or a failure it
+    reported, which it does only once its writes stopped), or the plan never left (`NotSent`, a `RequestFailed`
+    that is no `Unanswered`: no call was made). Anything else (cancelled, `Unanswered`, an unexpected error) leaves
+    its writes unknown."""
     if call.cancelled():
         return False
     e = call.exception()
-    return e is None or (isinstance(e, RequestFailed) and not isinstance(e, Unanswered))
+    return e is None or isinstance(e, NotSent) or (isinstance(e, RequestFailed) and not isinstance(e, Unanswered))
 
 
 def _outcome(call: asyncio.Future) -> str:

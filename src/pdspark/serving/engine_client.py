@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from pdspark.errors import ErrorCode, PdsparkError, RequestFailed, as_request_failed
 from pdspark.serving.engine_load import EngineLoad
 from pdspark.serving.engine_loop import EngineLoop, Listener, LoopStopped
-from pdspark.serving.reservation_queue import Reservation, ReservationQueue, ReservationTicket
+from pdspark.serving.reservation_queue import Reservation, ReservationQueue, ReservationTicket, no_room
 from pdspark.transfer.plan import TransferResult
 from pdspark.types import RequestOutput, SamplingParams
 
@@ -81,16 +81,15 @@ class EngineClient:
     # ---- decode role -------------------------------------------------------------------------------------------------
     async def reserve(self, prompt_ids: list[int], params: SamplingParams, deadline: float) -> Reservation:
         """Destination pages for a prompt whose cache will arrive by transfer, waiting in line (until `deadline`,
-        `time.monotonic()` seconds) while the pools are full. Raises `RequestFailed`: DEADLINE, or
-        INVALID_REQUEST / CAPACITY for a prompt that can never be served."""
+        `time.monotonic()` seconds) while the pools are full. Raises `RequestFailed`: OVERLOADED when none came in
+        time (`reservation_queue.no_room`), or INVALID_REQUEST / CAPACITY for a prompt that can never be served."""
         ticket = ReservationTicket(prompt_ids, params, deadline)
         try:
             await self._call(self._reservations.offer, ticket)
             return await asyncio.wait_for(asyncio.wrap_future(ticket.future), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             self._queue(self._reservations.withdraw, ticket)
-            raise RequestFailed(ErrorCode.DEADLINE,
-                                "no free pages for the prompt's cache before the deadline") from None
+            raise no_room() from None
         except BaseException:
             # Gone (cancelled) or failed: whatever the ticket became meanwhile, nothing of it may stay behind.
             self._queue(self._reservations.withdraw, ticket)

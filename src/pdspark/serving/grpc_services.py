@@ -6,8 +6,8 @@ receipt. Failures: `Generate` ends its stream with the code's gRPC status and th
 `Prefill` and `SubmitPlan` answer with the failure inside their `TransferResult`, except a refusal at admission
 (OVERLOADED), which fails the call at once with RESOURCE_EXHAUSTED and the trailer, and a `SubmitPlan` whose
 writes were given up on while they may still land (`Unanswered`), which fails without the trailer, as the transport
-would. `GetLoad` reads the snapshot the engine loop publishes and `Abort` only flags the request, so neither waits
-for an engine step.
+would. `GetLoad` reads the snapshot the engine loop publishes (and a decode worker's own counts of its reservation
+queue and quarantined pages) and `Abort` only flags the request, so neither waits for an engine step.
 
 `Calls` (both services) takes the router's Prefill or Generate calls multiplexed on one stream
 (`rpc/multiplexed_server.py`): each runs this servicer's own `Prefill` or `Generate`, with the same deadlines,
@@ -38,7 +38,9 @@ from pdspark.types import RequestOutput
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 
-def _load(load: EngineLoad, in_flight: int, metrics_url: str, queued: int = 0) -> worker_pb2.LoadReport:
+def _load(load: EngineLoad, in_flight: int, metrics_url: str, queued: int = 0,
+          quarantined_pages: dict[str, int] | None = None) -> worker_pb2.LoadReport:
+    quarantined = quarantined_pages or {}
     return worker_pb2.LoadReport(
         running=load.running,
         waiting=load.waiting,
@@ -48,6 +50,8 @@ def _load(load: EngineLoad, in_flight: int, metrics_url: str, queued: int = 0) -
         pages_cached=dict(load.pages_cached),
         metrics_url=metrics_url,
         queued=queued,
+        quarantined_pages=quarantined,
+        quarantined_slots=quarantined.get("req_slots", 0),
     )
 
 
@@ -196,7 +200,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     async def GetLoad(self, request, context):
-        return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, self.worker.waiting)
+        # The reservation queue and the quarantined slots: capacity the engine's own counts do not show as taken,
+        # which the router counts as load.
+        return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, self.worker.waiting,
+                     self.worker.quarantined_pages)
 
 
 def _decode_attributes(out: RequestOutput | None, request) -> dict[str, str | int | float]:

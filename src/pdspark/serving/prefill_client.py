@@ -4,7 +4,10 @@ TLS with the worker's own certificate when it has one).
 
 A channel no call used for `idle_s` is closed and forgotten (made again on the next call to that address): prefill
 addresses come and go (DNS discovery, a pod restarted under a new IP), and one channel per address ever seen would
-grow without bound. A channel with a call on it is never closed."""
+grow without bound. A channel with a call on it is never closed.
+
+A plan is sent only on a connected channel, so that a plan that never left can be told from one that may have
+reached the prefill worker (`submit_plan`): the decode worker quarantines the pages of the latter only."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdspark.config import TLSConfig
-from pdspark.errors import Unanswered
+from pdspark.errors import ErrorCode, NotSent, Unanswered
 from pdspark.rpc import convert, tracing
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS, LEASE_S
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
@@ -56,8 +59,8 @@ class PrefillClients:
         return list(self._channels)
 
     @contextlib.contextmanager
-    def _stub(self, address: str) -> Iterator[worker_pb2_grpc.PrefillWorkerStub]:
-        """The stub for `address`, its channel counted as in use while the block runs."""
+    def _stub(self, address: str) -> Iterator[_Channel]:
+        """The channel and stub for `address`, the channel counted as in use while the block runs."""
         self._close_idle()
         entry = self._channels.get(address)
         if entry is None:
@@ -66,7 +69,7 @@ class PrefillClients:
                                                        last_used=self._clock())
         entry.calls += 1
         try:
-            yield entry.stub
+            yield entry
         finally:
             entry.calls -= 1
             entry.last_used = self._clock()
@@ -86,12 +89,16 @@ class PrefillClients:
 
     async def submit_plan(self, address: str, plan: TransferPlan, timeout_s: float) -> TransferResult:
         """Send the plan and wait (at most `timeout_s`) for the result; raises `RequestFailed` (the prefill
-        side's), or `Unanswered` (DEADLINE / UNAVAILABLE from the transport: the prefill worker may still be
-        writing). Cancelling the caller cancels the call, which the prefill worker sees."""
+        side's), `NotSent` (UNAVAILABLE, or DEADLINE: the prefill worker could not be reached, so the plan never
+        left), or `Unanswered` (DEADLINE / UNAVAILABLE from the transport once the plan was sent: the prefill
+        worker may still be writing). Cancelling the caller cancels the call, which the prefill worker sees."""
+        deadline = time.monotonic() + timeout_s
         try:
-            with self._stub(address) as stub:
-                msg = await stub.SubmitPlan(convert.plan_to_pb(plan), timeout=max(timeout_s, 0.001),
-                                            metadata=tracing.outgoing_metadata())
+            with self._stub(address) as entry:
+                await _connected(entry.channel, address, deadline)
+                msg = await entry.stub.SubmitPlan(convert.plan_to_pb(plan),
+                                                  timeout=max(deadline - time.monotonic(), 0.001),
+                                                  metadata=tracing.outgoing_metadata())
         except grpc.RpcError as e:
             if (reported := reported_failure(e)) is not None:
                 raise reported from e
@@ -104,8 +111,8 @@ class PrefillClients:
         once no more writes can land); True when it had one. Raises `RequestFailed` when it does not answer within
         a lease."""
         try:
-            with self._stub(address) as stub:
-                reply = await stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=LEASE_S)
+            with self._stub(address) as entry:
+                reply = await entry.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=LEASE_S)
         except grpc.RpcError as e:
             raise failure_from_rpc_error(e) from e
         return reply.found
@@ -116,3 +123,33 @@ class PrefillClients:
         self._channels.clear()
         if self._closing:
             await asyncio.wait(self._closing)
+
+
+async def _connected(channel: grpc.aio.Channel, address: str, deadline: float) -> None:
+    """Return once `channel` is connected (READY: at once, most often); raise `NotSent` when it is unreachable
+    (TRANSIENT_FAILURE: a connection failed, e.g. refused by a dead prefill worker's host) or has not connected by
+    `deadline` (`time.monotonic()`).
+
+    Why a plan waits for this instead of going out and reading the failure: a failed call may have been sent or
+    not, and nothing gRPC reports tells the two apart. Its status codes do not: UNAVAILABLE is both a connection
+    that broke after "some data transmitted" (gRPC's doc/statuscodes.md) and a call failed fast on a channel that
+    never connected (doc/wait-for-ready.md, doc/fail_fast.md), and DEADLINE_EXCEEDED may come "either when the
+    client is unable to send the request to the server or when the server fails to respond in time"
+    (statuscodes.md). Its error texts are no interface. Only not making the call is proof that the plan never left,
+    so the call is made only once the channel is READY: a channel in TRANSIENT_FAILURE would fail it at once anyway
+    ("fail fast"), while one still connecting (IDLE, CONNECTING) would hold it until the connection is made or
+    fails, which this wait does instead. A plan that goes out on a READY channel and fails is `Unanswered`,
+    as before: the connection may have broken after the plan reached the prefill worker. (The plan is one unary
+    call of its own on this channel, never a multiplexed `Calls` stream, whose frames share a connection that may
+    be up for one call and gone for the next.)"""
+    state = channel.get_state(try_to_connect=True)
+    while state is not grpc.ChannelConnectivity.READY:
+        if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+            raise NotSent(ErrorCode.UNAVAILABLE, f"prefill worker {address}: unreachable (its channel is "
+                                                 f"{state.name}); the plan was not sent")
+        try:
+            await asyncio.wait_for(channel.wait_for_state_change(state), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise NotSent(ErrorCode.DEADLINE, f"prefill worker {address}: not connected before the deadline "
+                                              f"(its channel is {state.name}); the plan was not sent") from None
+        state = channel.get_state(try_to_connect=True)

@@ -125,5 +125,12 @@ class ReservationQueue:
         self._waiting = collections.deque(t for t in self._waiting if t.deadline > now)
         for ticket in late:
             if ticket.future.set_running_or_notify_cancel():
-                ticket.future.set_exception(RequestFailed(
-                    ErrorCode.DEADLINE, "no free pages for the prompt's cache before the deadline"))
+                ticket.future.set_exception(no_room())
+
+
+def no_room() -> RequestFailed:
+    """The failure of a request that got no request slot and pages for its prompt's cache in time: the decode
+    worker's own shortage, not the transfer's. OVERLOADED (busy, not broken): the router avoids this worker on the
+    retry, and answers 429 + Retry-After once every decode worker is full, as for a refusal at admission."""
+    return RequestFailed(ErrorCode.OVERLOADED, "no room (a request slot and pages) for the prompt's cache before "
+                                               "the deadline: this decode worker is full")

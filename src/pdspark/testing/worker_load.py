@@ -41,7 +41,7 @@ def pages_held(report: worker_pb2.LoadReport) -> dict[str, int]:
 
 def what_is_held(report: worker_pb2.LoadReport) -> str:
     """"" when the report shows nothing held, else what is."""
-    parts = [f"{n} {what}" for what in ("running", "waiting", "queued", "transfers_in_flight")
+    parts = [f"{n} {what}" for what in ("running", "waiting", "queued", "transfers_in_flight", "quarantined_slots")
              if (n := getattr(report, what))]
     parts += [f"{pool}: {n} pages beyond the prefix cache's" for pool, n in pages_held(report).items() if n]
     return ", ".join(parts)

@@ -191,7 +191,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "pages_used", "pages_total", "transfers_in_flight", "pages_cached", "metrics_url", "queued")
+    __slots__ = ("running", "waiting", "pages_used", "pages_total", "transfers_in_flight", "pages_cached", "metrics_url", "queued", "quarantined_pages", "quarantined_slots")
     class PagesUsedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,13 @@ class LoadReport(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class QuarantinedPagesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +228,8 @@ class LoadReport(_message.Message):
     PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     pages_used: _containers.ScalarMap[str, int]
@@ -229,7 +238,9 @@ class LoadReport(_message.Message):
     pages_cached: _containers.ScalarMap[str, int]
     metrics_url: str
     queued: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_used: _Optional[_Mapping[str, int]] = ..., pages_total: _Optional[_Mapping[str, int]] = ..., transfers_in_flight: _Optional[int] = ..., pages_cached: _Optional[_Mapping[str, int]] = ..., metrics_url: _Optional[str] = ..., queued: _Optional[int] = ...) -> None: ...
+    quarantined_pages: _containers.ScalarMap[str, int]
+    quarantined_slots: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_used: _Optional[_Mapping[str, int]] = ..., pages_total: _Optional[_Mapping[str, int]] = ..., transfers_in_flight: _Optional[int] = ..., pages_cached: _Optional[_Mapping[str, int]] = ..., metrics_url: _Optional[str] = ..., queued: _Optional[int] = ..., quarantined_pages: _Optional[_Mapping[str, int]] = ..., quarantined_slots: _Optional[int] = ...) -> None: ...
 
 class CallFrame(_message.Message):
     __slots__ = ("call_id", "prefill", "generate", "cancel", "timeout_ms", "metadata")

@@ -26,8 +26,9 @@ another's checks):
 - `wait_answering`: a request whose role has no other healthy worker left (its worker crashed) waits for one that
   answered a health check after the failure: a restarted worker answers at its first check (re-admitted at once
   the first time it falls), often before it was ever marked down.
-- load: `GetLoad` every `load_interval_s` (running and waiting requests, and the worker's metrics URL). A slow or
-  failed load report keeps the last one and never touches health.
+- load: `GetLoad` every `load_interval_s` (running and waiting requests; a decode worker's reservation queue and
+  quarantined request slots, which count as load too; and the worker's metrics URL). A slow or failed load report
+  keeps the last one and never touches health.
 
 Calls: `prefill_call` and `generate_call` make a request's two calls to its workers, one gRPC call each, or with
 `multiplexed` on one long-lived `Calls` stream per worker (`rpc/multiplexed_client.py`), which fail alike. A
@@ -78,7 +79,14 @@ class WorkerInfo:
     address: str
     metrics_url: str = ""
     healthy: bool = True
-    reported_load: int = 0  # running + waiting requests, from the worker's last GetLoad
+    # From the worker's last GetLoad: running + waiting requests, and on a decode worker also the requests in its
+    # reservation queue (`queued`) and its quarantined request slots: a slot no request can take until no write of a
+    # failed transfer can land is as busy as a running one, so a worker whose free slots are all quarantined is not
+    # picked over one with room (it would refuse or queue the request until its deadline).
+    reported_load: int = 0
+    queued: int = 0  # decode: requests waiting for a slot and pages (its reservation queue)
+    quarantined_slots: int = 0  # decode: request slots held by quarantined transfers
+    quarantined_pages: dict[str, int] = field(default_factory=dict)  # decode: their pages, per pool
     # Legs of requests this router has on the worker right now and not answered: a prefill worker's until it
     # answered its Prefill call (after that the request needs it no more), a decode worker's until its stream ended.
     in_flight: int = 0
@@ -103,7 +111,9 @@ class WorkerInfo:
 
     def to_json(self) -> dict:
         return {"name": self.name, "role": self.role, "address": self.address, "healthy": self.healthy,
-                "load": self.load, "in_flight": self.in_flight, "metrics_url": self.metrics_url}
+                "load": self.load, "in_flight": self.in_flight, "queued": self.queued,
+                "quarantined_slots": self.quarantined_slots, "quarantined_pages": dict(self.quarantined_pages),
+                "metrics_url": self.metrics_url}
 
 
 class WorkerRegistry:
@@ -340,7 +350,9 @@ class WorkerRegistry:
         except (TimeoutError, grpc.aio.AioRpcError) as e:
             logger.debug("%s worker %s sent no load report: %s", w.role, w.address, e)
             return False
-        w.reported_load = load.running + load.waiting
+        w.queued, w.quarantined_slots = load.queued, load.quarantined_slots
+        w.quarantined_pages = dict(load.quarantined_pages)
+        w.reported_load = load.running + load.waiting + load.queued + load.quarantined_slots
         w.metrics_url = w.metrics_url or load.metrics_url  # a URL given at registration wins
         w.last_load = time.time()
         return True
