@@ -2,7 +2,8 @@
 sends both legs of every request itself), so what is measured is the workers alone.
 
 - A decode worker holds far more concurrent `Generate` streams than the 32 threads it once had, and completes
-  them, while gRPC Health and `GetLoad` each answer within 100 ms.
+  them, while gRPC Health and `GetLoad` each answer within half the router's health-check timeout (a busy worker
+  is never taken for a dead one).
 - Beyond its queue bound it refuses at once with RESOURCE_EXHAUSTED (+ the OVERLOADED trailer), and serves
   normally once the queue drains.
 - A prefill worker that stops answering without closing its socket (SIGSTOP) fails every affected request with
@@ -29,6 +30,7 @@ import pytest
 from conftest import random_prompts
 from helpers import GREEDY
 from pdspark import SamplingParams
+from pdspark.config import HealthConfig
 from pdspark.errors import ErrorCode
 from pdspark.launch.service_process import ServiceProcess
 from pdspark.rpc import convert
@@ -42,7 +44,9 @@ from pdspark.v1 import worker_pb2, worker_pb2_grpc
 ARGS = ["--page-size", "16", "--max-model-len", "128", "--max-num-seqs", "16", "--transfer-backend", "mooncake"]
 DECODE = [*ARGS, "--no-prefix-cache", "--max-waiting-streams", "256"]
 PARAMS = SamplingParams(max_tokens=4, **GREEDY)
-CONTROL_BUDGET_S = scaled(0.1)  # what a health or load call may take under any load
+# What a health or load call may take under any load: half the router's health-check timeout (0.5 s), so that a
+# busy worker's checks never count as missed (two misses mark it down) and a load report is never stale for long.
+CONTROL_BUDGET_S = scaled(HealthConfig().health_timeout_s / 2)
 # The transfer engine's batch timeout (its least): the decode side's write grace, after which it frees the pages
 # of a transfer the prefill worker did not answer.
 MC_TIMEOUT_S = 5
