@@ -148,8 +148,9 @@ def test_a_prefill_worker_whose_transfer_threads_are_all_stuck_is_not_serving_an
                 threads = worker.writer.threads
                 writes, bound = start_writes(worker.writer, threads)
                 await until(lambda: peer.blocked == threads, 10, "every transfer thread blocked in a write")
-                seen = await async_seen_at(lambda: stuck_gauge() == threads, 10, "every write counted as stuck")
+                seen = await async_seen_at(stuck_gauge, 10, "a write counted as stuck")
                 assert seen >= bound, f"counted {bound - seen:.3f} s before the bound"
+                await until(lambda: stuck_gauge() == threads, 10, "every write counted as stuck")
                 for write in writes:
                     with pytest.raises(Unanswered):
                         await write
@@ -162,7 +163,7 @@ def test_a_prefill_worker_whose_transfer_threads_are_all_stuck_is_not_serving_an
                 assert time.monotonic() - t0 < scaled(5)
                 peer.release.set()
                 await until(lambda: status_is(SERVING), 5, "SERVING again once the threads are free")
-                assert stuck_gauge() == 0
+                await until(lambda: stuck_gauge() == 0, 5, "no write stuck once every thread is free")
                 # Taken again: this one waits for its plan (none comes) until its own deadline.
                 expires_ms = 300  # the call's own timeout, not a bound
                 assert (await prefill("r2", expires_ms)).code is ErrorCode.DEADLINE
