@@ -69,7 +69,8 @@ class WorkerServer:
         self._published: int | None = None  # the status the health service was last given
         if isinstance(self.metrics, PrefillMetrics):
             prefill = PrefillWorker(self.loop, self.backend, compat, self.metrics, max_pending=cfg.max_pending_prefills,
-                                    executor=self.executor, early_prefills=cfg.early_prefills)
+                                    executor=self.executor, early_prefills=cfg.early_prefills,
+                                    transfer_threads=TRANSFER_THREADS)  # the executor's: all stuck -> NOT_SERVING
             self.metrics.stuck_transfers.set_function(lambda: prefill.stuck_transfers)
             prefill.on_serving.append(self._serving_changed)
             self.worker: PrefillWorker | DecodeWorker = prefill
