@@ -142,7 +142,10 @@ TRANSFER = [
     PanelSpec("Transfers in flight", "short", (
         Query(f"sum by (instance) (pdspark_worker_transfers_in_flight{{{W}}})", "{{instance}}"),
         Query(f"sum by (instance) (pdspark_decode_waiting_for_pages_requests{{{W}}})",
-              "waiting for pages {{instance}}"))),
+              "waiting for pages {{instance}}"),
+        Query(f"sum by (instance) (pdspark_prefill_stuck_transfers{{{W}}})", "stuck {{instance}}")),
+        "Stuck: transfers given up on whose transfer thread is still blocked by a peer that does not answer "
+        "(PdsparkStuckTransfers)"),
     PanelSpec("Worker requests by outcome", "reqps", (
         Query(rate("pdspark_worker_requests_total", W, "instance, outcome"), "{{instance}} {{outcome}}"),)),
     PanelSpec("Routing decisions per worker", "ops", (

@@ -10,8 +10,9 @@ the load ran. Each example asserts:
 - every request ends within its deadline (nothing hangs), with its full answer or a clean error: an HTTP status
   with OpenAI's error body (or the error event of a broken SSE stream), a `ClientError` with its `error_code`; and
   when the router itself is killed, a broken connection (its streams are lost by design). A worker fault loses no
-  request: every one completes (decode streams migrate, prefill failures before the first token are retried), and a
-  killed worker's unanswered legs cost the router at least one retry or migration (its counters);
+  request: every one completes (decode streams migrate, prefill failures before the first token are retried), and
+  each unanswered leg of a killed worker, and of a stopped decode worker that the router marked down while it was
+  stopped, cost its request a retry or a migration (the router's counters);
 - no streamed token is lost or repeated: the chunks add up to the answer (token ids for the SDK; the text and the
   usage count for SSE), which equals the offline engine's (one engine, no P/D, DSpark off), greedy and seeded alike;
   what a killed router cut short is a prefix of it;
@@ -355,15 +356,20 @@ def run_load(cluster: ServiceProcess, load: list[Req], fault: Fault, trigger: Ev
 # ---- the fault ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hit:
-    """The service a fault hit: its name, its run before the fault (`{"pid", "address"}`) and its restarts then."""
+    """The service a fault hit: its name, its run before the fault (`{"pid", "address"}`) and its restarts then; a
+    worker's unanswered legs on the router's books when it was hit, and whether the router had marked a stopped one
+    down by the end of the hold (it answers no health check while stopped, so it was marked down during it)."""
 
     name: str
     before: dict
     restarts: int
+    legs: int = 0
+    marked_down: bool = False
 
 
-def freeze_busy(cluster: ServiceProcess, admin: dict, kind: str, until: float) -> str:
-    """SIGSTOP a worker of `kind` that holds an unanswered leg on the router's books; its name (it stays stopped).
+def freeze_busy(cluster: ServiceProcess, admin: dict, kind: str, until: float) -> tuple[str, int]:
+    """SIGSTOP a worker of `kind` that holds an unanswered leg on the router's books; its name (it stays stopped) and
+    how many legs it holds.
     The worker is stopped before its legs are read again, for `SETTLE_S`: a stopped worker answers nothing, so the
     count can only fall by an answer sent before the stop, and that is on the books within `SETTLE_S`. What is read
     then is what the fault hits. Fails the test when no worker of the kind held a leg before `until`: the fault
@@ -375,10 +381,10 @@ def freeze_busy(cluster: ServiceProcess, admin: dict, kind: str, until: float) -
             pid = current(cluster, name)["pid"]
             os.kill(pid, signal.SIGSTOP)
             settled = time.monotonic() + SETTLE_S
-            while (held := legs_held(cluster, admin, kind)[name] > 0) and time.monotonic() < settled:
+            while (held := legs_held(cluster, admin, kind)[name]) and time.monotonic() < settled:
                 time.sleep(0.01)  # the polling interval
             if held:
-                return name
+                return name, held
             os.kill(pid, signal.SIGCONT)  # it answered just before: another moment
         time.sleep(0.005)  # the polling interval, not a synchronisation
     raise AssertionError(f"no {kind} worker held a leg of a request while the load ran: the fault would hit an idle "
@@ -388,21 +394,24 @@ def freeze_busy(cluster: ServiceProcess, admin: dict, kind: str, until: float) -
 def hit(cluster: ServiceProcess, admin: dict, fault: Fault, until: float) -> Hit:
     """Stop the fault's victim (the router, or a busy worker of the kind), then kill it, or resume it after the
     hold."""
+    legs = 0
     if fault.kind == "router":
         name = "router"
         os.kill(current(cluster, name)["pid"], signal.SIGSTOP)
     else:
-        name = freeze_busy(cluster, admin, fault.kind, until)
-    victim = Hit(name, current(cluster, name), restarts(cluster, name))
-    pid = victim.before["pid"]
+        name, legs = freeze_busy(cluster, admin, fault.kind, until)
+    before = current(cluster, name)
+    pid = before["pid"]
     if fault.signal == "SIGKILL":
         os.kill(pid, signal.SIGKILL)
-        return victim
+        return Hit(name, before, restarts(cluster, name), legs)
     try:
         time.sleep(fault.hold_s)  # the fault itself: the process stays stopped this long
+        marked_down = fault.kind != "router" and not any(
+            w["healthy"] for w in workers(cluster, admin) or [] if w["address"] == before["address"])
     finally:
         os.kill(pid, signal.SIGCONT)
-    return victim
+    return Hit(name, before, restarts(cluster, name), legs, marked_down)
 
 
 def recover(cluster: ServiceProcess, admin: dict, fault: Fault, victim: Hit) -> None:
@@ -493,13 +502,23 @@ def chaos_example(cluster: ServiceProcess, admin: dict, offline: dict, load: lis
     recover(cluster, admin, fault, victim)
     recovery_s = time.monotonic() - signalled
     found = [f"{o.req}: {p}" for o in outcomes for p in problems(o, fault, offline[(o.req.prompt, o.req.seeded)])]
+    cost: dict[str, float] = {}
     if fault.kind != "router":  # (a restarted router counts from 0 again)
         after = counters(cluster)
         cost = {k: after[k] - counted[k] for k in sorted(after)}
-        if fault.signal == "SIGKILL" and not sum(cost.values()):
-            found.append(f"{victim.name} was killed holding a leg, yet the router counted no retry or migration")
+        # Each leg the victim held ends its request's attempt: a retry before the first token, a migration after.
+        # A killed worker's at once; a stopped decode worker's when the router marks it down. (Not a stopped
+        # prefill worker's: a leg whose transfer it handed over just before the stop streams on, and is answered
+        # once the worker resumes.) More is possible (a request sent to the killed worker before it was marked
+        # down), fewer is not.
+        ended = fault.signal == "SIGKILL" or (fault.kind == "decode" and victim.marked_down)
+        if ended and sum(cost.values()) < victim.legs:
+            found.append(f"{victim.name} was {'killed' if fault.signal == 'SIGKILL' else 'marked down'} holding "
+                         f"{victim.legs} leg(s), yet the router counted {cost}")
     failed = sum(not o.completed for o in outcomes)
     print(f"\n{fault.signal} {victim.name}" + (f" held {fault.hold_s:.0f}s" if fault.signal == "SIGSTOP" else "")
+          + (f" holding {victim.legs} leg(s)" if fault.kind != "router" else "")
+          + (" (marked down)" if victim.marked_down else "") + (f", cost {cost}" if cost else "")
           + f"; recovered {recovery_s:.1f}s after the signal; {len(outcomes) - failed} requests completed, "
           f"{failed} failed; slowest {max(o.seconds for o in outcomes):.1f}s")
     assert not found, f"{len(found)} problem(s):\n  " + "\n  ".join(found)
@@ -535,7 +554,7 @@ def ready_for_a_stream(cluster: ServiceProcess, admin: dict) -> bool:
 
 def kill_busy_decode(cluster: ServiceProcess, admin: dict) -> str:
     """SIGKILL the decode worker that holds the (one) stream in flight; its name."""
-    name = freeze_busy(cluster, admin, "decode", time.monotonic() + scaled(10))
+    name, _ = freeze_busy(cluster, admin, "decode", time.monotonic() + scaled(10))
     os.kill(current(cluster, name)["pid"], signal.SIGKILL)
     return name
 

@@ -100,6 +100,7 @@ KEY_SERIES = [
     ('pdspark_transfer_bytes_count{role="prefill"} > 0', "transfers, on the prefill side"),
     ('pdspark_transfer_writes_total{kind="swa_kv"} > 0', "writes by payload kind"),
     ('pdspark_transfer_failures_total{role="decode",reason="checksum"}', "the decode side's check, at 0"),
+    ('pdspark_prefill_stuck_transfers{role="prefill"} == 0', "no transfer thread held by a stuck write"),
     ('pdspark_engine_step_seconds_count{role="decode",instance="decode-1"} > 0', "decode steps"),
     ('pdspark_engine_batch_requests_count{role="prefill"} > 0', "prefill steps"),
     ('pdspark_engine_generated_tokens_total{role="decode"} > 0', "tokens/s"),

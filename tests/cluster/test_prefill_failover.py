@@ -5,7 +5,8 @@ when its GetLoad shows transfers in flight (waiting for their plan, prefilling o
 
 - every request completes, and equals the offline engine's output (same model, same parameters and seed);
 - a stopped (hung) worker's requests are retried on the other prefill worker once the router's health checks mark
-  it down, within their deadline and long before keepalive or the transfer timeout would end them;
+  it down: its attempts end within the detection bound (2 s) of the stop, sooner than keepalive or the transfer
+  timeout could end them;
 - afterwards every surviving worker holds nothing (no request, no transfer, no page beyond its prefix cache): the
   decode worker's reservations for the failed attempts were released, once (a second free would be logged as a
   failed engine-loop clean-up), and it keeps serving;
@@ -36,6 +37,7 @@ import pytest
 from pdspark import SamplingParams
 from pdspark.client import AsyncClient
 from pdspark.launch.service_process import ServiceProcess
+from pdspark.rpc.keepalive import KEEPALIVE_TIMEOUT_MS, LEASE_S
 from pdspark.testing.services import ready, spawn_worker, start_router
 from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import seconds_until
@@ -118,8 +120,9 @@ def listing(router: ServiceProcess) -> dict[str, dict]:
         return {w["address"]: w for w in json.loads(r.read())}
 
 
-def workers(router: ServiceProcess) -> dict[str, bool]:
-    return {address: w["healthy"] for address, w in listing(router).items()}
+def workers(router: ServiceProcess, field: str = "healthy") -> dict[str, Any]:
+    """Address -> `field` of each worker in the router's /workers (`in_flight`: its unanswered legs)."""
+    return {address: w[field] for address, w in listing(router).items()}
 
 
 class QuarantineWatch(threading.Thread):
@@ -175,14 +178,16 @@ async def one(i: int, http: openai.AsyncOpenAI, sdk: AsyncClient) -> list[int] |
 
 class FaultAtBusy(threading.Thread):
     """Watches the victim's GetLoad every 2 ms (a thread of its own: no event-loop hop between seeing and acting)
-    and sends `sig` the moment it has two transfers in flight, one of them prefilling."""
+    and sends `sig` the moment it has two transfers in flight, one of them prefilling; then watches the router's
+    books until the victim holds no leg of a request (its attempts ended: answered, failed or ended by the router)."""
 
-    def __init__(self, victim: ServiceProcess, sig: signal.Signals):
+    def __init__(self, router: ServiceProcess, victim: ServiceProcess, sig: signal.Signals):
         super().__init__(daemon=True)
-        self.victim, self.sig = victim, sig
+        self.router, self.victim, self.sig = router, victim, sig
         self.stop = threading.Event()
         self.seen: worker_pb2.LoadReport | None = None
         self.at = 0.0  # time.monotonic() of the signal
+        self.legs_ended_at: float | None = None  # time.monotonic() at which the victim was seen holding no leg
 
     def run(self) -> None:
         with grpc.insecure_channel(self.victim.address) as channel:
@@ -192,19 +197,24 @@ class FaultAtBusy(threading.Thread):
                 if report.transfers_in_flight >= 2 and report.running >= 1:
                     os.kill(self.victim.pid, self.sig)
                     self.seen, self.at = report, time.monotonic()
-                    return
+                    break
+        while not self.stop.wait(0.02):  # the polling interval
+            if workers(self.router, "in_flight")[self.victim.address] == 0:
+                self.legs_ended_at = time.monotonic()
+                return
 
 
 def run_with_fault(router: ServiceProcess, victim: ServiceProcess, sig: signal.Signals) -> tuple[list, float, Any]:
     """Send the 16 requests, `sig` to the victim once it is busy with them (`FaultAtBusy`). Returns the answers
-    (request order), the seconds from the signal to the last answer, and the victim's load report then."""
+    (request order), the seconds from the signal to the last answer, and the fault watcher (the victim's load report
+    then, and when its legs ended)."""
     async def scenario() -> list:
         async with openai.AsyncOpenAI(base_url=router.info["http"] + "/v1", api_key="none", max_retries=0,
                                       timeout=TIMEOUT_S, default_headers={"X-Request-Timeout": str(TIMEOUT_S)}
                                       ) as http, AsyncClient(router.info["grpc"], timeout=TIMEOUT_S) as sdk:
             return await asyncio.gather(*(one(i, http, sdk) for i in range(N)))
 
-    fault = FaultAtBusy(victim, sig)
+    fault = FaultAtBusy(router, victim, sig)
     fault.start()
     try:
         answers = asyncio.run(scenario())
@@ -213,7 +223,7 @@ def run_with_fault(router: ServiceProcess, victim: ServiceProcess, sig: signal.S
         fault.stop.set()
         fault.join(scaled(10))
     assert fault.seen is not None, "the victim was never busy with two transfers while the requests ran"
-    return answers, done - fault.at, fault.seen
+    return answers, done - fault.at, fault
 
 
 @pytest.fixture
@@ -254,7 +264,8 @@ def test_killed_prefill_worker_its_requests_complete_on_the_other(cluster, offli
     watch = QuarantineWatch(router, decode.address)
     watch.start()
     try:
-        answers, seconds, seen = run_with_fault(router, victim, signal.SIGKILL)
+        answers, seconds, fault = run_with_fault(router, victim, signal.SIGKILL)
+        seen = fault.seen
         check_answers(answers, offline)
         assert retries(router) > retried  # requests did start on the victim
         assert victim.proc.wait(scaled(5)) == -signal.SIGKILL
@@ -279,10 +290,20 @@ def test_stopped_prefill_worker_its_requests_are_retried_once_it_is_marked_down(
     prefill, decode, router = cluster
     retried = retries(router)
     try:
-        answers, seconds, seen = run_with_fault(router, victim, signal.SIGSTOP)
+        answers, seconds, fault = run_with_fault(router, victim, signal.SIGSTOP)
+        seen = fault.seen
         check_answers(answers, offline)
         assert retries(router) > retried
-        # Ended by the health checks (DETECT_S), not by keepalive (15 s) or the transfer timeout (30 s).
+        # The stopped worker's attempts were ended by the router's health checks (within DETECT_S of the stop), not
+        # by keepalive, which breaks a stopped peer's calls no sooner than its ping's ack timeout after the stop
+        # (KEEPALIVE_TIMEOUT_MS, 2 s; at most LEASE_S, 4 s), nor by the transfer timeout (TRANSFER_TIMEOUT_S after
+        # they started).
+        assert fault.legs_ended_at is not None, "the stopped worker's legs never ended"
+        ended_s = fault.legs_ended_at - fault.at
+        assert ended_s < scaled(min(DETECT_S, KEEPALIVE_TIMEOUT_MS / 1000)), (
+            f"the stopped worker's attempts ended {ended_s:.2f}s after the stop: by keepalive (2-{LEASE_S:.0f} s) "
+            "or a timeout, not by the router marking it down")
+        # ... and retried: every request done within 3 s more.
         assert seconds < scaled(DETECT_S + 3), f"the requests on the stopped worker took {seconds:.1f}s"
         assert not workers(router)[victim.address]
         idle_s = check_survivors_idle(prefill, decode)  # while the victim is still stopped
@@ -292,7 +313,8 @@ def test_stopped_prefill_worker_its_requests_are_retried_once_it_is_marked_down(
     # The resumed worker drops what it held: the router's and the decode worker's calls to it were cancelled.
     victim_idle_s = seconds_until(lambda: is_idle(victim), 10, "the resumed worker holds nothing")
     print(f"\nSIGSTOP with {seen.transfers_in_flight} transfers in flight ({seen.running} prefilling) on the "
-          f"victim: {N} requests done {seconds:.2f}s after the stop; survivors idle {idle_s:.2f}s later; after "
+          f"victim: its attempts ended {ended_s:.2f}s and {N} requests done {seconds:.2f}s after the stop; "
+          f"survivors idle {idle_s:.2f}s later; after "
           f"SIGCONT re-admitted in {back_s:.2f}s, idle in {victim_idle_s:.2f}s")
     # Serving on all three again, with the same outputs.
     answers, seconds, _ = run_with_fault(router, victim, signal.SIGCONT)  # SIGCONT: harmless to a running one

@@ -13,8 +13,8 @@ import yaml
 from pdspark.testing.time_scale import scaled
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules"
-ALERTS = {"PdsparkHighErrorRate", "PdsparkTTFTSLOBreach", "PdsparkTransferFailures", "PdsparkPoolNearlyFull",
-          "PdsparkTargetDown", "PdsparkWorkerUnhealthy", "PdsparkAcceptanceCollapse"}
+ALERTS = {"PdsparkHighErrorRate", "PdsparkTTFTSLOBreach", "PdsparkTransferFailures", "PdsparkStuckTransfers",
+          "PdsparkPoolNearlyFull", "PdsparkTargetDown", "PdsparkWorkerUnhealthy", "PdsparkAcceptanceCollapse"}
 
 
 def promtool(*args: str) -> str:

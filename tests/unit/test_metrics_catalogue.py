@@ -55,7 +55,7 @@ def test_the_catalogue_has_what_the_issue_asks_for():
         "pdspark_prefill_prompt_tokens_total", "pdspark_prefill_seconds",
         "pdspark_prefill_prefix_cache_hit_tokens_total", "pdspark_prefill_prefix_cache_hit_ratio",
         "pdspark_transfer_bytes", "pdspark_transfer_seconds", "pdspark_transfer_payload_bytes_total",
-        "pdspark_transfer_writes_total", "pdspark_transfer_failures_total",
+        "pdspark_transfer_writes_total", "pdspark_transfer_failures_total", "pdspark_prefill_stuck_transfers",
         # decode and both
         "pdspark_engine_running_requests", "pdspark_engine_waiting_requests", "pdspark_engine_batch_requests",
         "pdspark_engine_step_seconds", "pdspark_engine_generated_tokens_total", "pdspark_spec_verify_steps_total",

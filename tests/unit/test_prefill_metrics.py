@@ -22,10 +22,11 @@ def test_every_label_set_exists_at_zero():
     # The decode side's check:
     assert sample_value(m.registry, "pdspark_transfer_failures_total", reason="checksum") is None
     assert sample_value(m.registry, "pdspark_prefill_prompt_tokens_total") == 0
+    assert sample_value(m.registry, "pdspark_prefill_stuck_transfers") == 0
     types = {f.name: f.type for f in m.registry.collect()}
     assert types["pdspark_transfer_bytes"] == types["pdspark_transfer_seconds"] == "histogram"
     assert types["pdspark_prefill_seconds"] == types["pdspark_prefill_plan_wait_seconds"] == "histogram"
-    assert types["pdspark_prefill_prefix_cache_hit_ratio"] == "gauge"
+    assert types["pdspark_prefill_prefix_cache_hit_ratio"] == types["pdspark_prefill_stuck_transfers"] == "gauge"
     assert not any(name.startswith("pdspark_spec_") for name in types)  # speculation is the decode side's
 
 

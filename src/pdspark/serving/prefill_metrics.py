@@ -46,6 +46,11 @@ class PrefillMetrics(WorkerMetrics):
         self.transfer_writes = Counter(
             "pdspark_transfer_writes_total", "Writes issued by cache transfers (contiguous runs merged), by "
             f"payload kind ({_KINDS})", ["kind"], registry=r)
+        self.stuck_transfers = Gauge(
+            "pdspark_prefill_stuck_transfers", "Cache transfers given up on (their writes still running past the "
+            "deadline and the transfer engine's timeout: a peer that does not answer) whose transfer thread is still "
+            "blocked; once they hold every transfer thread the worker answers NOT_SERVING and refuses prefills",
+            registry=r)
         for kind in PAYLOAD_KINDS:
             self.transfer_payload_bytes.labels(kind=kind)
             self.transfer_writes.labels(kind=kind)

@@ -37,6 +37,10 @@ The decode side gives up at its own deadline regardless, so it asks in its plan 
 margin before that (`TransferPlan.timeout_s`). Writes still running once the transfer backend's grace after the
 deadline passed are stuck (the transfer engine's first contact with a peer waits without a timeout for one that
 stopped): the rendezvous ends without them and releases its pages, and says `Unanswered` (they may still land).
+Their transfer threads stay blocked until the peer answers (`TransferWriter.stuck`); while that holds every thread,
+the worker is not `serving`: a new prefill, and a transfer about to write, fail at once with UNAVAILABLE (the router
+retries them on another prefill worker) instead of queueing behind the stuck writes until their deadlines, and the
+worker server answers NOT_SERVING on the health service, so that the router stops sending it requests.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 
@@ -54,7 +59,7 @@ from pdspark.rpc import tracing
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.prefill_metrics import PrefillMetrics
-from pdspark.serving.transfer_writer import TransferWriter, Written
+from pdspark.serving.transfer_writer import TRANSFER_THREADS, TransferWriter, Written
 from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult, TransferStats
@@ -128,9 +133,10 @@ class _Rendezvous:
 class PrefillWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor,
                  metrics: PrefillMetrics | None = None, max_pending: int = 1024, executor: Executor | None = None,
-                 early_prefills: int = EARLY_PREFILLS):
+                 early_prefills: int = EARLY_PREFILLS, transfer_threads: int = TRANSFER_THREADS):
         """`early_prefills`: how many prompts may start before their plans while the engine has nothing queued
-        (see the NOTE; 0: every prompt waits for its plan)."""
+        (see the NOTE; 0: every prompt waits for its plan). `executor`: the transfer threads, `transfer_threads` of
+        them (made by the writer when None)."""
         self.engine = EngineClient(loop)
         self.early_prefills = early_prefills
         self._early = 0  # rendezvous queued in the engine whose plans have not arrived
@@ -139,7 +145,10 @@ class PrefillWorker:
         self.metrics = metrics
         self.max_pending = max_pending
         self.buffers = cache_buffers(loop.engine.kv.pools)  # fixed at start: the pools never move
-        self.writer = TransferWriter(backend, self.buffers, executor)
+        self.writer = TransferWriter(backend, self.buffers, executor, transfer_threads)
+        self.writer.on_stuck.append(self._stuck_changed)
+        self._serving = True
+        self.on_serving: list[Callable[[], None]] = []  # told (asyncio thread) when `serving` changes
         self._pending: dict[str, _Rendezvous] = {}  # by transfer id
         self._by_request: dict[str, _Rendezvous] = {}
         self._failed: dict[str, tuple[RequestFailed, float]] = {}  # transfer id -> (failure, remembered until)
@@ -149,13 +158,18 @@ class PrefillWorker:
     async def prefill(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
                       deadline: Deadline, trace: tracing.Span = tracing.NO_SPAN) -> TransferResult:
         """Prefill the prompt once its plan is here and wait (until `deadline`) for the transfer; raises
-        `RequestFailed`: OVERLOADED at once when `max_pending` transfers are in flight, ALREADY_EXISTS for a
-        request id or transfer id in flight here. `trace`: the call's span, the parent of the transfer's."""
+        `RequestFailed`: OVERLOADED at once when `max_pending` transfers are in flight, UNAVAILABLE at once while
+        the worker is not `serving`, ALREADY_EXISTS for a request id or transfer id in flight here. `trace`: the
+        call's span, the parent of the transfer's."""
         if request_id in self._by_request:
             raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {request_id!r} is already being prefilled")
         rv = self._join(transfer_id, deadline)
         if rv.request_id is not None:
             raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"transfer_id {transfer_id!r} is already being prefilled")
+        if not self._serving:  # ended at once: its plan, here or to come, fails with it
+            failure = self._stuck_failure(transfer_id)
+            self._fail(rv, failure)
+            raise failure
         rv.request_id, rv.prompt_ids, rv.trace = request_id, prompt_ids, trace
         rv.params = replace(params, max_tokens=1, stop=(), stop_token_ids=())
         self._by_request[request_id] = rv
@@ -210,6 +224,16 @@ class PrefillWorker:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+    @property
+    def stuck_transfers(self) -> int:
+        """Writes given up on whose transfer thread is still blocked (see the NOTE)."""
+        return self.writer.stuck
+
+    @property
+    def serving(self) -> bool:
+        """False while stuck writes hold every transfer thread: prefills are refused (see the NOTE)."""
+        return self._serving
 
     def close(self) -> None:
         self.writer.close()
@@ -329,6 +353,8 @@ class PrefillWorker:
             if rv.deadline.expired:
                 raise RequestFailed(ErrorCode.DEADLINE, f"transfer {rv.transfer_id!r}: the deadline passed before "
                                                         "the first write")
+            if not self._serving:  # its writes would wait for a thread until their deadline: nothing written yet
+                raise self._stuck_failure(rv.transfer_id)
             pages = await self.engine.held_pages(rv.request_id)
             if rv.phase is Phase.ENDED:
                 tracing.finish(span, "aborted")
@@ -405,6 +431,26 @@ class PrefillWorker:
         except asyncio.CancelledError:
             self._fail(rv, RequestFailed(ErrorCode.ABORTED, f"transfer {rv.transfer_id!r}: a caller went away"))
             raise
+
+    def _stuck_changed(self) -> None:
+        """A write became stuck, or a stuck one's thread is free again (asyncio thread)."""
+        serving = not self.writer.all_stuck
+        if serving == self._serving:
+            return
+        self._serving = serving
+        if serving:
+            logger.warning("a transfer thread is free again (%d of %d still stuck): taking prefills again",
+                           self.writer.stuck, self.writer.threads)
+        else:
+            logger.warning("all %d transfer threads are stuck writing to peers that do not answer: refusing "
+                           "prefills (UNAVAILABLE) and answering NOT_SERVING until one is free", self.writer.threads)
+        for listener in self.on_serving:
+            listener()
+
+    def _stuck_failure(self, transfer_id: str) -> RequestFailed:
+        return RequestFailed(ErrorCode.UNAVAILABLE, f"transfer {transfer_id!r}: all {self.writer.threads} transfer "
+                                                    "threads of this prefill worker are stuck writing to peers that "
+                                                    "do not answer; retry on another prefill worker")
 
     def _remember(self, transfer_id: str, failure: RequestFailed, deadline: Deadline) -> None:
         now = time.monotonic()

@@ -65,10 +65,15 @@ class WorkerServer:
         self.executor = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="transfer")
         compat = describe_engine(engine)
         self.prefill_clients: PrefillClients | None = None
+        self._health_task: asyncio.Task | None = None
+        self._published: int | None = None  # the status the health service was last given
         if isinstance(self.metrics, PrefillMetrics):
-            self.worker: PrefillWorker | DecodeWorker = PrefillWorker(
-                self.loop, self.backend, compat, self.metrics, max_pending=cfg.max_pending_prefills,
-                executor=self.executor, early_prefills=cfg.early_prefills)
+            prefill = PrefillWorker(self.loop, self.backend, compat, self.metrics, max_pending=cfg.max_pending_prefills,
+                                    executor=self.executor, early_prefills=cfg.early_prefills,
+                                    transfer_threads=TRANSFER_THREADS)  # the executor's: all stuck -> NOT_SERVING
+            self.metrics.stuck_transfers.set_function(lambda: prefill.stuck_transfers)
+            prefill.on_serving.append(self._serving_changed)
+            self.worker: PrefillWorker | DecodeWorker = prefill
             self.service = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
         else:
             # Under mutual TLS the decode worker calls prefill workers with its own certificate.
@@ -108,7 +113,8 @@ class WorkerServer:
         else:
             self.servicer = DecodeServicer(self.worker, self.metrics)
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.grpc)
-        # Health answers from the asyncio loop, never behind the engine: a busy worker is still SERVING.
+        # Health answers from the asyncio loop, never behind the engine: a busy worker is still SERVING. A prefill
+        # worker whose transfer threads are all stuck is NOT_SERVING until one is free (`PrefillWorker.serving`).
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
@@ -127,8 +133,7 @@ class WorkerServer:
             metrics_port = server.server_port
             # Reported in GetLoad: the router lists it in /workers without being told.
             self.servicer.metrics_url = f"http://{self.cfg.advertise_host}:{metrics_port}/metrics"
-        for name in ("", self.service):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._publish_health()
         return {
             "event": "ready",
             "role": self.cfg.role,
@@ -139,9 +144,26 @@ class WorkerServer:
             "tls": tls,
         }
 
+    def _serving_changed(self) -> None:
+        """(asyncio thread) The health service follows the worker, through one task at a time."""
+        if self._published is not None and (self._health_task is None or self._health_task.done()):
+            self._health_task = asyncio.get_running_loop().create_task(self._publish_health())
+
+    def _health_status(self) -> int:
+        if isinstance(self.worker, PrefillWorker) and not self.worker.serving:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse.SERVING
+
+    async def _publish_health(self) -> None:
+        # Until what was published is what holds now: a flip while `set` waited (for a Watch call) is not lost.
+        while (status := self._health_status()) != self._published:
+            for name in ("", self.service):
+                await self.health.set(name, status)
+            self._published = status
+
     async def stop(self, grace_s: float = 5.0) -> None:
-        for name in ("", self.service):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        # NOT_SERVING for good: a status set later (a stuck transfer thread freed) is ignored.
+        await self.health.enter_graceful_shutdown()
         # New calls on the routers' `Calls` streams are refused as the server refuses new gRPC calls in its grace.
         self.servicer.calls.stop_taking_calls()
         await self.grpc.stop(grace_s)
