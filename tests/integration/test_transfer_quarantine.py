@@ -133,8 +133,10 @@ def test_an_unanswered_transfer_quarantines_its_pages_until_no_write_can_land(lo
     assert all(n == 0 for n in worker.quarantined_pages.values()) and worker.transfers_in_flight == 0
 
 
-@pytest.mark.parametrize("answer", ["bad_checksum", "reported_failure"])
+@pytest.mark.parametrize("answer", ["bad_checksum", "reported_failure", "never_sent"])
 def test_a_transfer_the_prefill_worker_answered_frees_at_once(loop, answer):
+    """Also a plan that never left (`never_sent`: the prefill worker was unreachable when it was due, `NotSent`):
+    nothing can have been written, so nothing is quarantined."""
     async def scenario():
         prefill = FakePrefill()
         worker = make_worker(loop, prefill)
@@ -143,6 +145,8 @@ def test_a_transfer_the_prefill_worker_answered_frees_at_once(loop, answer):
         t0 = time.monotonic()
         if answer == "reported_failure":
             prefill.answer.set_exception(RequestFailed(ErrorCode.TRANSFER, "the prefill worker's writes failed"))
+        elif answer == "never_sent":
+            prefill.answer.set_exception(NotSent(ErrorCode.UNAVAILABLE, "prefill worker unreachable; not sent"))
         else:  # a result whose cache does not check out (a CRC32 is never -1): all of it landed already
             prefill.answer.set_result(TransferResult("t", first_token=5, num_cached_tokens=0, checksum=-1,
                                                      stats=TransferStats()))
@@ -153,7 +157,7 @@ def test_a_transfer_the_prefill_worker_answered_frees_at_once(loop, answer):
 
     seconds, worker = asyncio.run(scenario())
     assert seconds < SLACK_S  # not the (20 s) deadline: nothing is quarantined
-    assert all(n == 0 for n in worker.quarantined_pages.values())
+    assert all(n == 0 for n in worker.quarantined_pages.values()) and worker.transfers_in_flight == 0
 
 
 def test_giving_up_asks_the_prefill_worker_and_frees_once_it_answers(loop):
@@ -227,29 +231,6 @@ def test_a_failure_learnt_late_quarantines_for_the_grace_from_then(loop):
     learnt_at, freed_at, worker = asyncio.run(scenario())
     assert learnt_at + GRACE_S <= freed_at < learnt_at + GRACE_S + SLACK_S
     assert all(n == 0 for n in worker.quarantined_pages.values())
-
-
-def test_a_plan_that_never_left_frees_its_pages_at_once(loop):
-    """The prefill worker was unreachable when the plan was due (`NotSent`): nothing can be written, so nothing is
-    quarantined."""
-    async def scenario():
-        prefill = FakePrefill()
-        worker = make_worker(loop, prefill)
-        before = await used(loop)
-        task = await start(worker, prefill, deadline_s=scaled(20))
-        t0 = time.monotonic()
-        prefill.answer.set_exception(NotSent(ErrorCode.UNAVAILABLE, "prefill worker unreachable; not sent"))
-        with pytest.raises(RequestFailed) as failed:
-            await task
-        quarantined = dict(worker.quarantined_pages)
-        freed_at = await async_seen_at(lambda: restored(loop, before), 10, "the pages freed")
-        return failed.value, quarantined, freed_at - t0, worker
-
-    failure, quarantined, seconds, worker = asyncio.run(scenario())
-    assert failure.code is ErrorCode.UNAVAILABLE
-    assert all(n == 0 for n in quarantined.values())
-    assert seconds < SLACK_S  # not the plan's deadline + grace
-    assert worker.transfers_in_flight == 0
 
 
 class UnansweredPrefill:
