@@ -134,3 +134,17 @@ def test_a_worker_is_added_by_host_and_port_only(address, status):
                 assert payload["address"] == address and address in h.registry.workers
 
     run_within(scenario(), 60)
+
+
+def test_adding_a_registered_address_again_is_a_conflict_on_the_address_and_a_bad_role_names_the_role():
+    async def scenario():
+        async with await RouterHarness.start(admin_port=0, admin_api_key=(ADMIN,), health_timeout_s=0.2) as h, \
+                aiohttp.ClientSession() as s:
+            taken = next(iter(h.registry.workers))
+            got, payload = await call(s, h.admin_url, "POST", "/workers", {"role": "decode", "address": taken})
+            assert got == 409 and (payload["error"]["param"], payload["error"]["code"]) == ("address", "already_exists")
+            got, payload = await call(s, h.admin_url, "POST", "/workers", {"role": "encode", "address": "h:5"})
+            assert got == 400 and payload["error"]["param"] == "role", payload
+            assert "prefill, decode" in payload["error"]["message"] and "h:5" not in h.registry.workers
+
+    run_within(scenario(), 60)

@@ -340,9 +340,12 @@ class HttpApi:
         problem = address_problem(body["address"])
         if problem is not None:
             raise ApiError(400, problem, "address", "invalid_address")
+        if body["address"] in self.core.registry.workers:
+            raise ApiError(409, f"worker {body['address']} is already registered (DELETE it first to add it anew)",
+                           "address", "already_exists")
         try:
             w = self.core.registry.add(str(body.get("role")), body["address"], str(body.get("metrics_url", "")))
-        except ValueError as e:
+        except ValueError as e:  # (the address is new: what is left to refuse is the role)
             raise ApiError(400, str(e), "role") from e
         self.core.metrics.worker_added(w.role, w.name)
         await self.core.registry.check(w)
