@@ -59,7 +59,7 @@ class PrefillClients:
         return list(self._channels)
 
     @contextlib.contextmanager
-    def _stub(self, address: str) -> Iterator[_Channel]:
+    def _in_use(self, address: str) -> Iterator[_Channel]:
         """The channel and stub for `address`, the channel counted as in use while the block runs."""
         self._close_idle()
         entry = self._channels.get(address)
@@ -94,7 +94,7 @@ class PrefillClients:
         worker may still be writing). Cancelling the caller cancels the call, which the prefill worker sees."""
         deadline = time.monotonic() + timeout_s
         try:
-            with self._stub(address) as entry:
+            with self._in_use(address) as entry:
                 await _connected(entry.channel, address, deadline)
                 msg = await entry.stub.SubmitPlan(convert.plan_to_pb(plan),
                                                   timeout=max(deadline - time.monotonic(), 0.001),
@@ -111,7 +111,7 @@ class PrefillClients:
         once no more writes can land); True when it had one. Raises `RequestFailed` when it does not answer within
         a lease."""
         try:
-            with self._stub(address) as entry:
+            with self._in_use(address) as entry:
                 reply = await entry.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=LEASE_S)
         except grpc.RpcError as e:
             raise failure_from_rpc_error(e) from e

@@ -291,8 +291,6 @@ class WorkerRegistry:
             ok = False
         now = time.monotonic()
         w.failures = 0 if ok else w.failures + 1
-        if ok:
-            w.answered_at = now
         w.last_check = time.time()
         if w.healthy:
             if w.failures >= self.max_failures:
@@ -306,7 +304,8 @@ class WorkerRegistry:
             if now - w.answering_since >= self.readmit_wait_s(w):
                 logger.info("%s worker %s is healthy again", w.role, w.address)
                 w.healthy, w.healthy_since, w.answering_since = True, now, None
-        if ok:
+        if ok:  # after the re-admission above: a waiter woken now finds the worker healthy
+            w.answered_at = now
             self._answered.set()
             self._answered = asyncio.Event()
         return ok
