@@ -34,7 +34,8 @@ def hf_config(spec: TinySpec):
     n = len(spec.layer_types)
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
             "beta_slow": 1} if spec.yarn else None
-    return DeepseekV4Config(
+    # `spec.extra` may override any default below (a wider MoE, say).
+    return DeepseekV4Config(**{**dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         moe_intermediate_size=32,
@@ -62,8 +63,7 @@ def hf_config(spec: TinySpec):
         max_position_embeddings=4096,
         eos_token_id=1,
         bos_token_id=0,
-        **dict(spec.extra),
-    )
+    ), **dict(spec.extra)})
 
 
 @torch.no_grad()
@@ -85,14 +85,16 @@ def build_hf_model(spec: TinySpec):
     from transformers import DeepseekV4ForCausalLM
 
     torch.manual_seed(spec.seed)
-    model = DeepseekV4ForCausalLM(hf_config(spec)).eval()
+    config = hf_config(spec)
+    model = DeepseekV4ForCausalLM(config).eval()
     with torch.no_grad():
         randomize_small_parameters(model)
         for layer in model.model.layers:
             if layer.mlp.is_hash:
                 g = torch.Generator().manual_seed(spec.seed + 1)
+                n, k = config.n_routed_experts, config.num_experts_per_tok
                 layer.mlp.gate.tid2eid.copy_(
-                    torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(spec.vocab_size)])
+                    torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(spec.vocab_size)])
                 )
         # Sharper next-token distributions keep greedy argmaxes far from ties.
         model.lm_head.weight.mul_(4.0)

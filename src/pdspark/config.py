@@ -97,9 +97,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Worker groups: several rank processes acting as one engine over torch.distributed."""
+
+    ep_size: int = option(
+        1, "rank processes of an expert-parallel group: rank r holds routed experts [r*E/N, (r+1)*E/N), every rank "
+        "runs the same batch in lockstep (offline LLM and `pdspark generate` so far; workers run 1)", minimum=1)
+    # torch's default is 30 minutes: a hung rank would hang the whole group that long.
+    dist_timeout_s: float = option(30.0, "seconds any collective of a worker group may wait before the group fails",
+                                   minimum=0.1)
+    dist_init_addr: str | None = option(
+        None, "host:port where the ranks of a group meet (rank 0 listens there; default: a rendezvous file in a "
+        "temporary directory of this machine)")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"`dist_init_addr` is {self.dist_init_addr!r}; allowed: host:port (port 1-65535)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     cache: CacheConfig = nested(CacheConfig, "cache")
     scheduler: SchedulerConfig = nested(SchedulerConfig, "scheduler")
+    parallel: ParallelConfig = nested(ParallelConfig, "parallel")
     device: Device = option("cpu", "hardware backend the engine runs on (cuda and npu are untested: see "
                                    "docs/operations.md)")
     dtype: Dtype = option("float32", "compute dtype")

@@ -40,6 +40,16 @@ class CheckpointError(PdsparkError):
     """A checkpoint directory that does not match its config."""
 
 
+class WorkerGroupError(PdsparkError, RuntimeError):
+    """A rank of a worker group failed, exited or hung past the group's timeout: the group cannot go on (its
+    ranks no longer hold the same state); start a new one."""
+
+
+class ExpertExchangeError(PdsparkError, RuntimeError):
+    """A C step's expert exchange (expert parallelism) reported a failure: a collective of the rank group failed or
+    timed out (raised from the collective's own error, `pdspark.parallel.slot_exchange.exchange_errors`)."""
+
+
 class MissingExtraError(PdsparkError, ImportError):
     """What was asked for needs an optional extra (`pdspark[engine]`) whose packages are not installed."""
 

@@ -11,8 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdspark.assets import resolve_model  # noqa: F401  (public helper)
+from pdspark.config import EngineConfig
+from pdspark.engine.engine import Engine
+from pdspark.engine.engine_group import start_engine_group
 from pdspark.engine.factory import create_engine
+from pdspark.engine.lockstep import LockstepEngine
 from pdspark.errors import InvalidRequestError
+from pdspark.options import build
 from pdspark.types import RequestOutput, SamplingParams
 
 
@@ -21,10 +26,27 @@ class LLM:
     composes, flat (pool sizes, scheduler limits, dtype, seed, `speculative="dspark"`, `enable_prefix_cache`, ...);
     `pdspark generate --help` lists them all. Or pass a whole `config=EngineConfig(...)`."""
 
-    def __init__(self, model: str, *, progress: bool = False, **options):
-        self.engine = create_engine(model, progress=progress, **options)
+    def __init__(self, model: str, *, progress: bool = False, config: EngineConfig | None = None, **options):
+        self.engine: Engine | LockstepEngine
+        if build(EngineConfig, options, base=config).parallel.ep_size > 1:
+            # A group: this process is rank 0, the other ranks are child processes (`close` ends them).
+            self.engine = start_engine_group(model, progress, config, options)
+        else:
+            self.engine = create_engine(model, progress=progress, config=config, **options)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """End the worker group's other ranks (`ep_size` > 1); nothing to do for one process. Also run when the
+        object is collected or the interpreter exits."""
+        if isinstance(self.engine, LockstepEngine):
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -29,9 +29,9 @@ def test_routed_paths_agree(is_hash):
         input_ids = torch.randint(0, cfg.vocab_size, (T,))
         with torch.inference_mode():
             ids, weights = moe.route(x, input_ids)
-            by_expert = moe._routed_by_expert(x, ids, weights)
-            torch.testing.assert_close(moe._routed_by_pair(x, ids, weights), by_expert, atol=1e-6, rtol=1e-5)
-            torch.testing.assert_close(moe._routed_dense(x, ids, weights), by_expert, atol=1e-6, rtol=1e-5)
+            by_expert = moe._slots_by_expert(x, ids)
+            torch.testing.assert_close(moe._slots_by_pair(x, ids), by_expert, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(moe._slots_dense(x, ids), by_expert, atol=1e-6, rtol=1e-5)
             fast = moe(x, input_ids)  # fused router + whichever path the step size picks
         with torch.enable_grad():
             reference = moe(x, input_ids)  # unfused: separate router and shared expert, grouped experts

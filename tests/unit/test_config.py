@@ -64,6 +64,8 @@ def sample(spec: OptionSpec):
         value = next(c for c in spec.choices if c != spec.default)
     elif spec.base is bool:
         value = not spec.default
+    elif spec.name.endswith("_addr"):
+        value = "10.0.0.1:29500"  # host:port
     elif spec.base is tuple and spec.name.startswith("ray_") and spec.name.endswith("_resources"):
         value = ("CPU=1", "GPU=0.5")  # NAME=AMOUNT items
     elif spec.base is tuple:

@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "quant": 1,  # quantized checkpoints (ModelSlim) and their reference kernels, under model
     "assets": 1,
     "options": 1,  # the flag/env/keyword generator under config
+    "parallel": 1,  # worker groups over torch.distributed: expert shards, the slot exchange, the rank group
     "model": 2,
     "config": 3,
     "cache": 4,

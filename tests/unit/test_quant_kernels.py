@@ -120,7 +120,7 @@ def test_quant_experts_equal_dequantized_float(tokens):
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=g)
     expected = experts_reference(experts, x, ids, weights, swiglu)
-    assert_fp32_close(experts(x, ids, weights, swiglu), expected)
+    assert_fp32_close((experts(x, ids, swiglu) * weights[..., None]).sum(1), expected)
 
 
 def test_description_names_the_bad_field():
@@ -146,10 +146,11 @@ def test_quant_linear_rejects_missing_and_wrong_tensors():
 
 
 def test_quant_experts_one_token_has_its_bits_in_any_batch():
-    """A decode token alone (the T == 1 path) gets the very bits of its row in a batch (the grouped path): the
-    experts' outputs are summed in one order (expert id, then slot) from zero in fp32, whatever the row count. (The
-    T == 1 path summed in slot order: every decode step's bits changed with the batch size, which a static W8A8
-    checkpoint's int8 activation rounding turned into logit differences of ~5e-2.)"""
+    """A decode token alone (the T == 1 path) gets the very bits of its rows in a batch (the grouped path): each
+    (token, slot) output is the same whatever the row count, and `MoE.combine` sums them in slot order on every
+    path. (The T == 1 path once summed in another order than the grouped one: every decode step's bits changed with
+    the batch size, which a static W8A8 checkpoint's int8 activation rounding turned into logit differences of
+    ~5e-2.)"""
     g = torch.Generator().manual_seed(7)
     E, D, inter, k, T = 8, 64, 32, 6, 48  # inter a multiple of 32: silu's rows never end in a scalar tail
     w1 = [dynamic_linear(torch.randn(inter, D, generator=g) / D**0.5) for _ in range(E)]
@@ -159,11 +160,10 @@ def test_quant_experts_one_token_has_its_bits_in_any_batch():
     x = torch.randn(T, D, generator=g) * 3
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     ids[::5, 1] = ids[::5, 0]  # a hash table may repeat an expert in a row: the repeat keeps its slot order
-    weights = torch.rand(T, k, generator=g)
 
     def swiglu(gate, up):
         return F.silu(gate.clamp(max=10.0)) * up.clamp(-10.0, 10.0)
 
-    batched = experts(x, ids, weights, swiglu)
+    batched = experts(x, ids, swiglu)
     for t in range(T):
-        assert torch.equal(experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], swiglu), batched[t : t + 1]), t
+        assert torch.equal(experts(x[t : t + 1], ids[t : t + 1], swiglu), batched[t : t + 1]), t

@@ -8,20 +8,33 @@ from typing import Any
 from pdspark.assets import resolve_model
 from pdspark.config import EngineConfig
 from pdspark.engine.engine import Engine
+from pdspark.errors import ConfigError
 from pdspark.hardware.extra_ops import load_extra_ops
 from pdspark.hardware.registry import select_backend
 from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
+from pdspark.parallel.expert_shard import ExpertShard
+from pdspark.parallel.rank_group import RankGroup
+from pdspark.parallel.slot_exchange import SlotExchange
 
 
-def create_engine(model: str, progress: bool = False, config: EngineConfig | None = None, **options: Any) -> Engine:
+def create_engine(model: str, progress: bool = False, config: EngineConfig | None = None,
+                  group: RankGroup | None = None, **options: Any) -> Engine:
     """Load the checkpoint (and its DSpark draft when `speculative` is set) and build the engine.
 
     `options` are `EngineConfig`'s flat keyword options (`page_size=16`, `max_num_seqs=4`, `speculative="dspark"`,
-    ...), applied over `config` when both are given; an unknown one raises ConfigError listing the allowed ones."""
+    ...), applied over `config` when both are given; an unknown one raises ConfigError listing the allowed ones.
+    `group`: this process is one rank of an expert-parallel group (it holds and reads only its share of the routed
+    experts, and every MoE layer exchanges slots with the other ranks, which must run the same steps)."""
     path = resolve_model(model)
     config = build(EngineConfig, options, base=config).for_model(ModelConfig.from_dir(path).max_position_embeddings)
+    if (group.size if group is not None else 1) != config.parallel.ep_size:
+        raise ConfigError(f"`ep_size` is {config.parallel.ep_size}: a group of that many ranks runs through `LLM` "
+                          "and `pdspark generate` so far; allowed here (one engine process): 1")
+    if group is not None and config.speculative_policy == "when-faster":
+        # The policy decides from step times, which differ between the ranks that must take the same steps.
+        raise ConfigError("`speculative_policy` 'when-faster' with `ep_size` > 1; allowed: 'always'")
     max_len = config.scheduler.max_model_len
     assert max_len is not None  # for_model resolved it
     # The device is checked before anything loads: `--device cuda` without a GPU fails here, naming what is missing.
@@ -29,8 +42,11 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     backend = select_backend(config.device)
     load_extra_ops(config.extra_ops_so, {f: backend.required_ops(f) for f in backend.op_features}, backend.name)
     device = str(backend.device)
+    shard = None if group is None else ExpertShard(group.rank, group.size, ModelConfig.from_dir(path).n_routed_experts)
     ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress,
-                           quantization=config.quantization)
+                           quantization=config.quantization, experts=shard)
+    if group is not None:
+        ckpt.model.use_expert_exchange(SlotExchange())
     draft = load_draft(ckpt, max_len, config.dtype, device) if config.speculative else None
     engine = Engine(ckpt.model, config, ckpt.tokenizer, draft)
     # What is loaded now lives as long as the process: move it out of the collector's generations, so that the

@@ -39,6 +39,7 @@ class HardwareBackend(ABC):
 
     name: str  # the `--device` value
     has_streams: bool  # whether `new_stream` gives real, concurrent streams
+    dist_backend: str  # the torch.distributed backend a worker group on this device communicates with
     # Features the engine runs through extra-library operators on this backend, checked at start-up. None yet: the
     # engine runs its PyTorch path on every backend (`required_ops` lists what each feature will need).
     op_features: tuple[str, ...] = ()

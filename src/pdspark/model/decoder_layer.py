@@ -12,6 +12,7 @@ from pdspark.model.model_config import ModelConfig
 from pdspark.model.moe import MoE, SharedExpert
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RopeAt, RotaryTable
+from pdspark.parallel.expert_shard import ExpertShard
 
 
 class DecoderLayer(nn.Module):
@@ -28,8 +29,9 @@ class DecoderLayer(nn.Module):
         self.ffn = ffn
 
     @classmethod
-    def target(cls, cfg: ModelConfig, layer_type: str, is_hash: bool, rope: RotaryTable) -> DecoderLayer:
-        return cls(cfg, Attention(cfg, layer_type, rope), MoE(cfg, is_hash))
+    def target(cls, cfg: ModelConfig, layer_type: str, is_hash: bool, rope: RotaryTable,
+               experts: ExpertShard | None = None) -> DecoderLayer:
+        return cls(cfg, Attention(cfg, layer_type, rope), MoE(cfg, is_hash, experts))
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt) -> torch.Tensor:
         """`h [T, hc, D]` -> `[T, hc, D]`."""

@@ -18,6 +18,8 @@ from pdspark.model.moe import MoE
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RotaryTable
 from pdspark.model.row_exact import row_exact_linear
+from pdspark.parallel.expert_shard import ExpertShard
+from pdspark.parallel.slot_exchange import SlotExchange
 from pdspark.quant.fused_linear import FusedLinear
 
 # Up to this many rows (a decode step, a gamma <= 7 verify step) the head runs in one C call whose rows share each
@@ -35,9 +37,12 @@ class ForwardOutput(NamedTuple):
 class DSV4Model(nn.Module):
     mm = staticmethod(F.linear)  # the float matmul (`DSV4Model.prepare_inference`: batch-invariant mode)
 
-    def __init__(self, cfg: ModelConfig, max_len: int):
+    def __init__(self, cfg: ModelConfig, max_len: int, experts: ExpertShard | None = None):
+        """`experts`: with expert parallelism, the routed experts this rank holds (None: all of them)."""
         super().__init__()
         self.cfg = cfg
+        self.experts = experts if experts is not None else ExpertShard.whole(cfg.n_routed_experts)
+        assert self.experts.n_experts == cfg.n_routed_experts, (self.experts, cfg.n_routed_experts)
         D = cfg.hidden_size
         # Sliding-only layers rotate with the plain `rope_theta` table; compressed layers (their window branch
         # included) with the `compress_rope_theta` table (YaRN when configured).
@@ -45,7 +50,8 @@ class DSV4Model(nn.Module):
         self.rope_compress = RotaryTable(cfg.compress_rope, cfg.rope_dim, max_len)
         self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, D))
         self.layers = nn.ModuleList(
-            DecoderLayer.target(cfg, t, cfg.hash_layers[i], self.rope_main if t == SLIDING else self.rope_compress)
+            DecoderLayer.target(cfg, t, cfg.hash_layers[i], self.rope_main if t == SLIDING else self.rope_compress,
+                                self.experts)
             for i, t in enumerate(cfg.layer_types)
         )
         self.hc_head = HyperHead(cfg.hc_mult, D, cfg.hc_eps, cfg.rms_norm_eps)
@@ -87,6 +93,15 @@ class DSV4Model(nn.Module):
             return None
         return self._decode_step.try_run_indexed(req, cache_layout, pools, self.embed,
                                                  (self.rope_main, self.rope_compress), capture)
+
+    def use_expert_exchange(self, exchange: SlotExchange) -> None:
+        """Expert parallelism: every MoE layer takes the other ranks' slots through `exchange` (call after
+        `prepare_inference`; the C decode step is rebuilt to call it)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer) and isinstance(layer.ffn, MoE)
+            layer.ffn.use_exchange(exchange)
+        built = DecodeStep.build(list(self.layers), self.cfg)  # type: ignore[arg-type]
+        self._decode_step, self.decode_step_off = (None, built) if isinstance(built, str) else (built, None)
 
     def prepare_inference(self, row_exact: bool = False) -> None:
         """Fuse the projections that read the same input and freeze the mHC mix parameters for the C collapse

@@ -16,6 +16,7 @@ from pdspark.model.model_config import ModelConfig
 from pdspark.model.quant_weights import QuantizedWeights
 from pdspark.model.tokenizer import Tokenizer
 from pdspark.model.weights import check_complete, load_weights
+from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.quant.scheme import DESCRIPTION_FILE, QuantDescription, is_modelslim_dir
 
 QUANTIZATIONS = ("auto", "modelslim", "none")
@@ -37,13 +38,14 @@ class Checkpoint:
 
 def load_checkpoint(
     path: str | Path, max_len: int, dtype: str = "float32", device: str = "cpu", progress: bool = False,
-    quantization: str = "auto",
+    quantization: str = "auto", experts: ExpertShard | None = None,
 ) -> Checkpoint:
     """Load a float or ModelSlim-quantized checkpoint. `quantization`: "auto" detects a ModelSlim checkpoint by its
-    `quant_model_description.json`; "modelslim" requires one; "none" reads the directory as a float checkpoint."""
+    `quant_model_description.json`; "modelslim" requires one; "none" reads the directory as a float checkpoint.
+    `experts`: with expert parallelism, the routed experts this rank holds (the others are not read)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    model = DSV4Model(cfg, max_len)
+    model = DSV4Model(cfg, max_len, experts)
     quant = quant_description(path, quantization)
     report = load_weights(model, path, progress=progress, quant=quant, check=quant is None)
     quantized = None

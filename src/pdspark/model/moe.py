@@ -2,6 +2,11 @@
 
 Routing weights are the router scores of the chosen experts, renormalised and multiplied by
 `routed_scaling_factor`; a score-routed layer picks experts by `score + e_score_correction_bias`.
+
+One combine order everywhere (every path here, the C kernels, and expert-parallel groups): each token's expert
+outputs are kept per top-k slot `[T, k, D]`, multiplied by their weights and summed in slot order, then the shared
+expert's output is added. With expert parallelism (`ExpertShard`) a rank computes the slots of the experts it holds
+and a `SlotExchange` fills in the others before that sum, so a group gives one process's bits.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.model_config import ModelConfig
+from pdspark.parallel.expert_shard import ExpertShard
+from pdspark.parallel.slot_exchange import SlotExchange, exchange_errors
 from pdspark.quant.fused_linear import FusedLinear
 from pdspark.quant.quant_experts import QuantExperts
 from pdspark.quant.quant_linear import linear
@@ -58,9 +65,11 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     mm = staticmethod(F.linear)  # the float matmul (`DSV4Model.prepare_inference`: batch-invariant mode)
 
-    def __init__(self, cfg: ModelConfig, is_hash: bool):
+    def __init__(self, cfg: ModelConfig, is_hash: bool, shard: ExpertShard | None = None):
         super().__init__()
         d, inter, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+        self.shard = shard if shard is not None else ExpertShard.whole(n_exp)  # the routed experts held here
+        self.exchange: SlotExchange | None = None  # expert parallelism: set with `use_exchange`
         self.is_hash = is_hash
         self.top_k = cfg.num_experts_per_tok
         self.n_experts = n_exp
@@ -72,9 +81,11 @@ class MoE(nn.Module):
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
         else:
             self.bias = nn.Parameter(torch.zeros(n_exp))  # e_score_correction_bias (selection only)
-        # Experts stored stacked: one gate+up matmul and one down matmul per expert.
-        self.w13 = nn.Parameter(torch.zeros(n_exp, 2 * inter, d))  # [E, gate rows ; up rows, D]
-        self.w2 = nn.Parameter(torch.zeros(n_exp, d, inter))  # [E, D, I]
+        # Experts stored stacked: one gate+up matmul and one down matmul per expert; only the shard's experts
+        # (expert e at index e - shard.first).
+        held = self.shard.count
+        self.w13 = nn.Parameter(torch.zeros(held, 2 * inter, d))  # [E_held, gate rows ; up rows, D]
+        self.w2 = nn.Parameter(torch.zeros(held, d, inter))  # [E_held, D, I]
         self.shared = SharedExpert(d, inter, cfg.swiglu_limit)
         # Quantized checkpoints: the routed experts as int8 (the loader installs them and drops w13/w2).
         self.experts: QuantExperts | None = None
@@ -85,6 +96,13 @@ class MoE(nn.Module):
         self._expert_w2: list[torch.Tensor] | None = None
         self._dense_w13: torch.Tensor | None = None  # [E * 2I, D]: few experts, every one on every token
         self._dense_w2t: torch.Tensor | None = None  # [E, I, D]
+
+    def use_exchange(self, exchange: SlotExchange) -> None:
+        """Expert parallelism: the other ranks' slots come through `exchange` (the shard holds part of the experts;
+        every rank runs the same tokens through this layer, in step)."""
+        if self.experts is not None:
+            raise NotImplementedError("expert parallelism with quantized (ModelSlim) experts")
+        self.exchange = exchange
 
     def fuse(self) -> None:
         """Inference only: the router and the shared expert's gate/up read the same input: one matmul."""
@@ -100,7 +118,7 @@ class MoE(nn.Module):
         self._expert_w13 = list(self.w13.detach().unbind(0))
         self._expert_w2 = list(self.w2.detach().unbind(0))
         if self.n_experts <= _DENSE_MAX_WASTE * self.top_k:
-            E, I2, D = self.w13.shape
+            E, I2, D = self.w13.shape  # (E: the held experts)
             self._dense_w13 = self.w13.detach().reshape(E * I2, D)  # [E * 2I, D] (a view)
             self._dense_w2t = self.w2.detach().transpose(1, 2).contiguous()  # [E, I, D]
 
@@ -142,70 +160,93 @@ class MoE(nn.Module):
             ids, weights = self.route(x, input_ids)
         T = x.shape[0]
         if self.experts is not None:
-            routed = self.experts(x, ids, weights, partial(swiglu, limit=self.limit))
+            slots = self.experts(x, ids, partial(swiglu, limit=self.limit))
         elif fused is not None and self._dense_w13 is not None and T > 1 and T * self.n_experts <= _DENSE_MAX_ROWS:
-            routed = self._routed_dense(x, ids, weights)
+            slots = self._slots_dense(x, ids)
         elif ids.numel() <= _PAIR_LOOP_MAX:
-            routed = self._routed_by_pair(x, ids, weights)
+            slots = self._slots_by_pair(x, ids)
         else:
-            routed = self._routed_by_expert(x, ids, weights)
-        return routed + shared
+            slots = self._slots_by_expert(x, ids)
+        return (self.combine(slots, weights) + shared).to(x.dtype)
+
+    def combine(self, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Per-slot outputs `[T, k, D]` (zeros for experts held elsewhere) -> the routed term `[T, D]`: the other
+        ranks' slots filled in (expert parallelism), then each slot times its weight, summed in slot order (as the
+        C kernels' `moe_decode`)."""
+        if self.exchange is not None:
+            self.exchange.combine(slots)
+        slots, w = slots.float(), weights.float()  # (fp32 models: no-ops; others sum in fp32 as the kernels do)
+        out = slots[:, 0] * w[:, 0:1]
+        for j in range(1, slots.shape[1]):
+            out = out + slots[:, j] * w[:, j : j + 1]
+        return out
 
     def _decode_in_c(self, x: torch.Tensor, input_ids: torch.Tensor, w_in: torch.Tensor,
                      w2s: torch.Tensor) -> torch.Tensor | None:
         """The pair loop's arithmetic (routing, routed experts in slot order, then the shared expert) as one C call
-        after the fused router + shared gate/up matmul; None where the C path does not apply."""
-        return cpu_kernels.moe_decode(
-            x, self.mm(x, w_in), input_ids, self.get_buffer("tid2eid") if self.is_hash else None,
-            None if self.is_hash else self.bias, self.w13, self.w2, w2s, self.top_k,
-            self.scoring_func == "sqrtsoftplus", self.scaling, self.limit,
-        )
+        after the fused router + shared gate/up matmul; None where the C path does not apply. With expert
+        parallelism, the form that keeps each (token, slot) output and exchanges them (the same bits)."""
+        ex = self.exchange
+        with exchange_errors(ex):
+            return cpu_kernels.moe_decode(
+                x, self.mm(x, w_in), input_ids, self.get_buffer("tid2eid") if self.is_hash else None,
+                None if self.is_hash else self.bias, self.w13, self.w2, w2s, self.top_k,
+                self.scoring_func == "sqrtsoftplus", self.scaling, self.limit,
+                held=None if ex is None else (self.shard.first, self.shard.count),
+                exchange=0 if ex is None else ex.c_pointer,
+            )
 
-    def _routed_by_pair(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Few (token, expert) pairs (decode): run each pair against its expert's weights in place."""
+    def _slots_by_pair(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Few (token, expert) pairs (decode): run each pair against its expert's weights in place -> `[T, k, D]`."""
         w13: list[torch.Tensor] | torch.Tensor = self.w13
         w2: list[torch.Tensor] | torch.Tensor = self.w2
         if self._expert_w13 is not None and self._expert_w2 is not None and not torch.is_grad_enabled():
             w13, w2 = self._expert_w13, self._expert_w2
+        first, held = self.shard.first, self.shard.count
+        zero = torch.zeros(1, x.shape[1], dtype=x.dtype)
         rows: list[torch.Tensor] = []
-        # (Python floats from fp32 weights are exact: the products equal those with the weight tensor.)
-        for t, (experts, ws) in enumerate(zip(ids.tolist(), weights.tolist())):
-            xt, acc = x[t : t + 1], None
-            for e, w in zip(experts, ws):
-                gate, up = self.mm(xt, w13[e]).chunk(2, dim=-1)
-                y = self.mm(swiglu(gate, up, self.limit), w2[e]) * w
-                acc = y if acc is None else acc + y
-            assert acc is not None  # every token routes to >= 1 expert
-            rows.append(acc)
-        return torch.cat(rows).to(x.dtype)
+        for t, experts in enumerate(ids.tolist()):
+            xt = x[t : t + 1]
+            for e in experts:
+                if not 0 <= e - first < held:
+                    rows.append(zero)
+                    continue
+                gate, up = self.mm(xt, w13[e - first]).chunk(2, dim=-1)
+                rows.append(self.mm(swiglu(gate, up, self.limit), w2[e - first]))
+        return torch.cat(rows).view(ids.shape[0], ids.shape[1], x.shape[1])
 
-    def _routed_dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, unrouted pairs weighted 0: beyond the routed terms the sum over experts adds
-        only zeros, so this is the routed sum up to rounding (other matmul shapes, another order of terms)."""
-        T, E = x.shape[0], self.n_experts
+    def _slots_dense(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every held expert on every token, then each slot's row picked -> `[T, k, D]` (the work of unrouted
+        pairs is wasted: worth it only where experts are few, see `_DENSE_MAX_WASTE`)."""
+        T, k = ids.shape
         assert self._dense_w13 is not None and self._dense_w2t is not None, "fuse() lays them out"
-        inter = self._dense_w2t.shape[1]
-        h = self.mm(x, self._dense_w13).view(T, E, 2 * inter)
-        act = swiglu(h[..., :inter], h[..., inter:], self.limit)  # [T, E, I]
-        y = torch.bmm(act.transpose(0, 1), self._dense_w2t)  # [E, T, D]
-        dense_w = torch.zeros(T, E, dtype=weights.dtype).scatter_add_(1, ids, weights)  # [T, E]
-        return (y * dense_w.t()[:, :, None]).sum(0).to(x.dtype)
+        held, inter = self._dense_w2t.shape[0], self._dense_w2t.shape[1]
+        h = self.mm(x, self._dense_w13).view(T, held, 2 * inter)
+        act = swiglu(h[..., :inter], h[..., inter:], self.limit)  # [T, E_held, I]
+        y = torch.bmm(act.transpose(0, 1), self._dense_w2t)  # [E_held, T, D]
+        first = self.shard.first
+        local = (ids - first).clamp(0, held - 1)  # (rows of others' slots are zeroed below)
+        slots = y[local, torch.arange(T)[:, None]]  # [T, k, D]
+        if self.shard.is_whole:
+            return slots
+        return slots * ((ids >= first) & (ids < first + held))[..., None]  # experts held elsewhere: zero
 
-    def _routed_by_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Many pairs (prefill, large batches): one matmul pair per expert over the tokens routed to it."""
-        out = torch.zeros_like(x)
+    def _slots_by_expert(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Many pairs (prefill, large batches): one matmul pair per held expert over the tokens routed to it ->
+        `[T, k, D]`."""
+        T, k = ids.shape
+        slots = torch.zeros(T * k, x.shape[1], dtype=x.dtype)
         flat_ids = ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)  # group (token, slot) pairs by expert
+        order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.n_experts).tolist()
-        token_of = order // self.top_k
-        weight_of = weights.flatten()[order]
+        first, held = self.shard.first, self.shard.count
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
+            if n == 0 or not 0 <= e - first < held:
+                start += n
                 continue
-            tok = token_of[start : start + n]
-            gate, up = self.mm(x[tok], self.w13[e]).chunk(2, dim=-1)
-            y = self.mm(swiglu(gate, up, self.limit), self.w2[e]) * weight_of[start : start + n, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+            pairs = order[start : start + n]  # token * k + slot
+            gate, up = self.mm(x[pairs // k], self.w13[e - first]).chunk(2, dim=-1)
+            slots.index_copy_(0, pairs, self.mm(swiglu(gate, up, self.limit), self.w2[e - first]).to(x.dtype))
             start += n
-        return out
+        return slots.view(T, k, x.shape[1])

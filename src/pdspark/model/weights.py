@@ -88,8 +88,9 @@ class Piece:
     expert: int | None = None
     half: int | None = None  # 0: first half of the rows, 1: second half
 
-    def view(self, dest: torch.Tensor) -> torch.Tensor:
-        t = dest if self.expert is None else dest[self.expert]
+    def view(self, dest: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+        """Its rows of `dest`; `first_expert`: the expert at index 0 of `dest` (expert parallelism)."""
+        t = dest if self.expert is None else dest[self.expert - first_expert]
         if self.half is None:
             return t
         n = t.shape[0] // 2
@@ -117,13 +118,13 @@ def map_name(name: str) -> Piece | None:
     return None
 
 
-def expected_pieces(params: dict[str, torch.Tensor], n_experts: int) -> set[Piece]:
+def expected_pieces(params: dict[str, torch.Tensor], experts: range) -> set[Piece]:
     pieces = set()
     for name in params:
         if name.endswith("ffn.w13"):
-            pieces |= {Piece(name, e, h) for e in range(n_experts) for h in (0, 1)}
+            pieces |= {Piece(name, e, h) for e in experts for h in (0, 1)}
         elif name.endswith("ffn.w2"):
-            pieces |= {Piece(name, e) for e in range(n_experts)}
+            pieces |= {Piece(name, e) for e in experts}
         elif name.endswith("wkv_gate"):
             pieces |= {Piece(name, None, 0), Piece(name, None, 1)}
         else:
@@ -177,9 +178,16 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
     extra: dict[str, torch.Tensor] = {}
     own: dict[str, torch.Tensor] = {}
     quantized: dict[str, torch.Tensor] = {}
+    shard = model.experts  # with expert parallelism, other ranks' experts are never read
+    if quant is not None and not shard.is_whole:
+        raise CheckpointError("expert parallelism (`ep_size` > 1) with a ModelSlim-quantized checkpoint is not "
+                              "supported yet; allowed: `ep_size` 1 for quantized checkpoints")
     bar = _progress(len(names), progress)
     for f, name in names:
         bar.update(1)
+        if not shard.is_whole and (piece := map_name(name)) is not None and piece.expert is not None \
+                and not shard.holds(piece.expert):
+            continue
         if quant is not None and quant.quantized_linear(name) is not None:
             # A copy: kept as is (not copied into a parameter), a view of the mapped file would keep all of it
             # resident for the life of the model. A quantized draft linear goes aside with the other `mtp.*`.
@@ -193,20 +201,21 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
         else:
             own[name] = handles[f].get_tensor(name)
     bar.close()
-    filled = assign(model, own, map_name)
+    filled = assign(model, own, map_name, shard.first)
     if Piece("head") not in filled and model.cfg.tie_word_embeddings and Piece("embed") in filled:
         with torch.no_grad():
             model.head.copy_(model.embed)
         filled.add(Piece("head"))
     if check:
-        check_complete(model, filled, model.cfg.n_routed_experts)
+        check_complete(model, filled, range(shard.first, shard.first + shard.count))
     check_expert_ids(model, model.cfg.n_routed_experts)
     return LoadReport(extra=extra, num_tensors=len(names), quantized=quantized if quant else None, filled=filled)
 
 
 
-def assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor], mapper) -> set[Piece]:
-    """Copy `tensors` into `module` through `mapper(name) -> Piece | None`; returns the pieces filled."""
+def assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor], mapper, first_expert: int = 0) -> set[Piece]:
+    """Copy `tensors` into `module` through `mapper(name) -> Piece | None`; returns the pieces filled.
+    `first_expert`: the expert at index 0 of the stacked expert parameters (expert parallelism)."""
     params: dict[str, torch.Tensor] = dict(module.named_parameters())
     params.update(dict(module.named_buffers()))
     filled: set[Piece] = set()
@@ -215,14 +224,17 @@ def assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor], mapper) ->
             piece = mapper(name)
             if piece is None or piece.param not in params:
                 raise CheckpointError(f"unexpected tensor {name!r} (not part of this model's config)")
-            _copy(piece.view(params[piece.param]), tensor, name)
+            _copy(piece.view(params[piece.param], first_expert), tensor, name)
             filled.add(piece)
     return filled
 
 
-def check_complete(module: torch.nn.Module, filled: set[Piece], n_experts: int, skip: tuple[str, ...] = ()) -> None:
+def check_complete(module: torch.nn.Module, filled: set[Piece], experts: int | range,
+                   skip: tuple[str, ...] = ()) -> None:
+    """Every piece of `module` was filled; `experts`: the routed experts it holds (a count: all of them)."""
     params = {n: p for n, p in list(module.named_parameters()) + list(module.named_buffers()) if n not in skip}
-    missing = sorted(describe(p) for p in expected_pieces(params, n_experts) - filled)
+    held = range(experts) if isinstance(experts, int) else experts
+    missing = sorted(describe(p) for p in expected_pieces(params, held) - filled)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")

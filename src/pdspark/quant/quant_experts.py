@@ -57,33 +57,29 @@ class QuantExperts(nn.Module):
         a = kernels.quantize_per_token(act(g[:, :inter], g[:, inter:]))
         return kernels.rescale(kernels.int_matmul(a.values, self.w2[e]), a.scale, self.w2_scale[e])
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: Activation) -> torch.Tensor:
-        """`x [T, D]`, each token's experts `ids [T, k]` and routing weights `[T, k]` -> `[T, D]` in x's dtype."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, act: Activation) -> torch.Tensor:
+        """`x [T, D]` and each token's experts `ids [T, k]` -> each (token, slot)'s expert output `[T, k, D]` fp32,
+        unweighted (`MoE.combine` weighs them and sums them in slot order). A row's bits do not depend on the other
+        rows it runs with (per-token quantization, exact integer matmuls, per-row rescales)."""
         rows = kernels.quantize_per_token(x)
-        if x.shape[0] == 1:  # one decode token: its k experts in turn, no grouping
-            # In the grouped path's order (expert id, then slot: a stable sort), summed from zero in fp32 as its
-            # `index_add_` does: fp32 addition is not associative, and a token's bits must not depend on whether it
-            # ran alone or in a batch (slot order here gave other bits than the same token in a batch).
-            acc = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
-            for e, w in sorted(zip(ids[0].tolist(), weights[0].float().tolist()), key=lambda pair: pair[0]):
-                acc += self.expert(e, rows, act) * w
-            return acc.to(x.dtype)
-        k = ids.shape[1]
+        T, k = ids.shape
+        slots = torch.zeros(T * k, x.shape[1], dtype=torch.float32, device=x.device)
+        if T == 1:  # one decode token: its k experts in turn, no grouping
+            for j, e in enumerate(ids[0].tolist()):
+                slots[j] = self.expert(e, rows, act)[0]
+            return slots.view(T, k, -1)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        token_of = order // k
-        weight_of = weights.flatten()[order].float()
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            tok = token_of[start : start + n]
-            y = self.expert(e, kernels.Int8Rows(rows.values[tok], rows.scale[tok]), act)
-            out.index_add_(0, tok, y * weight_of[start : start + n, None])
+            pairs = order[start : start + n]  # token * k + slot
+            tok = pairs // k
+            slots.index_copy_(0, pairs, self.expert(e, kernels.Int8Rows(rows.values[tok], rows.scale[tok]), act))
             start += n
-        return out.to(x.dtype)
+        return slots.view(T, k, -1)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 `(w13 [E, 2I, D], w2 [E, D, I])` the experts stand for."""

@@ -14,6 +14,7 @@ CPU_KERNELS = frozenset({"hc_collapse", "hc_collapse_mixed", "hc_expand", "rms_n
 
 class CpuBackend(HardwareBackend):
     name = "cpu"
+    dist_backend = "gloo"
     has_streams = False
 
     @property

@@ -23,7 +23,7 @@ long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
             n += 2 * r16(t * Hi * Di) + r16(t * Hi) + r16(2L * V) + r16((t * V + 3) / 4);
     }
     n += r16(2 * ((long)H * (W + V) + 16)) + r16(t * (H * HD + wi[I_G] * wi[I_L])) + r16(t * (E + 2 * I));
-    if (T == 1) n += r16(3L * I + 2L * D + K);
+    if (T == 1 && wi[I_E_HELD] == E) n += r16(3L * I + 2L * D + K);
     else n += r16(2 * t * K) + r16(t * K) + r16(moe_rows_scratch_floats(T, K, D, I));
     return n;
 }
@@ -32,8 +32,9 @@ long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
  * collapse (with the sublayer norm), the fused x projection, the queries, the raw latent written to its SWA rows,
  * the compressors and the CSA indexer's pick, the sink attention read from the pools, the output projection, the
  * expand; then the FFN collapse, the MoE and the expand. The same steps, in the same order, as the separate calls
- * (BLAS matmuls become `dot` GEMVs). h and h_out [T, hc, D]. scratch: see `kernels.decode_layer_scratch_floats`. */
-static void decode_layer_run(const long *wp, const int *wi, const float *wf, const long *sp, const int *si,
+ * (BLAS matmuls become `dot` GEMVs). h and h_out [T, hc, D]. scratch: see `kernels.decode_layer_scratch_floats`.
+ * Returns 0, or -1 when the expert exchange (expert parallelism) failed. */
+static int decode_layer_run(const long *wp, const int *wi, const float *wf, const long *sp, const int *si,
                              const long *pp, const float *h, float *h_out, float *scratch, long *ids_buf) {
     const int T = si[SI_T], W = si[SI_W], r = si[SI_R];
     const int kind = wi[I_KIND], hc = wi[I_HC], D = wi[I_D], QL = wi[I_QL], H = wi[I_H], HD = wi[I_HD];
@@ -120,7 +121,9 @@ static void decode_layer_run(const long *wp, const int *wi, const float *wf, con
                 wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_FFN_NORM), wf[F_FFN_NORM_EPS]);
     float *lgu = take(&at, (long)T * (E + 2 * I));
     gemm_exact_w(PTR(wp, W_MOE_IN), 0, bf, x, D, T, E + 2 * I, D, lgu, E + 2 * I);
-    if (T == 1) {
+    const int e0 = wi[I_E0], e_held = wi[I_E_HELD];
+    const expert_exchange ex = (expert_exchange)wp[W_EXCHANGE];
+    if (T == 1 && e_held == E) { /* one process: one token's slots summed as they come */
         float *mscr = take(&at, 3L * I + 2L * D + K);
         moe_decode_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
                      PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], mscr,
@@ -128,26 +131,29 @@ static void decode_layer_run(const long *wp, const int *wi, const float *wf, con
     } else { /* ids: T*K longs (as many floats again), ws: T*K floats, then the grouped scratch */
         long *gids = (long *)take(&at, 2L * T * K);
         float *gws = take(&at, (long)T * K), *gscr = take(&at, moe_rows_scratch_floats(T, K, D, I));
-        moe_decode_rows_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
-                          PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT],
-                          gids, gws, gscr, y);
+        if (moe_decode_rows_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS),
+                              PTR(wp, W_13), PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, e0, e_held, ex, I, K,
+                              wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], gids, gws, gscr, y) != 0)
+            return -1;
     }
     hc_expand(y, hm, post, comb, T, hc, D, h_out);
+    return 0;
 }
 
-/* `decode_layer_run` when its scratch (scratch_n floats) holds what it carves; else -1, nothing done. */
+/* `decode_layer_run` when its scratch (scratch_n floats) holds what it carves; else -1, nothing done; -2 when the
+ * expert exchange failed. */
 int decode_layer(const long *wp, const int *wi, const float *wf, const long *sp, const int *si, const long *pp,
                  const float *h, float *h_out, float *scratch, long scratch_n, long *ids_buf) {
     const int V = si[SI_V_CSA] > si[SI_V_HCA] ? si[SI_V_CSA] : si[SI_V_HCA];
     if (decode_layer_scratch_floats(wi, si[SI_T], V, si[SI_W]) > scratch_n) return -1;
-    decode_layer_run(wp, wi, wf, sp, si, pp, h, h_out, scratch, ids_buf);
-    return 0;
+    return decode_layer_run(wp, wi, wf, sp, si, pp, h, h_out, scratch, ids_buf) == 0 ? 0 : -2;
 }
 
 /* Every layer of a small step after `decode_index`: the token embeddings copied into each of the hc streams of h0
  * [T, hc, D], then layer l reads one buffer and writes the other. tables [n, 4]: each layer's weights, sizes,
  * scalars and pools arrays (`decode_layer`'s first and sixth arguments). Returns the buffer holding the result
- * (0: h0, 1: h1), or -1 (nothing done) when some layer's scratch exceeds scratch_n floats.
+ * (0: h0, 1: h1), or -1 (nothing done) when some layer's scratch exceeds scratch_n floats, or -2 when a layer's
+ * expert exchange failed (the buffers then hold partial results).
  * Drafter features (a DSpark verify step): where capture != NULL and capture[l] = c >= 0, layer l's output streams
  * averaged over hc go to columns [c * D, (c + 1) * D) of features [T, F] (F floats a row), as `DSV4Model.forward`'s
  * `h.mean(dim=1)`: the streams summed in order, then divided by hc (the bits of ATen's CPU mean). */
@@ -168,8 +174,9 @@ int decode_layers(int n, const long *tables, const long *sp, const int *si, cons
     float *bufs[2] = {h0, h1};
     for (int l = 0; l < n; l++) {
         const long *tb = tables + 4L * l;
-        decode_layer_run((const long *)tb[0], (const int *)tb[1], (const float *)tb[2], sp, si, (const long *)tb[3],
-                         bufs[l % 2], bufs[(l + 1) % 2], scratch, ids_buf);
+        if (decode_layer_run((const long *)tb[0], (const int *)tb[1], (const float *)tb[2], sp, si,
+                             (const long *)tb[3], bufs[l % 2], bufs[(l + 1) % 2], scratch, ids_buf) != 0)
+            return -2;
         if (capture == 0 || capture[l] < 0) continue;
         for (int t = 0; t < T; t++) {
             const float *ht = bufs[(l + 1) % 2] + (long)t * hc * D;

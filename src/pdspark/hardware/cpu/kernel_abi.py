@@ -10,9 +10,10 @@ import ctypes
 # The slots of `decode_layer`'s arrays, in the order of the enums in kernels.h.
 DECODE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "ffn_scale", "ffn_base", "ffn_norm",
                   "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "c_ape", "c_norm", "i_wq_b", "i_ape",
-                  "i_norm", "moe_in", "w13", "w2", "w2s", "bias", "tid2eid")
+                  "i_norm", "moe_in", "w13", "w2", "w2s", "bias", "tid2eid", "exchange")
 DECODE_SIZES = ("kind", "hc", "iters", "hidden", "q_lora", "heads", "head_dim", "o_groups", "o_lora", "c_ratio",
-                "c_dim", "i_heads", "i_dim", "i_topk", "experts", "inter", "top_k", "sqrtsoftplus", "bf16")
+                "c_dim", "i_heads", "i_dim", "i_topk", "experts", "inter", "top_k", "sqrtsoftplus", "bf16",
+                "expert0", "experts_held")
 DECODE_SCALARS = ("hc_eps", "hc_norm_eps", "attn_norm_eps", "ffn_norm_eps", "q_eps", "head_eps", "kv_eps", "scale",
                   "c_eps", "i_eps", "i_wscale", "i_scale", "scaling", "limit")
 DECODE_STEP = ("positions", "input_ids", "swa_slots", "win_rows", "win_valid", "csa_rows", "csa_valid", "hca_rows",

@@ -35,11 +35,15 @@ static inline float bf16f(bf16_t h) {
 enum { /* the layer's weights (pointers, fixed once the weights are final) */
     W_ATTN_FN, W_ATTN_SCALE, W_ATTN_BASE, W_ATTN_NORM, W_FFN_FN, W_FFN_SCALE, W_FFN_BASE, W_FFN_NORM,
     W_X, W_Q_NORM, W_Q_B, W_KV_NORM, W_SINK, W_O_A, W_O_B, W_C_APE, W_C_NORM, W_I_Q_B, W_I_APE, W_I_NORM,
-    W_MOE_IN, W_13, W_2, W_2S, W_BIAS, W_TID2EID, W_COUNT
+    W_MOE_IN, W_13, W_2, W_2S, W_BIAS, W_TID2EID,
+    W_EXCHANGE, /* expert parallelism: an `expert_exchange` (NULL in one process) */
+    W_COUNT
 };
 enum { /* the layer's sizes */
     I_KIND, I_HC, I_ITERS, I_D, I_QL, I_H, I_HD, I_G, I_L, I_C_RATIO, I_C_DIM, I_I_HEADS, I_I_DIM, I_I_TOPK,
-    I_E, I_INTER, I_K, I_SQRTSP, I_BF16, I_COUNT /* I_BF16: the projections are bf16 bits (`gemm_exact_h`) */
+    I_E, I_INTER, I_K, I_SQRTSP, I_BF16, /* I_BF16: the projections are bf16 bits (`gemm_exact_h`) */
+    I_E0, I_E_HELD, /* expert parallelism: the experts this rank holds, [I_E0, I_E0 + I_E_HELD) of the I_E */
+    I_COUNT
 };
 enum { /* the layer's scalars */
     F_HC_EPS, F_HC_NORM_EPS, F_ATTN_NORM_EPS, F_FFN_NORM_EPS, F_Q_EPS, F_HEAD_EPS, F_KV_EPS, F_SCALE, F_C_EPS,
@@ -180,18 +184,22 @@ static void moe_decode_w(const float *x, const float *lgu, long lstride, const l
                          const float *bias, const void *w13, const void *w2, const void *w2s, int bf, int T, int D,
                          int E, int I, int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids,
                          float *ws, float *out);
-static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
-                              const long *tid2eid, const float *bias, const void *w13, const void *w2,
-                              const void *w2s, int bf, int T, int D, int E, int I, int k, int sqrtsoftplus,
-                              float scaling, float limit, long *ids, float *ws, float *fs, float *out);
+/* Expert parallelism: sums ys [n floats] (each (token, slot) output row, zeros where another rank holds the slot's
+ * expert) over the ranks of the group, in place; 0 on success, else nonzero (a collective failed or timed out). */
+typedef int (*expert_exchange)(float *ys, long n);
+static int moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
+                             const long *tid2eid, const float *bias, const void *w13, const void *w2,
+                             const void *w2s, int bf, int T, int D, int E, int e0, int e_held, expert_exchange ex,
+                             int I, int k, int sqrtsoftplus, float scaling, float limit, long *ids, float *ws,
+                             float *fs, float *out);
 void moe_decode(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
                 const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E, int I,
                 int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids, float *ws, float *out);
 long moe_rows_scratch_floats(int T, int k, int D, int I);
-void moe_decode_rows(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
-                     const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E,
-                     int I, int k, int sqrtsoftplus, float scaling, float limit, long *ids, float *ws, float *fs,
-                     float *out);
+int moe_decode_rows(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
+                    const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E,
+                    int e0, int e_held, expert_exchange ex, int I, int k, int sqrtsoftplus, float scaling,
+                    float limit, long *ids, float *ws, float *fs, float *out);
 
 /* ---- decode_layer.c: a decode step's decoder layers -------------------------------------------------------------- */
 

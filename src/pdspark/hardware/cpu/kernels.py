@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from pdspark.errors import ExpertExchangeError
 from pdspark.hardware.cpu.kernel_abi import (
     DECODE_LAYOUT,
     DECODE_SIZES,
@@ -89,8 +90,9 @@ def load() -> ctypes.CDLL | None:
     lib.index_scores.restype = None
     lib.moe_decode.argtypes = [f, f, ctypes.c_long, f, f, f, f, f, f, i, i, i, i, i, i, fl, fl, f, f, f, f]
     lib.moe_decode.restype = None
-    lib.moe_decode_rows.argtypes = [f, f, ctypes.c_long, f, f, f, f, f, f, i, i, i, i, i, i, fl, fl, f, f, f, f]
-    lib.moe_decode_rows.restype = None
+    lib.moe_decode_rows.argtypes = [f, f, ctypes.c_long, f, f, f, f, f, f, i, i, i, i, i, f, i, i, i, fl, fl, f, f,
+                                    f, f]
+    lib.moe_decode_rows.restype = ctypes.c_int
     lib.moe_rows_scratch_floats.argtypes = [i, i, i, i]
     lib.moe_rows_scratch_floats.restype = ctypes.c_long
     lib.sink_attend.argtypes = [f, f, ctypes.c_long, f, f, i, f, ctypes.c_long, f, f, i, f, fl, i, i, i, f, f]
@@ -266,18 +268,20 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
 def moe_decode(
     x: torch.Tensor, lgu: torch.Tensor, input_ids: torch.Tensor, tid2eid: torch.Tensor | None,
     bias: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, w2s: torch.Tensor, top_k: int,
-    sqrtsoftplus: bool, scaling: float, limit: float,
+    sqrtsoftplus: bool, scaling: float, limit: float, held: tuple[int, int] | None = None, exchange: int = 0,
 ) -> torch.Tensor | None:
     """A few tokens' whole MoE after the fused router + shared gate/up matmul `lgu [T, E + 2I]` (a row-contiguous
     matrix, possibly a column slice): routing, the routed experts `w13 [E, 2I, D]`, `w2 [E, D, I]` and the shared
-    expert's down projection `w2s [D, I]`, in one call -> `[T, D]`. None when the C path does not apply."""
+    expert's down projection `w2s [D, I]`, in one call -> `[T, D]`. None when the C path does not apply.
+    Expert parallelism (`held`, `exchange`): as `moe_decode_rows`, which then runs (the same bits)."""
     if not _row_major(lgu):
         return None
     lib = _usable(x, w13, w2, w2s) if bias is None else _usable(x, w13, w2, w2s, bias)
     if lib is None or input_ids.dtype is not torch.int64 or not input_ids.is_contiguous():
         return None
     T, D = x.shape
-    E, I2, _ = w13.shape
+    _, I2, _ = w13.shape
+    E = lgu.shape[1] - I2 if held is not None else w13.shape[0]
     I = I2 // 2
     _check_index("moe_decode", "input_ids", input_ids, (torch.int64,), (T,))
     if tid2eid is not None:
@@ -286,6 +290,11 @@ def moe_decode(
             raise KernelArgumentError("moe_decode: `input_ids` past the rows of a contiguous `tid2eid`")
     if lgu.shape[1] < E + I2 or (bias is not None and bias.numel() != E) or not 1 <= top_k <= E:
         raise KernelArgumentError(f"moe_decode: router logits [T, {E} + {I2}], bias [{E}], 1 <= top_k <= {E}")
+    if held is not None:
+        if not (held[0] >= 0 and held[1] == w13.shape[0] and held[0] + held[1] <= E):
+            raise KernelArgumentError(f"moe_decode: held experts {held} of {E}; `w13` holds {w13.shape[0]}")
+        return moe_decode_rows(x, lgu, input_ids, tid2eid, bias, w13, w2, w2s, top_k, sqrtsoftplus, scaling, limit,
+                               held, exchange)
     ids = torch.empty(top_k, dtype=torch.int64)  # the current token's experts
     out = torch.empty(T, D)
     scratch = torch.empty(3 * I + 2 * D + top_k)  # gate|up, act, acc, y, then the token's routing weights
@@ -301,25 +310,33 @@ def moe_decode(
 def moe_decode_rows(
     x: torch.Tensor, lgu: torch.Tensor, input_ids: torch.Tensor, tid2eid: torch.Tensor | None,
     bias: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, w2s: torch.Tensor, top_k: int,
-    sqrtsoftplus: bool, scaling: float, limit: float,
+    sqrtsoftplus: bool, scaling: float, limit: float, held: tuple[int, int] | None = None, exchange: int = 0,
 ) -> torch.Tensor:
     """`moe_decode` (same arguments, same bits) with each routed expert read once for all the rows that picked it:
-    the form `decode_layer` runs for a verify step's rows. The caller checked the tensors as `moe_decode` does."""
+    the form `decode_layer` runs for a verify step's rows. The caller checked the tensors as `moe_decode` does.
+
+    Expert parallelism: `held = (e0, n)`, this rank's experts `[e0, e0 + n)` of the `n_experts` the router scores
+    (`lgu [T, n_experts + 2I]`; `w13`, `w2` hold those n only), and `exchange` the address of an `expert_exchange`
+    C function (`pdspark.parallel.slot_exchange`) that sums the (token, slot) outputs over the group; raises
+    `ExpertExchangeError` when it reports a failure."""
     lib = load()
     assert lib is not None
     T, D = x.shape
-    E, I2, _ = w13.shape
+    n_held, I2, _ = w13.shape
+    e0, n_held = held if held is not None else (0, n_held)
+    E = lgu.shape[1] - I2 if held is not None else n_held
     I = I2 // 2
     ids = torch.empty(T * top_k, dtype=torch.int64)
     ws = torch.empty(T * top_k)
     fs = torch.empty(lib.moe_rows_scratch_floats(T, top_k, D, I))  # (an expert may gather T * top_k rows)
     out = torch.empty(T, D)
-    lib.moe_decode_rows(
+    if lib.moe_decode_rows(
         x.data_ptr(), lgu.data_ptr(), lgu.stride(0), input_ids.data_ptr(),
         None if tid2eid is None else tid2eid.data_ptr(), None if bias is None else bias.data_ptr(),
-        w13.data_ptr(), w2.data_ptr(), w2s.data_ptr(), T, D, E, I, top_k, int(sqrtsoftplus), scaling, limit,
-        ids.data_ptr(), ws.data_ptr(), fs.data_ptr(), out.data_ptr(),
-    )
+        w13.data_ptr(), w2.data_ptr(), w2s.data_ptr(), T, D, E, e0, n_held, exchange or None, I, top_k,
+        int(sqrtsoftplus), scaling, limit, ids.data_ptr(), ws.data_ptr(), fs.data_ptr(), out.data_ptr(),
+    ) != 0:
+        raise ExpertExchangeError("moe_decode_rows: the expert exchange failed")
     return out
 
 
@@ -495,9 +512,12 @@ def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
     lib = load()
     assert lib is not None
     out = torch.empty_like(h)
-    if lib.decode_layer(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), step.data_ptr(),
-                        step_sizes.data_ptr(), pools.data_ptr(), h.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                        scratch.numel(), ids.data_ptr()) < 0:
+    rc = lib.decode_layer(weights.data_ptr(), sizes.data_ptr(), scalars.data_ptr(), step.data_ptr(),
+                          step_sizes.data_ptr(), pools.data_ptr(), h.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                          scratch.numel(), ids.data_ptr())
+    if rc == -2:
+        raise ExpertExchangeError("decode_layer: the expert exchange failed")
+    if rc < 0:
         raise KernelArgumentError(f"decode_layer: the layer needs more than the {scratch.numel()} scratch floats")
     return out
 
@@ -661,6 +681,8 @@ def decode_layers(tables: torch.Tensor, step: torch.Tensor, step_sizes: torch.Te
                           embed.data_ptr(), hc, D, h[0].data_ptr(), h[1].data_ptr(), scratch.data_ptr(),
                           scratch.numel(), ids.data_ptr(), None if cols is None else cols.data_ptr(),
                           None if feats is None else feats.data_ptr(), 0 if feats is None else feats.shape[1])
+    if k == -2:
+        raise ExpertExchangeError("decode_layers: a layer's expert exchange failed")
     if k < 0:
         raise KernelArgumentError(f"decode_layers: a layer needs more than the {scratch.numel()} scratch floats")
     return int(k)

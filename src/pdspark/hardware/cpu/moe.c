@@ -87,8 +87,8 @@ void moe_decode(const float *x, const float *lgu, long lstride, const long *inpu
 #define MOE_RANGE_FLOATS(T, k, D, I) ((long)(T) * (k) * (2L * (D) + 3L * (I) + 1))
 typedef struct {
     const float *x;
-    const void *w13, *w2;
-    int bf, T, D, I, k, e0, e1;
+    const void *w13, *w2; /* the held experts' weights: expert e at index e - held0 */
+    int bf, T, D, I, k, e0, e1, held0;
     float limit;
     const long *ids;
     float *ys; /* [T, k, D]: token t's slot j output */
@@ -111,11 +111,11 @@ static void moe_experts(void *arg) {
                     n++;
                 }
         if (n == 0) continue;
-        gemm_exact_w(m->w13, (long)e * 2 * I * D, m->bf, xg, D, n, 2 * I, D, hg, 2 * I);
+        gemm_exact_w(m->w13, (long)(e - m->held0) * 2 * I * D, m->bf, xg, D, n, 2 * I, D, hg, 2 * I);
         for (int r = 0; r < n; r++)
             for (int i = 0; i < I; i++)
                 ag[(long)r * I + i] = swiglu1(hg[(long)r * 2 * I + i], hg[(long)r * 2 * I + I + i], m->limit);
-        gemm_exact_w(m->w2, (long)e * D * I, m->bf, ag, I, n, D, I, yg, D);
+        gemm_exact_w(m->w2, (long)(e - m->held0) * D * I, m->bf, ag, I, n, D, I, yg, D);
         for (int r = 0; r < n; r++)
             for (int d = 0; d < D; d++) m->ys[(long)rows[r] * D + d] = yg[(long)r * D + d];
     }
@@ -126,24 +126,34 @@ static void moe_experts(void *arg) {
  * gathered and run through `gemm_exact`, the outputs kept per (token, slot) and summed per token in slot order,
  * then the shared term, so every output has `moe_decode`'s bits. With the helper thread (`pool_threads(2)`) the
  * experts are split in two ranges of about as many rows, one per thread (each expert's arithmetic unchanged).
+ * Expert parallelism: this rank holds experts [e0, e0 + e_held) of the E (w13, w2 hold those only); the slots of
+ * the others stay zero and `ex` sums the (token, slot) rows over the ranks before the slot-order sum, so every
+ * output has the bits of one process holding all E (each row is computed by exactly one rank; x + 0 is x).
+ * Returns 0, or -1 when `ex` failed (out not written).
  * Scratch: T*k longs ids, T*k floats ws, 2 * MOE_RANGE_FLOATS(T, k, D, I) + T*k*D floats fs
  * (`moe_rows_scratch_floats`). */
-static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
-                              const long *tid2eid, const float *bias, const void *w13, const void *w2,
-                              const void *w2s, int bf, int T, int D, int E, int I, int k, int sqrtsoftplus,
-                              float scaling, float limit, long *ids, float *ws, float *fs, float *out) {
+static int moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
+                             const long *tid2eid, const float *bias, const void *w13, const void *w2,
+                             const void *w2s, int bf, int T, int D, int E, int e0, int e_held, expert_exchange ex,
+                             int I, int k, int sqrtsoftplus, float scaling, float limit, long *ids, float *ws,
+                             float *fs, float *out) {
     const long range_scr = MOE_RANGE_FLOATS(T, k, D, I);
+    const int e1 = e0 + e_held;
     float *ys = fs + 2 * range_scr; /* [T, k, D] */
     for (int t = 0; t < T; t++) { /* routing, as `moe_decode` */
         route_token(lgu + (long)t * lstride, tid2eid != 0 ? tid2eid + input_ids[t] * k : 0, bias, E, k, sqrtsoftplus,
                     scaling, ids + (long)t * k, ws + (long)t * k);
     }
-    moe_range mine = {x, w13, w2, bf, T, D, I, k, 0, E, limit, ids, ys, fs};
-    /* The split: the first expert at which half of the T*k picks are behind. */
-    int split = 0;
-    for (long behind = 0; split < E && 2 * behind < (long)T * k; split++)
+    long held = 0; /* the picks of held experts */
+    for (long p = 0; p < (long)T * k; p++) held += ids[p] >= e0 && ids[p] < e1;
+    if (held < (long)T * k)
+        for (long p = 0; p < (long)T * k * D; p++) ys[p] = 0.0f;
+    moe_range mine = {x, w13, w2, bf, T, D, I, k, e0, e1, e0, limit, ids, ys, fs};
+    /* The split: the first expert at which half of the held picks are behind. */
+    int split = e0;
+    for (long behind = 0; split < e1 && 2 * behind < held; split++)
         for (long p = 0; p < (long)T * k; p++) behind += ids[p] == split;
-    if (pool.threads >= 2 && split > 0 && split < E && (long)T * k * 3 * I * D >= POOL_MIN_MACS && pool_take()) {
+    if (pool.threads >= 2 && split > e0 && split < e1 && held * 3 * I * D >= POOL_MIN_MACS && pool_take()) {
         moe_range theirs = mine;
         mine.e1 = theirs.e0 = split;
         theirs.scr = fs + range_scr;
@@ -151,6 +161,7 @@ static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, co
     } else {
         moe_experts(&mine);
     }
+    if (ex != 0 && ex(ys, (long)T * k * D) != 0) return -1;
     for (int t = 0; t < T; t++) { /* routed terms in slot order, as `moe_decode`'s acc */
         float *ot = out + (long)t * D;
         for (int j = 0; j < k; j++) {
@@ -165,6 +176,7 @@ static void moe_decode_rows_w(const float *x, const float *lgu, long lstride, co
     gemm_exact_w(w2s, 0, bf, ag, I, T, D, I, yg, D);
     for (int t = 0; t < T; t++)
         for (int d = 0; d < D; d++) out[(long)t * D + d] = out[(long)t * D + d] + yg[(long)t * D + d];
+    return 0;
 }
 
 /* The floats `moe_decode_rows` needs in fs (its Python wrapper sizes fs with this). */
@@ -172,10 +184,12 @@ long moe_rows_scratch_floats(int T, int k, int D, int I) {
     return 2 * MOE_RANGE_FLOATS(T, k, D, I) + (long)T * k * D;
 }
 
-void moe_decode_rows(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
-                     const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E,
-                     int I, int k, int sqrtsoftplus, float scaling, float limit, long *ids, float *ws, float *fs,
-                     float *out) {
-    moe_decode_rows_w(x, lgu, lstride, input_ids, tid2eid, bias, w13, w2, w2s, 0, T, D, E, I, k, sqrtsoftplus,
-                      scaling, limit, ids, ws, fs, out);
+/* Returns 0, or -1 when `ex` failed (expert parallelism: see `moe_decode_rows_w`; one process: e0 0, e_held E,
+ * ex NULL). */
+int moe_decode_rows(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
+                    const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E,
+                    int e0, int e_held, expert_exchange ex, int I, int k, int sqrtsoftplus, float scaling,
+                    float limit, long *ids, float *ws, float *fs, float *out) {
+    return moe_decode_rows_w(x, lgu, lstride, input_ids, tid2eid, bias, w13, w2, w2s, 0, T, D, E, e0, e_held, ex, I,
+                             k, sqrtsoftplus, scaling, limit, ids, ws, fs, out);
 }

@@ -12,6 +12,7 @@ from pdspark.hardware.backend import DeviceModuleBackend, DeviceUnavailableError
 
 class CudaBackend(DeviceModuleBackend):
     name = "cuda"
+    dist_backend = "nccl"
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():

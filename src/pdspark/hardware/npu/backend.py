@@ -24,6 +24,7 @@ NPU_REQUIRED_OPS: dict[str, tuple[str, ...]] = {
 
 class NpuBackend(DeviceModuleBackend):
     name = "npu"
+    dist_backend = "hccl"
 
     def __init__(self) -> None:
         module, missing = import_torch_npu()

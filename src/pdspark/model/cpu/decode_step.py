@@ -25,6 +25,7 @@ from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.model_config import CSA, HCA, ModelConfig
 from pdspark.model.moe import MoE
 from pdspark.model.rope import RotaryTable
+from pdspark.parallel.slot_exchange import SlotExchange, exchange_errors
 
 # Decode/verify steps up to this many tokens run through the C layer. Its GEMVs read the weights once per token,
 # which stays cheaper than the module path's per-op cost up to here (dsv4-tiny and the bench's big config, batch 8:
@@ -110,8 +111,10 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
         if not (tid2eid.dtype is torch.int64 and tid2eid.is_contiguous() and tid2eid.is_cpu):
             return f"tid2eid is {tid2eid.dtype} on {tid2eid.device}, not contiguous int64 on the CPU"
         checked["tid2eid"] = tid2eid
-    weights = [0 if checked.get(n) is None else checked[n].data_ptr()  # type: ignore[union-attr]
-               for n in kernel_abi.DECODE_WEIGHTS]
+    pointers = {n: v.data_ptr() for n, v in checked.items() if v is not None}
+    # Expert parallelism: the C function that sums the (token, slot) outputs over the group (0: one process).
+    pointers["exchange"] = 0 if moe.exchange is None else moe.exchange.c_pointer
+    weights = [pointers.get(n, 0) for n in kernel_abi.DECODE_WEIGHTS]
     kind = {CSA: kernel_abi.DECODE_CSA, HCA: kernel_abi.DECODE_HCA}.get(attn.layer_type, kernel_abi.DECODE_SLIDING)
     comp = attn.compressor
     idx = attn.indexer
@@ -123,6 +126,7 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
         "i_heads": 0 if idx is None else idx.n_heads, "i_dim": 0 if idx is None else idx.dim,
         "i_topk": 0 if idx is None else idx.topk, "experts": moe.n_experts, "inter": moe.w2.shape[2],
         "top_k": moe.top_k, "sqrtsoftplus": int(moe.scoring_func == "sqrtsoftplus"), "bf16": int(bf16),
+        "expert0": moe.shard.first, "experts_held": moe.shard.count,
     }
     scalars = {
         "hc_eps": layer.attn_hc.hc_eps, "hc_norm_eps": layer.attn_hc.norm_eps, "attn_norm_eps": layer.attn_norm.eps,
@@ -152,9 +156,10 @@ def _plan_pointers(plan: CompressPlan | None) -> list[int]:
 class DecodeStep:
     """Every layer's table, and the step paths that use them (`try_run`, `try_run_indexed`)."""
 
-    def __init__(self, tables: list[LayerTable], cfg: ModelConfig):
+    def __init__(self, tables: list[LayerTable], cfg: ModelConfig, exchange: SlotExchange | None = None):
         self.tables = tables
         self.cfg = cfg
+        self.exchange = exchange  # expert parallelism: the layers' exchange (it holds a failure's cause)
         self.scratch = torch.empty(0)
         self.ids = torch.empty(max(cfg.num_experts_per_tok, 1), dtype=torch.int64)
         self._pools: tuple[list[int], list[torch.Tensor]] | None = None  # (layer 0's pointers, every layer's table)
@@ -175,7 +180,8 @@ class DecodeStep:
             if isinstance(table, str):
                 return f"layer {i}: {table}"
             tables.append(table)
-        return cls(tables, cfg)
+        moes = [layer.ffn for layer in layers if isinstance(layer.ffn, MoE)]
+        return cls(tables, cfg, moes[0].exchange if moes else None)
 
     @staticmethod
     def _applies(batch: ForwardBatch) -> bool:
@@ -268,8 +274,9 @@ class DecodeStep:
                   ) -> torch.Tensor:
         """Layer `i` on the streams `h [T, hc, D]` (`pools`: its entry of `pool_tables`)."""
         t = self.tables[i]
-        return cpu_kernels.decode_layer(t.weights, t.sizes, t.scalars, step[0], step[1], pools, h, self.scratch,
-                                        self.ids)
+        with exchange_errors(self.exchange):
+            return cpu_kernels.decode_layer(t.weights, t.sizes, t.scalars, step[0], step[1], pools, h, self.scratch,
+                                            self.ids)
 
     # ---- the indexed path: the step's indices built in C from the page tables, every layer in one more call ----
     def try_run_indexed(self, req: list[int], cache_layout: tuple[int, ...], pools: LayerCaches,
@@ -298,7 +305,8 @@ class DecodeStep:
         cap = self._capture_buffers(capture)
         T = cpu_kernels.decode_index(torch.tensor(req, dtype=torch.int64), st.layout, st.step, st.step_sizes,
                                      MAX_TOKENS)
-        k = cpu_kernels.decode_layers(st.layers, st.step, st.step_sizes, embed, st.h, st.scratch, self.ids, cap)
+        with exchange_errors(self.exchange):
+            k = cpu_kernels.decode_layers(st.layers, st.step, st.step_sizes, embed, st.h, st.scratch, self.ids, cap)
         return IndexedOutput(st.h[k][:T], None if cap is None else cap[1][:T], st.positions[:T], st.swa_slots[:T])
 
     def _capture_buffers(self, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -1,0 +1,89 @@
+"""`start_engine_group`: an expert-parallel group of `ep_size` rank processes on this machine, driven from the
+calling process as rank 0 (the offline API: `LLM(model, ep_size=N)`, `pdspark generate --ep-size N`).
+
+The other ranks are spawned children (a fresh interpreter each: torch and a forked parent's threads do not mix);
+each joins the torch.distributed group, loads its share of the routed experts and follows rank 0's calls
+(`lockstep.follow`). They end when rank 0 closes the group, or exits (their pipe closes), or a collective fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import secrets
+import shutil
+import tempfile
+import weakref
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+
+from pdspark.config import EngineConfig
+from pdspark.engine.factory import create_engine
+from pdspark.engine.lockstep import STOP, LockstepEngine, follow
+from pdspark.hardware.registry import select_backend
+from pdspark.options import build
+from pdspark.parallel.rank_group import RankGroup
+
+# A follower that was told to stop leaves at once; this bounds the wait for one that does not (then it is killed).
+_JOIN_S = 10.0
+
+
+def start_engine_group(model: str, progress: bool, config: EngineConfig | None,
+                       options: dict[str, Any]) -> LockstepEngine:
+    cfg = build(EngineConfig, options, base=config)
+    if cfg.seed is None:  # one seed for every rank: requests without a seed must draw the same streams everywhere
+        cfg = build(EngineConfig, {"seed": secrets.randbits(63)}, base=cfg)
+    size, par = cfg.parallel.ep_size, cfg.parallel
+    backend = select_backend(cfg.device).dist_backend
+    rendezvous = tempfile.mkdtemp(prefix="pdspark-group-")
+    init = f"tcp://{par.dist_init_addr}" if par.dist_init_addr else f"file://{rendezvous}/store"
+    ctx = mp.get_context("spawn")
+    conns: list[Connection] = []
+    procs: list[BaseProcess] = []
+    group: RankGroup | None = None
+    try:
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_follower_main, name=f"pdspark-rank{rank}", daemon=True,
+                               args=(rank, size, init, backend, model, cfg, torch.get_num_threads(), theirs))
+            proc.start()
+            theirs.close()
+            conns.append(ours)
+            procs.append(proc)
+        group = RankGroup.join(0, size, init, par.dist_timeout_s, backend)
+        engine = create_engine(model, progress, cfg, group=group)
+    except BaseException:
+        _end_group(conns, procs, group, rendezvous)
+        raise
+    lockstep = LockstepEngine(engine, conns, procs)
+    # Run by `close`, or when the engine is collected, or at exit: a dropped LLM does not leave ranks behind.
+    lockstep._close = weakref.finalize(lockstep, _end_group, conns, procs, group, rendezvous)
+    return lockstep
+
+
+def _end_group(conns: list[Connection], procs: list[BaseProcess], group: RankGroup | None, rendezvous: str) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):  # (that rank is gone already)
+            conn.send((STOP, ()))
+        conn.close()
+    for proc in procs:
+        proc.join(_JOIN_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(_JOIN_S)
+    if group is not None:
+        group.close()
+    shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def _follower_main(rank: int, size: int, init: str, backend: str, model: str, cfg: EngineConfig, threads: int,
+                   conn: Connection) -> None:
+    torch.set_num_threads(threads)  # as rank 0: the group's ranks share the machine's cores
+    group = RankGroup.join(rank, size, init, cfg.parallel.dist_timeout_s, backend)
+    try:
+        follow(create_engine(model, False, cfg, group=group), conn)
+    finally:
+        group.close()

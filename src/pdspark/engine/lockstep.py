@@ -1,0 +1,129 @@
+"""`LockstepEngine`: rank 0 of a replicated worker group, driving the other ranks' engines in lockstep.
+
+Every rank holds a whole `Engine` (attention is not sharded: DSV4's KV is one shared latent) and its share of the
+routed experts. An engine is a deterministic function of the calls made on it, so rank 0 sends each call that
+changes state (a request added, aborted or released, a step, a cache flush) to the other ranks before making it
+itself, and every rank then schedules the same batches, allocates the same pages and runs the same forward passes;
+inside them the MoE layers exchange their experts' slots (`pdspark.parallel.slot_exchange`). Logits are the same
+bits on every rank, so the ranks sample the same tokens and nothing flows back.
+
+The calls travel over a local pipe per rank, not a collective: an idle group waits without any deadline, and a
+group whose rank 0 is gone ends at once (the pipe closes). What must not differ between ranks is chosen on rank 0
+and sent: the engine seed (for requests without a seed); step-time policies (`speculative_policy='when-faster'`)
+are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
+
+from pdspark.engine.engine import Engine
+from pdspark.errors import WorkerGroupError
+from pdspark.types import RequestOutput, SamplingParams
+
+# The calls a follower may be asked to make, by name: the engine's state-changing API.
+_CALLS = frozenset({"add_request", "abort", "release", "release_held", "flush_cache", "step"})
+STOP = "stop"  # the message that ends a follower's loop
+_T = TypeVar("_T")
+
+
+class LockstepEngine:
+    """Rank 0's engine: the `Engine` API (reads go to the local engine; state changes to every rank). Once a call
+    fails (a rank died, a collective failed or timed out) the group is over: every later call that would need the
+    other ranks raises `WorkerGroupError`; aborts and releases still tidy rank 0's own engine."""
+
+    def __init__(self, engine: Engine, followers: list[Connection], ranks: list[BaseProcess] | None = None,
+                 close: Callable[[], None] = lambda: None):
+        self.engine = engine
+        self._followers = followers
+        self._ranks = ranks or []  # the other ranks' processes (rank r at index r - 1), for error messages
+        self._close = close  # ends the group once the followers are told to stop (joins them, leaves the group)
+        self.failure: WorkerGroupError | None = None
+
+    @property
+    def rank_pids(self) -> list[int | None]:
+        """The process ids of ranks 1.. (rank 0 is this process)."""
+        return [p.pid for p in self._ranks]
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the group (idempotent). A failed group's ranks are killed: a hung one
+        would not hear the stop."""
+        self._followers = []
+        if self.failure is not None:
+            for p in self._ranks:
+                if p.exitcode is None:
+                    p.kill()
+        self._close()
+
+    def __getattr__(self, name: str) -> Any:  # reads: config, tokenizer, requests, output, validate, ...
+        return getattr(self.engine, name)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None, hold_pages: bool = False) -> str:
+        self._check()
+        # Locally first: a refused request (bad input, a duplicate id) never reaches the other ranks.
+        req_id = self.engine.add_request(prompt_token_ids, params, request_id, prompt, hold_pages)
+        self._together(lambda: None, "add_request", prompt_token_ids, params, req_id, prompt, hold_pages)
+        return req_id
+
+    def abort(self, request_id: str) -> bool:
+        if self.failure is None:
+            self._together(lambda: None, "abort", request_id)
+        return self.engine.abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        if self.failure is None:
+            self._together(lambda: None, "release", request_id)
+        self.engine.release(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        self._check()
+        self._together(lambda: self.engine.release_held(request_id), "release_held", request_id)
+
+    def flush_cache(self) -> None:
+        self._check()
+        self._together(self.engine.flush_cache, "flush_cache")
+
+    def step(self) -> list[RequestOutput]:
+        self._check()
+        return self._together(self.engine.step, "step")
+
+    def _together(self, local: Callable[[], _T], name: str, *args: Any) -> _T:
+        """Send the call to every other rank, then make it here; any failure ends the group."""
+        try:
+            for conn in self._followers:
+                conn.send((name, args))
+            return local()
+        except Exception as e:
+            # Whatever failed, the ranks may now hold different states: the group cannot go on.
+            states = ", ".join(f"rank {r}: " + ("running" if p.exitcode is None else f"exited ({p.exitcode})")
+                               for r, p in enumerate(self._ranks, start=1))
+            cause = f" (from {type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
+            self.failure = WorkerGroupError(f"the worker group failed in `{name}` ({states or 'rank 0 only'}): "
+                                            f"{type(e).__name__}: {e}{cause}")
+            raise self.failure from e
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise WorkerGroupError(f"this worker group has failed ({self.failure}); start a new one")
+
+
+def follow(engine: Engine, conn: Connection) -> None:
+    """A follower rank's loop: make rank 0's calls on this rank's engine until told to stop or rank 0 is gone."""
+    while True:
+        try:
+            name, args = conn.recv()
+        except EOFError:
+            return  # rank 0 exited: the group is over
+        if name == STOP:
+            return
+        if name not in _CALLS:
+            raise ValueError(f"a follower rank was asked to call {name!r}; allowed: {sorted(_CALLS)}")
+        getattr(engine, name)(*args)
