@@ -167,3 +167,72 @@ def silent_peer_rank(rank: int, size: int, init_method: str, timeout_s: float) -
         return time.monotonic() - start
     # (A group whose collective failed cannot be torn down cleanly; the process exits without closing it.)
     raise AssertionError(f"rank {rank}'s collective returned without its peer")
+
+
+def write_wide_checkpoint(path, n_experts: int, inter: int) -> int:
+    """dsv4-tiny's architecture with `n_experts` routed experts of `inter` rows: every tensor written (experts a
+    constant, the rest zeros), one expert at a time, so that writing it never holds the model. Returns the routed
+    experts' fp32 bytes."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from pdspark.assets import resolve_model
+    from pdspark.model.dsv4 import DSV4Model
+    from pdspark.model.model_config import ModelConfig
+    from pdspark.model.weights import describe, expected_pieces
+    from pdspark.parallel.expert_shard import ExpertShard
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(resolve_model("dsv4-tiny")) / "config.json").read_text())
+    config.pop("dspark", None)
+    config.update(n_routed_experts=n_experts, moe_intermediate_size=inter)
+    (path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_dir(path)
+    one = DSV4Model(cfg, 64, ExpertShard(0, n_experts, n_experts))  # (holds one expert: the shapes)
+    params = dict(one.named_parameters()) | dict(one.named_buffers())
+    tensors, expert_bytes = {}, 0
+    for piece in sorted(expected_pieces(params, range(n_experts)), key=describe):
+        if piece.expert is None:
+            tensors[describe(piece)] = piece.view(params[piece.param]).detach().clone()
+        else:
+            t = torch.full(piece.view(params[piece.param], piece.expert).shape, 0.01)
+            tensors[describe(piece)] = t
+            expert_bytes += t.numel() * t.element_size()
+    save_file(tensors, str(path / "model.safetensors"))
+    return expert_bytes
+
+
+def memory_rank(rank: int, size: int, init_method: str, model: str, one_of: int = 0) -> dict:
+    """Resident memory before and after this rank builds its engine, with its parameter bytes. `one_of`: instead,
+    a process holding one expert of `one_of` (the non-expert baseline; it runs no step, so it joins no group)."""
+    from pdspark.engine.factory import create_engine
+
+    if one_of:
+        size, group = one_of, RankGroup(rank=0, size=one_of, backend="gloo", timeout_s=1.0)
+    else:
+        group = RankGroup.join(rank, size, init_method, timeout_s=120)
+    try:
+        before = _rss_bytes()
+        engine = create_engine(model, page_size=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64,
+                               enable_prefix_cache=False, ep_size=size, group=group)
+        after = _rss_bytes()
+        named = list(engine.runner.model.named_parameters())
+        expert = sum(p.numel() * p.element_size() for n, p in named if n.endswith(("ffn.w13", "ffn.w2")))
+        other = sum(p.numel() * p.element_size() for _, p in named) - expert
+        pools = sum(t.numel() * t.element_size() for t in vars(engine.kv.pools).values()
+                    if isinstance(t, torch.Tensor))
+        return {"before": before, "after": after, "expert": expert, "other": other, "pools": pools}
+    finally:
+        group.close()
+
+
+def _rss_bytes() -> int:
+    from pathlib import Path
+
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")

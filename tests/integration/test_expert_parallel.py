@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from conftest import random_prompts
-from ep_ranks import generate_job, logits_rank, probe_rank, silent_peer_rank, spawn_ranks
+from ep_ranks import (
+    generate_job,
+    logits_rank,
+    memory_rank,
+    probe_rank,
+    silent_peer_rank,
+    spawn_ranks,
+    write_wide_checkpoint,
+)
 from helpers import prompt_logits
 from hf_reference import TinySpec
 from pdspark import LLM, SamplingParams
@@ -88,6 +96,20 @@ def test_a_rank_reads_and_holds_only_its_experts(tmp_path, checkpoints):
     for r, m in enumerate(halves):  # rank r's expert j is the checkpoint's expert 16 r + j
         assert torch.equal(m.layers[1].ffn.w13, whole.layers[1].ffn.w13[16 * r : 16 * (r + 1)])
         assert torch.equal(m.layers[2].ffn.w2, whole.layers[2].ffn.w2[16 * r : 16 * (r + 1)])
+
+
+def test_each_rank_holds_half_of_the_experts_in_memory(tmp_path):
+    """1.58 GB of fp32 experts (64 of 1,792 x 192, six layers): each rank's parameters are exactly half of the
+    experts plus everything else, and its resident memory grows by no more than a process holding one expert
+    (the non-expert part: other parameters, pools, tables, kernels) plus 0.55 x the experts' bytes. The rank
+    never reads the other half (it would be resident while loading, or after)."""
+    total = write_wide_checkpoint(tmp_path / "wide", 64, 1792)
+    assert total >= 1.5e9
+    (base,) = spawn_ranks(1, "", memory_rank, str(tmp_path / "wide"), 64)
+    non_expert = base["after"] - base["before"] - base["expert"]
+    for got in spawn_ranks(2, f"file://{tmp_path}/group", memory_rank, str(tmp_path / "wide")):
+        assert got["expert"] == total // 2 and got["other"] == base["other"], (got, base)
+        assert got["after"] - got["before"] <= non_expert + 0.55 * total, (got, base, total)
 
 
 @pytest.mark.parametrize("spec", ["dsv4-tiny", "wider"])
