@@ -211,7 +211,7 @@ def memory_rank(rank: int, size: int, init_method: str, model: str, one_of: int 
     from pdspark.engine.factory import create_engine
 
     if one_of:
-        size, group = one_of, RankGroup(rank=0, size=one_of, backend="gloo", timeout_s=1.0)
+        size, group = one_of, _Unjoined(rank=0, size=one_of, backend="gloo", timeout_s=1.0)
     else:
         group = RankGroup.join(rank, size, init_method, timeout_s=120)
     try:
@@ -236,3 +236,14 @@ def _rss_bytes() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS in /proc/self/status")
+
+
+class _Unjoined(RankGroup):
+    """A group of one process standing for rank 0 of `size` (memory baselines: it runs no step, so no collective);
+    its start-up exchange returns this rank's value for every rank."""
+
+    def all_gather(self, value: object) -> list:
+        return [value] * self.size
+
+    def close(self) -> None:
+        pass

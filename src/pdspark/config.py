@@ -102,7 +102,8 @@ class ParallelConfig:
 
     ep_size: int = option(
         1, "rank processes of an expert-parallel group: rank r holds routed experts [r*E/N, (r+1)*E/N), every rank "
-        "runs the same batch in lockstep (offline LLM and `pdspark generate` so far; workers run 1)", minimum=1)
+        "runs the same batch in lockstep (offline LLM, `pdspark generate` and prefill workers so far; decode "
+        "workers run 1)", minimum=1)
     # torch's default is 30 minutes: a hung rank would hang the whole group that long.
     dist_timeout_s: float = option(30.0, "seconds any collective of a worker group may wait before the group fails",
                                    minimum=0.1)
@@ -458,6 +459,11 @@ class UpConfig:
                                                     "worker actor takes (e.g. CPU=1,GPU=1)")
     ray_decode_resources: tuple[str, ...] = option(("CPU=0.25",), "with --backend ray: Ray resources each decode "
                                                    "worker actor takes (e.g. CPU=1,GPU=1)")
+    # Worker groups per role (`--ep-size` sets both).
+    prefill_ep_size: int | None = option(None, "rank processes of each prefill worker's group (default: --ep-size)",
+                                         minimum=1)
+    decode_ep_size: int | None = option(None, "rank processes of each decode worker's group (default: --ep-size; "
+                                        "decode workers run 1 so far)", minimum=1)
     # `speculative` is decided above (from the checkpoint), not passed through.
     engine: EngineConfig = nested(EngineConfig, "engine options passed to every worker", skip=("speculative",))
 

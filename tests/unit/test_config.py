@@ -347,6 +347,16 @@ def test_keys_never_reach_a_command_line_a_repr_or_an_error_message():
         build(RouterConfig, {"api_key": "not-a-tuple-key"})
 
 
+def test_up_sets_each_roles_group_size_and_refuses_decode_groups_before_starting():
+    from pdspark.launch.plan import worker_configs
+
+    workers = worker_configs(parse(UpConfig, ["--prefill-ep-size", "2"]), has_draft=False)
+    assert (workers["prefill"].engine.parallel.ep_size, workers["decode"].engine.parallel.ep_size) == (2, 1)
+    for argv in (["--ep-size", "2"], ["--decode-ep-size", "2"]):
+        with pytest.raises(ConfigError, match="decode workers of ep_size 2; allowed: 1 .* set --prefill-ep-size"):
+            worker_configs(parse(UpConfig, argv), has_draft=False)
+
+
 def test_up_passes_its_options_to_the_children():
     from pdspark.launch.plan import router_config, worker_configs
 

@@ -11,6 +11,7 @@ from pdspark.engine.engine import Engine
 from pdspark.errors import ConfigError
 from pdspark.hardware.extra_ops import load_extra_ops
 from pdspark.hardware.registry import select_backend
+from pdspark.model.fingerprint import expert_digests
 from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
@@ -30,8 +31,8 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     path = resolve_model(model)
     config = build(EngineConfig, options, base=config).for_model(ModelConfig.from_dir(path).max_position_embeddings)
     if (group.size if group is not None else 1) != config.parallel.ep_size:
-        raise ConfigError(f"`ep_size` is {config.parallel.ep_size}: a group of that many ranks runs through `LLM` "
-                          "and `pdspark generate` so far; allowed here (one engine process): 1")
+        raise ConfigError(f"`ep_size` is {config.parallel.ep_size}: a group of that many ranks runs through `LLM`, "
+                          "`pdspark generate` and prefill workers; allowed here (one engine process): 1")
     if group is not None and config.speculative_policy == "when-faster":
         # The policy decides from step times, which differ between the ranks that must take the same steps.
         raise ConfigError("`speculative_policy` 'when-faster' with `ep_size` > 1; allowed: 'always'")
@@ -47,6 +48,8 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
                            quantization=config.quantization, experts=shard)
     if group is not None:
         ckpt.model.use_expert_exchange(SlotExchange())
+        # The fingerprint a peer compares is the whole model's: every rank's expert digests, pooled.
+        ckpt.model.group_expert_digests = [d for part in group.all_gather(expert_digests(ckpt.model)) for d in part]
     draft = load_draft(ckpt, max_len, config.dtype, device) if config.speculative else None
     engine = Engine(ckpt.model, config, ckpt.tokenizer, draft)
     # What is loaded now lives as long as the process: move it out of the collector's generations, so that the

@@ -15,8 +15,10 @@ are refused.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
@@ -27,6 +29,8 @@ from pdspark.types import RequestOutput, SamplingParams
 # The calls a follower may be asked to make, by name: the engine's state-changing API.
 _CALLS = frozenset({"add_request", "abort", "release", "release_held", "flush_cache", "step"})
 STOP = "stop"  # the message that ends a follower's loop
+# State changes of the engine API a group does not send yet: refused, not made on rank 0 alone.
+_NOT_MIRRORED = frozenset({"adopt", "reserve_transfer", "cancel_transfer"})
 _T = TypeVar("_T")
 
 
@@ -48,6 +52,18 @@ class LockstepEngine:
         """The process ids of ranks 1.. (rank 0 is this process)."""
         return [p.pid for p in self._ranks]
 
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Call `on_lost(states)` from a daemon thread as soon as another rank exits before `close` (a serving
+        group fails as a unit: its rank 0 then exits too, so the supervisor restarts the whole group)."""
+
+        def wait() -> None:
+            wait_for([p.sentinel for p in self._ranks])
+            if self._followers:  # (not closed on purpose)
+                on_lost(self._states())
+
+        if self._ranks:
+            threading.Thread(target=wait, name="rank-watch", daemon=True).start()
+
     def close(self) -> None:
         """Stop the other ranks and leave the group (idempotent). A failed group's ranks are killed: a hung one
         would not hear the stop."""
@@ -59,6 +75,9 @@ class LockstepEngine:
         self._close()
 
     def __getattr__(self, name: str) -> Any:  # reads: config, tokenizer, requests, output, validate, ...
+        if name in _NOT_MIRRORED:
+            raise NotImplementedError(f"`{name}` on a worker group (the decode side's transfers are not mirrored to "
+                                      "the other ranks yet)")
         return getattr(self.engine, name)
 
     @property
@@ -103,12 +122,14 @@ class LockstepEngine:
             return local()
         except Exception as e:
             # Whatever failed, the ranks may now hold different states: the group cannot go on.
-            states = ", ".join(f"rank {r}: " + ("running" if p.exitcode is None else f"exited ({p.exitcode})")
-                               for r, p in enumerate(self._ranks, start=1))
             cause = f" (from {type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
-            self.failure = WorkerGroupError(f"the worker group failed in `{name}` ({states or 'rank 0 only'}): "
+            self.failure = WorkerGroupError(f"the worker group failed in `{name}` ({self._states()}): "
                                             f"{type(e).__name__}: {e}{cause}")
             raise self.failure from e
+
+    def _states(self) -> str:
+        return ", ".join(f"rank {r}: " + ("running" if p.exitcode is None else f"exited ({p.exitcode})")
+                         for r, p in enumerate(self._ranks, start=1)) or "rank 0 only"
 
     def _check(self) -> None:
         if self.failure is not None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig, TLSConfig, UpConfig, WorkerConfig
+from pdspark.errors import ConfigError
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import replace_options, secret_env, to_argv
 from pdspark.rpc.throwaway_ca import ThrowawayCA
@@ -57,11 +58,17 @@ def worker_configs(cfg: UpConfig, has_draft: bool) -> dict[str, WorkerConfig]:
     `--no-speculative`), and no prefix cache on decode (every prompt's cache arrives there by transfer, so a
     prefix cache would only hold memory)."""
     engine = replace_options(cfg.engine, speculative="dspark" if has_draft and cfg.speculative else None)
+    ep = {role: size if size is not None else cfg.engine.parallel.ep_size
+          for role, size in (("prefill", cfg.prefill_ep_size), ("decode", cfg.decode_ep_size))}
+    if ep["decode"] > 1:
+        # Refused before any service starts (a decode worker would refuse at its own start, in a crash loop).
+        raise ConfigError(f"decode workers of ep_size {ep['decode']}; allowed: 1 (a decode group needs "
+                          "DP-attention, not built yet): set --prefill-ep-size for prefill groups alone")
     return {
-        "prefill": WorkerConfig(role="prefill", model=cfg.model, port=0, metrics_port=0, engine=engine,
-                                otlp_endpoint=cfg.otlp_endpoint),
+        "prefill": WorkerConfig(role="prefill", model=cfg.model, port=0, metrics_port=0,
+                                engine=replace_options(engine, ep_size=ep["prefill"]), otlp_endpoint=cfg.otlp_endpoint),
         "decode": WorkerConfig(role="decode", model=cfg.model, port=0, metrics_port=0,
-                               engine=replace_options(engine, enable_prefix_cache=False),
+                               engine=replace_options(engine, enable_prefix_cache=False, ep_size=ep["decode"]),
                                otlp_endpoint=cfg.otlp_endpoint),
     }
 

@@ -43,6 +43,9 @@ class DSV4Model(nn.Module):
         self.cfg = cfg
         self.experts = experts if experts is not None else ExpertShard.whole(cfg.n_routed_experts)
         assert self.experts.n_experts == cfg.n_routed_experts, (self.experts, cfg.n_routed_experts)
+        # A group's digests of every routed expert, pooled from its ranks at load (`model.fingerprint`); None: this
+        # model holds them all.
+        self.group_expert_digests: list[tuple[str, int, str]] | None = None
         D = cfg.hidden_size
         # Sliding-only layers rotate with the plain `rope_theta` table; compressed layers (their window branch
         # included) with the `compress_rope_theta` table (YaRN when configured).

@@ -36,6 +36,12 @@ class RankGroup:
         host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         return cls(rank, size, backend, timeout_s, host)
 
+    def all_gather(self, value: object) -> list:
+        """Every rank's `value` (picklable), in rank order, over the host group (a start-up exchange, not a step)."""
+        out: list = [None] * self.size
+        dist.all_gather_object(out, value, group=self.host)
+        return out
+
     def close(self) -> None:
         """Leave the group (every rank calls it; a rank whose peer died may find it already broken)."""
         if dist.is_initialized():

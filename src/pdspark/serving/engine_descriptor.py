@@ -17,7 +17,7 @@ def describe_engine(engine: Engine) -> CompatDescriptor:
     draft = json.dumps(drafter.draft.dcfg.to_dict(), sort_keys=True) if drafter is not None else ""
     return CompatDescriptor(
         schema_version=SCHEMA_VERSION,
-        model_fingerprint=model_fingerprint(model),
+        model_fingerprint=model_fingerprint(model, model.group_expert_digests),
         layer_types=tuple(cfg.layer_types),
         csa_ratio=cfg.csa_ratio,
         hca_ratio=cfg.hca_ratio,

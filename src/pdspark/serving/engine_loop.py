@@ -24,14 +24,16 @@ ms from the command's end to the waiter's resuming, against 0.5-3 ms). Clean-ups
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from pdspark.engine.engine import Engine
+from pdspark.errors import WorkerGroupError
 from pdspark.serving.engine_load import EngineLoad
 from pdspark.types import RequestOutput
 
@@ -184,6 +186,8 @@ class EngineLoop:
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
+        except WorkerGroupError as e:
+            exit_for_group_failure(str(e))
         except Exception:
             logger.exception("engine step failed; aborting the running requests")
             if self.observer is not None:
@@ -212,3 +216,15 @@ class EngineLoop:
             logger.exception("engine-loop callback failed")
             if self.observer is not None:
                 self.observer.on_error("callback")
+
+
+# The exit status of a worker whose rank group failed (the supervisor restarts it, group and all).
+GROUP_FAILED_EXIT = 3
+
+
+def exit_for_group_failure(detail: str) -> NoReturn:
+    """A worker group fails as a unit: rank 0 exits at once (its other ranks end when its pipes close), and the
+    supervisor restarts the worker, group and all. No cleanup runs: the group's state is lost anyway."""
+    logger.critical("the worker group failed, exiting for a restart: %s", detail)
+    logging.shutdown()
+    os._exit(GROUP_FAILED_EXIT)

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,7 +28,11 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from pdspark.config import WorkerConfig
+from pdspark.engine.engine import Engine
+from pdspark.engine.engine_group import start_engine_group
 from pdspark.engine.factory import create_engine
+from pdspark.engine.lockstep import LockstepEngine
+from pdspark.errors import ConfigError
 from pdspark.rpc import tracing
 from pdspark.rpc.keepalive import SERVER_OPTIONS
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
@@ -36,7 +41,7 @@ from pdspark.rpc.tls_credentials import channel_credentials, server_credentials
 from pdspark.serving.decode_metrics import DecodeMetrics
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
-from pdspark.serving.engine_loop import EngineLoop
+from pdspark.serving.engine_loop import EngineLoop, exit_for_group_failure
 from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
 from pdspark.serving.prefill_client import PrefillClients
 from pdspark.serving.prefill_metrics import PrefillMetrics
@@ -55,7 +60,18 @@ class WorkerServer:
     def __init__(self, cfg: WorkerConfig):
         """Load the engine and build the worker (slow: the model loads); `start` then serves it."""
         self.cfg = cfg
-        engine = create_engine(cfg.model, progress=False, config=cfg.engine)
+        self.group: LockstepEngine | None = None
+        if cfg.engine.parallel.ep_size > 1:
+            if cfg.role != "prefill":
+                raise ConfigError(f"`ep_size` is {cfg.engine.parallel.ep_size} for a decode worker; allowed: 1 (a "
+                                  "decode group needs DP-attention, not built yet; prefill workers run groups)")
+            # Rank 0 here, the other ranks child processes in lockstep (`engine/lockstep.py`): the Engine API, with
+            # every state change sent to each rank. Only rank 0 serves gRPC and writes transfers.
+            self.group = start_engine_group(cfg.model, False, cfg.engine, {})
+            self.group.watch(exit_for_group_failure)
+            engine = cast(Engine, self.group)
+        else:
+            engine = create_engine(cfg.model, progress=False, config=cfg.engine)
         self.metrics: PrefillMetrics | DecodeMetrics = (
             PrefillMetrics() if cfg.role == "prefill" else DecodeMetrics(engine.scheduler.num_drafts))
         self.loop = EngineLoop(engine, observer=self.metrics.engine)
@@ -170,6 +186,8 @@ class WorkerServer:
         if self.prefill_clients is not None:
             await self.prefill_clients.close()
         self.loop.stop()
+        if self.group is not None:
+            self.group.close()  # (after the loop: no step is under way)
         self.executor.shutdown(wait=False, cancel_futures=True)
         if isinstance(self.worker, PrefillWorker):
             self.worker.close()

@@ -1,0 +1,107 @@
+"""A prefill worker whose engine is a group of 2 rank processes (`--ep-size 2`, each holding half of the routed
+experts) beside a one-process prefill worker, both serving one decode worker over Mooncake: the same tokens as
+offline, and the same transfer bytes (only rank 0 writes, and every rank holds the same cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from test_pd_cluster import ARGS, C128, dispatch
+from test_supervision import ENGINE, ENV, current, events, health
+
+from conftest import random_prompts
+from helpers import GREEDY, make_llm
+from pdspark import LLM, SamplingParams
+from pdspark.launch.service_process import start_service
+from pdspark.serving.engine_loop import GROUP_FAILED_EXIT
+from pdspark.testing.services import ready, spawn_worker
+from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import wait_until
+from pdspark.testing.worker_load import assert_idle
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def workers(draft_ckpt):
+    group, single, decode = ready(
+        spawn_worker("prefill", str(draft_ckpt), *ARGS, *C128, "--ep-size", "2"),
+        spawn_worker("prefill", str(draft_ckpt), *ARGS, *C128),
+        spawn_worker("decode", str(draft_ckpt), *ARGS, *C128, "--no-prefix-cache"))
+    yield group, single, decode
+    assert decode.stop() == 0 and single.stop() == 0 and group.stop() == 0  # the group ends cleanly on SIGTERM
+
+
+def test_a_prefill_group_serves_the_one_process_tokens_and_bytes(draft_ckpt, workers):
+    group, single, decode = workers
+    prompts = random_prompts(3, [64, 100, 131], seed=51)
+    greedy = SamplingParams(max_tokens=16, **GREEDY)
+    seeded = [SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=900 + i, ignore_eos=True)
+              for i in range(3)]
+    llm = make_llm(draft_ckpt, page_size=16, max_model_len=256, speculative="dspark")
+    offline = llm.generate(prompt_token_ids=prompts, sampling_params=greedy) + \
+        llm.generate(prompt_token_ids=prompts, sampling_params=seeded)
+    for prompt, params, ref in zip(prompts * 2, [greedy] * 3 + seeded, offline):
+        by_group, by_one = dispatch(group, decode, prompt, params), dispatch(single, decode, prompt, params)
+        for out in (by_group, by_one):
+            assert "decode_error" not in out, out.get("decode_error")
+            assert out["tokens"] == ref.token_ids
+        assert by_group["prefill"].stats.bytes == by_one["prefill"].stats.bytes > 0
+    assert_idle(group, single, decode, within_s=2.0)
+
+
+def test_a_killed_rank_takes_its_prefill_group_down_for_a_restart(draft_ckpt):
+    """Rank 1 killed while the worker is idle: rank 0 sees it through the process sentinel and exits with the
+    group-failure status within 2 s (a restart brings the whole group back; the supervisor tests cover restarts)."""
+    (worker,) = ready(spawn_worker("prefill", str(draft_ckpt), *ARGS, *C128, "--ep-size", "2"))
+    try:
+        (rank1,) = _rank_processes(worker.pid)
+        os.kill(rank1, signal.SIGKILL)
+        start = time.monotonic()
+        while worker.returncode is None and time.monotonic() - start < scaled(2.0):
+            time.sleep(0.01)  # (a poll of the exit status, not a wait for an effect)
+        assert worker.returncode == GROUP_FAILED_EXIT
+    finally:
+        worker.stop()
+
+
+def _rank_processes(pid: int) -> list[int]:
+    """The spawned rank processes among `pid`'s children (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_pdspark_up_runs_a_prefill_group_and_restarts_it_whole():
+    """`pdspark up --prefill-ep-size 2`: completions through the router equal offline; a killed rank takes its
+    worker down (status 3) and the supervisor restarts the whole group on the same port, serving the same tokens."""
+    cluster = start_service("pdspark up", ["up", *ENGINE, "--prefill-ep-size", "2", "--restart-backoff-s", "0.1"],
+                            timeout=scaled(240), env=ENV)
+    try:
+        info = cluster.info
+        with LLM("dsv4-tiny", max_model_len=512, max_num_seqs=4) as llm:
+            offline = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
+        assert complete(info) == offline
+        worker = current(cluster, "prefill-0")
+        (rank1,) = _rank_processes(worker["pid"])
+        os.kill(rank1, signal.SIGKILL)
+        wait_until(lambda: events(cluster, "restarted", "prefill-0"), 60, "the prefill group restarted")
+        (exited,) = events(cluster, "exited", "prefill-0")
+        assert exited["returncode"] == GROUP_FAILED_EXIT, exited
+        wait_until(lambda: all(health(info).values()), 60, "every worker healthy again")
+        assert complete(info) == offline
+    finally:
+        cluster.stop()
+
+
+def complete(info: dict) -> str:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(info["http"] + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=scaled(60)) as r:
+        return json.loads(r.read())["choices"][0]["text"]
