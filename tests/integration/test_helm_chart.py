@@ -172,6 +172,15 @@ def test_settings_reach_each_role_as_pdspark_variables():
     assert sums["prefill"] != sums["decode"]
 
 
+def test_a_prefill_group_gets_its_size_and_accelerators_per_rank():
+    docs = render("prefill.epSize=2", "prefill.accelerators.nvidia\\.com/gpu=1",
+                  "decode.accelerators.nvidia\\.com/gpu=1")
+    assert (env(docs, "prefill")["PDSPARK_EP_SIZE"], env(docs, "decode")["PDSPARK_EP_SIZE"]) == ("2", "1")
+    for role, gpus in (("prefill", 2), ("decode", 1)):
+        resources = container(docs, role)["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == gpus, role
+
+
 @pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "defaults" if v is None else v.name)
 def test_rendered_args_and_env_parse_as_the_services_configs(values: Path | None):
     """Each container's args and environment, exactly as rendered, go through the services' own parser (flags, then
@@ -398,7 +407,8 @@ def test_notes_tell_how_to_reach_the_router(tmp_path: Path):
 
 
 @pytest.mark.parametrize("bad", ["replicas.prefill=abc", "ports.http=x", "auth.enabled=maybe", "mooncake.protocol=udp",
-                                 "router.prefillPolicy=random", "replicas.decode=-1", "nosuchkey=1"])
+                                 "router.prefillPolicy=random", "replicas.decode=-1", "nosuchkey=1",
+                                 "decode.epSize=2", "prefill.epSize=0"])
 def test_schema_rejects_wrongly_typed_values(bad: str):
     out = helm("template", RELEASE, str(CHART), "--set", bad, check=False)
     assert out.returncode != 0 and "values don't meet the specifications of the schema" in out.stderr, bad
