@@ -54,6 +54,12 @@ def test_a_prefill_group_serves_the_one_process_tokens_and_bytes(draft_ckpt, wor
             assert out["tokens"] == ref.token_ids
         assert by_group["prefill"].stats.bytes == by_one["prefill"].stats.bytes > 0
     assert_idle(group, single, decode, within_s=2.0)
+    # The group's metrics: its size, and rank 0's slot exchanges (one per MoE layer of each step it ran).
+    exchanges = wait_until(lambda: _sample(group, "pdspark_worker_expert_exchanges_total"), 5, "exchanges counted")
+    assert _sample(group, "pdspark_worker_group_ranks") == 2 and exchanges % 4 == 0  # 4 MoE layers a forward
+    assert _sample(group, "pdspark_worker_expert_exchange_bytes_total") > 0
+    assert _sample(single, "pdspark_worker_group_ranks") == 1
+    assert _sample(single, "pdspark_worker_expert_exchanges_total") == 0
 
 
 def test_a_killed_rank_takes_its_prefill_group_down_for_a_restart(draft_ckpt):
@@ -105,3 +111,13 @@ def complete(info: dict) -> str:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=scaled(60)) as r:
         return json.loads(r.read())["choices"][0]["text"]
+
+
+def _sample(worker, name: str) -> float:
+    """A worker's metric sample without labels, from its metrics port."""
+    url = f"http://127.0.0.1:{worker.info['metrics_port']}/metrics"
+    with urllib.request.urlopen(url, timeout=scaled(10)) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not exported by {url}")

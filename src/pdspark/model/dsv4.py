@@ -97,6 +97,12 @@ class DSV4Model(nn.Module):
         return self._decode_step.try_run_indexed(req, cache_layout, pools, self.embed,
                                                  (self.rope_main, self.rope_compress), capture)
 
+    @property
+    def expert_exchange(self) -> SlotExchange | None:
+        """The MoE layers' slot exchange (expert parallelism; None: one process)."""
+        moe = self.layers[0].ffn if len(self.layers) else None
+        return moe.exchange if isinstance(moe, MoE) else None
+
     def use_expert_exchange(self, exchange: SlotExchange) -> None:
         """Expert parallelism: every MoE layer takes the other ranks' slots through `exchange` (call after
         `prepare_inference`; the C decode step is rebuilt to call it)."""

@@ -51,6 +51,19 @@ class WorkerMetrics:
         self.transfer_failures = Counter(
             "pdspark_transfer_failures_total", "Cache transfers that failed, by reason (prefill: the error code; "
             "decode: checksum, the integrity check on arrival)", ["reason"], registry=r)
+        # Expert-parallel groups (`--ep-size`): rank 0's view, counted from its slot exchange.
+        self.group_ranks = Gauge(
+            "pdspark_worker_group_ranks", "Rank processes of this worker's engine (an expert-parallel group of "
+            "--ep-size ranks; 1: one process)", registry=r)
+        self.expert_exchanges = Counter(
+            "pdspark_worker_expert_exchanges_total", "MoE slot exchanges rank 0 of this worker's group took part in "
+            "(one all-reduce per MoE layer of a step)", registry=r)
+        self.expert_exchange_seconds = Counter(
+            "pdspark_worker_expert_exchange_seconds_total", "Seconds rank 0 spent in its MoE slot exchanges, the wait "
+            "for the slowest rank included", registry=r)
+        self.expert_exchange_bytes = Counter(
+            "pdspark_worker_expert_exchange_bytes_total", "Bytes of (token, slot) rows rank 0 all-reduced", registry=r)
+        self._exchanged = (0, 0.0, 0)  # (calls, seconds, bytes) already counted
         self.engine = EngineMetrics(r)
         self.pools = PoolMetrics(r)
         for outcome in OUTCOMES:
@@ -61,3 +74,11 @@ class WorkerMetrics:
         loop's latest published snapshot)."""
         self.engine.sample(engine, load)
         self.pools.sample(engine.kv, load)
+        self.group_ranks.set(engine.config.parallel.ep_size)
+        ex = engine.runner.model.expert_exchange
+        if ex is not None:
+            calls, seconds, nbytes = self._exchanged
+            self.expert_exchanges.inc(ex.calls - calls)
+            self.expert_exchange_seconds.inc(ex.seconds - seconds)
+            self.expert_exchange_bytes.inc(ex.bytes - nbytes)
+            self._exchanged = (ex.calls, ex.seconds, ex.bytes)
