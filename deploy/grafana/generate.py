@@ -99,6 +99,13 @@ OVERVIEW = [
     PanelSpec("Engine step p99", "s", (Query(
         "histogram_quantile(0.99, sum by (instance, le) "
         f"(rate(pdspark_engine_step_seconds_bucket{{{W}}}[{RATE}])))", "{{instance}}"),)),
+    PanelSpec("Expert exchange share of time", "percentunit", (
+        Query(rate("pdspark_worker_expert_exchange_seconds_total", W, "instance"), "{{instance}}"),),
+        "Fraction of rank 0's time in the MoE slot all-reduces of an expert-parallel group (--ep-size), the wait "
+        "for the slowest rank included; 0 for one-process workers"),
+    PanelSpec("Ranks per worker", "short", (
+        Query(f"sum by (instance) (pdspark_worker_group_ranks{{{W}}})", "{{instance}}"),),
+        "Rank processes of each worker's engine (--ep-size; 1: one process)", kind="stat"),
     PanelSpec("Workers by health", "short", (
         Query(f"sum by (worker_role, healthy) (pdspark_router_workers{{{R}}})",
               "{{worker_role}} healthy={{healthy}}"),),
