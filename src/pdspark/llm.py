@@ -24,7 +24,11 @@ from pdspark.types import RequestOutput, SamplingParams
 class LLM:
     """Keyword options are the fields of `pdspark.config.EngineConfig` and the cache and scheduler configs it
     composes, flat (pool sizes, scheduler limits, dtype, seed, `speculative="dspark"`, `enable_prefix_cache`, ...);
-    `pdspark generate --help` lists them all. Or pass a whole `config=EngineConfig(...)`."""
+    `pdspark generate --help` lists them all. Or pass a whole `config=EngineConfig(...)`.
+
+    `ep_size=N` (> 1) runs the engine as an expert-parallel group: this process is rank 0 and N - 1 child processes
+    hold the other shares of the routed experts (the same tokens and logits as one process). One group per process;
+    `close()` (or `with LLM(...) as llm:`) ends it."""
 
     def __init__(self, model: str, *, progress: bool = False, config: EngineConfig | None = None, **options):
         self.engine: Engine | LockstepEngine

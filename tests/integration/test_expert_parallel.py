@@ -63,6 +63,8 @@ def test_a_group_is_refused_where_it_cannot_run_yet():
 
     with pytest.raises(ConfigError, match=r"`ep_size` is 2: .* allowed here \(one engine process\): 1"):
         create_engine("dsv4-tiny", ep_size=2)
+    with pytest.raises(ConfigError, match=r"`ep_size` is 3; allowed: a divisor of the model's 8 routed experts"):
+        LLM("dsv4-tiny", ep_size=3)  # (before any rank starts)
     unjoined = RankGroup(rank=0, size=2, backend="gloo", timeout_s=1.0)  # (refused before any collective)
     with pytest.raises(ConfigError, match="`speculative_policy` 'when-faster' with `ep_size` > 1; allowed: 'always'"):
         create_engine("dsv4-tiny", ep_size=2, group=unjoined, speculative="dspark", speculative_policy="when-faster")

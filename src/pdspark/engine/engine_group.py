@@ -20,11 +20,14 @@ from typing import Any
 
 import torch
 
+from pdspark.assets import resolve_model
 from pdspark.config import EngineConfig
 from pdspark.engine.factory import create_engine
 from pdspark.engine.lockstep import STOP, LockstepEngine, follow
 from pdspark.hardware.registry import select_backend
+from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
+from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.parallel.rank_group import RankGroup
 
 # A follower that was told to stop leaves at once; this bounds the wait for one that does not (then it is killed).
@@ -37,6 +40,8 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None,
     if cfg.seed is None:  # one seed for every rank: requests without a seed must draw the same streams everywhere
         cfg = build(EngineConfig, {"seed": secrets.randbits(63)}, base=cfg)
     size, par = cfg.parallel.ep_size, cfg.parallel
+    # Refused before any rank starts: a size that does not divide the experts, a device this machine lacks.
+    ExpertShard(0, size, ModelConfig.from_dir(resolve_model(model)).n_routed_experts)
     backend = select_backend(cfg.device).dist_backend
     rendezvous = tempfile.mkdtemp(prefix="pdspark-group-")
     init = f"tcp://{par.dist_init_addr}" if par.dist_init_addr else f"file://{rendezvous}/store"
