@@ -3,12 +3,13 @@ created at start, and the values read off the engine loop and the pools."""
 
 from __future__ import annotations
 
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 
 from cache_builders import make_kv
 from prometheus_client import CollectorRegistry
 
 from helpers import sample_value
+from pdspark.config import EngineConfig, ParallelConfig
 from pdspark.engine.engine import EngineStats
 from pdspark.serving.engine_load import EngineLoad
 from pdspark.serving.engine_metrics import ERROR_STAGES, EngineMetrics
@@ -23,11 +24,13 @@ def load_of(kv, running: int = 0, waiting: int = 0) -> EngineLoad:
 
 
 class _Engine:
-    """What `sample` reads of an engine."""
+    """What `sample` reads of an engine (`exchange`: a group's slot exchange, as rank 0's model holds it)."""
 
-    def __init__(self, kv) -> None:
+    def __init__(self, kv, ep_size: int = 1, exchange=None) -> None:
         self.kv = kv
         self.stats = EngineStats()
+        self.config = EngineConfig(parallel=ParallelConfig(ep_size=ep_size))
+        self.runner = SimpleNamespace(model=SimpleNamespace(expert_exchange=exchange))
 
 
 def test_common_series_exist_at_zero():
@@ -109,3 +112,21 @@ def test_the_worker_samples_engine_and_pools_together():
     m.sample_engine(engine, load_of(engine.kv, running=1))  # type: ignore[arg-type]
     assert sample_value(m.registry, "pdspark_engine_generated_tokens_total") == 3
     assert sample_value(m.registry, "pdspark_pool_capacity_request_slots") == engine.kv.sizes.num_req_slots
+    assert sample_value(m.registry, "pdspark_worker_group_ranks") == 1
+    assert sample_value(m.registry, "pdspark_worker_expert_exchanges_total") == 0
+
+
+def test_a_groups_exchanges_are_counted_once_each():
+    """Rank 0's exchange keeps running totals; each sample adds what is new since the last one."""
+    m = WorkerMetrics("prefill")
+    exchange = SimpleNamespace(calls=6, seconds=0.5, bytes=4096)
+    engine = _Engine(make_kv(), ep_size=2, exchange=exchange)
+    load = load_of(engine.kv)
+    m.sample_engine(engine, load)  # type: ignore[arg-type]
+    exchange.calls, exchange.seconds, exchange.bytes = 10, 0.75, 8192
+    m.sample_engine(engine, load)  # type: ignore[arg-type]
+    m.sample_engine(engine, load)  # type: ignore[arg-type]  (nothing new)
+    assert sample_value(m.registry, "pdspark_worker_group_ranks") == 2
+    assert sample_value(m.registry, "pdspark_worker_expert_exchanges_total") == 10
+    assert sample_value(m.registry, "pdspark_worker_expert_exchange_seconds_total") == 0.75
+    assert sample_value(m.registry, "pdspark_worker_expert_exchange_bytes_total") == 8192
