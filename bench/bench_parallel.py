@@ -113,12 +113,20 @@ def planned_v4_flash() -> list[dict]:
         else:
             rest += p.numel()
     out = []
+    # The cache of 1,000 context tokens of one request, as pdspark's pools hold it (bf16): each CSA layer keeps
+    # one compressed entry per `csa_ratio` tokens (head_dim, plus the indexer's key), each HCA layer one per
+    # `hca_ratio` tokens; the sliding window (every layer) is a fixed cost per request, not per token.
+    n_csa, n_hca = len(cfg.csa_layers), len(cfg.hca_layers)
+    per_token = n_csa * (cfg.head_dim + cfg.index_head_dim) / cfg.csa_ratio + n_hca * cfg.head_dim / cfg.hca_ratio
+    kv_1k = per_token * 1000 * 2
+    window = cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * 2
     for n in (1, 8, 16):
         released = expert / n * 4.25 / 8 + other_linear * (1 + 4 / 128**2) + rest * 2
         bf16 = (expert / n + other_linear + rest) * 2
         out.append({"ranks": n, "expert_params_per_rank_g": expert / n / 1e9,
                     "other_params_g": (other_linear + rest) / 1e9, "released_gib_per_rank": released / 2**30,
-                    "bf16_gib_per_rank": bf16 / 2**30})
+                    "bf16_gib_per_rank": bf16 / 2**30, "kv_mib_per_1k_tokens": kv_1k / 2**20,
+                    "window_mib_per_request": window / 2**20})
     return out
 
 
@@ -175,11 +183,14 @@ def main() -> None:
                          f"{r['expert_mb_per_rank']:.2f} | {r['other_mb_per_rank']:.2f} | "
                          f"{' / '.join(f'{x:.0f}' for x in r['rss_mb_per_rank'])} |")
     plan = planned_v4_flash()
-    lines += ["", "Planned: DeepSeek-V4-Flash weights per rank (experts split, the rest on every rank)", "",
-              "| ranks | expert params/rank (G) | other params (G) | released format GiB/rank | all-BF16 GiB/rank |",
-              "|---:|---:|---:|---:|---:|"]
+    lines += ["", "Planned: DeepSeek-V4-Flash per rank (experts split, the rest on every rank; the cache of a request "
+              "on every rank in lockstep, on its owning rank alone with DP-attention)", "",
+              "| ranks | expert params/rank (G) | other params (G) | released format GiB/rank | all-BF16 GiB/rank | "
+              "KV MiB per 1k context tokens (bf16) | sliding window MiB per request |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {p['ranks']} | {p['expert_params_per_rank_g']:.2f} | {p['other_params_g']:.2f} | "
-              f"{p['released_gib_per_rank']:.1f} | {p['bf16_gib_per_rank']:.1f} |" for p in plan]
+              f"{p['released_gib_per_rank']:.1f} | {p['bf16_gib_per_rank']:.1f} | {p['kv_mib_per_1k_tokens']:.2f} | "
+              f"{p['window_mib_per_request']:.2f} |" for p in plan]
     print("\n".join(lines))
     write_json("parallel", {"args": {k: str(v) for k, v in vars(args).items()}, "host": host, "results": results,
                             "v4_flash_plan": plan})
