@@ -25,15 +25,9 @@ from pathlib import Path
 import torch
 from random_checkpoint import CONFIGS, random_checkpoint
 from report import figure, grouped_bars, save_figure, write_json
+from resident_memory import rss_mb
 
 SIZES = (1, 2)
-
-
-def _rss_mb(pid: str | int = "self") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _model_path(name: str) -> str:
@@ -75,7 +69,7 @@ def measure(model: str, ep_size: int, batch: int, prompt_len: int, max_tokens: i
         for i in ids:
             engine.release(i)
     n = max(len(steps), 1)
-    ranks_rss = [_rss_mb()] + [_rss_mb(pid) for pid in (engine.rank_pids if ep_size > 1 else [])]
+    ranks_rss = [rss_mb()] + [rss_mb(pid) for pid in (engine.rank_pids if ep_size > 1 else [])]
     llm.close()
     return {"prefill_ms": prefill_s * 1e3, "decode_step_ms": statistics.median(steps) * 1e3,
             "exchanges_per_step": (after[0] - before[0]) / n, "exchange_kb_per_step": (after[1] - before[1]) / n / 1024,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from report import figure, paired_bars, save_figure, write_json
+from resident_memory import rss_mb
 
 from pdspark.testing.script_module import load_script
 
@@ -62,16 +63,8 @@ def measure(path: Path, batch: int, max_tokens: int) -> dict:
         elapsed = time.perf_counter() - started if started is not None else float("nan")
         generated = sum(len(engine.requests[i].output_token_ids) for i in ids) - tokens_at_start
     return {"decode_tok_s": generated / elapsed, "weight_mb": weight_bytes / 2**20,
-            "quantizable_linears_mb": linear_bytes / 2**20, "rss_mb": _rss_mb(),
+            "quantizable_linears_mb": linear_bytes / 2**20, "rss_mb": rss_mb(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def _rss_mb() -> float:
-    """Resident memory now (after the run: the model, the caches, the allocator's pools)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main() -> None:

@@ -29,7 +29,8 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     `group`: this process is one rank of an expert-parallel group (it holds and reads only its share of the routed
     experts, and every MoE layer exchanges slots with the other ranks, which must run the same steps)."""
     path = resolve_model(model)
-    config = build(EngineConfig, options, base=config).for_model(ModelConfig.from_dir(path).max_position_embeddings)
+    model_cfg = ModelConfig.from_dir(path)
+    config = build(EngineConfig, options, base=config).for_model(model_cfg.max_position_embeddings)
     if (group.size if group is not None else 1) != config.parallel.ep_size:
         raise ConfigError(f"`ep_size` is {config.parallel.ep_size}: a group of that many ranks runs through `LLM`, "
                           "`pdspark generate` and prefill workers; allowed here (one engine process): 1")
@@ -43,7 +44,7 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     backend = select_backend(config.device)
     load_extra_ops(config.extra_ops_so, {f: backend.required_ops(f) for f in backend.op_features}, backend.name)
     device = str(backend.device)
-    shard = None if group is None else ExpertShard(group.rank, group.size, ModelConfig.from_dir(path).n_routed_experts)
+    shard = None if group is None else ExpertShard(group.rank, group.size, model_cfg.n_routed_experts)
     ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress,
                            quantization=config.quantization, experts=shard)
     if group is not None:
