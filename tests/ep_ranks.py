@@ -121,11 +121,11 @@ def probe_rank(rank: int, size: int, init_method: str) -> dict:
         dist.broadcast(t, src=0)
         got["broadcast"] = t
         out = torch.empty(2 * size)
-        dist.all_gather_into_tensor(out, torch.full((2,), float(rank)))
-        got["all_gather_into_tensor"] = out
+        dist.all_gather_single(out, torch.full((2,), float(rank)))
+        got["all_gather_single"] = out
         out = torch.empty(2)
-        dist.reduce_scatter_tensor(out, torch.arange(2.0 * size) + rank)
-        got["reduce_scatter_tensor"] = out
+        dist.reduce_scatter_single(out, torch.arange(2.0 * size) + rank)
+        got["reduce_scatter_single"] = out
         # Uneven splits (the dispatch of a MoE step where ranks hold different token counts): rank r sends r + 1
         # + j values to rank j.
         send = [rank + 1 + j for j in range(size)]

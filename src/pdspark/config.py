@@ -104,6 +104,10 @@ class ParallelConfig:
         1, "rank processes of an expert-parallel group: rank r holds routed experts [r*E/N, (r+1)*E/N), every rank "
         "runs the same batch in lockstep (offline LLM, `pdspark generate` and prefill workers so far; decode "
         "workers run 1)", minimum=1)
+    dp_attention: bool = option(
+        False, "with ep_size > 1: each rank owns whole requests (its own scheduler, pages and states) and the MoE "
+        "layers exchange tokens between ranks, instead of every rank running the same batch (offline LLM and "
+        "`pdspark generate` so far)")
     # torch's default is 30 minutes: a hung rank would hang the whole group that long.
     dist_timeout_s: float = option(30.0, "seconds any collective of a worker group may wait before the group fails",
                                    minimum=0.1)

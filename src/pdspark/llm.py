@@ -27,8 +27,10 @@ class LLM:
     `pdspark generate --help` lists them all. Or pass a whole `config=EngineConfig(...)`.
 
     `ep_size=N` (> 1) runs the engine as an expert-parallel group: this process is rank 0 and N - 1 child processes
-    hold the other shares of the routed experts (the same tokens and logits as one process). One group per process;
-    `close()` (or `with LLM(...) as llm:`) ends it."""
+    hold the other shares of the routed experts (the same tokens and logits as one process). By default every rank
+    runs the same batch; `dp_attention=True` places each request on one rank (its attention, pages and sampling
+    there) and the ranks exchange token rows at each MoE layer. One group per process; `close()` (or
+    `with LLM(...) as llm:`) ends it."""
 
     def __init__(self, model: str, *, progress: bool = False, config: EngineConfig | None = None, **options):
         self.engine: Engine | LockstepEngine
@@ -67,15 +69,18 @@ class LLM:
             raise InvalidRequestError(f"{len(params_list)} sampling params for {len(ids)} prompts")
         for p_ids, p in zip(ids, params_list):
             self.engine.validate(p_ids, p)
-        req_ids = [self.engine.add_request(i, p, prompt=t) for i, p, t in zip(ids, params_list, texts)]
+        req_ids: list[str] = []
         try:
+            for i, p, t in zip(ids, params_list, texts):
+                req_ids.append(self.engine.add_request(i, p, prompt=t))
             while self.engine.has_unfinished:
                 self.engine.step()
         except BaseException:
-            for r in req_ids:
+            for r in req_ids:  # (a failed group's ranks are gone: only rank 0's own requests remain to tidy)
                 self.engine.abort(r)
+                self.engine.release(r)
             raise
-        outputs = [self.engine.output(self.engine.requests[r]) for r in req_ids]
+        outputs = [self.engine.final_output(r) for r in req_ids]
         for r in req_ids:
             self.engine.release(r)
         return outputs

@@ -39,10 +39,10 @@ def test_every_collective_the_groups_use_works_on_the_installed_torch(tmp_path):
     for got in (a, b):
         assert torch.equal(got["all_reduce"], torch.full((3,), 3.0))
         assert torch.equal(got["broadcast"], torch.arange(4.0))
-        assert torch.equal(got["all_gather_into_tensor"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
+        assert torch.equal(got["all_gather_single"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
         assert got["broadcast_object_list"] == {"rank": 0}
-    assert torch.equal(a["reduce_scatter_tensor"], torch.tensor([1.0, 3.0]))  # (0 + 1, 1 + 2)
-    assert torch.equal(b["reduce_scatter_tensor"], torch.tensor([5.0, 7.0]))  # (2 + 3, 3 + 4)
+    assert torch.equal(a["reduce_scatter_single"], torch.tensor([1.0, 3.0]))  # (0 + 1, 1 + 2)
+    assert torch.equal(b["reduce_scatter_single"], torch.tensor([5.0, 7.0]))  # (2 + 3, 3 + 4)
     assert torch.equal(a["all_to_all_single"], torch.tensor([0.0, 10.0, 10.0]))  # 1 from rank 0, 2 from rank 1
     assert torch.equal(b["all_to_all_single"], torch.tensor([1.0, 1.0, 11.0, 11.0, 11.0]))  # 2 + 3
     assert torch.equal(b["send_recv"], torch.tensor([42.0]))

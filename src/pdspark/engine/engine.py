@@ -171,7 +171,7 @@ class Engine:
         self._check_new_id(req_id)
         self.validate(prompt_token_ids, params)
         req = Request(req_id, list(prompt_token_ids), params, prompt=prompt, hold_pages=hold_pages,
-                      seed=self._effective_seed(params))
+                      seed=self.effective_seed(params))
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req_id
@@ -208,7 +208,7 @@ class Engine:
         if req_id in self.requests:
             raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {req_id!r} is already in flight")
 
-    def _effective_seed(self, params: SamplingParams) -> int:
+    def effective_seed(self, params: SamplingParams) -> int:
         """The client's seed, else a fresh one (63 bits: it fits the wire's int64 should it ever travel)."""
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)
 
@@ -268,7 +268,7 @@ class Engine:
         cache covers prompt + generated and `first_token` follows them. They count as output (max_tokens, stop
         strings, text), as if this engine had produced them."""
         self._check_new_id(request_id)
-        req = Request(request_id, list(prompt_token_ids), params, prompt=prompt, seed=self._effective_seed(params),
+        req = Request(request_id, list(prompt_token_ids), params, prompt=prompt, seed=self.effective_seed(params),
                       output_token_ids=list(generated))
         req.pages = pages
         req.num_computed_tokens = req.num_tokens
@@ -456,6 +456,10 @@ class Engine:
             spec_verify_steps=req.spec_verify_steps,
             spec_accepted_tokens=req.spec_accepted_tokens,
         )
+
+    def final_output(self, request_id: str) -> RequestOutput:
+        """A request's output now (the whole of it once finished), by id."""
+        return self.output(self.requests[request_id])
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""

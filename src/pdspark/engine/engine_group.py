@@ -3,7 +3,8 @@ calling process as rank 0 (the offline API: `LLM(model, ep_size=N)`, `pdspark ge
 
 The other ranks are spawned children (a fresh interpreter each: torch and a forked parent's threads do not mix);
 each joins the torch.distributed group, loads its share of the routed experts and follows rank 0's calls
-(`lockstep.follow`). They end when rank 0 closes the group, or exits (their pipe closes), or a collective fails.
+(`lockstep.follow`; with `dp_attention`, `data_parallel.serve_rank`). They end when rank 0 closes the group, or exits
+(their pipe closes), or a collective fails.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from pdspark.assets import resolve_model
 from pdspark.config import EngineConfig
+from pdspark.engine.data_parallel import DataParallelEngine, serve_rank
 from pdspark.engine.factory import create_engine
 from pdspark.engine.lockstep import STOP, LockstepEngine, follow
 from pdspark.hardware.registry import select_backend
@@ -63,7 +65,8 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None,
     except BaseException:
         _end_group(conns, procs, group, rendezvous)
         raise
-    lockstep = LockstepEngine(engine, conns, procs)
+    lockstep = (DataParallelEngine(engine, conns, procs) if par.dp_attention
+                else LockstepEngine(engine, conns, procs))
     # Run by `close`, or when the engine is collected, or at exit: a dropped LLM does not leave ranks behind.
     lockstep._close = weakref.finalize(lockstep, _end_group, conns, procs, group, rendezvous)
     return lockstep
@@ -89,6 +92,7 @@ def _follower_main(rank: int, size: int, init: str, backend: str, model: str, cf
     torch.set_num_threads(threads)  # as rank 0: the group's ranks share the machine's cores
     group = RankGroup.join(rank, size, init, cfg.parallel.dist_timeout_s, backend)
     try:
-        follow(create_engine(model, False, cfg, group=group), conn)
+        engine = create_engine(model, False, cfg, group=group)
+        (serve_rank if cfg.parallel.dp_attention else follow)(engine, conn)
     finally:
         group.close()

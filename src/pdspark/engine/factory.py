@@ -18,6 +18,7 @@ from pdspark.options import build
 from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.parallel.rank_group import RankGroup
 from pdspark.parallel.slot_exchange import SlotExchange
+from pdspark.parallel.token_exchange import TokenExchange
 
 
 def create_engine(model: str, progress: bool = False, config: EngineConfig | None = None,
@@ -27,7 +28,8 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     `options` are `EngineConfig`'s flat keyword options (`page_size=16`, `max_num_seqs=4`, `speculative="dspark"`,
     ...), applied over `config` when both are given; an unknown one raises ConfigError listing the allowed ones.
     `group`: this process is one rank of an expert-parallel group (it holds and reads only its share of the routed
-    experts, and every MoE layer exchanges slots with the other ranks, which must run the same steps)."""
+    experts, and every MoE layer exchanges slots with the other ranks, which must run the same steps; with
+    `dp_attention`, each rank its own requests and every step a collective one: `DSV4Model.finish_group_step`)."""
     path = resolve_model(model)
     model_cfg = ModelConfig.from_dir(path)
     config = build(EngineConfig, options, base=config).for_model(model_cfg.max_position_embeddings)
@@ -48,7 +50,7 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress,
                            quantization=config.quantization, experts=shard)
     if group is not None:
-        ckpt.model.use_expert_exchange(SlotExchange())
+        ckpt.model.use_expert_exchange(TokenExchange() if config.parallel.dp_attention else SlotExchange())
         # The fingerprint a peer compares is the whole model's: every rank's expert digests, pooled.
         ckpt.model.group_expert_digests = [d for part in group.all_gather(expert_digests(ckpt.model)) for d in part]
     draft = load_draft(ckpt, max_len, config.dtype, device) if config.speculative else None

@@ -64,6 +64,9 @@ def worker_configs(cfg: UpConfig, has_draft: bool) -> dict[str, WorkerConfig]:
         # Refused before any service starts (a decode worker would refuse at its own start, in a crash loop).
         raise ConfigError(f"decode workers of ep_size {ep['decode']}; allowed: 1 (a decode group needs "
                           "DP-attention, not built yet): set --prefill-ep-size for prefill groups alone")
+    if cfg.engine.parallel.dp_attention:
+        raise ConfigError("`dp_attention` for the cluster's workers; allowed: off (DP-attention groups run offline "
+                          "only so far)")
     return {
         "prefill": WorkerConfig(role="prefill", model=cfg.model, port=0, metrics_port=0,
                                 engine=replace_options(engine, ep_size=ep["prefill"]), otlp_endpoint=cfg.otlp_endpoint),

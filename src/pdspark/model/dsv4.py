@@ -20,6 +20,7 @@ from pdspark.model.rope import RotaryTable
 from pdspark.model.row_exact import row_exact_linear
 from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.parallel.slot_exchange import SlotExchange
+from pdspark.parallel.token_exchange import TokenExchange
 from pdspark.quant.fused_linear import FusedLinear
 
 # Up to this many rows (a decode step, a gamma <= 7 verify step) the head runs in one C call whose rows share each
@@ -68,6 +69,9 @@ class DSV4Model(nn.Module):
     def forward(self, batch: ForwardBatch, pools: LayerCaches, capture: tuple[int, ...] = ()) -> ForwardOutput:
         """Run every layer over the step's tokens; `capture` lists layers whose output (the mean over the mHC
         streams) becomes a feature for the speculative drafter."""
+        exchange = self.expert_exchange
+        if isinstance(exchange, TokenExchange):  # DP-attention: every rank's MoE layers take part in this pass
+            exchange.begin_forward(batch.num_tokens)
         if self._decode_step is not None:  # a small step: one C call per layer, where it applies
             fast = self._decode_step.try_run(batch, pools, self.embed, (self.rope_main, self.rope_compress), capture)
             if fast is not None:
@@ -98,19 +102,35 @@ class DSV4Model(nn.Module):
                                                  (self.rope_main, self.rope_compress), capture)
 
     @property
-    def expert_exchange(self) -> SlotExchange | None:
-        """The MoE layers' slot exchange (expert parallelism; None: one process)."""
+    def expert_exchange(self) -> SlotExchange | TokenExchange | None:
+        """The MoE layers' exchange (expert parallelism; None: one process)."""
         moe = self.layers[0].ffn if len(self.layers) else None
         return moe.exchange if isinstance(moe, MoE) else None
 
-    def use_expert_exchange(self, exchange: SlotExchange) -> None:
+    def use_expert_exchange(self, exchange: SlotExchange | TokenExchange) -> None:
         """Expert parallelism: every MoE layer takes the other ranks' slots through `exchange` (call after
-        `prepare_inference`; the C decode step is rebuilt to call it)."""
+        `prepare_inference`). A `SlotExchange` (every rank runs the same batch): the C decode step is rebuilt to
+        call it. A `TokenExchange` (DP-attention): every forward is the module path (the C step does not exchange
+        token rows yet)."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer) and isinstance(layer.ffn, MoE)
             layer.ffn.use_exchange(exchange)
+        if isinstance(exchange, TokenExchange):
+            self._decode_step = None
+            self.decode_step_off = "DP-attention: the C decode step does not exchange token rows between ranks yet"
+            return
         built = DecodeStep.build(list(self.layers), self.cfg)  # type: ignore[arg-type]
         self._decode_step, self.decode_step_off = (None, built) if isinstance(built, str) else (built, None)
+
+    def finish_group_step(self) -> None:
+        """DP-attention: this rank's engine step is over; join the other ranks' remaining forwards (with no tokens
+        of its own) until every rank's step is. Nothing to do otherwise."""
+        exchange = self.expert_exchange
+        if isinstance(exchange, TokenExchange):
+            # In the engine's mode (`ModelRunner.run`): the MoE paths depend on it, and other ranks' rows must get
+            # the bits their own process would give them.
+            with torch.inference_mode():
+                exchange.finish_step([layer.ffn for layer in self.layers])  # type: ignore[misc]  # (MoE layers)
 
     def prepare_inference(self, row_exact: bool = False) -> None:
         """Fuse the projections that read the same input and freeze the mHC mix parameters for the C collapse

@@ -6,7 +6,8 @@ Routing weights are the router scores of the chosen experts, renormalised and mu
 One combine order everywhere (every path here, the C kernels, and expert-parallel groups): each token's expert
 outputs are kept per top-k slot `[T, k, D]`, multiplied by their weights and summed in slot order, then the shared
 expert's output is added. With expert parallelism (`ExpertShard`) a rank computes the slots of the experts it holds
-and a `SlotExchange` fills in the others before that sum, so a group gives one process's bits.
+and an exchange fills in the others before that sum, so a group gives one process's bits: a `SlotExchange` where
+every rank runs the same tokens, a `TokenExchange` where each rank runs its own (DP-attention).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.model_config import ModelConfig
 from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.parallel.slot_exchange import SlotExchange, exchange_errors
+from pdspark.parallel.token_exchange import TokenExchange
 from pdspark.quant.fused_linear import FusedLinear
 from pdspark.quant.quant_experts import QuantExperts
 from pdspark.quant.quant_linear import linear
@@ -69,7 +71,7 @@ class MoE(nn.Module):
         super().__init__()
         d, inter, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
         self.shard = shard if shard is not None else ExpertShard.whole(n_exp)  # the routed experts held here
-        self.exchange: SlotExchange | None = None  # expert parallelism: set with `use_exchange`
+        self.exchange: SlotExchange | TokenExchange | None = None  # expert parallelism: set with `use_exchange`
         self.is_hash = is_hash
         self.top_k = cfg.num_experts_per_tok
         self.n_experts = n_exp
@@ -97,12 +99,22 @@ class MoE(nn.Module):
         self._dense_w13: torch.Tensor | None = None  # [E * 2I, D]: few experts, every one on every token
         self._dense_w2t: torch.Tensor | None = None  # [E, I, D]
 
-    def use_exchange(self, exchange: SlotExchange) -> None:
-        """Expert parallelism: the other ranks' slots come through `exchange` (the shard holds part of the experts;
-        every rank runs the same tokens through this layer, in step)."""
+    def use_exchange(self, exchange: SlotExchange | TokenExchange) -> None:
+        """Expert parallelism: the other ranks' slots come through `exchange` (the shard holds part of the experts).
+        A `SlotExchange`: every rank runs the same tokens through this layer, in step; a `TokenExchange`: each rank
+        its own tokens (the one-call C form, which exchanges slots only, is then off)."""
         if self.experts is not None:
             raise NotImplementedError("expert parallelism with quantized (ModelSlim) experts")
         self.exchange = exchange
+        if isinstance(exchange, TokenExchange):
+            self.c_decode = None
+
+    def join_exchange(self) -> None:
+        """DP-attention: join the other ranks' exchange at this layer with no tokens of this rank's own."""
+        assert isinstance(self.exchange, TokenExchange)
+        D = self.gate.shape[1]
+        self.exchange.experts(torch.empty(0, D, dtype=self.gate.dtype), torch.empty(0, self.top_k, dtype=torch.long),
+                              self._held_slots)
 
     def fuse(self) -> None:
         """Inference only: the router and the shared expert's gate/up read the same input: one matmul."""
@@ -113,7 +125,7 @@ class MoE(nn.Module):
         (_, w_in), *rest = self.fused_in.groups
         w2s = self.shared.w2
         self.c_decode = (w_in.detach(), w2s.detach()) if not rest and isinstance(w_in, torch.Tensor) and isinstance(
-            w2s, torch.Tensor) else None
+            w2s, torch.Tensor) and not isinstance(self.exchange, TokenExchange) else None
         # Per-expert views in Python lists: picking an expert is then a list lookup, not a tensor op.
         self._expert_w13 = list(self.w13.detach().unbind(0))
         self._expert_w2 = list(self.w2.detach().unbind(0))
@@ -158,23 +170,30 @@ class MoE(nn.Module):
         else:
             shared = self.shared(x)
             ids, weights = self.route(x, input_ids)
-        T = x.shape[0]
-        if self.experts is not None:
-            slots = self.experts(x, ids, partial(swiglu, limit=self.limit))
-        elif fused is not None and self._dense_w13 is not None and T > 1 and T * self.n_experts <= _DENSE_MAX_ROWS:
-            slots = self._slots_dense(x, ids)
-        elif ids.numel() <= _PAIR_LOOP_MAX:
-            slots = self._slots_by_pair(x, ids)
+        if isinstance(self.exchange, TokenExchange):
+            slots = self.exchange.experts(x, ids, self._held_slots)
         else:
-            slots = self._slots_by_expert(x, ids)
+            slots = self._held_slots(x, ids)
+            if self.exchange is not None:
+                self.exchange.combine(slots)  # the other ranks' slots filled in
         return (self.combine(slots, weights) + shared).to(x.dtype)
 
+    def _held_slots(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Tokens `x [T, D]` routed to `ids [T, k]` -> their (token, slot) outputs `[T, k, D]` from the experts
+        held here (zeros for the others), by the path that suits the step's size."""
+        T = x.shape[0]
+        if self.experts is not None:
+            return self.experts(x, ids, partial(swiglu, limit=self.limit))
+        if (self.fused_in is not None and not torch.is_grad_enabled() and self._dense_w13 is not None and T > 1
+                and T * self.n_experts <= _DENSE_MAX_ROWS):
+            return self._slots_dense(x, ids)
+        if ids.numel() <= _PAIR_LOOP_MAX:
+            return self._slots_by_pair(x, ids)
+        return self._slots_by_expert(x, ids)
+
     def combine(self, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Per-slot outputs `[T, k, D]` (zeros for experts held elsewhere) -> the routed term `[T, D]`: the other
-        ranks' slots filled in (expert parallelism), then each slot times its weight, summed in slot order (as the
-        C kernels' `moe_decode`)."""
-        if self.exchange is not None:
-            self.exchange.combine(slots)
+        """Every slot's output `[T, k, D]` -> the routed term `[T, D]`: each slot times its weight, summed in slot
+        order (as the C kernels' `moe_decode`)."""
         slots, w = slots.float(), weights.float()  # (fp32 models: no-ops; others sum in fp32 as the kernels do)
         out = slots[:, 0] * w[:, 0:1]
         for j in range(1, slots.shape[1]):
@@ -187,6 +206,7 @@ class MoE(nn.Module):
         after the fused router + shared gate/up matmul; None where the C path does not apply. With expert
         parallelism, the form that keeps each (token, slot) output and exchanges them (the same bits)."""
         ex = self.exchange
+        assert not isinstance(ex, TokenExchange), "a DP-attention layer has no C form (`use_exchange`)"
         with exchange_errors(ex):
             return cpu_kernels.moe_decode(
                 x, self.mm(x, w_in), input_ids, self.get_buffer("tid2eid") if self.is_hash else None,

@@ -64,7 +64,11 @@ class WorkerServer:
         if cfg.engine.parallel.ep_size > 1:
             if cfg.role != "prefill":
                 raise ConfigError(f"`ep_size` is {cfg.engine.parallel.ep_size} for a decode worker; allowed: 1 (a "
-                                  "decode group needs DP-attention, not built yet; prefill workers run groups)")
+                                  "decode group needs DP-attention serving, not built yet; prefill workers run "
+                                  "groups)")
+            if cfg.engine.parallel.dp_attention:
+                raise ConfigError("`dp_attention` for a worker; allowed: off (DP-attention groups run offline "
+                                  "only so far: `LLM`, `pdspark generate`)")
             # Rank 0 here, the other ranks child processes in lockstep (`engine/lockstep.py`): the Engine API, with
             # every state change sent to each rank. Only rank 0 serves gRPC and writes transfers.
             self.group = start_engine_group(cfg.model, False, cfg.engine, {})

@@ -26,6 +26,7 @@ from pdspark.model.model_config import CSA, HCA, ModelConfig
 from pdspark.model.moe import MoE
 from pdspark.model.rope import RotaryTable
 from pdspark.parallel.slot_exchange import SlotExchange, exchange_errors
+from pdspark.parallel.token_exchange import TokenExchange
 
 # Decode/verify steps up to this many tokens run through the C layer. Its GEMVs read the weights once per token,
 # which stays cheaper than the module path's per-op cost up to here (dsv4-tiny and the bench's big config, batch 8:
@@ -113,6 +114,8 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
         checked["tid2eid"] = tid2eid
     pointers = {n: v.data_ptr() for n, v in checked.items() if v is not None}
     # Expert parallelism: the C function that sums the (token, slot) outputs over the group (0: one process).
+    if isinstance(moe.exchange, TokenExchange):
+        return "DP-attention: the C decode step does not exchange token rows between ranks yet"
     pointers["exchange"] = 0 if moe.exchange is None else moe.exchange.c_pointer
     weights = [pointers.get(n, 0) for n in kernel_abi.DECODE_WEIGHTS]
     kind = {CSA: kernel_abi.DECODE_CSA, HCA: kernel_abi.DECODE_HCA}.get(attn.layer_type, kernel_abi.DECODE_SLIDING)
@@ -181,7 +184,9 @@ class DecodeStep:
                 return f"layer {i}: {table}"
             tables.append(table)
         moes = [layer.ffn for layer in layers if isinstance(layer.ffn, MoE)]
-        return cls(tables, cfg, moes[0].exchange if moes else None)
+        exchange = moes[0].exchange if moes else None
+        assert not isinstance(exchange, TokenExchange)  # (`layer_table` refused it)
+        return cls(tables, cfg, exchange)
 
     @staticmethod
     def _applies(batch: ForwardBatch) -> bool:
