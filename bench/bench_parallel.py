@@ -1,12 +1,13 @@
-"""Expert parallelism on this machine: one process against a group of 2 ranks (lockstep, each holding half of the
-routed experts), on the same prompts; and the planned memory per rank of DeepSeek-V4-Flash on 8 and 16 devices.
+"""Expert parallelism on this machine: one process against groups of 2 ranks, each holding half of the routed
+experts, in both modes (lockstep: every rank runs the whole batch; DP-attention: each rank owns half of the
+requests), on the same prompts; and the planned memory per rank of DeepSeek-V4-Flash on 8 and 16 devices.
 
-Measured per (model, ep_size), each in a fresh process (rank 0; rank 1 its child): the prefill of a batch (the
-steps until every request has its first token), the median decode step after it, the slot exchanges per decode
-step (all-reduces, bytes, seconds, on rank 0), the routed-expert and other parameter bytes per rank, and each
-rank's resident memory. On a 2-core CPU a group is slower than one process (each exchange costs a gloo call; both
-ranks compute the whole attention): groups exist to fit a model no single device holds, so the figures are a
-report, not a target.
+Measured per (model, mode), each in a fresh process (rank 0; rank 1 its child): the prefill of a batch (the steps
+until every request has its first token), the median decode step after it, the collectives per decode step
+(calls, bytes, seconds, on rank 0), the routed-expert and other parameter bytes per rank, and each rank's resident
+memory. On a 2-core CPU a group is slower than one process (each exchange costs gloo calls; in lockstep both ranks
+compute the whole attention; a DP-attention rank decodes on the module path, without the C decode step): groups
+exist to fit a model no single device holds, so the figures are a report, not a target.
 
     python bench/bench_parallel.py [--models dsv4-tiny,big] [--batch 4] [--prompt-len 64] [--max-tokens 32]
                                    [--threads 1]
@@ -27,7 +28,8 @@ from random_checkpoint import CONFIGS, random_checkpoint
 from report import figure, grouped_bars, save_figure, write_json
 from resident_memory import rss_mb
 
-SIZES = (1, 2)
+# (label, ep_size, dp_attention)
+MODES = (("ep 1", 1, False), ("ep 2 lockstep", 2, False), ("ep 2 DP-attention", 2, True))
 
 
 def _model_path(name: str) -> str:
@@ -38,12 +40,13 @@ def _model_path(name: str) -> str:
     return str(resolve_model(name))
 
 
-def measure(model: str, ep_size: int, batch: int, prompt_len: int, max_tokens: int) -> dict:
+def measure(model: str, ep_size: int, dp_attention: bool, batch: int, prompt_len: int, max_tokens: int) -> dict:
     """One configuration in this process (rank 0): a warm-up batch, then the measured one."""
     from pdspark import LLM, SamplingParams
 
-    llm = LLM(_model_path(model), ep_size=ep_size, page_size=16, max_model_len=prompt_len + max_tokens + 16,
-              max_num_seqs=batch, max_num_batched_tokens=max(256, batch * prompt_len), enable_prefix_cache=False)
+    llm = LLM(_model_path(model), ep_size=ep_size, dp_attention=dp_attention, page_size=16,
+              max_model_len=prompt_len + max_tokens + 16, max_num_seqs=batch,
+              max_num_batched_tokens=max(256, batch * prompt_len), enable_prefix_cache=False)
     engine = llm.engine
     runner_model = engine.runner.model
     expert = sum(p.numel() * p.element_size() for n, p in runner_model.named_parameters()
@@ -56,8 +59,9 @@ def measure(model: str, ep_size: int, batch: int, prompt_len: int, max_tokens: i
         prompts = [torch.randint(3, 256, (prompt_len,), generator=g).tolist() for _ in range(batch)]
         ids = [engine.add_request(p, params) for p in prompts]
         start = time.perf_counter()
-        while not all(engine.requests[i].output_token_ids for i in ids):
-            engine.step()
+        started: set[str] = set()
+        while not started.issuperset(ids):
+            started |= {o.request_id for o in engine.step() if o.token_ids}
         prefill_s = time.perf_counter() - start
         before = (exchange.calls, exchange.bytes, exchange.seconds) if exchange is not None else (0, 0, 0.0)
         steps: list[float] = []
@@ -141,37 +145,39 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--child", nargs=2, metavar=("MODEL", "EP_SIZE"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("MODEL", "EP_SIZE", "DP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]), args.batch, args.prompt_len, args.max_tokens)))
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args.child[2] == "dp", args.batch,
+                                 args.prompt_len, args.max_tokens)))
         return
     models = args.models.split(",")
-    results: dict[str, dict[int, dict]] = {m: {} for m in models}
+    results: dict[str, dict[str, dict]] = {m: {} for m in models}
     for m in models:
         _model_path(m)  # (built once, outside the timed children)
-        for ep in SIZES:
-            out = subprocess.run([sys.executable, __file__, "--child", m, str(ep), "--batch", str(args.batch),
-                                  "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
-                                  "--threads", str(args.threads)], check=True, capture_output=True, text=True,
-                                 timeout=900)
-            results[m][ep] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{m} ep {ep}: {results[m][ep]}", file=sys.stderr, flush=True)
+        for label, ep, dp in MODES:
+            out = subprocess.run([sys.executable, __file__, "--child", m, str(ep), "dp" if dp else "lockstep",
+                                  "--batch", str(args.batch), "--prompt-len", str(args.prompt_len), "--max-tokens",
+                                  str(args.max_tokens), "--threads", str(args.threads)], check=True,
+                                 capture_output=True, text=True, timeout=900)
+            results[m][label] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"{m} {label}: {results[m][label]}", file=sys.stderr, flush=True)
     host = _host()
     lines = [
         f"{host}; batch {args.batch} x {args.prompt_len}-token prompts, {args.max_tokens} output tokens, "
         f"{args.threads} thread(s) per rank",
         "",
-        "| model | ep | prefill ms | decode step ms (median) | vs ep 1 | exchanges/step | KiB/step | exchange ms/step |"
+        "| model | mode | prefill ms | decode step ms (median) | vs ep 1 | collectives/step | KiB/step | "
+        "collective ms/step |"
         " experts MiB/rank | other MiB/rank | RSS MiB per rank |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for m in models:
-        base = results[m][1]["decode_step_ms"]
-        for ep in SIZES:
-            r = results[m][ep]
-            lines.append(f"| {m} | {ep} | {r['prefill_ms']:.1f} | {r['decode_step_ms']:.2f} | "
+        base = results[m]["ep 1"]["decode_step_ms"]
+        for label, _, _ in MODES:
+            r = results[m][label]
+            lines.append(f"| {m} | {label} | {r['prefill_ms']:.1f} | {r['decode_step_ms']:.2f} | "
                          f"{r['decode_step_ms'] / base:.2f}x | {r['exchanges_per_step']:.1f} | "
                          f"{r['exchange_kb_per_step']:.1f} | {r['exchange_ms_per_step']:.2f} | "
                          f"{r['expert_mb_per_rank']:.2f} | {r['other_mb_per_rank']:.2f} | "
@@ -189,10 +195,10 @@ def main() -> None:
     write_json("parallel", {"args": {k: str(v) for k, v in vars(args).items()}, "host": host, "results": results,
                             "v4_flash_plan": plan})
     fig, (ax_decode, ax_prefill) = figure(ncols=2, width=10.0)
-    grouped_bars(ax_decode, models, {f"ep {ep}": [results[m][ep]["decode_step_ms"] for m in models] for ep in SIZES},
-                 "decode step (ms, median)")
-    grouped_bars(ax_prefill, models, {f"ep {ep}": [results[m][ep]["prefill_ms"] for m in models] for ep in SIZES},
-                 "prefill of the batch (ms)")
+    grouped_bars(ax_decode, models, {label: [results[m][label]["decode_step_ms"] for m in models]
+                                     for label, _, _ in MODES}, "decode step (ms, median)")
+    grouped_bars(ax_prefill, models, {label: [results[m][label]["prefill_ms"] for m in models]
+                                      for label, _, _ in MODES}, "prefill of the batch (ms)")
     save_figure(fig, "parallel", lines[0])
 
 

@@ -83,7 +83,7 @@ def test_uneven_load_idle_ranks_and_a_prefill_beside_decodes():
         while steps < late:
             eng.step()
             steps += 1
-        assert not eng._unfinished[1] and eng._unfinished[0]  # rank 1 idle, rank 0 decoding
+        assert eng.rank_loads == [1, 0]  # rank 1 idle, rank 0 decoding
         ids.append(eng.add_request(prompts[4], params[4]))
         assert [eng.owner[i] for i in ids] == [0, 1, 0, 1, 1]
         exchange = eng.engine.runner.model.expert_exchange

@@ -49,6 +49,14 @@ class DataParallelEngine(LockstepEngine):
         return len(self._unfinished)
 
     @property
+    def rank_loads(self) -> list[int]:
+        """Unfinished requests per rank, as rank 0 counts them (placement goes by these)."""
+        load = [0] * self.size
+        for rank in self._running.values():
+            load[rank] += 1
+        return load
+
+    @property
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished or any(self._unfinished[1:])
 
@@ -63,9 +71,7 @@ class DataParallelEngine(LockstepEngine):
         self.engine.validate(prompt_token_ids, params)  # (the same limits on every rank: refused here)
         if params.seed is None:
             params = replace(params, seed=self.engine.effective_seed(params))
-        load = [0] * self.size
-        for rank in self._running.values():
-            load[rank] += 1
+        load = self.rank_loads
         rank = min(range(self.size), key=lambda r: (load[r], r))
         self._on(rank, "add_request", prompt_token_ids, params, req_id, prompt)
         self.owner[req_id] = self._running[req_id] = rank
@@ -159,13 +165,16 @@ class DataParallelEngine(LockstepEngine):
         return value
 
     def _guarded(self, name: str, call: Any) -> Any:
-        """`call()`; any failure ends the group (the ranks' states may now differ)."""
+        """`call()`; any failure ends the group (the ranks' states may now differ), an interrupt too (the other
+        ranks may be inside a step whose answer would be taken for the next call's)."""
         try:
             return call()
-        except Exception as e:
+        except BaseException as e:
             cause = f" (from {type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
             self.failure = WorkerGroupError(f"the worker group failed in `{name}` ({self._states()}): "
                                             f"{type(e).__name__}: {e}{cause}")
+            if not isinstance(e, Exception):
+                raise
             raise self.failure from e
 
 

@@ -21,6 +21,7 @@ from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.hardware.prepare_streams import PrepareStreams, use_prepare_streams
 from pdspark.model.cpu.decode_step import MAX_TOKENS
 from pdspark.model.dsv4 import DSV4Model
+from pdspark.parallel.token_exchange import TokenExchange
 
 
 class RunOutput(NamedTuple):
@@ -47,6 +48,9 @@ class ModelRunner:
         self.streams = streams  # side streams of the multi-stream prepare (None: off)
         self.stream_rows = stream_rows  # its row limit
         self.fallbacks = FastPathFallbacks()  # decode/verify steps the C step did not run, by reason
+        exchange = model.expert_exchange
+        if isinstance(exchange, TokenExchange):  # DP-attention: other ranks' rows on the threads of their steps
+            exchange.threads_for = self.threads_for
         # Small steps on the CPU (decode, and DSpark verify steps with their captured features): indices built in C
         # from the page tables and every layer in one call.
         self.layout = index_layout(kv) if kv.pools.swa_kv.device.type == "cpu" else None
@@ -59,8 +63,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> RunOutput:
         if self.kv.pools.swa_kv.device.type == "cpu":
-            tokens = sum(len(c.token_ids) for c in chunks)
-            want = 1 if tokens <= SMALL_STEP_TOKENS else self.threads
+            want = self.threads_for(sum(len(c.token_ids) for c in chunks))
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
         if self.layout is not None:
@@ -79,6 +82,10 @@ class ModelRunner:
         out = self.model(batch, self.kv.pools, self.capture)
         return RunOutput(self.model.logits(out.hidden[batch.logits_rows]), out.features, batch.positions,
                          batch.swa_slots)
+
+    def threads_for(self, tokens: int) -> int:
+        """The intra-op threads a step of `tokens` rows runs on."""
+        return 1 if tokens <= SMALL_STEP_TOKENS else self.threads
 
     def _fallback_detail(self, reason: str, chunks: list[Chunk]) -> str:
         tokens = sum(len(c.token_ids) for c in chunks)

@@ -41,6 +41,10 @@ class TokenExchange:
         self.bytes = 0
         self.seconds = 0.0
         self.forwards = 0  # forwards with rows of this rank
+        # The intra-op threads a step of that many rows runs on (the engine's rule, `ModelRunner.threads_for`): a
+        # source rank's rows are computed here on the threads its own step uses, so that they get the bits its own
+        # process would give them (None: leave the threads as they are).
+        self.threads_for: Callable[[int], int] | None = None
         self.idle_forwards = 0  # forwards of other ranks joined with zero rows
 
     def begin_forward(self, rows: int) -> None:
@@ -80,10 +84,15 @@ class TokenExchange:
         dist.all_gather_single(all_ids, _pad(ids.to(torch.int64), width), group=self.group)
         self.seconds += time.perf_counter() - start
         slots = torch.zeros(self.size, width, k, D, dtype=x.dtype)
+        threads = torch.get_num_threads()  # (this rank's step's, restored for the rest of its forward)
         for q, n in enumerate(rows):
             if n:  # one source rank's rows alone, as its own engine runs them
                 lo = q * width
+                if self.threads_for is not None and torch.get_num_threads() != (want := self.threads_for(n)):
+                    torch.set_num_threads(want)
                 slots[q, :n] = compute(xs[lo : lo + n], all_ids[lo : lo + n])
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         start = time.perf_counter()
         mine = torch.empty(width, k, D, dtype=x.dtype)
         dist.reduce_scatter_single(mine, slots.view(self.size * width, k, D), group=self.group)
