@@ -1,6 +1,6 @@
 """`TokenExchange`: DP-attention's MoE exchange. Each rank of the group runs its own requests through attention; at
-every MoE layer the ranks' token rows meet, each rank computes its experts for every rank's rows, and each rank gets
-back the (token, slot) outputs of its own rows.
+every MoE layer the ranks' token rows meet (one all-gather of the rows with their expert ids), each rank computes its
+experts for every rank's rows, and a reduce-scatter gives each rank the (token, slot) outputs of its own rows.
 
 A forward pass is a collective: it opens with a header (`begin_forward`: every rank's row count, all-gathered), then
 each MoE layer makes one exchange. A rank whose step has no (more) forwards joins the others' with zero rows
@@ -77,28 +77,29 @@ class TokenExchange:
         T, k, D = x.shape[0], ids.shape[1], x.shape[1]
         if width == 0:
             return x.new_zeros(0, k, D)
+        # Rows and their expert ids travel in one all-gather: each row `[D]` followed by its ids' int64 bits
+        # reinterpreted in the rows' dtype (a copy moves bits, it never converts them).
+        packed = torch.cat([x, ids.to(torch.int64).contiguous().view(x.dtype)], dim=1)  # [T, D + k * 8 / size]
         start = time.perf_counter()
-        xs = torch.empty(self.size * width, D, dtype=x.dtype)
-        dist.all_gather_single(xs, _pad(x, width), group=self.group)
-        all_ids = torch.empty(self.size * width, k, dtype=torch.int64)
-        dist.all_gather_single(all_ids, _pad(ids.to(torch.int64), width), group=self.group)
+        gathered = torch.empty(self.size * width, packed.shape[1], dtype=x.dtype)
+        dist.all_gather_single(gathered, _pad(packed, width), group=self.group)
         self.seconds += time.perf_counter() - start
         slots = torch.zeros(self.size, width, k, D, dtype=x.dtype)
         threads = torch.get_num_threads()  # (this rank's step's, restored for the rest of its forward)
         for q, n in enumerate(rows):
             if n:  # one source rank's rows alone, as its own engine runs them
-                lo = q * width
+                part = gathered[q * width : q * width + n]
                 if self.threads_for is not None and torch.get_num_threads() != (want := self.threads_for(n)):
                     torch.set_num_threads(want)
-                slots[q, :n] = compute(xs[lo : lo + n], all_ids[lo : lo + n])
+                slots[q, :n] = compute(part[:, :D].contiguous(), part[:, D:].contiguous().view(torch.int64))
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         start = time.perf_counter()
         mine = torch.empty(width, k, D, dtype=x.dtype)
         dist.reduce_scatter_single(mine, slots.view(self.size * width, k, D), group=self.group)
         self.seconds += time.perf_counter() - start
-        self.calls += 3
-        self.bytes += xs.numel() * xs.element_size() + all_ids.numel() * 8 + slots.numel() * slots.element_size()
+        self.calls += 2
+        self.bytes += gathered.numel() * gathered.element_size() + slots.numel() * slots.element_size()
         return mine[:T]
 
     def _header(self, rows: int) -> list[int]:
