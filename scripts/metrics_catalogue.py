@@ -30,14 +30,24 @@ class Row:
 
 def registries() -> dict[str, CollectorRegistry]:
     """One registry per exporter, each with every label set created (a registered worker, DSpark drafts)."""
+    from pdspark.parallel.rank_stats import RankStats
     from pdspark.router.router_metrics import RouterMetrics
     from pdspark.serving.decode_metrics import DecodeMetrics
+    from pdspark.serving.group_metrics import GroupCollector, OneProcessGroup
     from pdspark.serving.prefill_metrics import PrefillMetrics
+
+    class Group:  # a prefill worker's group of two ranks (`--ep-size 2`)
+        rank_stats = RankStats(2)
+
+        def rank_states(self) -> list[str]:
+            return ["running", "running"]
 
     router = RouterMetrics()
     router.worker_added("prefill", "prefill-0")
-    return {"router": router.registry, "prefill": PrefillMetrics().registry,
-            "decode": DecodeMetrics(num_drafts=3).registry}
+    prefill, decode = PrefillMetrics(), DecodeMetrics(num_drafts=3)
+    prefill.registry.register(GroupCollector(Group()))
+    decode.registry.register(GroupCollector(OneProcessGroup(then=decode.engine)))  # (decode workers: one process)
+    return {"router": router.registry, "prefill": prefill.registry, "decode": decode.registry}
 
 
 def rows(registry: CollectorRegistry) -> list[Row]:

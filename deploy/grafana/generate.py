@@ -99,13 +99,21 @@ OVERVIEW = [
     PanelSpec("Engine step p99", "s", (Query(
         "histogram_quantile(0.99, sum by (instance, le) "
         f"(rate(pdspark_engine_step_seconds_bucket{{{W}}}[{RATE}])))", "{{instance}}"),)),
-    PanelSpec("Expert exchange share of time", "percentunit", (
-        Query(rate("pdspark_worker_expert_exchange_seconds_total", W, "instance"), "{{instance}}"),),
-        "Fraction of rank 0's time in the MoE slot all-reduces of an expert-parallel group (--ep-size), the wait "
-        "for the slowest rank included; 0 for one-process workers"),
+    PanelSpec("Step time per rank p99", "s", (Query(
+        "histogram_quantile(0.99, sum by (instance, rank, le) "
+        f"(rate(pdspark_worker_rank_step_seconds_bucket{{{W}}}[{RATE}])))", "{{instance}} rank {{rank}}"),),
+        "Each rank of each worker's group (--ep-size; one-process workers: rank 0), the waits in its collectives "
+        "included: a rank far from the others holds the whole group back"),
+    PanelSpec("Collective share of each rank's time", "percentunit", (Query(
+        f"{rate('pdspark_worker_rank_collective_seconds_sum', W, 'instance, rank')} / "
+        f"{rate('pdspark_worker_rank_step_seconds_sum', W, 'instance, rank')}", "{{instance}} rank {{rank}}"),),
+        "Fraction of each rank's step time in its MoE exchanges' collectives, the wait for the slowest rank "
+        "included; 0 for one-process workers"),
     PanelSpec("Ranks per worker", "short", (
-        Query(f"sum by (instance) (pdspark_worker_group_ranks{{{W}}})", "{{instance}}"),),
-        "Rank processes of each worker's engine (--ep-size; 1: one process)", kind="stat"),
+        Query(f"sum by (instance) (pdspark_worker_group_ranks{{{W}}})", "{{instance}} ranks"),
+        Query(f"sum by (instance) (pdspark_worker_rank_up{{{W}}})", "{{instance}} running")),
+        "Rank processes of each worker's engine (--ep-size; 1: one process), and how many run (a group whose rank "
+        "exits fails as a unit and restarts)", kind="stat"),
     PanelSpec("Workers by health", "short", (
         Query(f"sum by (worker_role, healthy) (pdspark_router_workers{{{R}}})",
               "{{worker_role}} healthy={{healthy}}"),),

@@ -60,6 +60,15 @@ def test_a_prefill_group_serves_the_one_process_tokens_and_bytes(draft_ckpt, wor
     assert _sample(group, "pdspark_worker_expert_exchange_bytes_total") > 0
     assert _sample(single, "pdspark_worker_group_ranks") == 1
     assert _sample(single, "pdspark_worker_expert_exchanges_total") == 0
+    # Every rank's figures, served by rank 0 from the group's shared table: in lockstep each rank ran every step and
+    # made the same collectives, and both run.
+    def ranks() -> dict:
+        return {r: {name: _sample(group, f'pdspark_worker_rank_{name}{{rank="{r}"}}') for name in
+                    ("step_seconds_count", "collectives_total", "collective_bytes_total", "up")} for r in (0, 1)}
+
+    # (Rank 1 records a step as it ends it, which may be after rank 0 did: wait for the two to agree.)
+    rank = wait_until(lambda: (got := ranks())[0] == got[1] and got, 5, "both ranks' figures recorded")
+    assert rank[1]["step_seconds_count"] > 0 and rank[1]["up"] == 1, rank
 
 
 def test_a_killed_rank_takes_its_prefill_group_down_for_a_restart(draft_ckpt):

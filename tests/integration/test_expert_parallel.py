@@ -28,6 +28,7 @@ from pdspark.errors import ConfigError, WorkerGroupError
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.moe import MoE
 from pdspark.parallel.expert_shard import ExpertShard
+from pdspark.testing.waiting import wait_until
 
 # 32 experts, top-4, hidden 128: beyond the dense path's waste bound, so prefill groups tokens by expert and decode
 # runs the pair loop or the C step's grouped rows.
@@ -236,3 +237,36 @@ def test_a_lost_rank_fails_the_group_with_an_error_naming_it(how):
         llm.close()
     with pytest.raises(ProcessLookupError):  # killed and reaped by `close`
         os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("dp_attention", [False, True], ids=["lockstep", "dp-attention"])
+def test_every_ranks_step_and_collective_figures_reach_rank_0(dp_attention):
+    """Each rank records its steps and its exchanges' collectives in the group's shared table; rank 0's collector
+    exposes them per rank (every rank takes part in every step and every collective, so the counts are equal), and
+    a killed rank shows as down."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdspark.serving.group_metrics import GroupCollector
+
+    llm = LLM(str(resolve_model("dsv4-tiny")), ep_size=2, dp_attention=dp_attention, page_size=16, max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9, 10, 11]], sampling_params=params)
+        stats = llm.engine.rank_stats
+        # (In lockstep rank 1 ends its last step after rank 0 returned: wait for its record, not a fixed time.)
+        wait_until(lambda: stats.figures(1).steps == stats.figures(0).steps, 10, "rank 1's last step recorded")
+        zero, one = (stats.figures(r) for r in (0, 1))
+        assert zero.steps == one.steps > 0 and sum(one.step_buckets) == one.steps and one.step_seconds > 0
+        assert zero.collective_calls == one.collective_calls > 0
+        assert zero.collective_bytes == one.collective_bytes > 0
+        registry = CollectorRegistry()
+        registry.register(GroupCollector(llm.engine))
+        text = generate_latest(registry).decode()
+        assert f'pdspark_worker_rank_step_seconds_count{{rank="1"}} {float(one.steps)}' in text
+        assert 'pdspark_worker_rank_up{rank="1"} 1.0' in text
+        (pid,) = llm.engine.rank_pids
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: llm.engine.rank_states()[1] != "running", 10, "rank 1 reaped")
+        assert 'pdspark_worker_rank_up{rank="1"} 0.0' in generate_latest(registry).decode()
+    finally:
+        llm.close()

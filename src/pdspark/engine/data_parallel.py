@@ -24,6 +24,7 @@ from typing import Any
 from pdspark.engine.engine import Engine
 from pdspark.engine.lockstep import STOP, LockstepEngine
 from pdspark.errors import ErrorCode, RequestFailed, WorkerGroupError
+from pdspark.parallel.rank_stats import RankStats
 from pdspark.types import RequestOutput, SamplingParams
 
 # The calls rank 0 makes on a follower rank's engine, by name (each answered over the pipe).
@@ -36,8 +37,9 @@ class DataParallelEngine(LockstepEngine):
     """The `Engine` API for callers (`LLM`): requests live on their owning rank; reads of the configuration, the
     tokenizer and validation go to rank 0's engine."""
 
-    def __init__(self, engine: Engine, followers: list[Connection], ranks: list[BaseProcess] | None = None):
-        super().__init__(engine, followers, ranks)
+    def __init__(self, engine: Engine, followers: list[Connection], ranks: list[BaseProcess] | None = None,
+                 stats: RankStats | None = None):
+        super().__init__(engine, followers, ranks, stats=stats)
         self.owner: dict[str, int] = {}  # request id -> the rank it runs on, until released
         self._running: dict[str, int] = {}  # the unfinished ones (placement counts them)
         self._unfinished = [False] * (len(followers) + 1)  # each rank's engine has unfinished requests
@@ -113,12 +115,7 @@ class DataParallelEngine(LockstepEngine):
         every rank's outputs."""
         self._check()
 
-        def local() -> list[RequestOutput]:
-            outs = self.engine.step()
-            self.engine.runner.model.finish_group_step()
-            return outs
-
-        mine, theirs = self._all("step", local)
+        mine, theirs = self._all("step", lambda: self._timed(lambda: _group_step(self.engine)))
         outs = list(mine)
         for got in theirs:
             outs.extend(got)
@@ -178,11 +175,18 @@ class DataParallelEngine(LockstepEngine):
             raise self.failure from e
 
 
-def serve_rank(engine: Engine, conn: Connection) -> None:
+def _group_step(engine: Engine) -> list[RequestOutput]:
+    """This rank's step, then the other ranks' remaining forwards joined (with no tokens of its own)."""
+    outs = engine.step()
+    engine.runner.model.finish_group_step()
+    return outs
+
+
+def serve_rank(engine: Engine, conn: Connection, timed: Any = lambda f: f()) -> None:
     """A follower rank's loop in a DP-attention group: answer rank 0's calls on this rank's engine until told to
     stop or rank 0 is gone. A step ends by joining the other ranks' remaining forwards. A failed call ends the rank
     (after its answer, which names the error): rank 0 checked the call first, and a failed step's collectives may
-    have left the group out of step."""
+    have left the group out of step. `timed` records each step (`RankStats.timer`)."""
     while True:
         try:
             name, args = conn.recv()
@@ -193,9 +197,7 @@ def serve_rank(engine: Engine, conn: Connection) -> None:
         if name not in _CALLS:
             raise ValueError(f"a follower rank was asked to call {name!r}; allowed: {sorted(_CALLS)}")
         try:
-            value = getattr(engine, name)(*args)
-            if name == "step":
-                engine.runner.model.finish_group_step()
+            value = timed(lambda: _group_step(engine)) if name == "step" else getattr(engine, name)(*args)
         except Exception as e:
             conn.send((False, f"{type(e).__name__}: {e}", engine.has_unfinished))  # (any exception pickles so)
             raise

@@ -31,6 +31,7 @@ from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
 from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.parallel.rank_group import RankGroup
+from pdspark.parallel.rank_stats import RankStats
 
 # A follower that was told to stop leaves at once; this bounds the wait for one that does not (then it is killed).
 _JOIN_S = 10.0
@@ -48,6 +49,7 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None,
     rendezvous = tempfile.mkdtemp(prefix="pdspark-group-")
     init = f"tcp://{par.dist_init_addr}" if par.dist_init_addr else f"file://{rendezvous}/store"
     ctx = mp.get_context("spawn")
+    stats = RankStats(size)  # (shared memory every rank writes its row of)
     conns: list[Connection] = []
     procs: list[BaseProcess] = []
     group: RankGroup | None = None
@@ -55,7 +57,8 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None,
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_follower_main, name=f"pdspark-rank{rank}", daemon=True,
-                               args=(rank, size, init, backend, model, cfg, torch.get_num_threads(), theirs))
+                               args=(rank, size, init, backend, model, cfg, torch.get_num_threads(), theirs,
+                                     stats.shared))
             proc.start()
             theirs.close()
             conns.append(ours)
@@ -65,8 +68,8 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None,
     except BaseException:
         _end_group(conns, procs, group, rendezvous)
         raise
-    lockstep = (DataParallelEngine(engine, conns, procs) if par.dp_attention
-                else LockstepEngine(engine, conns, procs))
+    lockstep = (DataParallelEngine(engine, conns, procs, stats) if par.dp_attention
+                else LockstepEngine(engine, conns, procs, stats=stats))
     # Run by `close`, or when the engine is collected, or at exit: a dropped LLM does not leave ranks behind.
     lockstep._close = weakref.finalize(lockstep, _end_group, conns, procs, group, rendezvous)
     return lockstep
@@ -88,11 +91,12 @@ def _end_group(conns: list[Connection], procs: list[BaseProcess], group: RankGro
 
 
 def _follower_main(rank: int, size: int, init: str, backend: str, model: str, cfg: EngineConfig, threads: int,
-                   conn: Connection) -> None:
+                   conn: Connection, stats: Any) -> None:
     torch.set_num_threads(threads)  # as rank 0: the group's ranks share the machine's cores
     group = RankGroup.join(rank, size, init, cfg.parallel.dist_timeout_s, backend)
     try:
         engine = create_engine(model, False, cfg, group=group)
-        (serve_rank if cfg.parallel.dp_attention else follow)(engine, conn)
+        timed = RankStats(size, stats).timer(rank, engine.runner.model.expert_exchange)
+        (serve_rank if cfg.parallel.dp_attention else follow)(engine, conn, timed)
     finally:
         group.close()

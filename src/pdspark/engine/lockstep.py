@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from pdspark.engine.engine import Engine
 from pdspark.errors import WorkerGroupError
+from pdspark.parallel.rank_stats import RankStats
 from pdspark.types import RequestOutput, SamplingParams
 
 # The calls a follower may be asked to make, by name: the engine's state-changing API.
@@ -40,17 +41,25 @@ class LockstepEngine:
     other ranks raises `WorkerGroupError`; aborts and releases still tidy rank 0's own engine."""
 
     def __init__(self, engine: Engine, followers: list[Connection], ranks: list[BaseProcess] | None = None,
-                 close: Callable[[], None] = lambda: None):
+                 close: Callable[[], None] = lambda: None, stats: RankStats | None = None):
         self.engine = engine
         self._followers = followers
         self._ranks = ranks or []  # the other ranks' processes (rank r at index r - 1), for error messages
         self._close = close  # ends the group once the followers are told to stop (joins them, leaves the group)
         self.failure: WorkerGroupError | None = None
+        # Every rank's step and collective figures (rank 0 records its own here; the metrics read them all).
+        self.rank_stats = stats if stats is not None else RankStats(len(followers) + 1)
+        self._timed = self.rank_stats.timer(0, engine.runner.model.expert_exchange)
 
     @property
     def rank_pids(self) -> list[int | None]:
         """The process ids of ranks 1.. (rank 0 is this process)."""
         return [p.pid for p in self._ranks]
+
+    def rank_states(self) -> list[str]:
+        """Each rank's state, rank 0 first: "running", "failed" (rank 0 once a call failed), "exited (code)"."""
+        return ["failed" if self.failure is not None else "running"] + [
+            "running" if p.exitcode is None else f"exited ({p.exitcode})" for p in self._ranks]
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """Call `on_lost(states)` from a daemon thread as soon as another rank exits before `close` (a serving
@@ -112,7 +121,7 @@ class LockstepEngine:
 
     def step(self) -> list[RequestOutput]:
         self._check()
-        return self._together(self.engine.step, "step")
+        return self._together(lambda: self._timed(self.engine.step), "step")
 
     def _together(self, local: Callable[[], _T], name: str, *args: Any) -> _T:
         """Send the call to every other rank, then make it here; any failure ends the group."""
@@ -136,8 +145,9 @@ class LockstepEngine:
             raise WorkerGroupError(f"this worker group has failed ({self.failure}); start a new one")
 
 
-def follow(engine: Engine, conn: Connection) -> None:
-    """A follower rank's loop: make rank 0's calls on this rank's engine until told to stop or rank 0 is gone."""
+def follow(engine: Engine, conn: Connection, timed: Callable[[Callable[[], Any]], Any] = lambda f: f()) -> None:
+    """A follower rank's loop: make rank 0's calls on this rank's engine until told to stop or rank 0 is gone
+    (`timed` records each step: `RankStats.timer`)."""
     while True:
         try:
             name, args = conn.recv()
@@ -147,4 +157,7 @@ def follow(engine: Engine, conn: Connection) -> None:
             return
         if name not in _CALLS:
             raise ValueError(f"a follower rank was asked to call {name!r}; allowed: {sorted(_CALLS)}")
-        getattr(engine, name)(*args)
+        if name == "step":
+            timed(engine.step)
+        else:
+            getattr(engine, name)(*args)

@@ -41,7 +41,8 @@ from pdspark.rpc.tls_credentials import channel_credentials, server_credentials
 from pdspark.serving.decode_metrics import DecodeMetrics
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
-from pdspark.serving.engine_loop import EngineLoop, exit_for_group_failure
+from pdspark.serving.engine_loop import EngineLoop, StepObserver, exit_for_group_failure
+from pdspark.serving.group_metrics import GroupCollector, OneProcessGroup
 from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
 from pdspark.serving.prefill_client import PrefillClients
 from pdspark.serving.prefill_metrics import PrefillMetrics
@@ -78,7 +79,14 @@ class WorkerServer:
             engine = create_engine(cfg.model, progress=False, config=cfg.engine)
         self.metrics: PrefillMetrics | DecodeMetrics = (
             PrefillMetrics() if cfg.role == "prefill" else DecodeMetrics(engine.scheduler.num_drafts))
-        self.loop = EngineLoop(engine, observer=self.metrics.engine)
+        # Every rank's step and collective figures, and whether it runs (a one-process worker: rank 0 alone).
+        observer: StepObserver = self.metrics.engine
+        if self.group is not None:
+            self.metrics.registry.register(GroupCollector(self.group))
+        else:
+            observer = OneProcessGroup(then=self.metrics.engine)
+            self.metrics.registry.register(GroupCollector(observer))
+        self.loop = EngineLoop(engine, observer=observer)
         self.backend = create_backend(cfg.transfer_backend, host=cfg.advertise_host, protocol=cfg.transfer_protocol)
         for addr, nbytes in registered_regions(engine.kv.pools):
             self.backend.register(addr, nbytes)
