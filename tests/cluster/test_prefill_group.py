@@ -102,6 +102,10 @@ def test_pdspark_up_runs_a_prefill_group_and_restarts_it_whole():
         with LLM("dsv4-tiny", max_model_len=512, max_num_seqs=4) as llm:
             offline = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
         assert complete(info) == offline
+        # The router lists each worker's rank processes (from its load reports): the group's two, decode's one.
+        wait_until(lambda: {w["role"]: w["ranks"] for w in _workers(info)} == {
+            "prefill": ["running", "running"], "decode": ["running"]}, 10, "ranks in /workers",
+            lambda: str(_workers(info)))
         worker = current(cluster, "prefill-0")
         (rank1,) = _rank_processes(worker["pid"])
         os.kill(rank1, signal.SIGKILL)
@@ -120,6 +124,11 @@ def complete(info: dict) -> str:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=scaled(60)) as r:
         return json.loads(r.read())["choices"][0]["text"]
+
+
+def _workers(info: dict) -> list[dict]:
+    with urllib.request.urlopen(info["http"] + "/workers", timeout=scaled(10)) as r:
+        return json.loads(r.read())
 
 
 def _sample(worker, name: str) -> float:

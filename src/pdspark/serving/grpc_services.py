@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdspark.deadline import Deadline
 from pdspark.engine.output_text import stream_text
@@ -38,7 +38,7 @@ from pdspark.types import RequestOutput
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 
-def _load(load: EngineLoad, in_flight: int, metrics_url: str, queued: int = 0,
+def _load(load: EngineLoad, in_flight: int, metrics_url: str, rank_states: list[str], queued: int = 0,
           quarantined_pages: dict[str, int] | None = None) -> worker_pb2.LoadReport:
     quarantined = quarantined_pages or {}
     return worker_pb2.LoadReport(
@@ -52,7 +52,12 @@ def _load(load: EngineLoad, in_flight: int, metrics_url: str, queued: int = 0,
         queued=queued,
         quarantined_pages=quarantined,
         quarantined_slots=quarantined.get("req_slots", 0),
+        rank_states=rank_states,
     )
+
+
+def _one_process() -> list[str]:
+    return ["running"]
 
 
 def _deadline(timeout_ms: int, context) -> Deadline:
@@ -64,6 +69,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker = worker
         self.metrics = metrics
         self.metrics_url = ""  # set by the server once its metrics endpoint listens
+        self.rank_states: Callable[[], list[str]] = _one_process  # a worker group's: set by the server
         self.calls = MultiplexedServer({"prefill": CallHandler(self.Prefill, "prefill", streaming=False,
                                                                unstarted=self._unstarted)})
 
@@ -133,7 +139,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     async def GetLoad(self, request, context):
-        return _load(self.worker.engine.load(), self.worker.in_flight, self.metrics_url)
+        return _load(self.worker.engine.load(), self.worker.in_flight, self.metrics_url, self.rank_states())
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -202,8 +208,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetLoad(self, request, context):
         # The reservation queue and the quarantined slots: capacity the engine's own counts do not show as taken,
         # which the router counts as load.
-        return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, self.worker.waiting,
-                     self.worker.quarantined_pages)
+        return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, _one_process(),
+                     self.worker.waiting, self.worker.quarantined_pages)
 
 
 def _decode_attributes(out: RequestOutput | None, request) -> dict[str, str | int | float]:

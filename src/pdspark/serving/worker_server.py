@@ -137,6 +137,8 @@ class WorkerServer:
         self.grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         if isinstance(self.worker, PrefillWorker):
             self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker, self.metrics)
+            if self.group is not None:  # (its ranks' states in every load report: the router's /workers)
+                self.servicer.rank_states = self.group.rank_states
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.grpc)
         else:
             self.servicer = DecodeServicer(self.worker, self.metrics)

@@ -87,6 +87,9 @@ class WorkerInfo:
     queued: int = 0  # decode: requests waiting for a slot and pages (its reservation queue)
     quarantined_slots: int = 0  # decode: request slots held by quarantined transfers
     quarantined_pages: dict[str, int] = field(default_factory=dict)  # decode: their pages, per pool
+    # Its rank processes' states, rank 0 first (a worker group, `--ep-size`; one entry for one process; empty until
+    # its first load report).
+    ranks: list[str] = field(default_factory=list)
     # Legs of requests this router has on the worker right now and not answered: a prefill worker's until it
     # answered its Prefill call (after that the request needs it no more), a decode worker's until its stream ended.
     in_flight: int = 0
@@ -113,7 +116,7 @@ class WorkerInfo:
         return {"name": self.name, "role": self.role, "address": self.address, "healthy": self.healthy,
                 "load": self.load, "in_flight": self.in_flight, "queued": self.queued,
                 "quarantined_slots": self.quarantined_slots, "quarantined_pages": dict(self.quarantined_pages),
-                "metrics_url": self.metrics_url}
+                "metrics_url": self.metrics_url, "ranks": list(self.ranks)}
 
 
 class WorkerRegistry:
@@ -351,6 +354,7 @@ class WorkerRegistry:
             return False
         w.queued, w.quarantined_slots = load.queued, load.quarantined_slots
         w.quarantined_pages = dict(load.quarantined_pages)
+        w.ranks = list(load.rank_states)
         w.reported_load = load.running + load.waiting + load.queued + load.quarantined_slots
         w.metrics_url = w.metrics_url or load.metrics_url  # a URL given at registration wins
         w.last_load = time.time()
