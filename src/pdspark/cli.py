@@ -9,12 +9,16 @@ from dataclasses import replace
 
 from pdspark.config import GenerateConfig, RouterConfig, UpConfig, WorkerConfig
 from pdspark.engine_extra import require_engine
-from pdspark.errors import PdsparkError
+from pdspark.errors import ConfigError, PdsparkError
 from pdspark.options import add_arguments, parse_options
 
 
 def _generate(args: argparse.Namespace, cfg: GenerateConfig) -> int:
     require_engine("`pdspark generate`")
+    if cfg.engine.parallel.node_rank > 0:  # this machine runs only its ranks of machine 0's group
+        from pdspark.engine.group_nodes import join_engine_group
+
+        return join_engine_group(cfg.model, cfg.engine, {})
     from pdspark.llm import LLM
     from pdspark.types import SamplingParams
 
@@ -90,6 +94,13 @@ def _serve_router(args: argparse.Namespace, cfg: RouterConfig) -> int:
 
 def _serve_worker(args: argparse.Namespace, cfg: WorkerConfig) -> int:
     require_engine(f"`pdspark serve {cfg.role}`")
+    if cfg.engine.parallel.node_rank > 0:  # this machine runs only its ranks of machine 0's worker group
+        from pdspark.engine.group_nodes import join_engine_group
+
+        if cfg.role != "prefill":
+            raise ConfigError(f"`node_rank` is {cfg.engine.parallel.node_rank} for a {cfg.role} worker; allowed: "
+                              "0 (groups serve prefill only so far)")
+        return join_engine_group(cfg.model, cfg.engine, {})
     from pdspark.serving.worker_server import run_worker
 
     return run_worker(cfg)
@@ -102,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         # Flags, then PDSPARK_* variables, then defaults; a bad value is a ConfigError naming the option.
         fixed = {"role": args.role} if args.config is WorkerConfig else None
         cfg = parse_options(args.config, args, fixed=fixed)
-        if args.command == "generate" and not args.prompt and cfg.prompt_ids is None:
+        if (args.command == "generate" and not args.prompt and cfg.prompt_ids is None
+                and cfg.engine.parallel.node_rank == 0):
             parser.error("generate needs a prompt or --prompt-ids")
         return args.func(args, cfg)
     except PdsparkError as e:

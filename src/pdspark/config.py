@@ -115,6 +115,16 @@ class ParallelConfig:
         None, "host:port where the ranks of a group meet (rank 0 listens there; default: a rendezvous file in a "
         "temporary directory of this machine)")
 
+    # SGLang's flags: every machine runs the same command but for --node-rank; node 0 runs rank 0 (the worker, or the
+    # offline LLM), the others only their ranks, which take rank 0's configuration over an authenticated channel.
+    nnodes: int = option(1, "machines a worker group spans, each running ep_size / nnodes of its ranks (with "
+                         "--node-rank, --dist-init-addr and --dist-secret-file)", minimum=1)
+    node_rank: int = option(0, "this machine's place in a group that spans machines: 0 runs rank 0 (the worker or "
+                            "the offline run), the others only their ranks", minimum=0)
+    dist_secret_file: str | None = option(
+        None, "file holding the secret the ranks of a group that spans machines authenticate their control channel "
+        "with (the same content on every machine; the channel listens on the --dist-init-addr port + 1)")
+
     def __post_init__(self) -> None:
         validate(self)
         if self.dist_init_addr is not None:

@@ -15,14 +15,14 @@ rank 0's); a rank that exits or does not answer fails the group (`WorkerGroupErr
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 from pdspark.engine.engine import Engine
-from pdspark.engine.lockstep import STOP, LockstepEngine
+from pdspark.engine.lockstep import STOP, LockstepEngine, RankProcess
 from pdspark.errors import ErrorCode, RequestFailed, WorkerGroupError
 from pdspark.parallel.rank_stats import RankStats
 from pdspark.types import RequestOutput, SamplingParams
@@ -37,7 +37,7 @@ class DataParallelEngine(LockstepEngine):
     """The `Engine` API for callers (`LLM`): requests live on their owning rank; reads of the configuration, the
     tokenizer and validation go to rank 0's engine."""
 
-    def __init__(self, engine: Engine, followers: list[Connection], ranks: list[BaseProcess] | None = None,
+    def __init__(self, engine: Engine, followers: list[Connection], ranks: Sequence[RankProcess] | None = None,
                  stats: RankStats | None = None):
         super().__init__(engine, followers, ranks, stats=stats)
         self.owner: dict[str, int] = {}  # request id -> the rank it runs on, until released
@@ -151,7 +151,9 @@ class DataParallelEngine(LockstepEngine):
 
     def _answer(self, rank: int, conn: Connection) -> Any:
         proc = self._ranks[rank - 1] if len(self._ranks) >= rank else None
-        ready = wait_for([conn] + ([proc.sentinel] if proc is not None else []), timeout=self._reply_s)
+        # (A rank on another machine has no process here: its sentinel is this connection.)
+        watched = [conn] + ([proc.sentinel] if proc is not None and proc.sentinel is not conn else [])
+        ready = wait_for(watched, timeout=self._reply_s)
         if conn not in ready:
             raise WorkerGroupError(f"rank {rank} " + ("exited" if ready else f"gave no answer within "
                                                       f"{self._reply_s:.0f} s"))

@@ -25,7 +25,9 @@ from pdspark.assets import resolve_model
 from pdspark.config import EngineConfig
 from pdspark.engine.data_parallel import DataParallelEngine, serve_rank
 from pdspark.engine.factory import create_engine
+from pdspark.engine.group_nodes import NodeLayout, RemoteRank, accept_remote_ranks, listen
 from pdspark.engine.lockstep import STOP, LockstepEngine, follow
+from pdspark.errors import ConfigError
 from pdspark.hardware.registry import select_backend
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
@@ -43,18 +45,24 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None,
     if cfg.seed is None:  # one seed for every rank: requests without a seed must draw the same streams everywhere
         cfg = build(EngineConfig, {"seed": secrets.randbits(63)}, base=cfg)
     size, par = cfg.parallel.ep_size, cfg.parallel
-    # Refused before any rank starts: a size that does not divide the experts, a device this machine lacks.
+    # Refused before any rank starts: a size that does not divide the experts, a device this machine lacks, a group
+    # across machines without its address or secret.
     ExpertShard(0, size, ModelConfig.from_dir(resolve_model(model)).n_routed_experts)
+    layout = NodeLayout.of(par)
+    if layout.node_rank != 0:
+        raise ConfigError(f"`node_rank` is {layout.node_rank}: this machine runs only its ranks (`pdspark serve` or "
+                          "`pdspark generate` with --node-rank); allowed here: 0")
     backend = select_backend(cfg.device).dist_backend
     rendezvous = tempfile.mkdtemp(prefix="pdspark-group-")
     init = f"tcp://{par.dist_init_addr}" if par.dist_init_addr else f"file://{rendezvous}/store"
     ctx = mp.get_context("spawn")
     stats = RankStats(size)  # (shared memory every rank writes its row of)
     conns: list[Connection] = []
-    procs: list[BaseProcess] = []
+    procs: list[BaseProcess | RemoteRank] = []
     group: RankGroup | None = None
+    listener = listen(layout)  # (the other machines' ranks connect once the group is joined)
     try:
-        for rank in range(1, size):
+        for rank in layout.local_ranks[1:]:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_follower_main, name=f"pdspark-rank{rank}", daemon=True,
                                args=(rank, size, init, backend, model, cfg, torch.get_num_threads(), theirs,
@@ -64,8 +72,14 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None,
             conns.append(ours)
             procs.append(proc)
         group = RankGroup.join(0, size, init, par.dist_timeout_s, backend)
+        if listener is not None:
+            remote = accept_remote_ranks(listener, layout, model, cfg, par.dist_timeout_s)
+            conns += [r.sentinel for r in remote]
+            procs += remote
         engine = create_engine(model, progress, cfg, group=group)
     except BaseException:
+        if listener is not None:
+            listener.close()
         _end_group(conns, procs, group, rendezvous)
         raise
     lockstep = (DataParallelEngine(engine, conns, procs, stats) if par.dp_attention
@@ -75,7 +89,8 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None,
     return lockstep
 
 
-def _end_group(conns: list[Connection], procs: list[BaseProcess], group: RankGroup | None, rendezvous: str) -> None:
+def _end_group(conns: list[Connection], procs: list[BaseProcess | RemoteRank], group: RankGroup | None,
+               rendezvous: str) -> None:
     for conn in conns:
         with contextlib.suppress(OSError):  # (that rank is gone already)
             conn.send((STOP, ()))

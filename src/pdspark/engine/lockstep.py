@@ -16,11 +16,10 @@ are refused.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
-from multiprocessing.process import BaseProcess
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pdspark.engine.engine import Engine
 from pdspark.errors import WorkerGroupError
@@ -35,16 +34,32 @@ _NOT_MIRRORED = frozenset({"adopt", "reserve_transfer", "cancel_transfer"})
 _T = TypeVar("_T")
 
 
+class RankProcess(Protocol):
+    """Another rank as rank 0 sees it: a local process (`multiprocessing`'s), or a rank on another machine
+    (`group_nodes.RemoteRank`)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    @property
+    def sentinel(self) -> Any: ...
+
+    def kill(self) -> None: ...
+
+
 class LockstepEngine:
     """Rank 0's engine: the `Engine` API (reads go to the local engine; state changes to every rank). Once a call
     fails (a rank died, a collective failed or timed out) the group is over: every later call that would need the
     other ranks raises `WorkerGroupError`; aborts and releases still tidy rank 0's own engine."""
 
-    def __init__(self, engine: Engine, followers: list[Connection], ranks: list[BaseProcess] | None = None,
+    def __init__(self, engine: Engine, followers: list[Connection], ranks: Sequence[RankProcess] | None = None,
                  close: Callable[[], None] = lambda: None, stats: RankStats | None = None):
         self.engine = engine
         self._followers = followers
-        self._ranks = ranks or []  # the other ranks' processes (rank r at index r - 1), for error messages
+        self._ranks = list(ranks or [])  # the other ranks' processes (rank r at index r - 1), for error messages
         self._close = close  # ends the group once the followers are told to stop (joins them, leaves the group)
         self.failure: WorkerGroupError | None = None
         # Every rank's step and collective figures (rank 0 records its own here; the metrics read them all).

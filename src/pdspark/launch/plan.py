@@ -64,6 +64,9 @@ def worker_configs(cfg: UpConfig, has_draft: bool) -> dict[str, WorkerConfig]:
         # Refused before any service starts (a decode worker would refuse at its own start, in a crash loop).
         raise ConfigError(f"decode workers of ep_size {ep['decode']}; allowed: 1 (a decode group needs "
                           "DP-attention, not built yet): set --prefill-ep-size for prefill groups alone")
+    if cfg.engine.parallel.nnodes > 1:
+        raise ConfigError(f"`nnodes` is {cfg.engine.parallel.nnodes} for `pdspark up`; allowed: 1 (a local cluster "
+                          "runs on this machine: start groups across machines with `pdspark serve --node-rank`)")
     if cfg.engine.parallel.dp_attention:
         raise ConfigError("`dp_attention` for the cluster's workers; allowed: off (DP-attention groups run offline "
                           "only so far)")
