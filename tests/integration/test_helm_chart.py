@@ -442,3 +442,93 @@ def test_checkov_chart_rendered_value_sets_and_dockerfiles(tmp_path: Path):
     assert len(reports) == 3
     passed = sum(r.get("summary", {}).get("passed", 0) for r in reports)
     assert passed > 100 and not _failures(reports), _failures(reports)
+
+
+# --- prefill groups across pods (LeaderWorkerSet) ---
+
+GROUP = ("prefill.epSize=4", "prefill.nnodes=2", "prefill.groupSecret=grp", "prefill.accelerators.nvidia\\.com/gpu=1")
+
+
+def test_a_prefill_group_across_pods_is_a_leaderworkerset_whose_pods_are_valid_kubernetes():
+    """prefill.nnodes 2: one LeaderWorkerSet group per prefill replica, the leader the worker (rank 0, its ports,
+    probes and Service), the other pod its ranks only (no port, not selected by the prefill Service), both with the
+    group's rendezvous and secret; each pod template is a valid Kubernetes 1.32 pod (the LWS fields by hand)."""
+    import kubernetes_validate
+
+    docs = render(*GROUP)
+    k = kinds(docs)
+    assert f"{FULL}-prefill" not in k["Deployment"] and f"{FULL}-decode" in k["Deployment"]
+    lws = one(docs, "LeaderWorkerSet", f"{FULL}-prefill-group")
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    spec = lws["spec"]
+    assert set(spec) == {"replicas", "startupPolicy", "leaderWorkerTemplate"}
+    assert spec["startupPolicy"] == "LeaderCreated"
+    tmpl = spec["leaderWorkerTemplate"]
+    assert set(tmpl) == {"size", "restartPolicy", "leaderTemplate", "workerTemplate"}
+    assert tmpl["size"] == 2 and tmpl["restartPolicy"] == "RecreateGroupOnPodRestart"
+    pods = {}
+    for node in ("leader", "worker"):
+        pod = tmpl[f"{node}Template"]
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", **pod}, "1.32.0", strict=True)
+        c = pod["spec"]["containers"][0]
+        e = {x["name"]: x.get("value", "<from>") for x in c["env"]}
+        assert e["PDSPARK_DIST_INIT_ADDR"] == "$(LWS_LEADER_ADDRESS):29500"
+        assert e["PDSPARK_DIST_SECRET_FILE"] == "/etc/pdspark/group/secret"
+        assert {"name": "group-secret", "mountPath": "/etc/pdspark/group", "readOnly": True} in c["volumeMounts"]
+        (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == "group-secret"]
+        assert vol["secret"]["secretName"] == "grp" and vol["secret"]["items"] == [{"key": "secret", "path": "secret"}]
+        # Accelerators per pod: its ranks' (4 ranks over 2 pods, 1 GPU each).
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == 2
+        pods[node] = (pod, c, e)
+    leader, worker = pods["leader"], pods["worker"]
+    assert leader[2]["PDSPARK_NODE_RANK"] == "0"
+    node_rank = [x for x in worker[1]["env"] if x["name"] == "PDSPARK_NODE_RANK"][0]
+    label = node_rank["valueFrom"]["fieldRef"]["fieldPath"]
+    assert label == "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"
+    assert {p["name"] for p in leader[1]["ports"]} == {"grpc", "metrics", "group", "group-control"}
+    assert "ports" not in worker[1] and not any(k.endswith("Probe") for k in worker[1])
+    # The prefill Service, PDB and policy select the leaders; the other pods have a policy of their own.
+    svc = one(docs, "Service", f"{FULL}-prefill")["spec"]["selector"]
+    assert svc.items() <= leader[0]["metadata"]["labels"].items()
+    assert not svc.items() <= worker[0]["metadata"]["labels"].items()
+    assert worker[0]["metadata"]["labels"]["app.kubernetes.io/component"] == "prefill-ranks"
+    ranks_policy = one(docs, "NetworkPolicy", f"{FULL}-prefill-ranks")["spec"]
+    assert ranks_policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "prefill-ranks"
+    prefill_from = one(docs, "NetworkPolicy", f"{FULL}-prefill")["spec"]["ingress"][1]["from"][0]["podSelector"]
+    assert {e["key"]: e["values"] for e in prefill_from["matchExpressions"]}["app.kubernetes.io/component"] == [
+        "prefill", "decode", "prefill-ranks"]
+
+
+def test_a_group_pods_env_parses_as_the_workers_config():
+    """The leader's and the other pod's rendered settings go through the worker's own parser (LWS's leader address
+    and worker index filled in as the kubelet would)."""
+    from pdspark.config import WorkerConfig
+    from pdspark.options import parse_args
+
+    docs = render(*GROUP)
+    lws = one(docs, "LeaderWorkerSet", f"{FULL}-prefill-group")["spec"]["leaderWorkerTemplate"]
+    config = one(docs, "ConfigMap", f"{FULL}-prefill")["data"]
+    for node, rank in (("leader", 0), ("worker", 1)):
+        c = lws[f"{node}Template"]["spec"]["containers"][0]
+        environ = dict(config)
+        for x in c["env"]:
+            if x["name"] == "PDSPARK_NODE_RANK":
+                environ[x["name"]] = str(rank)
+            elif "value" in x and x["name"].startswith("PDSPARK_"):
+                environ[x["name"]] = x["value"].replace("$(LWS_LEADER_ADDRESS)", "rel-pdspark-prefill-group-0.x")
+        environ.pop("PDSPARK_ADVERTISE_HOST", None)
+        cfg = parse_args(WorkerConfig, [], environ, role="prefill")
+        par = cfg.engine.parallel
+        assert (par.ep_size, par.nnodes, par.node_rank) == (4, 2, rank)
+        assert par.dist_init_addr == "rel-pdspark-prefill-group-0.x:29500"
+
+
+@pytest.mark.parametrize("sets, message", [
+    (("prefill.epSize=3", "prefill.nnodes=2", "prefill.groupSecret=grp"), "prefill.nnodes \\(2\\) must divide"),
+    (("prefill.epSize=2", "prefill.nnodes=2"), "prefill.groupSecret is required"),
+    (("prefill.epSize=2", "prefill.nnodes=2", "prefill.groupSecret=grp", "autoscaling.hpa.enabled=true"),
+     "autoscaling with prefill.nnodes > 1 is not supported yet"),
+])
+def test_a_group_across_pods_is_refused_without_what_it_needs(sets, message):
+    out = helm("template", RELEASE, str(CHART), *[a for s in sets for a in ("--set", s)], check=False)
+    assert out.returncode != 0 and re.search(message, out.stderr), out.stderr

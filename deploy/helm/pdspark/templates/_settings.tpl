@@ -16,6 +16,7 @@
 {{- $_ := set $env "PDSPARK_METRICS_PORT" (toString $v.ports.metrics) -}}
 {{- $_ := set $env "PDSPARK_TRANSFER_PROTOCOL" $v.mooncake.protocol -}}
 {{- $_ := set $env "PDSPARK_EP_SIZE" (toString ((index $v .role).epSize | default 1)) -}}
+{{- $_ := set $env "PDSPARK_NNODES" (toString ((index $v .role).nnodes | default 1)) -}}
 {{- range $k, $val := $v.mooncake.env -}}
 {{- $_ := set $env $k (toString $val) -}}
 {{- end -}}
