@@ -49,3 +49,22 @@ def assert_no_leaks(llm: LLM) -> None:
     engine.check_integrity()
     for name, (used, total) in engine.kv.usage().items():
         assert used == 0, f"{name}: {used} of {total} pages still held"
+
+
+def two_free_ports() -> int:
+    """A port P with P + 1 free too (a worker group's rendezvous and its control channel), on loopback."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise AssertionError("no two consecutive free ports on loopback")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -16,7 +18,7 @@ from test_pd_cluster import ARGS, C128, dispatch
 from test_supervision import ENGINE, ENV, current, events, health
 
 from conftest import random_prompts
-from helpers import GREEDY, make_llm
+from helpers import GREEDY, make_llm, two_free_ports
 from pdspark import LLM, SamplingParams
 from pdspark.launch.service_process import start_service
 from pdspark.serving.engine_loop import GROUP_FAILED_EXIT
@@ -139,3 +141,42 @@ def _sample(worker, name: str) -> float:
             if line.startswith(name + " "):
                 return float(line.split()[1])
     raise AssertionError(f"{name} not exported by {url}")
+
+
+def test_a_prefill_group_across_two_machines_serves_and_fails_as_a_unit(draft_ckpt, tmp_path):
+    """`--nnodes 2`, the machines played by two processes on loopback: machine 0's worker is rank 0 (gRPC,
+    transfers), machine 1's `pdspark serve prefill --node-rank 1` runs rank 1 (no port). The group serves the
+    offline tokens through P/D; machine 1's rank killed, the worker sees its control connection close and exits
+    with the group-failure status within 2 s."""
+    secret = tmp_path / "secret"
+    secret.write_text("the-group-secret")
+    port = two_free_ports()
+    group = [*ARGS, *C128, "--ep-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}",
+             "--dist-secret-file", str(secret)]
+    machine1 = subprocess.Popen([sys.executable, "-m", "pdspark.cli", "serve", "prefill", "--model", str(draft_ckpt),
+                                 *group, "--node-rank", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        leader, decode = ready(spawn_worker("prefill", str(draft_ckpt), *group),
+                               spawn_worker("decode", str(draft_ckpt), *ARGS, *C128, "--no-prefix-cache"))
+        try:
+            prompt = random_prompts(1, [77], seed=52)[0]
+            greedy = SamplingParams(max_tokens=12, **GREEDY)
+            with make_llm(draft_ckpt, page_size=16, max_model_len=256, speculative="dspark") as llm:
+                want = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].token_ids
+            out = dispatch(leader, decode, prompt, greedy)
+            assert "decode_error" not in out, out.get("decode_error")
+            assert out["tokens"] == want
+            (rank1,) = _rank_processes(machine1.pid)
+            os.kill(rank1, signal.SIGKILL)
+            start = time.monotonic()
+            while leader.returncode is None and time.monotonic() - start < scaled(2.0):
+                time.sleep(0.01)  # (a poll of the exit status, not a wait for an effect)
+            assert leader.returncode == GROUP_FAILED_EXIT
+            assert machine1.wait(timeout=scaled(30)) != 0  # its rank failed: the machine's process says so
+        finally:
+            decode.stop()
+            leader.stop()
+    finally:
+        if machine1.poll() is None:
+            machine1.kill()
+            machine1.wait()

@@ -5,13 +5,13 @@ machine without the secret is refused."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from conftest import random_prompts
+from helpers import two_free_ports
 from pdspark import LLM, SamplingParams
 from pdspark.assets import resolve_model
 from pdspark.errors import ConfigError, WorkerGroupError
@@ -19,23 +19,6 @@ from pdspark.testing.time_scale import scaled
 
 MODEL = str(resolve_model("dsv4-tiny"))
 OPTS = dict(page_size=16, max_model_len=256)
-
-
-def _two_free_ports() -> int:
-    """A port P with P + 1 free too (the group's rendezvous and its control channel), on loopback."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise AssertionError("no two consecutive free ports on loopback")
 
 
 def _machine_1(port: int, secret_file, *extra: str) -> subprocess.Popen:
@@ -51,7 +34,7 @@ def _machine_1(port: int, secret_file, *extra: str) -> subprocess.Popen:
 def test_a_group_across_two_machines_gives_one_process_tokens(tmp_path, dp_attention):
     secret = tmp_path / "secret"
     secret.write_text("s3cret-of-this-group\n")
-    port = _two_free_ports()
+    port = two_free_ports()
     prompts = random_prompts(3, [9, 30, 64], seed=4, vocab=4096)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     unseeded = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)  # (the engine seed's streams)
@@ -79,7 +62,7 @@ def test_a_machine_without_the_secret_is_refused(tmp_path):
     it), and rank 0 gives up after the group's timeout naming the rank that did not connect."""
     (tmp_path / "ours").write_text("ours")
     (tmp_path / "theirs").write_text("theirs")
-    port = _two_free_ports()
+    port = two_free_ports()
     timeout_s = 6.0  # the group's timeout: how long rank 0 waits for the other machine's ranks (the behaviour)
     node1 = _machine_1(port, tmp_path / "theirs")
     try:
