@@ -470,7 +470,7 @@ class UpConfig:
     ray_router_resources: tuple[str, ...] = option(("CPU=0.25",), "with --backend ray: Ray resources the router "
                                                    "actor takes (NAME=AMOUNT, comma-separated: CPU, GPU or custom)")
     ray_prefill_resources: tuple[str, ...] = option(("CPU=0.25",), "with --backend ray: Ray resources each prefill "
-                                                    "worker actor takes (e.g. CPU=1,GPU=1)")
+                                                    "worker actor takes per rank of its group (e.g. CPU=1,GPU=1)")
     ray_decode_resources: tuple[str, ...] = option(("CPU=0.25",), "with --backend ray: Ray resources each decode "
                                                    "worker actor takes (e.g. CPU=1,GPU=1)")
     # Worker groups per role (`--ep-size` sets both).

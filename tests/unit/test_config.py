@@ -357,6 +357,25 @@ def test_up_sets_each_roles_group_size_and_refuses_decode_groups_before_starting
             worker_configs(parse(UpConfig, argv), has_draft=False)
 
 
+def test_up_refuses_what_a_local_cluster_cannot_run_and_ray_actors_take_each_ranks_resources():
+    """`pdspark up` (one machine) refuses groups across machines and DP-attention workers before anything starts;
+    on Ray, a prefill group's actor takes its role's resources once per rank."""
+    from pdspark.launch.plan import plan_cluster, worker_configs
+    from pdspark.launch.ray_backend import actor_resources
+
+    for argv, message in ((["--nnodes", "2"], "`nnodes` is 2 for `pdspark up`; allowed: 1"),
+                          (["--prefill-ep-size", "2", "--dp-attention"], "`dp_attention` for the cluster's workers")):
+        with pytest.raises(ConfigError, match=message):
+            worker_configs(parse(UpConfig, argv), has_draft=False)
+    cfg = parse(UpConfig, ["--prefill-ep-size", "2", "--ray-prefill-resources", "CPU=0.5,GPU=1"])
+    plan = plan_cluster(cfg)
+    (prefill,) = [w for w in plan.workers if w.role == "prefill"]
+    (decode,) = [w for w in plan.workers if w.role == "decode"]
+    assert (prefill.ranks, decode.ranks) == (2, 1)
+    assert actor_resources(cfg, prefill) == {"CPU": 1.0, "GPU": 2.0}
+    assert actor_resources(cfg, decode) == {"CPU": 0.25}
+
+
 def test_up_passes_its_options_to_the_children():
     from pdspark.launch.plan import router_config, worker_configs
 

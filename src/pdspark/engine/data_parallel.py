@@ -15,7 +15,7 @@ rank 0's); a rank that exits or does not answer fails the group (`WorkerGroupErr
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
@@ -114,7 +114,6 @@ class DataParallelEngine(LockstepEngine):
         """One step on every rank (rank 0's here, the others' in their processes, their MoE exchanges together);
         every rank's outputs."""
         self._check()
-
         mine, theirs = self._all("step", lambda: self._timed(lambda: _group_step(self.engine)))
         outs = list(mine)
         for got in theirs:
@@ -184,7 +183,8 @@ def _group_step(engine: Engine) -> list[RequestOutput]:
     return outs
 
 
-def serve_rank(engine: Engine, conn: Connection, timed: Any = lambda f: f()) -> None:
+def serve_rank(engine: Engine, conn: Connection,
+               timed: Callable[[Callable[[], Any]], Any] = lambda f: f()) -> None:
     """A follower rank's loop in a DP-attention group: answer rank 0's calls on this rank's engine until told to
     stop or rank 0 is gone. A step ends by joining the other ranks' remaining forwards. A failed call ends the rank
     (after its answer, which names the error): rank 0 checked the call first, and a failed step's collectives may

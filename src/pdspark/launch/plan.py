@@ -35,6 +35,7 @@ class Service:
     role: str  # "prefill", "decode" or "router"
     argv: list[str]  # after `pdspark`: `serve <role> --flag value ...`
     env: dict[str, str]  # what must not be on the command line (keys)
+    ranks: int = 1  # rank processes of each run (a worker group, `--ep-size`): each takes the role's resources
 
     @property
     def is_worker(self) -> bool:
@@ -128,7 +129,7 @@ def _workers(cfg: UpConfig, base: dict[str, WorkerConfig],
         # Children get every option as a flag, so their config is this one whatever their environment says.
         w = dataclasses.replace(base[role], port=next(ports), metrics_port=next(ports),
                                 tls=_tls(ca, name, role, base[role].advertise_host))
-        workers.append(Service(name, role, ["serve", role, *to_argv(w)], no_keys))
+        workers.append(Service(name, role, ["serve", role, *to_argv(w)], no_keys, w.engine.parallel.ep_size))
         addresses[role].append(f"{w.advertise_host}:{w.port}")
     return workers, addresses
 

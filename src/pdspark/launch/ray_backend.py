@@ -12,9 +12,10 @@ otherwise keep holding its resources (and a crash loop would pile them up).
 NOTE: polled state. A run reports what its actor last answered to `status`: `poll()` keeps at most one such call in
 flight per actor, asked every `_POLL_S`. An actor that dies (its process killed) ends its run.
 NOTE: placement. Every actor takes its role's resources (`--ray-*-resources`: `CPU`/`GPU` amounts, fractions
-allowed, or custom resources), so Ray places it where they are free. The addresses are picked on the launcher's
-machine and are loopback by default, so the actors are pinned to the launcher's node (a joined multi-node cluster
-places them on that node only).
+allowed, or custom resources) for each rank of its service (a worker group of `--ep-size` ranks runs as the actor's
+process tree on one node: the actor takes them all), so Ray places it where they are free. The addresses are
+picked on the launcher's machine and are loopback by default, so the actors are pinned to the launcher's node (a
+joined multi-node cluster places them on that node only).
 """
 
 from __future__ import annotations
@@ -160,6 +161,11 @@ class RayRun:
             self._lost = self._lost or f"lost with its Ray actor ({type(e).__name__})"
 
 
+def actor_resources(cfg: UpConfig, service: Service) -> dict[str, float]:
+    """What the actor of one run of `service` takes: its role's resources for each of its ranks."""
+    return {name: amount * service.ranks for name, amount in cfg.ray_resources(service.role).items()}
+
+
 class RayBackend:
     """A `ServiceBackend` on Ray; creating it starts the local Ray (5-10 s) or joins `--ray-address`."""
 
@@ -175,7 +181,7 @@ class RayBackend:
         self._runs: list[RayRun] = []
 
     def start(self, service: Service) -> RayRun:
-        resources = self.cfg.ray_resources(service.role)
+        resources = actor_resources(self.cfg, service)
         actor = self._remote.options(
             num_cpus=resources.pop("CPU", 0.0), num_gpus=resources.pop("GPU", 0.0), resources=resources,
             max_restarts=0, scheduling_strategy=self._node,
