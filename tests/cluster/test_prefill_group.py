@@ -80,12 +80,18 @@ def test_a_killed_rank_takes_its_prefill_group_down_for_a_restart(draft_ckpt):
     try:
         (rank1,) = _rank_processes(worker.pid)
         os.kill(rank1, signal.SIGKILL)
-        start = time.monotonic()
-        while worker.returncode is None and time.monotonic() - start < scaled(2.0):
-            time.sleep(0.01)  # (a poll of the exit status, not a wait for an effect)
-        assert worker.returncode == GROUP_FAILED_EXIT
+        assert _exit_status_within(worker, 2.0) == GROUP_FAILED_EXIT
     finally:
         worker.stop()
+
+
+def _exit_status_within(worker, bound_s: float) -> int | None:
+    """The worker's exit status once it exits, polled for `bound_s` (scaled): the issue's bound for a group to go
+    down with a lost rank (None: it did not)."""
+    start = time.monotonic()
+    while worker.returncode is None and time.monotonic() - start < scaled(bound_s):
+        time.sleep(0.01)  # (a poll of the exit status, not a wait for an effect)
+    return worker.returncode
 
 
 def _rank_processes(pid: int) -> list[int]:
@@ -168,10 +174,7 @@ def test_a_prefill_group_across_two_machines_serves_and_fails_as_a_unit(draft_ck
             assert out["tokens"] == want
             (rank1,) = _rank_processes(machine1.pid)
             os.kill(rank1, signal.SIGKILL)
-            start = time.monotonic()
-            while leader.returncode is None and time.monotonic() - start < scaled(2.0):
-                time.sleep(0.01)  # (a poll of the exit status, not a wait for an effect)
-            assert leader.returncode == GROUP_FAILED_EXIT
+            assert _exit_status_within(leader, 2.0) == GROUP_FAILED_EXIT
             assert machine1.wait(timeout=scaled(30)) != 0  # its rank failed: the machine's process says so
         finally:
             decode.stop()

@@ -22,7 +22,7 @@ from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 from pdspark.engine.engine import Engine
-from pdspark.engine.lockstep import STOP, LockstepEngine, RankProcess
+from pdspark.engine.lockstep import LockstepEngine, RankProcess, calls_from
 from pdspark.errors import ErrorCode, RequestFailed, WorkerGroupError
 from pdspark.parallel.rank_stats import RankStats
 from pdspark.types import RequestOutput, SamplingParams
@@ -189,15 +189,7 @@ def serve_rank(engine: Engine, conn: Connection,
     stop or rank 0 is gone. A step ends by joining the other ranks' remaining forwards. A failed call ends the rank
     (after its answer, which names the error): rank 0 checked the call first, and a failed step's collectives may
     have left the group out of step. `timed` records each step (`RankStats.timer`)."""
-    while True:
-        try:
-            name, args = conn.recv()
-        except EOFError:
-            return  # rank 0 exited: the group is over
-        if name == STOP:
-            return
-        if name not in _CALLS:
-            raise ValueError(f"a follower rank was asked to call {name!r}; allowed: {sorted(_CALLS)}")
+    for name, args in calls_from(conn, _CALLS):
         try:
             value = timed(lambda: _group_step(engine)) if name == "step" else getattr(engine, name)(*args)
         except Exception as e:

@@ -16,7 +16,7 @@ are refused.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
 from typing import Any, Protocol, TypeVar
@@ -160,18 +160,24 @@ class LockstepEngine:
             raise WorkerGroupError(f"this worker group has failed ({self.failure}); start a new one")
 
 
-def follow(engine: Engine, conn: Connection, timed: Callable[[Callable[[], Any]], Any] = lambda f: f()) -> None:
-    """A follower rank's loop: make rank 0's calls on this rank's engine until told to stop or rank 0 is gone
-    (`timed` records each step: `RankStats.timer`)."""
+def calls_from(conn: Connection, allowed: frozenset[str]) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """Rank 0's calls on a follower rank's channel, until it says stop or is gone (it exited: the group is over)."""
     while True:
         try:
             name, args = conn.recv()
         except EOFError:
-            return  # rank 0 exited: the group is over
+            return
         if name == STOP:
             return
-        if name not in _CALLS:
-            raise ValueError(f"a follower rank was asked to call {name!r}; allowed: {sorted(_CALLS)}")
+        if name not in allowed:
+            raise ValueError(f"a follower rank was asked to call {name!r}; allowed: {sorted(allowed)}")
+        yield name, args
+
+
+def follow(engine: Engine, conn: Connection, timed: Callable[[Callable[[], Any]], Any] = lambda f: f()) -> None:
+    """A follower rank's loop: make rank 0's calls on this rank's engine until told to stop or rank 0 is gone
+    (`timed` records each step: `RankStats.timer`)."""
+    for name, args in calls_from(conn, _CALLS):
         if name == "step":
             timed(engine.step)
         else:
