@@ -134,3 +134,21 @@ def test_a_device_module_backend_drives_the_module_it_was_given():
     backend.synchronize()
     assert calls == [("Stream", dev), ("current_stream", dev), ("enter", "side"), ("work",), ("exit", "side"),
                      ("synchronize", dev)]
+
+
+def test_each_rank_of_a_group_takes_the_device_of_its_local_index(monkeypatch):
+    """One GPU per rank: rank r of a machine's ranks makes device r its current one before its backend is built (a
+    group of more ranks than the machine shows devices is refused naming both); nothing happens on the CPU."""
+    from pdspark.hardware.registry import bind_local_device
+
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    bind_local_device("cuda", 0)
+    bind_local_device("cuda", 1)
+    assert chosen == [0, 1]
+    with pytest.raises(DeviceUnavailableError, match="rank 2 of this machine's ranks needs cuda device 2; this "
+                                                     "machine shows 2"):
+        bind_local_device("cuda", 2)
+    bind_local_device("cpu", 5)  # (no device to bind)
+    assert chosen == [0, 1]

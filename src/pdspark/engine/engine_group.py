@@ -28,7 +28,7 @@ from pdspark.engine.factory import create_engine
 from pdspark.engine.group_nodes import NodeLayout, RemoteRank, accept_remote_ranks, listen
 from pdspark.engine.lockstep import STOP, LockstepEngine, follow
 from pdspark.errors import ConfigError
-from pdspark.hardware.registry import select_backend
+from pdspark.hardware.registry import bind_local_device, select_backend
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
 from pdspark.parallel.expert_shard import ExpertShard
@@ -52,6 +52,7 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None,
     if layout.node_rank != 0:
         raise ConfigError(f"`node_rank` is {layout.node_rank}: this machine runs only its ranks (`pdspark serve` or "
                           "`pdspark generate` with --node-rank); allowed here: 0")
+    bind_local_device(cfg.device, 0)  # (one device per rank: rank 0 takes this machine's first)
     backend = select_backend(cfg.device).dist_backend
     rendezvous = tempfile.mkdtemp(prefix="pdspark-group-")
     init = f"tcp://{par.dist_init_addr}" if par.dist_init_addr else f"file://{rendezvous}/store"
@@ -108,6 +109,7 @@ def _end_group(conns: list[Connection], procs: list[BaseProcess | RemoteRank], g
 def _follower_main(rank: int, size: int, init: str, backend: str, model: str, cfg: EngineConfig, threads: int,
                    conn: Connection, stats: Any) -> None:
     torch.set_num_threads(threads)  # as rank 0: the group's ranks share the machine's cores
+    bind_local_device(cfg.device, rank)  # (machine 0 runs ranks 0..L-1: its local index is its rank)
     group = RankGroup.join(rank, size, init, cfg.parallel.dist_timeout_s, backend)
     try:
         engine = create_engine(model, False, cfg, group=group)

@@ -25,7 +25,7 @@ import torch
 
 from pdspark.config import EngineConfig, ParallelConfig
 from pdspark.errors import ConfigError, WorkerGroupError
-from pdspark.hardware.registry import select_backend
+from pdspark.hardware.registry import bind_local_device, select_backend
 from pdspark.options import build
 from pdspark.parallel.rank_group import RankGroup
 
@@ -160,7 +160,7 @@ def join_engine_group(model: str, config: EngineConfig | None, options: dict[str
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_remote_rank_main, name=f"pdspark-rank{rank}", daemon=True,
                          args=(rank, layout, f"tcp://{cfg.parallel.dist_init_addr}", backend,
-                               cfg.parallel.dist_timeout_s, torch.get_num_threads()))
+                               cfg.parallel.dist_timeout_s, torch.get_num_threads(), cfg.device))
              for rank in layout.local_ranks]
     for p in procs:
         p.start()
@@ -182,12 +182,15 @@ def join_engine_group(model: str, config: EngineConfig | None, options: dict[str
 
 
 def _remote_rank_main(rank: int, layout: NodeLayout, init: str, backend: str, timeout_s: float,
-                      threads: int) -> None:
+                      threads: int, device: str) -> None:
     from pdspark.engine.data_parallel import serve_rank
     from pdspark.engine.factory import create_engine
     from pdspark.engine.lockstep import follow
 
     torch.set_num_threads(threads)
+    # This machine's device of the rank's local index (the configuration's device is rank 0's, received below:
+    # the local flags name the same one).
+    bind_local_device(device, rank - layout.local_ranks.start)
     group = RankGroup.join(rank, layout.size, init, timeout_s, backend)
     try:
         assert layout.control is not None
