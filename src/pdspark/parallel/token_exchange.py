@@ -3,8 +3,8 @@ every MoE layer the ranks' token rows meet (one all-gather of the rows with thei
 experts for every rank's rows, and a reduce-scatter gives each rank the (token, slot) outputs of its own rows.
 
 A forward pass is a collective: it opens with a header (`begin_forward`: every rank's row count, all-gathered), then
-each MoE layer makes one exchange. A rank whose step has no (more) forwards joins the others' with zero rows
-(`finish_step`), so every rank makes the same collectives in the same order whatever its load.
+each MoE layer makes one exchange (two collectives). A rank whose step has no (more) forwards joins the others' with
+zero rows (`finish_step`), so every rank makes the same collectives in the same order whatever its load.
 
 Bits: a rank computes the rows of each source rank apart (`compute` once per source), as that rank's one-process
 engine would over its own batch, and each (token, slot) element has one nonzero term in the sum that returns it.
@@ -79,7 +79,7 @@ class TokenExchange:
             return x.new_zeros(0, k, D)
         # Rows and their expert ids travel in one all-gather: each row `[D]` followed by its ids' int64 bits
         # reinterpreted in the rows' dtype (a copy moves bits, it never converts them).
-        packed = torch.cat([x, ids.to(torch.int64).contiguous().view(x.dtype)], dim=1)  # [T, D + k * 8 / size]
+        packed = torch.cat([x, ids.to(torch.int64).contiguous().view(x.dtype)], dim=1)  # [T, D + k * 8 / element size]
         start = time.perf_counter()
         gathered = torch.empty(self.size * width, packed.shape[1], dtype=x.dtype)
         dist.all_gather_single(gathered, _pad(packed, width), group=self.group)
