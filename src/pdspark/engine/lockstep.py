@@ -152,8 +152,9 @@ class LockstepEngine:
             raise self.failure from e
 
     def _states(self) -> str:
-        return ", ".join(f"rank {r}: " + ("running" if p.exitcode is None else f"exited ({p.exitcode})")
-                         for r, p in enumerate(self._ranks, start=1)) or "rank 0 only"
+        """The other ranks' states, for messages."""
+        return ", ".join(f"rank {r}: {state}" for r, state in enumerate(self.rank_states()[1:], start=1)) or \
+            "rank 0 only"
 
     def _check(self) -> None:
         if self.failure is not None:
