@@ -102,12 +102,12 @@ class ParallelConfig:
 
     ep_size: int = option(
         1, "rank processes of an expert-parallel group: rank r holds routed experts [r*E/N, (r+1)*E/N), every rank "
-        "runs the same batch in lockstep (offline LLM, `pdspark generate` and prefill workers so far; decode "
-        "workers run 1)", minimum=1)
+        "runs the same batch in lockstep (with --dp-attention, each rank its own requests; a decode worker's group "
+        "runs DP-attention)", minimum=1)
     dp_attention: bool = option(
         False, "with ep_size > 1: each rank owns whole requests (its own scheduler, pages and states) and the MoE "
-        "layers exchange tokens between ranks, instead of every rank running the same batch (offline LLM and "
-        "`pdspark generate` so far)")
+        "layers exchange tokens between ranks, instead of every rank running the same batch (offline LLM, "
+        "`pdspark generate` and decode workers; prefill workers run replicated groups)")
     # torch's default is 30 minutes: a hung rank would hang the whole group that long.
     dist_timeout_s: float = option(30.0, "seconds any collective of a worker group may wait before the group fails",
                                    minimum=0.1)
@@ -476,8 +476,8 @@ class UpConfig:
     # Worker groups per role (`--ep-size` sets both).
     prefill_ep_size: int | None = option(None, "rank processes of each prefill worker's group (default: --ep-size)",
                                          minimum=1)
-    decode_ep_size: int | None = option(None, "rank processes of each decode worker's group (default: --ep-size; "
-                                        "decode workers run 1 so far)", minimum=1)
+    decode_ep_size: int | None = option(None, "rank processes of each decode worker's group, which runs "
+                                        "DP-attention (default: --ep-size)", minimum=1)
     # `speculative` is decided above (from the checkpoint), not passed through.
     engine: EngineConfig = nested(EngineConfig, "engine options passed to every worker", skip=("speculative",))
 

@@ -131,11 +131,16 @@ def test_a_killed_rank_fails_the_group_at_its_next_step():
         llm.close()
 
 
-def test_a_worker_refuses_dp_attention_until_it_serves_it():
+def test_workers_refuse_the_group_modes_they_do_not_serve_before_any_rank_starts():
     from pdspark.config import WorkerConfig
     from pdspark.options import build
     from pdspark.serving.worker_server import WorkerServer
 
-    cfg = build(WorkerConfig, {"model": MODEL, "ep_size": 2, "dp_attention": True}, fixed={"role": "prefill"})
-    with pytest.raises(ConfigError, match="`dp_attention` for a worker; allowed: off"):
-        WorkerServer(cfg)
+    for role, options, message in (
+            ("prefill", {"dp_attention": True}, "`dp_attention` for a prefill worker; allowed: off"),
+            ("decode", {}, "without `dp_attention`; allowed: `dp_attention` on"),
+            ("decode", {"dp_attention": True, "transfer_backend": "inprocess"},
+             "`transfer_backend` 'inprocess' for a decode group; allowed: 'mooncake'")):
+        cfg = build(WorkerConfig, {"model": MODEL, "ep_size": 2, **options}, fixed={"role": role})
+        with pytest.raises(ConfigError, match=message):
+            WorkerServer(cfg)

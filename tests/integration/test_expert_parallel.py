@@ -251,12 +251,13 @@ def test_every_ranks_step_and_collective_figures_reach_rank_0(dp_attention):
     llm = LLM(str(resolve_model("dsv4-tiny")), ep_size=2, dp_attention=dp_attention, page_size=16, max_model_len=256)
     try:
         # The group forwards what it does not define to rank 0's engine: what it defines over the engine's names
-        # must be the calls it makes on every rank (a figure named like an engine attribute once hid that one).
+        # must be the calls it makes on the ranks, or the group's reads over every rank (a figure named like an
+        # engine attribute once hid that one).
         group, engine = llm.engine, llm.engine.engine
         own = set(vars(group)) | {n for n in dir(type(group)) if not n.startswith("__")}
         assert own & (set(vars(engine)) | set(dir(type(engine)))) <= {
             "add_request", "abort", "release", "release_held", "flush_cache", "step", "has_unfinished",
-            "final_output", "_ids"}
+            "final_output", "_ids", "reserve_transfer", "cancel_transfer", "adopt", "pool_usage", "has_running"}
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9, 10, 11]], sampling_params=params)
         stats = llm.engine.rank_stats

@@ -347,26 +347,27 @@ def test_keys_never_reach_a_command_line_a_repr_or_an_error_message():
         build(RouterConfig, {"api_key": "not-a-tuple-key"})
 
 
-def test_up_sets_each_roles_group_size_and_refuses_decode_groups_before_starting():
+def test_up_sets_each_roles_group_size_and_decode_groups_run_dp_attention():
     from pdspark.launch.plan import worker_configs
 
     workers = worker_configs(parse(UpConfig, ["--prefill-ep-size", "2"]), has_draft=False)
     assert (workers["prefill"].engine.parallel.ep_size, workers["decode"].engine.parallel.ep_size) == (2, 1)
-    for argv in (["--ep-size", "2"], ["--decode-ep-size", "2"]):
-        with pytest.raises(ConfigError, match="decode workers of ep_size 2; allowed: 1 .* set --prefill-ep-size"):
-            worker_configs(parse(UpConfig, argv), has_draft=False)
+    assert not workers["decode"].engine.parallel.dp_attention  # (one process: nothing to split)
+    for argv in (["--ep-size", "2"], ["--decode-ep-size", "2"], ["--ep-size", "2", "--dp-attention"]):
+        workers = worker_configs(parse(UpConfig, argv), has_draft=False)
+        decode, prefill = workers["decode"].engine.parallel, workers["prefill"].engine.parallel
+        assert (decode.ep_size, decode.dp_attention) == (2, True)
+        assert not prefill.dp_attention  # a prefill group runs replicated
 
 
 def test_up_refuses_what_a_local_cluster_cannot_run_and_ray_actors_take_each_ranks_resources():
-    """`pdspark up` (one machine) refuses groups across machines and DP-attention workers before anything starts;
-    on Ray, a prefill group's actor takes its role's resources once per rank."""
+    """`pdspark up` (one machine) refuses groups across machines before anything starts; on Ray, a group's actor
+    takes its role's resources once per rank."""
     from pdspark.launch.plan import plan_cluster, worker_configs
     from pdspark.launch.ray_backend import actor_resources
 
-    for argv, message in ((["--nnodes", "2"], "`nnodes` is 2 for `pdspark up`; allowed: 1"),
-                          (["--prefill-ep-size", "2", "--dp-attention"], "`dp_attention` for the cluster's workers")):
-        with pytest.raises(ConfigError, match=message):
-            worker_configs(parse(UpConfig, argv), has_draft=False)
+    with pytest.raises(ConfigError, match="`nnodes` is 2 for `pdspark up`; allowed: 1"):
+        worker_configs(parse(UpConfig, ["--nnodes", "2"]), has_draft=False)
     cfg = parse(UpConfig, ["--prefill-ep-size", "2", "--ray-prefill-resources", "CPU=0.5,GPU=1"])
     plan = plan_cluster(cfg)
     (prefill,) = [w for w in plan.workers if w.role == "prefill"]

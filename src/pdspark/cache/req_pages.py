@@ -22,6 +22,9 @@ class ReqPages:
     num_borrowed: int = 0  # leading full pages (and their SWA pages) owned by the prefix tree
     match_node: RadixNode | None = None  # FULL-locked while the request runs
     swa_lock: SwaLock | None = None  # the SWA lock on the window before match_node's end
+    # The rank of a DP-attention group whose pools these pages are in (0 in one process). A transfer reservation on
+    # another rank reaches rank 0 as a copy of that rank's `ReqPages` (what the plan names), with its rank set.
+    rank: int = 0
 
     @property
     def owned_full_pages(self) -> list[int]:

@@ -7,9 +7,15 @@ exchange token rows (`parallel/token_exchange.py`), and a rank whose step is don
 with no tokens (`DSV4Model.finish_group_step`). Sampling happens on the owning rank; outputs come back over the pipe.
 
 What must not differ from one process is chosen on rank 0: a request without a seed gets one drawn there, in the
-order requests arrive (the same seeds as one engine of the same `seed`). A pipe reply is awaited at most
-`dist_timeout_s` + 1 s after rank 0's own part of the call is done (a rank's step ends in the same collective as
-rank 0's); a rank that exits or does not answer fails the group (`WorkerGroupError`).
+order requests arrive (the same seeds as one engine of the same `seed`).
+
+A decode worker's requests arrive by transfer: `reserve_transfer` places the reservation (pages in one rank's pools,
+the least-loaded rank that has room), the transfer writes into that rank's memory (the worker's plan names that
+rank's session and buffers), and `adopt` continues the request there. Every answer of a rank carries its load
+(`RankLoad`: requests and pool usage), so rank 0 knows the group's pages without asking between steps.
+
+A pipe reply is awaited at most `dist_timeout_s` + 1 s after rank 0's own part of the call is done (a rank's step
+ends in the same collective as rank 0's); a rank that exits or does not answer fails the group (`WorkerGroupError`).
 """
 
 from __future__ import annotations
@@ -19,18 +25,47 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pdspark.cache.page_allocator import PoolUsage
 from pdspark.engine.engine import Engine
 from pdspark.engine.lockstep import LockstepEngine, RankProcess, calls_from
 from pdspark.errors import ErrorCode, RequestFailed, WorkerGroupError
 from pdspark.parallel.rank_stats import RankStats
-from pdspark.types import RequestOutput, SamplingParams
+from pdspark.types import RequestOutput, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from pdspark.cache.req_pages import ReqPages
 
 # The calls rank 0 makes on a follower rank's engine, by name (each answered over the pipe).
-_CALLS = frozenset({"add_request", "abort", "release", "flush_cache", "step", "final_output"})
+_CALLS = frozenset({"add_request", "abort", "release", "flush_cache", "step", "final_output", "reserve_transfer",
+                    "cancel_transfer", "adopt"})
 # A reply's slack beyond the group's collective timeout: the pipe write and the unpickling of a step's outputs.
 _REPLY_SLACK_S = 1.0
+
+
+class RankLoad(NamedTuple):
+    """A rank's requests and pages, as its last answer left them (rank 0's: now)."""
+
+    unfinished: bool
+    running: int
+    waiting: int
+    usage: dict[str, PoolUsage]  # `KVCache.usage`
+    cached: dict[str, int]  # `KVCache.cached_pages`
+
+
+def rank_load(engine: Engine) -> RankLoad:
+    return RankLoad(engine.has_unfinished, len(engine.scheduler.running), len(engine.scheduler.waiting),
+                    engine.kv.usage(), engine.kv.cached_pages())
+
+
+def summed(loads: Sequence[RankLoad]) -> RankLoad:
+    """The group's load: every count added up, pool by pool."""
+    pools = loads[0].usage.keys()
+    usage = {k: PoolUsage(sum(ld.usage[k].used for ld in loads), sum(ld.usage[k].total for ld in loads)) for k in pools}
+    return RankLoad(any(ld.unfinished for ld in loads), sum(ld.running for ld in loads),
+                    sum(ld.waiting for ld in loads), usage,
+                    {k: sum(ld.cached.get(k, 0) for ld in loads) for k in loads[0].cached})
 
 
 class DataParallelEngine(LockstepEngine):
@@ -42,25 +77,44 @@ class DataParallelEngine(LockstepEngine):
         super().__init__(engine, followers, ranks, stats=stats)
         self.owner: dict[str, int] = {}  # request id -> the rank it runs on, until released
         self._running: dict[str, int] = {}  # the unfinished ones (placement counts them)
-        self._unfinished = [False] * (len(followers) + 1)  # each rank's engine has unfinished requests
+        self._reserved: set[tuple[int, int]] = set()  # (rank, slot) of outstanding transfer reservations
+        # Each other rank's load as of its last answer (rank r at r - 1); they start as rank 0 does, with nothing.
+        self._loads = [rank_load(engine)] * len(followers)
         self._ids = itertools.count()
         self._reply_s = engine.config.parallel.dist_timeout_s + _REPLY_SLACK_S
 
     @property
     def size(self) -> int:
-        return len(self._unfinished)
+        return len(self._loads) + 1
 
     @property
     def rank_loads(self) -> list[int]:
-        """Unfinished requests per rank, as rank 0 counts them (placement goes by these)."""
+        """Unfinished requests and outstanding transfer reservations per rank, as rank 0 counts them (placement
+        goes by these)."""
         load = [0] * self.size
         for rank in self._running.values():
             load[rank] += 1
+        for rank, _ in self._reserved:
+            load[rank] += 1
         return load
+
+    def rank_pool_loads(self) -> list[RankLoad]:
+        """Every rank's load, rank 0's now and the others' as of their last answer."""
+        return [rank_load(self.engine), *self._loads]
+
+    def group_load(self) -> RankLoad:
+        return summed(self.rank_pool_loads())
+
+    def pool_usage(self) -> dict[str, PoolUsage]:
+        return summed([RankLoad(False, 0, 0, self.engine.kv.usage(), {}), *self._loads]).usage
 
     @property
     def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished or any(self._unfinished[1:])
+        return self.engine.has_unfinished or any(ld.unfinished for ld in self._loads)
+
+    @property
+    def has_running(self) -> bool:
+        return self.engine.has_running or any(ld.running for ld in self._loads)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None, hold_pages: bool = False) -> str:
@@ -77,7 +131,6 @@ class DataParallelEngine(LockstepEngine):
         rank = min(range(self.size), key=lambda r: (load[r], r))
         self._on(rank, "add_request", prompt_token_ids, params, req_id, prompt)
         self.owner[req_id] = self._running[req_id] = rank
-        self._unfinished[rank] = True
         return req_id
 
     def abort(self, request_id: str) -> bool:
@@ -88,7 +141,6 @@ class DataParallelEngine(LockstepEngine):
         if rank == 0:
             return self.engine.abort(request_id)
         if self.failure is not None:  # (that rank is gone or out of step: what it ran is over)
-            self._unfinished[rank] = rank in self._running.values()
             return False
         return bool(self._on(rank, "abort", request_id))
 
@@ -101,6 +153,46 @@ class DataParallelEngine(LockstepEngine):
 
     def release_held(self, request_id: str) -> None:
         raise NotImplementedError("`release_held` in a DP-attention group (no request holds pages here)")
+
+    # ---- decode role: requests whose prompt cache arrives by transfer (into one rank's pools) ------------------------
+    def reserve_transfer(self, prompt_token_ids: list[int], params: SamplingParams) -> ReqPages | None:
+        """Destination pages on the least-loaded rank with room (`pages.rank` names it); None while every rank's
+        pools are too full."""
+        self._check()
+        load = self.rank_loads
+        for rank in sorted(range(self.size), key=lambda r: (load[r], r)):
+            pages: ReqPages | None = self._on(rank, "reserve_transfer", prompt_token_ids, params)
+            if pages is not None:
+                pages.rank = rank
+                self._reserved.add((rank, pages.slot))
+                return pages
+        return None
+
+    def cancel_transfer(self, pages: ReqPages) -> None:
+        self._reserved.discard((pages.rank, pages.slot))
+        if pages.rank == 0:
+            self.engine.cancel_transfer(pages)
+        elif self.failure is None:
+            self._on(pages.rank, "cancel_transfer", pages.slot)
+
+    def adopt(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pages: ReqPages,
+              first_token: int, num_cached_tokens: int = 0, first_logprob: TokenLogprobs | None = None,
+              prompt: str | None = None, generated: list[int] | tuple[int, ...] = ()) -> RequestOutput:
+        """`Engine.adopt` on the rank whose pools hold `pages` (the reservation's rank owns the request)."""
+        self._check()
+        if request_id in self.owner:
+            raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {request_id!r} is already in flight")
+        if params.seed is None:
+            params = replace(params, seed=self.engine.effective_seed(params))
+        rank = pages.rank
+        out: RequestOutput = self._on(rank, "adopt", request_id, prompt_token_ids, params,
+                                      pages if rank == 0 else pages.slot, first_token, num_cached_tokens,
+                                      first_logprob, prompt, generated)
+        self._reserved.discard((rank, pages.slot))
+        self.owner[request_id] = rank
+        if not out.finished:
+            self._running[request_id] = rank
+        return out
 
     def final_output(self, request_id: str) -> RequestOutput:
         rank = self.owner[request_id]
@@ -137,7 +229,6 @@ class DataParallelEngine(LockstepEngine):
         def run() -> tuple[Any, list[Any]]:
             conns = [self._send(rank, name, ()) for rank in range(1, self.size)]
             mine = local()
-            self._unfinished[0] = self.engine.has_unfinished
             return mine, [self._answer(rank, conn) for rank, conn in enumerate(conns, start=1)]
 
         result: tuple[Any, list[Any]] = self._guarded(name, run)
@@ -156,8 +247,8 @@ class DataParallelEngine(LockstepEngine):
         if conn not in ready:
             raise WorkerGroupError(f"rank {rank} " + ("exited" if ready else f"gave no answer within "
                                                       f"{self._reply_s:.0f} s"))
-        ok, value, unfinished = conn.recv()
-        self._unfinished[rank] = unfinished
+        ok, value, load = conn.recv()
+        self._loads[rank - 1] = load
         if not ok:  # (rank 0 checked the call first: a rank's engine refusing it is the group out of step)
             raise WorkerGroupError(f"rank {rank} failed: {value}")
         return value
@@ -183,16 +274,44 @@ def _group_step(engine: Engine) -> list[RequestOutput]:
     return outs
 
 
+class _RankCalls:
+    """A follower's engine as rank 0's calls reach it. Transfer reservations are kept here by request slot: rank 0
+    holds copies (what a plan names), and the engine needs its own objects back (they hold the pages)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._reserved: dict[int, ReqPages] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def reserve_transfer(self, prompt_token_ids: list[int], params: SamplingParams) -> ReqPages | None:
+        pages = self.engine.reserve_transfer(prompt_token_ids, params)
+        if pages is not None:
+            self._reserved[pages.slot] = pages
+        return pages
+
+    def cancel_transfer(self, slot: int) -> None:
+        self.engine.cancel_transfer(self._reserved.pop(slot))
+
+    def adopt(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, slot: int,
+              *rest: Any) -> RequestOutput:
+        out = self.engine.adopt(request_id, prompt_token_ids, params, self._reserved[slot], *rest)
+        del self._reserved[slot]  # (the request holds them now)
+        return out
+
+
 def serve_rank(engine: Engine, conn: Connection,
                timed: Callable[[Callable[[], Any]], Any] = lambda f: f()) -> None:
     """A follower rank's loop in a DP-attention group: answer rank 0's calls on this rank's engine until told to
     stop or rank 0 is gone. A step ends by joining the other ranks' remaining forwards. A failed call ends the rank
     (after its answer, which names the error): rank 0 checked the call first, and a failed step's collectives may
     have left the group out of step. `timed` records each step (`RankStats.timer`)."""
+    calls = _RankCalls(engine)
     for name, args in calls_from(conn, _CALLS):
         try:
-            value = timed(lambda: _group_step(engine)) if name == "step" else getattr(engine, name)(*args)
+            value = timed(lambda: _group_step(engine)) if name == "step" else getattr(calls, name)(*args)
         except Exception as e:
-            conn.send((False, f"{type(e).__name__}: {e}", engine.has_unfinished))  # (any exception pickles so)
+            conn.send((False, f"{type(e).__name__}: {e}", rank_load(engine)))  # (any exception pickles so)
             raise
-        conn.send((True, value, engine.has_unfinished))
+        conn.send((True, value, rank_load(engine)))

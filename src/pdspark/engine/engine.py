@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from pdspark.cache.kv_cache import KVCache, ReqPages
+from pdspark.cache.page_allocator import PoolUsage
 from pdspark.cache.pool_sizes import PoolSizes
 from pdspark.config import EngineConfig
 from pdspark.engine.drafter import DraftProposal, DSparkDrafter
@@ -224,6 +225,15 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def pool_usage(self) -> dict[str, PoolUsage]:
+        """Pages used and in all, per pool (`KVCache.usage`; a DP-attention group sums its ranks')."""
+        return self.kv.usage()
+
+    @property
+    def has_running(self) -> bool:
+        """Some request has been scheduled and is not finished (one that only waits for room is not running)."""
+        return bool(self.scheduler.running)
 
     def release_held(self, request_id: str) -> None:
         """Free the pages of a finished `hold_pages` request (after its cache has been shipped)."""

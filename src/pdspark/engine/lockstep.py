@@ -22,6 +22,7 @@ from multiprocessing.connection import wait as wait_for
 from typing import Any, Protocol, TypeVar
 
 from pdspark.engine.engine import Engine
+from pdspark.engine.rank_service import ServiceChannel
 from pdspark.errors import WorkerGroupError
 from pdspark.parallel.rank_stats import RankStats
 from pdspark.types import RequestOutput, SamplingParams
@@ -65,6 +66,8 @@ class LockstepEngine:
         # Every rank's step and collective figures (rank 0 records its own here; the metrics read them all).
         self.rank_stats = stats if stats is not None else RankStats(len(followers) + 1)
         self._timed = self.rank_stats.timer(0, engine.runner.model.expert_exchange)
+        # Channels to a service each other rank runs beside its engine (`start_engine_group(rank_service=...)`).
+        self.rank_services: list[ServiceChannel] = []
 
     @property
     def rank_pids(self) -> list[int | None]:

@@ -57,25 +57,21 @@ class ClusterPlan:
 def worker_configs(cfg: UpConfig, has_draft: bool) -> dict[str, WorkerConfig]:
     """What each role's workers run: the user's engine options, DSpark when the checkpoint has a draft (unless
     `--no-speculative`), and no prefix cache on decode (every prompt's cache arrives there by transfer, so a
-    prefix cache would only hold memory)."""
+    prefix cache would only hold memory). Groups: a prefill group runs its batch on every rank (replicated), a
+    decode group DP-attention (each rank owns whole requests), whether `--dp-attention` is given or not."""
     engine = replace_options(cfg.engine, speculative="dspark" if has_draft and cfg.speculative else None)
     ep = {role: size if size is not None else cfg.engine.parallel.ep_size
           for role, size in (("prefill", cfg.prefill_ep_size), ("decode", cfg.decode_ep_size))}
-    if ep["decode"] > 1:
-        # Refused before any service starts (a decode worker would refuse at its own start, in a crash loop).
-        raise ConfigError(f"decode workers of ep_size {ep['decode']}; allowed: 1 (a decode group needs "
-                          "DP-attention, not built yet): set --prefill-ep-size for prefill groups alone")
     if cfg.engine.parallel.nnodes > 1:
         raise ConfigError(f"`nnodes` is {cfg.engine.parallel.nnodes} for `pdspark up`; allowed: 1 (a local cluster "
                           "runs on this machine: start groups across machines with `pdspark serve --node-rank`)")
-    if cfg.engine.parallel.dp_attention:
-        raise ConfigError("`dp_attention` for the cluster's workers; allowed: off (DP-attention groups run offline "
-                          "only so far)")
     return {
         "prefill": WorkerConfig(role="prefill", model=cfg.model, port=0, metrics_port=0,
-                                engine=replace_options(engine, ep_size=ep["prefill"]), otlp_endpoint=cfg.otlp_endpoint),
+                                engine=replace_options(engine, ep_size=ep["prefill"], dp_attention=False),
+                                otlp_endpoint=cfg.otlp_endpoint),
         "decode": WorkerConfig(role="decode", model=cfg.model, port=0, metrics_port=0,
-                               engine=replace_options(engine, enable_prefix_cache=False, ep_size=ep["decode"]),
+                               engine=replace_options(engine, enable_prefix_cache=False, ep_size=ep["decode"],
+                                                      dp_attention=ep["decode"] > 1),
                                otlp_endpoint=cfg.otlp_endpoint),
     }
 

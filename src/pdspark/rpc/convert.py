@@ -161,6 +161,7 @@ def plan_to_pb(plan: TransferPlan) -> worker_pb2.TransferPlan:
         c128_pages=list(plan.c128_pages),
         req_slot=plan.req_slot,
         timeout_ms=timeout_to_ms(plan.timeout_s),
+        destination_rank=plan.destination_rank,
     )
 
 
@@ -188,6 +189,7 @@ def plan_from_pb(msg: worker_pb2.TransferPlan) -> TransferPlan:
         c128_pages=tuple(msg.c128_pages),
         req_slot=msg.req_slot,
         timeout_s=timeout_from_ms(msg.timeout_ms),
+        destination_rank=msg.destination_rank,
     )
 
 
@@ -204,12 +206,13 @@ def stats_to_pb(s: TransferStats) -> worker_pb2.TransferStats:
     return worker_pb2.TransferStats(
         bytes=s.bytes, num_writes=s.num_writes, transfer_s=s.transfer_s, prefill_s=s.prefill_s,
         plan_wait_s=s.plan_wait_s, bytes_by_pool=s.bytes_by_pool or {}, write_s=s.write_s,
+        source_rank=s.source_rank, destination_rank=s.destination_rank,
     )
 
 
 def stats_from_pb(msg: worker_pb2.TransferStats) -> TransferStats:
     return TransferStats(msg.bytes, msg.num_writes, msg.transfer_s, msg.prefill_s, msg.plan_wait_s,
-                         dict(msg.bytes_by_pool), msg.write_s)
+                         dict(msg.bytes_by_pool), msg.write_s, msg.source_rank, msg.destination_rank)
 
 
 def result_to_pb(r: TransferResult | None, error: RequestFailed | None, transfer_id: str) -> worker_pb2.TransferResult:

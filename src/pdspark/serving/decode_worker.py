@@ -57,16 +57,17 @@ from typing import TypeVar
 from pdspark.cache.req_pages import ReqPages
 from pdspark.deadline import Deadline
 from pdspark.engine.output_text import stream_text
-from pdspark.errors import ErrorCode, NotSent, RequestFailed, Unanswered
+from pdspark.errors import ErrorCode, NotSent, RequestFailed, Unanswered, WorkerGroupError
 from pdspark.serving.decode_metrics import CHECKSUM, DecodeMetrics
 from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.output_stream import OutputStream
 from pdspark.serving.reservation_queue import Reservation
+from pdspark.serving.transfer_destinations import TransferDestinations
 from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult
-from pdspark.transfer.transfer_plan import cache_buffers, destination_checksum, plan_nbytes
+from pdspark.transfer.transfer_plan import plan_nbytes
 from pdspark.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,9 @@ def _undo(task: asyncio.Future, undo: Callable | None) -> None:
 class DecodeWorker:
     def __init__(self, loop: EngineLoop, backend: TransferBackend, compat: CompatDescriptor, send_plan: PlanSender,
                  metrics: DecodeMetrics | None = None, max_waiting: int = 1024, executor: Executor | None = None,
-                 abort_plan: PlanAborter | None = None):
+                 abort_plan: PlanAborter | None = None, destinations: TransferDestinations | None = None):
+        """`destinations`: per rank of a DP-attention group, where its transfers land (default: this process's
+        `backend` and pools, one rank)."""
         self.engine = EngineClient(loop)
         self.backend = backend
         self.compat = compat
@@ -139,14 +142,17 @@ class DecodeWorker:
         self.abort_plan = abort_plan
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self.buffers = cache_buffers(loop.engine.kv.pools)  # fixed at start: the pools never move
+        # Fixed at start: the pools never move.
+        self.destinations = destinations if destinations is not None else TransferDestinations.local(backend,
+                                                                                                     loop.engine)
         self._executor = executor or ThreadPoolExecutor(2, thread_name_prefix="checksum")
         self._active: dict[str, _Stream] = {}
         self.waiting = 0  # requests waiting for destination pages
         self.transfers_in_flight = 0  # plans out: their SubmitPlan calls run
         self.stall_timeout_s = STALL_TIMEOUT_S
-        self._quarantined: dict[int, dict[str, int]] = {}  # request slot -> its pages per pool, until freed
-        usage = loop.engine.kv.usage()
+        # (rank, request slot) -> its pages per pool, until freed
+        self._quarantined: dict[tuple[int, int], dict[str, int]] = {}
+        usage = loop.engine.pool_usage()  # (a group's: every rank's pools)
         self.slots = usage["req_slots"].total  # request slots: fixed at start
         self.quarantined_pages = dict.fromkeys(usage, 0)  # per pool, as `KVCache.usage` names them
         self._count_quarantined({})  # every pool's gauge exists from the start
@@ -262,12 +268,15 @@ class DecodeWorker:
     async def _receive(self, stream: _Stream, request_id: str, transfer_id: str, prompt_ids: list[int],
                        reservation: Reservation, prefill_address: str, deadline: Deadline) -> TransferResult:
         remaining = deadline.remaining()
+        rank = reservation.pages.rank  # (the rank of this worker's group whose pools the pages are in)
+        dest = self.destinations[rank]
         plan = TransferPlan(
             transfer_id=transfer_id,
             request_id=request_id,
-            session=self.backend.session_id,
+            session=dest.session,
             compat=self.compat,
-            buffers=tuple(self.buffers),
+            buffers=dest.buffers,
+            destination_rank=rank,
             timeout_s=remaining - _answer_margin(remaining),
             **reservation.plan_fields,
         )
@@ -282,8 +291,12 @@ class DecodeWorker:
             self._let_go(call, plan, reservation, prefill_address, sent_at)
             raise
         try:
-            arrived = await asyncio.get_running_loop().run_in_executor(
-                self._executor, destination_checksum, self.buffers, plan)
+            try:
+                arrived = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self.destinations.checksum, rank, plan)
+            except WorkerGroupError as e:  # (the group is failing: its worker exits for a restart)
+                raise RequestFailed(ErrorCode.UNAVAILABLE, f"transfer {transfer_id!r}: rank {rank} did not check "
+                                    f"the cache that arrived: {e}") from e
             if arrived != result.checksum:
                 if self.metrics is not None:
                     self.metrics.transfer_failures.labels(reason=CHECKSUM).inc()
@@ -318,15 +331,15 @@ class DecodeWorker:
         # from now at the earliest.
         until = max(sent_at + plan.timeout_s, time.monotonic()) + self.backend.write_grace_s(plan_nbytes(plan))
         counts = _page_counts(reservation.pages)
-        self._quarantined[reservation.pages.slot] = counts
+        self._quarantined[_slot_of(reservation)] = counts
         self._count_quarantined(counts, +1)
         logger.warning("transfer %s of request %s: no answer from the prefill worker (%s); its %d destination "
-                       "pages stay quarantined for %.1fs", plan.transfer_id, plan.request_id, _outcome(call),
-                       sum(counts.values()), until - time.monotonic())
+                       "pages (rank %d) stay quarantined for %.1fs", plan.transfer_id, plan.request_id,
+                       _outcome(call), sum(counts.values()), reservation.pages.rank, until - time.monotonic())
         asyncio.get_running_loop().call_at(until, self._end_quarantine, reservation)
 
     def _end_quarantine(self, reservation: Reservation) -> None:
-        self._count_quarantined(self._quarantined.pop(reservation.pages.slot), -1)
+        self._count_quarantined(self._quarantined.pop(_slot_of(reservation)), -1)
         self.engine.cancel_reservation(reservation)
 
     def _count_quarantined(self, counts: dict[str, int], sign: int = 1) -> None:
@@ -362,6 +375,11 @@ def _writes_over(call: asyncio.Future) -> bool:
 
 def _outcome(call: asyncio.Future) -> str:
     return "cancelled" if call.cancelled() else str(call.exception())
+
+
+def _slot_of(reservation: Reservation) -> tuple[int, int]:
+    """A reservation's request slot across the group: (rank, slot)."""
+    return reservation.pages.rank, reservation.pages.slot
 
 
 def _page_counts(pages: ReqPages) -> dict[str, int]:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from pdspark.engine.data_parallel import DataParallelEngine, rank_load
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -26,12 +28,13 @@ class EngineLoad:
 
     @classmethod
     def of(cls, engine: Engine) -> EngineLoad:
-        """The engine's load now (loop thread only: it reads the scheduler and the pools)."""
-        usage = engine.kv.usage()
+        """The engine's load now (loop thread only: it reads the scheduler and the pools). A DP-attention group's:
+        every rank's, added up (the other ranks' as of their last answer)."""
+        load = engine.group_load() if isinstance(engine, DataParallelEngine) else rank_load(engine)
         return cls(
-            running=len(engine.scheduler.running),
-            waiting=len(engine.scheduler.waiting),
-            pages_used=MappingProxyType({k: used for k, (used, _) in usage.items()}),
-            pages_total=MappingProxyType({k: total for k, (_, total) in usage.items()}),
-            pages_cached=MappingProxyType(dict(engine.kv.cached_pages())),
+            running=load.running,
+            waiting=load.waiting,
+            pages_used=MappingProxyType({k: used for k, (used, _) in load.usage.items()}),
+            pages_total=MappingProxyType({k: total for k, (_, total) in load.usage.items()}),
+            pages_cached=MappingProxyType(dict(load.cached)),
         )

@@ -24,6 +24,7 @@ ms from the command's end to the waiter's resuming, against 0.5-3 ms). Clean-ups
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import queue
 import threading
@@ -77,7 +78,7 @@ class EngineLoop:
         self._published_at = 0.0
         # Written only by the loop thread (taken here before it starts); read by any thread without a lock.
         self.load: EngineLoad = EngineLoad.of(engine)
-        self._published_usage = engine.kv.usage()
+        self._published_usage = engine.pool_usage()
 
     def start(self) -> None:
         self._thread.start()
@@ -153,10 +154,10 @@ class EngineLoop:
         now = time.monotonic()
         if now - self._published_at < _PUBLISH_EVERY_S:
             return
-        if self._changed or self.engine.kv.usage() != self._published_usage:
+        if self._changed or self.engine.pool_usage() != self._published_usage:
             self._changed, self._published_at = False, now
             self.load = EngineLoad.of(self.engine)
-            self._published_usage = self.engine.kv.usage()
+            self._published_usage = self.engine.pool_usage()
 
     def _drain(self, block: bool) -> None:
         """Run the queued commands; with `block`, first wait (at most `idle_wait_s`) for one to arrive. Steps
@@ -205,7 +206,7 @@ class EngineLoop:
         # A step that produced nothing and left nothing running scheduled nothing (a non-empty schedule either
         # leaves its requests running or finishes them with an output): the waiting requests cannot start until
         # something changes, and only a command or the passing of time (tickers) can change it.
-        self._stalled = not outputs and not self.engine.scheduler.running
+        self._stalled = not outputs and not self.engine.has_running
         for out in outputs:
             self.deliver(out)
 
@@ -223,8 +224,12 @@ GROUP_FAILED_EXIT = 3
 
 
 def exit_for_group_failure(detail: str) -> NoReturn:
-    """A worker group fails as a unit: rank 0 exits at once (its other ranks end when its pipes close), and the
-    supervisor restarts the worker, group and all. No cleanup runs: the group's state is lost anyway."""
+    """A worker group fails as a unit: rank 0 kills this machine's other ranks (its children: a stopped or hung one
+    would never see its pipe close) and exits at once, and the supervisor restarts the worker, group and all. No
+    other cleanup runs: the group's state is lost anyway. (Ranks on other machines end as their control connection
+    closes.)"""
     logger.critical("the worker group failed, exiting for a restart: %s", detail)
+    for rank in multiprocessing.active_children():
+        rank.kill()
     logging.shutdown()
     os._exit(GROUP_FAILED_EXIT)

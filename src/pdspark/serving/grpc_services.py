@@ -147,6 +147,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker = worker
         self.metrics = metrics
         self.metrics_url = ""  # set by the server once its metrics endpoint listens
+        self.rank_states: Callable[[], list[str]] = _one_process  # a worker group's: set by the server
         self.calls = MultiplexedServer({"generate": CallHandler(self.Generate, "chunk", streaming=True,
                                                                 unstarted=self._unstarted)})
 
@@ -208,7 +209,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetLoad(self, request, context):
         # The reservation queue and the quarantined slots: capacity the engine's own counts do not show as taken,
         # which the router counts as load.
-        return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, _one_process(),
+        return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, self.rank_states(),
                      self.worker.waiting, self.worker.quarantined_pages)
 
 

@@ -348,7 +348,8 @@ class PrefillWorker:
         rendezvous when the writes stop, with whatever failure arrived meanwhile."""
         assert rv.plan is not None and rv.first is not None and rv.request_id is not None
         failure: RequestFailed | None = None
-        span = tracing.start("transfer", rv.trace, {"pdspark.transfer_id": rv.transfer_id})
+        span = tracing.start("transfer", rv.trace, {"pdspark.transfer_id": rv.transfer_id,
+                                                    "pdspark.transfer.destination_rank": rv.plan.destination_rank})
         try:
             if rv.deadline.expired:
                 raise RequestFailed(ErrorCode.DEADLINE, f"transfer {rv.transfer_id!r}: the deadline passed before "
@@ -366,7 +367,8 @@ class PrefillWorker:
         except RequestFailed as e:
             failure = e
         except Exception as e:  # TransferError, or anything unexpected while reading or writing
-            logger.warning("transfer %s failed: %s", rv.transfer_id, e)
+            logger.warning("transfer %s (rank 0 -> the decode group's rank %d) failed: %s", rv.transfer_id,
+                           rv.plan.destination_rank, e)
             failure = RequestFailed(ErrorCode.TRANSFER, f"transfer {rv.transfer_id!r}: {e}")
         finally:
             if rv.phase is Phase.WRITING:
@@ -380,7 +382,7 @@ class PrefillWorker:
         stats = TransferStats(
             bytes=writes.nbytes, num_writes=len(writes.writes), transfer_s=seconds, prefill_s=rv.prefill_s,
             plan_wait_s=max(0.0, (rv.plan_at or rv.created) - rv.created), bytes_by_pool=writes.bytes_by_pool,
-            write_s=written.write_s,
+            write_s=written.write_s, destination_rank=rv.plan.destination_rank,
         )
         first = rv.first
         if self.metrics is not None:

@@ -53,7 +53,8 @@ class ReservationQueue:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._waiting: collections.deque[ReservationTicket] = collections.deque()
-        self._outstanding: dict[int, ReqPages] = {}  # request slot -> granted pages, until adopted or cancelled
+        # (rank, request slot) -> granted pages, until adopted or cancelled (rank: of a DP-attention group; else 0)
+        self._outstanding: dict[tuple[int, int], ReqPages] = {}
         self._blocked_at: dict | None = None  # the pools' page counts when the head last did not fit
         self._blocked_head: ReservationTicket | None = None  # that head
 
@@ -72,7 +73,7 @@ class ReservationQueue:
         self._expire()
         if not self._waiting:
             return
-        if self._waiting[0] is self._blocked_head and self.engine.kv.usage() == self._blocked_at:
+        if self._waiting[0] is self._blocked_head and self.engine.pool_usage() == self._blocked_at:
             return  # nothing released since this head last did not fit
         while self._waiting:
             ticket = self._waiting[0]
@@ -87,13 +88,13 @@ class ReservationQueue:
                     ticket.future.set_exception(as_request_failed(e))
                 continue
             if pages is None:
-                self._blocked_at, self._blocked_head = self.engine.kv.usage(), ticket
+                self._blocked_at, self._blocked_head = self.engine.pool_usage(), ticket
                 return
             self._waiting.popleft()
             if not ticket.future.set_running_or_notify_cancel():  # its caller (another thread) gave up just now
                 self.engine.cancel_transfer(pages)
                 continue
-            self._outstanding[pages.slot] = pages
+            self._outstanding[_key(pages)] = pages
             ticket.future.set_result(Reservation(pages, destination(self.engine.kv, pages, len(ticket.prompt_ids))))
         self._blocked_at = self._blocked_head = None
 
@@ -107,15 +108,15 @@ class ReservationQueue:
 
     def cancel(self, reservation: Reservation) -> None:
         """Free a reservation whose transfer failed or whose caller is gone; a no-op once it was adopted or freed."""
-        slot = reservation.pages.slot
-        if self._outstanding.get(slot) is reservation.pages:
-            del self._outstanding[slot]
+        key = _key(reservation.pages)
+        if self._outstanding.get(key) is reservation.pages:
+            del self._outstanding[key]
             self.engine.cancel_transfer(reservation.pages)
 
     def adopted(self, reservation: Reservation) -> None:
         """The reservation's pages now belong to a running request (which frees them when it ends)."""
-        if self._outstanding.get(reservation.pages.slot) is reservation.pages:
-            del self._outstanding[reservation.pages.slot]
+        if self._outstanding.get(_key(reservation.pages)) is reservation.pages:
+            del self._outstanding[_key(reservation.pages)]
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -126,6 +127,10 @@ class ReservationQueue:
         for ticket in late:
             if ticket.future.set_running_or_notify_cancel():
                 ticket.future.set_exception(no_room())
+
+
+def _key(pages: ReqPages) -> tuple[int, int]:
+    return pages.rank, pages.slot
 
 
 def no_room() -> RequestFailed:

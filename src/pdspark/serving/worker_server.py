@@ -47,6 +47,7 @@ from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
 from pdspark.serving.prefill_client import PrefillClients
 from pdspark.serving.prefill_metrics import PrefillMetrics
 from pdspark.serving.prefill_worker import PrefillWorker
+from pdspark.serving.transfer_destinations import DestinationService, TransferDestinations
 from pdspark.serving.transfer_writer import TRANSFER_THREADS
 from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import registered_regions
@@ -62,17 +63,25 @@ class WorkerServer:
         """Load the engine and build the worker (slow: the model loads); `start` then serves it."""
         self.cfg = cfg
         self.group: LockstepEngine | None = None
-        if cfg.engine.parallel.ep_size > 1:
-            if cfg.role != "prefill":
-                raise ConfigError(f"`ep_size` is {cfg.engine.parallel.ep_size} for a decode worker; allowed: 1 (a "
-                                  "decode group needs DP-attention serving, not built yet; prefill workers run "
-                                  "groups)")
-            if cfg.engine.parallel.dp_attention:
-                raise ConfigError("`dp_attention` for a worker; allowed: off (DP-attention groups run offline "
-                                  "only so far: `LLM`, `pdspark generate`)")
-            # Rank 0 here, the other ranks child processes in lockstep (`engine/lockstep.py`): the Engine API, with
-            # every state change sent to each rank. Only rank 0 serves gRPC and writes transfers.
-            self.group = start_engine_group(cfg.model, False, cfg.engine, {})
+        par = cfg.engine.parallel
+        destination_service: DestinationService | None = None
+        if par.ep_size > 1:
+            if cfg.role == "decode" and not par.dp_attention:
+                raise ConfigError(f"`ep_size` is {par.ep_size} for a decode worker without `dp_attention`; allowed: "
+                                  "`dp_attention` on (a decode group's ranks each own whole requests) or ep_size 1")
+            if cfg.role == "prefill" and par.dp_attention:
+                raise ConfigError("`dp_attention` for a prefill worker; allowed: off (a prefill group runs its "
+                                  "batch on every rank; decode groups run DP-attention)")
+            if cfg.role == "decode":
+                if cfg.transfer_backend == "inprocess":
+                    raise ConfigError("`transfer_backend` 'inprocess' for a decode group; allowed: 'mooncake' (each "
+                                      "rank receives into its own process's memory)")
+                # Each other rank receives transfers into its own pools, through its own transfer engine.
+                destination_service = DestinationService(cfg.transfer_backend, cfg.advertise_host,
+                                                         cfg.transfer_protocol)
+            # Rank 0 here, the other ranks child processes (`engine/lockstep.py`, `engine/data_parallel.py`): the
+            # Engine API over the group. Only rank 0 serves gRPC; in a prefill group only rank 0 writes transfers.
+            self.group = start_engine_group(cfg.model, False, cfg.engine, {}, rank_service=destination_service)
             self.group.watch(exit_for_group_failure)
             engine = cast(Engine, self.group)
         else:
@@ -88,7 +97,7 @@ class WorkerServer:
             self.metrics.registry.register(GroupCollector(observer))
         self.loop = EngineLoop(engine, observer=observer)
         self.backend = create_backend(cfg.transfer_backend, host=cfg.advertise_host, protocol=cfg.transfer_protocol)
-        for addr, nbytes in registered_regions(engine.kv.pools):
+        for addr, nbytes in registered_regions(engine.kv.pools):  # (rank 0's; the other ranks register theirs)
             self.backend.register(addr, nbytes)
         self.executor = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="transfer")
         compat = describe_engine(engine)
@@ -106,9 +115,13 @@ class WorkerServer:
         else:
             # Under mutual TLS the decode worker calls prefill workers with its own certificate.
             self.prefill_clients = PrefillClients(cfg.tls, channel_credentials(cfg.tls) if cfg.tls.enabled else None)
+            destinations = None
+            if self.group is not None:
+                destinations = TransferDestinations(TransferDestinations.local(self.backend, engine)[0],
+                                                    self.group.rank_services, par.dist_timeout_s + 1.0)
             self.worker = DecodeWorker(self.loop, self.backend, compat, self.prefill_clients.submit_plan, self.metrics,
                                        max_waiting=cfg.max_waiting_streams, executor=self.executor,
-                                       abort_plan=self.prefill_clients.abort)
+                                       abort_plan=self.prefill_clients.abort, destinations=destinations)
             self.service = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
             decode = self.worker
             self.metrics.waiting_for_pages.set_function(lambda: decode.waiting)
@@ -137,12 +150,12 @@ class WorkerServer:
         self.grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         if isinstance(self.worker, PrefillWorker):
             self.servicer: PrefillServicer | DecodeServicer = PrefillServicer(self.worker, self.metrics)
-            if self.group is not None:  # (its ranks' states in every load report: the router's /workers)
-                self.servicer.rank_states = self.group.rank_states
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.grpc)
         else:
             self.servicer = DecodeServicer(self.worker, self.metrics)
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.grpc)
+        if self.group is not None:  # (its ranks' states in every load report: the router's /workers)
+            self.servicer.rank_states = self.group.rank_states
         # Health answers from the asyncio loop, never behind the engine: a busy worker is still SERVING. A prefill
         # worker whose transfer threads are all stuck is NOT_SERVING until one is free (`PrefillWorker.serving`).
         self.health = health.aio.HealthServicer()

@@ -58,6 +58,8 @@ class TransferPlan:
     # Relative, as on the wire: seconds from the plan's arrival within which its last write must start. The
     # receiver turns it into a deadline on its own clock.
     timeout_s: float
+    # The rank of the decode worker's group whose memory `session` and `buffers` are (for stats and logs).
+    destination_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class TransferStats:
     # Seconds inside the transfer backend's write calls; `transfer_s` also covers planning the writes and waiting
     # for the source checksum (computed while the writes run) and the hops between threads.
     write_s: float = 0.0
+    source_rank: int = 0  # the rank of the prefill group that wrote (its rank 0: the one writer)
+    destination_rank: int = 0  # the rank of the decode group written into
 
 
 @dataclass(frozen=True)

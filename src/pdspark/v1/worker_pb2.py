@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdspark.v1 import common_pb2 as pdspark_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdspark/v1/worker.proto\x12\npdspark.v1\x1a\x17pdspark/v1/common.proto\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdspark.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x06 \x01(\rJ\x04\x08\x05\x10\x06R\x0f\x64\x65\x61\x64line_unix_s\"=\n\x0fPrefillResponse\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x1a.pdspark.v1.TransferResult\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdspark.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x1b\n\x13generated_token_ids\x18\x08 \x03(\x05J\x04\x08\x06\x10\x07R\x0f\x64\x65\x61\x64line_unix_s\"\xaa\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdspark.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x18.pdspark.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x19\n\x11spec_verify_steps\x18\x08 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\t \x01(\rJ\x04\x08\x06\x10\x07J\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cR\x05\x65rrorR\x08transfer\"\xc9\x02\n\x0cTransferPlan\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\t\x12,\n\x06\x63ompat\x18\x04 \x01(\x0b\x32\x1c.pdspark.v1.CompatDescriptor\x12-\n\x07\x62uffers\x18\x05 \x03(\x0b\x32\x1c.pdspark.v1.BufferDescriptor\x12\x12\n\nprompt_len\x18\x06 \x01(\r\x12\x12\n\nfull_pages\x18\x07 \x03(\x05\x12\x11\n\tswa_pages\x18\x08 \x03(\x05\x12\x16\n\x0eswa_first_page\x18\t \x01(\r\x12\x12\n\nc128_pages\x18\n \x03(\x05\x12\x10\n\x08req_slot\x18\x0b \x01(\r\x12\x12\n\ntimeout_ms\x18\r \x01(\rJ\x04\x08\x0c\x10\rR\x0f\x64\x65\x61\x64line_unix_s\"\x7f\n\x10\x42ufferDescriptor\x12\"\n\x04pool\x18\x01 \x01(\x0e\x32\x14.pdspark.v1.PoolKind\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x12\n\nitem_bytes\x18\x04 \x01(\x04\x12\x11\n\tnum_items\x18\x05 \x01(\x04\"\xf6\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x12\n\nnum_writes\x18\x02 \x01(\r\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x13\n\x0bplan_wait_s\x18\x05 \x01(\x01\x12\x41\n\rbytes_by_pool\x18\x06 \x03(\x0b\x32*.pdspark.v1.TransferStats.BytesByPoolEntry\x12\x0f\n\x07write_s\x18\x07 \x01(\x01\x1a\x32\n\x10\x42ytesByPoolEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xed\x01\n\x0eTransferResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.pdspark.v1.ErrorDetail\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdspark.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12(\n\x05stats\x18\x06 \x01(\x0b\x32\x19.pdspark.v1.TransferStats\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x06\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xf2\x04\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x39\n\npages_used\x18\x03 \x03(\x0b\x32%.pdspark.v1.LoadReport.PagesUsedEntry\x12;\n\x0bpages_total\x18\x04 \x03(\x0b\x32&.pdspark.v1.LoadReport.PagesTotalEntry\x12\x1b\n\x13transfers_in_flight\x18\x05 \x01(\r\x12=\n\x0cpages_cached\x18\x06 \x03(\x0b\x32\'.pdspark.v1.LoadReport.PagesCachedEntry\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0e\n\x06queued\x18\x08 \x01(\r\x12G\n\x11quarantined_pages\x18\t \x03(\x0b\x32,.pdspark.v1.LoadReport.QuarantinedPagesEntry\x12\x19\n\x11quarantined_slots\x18\n \x01(\r\x12\x13\n\x0brank_states\x18\x0b \x03(\t\x1a\x30\n\x0ePagesUsedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x31\n\x0fPagesTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x32\n\x10PagesCachedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x37\n\x15QuarantinedPagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x92\x02\n\tCallFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12-\n\x07prefill\x18\x02 \x01(\x0b\x32\x1a.pdspark.v1.PrefillRequestH\x00\x12/\n\x08generate\x18\x03 \x01(\x0b\x32\x1b.pdspark.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x04 \x01(\x08H\x00\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\x35\n\x08metadata\x18\x06 \x03(\x0b\x32#.pdspark.v1.CallFrame.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04\x62ody\"3\n\nCallFrames\x12%\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x15.pdspark.v1.CallFrame\"\xbd\x02\n\nReplyFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x07prefill\x18\x02 \x01(\x0b\x32\x1b.pdspark.v1.PrefillResponseH\x00\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x19.pdspark.v1.GenerateChunkH\x00\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x08\x12\x13\n\x0bstatus_code\x18\x05 \x01(\r\x12\x16\n\x0estatus_details\x18\x06 \x01(\t\x12G\n\x11trailing_metadata\x18\x07 \x03(\x0b\x32,.pdspark.v1.ReplyFrame.TrailingMetadataEntry\x1a\x37\n\x15TrailingMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x42\x06\n\x04\x62ody\"5\n\x0bReplyFrames\x12&\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x16.pdspark.v1.ReplyFrame*\xe7\x01\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPOOL_KIND_C4_KV\x10\x01\x12\x16\n\x12POOL_KIND_C4_INDEX\x10\x02\x12\x15\n\x11POOL_KIND_C128_KV\x10\x03\x12\x14\n\x10POOL_KIND_SWA_KV\x10\x04\x12\x16\n\x12POOL_KIND_C4_STATE\x10\x05\x12\x1c\n\x18POOL_KIND_C4_INDEX_STATE\x10\x06\x12\x18\n\x14POOL_KIND_C128_STATE\x10\x07\x12\x16\n\x12POOL_KIND_DRAFT_KV\x10\x08\x32\xcf\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdspark.v1.PrefillRequest\x1a\x1b.pdspark.v1.PrefillResponse\x12\x42\n\nSubmitPlan\x12\x18.pdspark.v1.TransferPlan\x1a\x1a.pdspark.v1.TransferResult\x12<\n\x05\x41\x62ort\x12\x18.pdspark.v1.AbortRequest\x1a\x19.pdspark.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdspark.v1.LoadRequest\x1a\x16.pdspark.v1.LoadReport\x12<\n\x05\x43\x61lls\x12\x16.pdspark.v1.CallFrames\x1a\x17.pdspark.v1.ReplyFrames(\x01\x30\x01\x32\x8c\x02\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x08Generate\x12\x1b.pdspark.v1.GenerateRequest\x1a\x19.pdspark.v1.GenerateChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdspark.v1.AbortRequest\x1a\x19.pdspark.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdspark.v1.LoadRequest\x1a\x16.pdspark.v1.LoadReport\x12<\n\x05\x43\x61lls\x12\x16.pdspark.v1.CallFrames\x1a\x17.pdspark.v1.ReplyFrames(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdspark/v1/worker.proto\x12\npdspark.v1\x1a\x17pdspark/v1/common.proto\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdspark.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x06 \x01(\rJ\x04\x08\x05\x10\x06R\x0f\x64\x65\x61\x64line_unix_s\"=\n\x0fPrefillResponse\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x1a.pdspark.v1.TransferResult\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdspark.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x1b\n\x13generated_token_ids\x18\x08 \x03(\x05J\x04\x08\x06\x10\x07R\x0f\x64\x65\x61\x64line_unix_s\"\xaa\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdspark.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x18.pdspark.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x19\n\x11spec_verify_steps\x18\x08 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\t \x01(\rJ\x04\x08\x06\x10\x07J\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cR\x05\x65rrorR\x08transfer\"\xe3\x02\n\x0cTransferPlan\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\t\x12,\n\x06\x63ompat\x18\x04 \x01(\x0b\x32\x1c.pdspark.v1.CompatDescriptor\x12-\n\x07\x62uffers\x18\x05 \x03(\x0b\x32\x1c.pdspark.v1.BufferDescriptor\x12\x12\n\nprompt_len\x18\x06 \x01(\r\x12\x12\n\nfull_pages\x18\x07 \x03(\x05\x12\x11\n\tswa_pages\x18\x08 \x03(\x05\x12\x16\n\x0eswa_first_page\x18\t \x01(\r\x12\x12\n\nc128_pages\x18\n \x03(\x05\x12\x10\n\x08req_slot\x18\x0b \x01(\r\x12\x12\n\ntimeout_ms\x18\r \x01(\r\x12\x18\n\x10\x64\x65stination_rank\x18\x0e \x01(\rJ\x04\x08\x0c\x10\rR\x0f\x64\x65\x61\x64line_unix_s\"\x7f\n\x10\x42ufferDescriptor\x12\"\n\x04pool\x18\x01 \x01(\x0e\x32\x14.pdspark.v1.PoolKind\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x12\n\nitem_bytes\x18\x04 \x01(\x04\x12\x11\n\tnum_items\x18\x05 \x01(\x04\"\xa5\x02\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x12\n\nnum_writes\x18\x02 \x01(\r\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x13\n\x0bplan_wait_s\x18\x05 \x01(\x01\x12\x41\n\rbytes_by_pool\x18\x06 \x03(\x0b\x32*.pdspark.v1.TransferStats.BytesByPoolEntry\x12\x0f\n\x07write_s\x18\x07 \x01(\x01\x12\x13\n\x0bsource_rank\x18\x08 \x01(\r\x12\x18\n\x10\x64\x65stination_rank\x18\t \x01(\r\x1a\x32\n\x10\x42ytesByPoolEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xed\x01\n\x0eTransferResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.pdspark.v1.ErrorDetail\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdspark.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12(\n\x05stats\x18\x06 \x01(\x0b\x32\x19.pdspark.v1.TransferStats\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x06\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xf2\x04\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x39\n\npages_used\x18\x03 \x03(\x0b\x32%.pdspark.v1.LoadReport.PagesUsedEntry\x12;\n\x0bpages_total\x18\x04 \x03(\x0b\x32&.pdspark.v1.LoadReport.PagesTotalEntry\x12\x1b\n\x13transfers_in_flight\x18\x05 \x01(\r\x12=\n\x0cpages_cached\x18\x06 \x03(\x0b\x32\'.pdspark.v1.LoadReport.PagesCachedEntry\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0e\n\x06queued\x18\x08 \x01(\r\x12G\n\x11quarantined_pages\x18\t \x03(\x0b\x32,.pdspark.v1.LoadReport.QuarantinedPagesEntry\x12\x19\n\x11quarantined_slots\x18\n \x01(\r\x12\x13\n\x0brank_states\x18\x0b \x03(\t\x1a\x30\n\x0ePagesUsedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x31\n\x0fPagesTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x32\n\x10PagesCachedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x37\n\x15QuarantinedPagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x92\x02\n\tCallFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12-\n\x07prefill\x18\x02 \x01(\x0b\x32\x1a.pdspark.v1.PrefillRequestH\x00\x12/\n\x08generate\x18\x03 \x01(\x0b\x32\x1b.pdspark.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x04 \x01(\x08H\x00\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\x35\n\x08metadata\x18\x06 \x03(\x0b\x32#.pdspark.v1.CallFrame.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04\x62ody\"3\n\nCallFrames\x12%\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x15.pdspark.v1.CallFrame\"\xbd\x02\n\nReplyFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x07prefill\x18\x02 \x01(\x0b\x32\x1b.pdspark.v1.PrefillResponseH\x00\x12*\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x19.pdspark.v1.GenerateChunkH\x00\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x08\x12\x13\n\x0bstatus_code\x18\x05 \x01(\r\x12\x16\n\x0estatus_details\x18\x06 \x01(\t\x12G\n\x11trailing_metadata\x18\x07 \x03(\x0b\x32,.pdspark.v1.ReplyFrame.TrailingMetadataEntry\x1a\x37\n\x15TrailingMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x42\x06\n\x04\x62ody\"5\n\x0bReplyFrames\x12&\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x16.pdspark.v1.ReplyFrame*\xe7\x01\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPOOL_KIND_C4_KV\x10\x01\x12\x16\n\x12POOL_KIND_C4_INDEX\x10\x02\x12\x15\n\x11POOL_KIND_C128_KV\x10\x03\x12\x14\n\x10POOL_KIND_SWA_KV\x10\x04\x12\x16\n\x12POOL_KIND_C4_STATE\x10\x05\x12\x1c\n\x18POOL_KIND_C4_INDEX_STATE\x10\x06\x12\x18\n\x14POOL_KIND_C128_STATE\x10\x07\x12\x16\n\x12POOL_KIND_DRAFT_KV\x10\x08\x32\xcf\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdspark.v1.PrefillRequest\x1a\x1b.pdspark.v1.PrefillResponse\x12\x42\n\nSubmitPlan\x12\x18.pdspark.v1.TransferPlan\x1a\x1a.pdspark.v1.TransferResult\x12<\n\x05\x41\x62ort\x12\x18.pdspark.v1.AbortRequest\x1a\x19.pdspark.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdspark.v1.LoadRequest\x1a\x16.pdspark.v1.LoadReport\x12<\n\x05\x43\x61lls\x12\x16.pdspark.v1.CallFrames\x1a\x17.pdspark.v1.ReplyFrames(\x01\x30\x01\x32\x8c\x02\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x08Generate\x12\x1b.pdspark.v1.GenerateRequest\x1a\x19.pdspark.v1.GenerateChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdspark.v1.AbortRequest\x1a\x19.pdspark.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdspark.v1.LoadRequest\x1a\x16.pdspark.v1.LoadReport\x12<\n\x05\x43\x61lls\x12\x16.pdspark.v1.CallFrames\x1a\x17.pdspark.v1.ReplyFrames(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,8 +46,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CALLFRAME_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_REPLYFRAME_TRAILINGMETADATAENTRY']._loaded_options = None
   _globals['_REPLYFRAME_TRAILINGMETADATAENTRY']._serialized_options = b'8\001'
-  _globals['_POOLKIND']._serialized_start=3201
-  _globals['_POOLKIND']._serialized_end=3432
+  _globals['_POOLKIND']._serialized_start=3274
+  _globals['_POOLKIND']._serialized_end=3505
   _globals['_PREFILLREQUEST']._serialized_start=65
   _globals['_PREFILLREQUEST']._serialized_end=237
   _globals['_PREFILLRESPONSE']._serialized_start=239
@@ -57,45 +57,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATECHUNK']._serialized_start=533
   _globals['_GENERATECHUNK']._serialized_end=831
   _globals['_TRANSFERPLAN']._serialized_start=834
-  _globals['_TRANSFERPLAN']._serialized_end=1163
-  _globals['_BUFFERDESCRIPTOR']._serialized_start=1165
-  _globals['_BUFFERDESCRIPTOR']._serialized_end=1292
-  _globals['_TRANSFERSTATS']._serialized_start=1295
-  _globals['_TRANSFERSTATS']._serialized_end=1541
-  _globals['_TRANSFERSTATS_BYTESBYPOOLENTRY']._serialized_start=1491
-  _globals['_TRANSFERSTATS_BYTESBYPOOLENTRY']._serialized_end=1541
-  _globals['_TRANSFERRESULT']._serialized_start=1544
-  _globals['_TRANSFERRESULT']._serialized_end=1781
-  _globals['_ABORTREQUEST']._serialized_start=1783
-  _globals['_ABORTREQUEST']._serialized_end=1817
-  _globals['_ABORTRESPONSE']._serialized_start=1819
-  _globals['_ABORTRESPONSE']._serialized_end=1849
-  _globals['_LOADREQUEST']._serialized_start=1851
-  _globals['_LOADREQUEST']._serialized_end=1864
-  _globals['_LOADREPORT']._serialized_start=1867
-  _globals['_LOADREPORT']._serialized_end=2493
-  _globals['_LOADREPORT_PAGESUSEDENTRY']._serialized_start=2285
-  _globals['_LOADREPORT_PAGESUSEDENTRY']._serialized_end=2333
-  _globals['_LOADREPORT_PAGESTOTALENTRY']._serialized_start=2335
-  _globals['_LOADREPORT_PAGESTOTALENTRY']._serialized_end=2384
-  _globals['_LOADREPORT_PAGESCACHEDENTRY']._serialized_start=2386
-  _globals['_LOADREPORT_PAGESCACHEDENTRY']._serialized_end=2436
-  _globals['_LOADREPORT_QUARANTINEDPAGESENTRY']._serialized_start=2438
-  _globals['_LOADREPORT_QUARANTINEDPAGESENTRY']._serialized_end=2493
-  _globals['_CALLFRAME']._serialized_start=2496
-  _globals['_CALLFRAME']._serialized_end=2770
-  _globals['_CALLFRAME_METADATAENTRY']._serialized_start=2715
-  _globals['_CALLFRAME_METADATAENTRY']._serialized_end=2762
-  _globals['_CALLFRAMES']._serialized_start=2772
-  _globals['_CALLFRAMES']._serialized_end=2823
-  _globals['_REPLYFRAME']._serialized_start=2826
-  _globals['_REPLYFRAME']._serialized_end=3143
-  _globals['_REPLYFRAME_TRAILINGMETADATAENTRY']._serialized_start=3080
-  _globals['_REPLYFRAME_TRAILINGMETADATAENTRY']._serialized_end=3135
-  _globals['_REPLYFRAMES']._serialized_start=3145
-  _globals['_REPLYFRAMES']._serialized_end=3198
-  _globals['_PREFILLWORKER']._serialized_start=3435
-  _globals['_PREFILLWORKER']._serialized_end=3770
-  _globals['_DECODEWORKER']._serialized_start=3773
-  _globals['_DECODEWORKER']._serialized_end=4041
+  _globals['_TRANSFERPLAN']._serialized_end=1189
+  _globals['_BUFFERDESCRIPTOR']._serialized_start=1191
+  _globals['_BUFFERDESCRIPTOR']._serialized_end=1318
+  _globals['_TRANSFERSTATS']._serialized_start=1321
+  _globals['_TRANSFERSTATS']._serialized_end=1614
+  _globals['_TRANSFERSTATS_BYTESBYPOOLENTRY']._serialized_start=1564
+  _globals['_TRANSFERSTATS_BYTESBYPOOLENTRY']._serialized_end=1614
+  _globals['_TRANSFERRESULT']._serialized_start=1617
+  _globals['_TRANSFERRESULT']._serialized_end=1854
+  _globals['_ABORTREQUEST']._serialized_start=1856
+  _globals['_ABORTREQUEST']._serialized_end=1890
+  _globals['_ABORTRESPONSE']._serialized_start=1892
+  _globals['_ABORTRESPONSE']._serialized_end=1922
+  _globals['_LOADREQUEST']._serialized_start=1924
+  _globals['_LOADREQUEST']._serialized_end=1937
+  _globals['_LOADREPORT']._serialized_start=1940
+  _globals['_LOADREPORT']._serialized_end=2566
+  _globals['_LOADREPORT_PAGESUSEDENTRY']._serialized_start=2358
+  _globals['_LOADREPORT_PAGESUSEDENTRY']._serialized_end=2406
+  _globals['_LOADREPORT_PAGESTOTALENTRY']._serialized_start=2408
+  _globals['_LOADREPORT_PAGESTOTALENTRY']._serialized_end=2457
+  _globals['_LOADREPORT_PAGESCACHEDENTRY']._serialized_start=2459
+  _globals['_LOADREPORT_PAGESCACHEDENTRY']._serialized_end=2509
+  _globals['_LOADREPORT_QUARANTINEDPAGESENTRY']._serialized_start=2511
+  _globals['_LOADREPORT_QUARANTINEDPAGESENTRY']._serialized_end=2566
+  _globals['_CALLFRAME']._serialized_start=2569
+  _globals['_CALLFRAME']._serialized_end=2843
+  _globals['_CALLFRAME_METADATAENTRY']._serialized_start=2788
+  _globals['_CALLFRAME_METADATAENTRY']._serialized_end=2835
+  _globals['_CALLFRAMES']._serialized_start=2845
+  _globals['_CALLFRAMES']._serialized_end=2896
+  _globals['_REPLYFRAME']._serialized_start=2899
+  _globals['_REPLYFRAME']._serialized_end=3216
+  _globals['_REPLYFRAME_TRAILINGMETADATAENTRY']._serialized_start=3153
+  _globals['_REPLYFRAME_TRAILINGMETADATAENTRY']._serialized_end=3208
+  _globals['_REPLYFRAMES']._serialized_start=3218
+  _globals['_REPLYFRAMES']._serialized_end=3271
+  _globals['_PREFILLWORKER']._serialized_start=3508
+  _globals['_PREFILLWORKER']._serialized_end=3843
+  _globals['_DECODEWORKER']._serialized_start=3846
+  _globals['_DECODEWORKER']._serialized_end=4114
 # @@protoc_insertion_point(module_scope)

@@ -90,7 +90,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferPlan(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "session", "compat", "buffers", "prompt_len", "full_pages", "swa_pages", "swa_first_page", "c128_pages", "req_slot", "timeout_ms")
+    __slots__ = ("transfer_id", "request_id", "session", "compat", "buffers", "prompt_len", "full_pages", "swa_pages", "swa_first_page", "c128_pages", "req_slot", "timeout_ms", "destination_rank")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class TransferPlan(_message.Message):
     C128_PAGES_FIELD_NUMBER: _ClassVar[int]
     REQ_SLOT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_RANK_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     session: str
@@ -115,7 +116,8 @@ class TransferPlan(_message.Message):
     c128_pages: _containers.RepeatedScalarFieldContainer[int]
     req_slot: int
     timeout_ms: int
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., session: _Optional[str] = ..., compat: _Optional[_Union[_common_pb2.CompatDescriptor, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferDescriptor, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., full_pages: _Optional[_Iterable[int]] = ..., swa_pages: _Optional[_Iterable[int]] = ..., swa_first_page: _Optional[int] = ..., c128_pages: _Optional[_Iterable[int]] = ..., req_slot: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    destination_rank: int
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., session: _Optional[str] = ..., compat: _Optional[_Union[_common_pb2.CompatDescriptor, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[BufferDescriptor, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., full_pages: _Optional[_Iterable[int]] = ..., swa_pages: _Optional[_Iterable[int]] = ..., swa_first_page: _Optional[int] = ..., c128_pages: _Optional[_Iterable[int]] = ..., req_slot: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., destination_rank: _Optional[int] = ...) -> None: ...
 
 class BufferDescriptor(_message.Message):
     __slots__ = ("pool", "layer", "base_addr", "item_bytes", "num_items")
@@ -132,7 +134,7 @@ class BufferDescriptor(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolKind, str]] = ..., layer: _Optional[int] = ..., base_addr: _Optional[int] = ..., item_bytes: _Optional[int] = ..., num_items: _Optional[int] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("bytes", "num_writes", "transfer_s", "prefill_s", "plan_wait_s", "bytes_by_pool", "write_s")
+    __slots__ = ("bytes", "num_writes", "transfer_s", "prefill_s", "plan_wait_s", "bytes_by_pool", "write_s", "source_rank", "destination_rank")
     class BytesByPoolEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +149,8 @@ class TransferStats(_message.Message):
     PLAN_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_BY_POOL_FIELD_NUMBER: _ClassVar[int]
     WRITE_S_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_RANK_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     num_writes: int
     transfer_s: float
@@ -154,7 +158,9 @@ class TransferStats(_message.Message):
     plan_wait_s: float
     bytes_by_pool: _containers.ScalarMap[str, int]
     write_s: float
-    def __init__(self, bytes: _Optional[int] = ..., num_writes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., plan_wait_s: _Optional[float] = ..., bytes_by_pool: _Optional[_Mapping[str, int]] = ..., write_s: _Optional[float] = ...) -> None: ...
+    source_rank: int
+    destination_rank: int
+    def __init__(self, bytes: _Optional[int] = ..., num_writes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., plan_wait_s: _Optional[float] = ..., bytes_by_pool: _Optional[_Mapping[str, int]] = ..., write_s: _Optional[float] = ..., source_rank: _Optional[int] = ..., destination_rank: _Optional[int] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("transfer_id", "error", "first_token_id", "first_logprob", "num_cached_tokens", "stats", "checksum")
