@@ -14,7 +14,7 @@ import grpc
 import pytest
 from test_dsv4_tiny import _migrations
 from test_pd_cluster import ARGS, C128, dispatch, stubs
-from test_prefill_group import _exit_status_within, _rank_processes, _workers, complete
+from test_prefill_group import PROMPT, _exit_status_within, _rank_processes, _sample, _workers, complete
 from test_supervision import ENGINE, ENV, current, events, health
 
 from conftest import random_prompts
@@ -66,6 +66,10 @@ def test_a_decode_group_serves_the_one_process_tokens_and_bytes(draft_ckpt, work
         assert by_one["prefill"].stats.bytes == out["prefill"].stats.bytes > 0
         assert by_one["prefill"].stats.destination_rank == 0
     assert_idle(prefill, group, single, within_s=2.0)  # every rank's pages back (the load adds up the ranks')
+    # The group's engine counters add up its ranks': the tokens both workers sampled for the same requests.
+    generated = "pdspark_engine_generated_tokens_total"
+    wait_until(lambda: _sample(group, generated) == _sample(single, generated) > 0, 5, "the same tokens counted",
+               lambda: f"{_sample(group, generated)} != {_sample(single, generated)}")
 
 
 def _plans_first(prefill, decode, prompts, params) -> list[dict]:
@@ -165,10 +169,12 @@ def test_pdspark_up_runs_a_decode_group_and_its_streams_migrate_when_a_rank_dies
         texts = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n"]
         params = SamplingParams(temperature=0, max_tokens=MIGRATED_TOKENS, ignore_eos=True)
         with LLM("dsv4-tiny", max_model_len=512, max_num_seqs=4) as llm:
-            offline = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=8, temperature=0,
-                                                                          ignore_eos=True))[0].text
+            offline = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
             want = [o.token_ids for o in llm.generate(texts, params)]
+            seeded = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.9, top_k=40, seed=903,
+                                                           ignore_eos=True))[0].text
         assert complete(info) == offline
+        assert complete(info, temperature=0.9, top_k=40, seed=903) == seeded
         wait_until(lambda: {w["role"]: w["ranks"] for w in _workers(info)} == {
             "prefill": ["running"], "decode": ["running", "running"]}, 10, "ranks in /workers",
             lambda: str(_workers(info)))

@@ -109,7 +109,10 @@ def test_pdspark_up_runs_a_prefill_group_and_restarts_it_whole():
         info = cluster.info
         with LLM("dsv4-tiny", max_model_len=512, max_num_seqs=4) as llm:
             offline = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
+            seeded = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.9, top_k=40, seed=904,
+                                                           ignore_eos=True))[0].text
         assert complete(info) == offline
+        assert complete(info, temperature=0.9, top_k=40, seed=904) == seeded
         # The router lists each worker's rank processes (from its load reports): the group's two, decode's one.
         wait_until(lambda: {w["role"]: w["ranks"] for w in _workers(info)} == {
             "prefill": ["running", "running"], "decode": ["running"]}, 10, "ranks in /workers",
@@ -126,8 +129,10 @@ def test_pdspark_up_runs_a_prefill_group_and_restarts_it_whole():
         cluster.stop()
 
 
-def complete(info: dict) -> str:
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode()
+def complete(info: dict, **sampling) -> str:
+    """`PROMPT`'s 8-token completion through the router (greedy unless `sampling` says otherwise)."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                       **sampling}).encode()
     req = urllib.request.Request(info["http"] + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=scaled(60)) as r:

@@ -144,3 +144,31 @@ def test_workers_refuse_the_group_modes_they_do_not_serve_before_any_rank_starts
         cfg = build(WorkerConfig, {"model": MODEL, "ep_size": 2, **options}, fixed={"role": role})
         with pytest.raises(ConfigError, match=message):
             WorkerServer(cfg)
+
+
+def test_transfer_reservations_go_to_the_least_loaded_rank_and_the_group_adds_up_its_ranks():
+    """The decode worker's calls on a group: a reservation lands on the rank with the fewest requests and
+    reservations (rank 0 on a tie), in that rank's pools; adopting it runs the request there; the group's pool usage
+    and token counts are every rank's added up; cancelled or finished, every page is back."""
+    with make_llm(MODEL, ep_size=2, dp_attention=True, page_size=16, max_model_len=256) as llm:
+        group = llm.engine
+        assert isinstance(group, DataParallelEngine)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        one_rank = group.engine.pool_usage()["req_slots"].total
+        assert group.pool_usage()["req_slots"] == (0, 2 * one_rank)
+        first, second, third = (group.reserve_transfer([5, 6, 7, 8], params) for _ in range(3))
+        assert [p.rank for p in (first, second, third)] == [0, 1, 0]
+        assert group.pool_usage()["req_slots"].used == 3
+        assert [ld.usage["req_slots"].used for ld in group.rank_pool_loads()] == [2, 1]
+        group.cancel_transfer(third)
+        # (The cache would arrive by transfer; the pages' contents do not matter to where the request runs.)
+        out = group.adopt("r1", [5, 6, 7, 8], params, second, first_token=9)
+        assert group.owner["r1"] == 1 and out.token_ids == [9]
+        group.cancel_transfer(first)
+        while group.has_unfinished:
+            group.step()
+        assert len(group.final_output("r1").token_ids) == 4
+        assert group.stats.generated_tokens == 3  # rank 1's (the adopted first token is not sampled here)
+        group.release("r1")
+        assert group.pool_usage()["req_slots"].used == 0
+        assert [ld.usage["req_slots"].used for ld in group.rank_pool_loads()] == [0, 0]

@@ -257,7 +257,8 @@ def test_every_ranks_step_and_collective_figures_reach_rank_0(dp_attention):
         own = set(vars(group)) | {n for n in dir(type(group)) if not n.startswith("__")}
         assert own & (set(vars(engine)) | set(dir(type(engine)))) <= {
             "add_request", "abort", "release", "release_held", "flush_cache", "step", "has_unfinished",
-            "final_output", "_ids", "reserve_transfer", "cancel_transfer", "adopt", "pool_usage", "has_running"}
+            "final_output", "_ids", "reserve_transfer", "cancel_transfer", "adopt", "pool_usage", "has_running",
+            *(("stats", "spec") if dp_attention else ())}
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9, 10, 11]], sampling_params=params)
         stats = llm.engine.rank_stats

@@ -21,6 +21,7 @@ ends in the same collective as rank 0's); a rank that exits or does not answer f
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -28,7 +29,7 @@ from multiprocessing.connection import wait as wait_for
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdspark.cache.page_allocator import PoolUsage
-from pdspark.engine.engine import Engine
+from pdspark.engine.engine import Engine, EngineStats, SpecStats
 from pdspark.engine.lockstep import LockstepEngine, RankProcess, calls_from
 from pdspark.errors import ErrorCode, RequestFailed, WorkerGroupError
 from pdspark.parallel.rank_stats import RankStats
@@ -52,20 +53,36 @@ class RankLoad(NamedTuple):
     waiting: int
     usage: dict[str, PoolUsage]  # `KVCache.usage`
     cached: dict[str, int]  # `KVCache.cached_pages`
+    stats: EngineStats  # its step counters (the group's metrics add every rank's up)
+    spec: SpecStats
 
 
 def rank_load(engine: Engine) -> RankLoad:
     return RankLoad(engine.has_unfinished, len(engine.scheduler.running), len(engine.scheduler.waiting),
-                    engine.kv.usage(), engine.kv.cached_pages())
+                    engine.kv.usage(), engine.kv.cached_pages(), engine.stats, engine.spec)
 
 
 def summed(loads: Sequence[RankLoad]) -> RankLoad:
     """The group's load: every count added up, pool by pool."""
-    pools = loads[0].usage.keys()
-    usage = {k: PoolUsage(sum(ld.usage[k].used for ld in loads), sum(ld.usage[k].total for ld in loads)) for k in pools}
+    usage = {k: PoolUsage(sum(ld.usage[k].used for ld in loads), sum(ld.usage[k].total for ld in loads))
+             for k in loads[0].usage}
     return RankLoad(any(ld.unfinished for ld in loads), sum(ld.running for ld in loads),
                     sum(ld.waiting for ld in loads), usage,
-                    {k: sum(ld.cached.get(k, 0) for ld in loads) for k in loads[0].cached})
+                    {k: sum(ld.cached.get(k, 0) for ld in loads) for k in loads[0].cached},
+                    summed_stats([ld.stats for ld in loads]), summed_spec([ld.spec for ld in loads]))
+
+
+def summed_stats(stats: Sequence[EngineStats]) -> EngineStats:
+    return EngineStats(generated_tokens=sum(s.generated_tokens for s in stats),
+                       last_batch_size=sum(s.last_batch_size for s in stats),
+                       fast_path_fallback_steps=sum((s.fast_path_fallback_steps for s in stats), Counter()))
+
+
+def summed_spec(specs: Sequence[SpecStats]) -> SpecStats:
+    return SpecStats(verify_steps=sum(s.verify_steps for s in specs), draft_tokens=sum(s.draft_tokens for s in specs),
+                     accepted_tokens=sum(s.accepted_tokens for s in specs),
+                     steps_by_drafts=[sum(k) for k in zip(*(s.steps_by_drafts for s in specs))],
+                     steps_by_accepted=[sum(k) for k in zip(*(s.steps_by_accepted for s in specs))])
 
 
 class DataParallelEngine(LockstepEngine):
@@ -79,7 +96,8 @@ class DataParallelEngine(LockstepEngine):
         self._running: dict[str, int] = {}  # the unfinished ones (placement counts them)
         self._reserved: set[tuple[int, int]] = set()  # (rank, slot) of outstanding transfer reservations
         # Each other rank's load as of its last answer (rank r at r - 1); they start as rank 0 does, with nothing.
-        self._loads = [rank_load(engine)] * len(followers)
+        idle = rank_load(engine)._replace(stats=EngineStats(), spec=SpecStats.for_drafts(engine.scheduler.num_drafts))
+        self._loads = [idle] * len(followers)
         self._ids = itertools.count()
         self._reply_s = engine.config.parallel.dist_timeout_s + _REPLY_SLACK_S
 
@@ -106,7 +124,18 @@ class DataParallelEngine(LockstepEngine):
         return summed(self.rank_pool_loads())
 
     def pool_usage(self) -> dict[str, PoolUsage]:
-        return summed([RankLoad(False, 0, 0, self.engine.kv.usage(), {}), *self._loads]).usage
+        pools = [self.engine.kv.usage(), *(ld.usage for ld in self._loads)]
+        return {k: PoolUsage(sum(u[k].used for u in pools), sum(u[k].total for u in pools)) for k in pools[0]}
+
+    @property
+    def stats(self) -> EngineStats:
+        """Every rank's step counters added up (`last_batch_size`: the group's last step's requests)."""
+        return summed_stats([self.engine.stats, *(ld.stats for ld in self._loads)])
+
+    @property
+    def spec(self) -> SpecStats:
+        """Every rank's speculation counters added up."""
+        return summed_spec([self.engine.spec, *(ld.spec for ld in self._loads)])
 
     @property
     def has_unfinished(self) -> bool:

@@ -103,10 +103,12 @@ def serve_side_calls(service: RankService, engine: Engine, conn: Connection) -> 
             except (EOFError, OSError):
                 return
             try:
-                value = service.call(name, *args)
+                answer = (True, service.call(name, *args))
             except Exception as e:  # (the call fails, the rank goes on: a side call changes no engine state)
-                conn.send((False, f"{type(e).__name__}: {e}"))
-                continue
-            conn.send((True, value))
+                answer = (False, f"{type(e).__name__}: {e}")
+            try:
+                conn.send(answer)
+            except OSError:  # rank 0 is gone or closed the channel
+                return
 
     threading.Thread(target=answer, name="rank-service", daemon=True).start()
