@@ -172,13 +172,18 @@ def test_settings_reach_each_role_as_pdspark_variables():
     assert sums["prefill"] != sums["decode"]
 
 
-def test_a_prefill_group_gets_its_size_and_accelerators_per_rank():
+def test_a_group_gets_its_size_and_accelerators_per_rank_and_a_decode_group_runs_dp_attention():
     docs = render("prefill.epSize=2", "prefill.accelerators.nvidia\\.com/gpu=1",
                   "decode.accelerators.nvidia\\.com/gpu=1")
     assert (env(docs, "prefill")["PDSPARK_EP_SIZE"], env(docs, "decode")["PDSPARK_EP_SIZE"]) == ("2", "1")
+    assert (env(docs, "prefill")["PDSPARK_DP_ATTENTION"], env(docs, "decode")["PDSPARK_DP_ATTENTION"]) == (
+        "false", "false")
     for role, gpus in (("prefill", 2), ("decode", 1)):
         resources = container(docs, role)["resources"]
         assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == gpus, role
+    docs = render("decode.epSize=4", "decode.accelerators.nvidia\\.com/gpu=1")
+    assert (env(docs, "decode")["PDSPARK_EP_SIZE"], env(docs, "decode")["PDSPARK_DP_ATTENTION"]) == ("4", "true")
+    assert container(docs, "decode")["resources"]["limits"]["nvidia.com/gpu"] == 4
 
 
 @pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "defaults" if v is None else v.name)
@@ -408,7 +413,7 @@ def test_notes_tell_how_to_reach_the_router(tmp_path: Path):
 
 @pytest.mark.parametrize("bad", ["replicas.prefill=abc", "ports.http=x", "auth.enabled=maybe", "mooncake.protocol=udp",
                                  "router.prefillPolicy=random", "replicas.decode=-1", "nosuchkey=1",
-                                 "decode.epSize=2", "prefill.epSize=0"])
+                                 "decode.epSize=0", "prefill.epSize=0"])
 def test_schema_rejects_wrongly_typed_values(bad: str):
     out = helm("template", RELEASE, str(CHART), "--set", bad, check=False)
     assert out.returncode != 0 and "values don't meet the specifications of the schema" in out.stderr, bad

@@ -17,6 +17,8 @@
 {{- $_ := set $env "PDSPARK_TRANSFER_PROTOCOL" $v.mooncake.protocol -}}
 {{- $_ := set $env "PDSPARK_EP_SIZE" (toString ((index $v .role).epSize | default 1)) -}}
 {{- $_ := set $env "PDSPARK_NNODES" (toString ((index $v .role).nnodes | default 1)) -}}
+{{- /* A decode group runs DP-attention (each rank owns whole requests); a prefill group runs its batch on every rank. */ -}}
+{{- $_ := set $env "PDSPARK_DP_ATTENTION" (toString (and (eq .role "decode") (gt (int ((index $v .role).epSize | default 1)) 1))) -}}
 {{- range $k, $val := $v.mooncake.env -}}
 {{- $_ := set $env $k (toString $val) -}}
 {{- end -}}
