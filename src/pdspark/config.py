@@ -31,6 +31,7 @@ Quantization = Literal["auto", "modelslim", "none"]  # `pdspark.model.loader.QUA
 Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # `pdspark.router.workers.policies.POLICIES`
 TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfer.backend.create_backend` takes
 UpBackend = Literal["process", "ray"]  # how `pdspark up` runs its services (`pdspark.launch.up`)
+RayPlacement = Literal["pack", "spread"]  # how the Ray backend's placement group puts the services on nodes
 # How the router's Prefill and Generate calls reach a worker: one gRPC call each, or multiplexed on one stream per
 # worker (`pdspark.rpc.multiplexed_client`).
 WorkerCalls = Literal["per-request", "multiplexed"]
@@ -465,6 +466,10 @@ class UpConfig:
     backend: UpBackend = option("process", "run the services as child processes, or as Ray actors")
     ray_address: str | None = option(None, "with --backend ray: join this Ray cluster (`auto` or HOST:PORT) instead "
                                      "of starting a local one")
+    ray_placement: RayPlacement = option(
+        "pack", "with --backend ray: the services' placement group packs them on one node (the launcher's when they "
+        "fit), or spreads them across nodes; every service keeps its node across restarts (the addresses are picked "
+        "on the launcher's machine: spread serves where every node reaches them there, e.g. nodes of one machine)")
     ray_num_cpus: int | None = option(None, "with --backend ray: CPUs of the local Ray started (default: the "
                                       "machine's)", minimum=1)
     ray_router_resources: tuple[str, ...] = option(("CPU=0.25",), "with --backend ray: Ray resources the router "

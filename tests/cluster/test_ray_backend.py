@@ -87,3 +87,36 @@ def test_ray_backend_serves_offline_greedy_restarts_and_ctrl_c_leaves_nothing():
     assert rc == 0, service.tail()
     wait_until(lambda: not tagged_pids(tag), 30, "every process of the cluster gone", interval_s=0.5,
                describe=lambda: str([Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in tagged_pids(tag)]))
+
+
+def test_a_two_node_ray_cluster_runs_the_prefill_group_on_one_node_and_the_decode_group_on_the_other():
+    """A Ray cluster of two nodes on this machine (a head with `node_a`, a second raylet with `node_b`):
+    `--ray-placement spread` and the roles' custom resources put the prefill group (2 ranks) on one node and the
+    decode group (2 ranks, DP-attention) on the other, through one placement group; completions equal offline."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, connect=False,
+                    head_node_args={"num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False})
+    try:
+        nodes.add_node(num_cpus=2, resources={"node_b": 1})
+        nodes.wait_for_nodes()
+        service = start_service("pdspark up", [
+            "up", "--backend", "ray", "--ray-address", nodes.address, "--ray-placement", "spread",
+            "--model", "dsv4-tiny", "--prefill-ep-size", "2", "--decode-ep-size", "2",
+            "--ray-prefill-resources", "CPU=0.25,node_a=0.5", "--ray-decode-resources", "CPU=0.25,node_b=0.5",
+            "--port", "0", "--grpc-port", "0", *ENGINE], timeout=scaled(180))
+        try:
+            services = service.info["services"]
+            prefill, decode = services["prefill-0"], services["decode-1"]
+            assert prefill["ray_node"] and decode["ray_node"] and prefill["ray_node"] != decode["ray_node"]
+            offline = make_llm("dsv4-tiny", page_size=16, max_model_len=256)
+            client = openai.OpenAI(base_url=service.info["http"] + "/v1", api_key="none", max_retries=0)
+            for prompt in PROMPTS[:2]:
+                want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+                got = client.completions.create(model=service.info["model"], prompt=prompt, max_tokens=16,
+                                                temperature=0, extra_body={"ignore_eos": True})
+                assert got.choices[0].text == want.text
+        finally:
+            service.stop()
+    finally:
+        nodes.shutdown()

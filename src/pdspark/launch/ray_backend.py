@@ -13,9 +13,12 @@ NOTE: polled state. A run reports what its actor last answered to `status`: `pol
 flight per actor, asked every `_POLL_S`. An actor that dies (its process killed) ends its run.
 NOTE: placement. Every actor takes its role's resources (`--ray-*-resources`: `CPU`/`GPU` amounts, fractions
 allowed, or custom resources) for each rank of its service (a worker group of `--ep-size` ranks runs as the actor's
-process tree on one node: the actor takes them all), so Ray places it where they are free. The addresses are
-picked on the launcher's machine and are loopback by default, so the actors are pinned to the launcher's node (a
-joined multi-node cluster places them on that node only).
+process tree on one node: the actor takes them all). One placement group reserves them for the whole cluster, a
+bundle per service, before any service starts: `--ray-placement pack` (the default) puts every bundle on one node,
+the launcher's when they fit (STRICT_PACK); `spread` across nodes (SPREAD). Every run of a service is scheduled into
+its own bundle, so a restarted service comes back on the same node, at the same address. The addresses are picked
+on the launcher's machine and are loopback by default: a service on another machine would not be reached there, so
+spread serves on nodes of one machine (or where those addresses reach them).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 from typing import Any
 
 from pdspark.config import UpConfig
+from pdspark.errors import ConfigError
 from pdspark.launch.plan import Service
 from pdspark.launch.service_process import spawn_service
 
@@ -42,9 +46,12 @@ class ServiceActor:
 
     def status(self) -> dict:
         """Where the service stands; once it has ended, also its last output lines (`log`, `errors`)."""
+        import ray
+
         p = self.process
         status = {"pid": p.pid, "ready": p.ready, "info": p.info, "returncode": p.returncode,
-                  "exit_text": p.exit_text, "actor_pid": os.getpid()}
+                  "exit_text": p.exit_text, "actor_pid": os.getpid(),
+                  "ray_node": ray.get_runtime_context().get_node_id()}
         if status["returncode"] is not None:
             p.drain()
             status.update(log=p.log[-_TAIL_LINES:], errors=p.errors[-_TAIL_LINES:])
@@ -64,7 +71,7 @@ class RayRun:
     def __init__(self, actor: Any):
         self._actor = actor
         self._status: dict = {"pid": 0, "ready": False, "info": {}, "returncode": None, "exit_text": "running",
-                              "actor_pid": 0}
+                              "actor_pid": 0, "ray_node": ""}
         self._pending: Any = None  # the outstanding `status` call
         self._asked_at = -math.inf
         self._stopping: Any = None  # the outstanding `stop` call
@@ -97,7 +104,7 @@ class RayRun:
 
     @property
     def details(self) -> dict:
-        return {"actor_pid": self._status["actor_pid"]}
+        return {"actor_pid": self._status["actor_pid"], "ray_node": self._status["ray_node"]}
 
     def tail(self, n: int = 40) -> str:
         return "".join(self._status.get("log", [])[-n:])
@@ -166,25 +173,47 @@ def actor_resources(cfg: UpConfig, service: Service) -> dict[str, float]:
     return {name: amount * service.ranks for name, amount in cfg.ray_resources(service.role).items()}
 
 
-class RayBackend:
-    """A `ServiceBackend` on Ray; creating it starts the local Ray (5-10 s) or joins `--ray-address`."""
+def _bundle(resources: dict[str, float]) -> dict[str, float]:
+    """A placement-group bundle of these resources (Ray refuses an empty bundle: a service that asks for none
+    reserves a sliver of CPU)."""
+    return {name: amount for name, amount in resources.items() if amount > 0} or {"CPU": 0.01}
 
-    def __init__(self, cfg: UpConfig):
+
+class RayBackend:
+    """A `ServiceBackend` on Ray; creating it starts the local Ray (5-10 s) or joins `--ray-address`, then reserves
+    the placement group of `services` (every service `start` will be asked to run), waiting at most
+    `placement_timeout_s` for Ray to place it."""
+
+    def __init__(self, cfg: UpConfig, services: list[Service], placement_timeout_s: float = 60.0):
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util import placement_group
 
         self.cfg = cfg
         started = cfg.ray_address is None  # else joined: ray.shutdown() only disconnects
         ray.init(address=cfg.ray_address, num_cpus=cfg.ray_num_cpus if started else None, include_dashboard=False)
-        self._node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._bundle = {s.name: i for i, s in enumerate(services)}
+        bundles = [_bundle(actor_resources(cfg, s)) for s in services]
+        here = ray.get_runtime_context().get_node_id()
+        self._group = (placement_group(bundles, strategy="STRICT_PACK", _soft_target_node_id=here)
+                       if cfg.ray_placement == "pack" else placement_group(bundles, strategy="SPREAD"))
+        try:
+            ray.get(self._group.ready(), timeout=placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self._group)
+            ray.shutdown()
+            raise ConfigError(f"Ray could not place the services' resources ({bundles}, {cfg.ray_placement}) within "
+                              f"{placement_timeout_s:.0f}s: its nodes have {ray.cluster_resources()}") from None
         self._remote = ray.remote(ServiceActor)
         self._runs: list[RayRun] = []
 
     def start(self, service: Service) -> RayRun:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         resources = actor_resources(self.cfg, service)
         actor = self._remote.options(
             num_cpus=resources.pop("CPU", 0.0), num_gpus=resources.pop("GPU", 0.0), resources=resources,
-            max_restarts=0, scheduling_strategy=self._node,
+            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self._group, placement_group_bundle_index=self._bundle[service.name]),
         ).remote(service.name, service.argv, service.env)
         run = RayRun(actor)
         self._runs.append(run)
@@ -203,4 +232,5 @@ class RayBackend:
 
         for run in self._runs:
             run.kill()
+        ray.util.remove_placement_group(self._group)
         ray.shutdown()

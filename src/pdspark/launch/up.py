@@ -18,7 +18,7 @@ import threading
 from pdspark.config import UpConfig
 from pdspark.launch.backend import ServiceBackend
 from pdspark.launch.console import log, starting_line
-from pdspark.launch.plan import plan_cluster
+from pdspark.launch.plan import ClusterPlan, plan_cluster
 from pdspark.launch.process_backend import ProcessBackend
 from pdspark.launch.supervisor import Supervisor
 
@@ -28,12 +28,12 @@ def _stop_on_signals(stop: threading.Event) -> None:
         signal.signal(sig, lambda *_: stop.set())
 
 
-def _backend(cfg: UpConfig) -> ServiceBackend:
+def _backend(cfg: UpConfig, plan: ClusterPlan) -> ServiceBackend:
     if cfg.backend == "ray":
         # Imported here: Ray is an optional extra, and the process backend needs none of it.
         from pdspark.launch.ray_backend import RayBackend
 
-        return RayBackend(cfg)
+        return RayBackend(cfg, plan.services)
     return ProcessBackend()
 
 
@@ -47,7 +47,7 @@ def launch(cfg: UpConfig) -> int:
     with certs as tls_dir:
         plan = plan_cluster(cfg, tls_dir)
         log(starting_line(cfg, plan.speculative))
-        backend = _backend(cfg)
+        backend = _backend(cfg, plan)
         _stop_on_signals(stop)  # again: `ray.init` installs its own SIGTERM handler
         supervisor = Supervisor(cfg, plan, backend, stop)
         signal.signal(signal.SIGHUP, lambda *_: supervisor.reload_keys())
