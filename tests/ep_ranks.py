@@ -156,13 +156,13 @@ def silent_peer_rank(rank: int, size: int, init_method: str, timeout_s: float) -
 
     import torch.distributed as dist
 
-    RankGroup.join(rank, size, init_method, timeout_s=timeout_s)
+    group = RankGroup.join(rank, size, init_method, timeout_s=timeout_s).collectives  # (the steps' group)
     start = time.monotonic()
     try:
         if rank == 0:
-            dist.all_reduce(torch.ones(1))
+            dist.all_reduce(torch.ones(1), group=group)
         else:
-            dist.recv(torch.zeros(1), src=0)
+            dist.recv(torch.zeros(1), src=0, group=group)
     except RuntimeError:
         return time.monotonic() - start
     # (A group whose collective failed cannot be torn down cleanly; the process exits without closing it.)

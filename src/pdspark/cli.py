@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from pdspark.config import GenerateConfig, RouterConfig, UpConfig, WorkerConfig
 from pdspark.engine_extra import require_engine
-from pdspark.errors import ConfigError, PdsparkError
+from pdspark.errors import PdsparkError
 from pdspark.options import add_arguments, parse_options
 
 
@@ -97,10 +97,12 @@ def _serve_worker(args: argparse.Namespace, cfg: WorkerConfig) -> int:
     if cfg.engine.parallel.node_rank > 0:  # this machine runs only its ranks of machine 0's worker group
         from pdspark.engine.group_nodes import join_engine_group
 
-        if cfg.role != "prefill":
-            raise ConfigError(f"`node_rank` is {cfg.engine.parallel.node_rank} for a {cfg.role} worker; allowed: "
-                              "0 (groups serve prefill only so far)")
-        return join_engine_group(cfg.model, cfg.engine, {})
+        service = None
+        if cfg.role == "decode":  # this machine's ranks receive their requests' caches at this machine's address
+            from pdspark.serving.transfer_destinations import DestinationService
+
+            service = DestinationService(cfg.transfer_backend, cfg.advertise_host, cfg.transfer_protocol)
+        return join_engine_group(cfg.model, cfg.engine, {}, rank_service=service)
     from pdspark.serving.worker_server import run_worker
 
     return run_worker(cfg)

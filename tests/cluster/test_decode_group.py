@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -18,7 +20,7 @@ from test_prefill_group import PROMPT, _exit_status_within, _rank_processes, _sa
 from test_supervision import ENGINE, ENV, current, events, health
 
 from conftest import random_prompts
-from helpers import GREEDY, make_llm
+from helpers import GREEDY, make_llm, two_free_ports
 from pdspark import LLM, SamplingParams
 from pdspark.client import Client
 from pdspark.launch.service_process import start_service
@@ -31,6 +33,7 @@ from pdspark.testing.worker_load import assert_idle
 from pdspark.v1 import worker_pb2
 
 GROUP = ["--ep-size", "2", "--dp-attention"]
+PING_EVERY_S = 1.0  # an idle group's liveness ping (`worker_server._PING_EVERY_S`)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +122,8 @@ def _plans_first(prefill, decode, prompts, params) -> list[dict]:
 def test_a_killed_or_stopped_rank_takes_its_decode_group_down(draft_ckpt):
     """Rank 1 of an idle decode group SIGKILLed: rank 0 exits with the group-failure status within 2 s. Rank 1 of a
     decoding group SIGSTOPped: the next step's exchange fails at the collective timeout, and rank 0 exits within
-    that + 1 s, killing the stopped rank on its way (it would never see its pipe close)."""
+    that + 1 s, killing the stopped rank on its way (it would never see its pipe close). Rank 1 of an idle group
+    SIGSTOPped: the idle liveness ping fails it as well."""
     timeout_s = 3.0
     worker, prefill = ready(
         spawn_worker("decode", str(draft_ckpt), *ARGS, *C128, "--no-prefix-cache", *GROUP),
@@ -139,6 +143,13 @@ def test_a_killed_or_stopped_rank_takes_its_decode_group_down(draft_ckpt):
         assert _exit_status_within(worker, timeout_s + 1.0) == GROUP_FAILED_EXIT
         wait_until(lambda: not os.path.exists(f"/proc/{rank1}") or _zombie(rank1), 10, "the stopped rank killed")
         stream.join(scaled(60))
+        # Stopped while idle: the worker's liveness ping (every second while idle) notices it within the timeout +
+        # 1 s of the ping that finds it.
+        (worker,) = ready(spawn_worker("decode", str(draft_ckpt), *ARGS, *C128, "--no-prefix-cache", *GROUP,
+                                       "--dist-timeout-s", str(timeout_s)))
+        (rank1,) = _rank_processes(worker.pid)
+        os.kill(rank1, signal.SIGSTOP)
+        assert _exit_status_within(worker, PING_EVERY_S + timeout_s + 1.0) == GROUP_FAILED_EXIT
     finally:
         worker.stop()
         prefill.stop()
@@ -216,3 +227,40 @@ def test_pdspark_up_runs_a_decode_group_and_its_streams_migrate_when_a_rank_dies
 
 
 MIGRATED_TOKENS = 256
+
+
+def test_a_decode_group_across_two_machines_receives_on_each_machines_ranks(draft_ckpt, tmp_path):
+    """`--nnodes 2`, the machines played by two processes on loopback: machine 1's `pdspark serve decode --node-rank
+    1` runs rank 1 with its own transfer engine (advertised at its own address) and side channel; requests placed on
+    rank 1 arrive there and equal offline. Machine 1's rank killed: the worker exits with the group-failure status
+    within 2 s."""
+    secret = tmp_path / "secret"
+    secret.write_text("the-decode-group-secret")
+    port = two_free_ports()
+    group = [*ARGS, *C128, "--no-prefix-cache", *GROUP, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}",
+             "--dist-secret-file", str(secret)]
+    machine1 = subprocess.Popen([sys.executable, "-m", "pdspark.cli", "serve", "decode", "--model", str(draft_ckpt),
+                                 *group, "--node-rank", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        leader, prefill = ready(spawn_worker("decode", str(draft_ckpt), *group),
+                                spawn_worker("prefill", str(draft_ckpt), *ARGS, *C128))
+        try:
+            prompts = random_prompts(2, [77, 40], seed=63)
+            params = [SamplingParams(max_tokens=12, **GREEDY)] * 2
+            with make_llm(draft_ckpt, page_size=16, max_model_len=256, speculative="dspark") as llm:
+                want = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+            outs = _plans_first(prefill, leader, prompts, params)
+            assert [out.get("decode_error") for out in outs] == [None, None]
+            assert [out["tokens"] for out in outs] == want
+            assert [out["prefill"].stats.destination_rank for out in outs] == [0, 1]
+            (rank1,) = _rank_processes(machine1.pid)
+            os.kill(rank1, signal.SIGKILL)
+            assert _exit_status_within(leader, 2.0) == GROUP_FAILED_EXIT
+            assert machine1.wait(timeout=scaled(30)) != 0  # its rank failed: the machine's process says so
+        finally:
+            prefill.stop()
+            leader.stop()
+    finally:
+        if machine1.poll() is None:
+            machine1.kill()
+            machine1.wait()

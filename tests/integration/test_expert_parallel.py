@@ -28,6 +28,7 @@ from pdspark.errors import ConfigError, WorkerGroupError
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.moe import MoE
 from pdspark.parallel.expert_shard import ExpertShard
+from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until
 
 # 32 experts, top-4, hidden 128: beyond the dense path's waste bound, so prefill groups tokens by expert and decode
@@ -237,6 +238,31 @@ def test_a_lost_rank_fails_the_group_with_an_error_naming_it(how):
         llm.close()
     with pytest.raises(ProcessLookupError):  # killed and reaped by `close`
         os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("dp_attention", [False, True], ids=["lockstep", "dp-attention"])
+def test_an_idle_group_pings_its_ranks_and_a_stopped_one_fails_it_within_the_timeout(dp_attention):
+    """`ping` between steps: every rank answers at once; a rank stopped while the group is idle fails the ping at
+    the group's timeout (1 s here; the bound: + 1 s), naming it, and the group refuses later calls. A ping answered
+    between calls leaves the group in step: a generate after it gives the same tokens."""
+    timeout_s = 1.0  # the group's collective timeout (the behaviour under test)
+    llm = LLM(str(resolve_model("dsv4-tiny")), ep_size=2, dp_attention=dp_attention, dist_timeout_s=timeout_s,
+              page_size=16, max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        first = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params)[0].token_ids
+        llm.engine.ping()
+        assert llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params)[0].token_ids == first
+        (pid,) = llm.engine.rank_pids
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError, match="liveness check .* rank 1 did not answer within 1 s"):
+            llm.engine.ping()
+        assert time.monotonic() - start <= scaled(timeout_s + 1.0)  # the issue's bound for a hung rank
+        with pytest.raises(WorkerGroupError, match="has failed"):
+            llm.generate(prompt_token_ids=[[8, 9]], sampling_params=params)
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("dp_attention", [False, True], ids=["lockstep", "dp-attention"])

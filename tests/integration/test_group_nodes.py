@@ -16,6 +16,7 @@ from pdspark import LLM, SamplingParams
 from pdspark.assets import resolve_model
 from pdspark.errors import ConfigError, WorkerGroupError
 from pdspark.testing.time_scale import scaled
+from pdspark.testing.waiting import wait_until
 
 MODEL = str(resolve_model("dsv4-tiny"))
 OPTS = dict(page_size=16, max_model_len=256)
@@ -48,6 +49,11 @@ def test_a_group_across_two_machines_gives_one_process_tokens(tmp_path, dp_atten
             got = [[o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=p)]
                    for p in (greedy, unseeded)]
             assert llm.engine.rank_states() == ["running", "running"]
+            # Machine 1's rank sends its figures after each step (the last one may still be on its way).
+            stats = llm.engine.rank_stats
+            wait_until(lambda: stats.figures(1).steps == stats.figures(0).steps, 10, "machine 1's figures",
+                       lambda: f"{stats.figures(1)} vs {stats.figures(0)}")
+            assert stats.figures(1).collective_calls == stats.figures(0).collective_calls > 0
         assert got == want
         # Machine 1's rank ends with the group (its control channel closes).
         assert node1.wait(timeout=scaled(30)) == 0, node1.stderr.read() if node1.stderr else ""

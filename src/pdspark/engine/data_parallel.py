@@ -270,8 +270,7 @@ class DataParallelEngine(LockstepEngine):
 
     def _answer(self, rank: int, conn: Connection) -> Any:
         proc = self._ranks[rank - 1] if len(self._ranks) >= rank else None
-        # (A rank on another machine has no process here: its sentinel is this connection.)
-        watched = [conn] + ([proc.sentinel] if proc is not None and proc.sentinel is not conn else [])
+        watched = [conn] + ([proc.sentinel] if proc is not None else [])  # (its process, or a remote rank's)
         ready = wait_for(watched, timeout=self._reply_s)
         if conn not in ready:
             raise WorkerGroupError(f"rank {rank} " + ("exited" if ready else f"gave no answer within "

@@ -25,7 +25,7 @@ from pdspark.assets import resolve_model
 from pdspark.config import EngineConfig
 from pdspark.engine.data_parallel import DataParallelEngine, serve_rank
 from pdspark.engine.factory import create_engine
-from pdspark.engine.group_nodes import NodeLayout, RemoteRank, accept_remote_ranks, listen
+from pdspark.engine.group_nodes import NodeLayout, RemoteRank, accept_remote_ranks, copy_figures, listen
 from pdspark.engine.lockstep import STOP, LockstepEngine, follow
 from pdspark.engine.rank_service import RankService, ServiceChannel, serve_side_calls
 from pdspark.errors import ConfigError
@@ -55,9 +55,6 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None, 
     if layout.node_rank != 0:
         raise ConfigError(f"`node_rank` is {layout.node_rank}: this machine runs only its ranks (`pdspark serve` or "
                           "`pdspark generate` with --node-rank); allowed here: 0")
-    if rank_service is not None and layout.nnodes > 1:
-        raise ConfigError(f"`nnodes` is {layout.nnodes} for a group whose ranks each serve transfers (a decode "
-                          "group); allowed: 1 (decode groups run on one machine so far)")
     bind_local_device(cfg.device, 0)  # (one device per rank: rank 0 takes this machine's first)
     backend = select_backend(cfg.device).dist_backend
     rendezvous = tempfile.mkdtemp(prefix="pdspark-group-")
@@ -85,9 +82,13 @@ def start_engine_group(model: str, progress: bool, config: EngineConfig | None, 
                 channels.append(ServiceChannel(rank, side_ours, proc.sentinel))
         group = RankGroup.join(0, size, init, par.dist_timeout_s, backend)
         if listener is not None:
-            remote = accept_remote_ranks(listener, layout, model, cfg, par.dist_timeout_s)
-            conns += [r.sentinel for r in remote]
+            remote = accept_remote_ranks(listener, layout, model, cfg, par.dist_timeout_s,
+                                         side=rank_service is not None)
+            conns += [r.conn for r in remote]
             procs += remote
+            channels += [ServiceChannel(r.rank, r.side, r.side) for r in remote if r.side is not None]
+            for r in remote:
+                copy_figures(r, stats)
         engine = create_engine(model, progress, cfg, group=group)
         for channel in channels:  # (the ranks load at once: theirs is done about when ours is)
             channel.receive_info(par.dist_timeout_s)

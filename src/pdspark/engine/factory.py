@@ -50,7 +50,8 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress,
                            quantization=config.quantization, experts=shard)
     if group is not None:
-        ckpt.model.use_expert_exchange(TokenExchange() if config.parallel.dp_attention else SlotExchange())
+        exchange = TokenExchange if config.parallel.dp_attention else SlotExchange
+        ckpt.model.use_expert_exchange(exchange(group.collectives))
         # The fingerprint a peer compares is the whole model's: every rank's expert digests, pooled.
         ckpt.model.group_expert_digests = [d for part in group.all_gather(expert_digests(ckpt.model)) for d in part]
     draft = load_draft(ckpt, max_len, config.dtype, device) if config.speculative else None

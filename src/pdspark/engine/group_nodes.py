@@ -6,7 +6,11 @@ to `--dist-init-addr`'s host at its port + 1, authenticated with the secret in `
 challenge both ways: `multiprocessing.connection`'s authkey; the calls it carries are pickles, so no one without the
 secret may speak on it). Each such rank first joins the torch.distributed group, then connects, names its rank and
 receives rank 0's model and engine configuration, so every rank runs rank 0's (the same seed and options, whatever
-flags its machine was given). `join_engine_group` runs a machine's ranks and returns when they end.
+flags its machine was given). A rank of a group whose ranks run a service beside their engines (a decode group:
+`engine/rank_service.py`) opens a second connection for it, its side channel; the service is its own machine's
+(its transfer engine advertises this machine's address). Every rank of another machine also sends its figures row
+(`parallel/rank_stats.py`) after each step over a connection of its own, which rank 0 copies into its table.
+`join_engine_group` runs a machine's ranks and returns when they end.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from multiprocessing.connection import wait as wait_for
@@ -24,10 +29,12 @@ from typing import Any
 import torch
 
 from pdspark.config import EngineConfig, ParallelConfig
+from pdspark.engine.rank_service import RankService, serve_side_calls
 from pdspark.errors import ConfigError, WorkerGroupError
 from pdspark.hardware.registry import bind_local_device, select_backend
 from pdspark.options import build
 from pdspark.parallel.rank_group import RankGroup
+from pdspark.parallel.rank_stats import RankStats
 
 logger = logging.getLogger(__name__)
 # Between connection attempts of a rank whose rank 0 does not listen yet (a poll period; `dist_timeout_s` bounds it).
@@ -79,21 +86,36 @@ class NodeLayout:
         return range(self.node_rank * per, (self.node_rank + 1) * per)
 
 
-class RemoteRank:
-    """A rank on another machine, where rank 0 keeps its local ranks' processes: no process here; its sentinel is
-    its connection (which turns readable when the connection closes: a lockstep rank never sends)."""
+# What a connection to rank 0's control channel is for (its hello names it): the calls (and their answers), the
+# rank's figures after each step, the service's side channel, and one that carries nothing and so turns readable only
+# when the rank is gone (its sentinel: the calls' connection turns readable whenever an answer comes).
+CONTROL, STATS, SIDE, ALIVE = "control", "stats", "side", "alive"
 
-    def __init__(self, rank: int, conn: Connection):
+
+class RemoteRank:
+    """A rank on another machine, where rank 0 keeps its local ranks' processes: no process here. `conn`: its calls;
+    `sentinel`: a connection that turns readable only when the rank is gone; `stats`: its figures rows, one per step
+    (`copy_figures`); `side`: its service's channel, when the group runs one."""
+
+    def __init__(self, rank: int, conn: Connection, sentinel: Connection, stats: Connection,
+                 side: Connection | None = None):
         self.rank = rank
-        self.sentinel = conn
+        self.conn = conn
+        self.sentinel = sentinel
+        self.stats = stats
+        self.side = side
         self.pid: int | None = None
-        self.exitcode: int | None = None  # (unknown here: "running" while its connection is open)
+        self.exitcode: int | None = None  # (unknown here: "running" while its connections are open)
 
     def is_alive(self) -> bool:
-        return False  # (nothing to join or kill here: it ends when its connection closes)
+        return False  # (nothing to kill here: it ends when its calls' connection closes)
 
     def join(self, timeout: float | None = None) -> None:
-        pass
+        """Wait (at most `timeout`) for the rank to be gone, then close every connection to it."""
+        wait_for([self.sentinel], timeout=timeout)
+        for conn in (self.conn, self.sentinel, self.stats, self.side):
+            if conn is not None:
+                conn.close()
 
     def kill(self) -> None:
         pass
@@ -107,15 +129,16 @@ def listen(layout: NodeLayout) -> Listener | None:
 
 
 def accept_remote_ranks(listener: Listener, layout: NodeLayout, model: str, cfg: EngineConfig,
-                        within_s: float) -> list[RemoteRank]:
-    """The other machines' ranks, each connected and given `model` and `cfg`, in rank order; raises
-    `WorkerGroupError` naming those that did not connect within `within_s`. A connection without the secret is
-    refused and logged (the wait goes on)."""
+                        within_s: float, side: bool = False) -> list[RemoteRank]:
+    """The other machines' ranks, each connected and given `model` and `cfg`, in rank order (with `side`: each
+    with its service's channel too); raises `WorkerGroupError` naming those that did not connect within
+    `within_s`. A connection without the secret is refused and logged (the wait goes on)."""
     expected = set(range(layout.size)) - set(layout.local_ranks)
-    got: dict[int, Connection] = {}
+    kinds = (CONTROL, STATS, ALIVE, SIDE) if side else (CONTROL, STATS, ALIVE)
+    got: dict[tuple[str, int], Connection] = {}
 
     def accept() -> None:
-        while len(got) < len(expected):
+        while len(got) < len(expected) * len(kinds):
             try:
                 conn = listener.accept()
             except mp.AuthenticationError as e:
@@ -123,34 +146,55 @@ def accept_remote_ranks(listener: Listener, layout: NodeLayout, model: str, cfg:
                 continue
             except OSError:
                 return  # (closed: the wait is over)
-            rank = conn.recv()
-            if not isinstance(rank, int) or rank not in expected or rank in got:
-                logger.warning("refused a control connection naming rank %r (expected one of %s, not yet "
-                               "connected)", rank, sorted(expected - set(got)))
+            hello = conn.recv()
+            if not (isinstance(hello, tuple) and len(hello) == 2 and hello[0] in kinds and hello[1] in expected
+                    and hello not in got):
+                logger.warning("refused a control connection saying %r (expected (kind, rank) for kinds %s and "
+                               "ranks %s, each once)", hello, kinds, sorted(expected))
                 conn.close()
                 continue
-            got[rank] = conn
+            got[hello] = conn
 
     thread = threading.Thread(target=accept, name="group-accept", daemon=True)
     thread.start()
     thread.join(within_s)
     listener.close()
     thread.join(within_s)  # (the accept ends as the listener closes)
-    missing = sorted(expected - set(got))
+    missing = sorted({rank for rank in expected for kind in kinds if (kind, rank) not in got})
     if missing:
         for conn in got.values():
             conn.close()
-        raise WorkerGroupError(f"ranks {missing} of the group did not connect to rank 0's control channel within "
-                               f"{within_s:.0f} s (check --dist-secret-file and that the port after "
+        service = (" and their service's side channel (a decode group's machines run `pdspark serve decode "
+                   "--node-rank K`)") if side else ""
+        raise WorkerGroupError(f"ranks {missing} of the group did not connect to rank 0's control channel{service} "
+                               f"within {within_s:.0f} s (check --dist-secret-file and that the port after "
                                "--dist-init-addr's is reachable)")
-    for conn in got.values():
-        conn.send((model, cfg))
-    return [RemoteRank(rank, got[rank]) for rank in sorted(got)]
+    for rank in expected:
+        got[CONTROL, rank].send((model, cfg))
+    return [RemoteRank(rank, got[CONTROL, rank], got[ALIVE, rank], got[STATS, rank], got.get((SIDE, rank)))
+            for rank in sorted(expected)]
 
 
-def join_engine_group(model: str, config: EngineConfig | None, options: dict[str, Any]) -> int:
+def copy_figures(remote: RemoteRank, stats: RankStats) -> None:
+    """Copy the figures rows a rank on another machine sends into rank 0's table, from a daemon thread, until its
+    connection closes."""
+
+    def copy() -> None:
+        while True:
+            try:
+                row = remote.stats.recv()
+            except (EOFError, OSError):
+                return
+            stats.set_row(remote.rank, row)
+
+    threading.Thread(target=copy, name=f"rank{remote.rank}-figures", daemon=True).start()
+
+
+def join_engine_group(model: str, config: EngineConfig | None, options: dict[str, Any],
+                      rank_service: RankService | None = None) -> int:
     """Run this machine's ranks of a group whose rank 0 runs on machine 0 (`node_rank` > 0); returns 0 when they
-    end as the group ends, 1 when one of them failed (the others are then stopped)."""
+    end as the group ends, 1 when one of them failed (the others are then stopped). `rank_service`: run beside each
+    rank's engine (a decode group's transfer destination, this machine's), over a side channel to rank 0."""
     cfg = build(EngineConfig, options, base=config)
     layout = NodeLayout.of(cfg.parallel)
     if layout.node_rank == 0:
@@ -160,7 +204,7 @@ def join_engine_group(model: str, config: EngineConfig | None, options: dict[str
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_remote_rank_main, name=f"pdspark-rank{rank}", daemon=True,
                          args=(rank, layout, f"tcp://{cfg.parallel.dist_init_addr}", backend,
-                               cfg.parallel.dist_timeout_s, torch.get_num_threads(), cfg.device))
+                               cfg.parallel.dist_timeout_s, torch.get_num_threads(), cfg.device, rank_service))
              for rank in layout.local_ranks]
     for p in procs:
         p.start()
@@ -182,7 +226,7 @@ def join_engine_group(model: str, config: EngineConfig | None, options: dict[str
 
 
 def _remote_rank_main(rank: int, layout: NodeLayout, init: str, backend: str, timeout_s: float,
-                      threads: int, device: str) -> None:
+                      threads: int, device: str, service: RankService | None) -> None:
     from pdspark.engine.data_parallel import serve_rank
     from pdspark.engine.factory import create_engine
     from pdspark.engine.lockstep import follow
@@ -195,10 +239,28 @@ def _remote_rank_main(rank: int, layout: NodeLayout, init: str, backend: str, ti
     try:
         assert layout.control is not None
         conn = _connect(layout.control, layout.secret, timeout_s)
-        conn.send(rank)
+        conn.send((CONTROL, rank))
+        figures = _connect(layout.control, layout.secret, timeout_s)
+        figures.send((STATS, rank))
+        alive = _connect(layout.control, layout.secret, timeout_s)  # (held open, silent, until this rank ends)
+        alive.send((ALIVE, rank))
+        side = None
+        if service is not None:
+            side = _connect(layout.control, layout.secret, timeout_s)
+            side.send((SIDE, rank))
         model, cfg = conn.recv()  # rank 0's: every rank runs one configuration
         engine = create_engine(model, False, cfg, group=group)
-        (serve_rank if cfg.parallel.dp_attention else follow)(engine, conn)
+        if service is not None and side is not None:
+            serve_side_calls(service, engine, side)
+        stats = RankStats(layout.size)  # (this machine's table: only this rank's row is sent)
+        timer = stats.timer(rank, engine.runner.model.expert_exchange)
+
+        def timed(step: Callable[[], Any]) -> Any:
+            out = timer(step)
+            figures.send(stats.row(rank))
+            return out
+
+        (serve_rank if cfg.parallel.dp_attention else follow)(engine, conn, timed)
     finally:
         group.close()
 

@@ -30,6 +30,8 @@ from pdspark.types import RequestOutput, SamplingParams
 # The calls a follower may be asked to make, by name: the engine's state-changing API.
 _CALLS = frozenset({"add_request", "abort", "release", "release_held", "flush_cache", "step"})
 STOP = "stop"  # the message that ends a follower's loop
+PING = "ping"  # the message a follower answers at once (`PONG`): is it there, between steps?
+PONG = "pong"
 # State changes of the engine API a group does not send yet: refused, not made on rank 0 alone.
 _NOT_MIRRORED = frozenset({"adopt", "reserve_transfer", "cancel_transfer"})
 _T = TypeVar("_T")
@@ -111,6 +113,33 @@ class LockstepEngine:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished
 
+    def ping(self) -> None:
+        """Check, between steps, that every other rank answers (a rank hung while the group is idle would
+        otherwise be noticed only by the next step's collective). Raises `WorkerGroupError` (and the group has
+        failed) when one does not answer within `dist_timeout_s` (the patience of a collective: an answer takes
+        a pipe round trip) or has exited."""
+        self._check()
+        timeout_s = self.engine.config.parallel.dist_timeout_s
+
+        def ask() -> None:
+            for conn in self._followers:
+                conn.send((PING, ()))
+            for rank, conn in enumerate(self._followers, start=1):
+                proc = self._ranks[rank - 1] if len(self._ranks) >= rank else None
+                watched = [conn] + ([proc.sentinel] if proc is not None else [])
+                ready = wait_for(watched, timeout=timeout_s)
+                if conn not in ready:
+                    raise WorkerGroupError(f"rank {rank} " + ("exited" if ready else
+                                                              f"did not answer within {timeout_s:.0f} s"))
+                if conn.recv() != PONG:
+                    raise WorkerGroupError(f"rank {rank} answered a ping out of step")
+
+        try:
+            ask()
+        except Exception as e:
+            self.failure = WorkerGroupError(f"the worker group failed a liveness check ({self._states()}): {e}")
+            raise self.failure from e
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None, hold_pages: bool = False) -> str:
         self._check()
@@ -173,6 +202,9 @@ def calls_from(conn: Connection, allowed: frozenset[str]) -> Iterator[tuple[str,
             return
         if name == STOP:
             return
+        if name == PING:
+            conn.send(PONG)
+            continue
         if name not in allowed:
             raise ValueError(f"a follower rank was asked to call {name!r}; allowed: {sorted(allowed)}")
         yield name, args

@@ -74,9 +74,15 @@ class ServiceChannel:
         self._conn.close()
 
     def _receive(self, what: str, timeout_s: float) -> tuple[bool, Any]:
-        ready = wait_for([self._conn, self._sentinel], timeout=timeout_s)
+        # (A rank on another machine has no process here: its sentinel is this connection, which turns readable
+        # when it closes.)
+        ready = wait_for([self._conn] if self._sentinel is self._conn else [self._conn, self._sentinel],
+                         timeout=timeout_s)
+        if not ready:
+            self._broken = f"rank {self.rank} did not {what} within {timeout_s:.0f} s"
+            raise WorkerGroupError(self._broken)
         if self._conn not in ready:
-            self._broken = f"rank {self.rank} " + ("exited" if ready else f"did not {what} within {timeout_s:.0f} s")
+            self._broken = f"rank {self.rank} exited"
             raise WorkerGroupError(self._broken)
         try:
             answer: tuple[bool, Any] = self._conn.recv()

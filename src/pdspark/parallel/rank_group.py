@@ -9,6 +9,10 @@ import torch.distributed as dist
 
 from pdspark.errors import ConfigError
 
+# The least time the ranks of a group are given to meet (a spawned rank starts an interpreter and imports torch
+# before it joins, seconds on a loaded machine), whatever the collectives' timeout.
+JOIN_FLOOR_S = 60.0
+
 
 @dataclass(frozen=True)
 class RankGroup:
@@ -22,19 +26,25 @@ class RankGroup:
     backend: str
     timeout_s: float
     host: dist.ProcessGroup | None = None  # None: the default (world) group
+    # The group the steps' exchanges use, with `timeout_s` (None: the world, before `join`).
+    collectives: dist.ProcessGroup | None = None
 
     @classmethod
     def join(cls, rank: int, size: int, init_method: str, timeout_s: float, backend: str = "gloo") -> RankGroup:
         """Join the group at `init_method` (`tcp://host:port`, rank 0 listening; or `file:///path` on one machine);
-        returns once all `size` ranks have joined, or raises after `timeout_s`."""
+        returns once all `size` ranks have joined, or raises after `max(timeout_s, JOIN_FLOOR_S)`."""
         if size < 2 or not 0 <= rank < size:
             raise ConfigError(f"rank {rank} of a group of {size}; allowed: a group of >= 2, ranks 0..{size - 1}")
         if timeout_s <= 0:
             raise ConfigError(f"`dist_timeout_s` is {timeout_s}; allowed: > 0")
+        # The world's timeout bounds the rendezvous, which waits for ranks still starting (a spawned rank imports
+        # torch first); the steps' collectives run on groups over the same ranks with the group's own timeout.
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=max(timeout_s, JOIN_FLOOR_S)))
         timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
-        host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-        return cls(rank, size, backend, timeout_s, host)
+        collectives = dist.new_group(backend=backend, timeout=timeout)
+        host = collectives if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        return cls(rank, size, backend, timeout_s, host, collectives)
 
     def all_gather(self, value: object) -> list:
         """Every rank's `value` (picklable), in rank order, over the host group (a start-up exchange, not a step)."""

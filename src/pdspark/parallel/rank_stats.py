@@ -3,7 +3,9 @@ with no message and no collective: a stuck rank never blocks the reading, and it
 
 Each rank writes only its own row, after each engine step: the step's seconds (in a histogram), and the collectives
 its MoE exchanges made during it (calls, seconds, bytes; the seconds per step in a histogram). The reader may see a
-row mid-update (a count one ahead of its sum): fine for metrics, which are read again half a second later.
+row mid-update (a count one ahead of its sum): fine for metrics, which are read again half a second later. A rank on
+another machine writes its row in its own machine's table and sends it to rank 0 after each step (`row`, `set_row`:
+`engine/group_nodes.py`), which copies it into this one.
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ class RankStats:
         a[row + _COLL_S] += seconds
         a[row + _BYTES] += nbytes
         a[row + _STEPS] += 1
+
+    def row(self, rank: int) -> list[float]:
+        """Rank `rank`'s row as it stands (what a rank on another machine sends to rank 0)."""
+        return list(self.shared[rank * _WIDTH : (rank + 1) * _WIDTH])
+
+    def set_row(self, rank: int, row: list[float]) -> None:
+        if len(row) != _WIDTH:
+            raise ValueError(f"a figures row of {len(row)} values; allowed: {_WIDTH}")
+        self.shared[rank * _WIDTH : (rank + 1) * _WIDTH] = row
 
     def figures(self, rank: int) -> RankFigures:
         row = list(self.shared[rank * _WIDTH : (rank + 1) * _WIDTH])

@@ -63,7 +63,7 @@ from pdspark.serving.engine_client import EngineClient
 from pdspark.serving.engine_loop import EngineLoop
 from pdspark.serving.output_stream import OutputStream
 from pdspark.serving.reservation_queue import Reservation
-from pdspark.serving.transfer_destinations import TransferDestinations
+from pdspark.serving.transfer_destinations import TransferDestinations, local_destination
 from pdspark.transfer.base import TransferBackend
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import TransferPlan, TransferResult
@@ -143,8 +143,8 @@ class DecodeWorker:
         self.metrics = metrics
         self.max_waiting = max_waiting
         # Fixed at start: the pools never move.
-        self.destinations = destinations if destinations is not None else TransferDestinations.local(backend,
-                                                                                                     loop.engine)
+        self.destinations = (destinations if destinations is not None
+                             else TransferDestinations(local_destination(backend, loop.engine)))
         self._executor = executor or ThreadPoolExecutor(2, thread_name_prefix="checksum")
         self._active: dict[str, _Stream] = {}
         self.waiting = 0  # requests waiting for destination pages

@@ -56,6 +56,11 @@ class DestinationService:
         return destination_checksum(self._buffers, args[0])
 
 
+def local_destination(backend: TransferBackend, engine: Engine) -> RankDestination:
+    """This process's: its transfer engine's session over its engine's pools (one process, or a group's rank 0)."""
+    return RankDestination(backend.session_id, tuple(cache_buffers(engine.kv.pools)))
+
+
 class TransferDestinations:
     """Per rank (rank 0 first): the session and buffers a plan names, and the checksum over what arrived there."""
 
@@ -63,10 +68,6 @@ class TransferDestinations:
         self._ranks = [local, *(c.info for c in others)]
         self._channels = list(others)
         self._timeout_s = timeout_s
-
-    @classmethod
-    def local(cls, backend: TransferBackend, engine: Engine) -> TransferDestinations:
-        return cls(RankDestination(backend.session_id, tuple(cache_buffers(engine.kv.pools))))
 
     def __len__(self) -> int:
         return len(self._ranks)

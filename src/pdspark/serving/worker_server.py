@@ -32,7 +32,7 @@ from pdspark.engine.engine import Engine
 from pdspark.engine.engine_group import start_engine_group
 from pdspark.engine.factory import create_engine
 from pdspark.engine.lockstep import LockstepEngine
-from pdspark.errors import ConfigError
+from pdspark.errors import ConfigError, WorkerGroupError
 from pdspark.rpc import tracing
 from pdspark.rpc.keepalive import SERVER_OPTIONS
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
@@ -47,7 +47,7 @@ from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
 from pdspark.serving.prefill_client import PrefillClients
 from pdspark.serving.prefill_metrics import PrefillMetrics
 from pdspark.serving.prefill_worker import PrefillWorker
-from pdspark.serving.transfer_destinations import DestinationService, TransferDestinations
+from pdspark.serving.transfer_destinations import DestinationService, TransferDestinations, local_destination
 from pdspark.serving.transfer_writer import TRANSFER_THREADS
 from pdspark.transfer.backend import create_backend
 from pdspark.transfer.transfer_plan import registered_regions
@@ -55,6 +55,9 @@ from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 _METRICS_EVERY_S = 0.5
+# How often an idle worker group checks that its other ranks answer (`LockstepEngine.ping`): a rank that hangs while
+# there is no work is then noticed within this + the group's timeout + 1 s, not at the next request's first step.
+_PING_EVERY_S = 1.0
 _GIL_SWITCH_S = 0.001
 
 
@@ -117,8 +120,8 @@ class WorkerServer:
             self.prefill_clients = PrefillClients(cfg.tls, channel_credentials(cfg.tls) if cfg.tls.enabled else None)
             destinations = None
             if self.group is not None:
-                destinations = TransferDestinations(TransferDestinations.local(self.backend, engine)[0],
-                                                    self.group.rank_services, par.dist_timeout_s + 1.0)
+                destinations = TransferDestinations(local_destination(self.backend, engine), self.group.rank_services,
+                                                    par.dist_timeout_s + 1.0)
             self.worker = DecodeWorker(self.loop, self.backend, compat, self.prefill_clients.submit_plan, self.metrics,
                                        max_waiting=cfg.max_waiting_streams, executor=self.executor,
                                        abort_plan=self.prefill_clients.abort, destinations=destinations)
@@ -129,10 +132,25 @@ class WorkerServer:
         self.metrics.transfers_in_flight.set_function(self._in_flight)
         self._last_metrics = 0.0
         self.loop.add_ticker(self._sample_metrics)
+        self._pinged = time.monotonic()
+        if self.group is not None:
+            self.loop.add_ticker(self._check_ranks)
 
     def _in_flight(self) -> int:
         w = self.worker
         return w.in_flight if isinstance(w, PrefillWorker) else w.transfers_in_flight
+
+    def _check_ranks(self) -> None:
+        """(Ticker) While the group is idle, its ranks must still answer; one that does not fails it as a step
+        would (exit for a restart)."""
+        now = time.monotonic()
+        if self.group is None or self.loop.engine.has_unfinished or now - self._pinged < _PING_EVERY_S:
+            return
+        self._pinged = now
+        try:
+            self.group.ping()
+        except WorkerGroupError as e:
+            exit_for_group_failure(str(e))
 
     def _sample_metrics(self) -> None:
         now = time.monotonic()
