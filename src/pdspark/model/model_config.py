@@ -164,13 +164,29 @@ _UNSUPPORTED_FLAGS = {
 }
 
 
+def _check_release_quantization(d: dict[str, Any]) -> None:
+    """DeepSeek-V4's released format: FP8 e4m3 weights in 128x128 blocks (`quantization_config`), routed experts FP4
+    (MXFP4) or FP8 (top-level `expert_dtype`). The loader reads each quantized weight with its scale
+    (`model/scaled_weights.py`); any other scheme is refused."""
+    q = d.get("quantization_config")
+    if q:
+        if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+            method = q.get("quant_method") if isinstance(q, dict) else q
+            raise ConfigError(f"`quantization_config.quant_method` is {method!r}; allowed: 'fp8' (DeepSeek-V4's "
+                              "released format) or none (bf16/fp32 weights)")
+        check_choice("quantization_config.fmt", q.get("fmt", "e4m3"), ("e4m3",))
+        block = q.get("weight_block_size", [128, 128])
+        if list(block) != [128, 128]:
+            raise ConfigError(f"`quantization_config.weight_block_size` is {block}; allowed: [128, 128]")
+        check_choice("quantization_config.scale_fmt", q.get("scale_fmt", "ue8m0"), ("ue8m0", None))
+    if d.get("expert_dtype") is not None:
+        check_choice("expert_dtype", d["expert_dtype"], ("fp4", "fp8", "bf16"))
+
+
 def _parse(d: dict[str, Any]) -> ModelConfig:
     model_type = d.get("model_type", "deepseek_v4")
     check_choice("model_type", model_type, ("deepseek_v4",))
-    if d.get("quantization_config"):
-        raise ConfigError(
-            "unsupported `quantization_config` (FP8/FP4 checkpoints); allowed: none (bf16/fp32 weights)"
-        )
+    _check_release_quantization(d)
     for key, allowed in _UNSUPPORTED_FLAGS.items():
         if key in d and d[key] is not None:
             check_choice(key, d[key], allowed)

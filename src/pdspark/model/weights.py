@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pdspark.errors import CheckpointError
 from pdspark.model.dsv4 import DSV4Model
+from pdspark.model.scaled_weights import ScaledWeights
 from pdspark.quant.scheme import QuantDescription
 
 # checkpoint name (after an optional leading "model.") -> parameter name, or (parameter, row half)
@@ -173,7 +174,7 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
     `LoadReport.quantized` (see `quant_weights.QuantizedWeights`), and `check` False leaves the completeness check
     to the caller (which knows the pieces they stand for)."""
     files = checkpoint_files(Path(path))
-    handles = {f: safe_open(str(f), "pt") for f in files}
+    handles = {f: _open(f) for f in files}
     names = [(f, n) for f, h in handles.items() for n in h.keys()]  # noqa: SIM118 (a safetensors handle)
     extra: dict[str, torch.Tensor] = {}
     own: dict[str, torch.Tensor] = {}
@@ -182,11 +183,17 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
     if quant is not None and not shard.is_whole:
         raise CheckpointError("expert parallelism (`ep_size` > 1) with a ModelSlim-quantized checkpoint is not "
                               "supported yet; allowed: `ep_size` 1 for quantized checkpoints")
+    # The released format's FP8/FP4 weights are read with their scales and decoded to float (`scaled_weights.py`).
+    weights = ScaledWeights(handles, names)
+    skipped: set[str] = set()
     bar = _progress(len(names), progress)
     for f, name in names:
         bar.update(1)
+        if weights.is_scale(name):
+            continue  # (read with its weight)
         if not shard.is_whole and (piece := map_name(name)) is not None and piece.expert is not None \
                 and not shard.holds(piece.expert):
+            skipped.add(name)
             continue
         if quant is not None and quant.quantized_linear(name) is not None:
             # A copy: kept as is (not copied into a parameter), a view of the mapped file would keep all of it
@@ -194,13 +201,12 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
             is_draft = name.startswith(("mtp.", "model.mtp."))
             (extra if is_draft else quantized)[name.removeprefix("model.")] = handles[f].get_tensor(name).clone()
             continue
-        if name.endswith((".scale", "_scale_inv")):  # FP8/FP4 block scales, not mHC `*_scale` parameters
-            raise CheckpointError(f"quantized tensor {name!r}: FP8/FP4 checkpoints are not supported")
         if name.startswith(("mtp.", "model.mtp.")):
-            extra[name.removeprefix("model.")] = handles[f].get_tensor(name)
+            extra[name.removeprefix("model.")] = weights.get(name)
         else:
-            own[name] = handles[f].get_tensor(name)
+            own[name] = weights.get(name)
     bar.close()
+    weights.check_all_used(skipped)
     filled = assign(model, own, map_name, shard.first)
     if Piece("head") not in filled and model.cfg.tie_word_embeddings and Piece("embed") in filled:
         with torch.no_grad():
@@ -211,6 +217,14 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
     check_expert_ids(model, model.cfg.n_routed_experts)
     return LoadReport(extra=extra, num_tensors=len(names), quantized=quantized if quant else None, filled=filled)
 
+
+
+def _open(f: Path):
+    """A checkpoint file, opened (its header read); a missing or damaged file is a `CheckpointError` naming it."""
+    try:
+        return safe_open(str(f), "pt")
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"checkpoint file {f.name!r} cannot be read: {type(e).__name__}: {e}") from e
 
 
 def assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor], mapper, first_expert: int = 0) -> set[Piece]:
@@ -256,8 +270,8 @@ def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
         raise CheckpointError(f"tensor {name!r} has shape {tuple(src.shape)}; the config implies {tuple(dest.shape)}")
     if src.dtype == torch.int8 and dest.is_floating_point():
         # A quantized weight read as float would be cast silently, scales ignored.
-        raise CheckpointError(f"tensor {name!r} is int8 but stands for a float parameter: a quantized linear needs "
-                              "its scheme in quant_model_description.json")
+        raise CheckpointError(f"tensor {name!r} is int8 but stands for a float parameter: a packed MXFP4 weight needs "
+                              "its `.scale` beside it, a ModelSlim linear its scheme in quant_model_description.json")
     dest.copy_(src.to(dest.dtype))
 
 
