@@ -76,7 +76,31 @@ def build_parser() -> argparse.ArgumentParser:
     router = roles.add_parser("router", help="the router (OpenAI HTTP + gRPC)")
     add_arguments(router, RouterConfig)
     router.set_defaults(func=_serve_router, config=RouterConfig)
+
+    inspect = sub.add_parser("inspect", help="what a checkpoint (or a config) asks of a deployment: its tensors' "
+                             "coverage, bytes per rank, KV per token, context in a memory budget (reads no weight)")
+    inspect.add_argument("path", nargs="?", help="a checkpoint directory (or a shipped model's name: dsv4-tiny)")
+    inspect.add_argument("--config", dest="config_file", help="a config.json alone (the released format's tensors "
+                         "are predicted from it)")
+    inspect.add_argument("--ep-size", type=int, action="append", dest="ep_sizes",
+                         help="expert-parallel group sizes to size a rank for (repeatable; default 1)")
+    inspect.add_argument("--dp-attention", action="store_true", help="ranks that each hold their own requests' KV "
+                         "(the group's context is then ep times a rank's)")
+    inspect.add_argument("--kv-cache-dtype", default="bfloat16", help="bfloat16 (default), float32 or fp8_e4m3")
+    inspect.add_argument("--memory-gib", type=float, help="memory per rank: how many tokens of context fit")
+    inspect.set_defaults(func=_inspect, config=None)
     return parser
+
+
+def _inspect(args: argparse.Namespace, cfg: None) -> int:
+    require_engine("`pdspark inspect`")
+    from pdspark.assets import resolve_model
+    from pdspark.model.checkpoint_inspection import inspect_model, render
+
+    path = resolve_model(args.path) if args.path is not None else None
+    print(render(inspect_model(path, args.config_file, tuple(args.ep_sizes or (1,)), args.kv_cache_dtype,
+                               args.memory_gib, args.dp_attention)))
+    return 0
 
 
 def _up(args: argparse.Namespace, cfg: UpConfig) -> int:
@@ -113,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         # Flags, then PDSPARK_* variables, then defaults; a bad value is a ConfigError naming the option.
+        if args.config is None:  # (`inspect`: its own few flags)
+            return args.func(args, None)
         fixed = {"role": args.role} if args.config is WorkerConfig else None
         cfg = parse_options(args.config, args, fixed=fixed)
         if (args.command == "generate" and not args.prompt and cfg.prompt_ids is None

@@ -1,6 +1,6 @@
 """`write_release_checkpoint`: a float DSV4 checkpoint rewritten in DeepSeek-V4's released format, with its twin.
 
-The released format (`../shared/reference/dsv4-checkpoint-format.md` §1-4, §8): DeepSeek's native names (no `model.`
+The released format (docs/operations.md, "DeepSeek-V4's released checkpoints"): DeepSeek's native names (no `model.`
 prefix), sharded with `model.safetensors.index.json`; attention projections, the indexer's `wq_b`, the shared
 experts and the MTP block's `e_proj`/`h_proj` as FP8 e4m3 in 128x128 tiles with ue8m0 `.scale`s; routed experts as
 packed MXFP4 (I8, two codes a byte, low nibble first) with ue8m0 scales per 32 inputs; norms, embedding, head, gate,
