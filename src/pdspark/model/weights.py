@@ -177,9 +177,10 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
     handles = {f: _open(f) for f in files}
     names = [(f, n) for f, h in handles.items() for n in h.keys()]  # noqa: SIM118 (a safetensors handle)
     extra: dict[str, torch.Tensor] = {}
-    own: dict[str, torch.Tensor] = {}
     quantized: dict[str, torch.Tensor] = {}
     shard = model.experts  # with expert parallelism, other ranks' experts are never read
+    # Each tensor goes into its parameter as it is read (never the whole checkpoint in memory beside the model).
+    into = Assigner(model, map_name, shard.first)
     if quant is not None and not shard.is_whole:
         raise CheckpointError("expert parallelism (`ep_size` > 1) with a ModelSlim-quantized checkpoint is not "
                               "supported yet; allowed: `ep_size` 1 for quantized checkpoints")
@@ -204,10 +205,10 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
         if name.startswith(("mtp.", "model.mtp.")):
             extra[name.removeprefix("model.")] = weights.get(name)
         else:
-            own[name] = weights.get(name)
+            into.put(name, weights.get(name))
     bar.close()
     weights.check_all_used(skipped)
-    filled = assign(model, own, map_name, shard.first)
+    filled = into.filled
     if Piece("head") not in filled and model.cfg.tie_word_embeddings and Piece("embed") in filled:
         with torch.no_grad():
             model.head.copy_(model.embed)
@@ -227,20 +228,32 @@ def _open(f: Path):
         raise CheckpointError(f"checkpoint file {f.name!r} cannot be read: {type(e).__name__}: {e}") from e
 
 
-def assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor], mapper, first_expert: int = 0) -> set[Piece]:
-    """Copy `tensors` into `module` through `mapper(name) -> Piece | None`; returns the pieces filled.
+class Assigner:
+    """Copies checkpoint tensors into `module`'s parameters through `mapper(name) -> Piece | None`, one at a time;
     `first_expert`: the expert at index 0 of the stacked expert parameters (expert parallelism)."""
-    params: dict[str, torch.Tensor] = dict(module.named_parameters())
-    params.update(dict(module.named_buffers()))
-    filled: set[Piece] = set()
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            piece = mapper(name)
-            if piece is None or piece.param not in params:
-                raise CheckpointError(f"unexpected tensor {name!r} (not part of this model's config)")
-            _copy(piece.view(params[piece.param], first_expert), tensor, name)
-            filled.add(piece)
-    return filled
+
+    def __init__(self, module: torch.nn.Module, mapper, first_expert: int = 0):
+        self.params: dict[str, torch.Tensor] = dict(module.named_parameters())
+        self.params.update(dict(module.named_buffers()))
+        self.mapper = mapper
+        self.first_expert = first_expert
+        self.filled: set[Piece] = set()  # the pieces filled so far
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        piece = self.mapper(name)
+        if piece is None or piece.param not in self.params:
+            raise CheckpointError(f"unexpected tensor {name!r} (not part of this model's config)")
+        with torch.no_grad():
+            _copy(piece.view(self.params[piece.param], self.first_expert), tensor, name)
+        self.filled.add(piece)
+
+
+def assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor], mapper, first_expert: int = 0) -> set[Piece]:
+    """Copy `tensors` into `module` (`Assigner`); returns the pieces filled."""
+    into = Assigner(module, mapper, first_expert)
+    for name, tensor in tensors.items():
+        into.put(name, tensor)
+    return into.filled
 
 
 def check_complete(module: torch.nn.Module, filled: set[Piece], experts: int | range,
