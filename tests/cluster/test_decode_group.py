@@ -14,7 +14,7 @@ import uuid
 
 import grpc
 import pytest
-from test_dsv4_tiny import _migrations
+from test_dsv4_tiny import streams_through
 from test_pd_cluster import ARGS, C128, dispatch, stubs
 from test_prefill_group import PROMPT, _exit_status_within, _rank_processes, _sample, _workers, complete
 from test_supervision import ENGINE, ENV, current, events, health
@@ -22,7 +22,6 @@ from test_supervision import ENGINE, ENV, current, events, health
 from conftest import random_prompts
 from helpers import GREEDY, make_llm, two_free_ports
 from pdspark import LLM, SamplingParams
-from pdspark.client import Client
 from pdspark.launch.service_process import start_service
 from pdspark.rpc import convert
 from pdspark.serving.engine_loop import GROUP_FAILED_EXIT
@@ -189,35 +188,8 @@ def test_pdspark_up_runs_a_decode_group_and_its_streams_migrate_when_a_rank_dies
         wait_until(lambda: {w["role"]: w["ranks"] for w in _workers(info)} == {
             "prefill": ["running"], "decode": ["running", "running"]}, 10, "ranks in /workers",
             lambda: str(_workers(info)))
-        got: list[list[int]] = [[] for _ in texts]
-        failures: list[BaseException] = []
-        first_tokens = threading.Semaphore(0)
-
-        def stream(i: int) -> None:
-            try:
-                client = Client(info["grpc"], timeout=scaled(180))
-                for chunk in client.stream(texts[i], max_tokens=MIGRATED_TOKENS, temperature=0, ignore_eos=True):
-                    if not got[i]:
-                        first_tokens.release()
-                    got[i] += chunk.token_ids
-            except BaseException as e:  # reported below, with the others' outcomes
-                failures.append(e)
-                first_tokens.release()
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(texts))]
-        for t in threads:
-            t.start()
-        for _ in threads:  # every stream under way (or failed: reported below)
-            assert first_tokens.acquire(timeout=scaled(60)), "a stream got no first token"
-        migrated_before = _migrations(info["http"])
-        (rank1,) = _rank_processes(current(cluster, "decode-1")["pid"])
-        os.kill(rank1, signal.SIGKILL)
-        for t in threads:
-            t.join(scaled(180))
-            assert not t.is_alive(), "a stream did not end"
-        assert not failures, failures
-        assert got == want
-        assert _migrations(info["http"]) > migrated_before  # the kill hit running streams
+        rank1 = _rank_processes(current(cluster, "decode-1")["pid"])[0]
+        assert streams_through(info, texts, MIGRATED_TOKENS, lambda: os.kill(rank1, signal.SIGKILL)) == want
         (exited,) = events(cluster, "exited", "decode-1")
         assert exited["returncode"] == GROUP_FAILED_EXIT, exited
         wait_until(lambda: all(health(info).values()), 60, "every worker healthy again")

@@ -118,15 +118,29 @@ def test_the_only_decode_worker_killed_mid_stream_every_stream_completes_after_i
     to offline (DSpark off, one engine), nothing lost or repeated."""
     import os
     import signal
-    import threading
-
-    from pdspark.client import Client
 
     info = dsv4_tiny_cluster.info
     texts = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n"]
     # Long enough that every stream is still running when the kill comes (the test checks that it migrated).
     params = SamplingParams(temperature=0, max_tokens=MIGRATED_TOKENS, ignore_eos=True)
     want = [o.token_ids for o in tiny.generate(texts, params)]
+    got = streams_through(info, texts, MIGRATED_TOKENS,
+                          lambda: os.kill(info["services"]["decode-1"]["pid"], signal.SIGKILL))
+    assert got == want
+    assert any(e.get("event") == "restarted" and e.get("service") == "decode-1" for e in dsv4_tiny_cluster.events)
+
+
+MIGRATED_TOKENS = 256
+
+
+def streams_through(info: dict, texts: list[str], max_tokens: int, kill) -> list[list[int]]:
+    """Greedy SDK streams of `texts` through the cluster's router; once each has its first token, `kill()` (a
+    worker under them); every stream's tokens once all ended. Fails unless each ended without an error and the
+    router counted a migration (the kill hit running streams)."""
+    import threading
+
+    from pdspark.client import Client
+
     got: list[list[int]] = [[] for _ in texts]
     failures: list[BaseException] = []
     first_tokens = threading.Semaphore(0)
@@ -134,7 +148,7 @@ def test_the_only_decode_worker_killed_mid_stream_every_stream_completes_after_i
     def stream(i: int) -> None:
         try:
             client = Client(info["grpc"], timeout=scaled(180))
-            for chunk in client.stream(texts[i], max_tokens=MIGRATED_TOKENS, temperature=0, ignore_eos=True):
+            for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0, ignore_eos=True):
                 if not got[i]:
                     first_tokens.release()
                 got[i] += chunk.token_ids
@@ -148,17 +162,13 @@ def test_the_only_decode_worker_killed_mid_stream_every_stream_completes_after_i
     for _ in threads:  # every stream under way (or failed: reported below)
         assert first_tokens.acquire(timeout=scaled(60)), "a stream got no first token"
     migrated_before = _migrations(info["http"])
-    os.kill(info["services"]["decode-1"]["pid"], signal.SIGKILL)
+    kill()
     for t in threads:
         t.join(scaled(180))
         assert not t.is_alive(), "a stream did not end"
     assert not failures, failures
-    assert got == want
     assert _migrations(info["http"]) > migrated_before  # the kill hit running streams
-    assert any(e.get("event") == "restarted" and e.get("service") == "decode-1" for e in dsv4_tiny_cluster.events)
-
-
-MIGRATED_TOKENS = 256
+    return got
 
 
 def _migrations(http: str) -> float:
