@@ -56,7 +56,7 @@ from pdspark.v1 import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 _METRICS_EVERY_S = 0.5
 # How often an idle worker group checks that its other ranks answer (`LockstepEngine.ping`): a rank that hangs while
-# there is no work is then noticed within this + the group's timeout + 1 s, not at the next request's first step.
+# there is no work is then noticed within this + the group's timeout, not at the next request's first step.
 _PING_EVERY_S = 1.0
 _GIL_SWITCH_S = 0.001
 
