@@ -14,8 +14,11 @@ the least-loaded rank that has room), the transfer writes into that rank's memor
 rank's session and buffers), and `adopt` continues the request there. Every answer of a rank carries its load
 (`RankLoad`: requests and pool usage), so rank 0 knows the group's pages without asking between steps.
 
-A pipe reply is awaited at most `dist_timeout_s` + 1 s after rank 0's own part of the call is done (a rank's step
-ends in the same collective as rank 0's); a rank that exits or does not answer fails the group (`WorkerGroupError`).
+A pipe reply is awaited at most `dist_timeout_s` after rank 0's own part of the call is done: a rank's step ends in the
+same collective as rank 0's (only its reply's pickling and pipe write are left), and a call without a collective is
+quicker still. A rank that exits or does not answer fails the group (`WorkerGroupError`), so a rank that hangs fails it
+within the timeout (stopped before a collective: rank 0's collective times out; after the step's last one: its reply
+does), and the worker exits within the timeout + 1 s.
 """
 
 from __future__ import annotations
@@ -41,8 +44,6 @@ if TYPE_CHECKING:
 # The calls rank 0 makes on a follower rank's engine, by name (each answered over the pipe).
 _CALLS = frozenset({"add_request", "abort", "release", "flush_cache", "step", "final_output", "reserve_transfer",
                     "cancel_transfer", "adopt"})
-# A reply's slack beyond the group's collective timeout: the pipe write and the unpickling of a step's outputs.
-_REPLY_SLACK_S = 1.0
 
 
 class RankLoad(NamedTuple):
@@ -99,7 +100,7 @@ class DataParallelEngine(LockstepEngine):
         idle = rank_load(engine)._replace(stats=EngineStats(), spec=SpecStats.for_drafts(engine.scheduler.num_drafts))
         self._loads = [idle] * len(followers)
         self._ids = itertools.count()
-        self._reply_s = engine.config.parallel.dist_timeout_s + _REPLY_SLACK_S
+        self._reply_s = engine.config.parallel.dist_timeout_s
 
     @property
     def size(self) -> int:
