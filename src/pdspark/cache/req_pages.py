@@ -27,6 +27,11 @@ class ReqPages:
     rank: int = 0
 
     @property
+    def place(self) -> tuple[int, int]:
+        """(rank, request slot): where these pages are across a group (a slot number alone repeats per rank)."""
+        return self.rank, self.slot
+
+    @property
     def owned_full_pages(self) -> list[int]:
         return self.full_pages[self.num_borrowed :]
 

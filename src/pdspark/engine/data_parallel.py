@@ -28,7 +28,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from multiprocessing.connection import wait as wait_for
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdspark.cache.page_allocator import PoolUsage
@@ -65,12 +64,14 @@ def rank_load(engine: Engine) -> RankLoad:
 
 def summed(loads: Sequence[RankLoad]) -> RankLoad:
     """The group's load: every count added up, pool by pool."""
-    usage = {k: PoolUsage(sum(ld.usage[k].used for ld in loads), sum(ld.usage[k].total for ld in loads))
-             for k in loads[0].usage}
     return RankLoad(any(ld.unfinished for ld in loads), sum(ld.running for ld in loads),
-                    sum(ld.waiting for ld in loads), usage,
+                    sum(ld.waiting for ld in loads), summed_usage([ld.usage for ld in loads]),
                     {k: sum(ld.cached.get(k, 0) for ld in loads) for k in loads[0].cached},
                     summed_stats([ld.stats for ld in loads]), summed_spec([ld.spec for ld in loads]))
+
+
+def summed_usage(usages: Sequence[dict[str, PoolUsage]]) -> dict[str, PoolUsage]:
+    return {k: PoolUsage(sum(u[k].used for u in usages), sum(u[k].total for u in usages)) for k in usages[0]}
 
 
 def summed_stats(stats: Sequence[EngineStats]) -> EngineStats:
@@ -125,8 +126,7 @@ class DataParallelEngine(LockstepEngine):
         return summed(self.rank_pool_loads())
 
     def pool_usage(self) -> dict[str, PoolUsage]:
-        pools = [self.engine.kv.usage(), *(ld.usage for ld in self._loads)]
-        return {k: PoolUsage(sum(u[k].used for u in pools), sum(u[k].total for u in pools)) for k in pools[0]}
+        return summed_usage([self.engine.kv.usage(), *(ld.usage for ld in self._loads)])
 
     @property
     def stats(self) -> EngineStats:
@@ -270,12 +270,7 @@ class DataParallelEngine(LockstepEngine):
         return conn
 
     def _answer(self, rank: int, conn: Connection) -> Any:
-        proc = self._ranks[rank - 1] if len(self._ranks) >= rank else None
-        watched = [conn] + ([proc.sentinel] if proc is not None else [])  # (its process, or a remote rank's)
-        ready = wait_for(watched, timeout=self._reply_s)
-        if conn not in ready:
-            raise WorkerGroupError(f"rank {rank} " + ("exited" if ready else f"gave no answer within "
-                                                      f"{self._reply_s:.0f} s"))
+        self._await_answer(rank, conn, self._reply_s)
         ok, value, load = conn.recv()
         self._loads[rank - 1] = load
         if not ok:  # (rank 0 checked the call first: a rank's engine refusing it is the group out of step)

@@ -125,12 +125,7 @@ class LockstepEngine:
             for conn in self._followers:
                 conn.send((PING, ()))
             for rank, conn in enumerate(self._followers, start=1):
-                proc = self._ranks[rank - 1] if len(self._ranks) >= rank else None
-                watched = [conn] + ([proc.sentinel] if proc is not None else [])
-                ready = wait_for(watched, timeout=timeout_s)
-                if conn not in ready:
-                    raise WorkerGroupError(f"rank {rank} " + ("exited" if ready else
-                                                              f"did not answer within {timeout_s:.0f} s"))
+                self._await_answer(rank, conn, timeout_s)
                 if conn.recv() != PONG:
                     raise WorkerGroupError(f"rank {rank} answered a ping out of step")
 
@@ -182,6 +177,15 @@ class LockstepEngine:
             self.failure = WorkerGroupError(f"the worker group failed in `{name}` ({self._states()}): "
                                             f"{type(e).__name__}: {e}{cause}")
             raise self.failure from e
+
+    def _await_answer(self, rank: int, conn: Connection, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until rank `rank`'s answer can be read from `conn`; raises
+        `WorkerGroupError` once the rank has exited (its process, or a remote rank's sentinel) or at the deadline."""
+        proc = self._ranks[rank - 1] if len(self._ranks) >= rank else None
+        ready = wait_for([conn] + ([proc.sentinel] if proc is not None else []), timeout=timeout_s)
+        if conn not in ready:
+            raise WorkerGroupError(f"rank {rank} " + ("exited" if ready else
+                                                      f"did not answer within {timeout_s:.0f} s"))
 
     def _states(self) -> str:
         """The other ranks' states, for messages."""

@@ -105,8 +105,9 @@ def inspect_model(path: str | Path | None = None, config_file: str | Path | None
     predicted = released_tensors(cfg, raw.get("expert_dtype", "fp4") if raw.get("quantization_config") else "bf16")
     coverage = None
     if path is not None:
-        tensors = _headers(Path(path))
-        coverage = _coverage(Path(path), tensors, predicted)
+        files = checkpoint_files(Path(path))
+        tensors = _headers(files)
+        coverage = _coverage(len(files), tensors, predicted)
         source = "checkpoint"
     else:
         tensors, source = predicted, "config"
@@ -130,10 +131,10 @@ def kv_bytes(cfg: ModelConfig, dtype: str) -> KvBytes:
     return KvBytes(dtype, per_token, {"swa_window": swa_layers * cfg.sliding_window * row})
 
 
-def _headers(path: Path) -> list[TensorSpec]:
+def _headers(files: list[Path]) -> list[TensorSpec]:
     """Every tensor's name, shape and dtype from the files' headers (no data read)."""
     out = []
-    for f in checkpoint_files(path):
+    for f in files:
         with safe_open(str(f), "pt") as h:
             for name in h.keys():  # noqa: SIM118 (a safetensors handle)
                 s = h.get_slice(name)
@@ -142,18 +143,15 @@ def _headers(path: Path) -> list[TensorSpec]:
     return out
 
 
-def _coverage(path: Path, tensors: list[TensorSpec], predicted: list[TensorSpec]) -> Coverage:
+def _coverage(files: int, tensors: list[TensorSpec], predicted: list[TensorSpec]) -> Coverage:
     """The checkpoint's tensors against the model's, by destination (either naming maps): scales belong to their
     weights, `mtp.*` to the draft."""
-    def pieces(names):
-        return {map_name(n) for n in names}
-
     own = [t.name for t in tensors if not t.name.removeprefix("model.").startswith("mtp.")]
-    unknown = sorted(n for n in own if scale_owner(n) is None and map_name(n) is None)
+    weights = [n for n in own if scale_owner(n) is None]
+    unknown = sorted(n for n in weights if map_name(n) is None)
+    have = {map_name(n) for n in weights} - {None}
     want = {t.name for t in predicted if scale_owner(t.name) is None and not t.name.startswith("mtp.")}
-    have = pieces(n for n in own if scale_owner(n) is None) - {None}
     missing = sorted(n for n in want if map_name(n) not in have)
-    files = len(checkpoint_files(path))
     return Coverage(files, len(tensors), unknown, missing, len(tensors) - len(own))
 
 

@@ -43,11 +43,6 @@ class ScaledWeights:
         self.scales = {owner: name for _, name in names if (owner := scale_owner(name)) is not None}
         self._used: set[str] = set()
 
-    @property
-    def quantized(self) -> bool:
-        """The checkpoint holds FP8/FP4 weights (scale tensors)."""
-        return bool(self.scales)
-
     def is_scale(self, name: str) -> bool:
         """A scale tensor (read with its weight, never on its own)."""
         return scale_owner(name) is not None

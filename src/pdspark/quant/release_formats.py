@@ -14,8 +14,6 @@ are powers of two), so a dequantized copy holds the very numbers the packed weig
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 FP8_BLOCK = 128  # rows and columns of an FP8 weight's scale tile
@@ -66,11 +64,10 @@ def quant_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out, inputs = w.shape
     rows, cols = fp8_scale_shape(out, inputs)
     w = w.to(torch.float32)
-    exps = torch.empty(rows, cols, dtype=torch.int32)
-    for i in range(rows):
-        for j in range(cols):
-            tile = w[i * FP8_BLOCK : (i + 1) * FP8_BLOCK, j * FP8_BLOCK : (j + 1) * FP8_BLOCK]
-            exps[i, j] = math.ceil(math.log2(max(float(tile.abs().max()), 1e-4) / _E4M3_MAX))
+    # [rows*128, cols*128] (zeros pad a partial last tile, which leaves its amax alone) -> [rows, cols] tile amax
+    padded = torch.nn.functional.pad(w.abs(), (0, cols * FP8_BLOCK - inputs, 0, rows * FP8_BLOCK - out))
+    amax = padded.view(rows, FP8_BLOCK, cols, FP8_BLOCK).amax(dim=(1, 3)).clamp_min(1e-4)
+    exps = torch.ceil(torch.log2(amax / _E4M3_MAX)).to(torch.int32)
     expanded = torch.exp2(exps.to(torch.float32)).repeat_interleave(FP8_BLOCK, 0)[:out]
     q = (w / expanded.repeat_interleave(FP8_BLOCK, 1)[:, :inputs]).to(torch.float8_e4m3fn)
     return q, _e8m0(exps)

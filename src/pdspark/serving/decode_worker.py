@@ -331,7 +331,7 @@ class DecodeWorker:
         # from now at the earliest.
         until = max(sent_at + plan.timeout_s, time.monotonic()) + self.backend.write_grace_s(plan_nbytes(plan))
         counts = _page_counts(reservation.pages)
-        self._quarantined[_slot_of(reservation)] = counts
+        self._quarantined[reservation.pages.place] = counts
         self._count_quarantined(counts, +1)
         logger.warning("transfer %s of request %s: no answer from the prefill worker (%s); its %d destination "
                        "pages (rank %d) stay quarantined for %.1fs", plan.transfer_id, plan.request_id,
@@ -339,7 +339,7 @@ class DecodeWorker:
         asyncio.get_running_loop().call_at(until, self._end_quarantine, reservation)
 
     def _end_quarantine(self, reservation: Reservation) -> None:
-        self._count_quarantined(self._quarantined.pop(_slot_of(reservation)), -1)
+        self._count_quarantined(self._quarantined.pop(reservation.pages.place), -1)
         self.engine.cancel_reservation(reservation)
 
     def _count_quarantined(self, counts: dict[str, int], sign: int = 1) -> None:
@@ -375,11 +375,6 @@ def _writes_over(call: asyncio.Future) -> bool:
 
 def _outcome(call: asyncio.Future) -> str:
     return "cancelled" if call.cancelled() else str(call.exception())
-
-
-def _slot_of(reservation: Reservation) -> tuple[int, int]:
-    """A reservation's request slot across the group: (rank, slot)."""
-    return reservation.pages.rank, reservation.pages.slot
 
 
 def _page_counts(pages: ReqPages) -> dict[str, int]:

@@ -94,7 +94,7 @@ class ReservationQueue:
             if not ticket.future.set_running_or_notify_cancel():  # its caller (another thread) gave up just now
                 self.engine.cancel_transfer(pages)
                 continue
-            self._outstanding[_key(pages)] = pages
+            self._outstanding[pages.place] = pages
             ticket.future.set_result(Reservation(pages, destination(self.engine.kv, pages, len(ticket.prompt_ids))))
         self._blocked_at = self._blocked_head = None
 
@@ -108,15 +108,15 @@ class ReservationQueue:
 
     def cancel(self, reservation: Reservation) -> None:
         """Free a reservation whose transfer failed or whose caller is gone; a no-op once it was adopted or freed."""
-        key = _key(reservation.pages)
+        key = reservation.pages.place
         if self._outstanding.get(key) is reservation.pages:
             del self._outstanding[key]
             self.engine.cancel_transfer(reservation.pages)
 
     def adopted(self, reservation: Reservation) -> None:
         """The reservation's pages now belong to a running request (which frees them when it ends)."""
-        if self._outstanding.get(_key(reservation.pages)) is reservation.pages:
-            del self._outstanding[_key(reservation.pages)]
+        if self._outstanding.get(reservation.pages.place) is reservation.pages:
+            del self._outstanding[reservation.pages.place]
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -127,10 +127,6 @@ class ReservationQueue:
         for ticket in late:
             if ticket.future.set_running_or_notify_cancel():
                 ticket.future.set_exception(no_room())
-
-
-def _key(pages: ReqPages) -> tuple[int, int]:
-    return pages.rank, pages.slot
 
 
 def no_room() -> RequestFailed:

@@ -69,9 +69,6 @@ class TransferDestinations:
         self._channels = list(others)
         self._timeout_s = timeout_s
 
-    def __len__(self) -> int:
-        return len(self._ranks)
-
     def __getitem__(self, rank: int) -> RankDestination:
         return self._ranks[rank]
 
