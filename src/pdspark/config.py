@@ -28,6 +28,8 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "modelslim", "none"]  # `pdspark.model.loader.QUANTIZATIONS`
+WeightFormat = Literal["compact", "float32"]  # `pdspark.model.loader.WEIGHT_FORMATS`
+KvCacheDtype = Literal["auto", "fp8_e4m3"]  # `pdspark.cache.kv_pools.KV_CACHE_DTYPES`
 Policy = Literal["round_robin", "power_of_two", "cache_aware"]  # `pdspark.router.workers.policies.POLICIES`
 TransferBackend = Literal["mooncake", "inprocess"]  # the names `pdspark.transfer.backend.create_backend` takes
 UpBackend = Literal["process", "ray"]  # how `pdspark up` runs its services (`pdspark.launch.up`)
@@ -68,6 +70,10 @@ class CacheConfig:
     num_full_pages: int | None = option(None, "full-slot pages (default: sized from the scheduler limits)", minimum=1)
     num_swa_pages: int | None = option(None, "SWA pages (default: sized from the scheduler limits)", minimum=1)
     num_c128_pages: int | None = option(None, "C128 pages (default: sized from the scheduler limits)", minimum=1)
+    kv_cache_dtype: KvCacheDtype = option(
+        "auto", "KV cache rows: auto (the compute dtype) or fp8_e4m3 (SWA/C4/C128 rows as FP8 e4m3 + ue8m0 scales "
+        "with bf16 rope channels, C4 indexer keys as FP8 + fp32 scales: ~1/3.5 of fp32's bytes; the PyTorch "
+        "attention path)")
     # Set by the engine from the draft (not an option): draft tokens a verify step may write past the committed
     # length, which sizes the compressor-state rings.
     max_draft_tokens: int = option(0, "draft tokens a verify step may write ahead (set by the engine)", cli=False,
@@ -149,6 +155,10 @@ class EngineConfig:
     quantization: Quantization = option(
         "auto", "checkpoint quantization: auto (detect), modelslim (ModelSlim W8A8/W8A8_DYNAMIC/W4A8_DYNAMIC on "
         "int8 CPU kernels; the description file must exist) or none (read as a float checkpoint)")
+    weight_format: WeightFormat = option(
+        "compact", "how a released (FP8/MXFP4) checkpoint's weights are held: compact (as stored, FP8/MXFP4 decoded a "
+        "block at a time when they run; BF16 stays BF16) or float32 (decoded at load: ~4x the memory, the C decode "
+        "step applies)")
     # Unset: each engine draws its unseeded requests' seeds from OS entropy, so "random" streams differ across
     # workers and runs; set: those seeds derive from it (reproducible runs, tests, benchmarks).
     seed: int | None = option(None, "seed for requests without one (unset: fresh entropy per process)")

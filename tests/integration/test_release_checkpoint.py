@@ -15,9 +15,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import random_prompts
-from helpers import make_llm
+from helpers import greedy, make_llm, prompt_logits
 from pdspark import SamplingParams
 from pdspark.errors import CheckpointError
+from pdspark.model.compact_experts import CompactExperts
+from pdspark.model.fp8_linear import Fp8Linear
+from pdspark.model.loader import load_checkpoint
+from pdspark.model.resident_weights import ResidentWeights, checkpoint_bytes
+from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.testing.release_checkpoint import write_release_checkpoint
 
 OPTS = dict(page_size=16, max_model_len=256)
@@ -122,3 +127,45 @@ def test_a_malformed_fixture_is_refused_naming_the_tensor_or_file(release, tmp_p
 
     with pytest.raises(CheckpointError, match=match):
         make_llm(_broken(release, tmp_path, edit), **OPTS)
+
+
+def test_compact_weights_stay_as_stored_within_five_percent_of_the_checkpoint(release):
+    """FP8 projections stay FP8 (`Fp8Linear`), routed experts MXFP4 (`CompactExperts`), BF16 matrices BF16: the
+    target's resident bytes are the checkpoint's (its `mtp.*` draft is loaded apart), per dtype."""
+    model = load_checkpoint(release.path, 256).model
+    fp8 = [n for n in release.fp8 if not n.startswith("mtp.")]
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == len(fp8) > 0
+    assert sum(isinstance(m, CompactExperts) and m.fmt == "mxfp4" for m in model.modules()) == len(model.layers)
+    assert model.embed.dtype is model.head.dtype is model.layers[1].ffn.gate.dtype is torch.bfloat16
+    resident = ResidentWeights.of(model)
+    stored = checkpoint_bytes(release.path, skip_prefixes=("mtp.",))
+    print(f"resident {resident.describe()}; checkpoint {sum(stored.values()) / 2**20:.2f} MiB {stored}")
+    assert resident.by_dtype["float8_e4m3fn"] == stored["F8_E4M3"]
+    assert resident.by_dtype["uint8"] == stored["I8"] + sum(
+        m.w1_scale.nbytes + m.w3_scale.nbytes + m.w2_scale.nbytes for m in model.modules()
+        if isinstance(m, CompactExperts))  # packed codes + their ue8m0 scales, as stored
+    assert resident.total <= 1.05 * sum(stored.values())
+
+
+def test_expert_parallel_ranks_hold_the_shared_weights_and_half_the_experts(release):
+    whole = load_checkpoint(release.path, 256).model
+    experts = sum(b.nbytes for m in whole.modules() if isinstance(m, CompactExperts)
+                  for _, b in m.named_buffers(recurse=False) if not _.startswith("_"))
+    others = ResidentWeights.of(whole).total - experts
+    n = whole.cfg.n_routed_experts
+    for rank in (0, 1):
+        model = load_checkpoint(release.path, 256, experts=ExpertShard(rank, 2, n)).model
+        assert ResidentWeights.of(model).total == others + experts // 2, rank
+
+
+def test_compact_weights_give_the_logits_and_tokens_of_the_weights_decoded_at_load(release):
+    prompts = random_prompts(3, [9, 40, 77], seed=72)
+    with make_llm(release.path, **OPTS) as compact, make_llm(release.path, weight_format="float32", **OPTS) as dec:
+        assert any(isinstance(m, Fp8Linear) for m in compact.engine.runner.model.modules())
+        assert not any(isinstance(m, Fp8Linear) for m in dec.engine.runner.model.modules())
+        for ids in prompts:
+            a, b = prompt_logits(compact, ids), prompt_logits(dec, ids)
+            # The same weights; fp32 sums in other orders (BLAS and the batched expert path against the row-exact
+            # kernels): a few 1e-5 apart in logits of magnitude ~1.
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert greedy(compact, prompts, 24) == greedy(dec, prompts, 24)

@@ -13,6 +13,7 @@ import torch
 
 from pdspark.hardware.cpu import kernel_abi, kernels
 from pdspark.model.hyper_connection import HyperConnection
+from pdspark.quant import release_formats
 from pdspark.testing.time_scale import scaled
 
 
@@ -540,3 +541,27 @@ def test_index_arrays_the_c_loops_would_overrun_are_refused_before_the_call():
     with pytest.raises(kernels.KernelArgumentError, match="index_pick: `rows` must be"):
         kernels.index_pick(q, torch.ones(T, H), keys, torch.zeros(T, 3, dtype=torch.int32),
                            torch.ones(T, 3, dtype=torch.bool), 1.0, 2)
+
+
+def test_compact_weights_multiply_with_the_bits_of_their_decoded_fp32_weights():
+    """FP8 128x128 tiles, MXFP4 groups of 32 and bf16 bits, read as stored: every output is the row-exact GEMM's over
+    the dequantized fp32 weight, bit for bit, whatever rows share the call; a slice of an FP8 matrix's rows (a group
+    of `wo_a`) takes its own tiles' scales."""
+    torch.manual_seed(13)
+    x = torch.randn(7, 256)
+    q, s = release_formats.quant_fp8_blocks(torch.randn(300, 256))
+    packed, ps = release_formats.quant_mxfp4(torch.randn(70, 256))
+    e2m1 = release_formats.E2M1.clone()
+    e8m0 = release_formats.scale_values(torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu))
+    with torch.inference_mode():
+        fp8_ref = kernels.linear_rows(x, release_formats.dequant_fp8_blocks(q, s))
+        scale = release_formats.scale_values(s)
+        assert torch.equal(kernels.linear_fp8(x, q, scale), fp8_ref)
+        assert torch.equal(kernels.linear_fp8(x[2:3], q, scale), fp8_ref[2:3])
+        assert torch.equal(kernels.linear_fp8(x, q[130:260].contiguous(), scale, row0=130), fp8_ref[:, 130:260])
+        fp4_ref = kernels.linear_rows(x, release_formats.dequant_mxfp4(packed, ps))
+        got = kernels.linear_mxfp4(x, packed.view(torch.uint8), ps.view(torch.uint8), e2m1, e8m0)
+        assert torch.equal(got, fp4_ref)
+        w = torch.randn(40, 256).bfloat16()
+        assert torch.equal(kernels.linear_rows(x, w), kernels.linear_rows(x, w.float()))
+        assert kernels.linear_fp8(x.double(), q, scale) is None  # not fp32: the caller decodes with torch

@@ -63,10 +63,11 @@ class KVCache:
         device: torch.device | str,
         enable_prefix_cache: bool = False,
         draft_stages: int = 0,
+        kv_cache_dtype: str = "auto",
     ):
         self.model = model
         self.sizes = sizes
-        self.pools = KVPools(model, sizes, dtype, device, draft_stages)
+        self.pools = KVPools(model, sizes, dtype, device, draft_stages, kv_cache_dtype)
         self.full = FullPages(sizes)
         self.c128 = C128Sidecar(model, sizes)
         self.group_tokens = self.c128.group_tokens  # tokens covered by one C128 page

@@ -28,8 +28,13 @@ from __future__ import annotations
 import torch
 
 from pdspark.cache.pool_sizes import PoolSizes
+from pdspark.errors import ConfigError
 from pdspark.model.batch import LayerCache
 from pdspark.model.model_config import ModelConfig
+from pdspark.model.packed_rows import PackedRows, RowPack
+from pdspark.quant.kv_fp8 import IndexRowPack, KvRowPack
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 class KVPools:
@@ -40,7 +45,12 @@ class KVPools:
         dtype: torch.dtype,
         device: torch.device | str,
         draft_stages: int = 0,
+        kv_cache_dtype: str = "auto",
     ):
+        """`kv_cache_dtype`: "auto" (rows of `dtype`) or "fp8_e4m3" (the main KV and indexer key rows packed,
+        `quant/kv_fp8.py`: uint8 pools whose layer views are `PackedRows`; states and the draft's rows stay `dtype`)."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"`kv_cache_dtype` is {kv_cache_dtype!r}; allowed: {list(KV_CACHE_DTYPES)}")
         self.model = model
         self.sizes = sizes
         P = sizes.page_size
@@ -48,15 +58,22 @@ class KVPools:
         n_csa, n_hca = len(model.csa_layers), len(model.hca_layers)
         c4_rows = sizes.num_full_slots // model.csa_ratio
         c128_rows = sizes.num_c128_pages * sizes.c128_page_size
+        self.kv_pack: KvRowPack | None = None
+        self.index_pack: IndexRowPack | None = None
+        row, index_row, row_dtype = d, di, dtype  # each main/indexer row: width and element dtype
+        if kv_cache_dtype == "fp8_e4m3":
+            self.kv_pack, self.index_pack = KvRowPack(d, model.rope_dim), IndexRowPack(di)
+            row, index_row, row_dtype = self.kv_pack.width, self.index_pack.width, torch.uint8
+        self.kv_dtype = str(dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
         # [layers, (num_swa_pages + 1 dummy page) * page_size, head_dim]
-        self.swa_kv = _page_major(model.num_hidden_layers, (sizes.num_swa_pages + 1) * P, d, dtype, device)
+        self.swa_kv = _page_major(model.num_hidden_layers, (sizes.num_swa_pages + 1) * P, row, row_dtype, device)
         # [draft stages, same rows as swa_kv, head_dim]: the drafter's context, at the target's SWA slots
         self.draft_kv = _page_major(draft_stages, (sizes.num_swa_pages + 1) * P, d, dtype, device)
         # [csa layers, c4 rows + 1, head_dim] and [csa layers, c4 rows + 1, index_head_dim]
-        self.c4_kv = _page_major(n_csa, c4_rows + 1, d, dtype, device)
-        self.c4_index = _page_major(n_csa, c4_rows + 1, di, dtype, device)
+        self.c4_kv = _page_major(n_csa, c4_rows + 1, row, row_dtype, device)
+        self.c4_index = _page_major(n_csa, c4_rows + 1, index_row, row_dtype, device)
         # [hca layers, c128 rows + 1, head_dim]
-        self.c128_kv = _page_major(n_hca, c128_rows + 1, d, dtype, device)
+        self.c128_kv = _page_major(n_hca, c128_rows + 1, row, row_dtype, device)
         # Compressor states: [layers, rows + 1, 2 * coff * dim]; CSA overlaps (coff 2), HCA does not (coff 1).
         self.c4_state = _state(n_csa, sizes.num_swa_pages * sizes.csa_ring, 2 * d, device)
         self.c4_index_state = _state(n_csa, sizes.num_swa_pages * sizes.csa_ring, 2 * di, device)
@@ -90,14 +107,21 @@ class KVPools:
         return self.c128_state.shape[1] - 1
 
     def layer(self, layer_id: int) -> LayerCache:
-        swa = self.swa_kv[layer_id]
+        swa = self._rows(self.swa_kv[layer_id])
         if layer_id in self._csa_pos:
             i = self._csa_pos[layer_id]
-            return LayerCache(swa, self.c4_kv[i], self.c4_state[i], self.c4_index[i], self.c4_index_state[i])
+            return LayerCache(swa, self._rows(self.c4_kv[i]), self.c4_state[i],
+                              self._rows(self.c4_index[i], self.index_pack), self.c4_index_state[i])
         if layer_id in self._hca_pos:
             i = self._hca_pos[layer_id]
-            return LayerCache(swa, self.c128_kv[i], self.c128_state[i], None, None)
+            return LayerCache(swa, self._rows(self.c128_kv[i]), self.c128_state[i], None, None)
         return LayerCache(swa, None, None, None, None)
+
+    def _rows(self, view: torch.Tensor, pack: RowPack | None = None) -> torch.Tensor:
+        """A layer's view of a main KV pool (or, with `pack`, of the indexer keys), as the model reads it: the view
+        itself, or its `PackedRows` in an FP8 cache (read and written as fp32 rows)."""
+        chosen: RowPack | None = pack if pack is not None else self.kv_pack
+        return view if chosen is None else PackedRows(view, chosen)  # type: ignore[return-value]  # (duck-typed)
 
     def clear_c128_state_rows(self, rows: torch.Tensor) -> None:
         """Reset request-ring rows to the empty state (kv = 0, score = -inf)."""

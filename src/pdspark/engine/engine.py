@@ -135,7 +135,8 @@ class Engine:
         dtype = getattr(torch, config.dtype)
         stages = draft.dcfg.num_stages if num_drafts and draft is not None else 0
         self.backend = select_backend(config.device)
-        self.kv = KVCache(model.cfg, self.sizes, dtype, self.backend.device, config.cache.enable_prefix_cache, stages)
+        self.kv = KVCache(model.cfg, self.sizes, dtype, self.backend.device, config.cache.enable_prefix_cache, stages,
+                          config.cache.kv_cache_dtype)
         self.scheduler = Scheduler(config.scheduler, self.kv, num_drafts)
         self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
         self.governor = (SpecGovernor(num_drafts) if self.drafter is not None

@@ -48,7 +48,8 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     device = str(backend.device)
     shard = None if group is None else ExpertShard(group.rank, group.size, model_cfg.n_routed_experts)
     ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress,
-                           quantization=config.quantization, experts=shard)
+                           quantization=config.quantization, experts=shard, weight_format=config.weight_format,
+                           draft=config.speculative is not None)
     if group is not None:
         exchange = TokenExchange if config.parallel.dp_attention else SlotExchange
         ckpt.model.use_expert_exchange(exchange(group.collectives))

@@ -120,16 +120,17 @@ class Attention(nn.Module):
             return  # one C call wrote the rows
         cache.swa_kv[batch.swa_slots] = rope_at.apply(self.kv_norm(kv))
 
-    def fuse(self) -> None:
+    def fuse(self, stack: bool = True) -> None:
         """Inference only: stack every projection of the layer input into one matrix (one matmul instead of up to
         five; quantized ones into one int8 matmul per scheme). Call after the weights are final (loaded, moved,
-        cast, quantized linears installed); training keeps the separate parameters."""
+        cast, quantized linears installed); training keeps the separate parameters. `stack` False (compact
+        weights): each projection alone (a stacked matrix would be a second copy)."""
         parts = [self.wq_a, self.wkv]
         if self.compressor is not None:
             parts.append(self.compressor.wkv_gate)
         if self.indexer is not None:
             parts += [self.indexer.compressor.wkv_gate, self.indexer.weights_proj]
-        self.fused_x = FusedLinear(parts)
+        self.fused_x = FusedLinear(parts, stack)
 
     def _project_x(self, x: torch.Tensor) -> XProjection:
         fused = self.fused_x
@@ -139,9 +140,10 @@ class Attention(nn.Module):
         else:
             parts = [linear(x, self.wq_a, self.mm), linear(x, self.wkv, self.mm)]
             if self.compressor is not None:
-                parts.append(self.mm(x, self.compressor.wkv_gate))
+                parts.append(linear(x, self.compressor.wkv_gate, self.mm))
             if self.indexer is not None:
-                parts += [self.mm(x, self.indexer.compressor.wkv_gate), self.mm(x, self.indexer.weights_proj)]
+                parts += [linear(x, self.indexer.compressor.wkv_gate, self.mm),
+                          linear(x, self.indexer.weights_proj, self.mm)]
         parts += [None] * (5 - len(parts))
         qa, kv, comp, idx_comp, idx_w = parts
         assert qa is not None and kv is not None  # every layer projects q_a and the latent
@@ -167,7 +169,8 @@ class Attention(nn.Module):
     def project_out(self, o: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """Un-rotate `o [T, H, d]` and apply the grouped output projection -> `[T, D]`."""
         T = o.shape[0]
-        if T <= _C_OUT_MAX_TOKENS and not torch.is_grad_enabled():  # a few tokens: one C call (GEMVs)
+        if T <= _C_OUT_MAX_TOKENS and not torch.is_grad_enabled() and isinstance(self.wo_a, torch.Tensor) and \
+                isinstance(self.wo_b, torch.Tensor):  # a few tokens: one C call (GEMVs)
             fused = cpu_kernels.attn_out(o, rope_at.cos, rope_at.sin, self.wo_a, self.o_groups, self.wo_b)
             if fused is not None:
                 return fused
@@ -177,10 +180,17 @@ class Attention(nn.Module):
         if self.mm is F.linear:  # one batched matmul over the groups
             w = self.wo_a.view(self.o_groups, -1, grouped.shape[-1]).transpose(1, 2)
             o = torch.bmm(grouped, w).transpose(0, 1).reshape(T, -1)
-        else:  # batch-invariant mode: each group's projection through `mm`
-            wa = self.wo_a.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora, H*d/G]
-            o = torch.cat([self.mm(grouped[g], wa[g]) for g in range(self.o_groups)], dim=-1)
-        return self.mm(o, self.wo_b)
+        else:  # batch-invariant mode (and compact weights): each group's projection through `mm`
+            o = torch.cat([linear(grouped[g], self._wo_a_group(g), self.mm) for g in range(self.o_groups)], dim=-1)
+        return linear(o, self.wo_b, self.mm)
+
+    def _wo_a_group(self, g: int) -> torch.Tensor | nn.Module:
+        """Group g's rows of the output projection `wo_a` (`[o_lora, H*d/G]`: a view, or a compact FP8 linear's)."""
+        rows = self.wo_a.shape[0] // self.o_groups if isinstance(self.wo_a, torch.Tensor) else \
+            self.wo_a.out_features // self.o_groups
+        if isinstance(self.wo_a, torch.Tensor):
+            return self.wo_a[g * rows : (g + 1) * rows]
+        return self.wo_a.rows(g * rows, (g + 1) * rows)
 
     def _update_compressed(
         self, xp: XProjection, qr: torch.Tensor, batch: ForwardBatch, cache: LayerCache, rope_at: RopeAt

@@ -73,5 +73,7 @@ class Compressor(nn.Module):
             return
         rows = self.state_rows(projected, positions)
         if plan.num_groups:
-            pool[plan.out_rows] = self.compress(rows, plan, state).to(pool.dtype)
+            entries = self.compress(rows, plan, state)
+            # (an FP8 cache's `PackedRows` encodes fp32 rows itself: its dtype is its storage's)
+            pool[plan.out_rows] = entries.to(pool.dtype) if pool.dtype.is_floating_point else entries
         self.store(rows, plan, state)

@@ -30,6 +30,7 @@ from pdspark.model.model_config import SLIDING, ModelConfig
 from pdspark.model.moe import MoE, SharedExpert, swiglu
 from pdspark.model.norm import RMSNorm, rms_norm
 from pdspark.model.rope import RopeAt, RotaryTable
+from pdspark.model.row_exact import row_exact_linear
 from pdspark.quant.fused_linear import FusedLinear
 from pdspark.quant.quant_linear import QuantLinear, linear
 
@@ -217,7 +218,7 @@ class DSparkDraft(nn.Module):
         ids[:, 0] = anchors
         ids = ids.flatten()
         positions = (anchor_pos[:, None] + torch.arange(G, device=anchors.device)[None, :]).flatten()
-        x = F.embedding(ids, self.vocab[0])
+        x = self._embed(ids)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [M*G, hc, D]
         rope_at = self.rope.at(positions)
         for s, stage in enumerate(self.stages):
@@ -235,7 +236,7 @@ class DSparkDraft(nn.Module):
         ids = ids.view(-1)  # [M*G]
         masked = F.pad(~ctx_valid, (0, G), value=False).unsqueeze(1)  # [M, 1, W + G]: block rows are all valid
         block = BlockInputs(ids, self.rope.at((anchor_pos[:, None] + self._block_offsets).view(-1)), masked)
-        h = F.embedding(ids, self.vocab[0]).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        h = self._embed(ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for s, stage in enumerate(self.draft_stages):
             h = stage.forward_prepared(h, block, ctx_kv[s])  # [M*G, hc, D]
         return h.view(M, G, self.cfg.hc_mult, -1)
@@ -244,7 +245,14 @@ class DSparkDraft(nn.Module):
         """Streams `[..., hc, D]` -> fp32 logits `[..., V]`."""
         lead = h.shape[:-2]
         y = self.norm(self.hc_head(h.reshape(-1, *h.shape[-2:])))
-        return F.linear(y, self.vocab[1]).float().view(*lead, -1)
+        head = self.vocab[1]
+        # A compact target's head is bf16: read as the fp32 it widens to (row-exact, as the target reads it).
+        logits = F.linear(y, head) if head.dtype == y.dtype else row_exact_linear(y, head)
+        return logits.float().view(*lead, -1)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `ids` in the draft's dtype (a compact target's embedding is bf16)."""
+        return F.embedding(ids, self.vocab[0]).to(self.norm.weight.dtype)
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """Low-rank bigram logit bias `w2(w1[prev])`: `prev [...]` -> `[..., V]` fp32."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -38,8 +39,10 @@ class ForwardOutput(NamedTuple):
 class DSV4Model(nn.Module):
     mm = staticmethod(F.linear)  # the float matmul (`DSV4Model.prepare_inference`: batch-invariant mode)
 
-    def __init__(self, cfg: ModelConfig, max_len: int, experts: ExpertShard | None = None):
-        """`experts`: with expert parallelism, the routed experts this rank holds (None: all of them)."""
+    def __init__(self, cfg: ModelConfig, max_len: int, experts: ExpertShard | None = None, meta: bool = False):
+        """`experts`: with expert parallelism, the routed experts this rank holds (None: all of them). `meta`: the
+        weights are built on the meta device (no memory: the loader gives each its tensor, `weights.Assigner`);
+        the rotary tables are real either way."""
         super().__init__()
         self.cfg = cfg
         self.experts = experts if experts is not None else ExpertShard.whole(cfg.n_routed_experts)
@@ -47,11 +50,22 @@ class DSV4Model(nn.Module):
         # A group's digests of every routed expert, pooled from its ranks at load (`model.fingerprint`); None: this
         # model holds them all.
         self.group_expert_digests: list[tuple[str, int, str]] | None = None
-        D = cfg.hidden_size
         # Sliding-only layers rotate with the plain `rope_theta` table; compressed layers (their window branch
         # included) with the `compress_rope_theta` table (YaRN when configured).
         self.rope_main = RotaryTable(cfg.main_rope, cfg.rope_dim, max_len)
         self.rope_compress = RotaryTable(cfg.compress_rope, cfg.rope_dim, max_len)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            self._build_weights(cfg)
+        self._decode_step: DecodeStep | None = None  # set by `prepare_inference`
+        self.decode_step_off: str | None = None  # why `prepare_inference` built no decode step (None: it did)
+        self._row_exact = False  # batch-invariant mode (`prepare_inference(row_exact=True)`)
+        self._head_bf16: torch.Tensor | None = None  # set by `prepare_inference`
+        # The activations' dtype (None: the embedding's). Compact weights (`prepare_inference(compact=True)`) keep
+        # bf16 embeddings and compute in fp32.
+        self.act_dtype: torch.dtype | None = None
+
+    def _build_weights(self, cfg: ModelConfig) -> None:
+        D = cfg.hidden_size
         self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, D))
         self.layers = nn.ModuleList(
             DecoderLayer.target(cfg, t, cfg.hash_layers[i], self.rope_main if t == SLIDING else self.rope_compress,
@@ -61,10 +75,6 @@ class DSV4Model(nn.Module):
         self.hc_head = HyperHead(cfg.hc_mult, D, cfg.hc_eps, cfg.rms_norm_eps)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = nn.Parameter(torch.zeros(cfg.vocab_size, D))
-        self._decode_step: DecodeStep | None = None  # set by `prepare_inference`
-        self.decode_step_off: str | None = None  # why `prepare_inference` built no decode step (None: it did)
-        self._row_exact = False  # batch-invariant mode (`prepare_inference(row_exact=True)`)
-        self._head_bf16: torch.Tensor | None = None  # set by `prepare_inference`
 
     def forward(self, batch: ForwardBatch, pools: LayerCaches, capture: tuple[int, ...] = ()) -> ForwardOutput:
         """Run every layer over the step's tokens; `capture` lists layers whose output (the mean over the mHC
@@ -77,6 +87,8 @@ class DSV4Model(nn.Module):
             if fast is not None:
                 return ForwardOutput(fast.hidden, fast.features)
         x = F.embedding(batch.input_ids, self.embed)
+        if self.act_dtype is not None:
+            x = x.to(self.act_dtype)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
         # Rotation factors at this step's positions, gathered once per table and shared by every layer.
         rope_at = {SLIDING: self.rope_main.at(batch.positions)}
@@ -132,21 +144,26 @@ class DSV4Model(nn.Module):
             with torch.inference_mode():
                 exchange.finish_step([layer.ffn for layer in self.layers])  # type: ignore[misc]  # (MoE layers)
 
-    def prepare_inference(self, row_exact: bool = False) -> None:
+    def prepare_inference(self, row_exact: bool = False, compact: bool = False) -> None:
         """Fuse the projections that read the same input and freeze the mHC mix parameters for the C collapse
         (call once the weights are final). `row_exact`: batch-invariant mode (`row_exact.py`), for a quantized
-        checkpoint's reference path: every float matmul of the module path through a row-exact kernel."""
+        checkpoint's reference path: every float matmul of the module path through a row-exact kernel. `compact`:
+        the weights stay in their checkpoint's dtypes (FP8/MXFP4 modules, bf16 matrices; see `loader`): fp32
+        activations, no stacked copies, and the row-exact kernels (which read bf16 and FP8 weights)."""
+        row_exact = row_exact or compact
+        self.act_dtype = torch.float32 if compact else None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer) and isinstance(layer.ffn, MoE)  # target layers: attention + MoE
-            layer.attn.fuse()
-            layer.ffn.fuse()
+            layer.attn.fuse(stack=not compact)
+            layer.ffn.fuse(stack=not compact)
+            layer.ffn.act_dtype = self.act_dtype or self.embed.dtype
             layer.attn_hc.freeze()
             layer.ffn_hc.freeze()
         # Small decode steps: each layer as one C call over these weights (None where they do not allow it).
         built = DecodeStep.build(list(self.layers), self.cfg)  # type: ignore[arg-type]
         self._decode_step, self.decode_step_off = (None, built) if isinstance(built, str) else (built, None)
         # The head for the C path's rows, as bf16 bits when its values are bf16 numbers (the same logits).
-        self._head_bf16 = cpu_kernels.bf16_copy(self.head)
+        self._head_bf16 = self.head if self.head.dtype is torch.bfloat16 else cpu_kernels.bf16_copy(self.head)
         self._row_exact = row_exact
         if row_exact:
             for module in self.modules():
@@ -166,4 +183,4 @@ class DSV4Model(nn.Module):
                                         self.norm.weight, self.norm.eps, self.head, self._head_bf16)
             if fused is not None:
                 return fused
-        return self.mm(self.norm(self.hc_head(h)), self.head).float()
+        return self.mm(self.norm(self.hc_head(h)), self.head).float()  # (row-exact `mm` reads a bf16 head)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from pdspark.errors import ConfigError
+from pdspark.model.compact_weights import CompactWeights
 from pdspark.model.dspark import DSparkDraft
 from pdspark.model.dspark_config import DSparkConfig
 from pdspark.model.dspark_weights import load_draft_weights
@@ -17,11 +18,14 @@ from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.quant_weights import QuantizedWeights
 from pdspark.model.tokenizer import Tokenizer
-from pdspark.model.weights import check_complete, load_weights
+from pdspark.model.weights import check_complete, has_scaled_weights, load_weights
 from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.quant.scheme import DESCRIPTION_FILE, QuantDescription, is_modelslim_dir
 
 QUANTIZATIONS = ("auto", "modelslim", "none")
+# How a released checkpoint's FP8/MXFP4 weights are held: as stored ("compact": FP8/MXFP4 modules, BF16 matrices
+# stay BF16; the module path with row-exact kernels), or decoded to float32 at load (the C decode step applies).
+WEIGHT_FORMATS = ("compact", "float32")
 
 
 @dataclass
@@ -40,22 +44,43 @@ class Checkpoint:
 
 def load_checkpoint(
     path: str | Path, max_len: int, dtype: str = "float32", device: str = "cpu", progress: bool = False,
-    quantization: str = "auto", experts: ExpertShard | None = None,
+    quantization: str = "auto", experts: ExpertShard | None = None, weight_format: str = "compact",
+    draft: bool = True,
 ) -> Checkpoint:
     """Load a float or ModelSlim-quantized checkpoint. `quantization`: "auto" detects a ModelSlim checkpoint by its
     `quant_model_description.json`; "modelslim" requires one; "none" reads the directory as a float checkpoint.
-    `experts`: with expert parallelism, the routed experts this rank holds (the others are not read)."""
+    `experts`: with expert parallelism, the routed experts this rank holds (the others are not read).
+    `weight_format`: how a released checkpoint's FP8/MXFP4 weights are held (`WEIGHT_FORMATS`); compact, the model
+    is built on the meta device and each weight gets its memory as it is read (no float copy at any point).
+    `draft` False: the `mtp.*` tensors (the speculative draft) are not read."""
     path = Path(path)
+    if weight_format not in WEIGHT_FORMATS:
+        raise ConfigError(f"`weight_format` is {weight_format!r}; allowed: {list(WEIGHT_FORMATS)}")
     cfg = ModelConfig.from_dir(path)
-    model = DSV4Model(cfg, max_len, experts)
     quant = quant_description(path, quantization)
-    report = load_weights(model, path, progress=progress, quant=quant, check=quant is None)
+    shard = experts if experts is not None else ExpertShard.whole(cfg.n_routed_experts)
+    compact = CompactWeights(shard) if weight_format == "compact" and quant is None and \
+        has_scaled_weights(path) else None
+    model = DSV4Model(cfg, max_len, experts, meta=compact is not None)
+    report = load_weights(model, path, progress=progress, quant=quant, check=quant is None and compact is None,
+                          compact=compact, read_draft=draft)
     _return_freed_memory()
     quantized = None
     if quant is not None:
         assert report.quantized is not None and report.filled is not None  # load_weights sets both with `quant`
         quantized = QuantizedWeights.build(report.quantized, quant, cfg.n_routed_experts)
         check_complete(model, report.filled | quantized.filled, cfg.n_routed_experts)
+    if compact is not None:
+        assert report.filled is not None
+        check_complete(model, report.filled | compact.filled, range(shard.first, shard.first + shard.count))
+        compact.install(model)
+        # The weights keep their checkpoint dtypes: only moved (a compact model computes in fp32, see
+        # `DSV4Model.prepare_inference`).
+        model.requires_grad_(False)
+        model.eval()
+        model = model.to(device=device)
+        model.prepare_inference(compact=True)
+        return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path, quant)
     model = model.to(device=device, dtype=getattr(torch, dtype))
     if quantized is not None:
         quantized.install(model)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
+from pdspark.model.compact_experts import CompactExperts
 from pdspark.model.model_config import ModelConfig
 from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.parallel.slot_exchange import SlotExchange, exchange_errors
@@ -89,8 +90,10 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.zeros(held, 2 * inter, d))  # [E_held, gate rows ; up rows, D]
         self.w2 = nn.Parameter(torch.zeros(held, d, inter))  # [E_held, D, I]
         self.shared = SharedExpert(d, inter, cfg.swiglu_limit)
-        # Quantized checkpoints: the routed experts as int8 (the loader installs them and drops w13/w2).
-        self.experts: QuantExperts | None = None
+        # Quantized checkpoints: the routed experts as int8 (ModelSlim) or as the released checkpoint stores them
+        # (MXFP4/FP8, `CompactExperts`); the loader installs them and drops w13/w2.
+        self.experts: QuantExperts | CompactExperts | None = None
+        self.act_dtype = torch.float32  # the activations' dtype (the model's, set by `DSV4Model.prepare_inference`)
         # Laid out by `fuse` (inference only), once the weights are final; None until then.
         self.fused_in: FusedLinear | None = None  # the router and the shared expert's gate/up: one matmul
         self.c_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # the C decode's fused input and shared down
@@ -103,7 +106,7 @@ class MoE(nn.Module):
         """Expert parallelism: the other ranks' slots come through `exchange` (the shard holds part of the experts).
         A `SlotExchange`: every rank runs the same tokens through this layer, in step; a `TokenExchange`: each rank
         its own tokens (the one-call C form, which exchanges slots only, is then off)."""
-        if self.experts is not None:
+        if isinstance(self.experts, QuantExperts):
             raise NotImplementedError("expert parallelism with quantized (ModelSlim) experts")
         self.exchange = exchange
         if isinstance(exchange, TokenExchange):
@@ -113,12 +116,13 @@ class MoE(nn.Module):
         """DP-attention: join the other ranks' exchange at this layer with no tokens of this rank's own."""
         assert isinstance(self.exchange, TokenExchange)
         D = self.gate.shape[1]
-        self.exchange.experts(torch.empty(0, D, dtype=self.gate.dtype), torch.empty(0, self.top_k, dtype=torch.long),
+        self.exchange.experts(torch.empty(0, D, dtype=self.act_dtype), torch.empty(0, self.top_k, dtype=torch.long),
                               self._held_slots)
 
-    def fuse(self) -> None:
-        """Inference only: the router and the shared expert's gate/up read the same input: one matmul."""
-        self.fused_in = FusedLinear([self.gate, self.shared.w1, self.shared.w3])
+    def fuse(self, stack: bool = True) -> None:
+        """Inference only: the router and the shared expert's gate/up read the same input: one matmul. `stack`
+        False (compact weights): no stacked or transposed copies of any weight."""
+        self.fused_in = FusedLinear([self.gate, self.shared.w1, self.shared.w3], stack)
         if self.experts is not None:
             return
         # Float router, shared expert and experts: a decode token's whole MoE is one matmul and one C call.
@@ -129,14 +133,14 @@ class MoE(nn.Module):
         # Per-expert views in Python lists: picking an expert is then a list lookup, not a tensor op.
         self._expert_w13 = list(self.w13.detach().unbind(0))
         self._expert_w2 = list(self.w2.detach().unbind(0))
-        if self.n_experts <= _DENSE_MAX_WASTE * self.top_k:
+        if stack and self.n_experts <= _DENSE_MAX_WASTE * self.top_k:
             E, I2, D = self.w13.shape  # (E: the held experts)
             self._dense_w13 = self.w13.detach().reshape(E * I2, D)  # [E * 2I, D] (a view)
             self._dense_w2t = self.w2.detach().transpose(1, 2).contiguous()  # [E, I, D]
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> Routing:
         """The experts each token of `x [T, D]` goes to."""
-        return self._route_logits(self.mm(x, self.gate), input_ids)
+        return self._route_logits(linear(x, self.gate, self.mm), input_ids)
 
     def _route_logits(self, logits: torch.Tensor, input_ids: torch.Tensor) -> Routing:
         # Spelled with exp/log1p (as the C kernels' `route_token`), not F.softplus/torch.sigmoid: those run a row's

@@ -18,6 +18,8 @@ from pdspark.hardware.cpu import kernels as cpu_kernels
 
 def row_exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, w)` with every output row's bits independent of the other rows (BLAS where the C kernel does
-    not apply: non-fp32 or non-CPU tensors)."""
+    not apply: non-fp32 or non-CPU tensors). A bf16 weight (compact models) reads as the fp32 it widens to."""
     out = cpu_kernels.linear_rows(x, w)
-    return F.linear(x, w) if out is None else out
+    if out is not None:
+        return out
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))

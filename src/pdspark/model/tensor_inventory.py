@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from pdspark.model.model_config import CSA, HCA, ModelConfig
 
-DTYPE_BYTES = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I32": 4,
-               "F64": 8}
+DTYPE_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "BF16": 2, "F16": 2,
+               "I16": 2, "F32": 4, "I64": 8, "I32": 4, "F64": 8}
 
 
 @dataclass(frozen=True)

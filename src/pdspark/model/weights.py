@@ -17,13 +17,15 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from pdspark.errors import CheckpointError
 from pdspark.model.dsv4 import DSV4Model
-from pdspark.model.scaled_weights import ScaledWeights
+from pdspark.model.scaled_weights import Scaled, ScaledWeights, scale_owner
+from pdspark.model.tensor_inventory import DTYPE_BYTES
 from pdspark.quant.scheme import QuantDescription
 
 # checkpoint name (after an optional leading "model.") -> parameter name, or (parameter, row half)
@@ -166,13 +168,41 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+class KeepsCompact(Protocol):
+    """Where a released checkpoint's quantized weights go when they stay compact (`compact_weights.CompactWeights`)."""
+
+    def take(self, name: str, piece: Piece, tensor: Scaled) -> bool: ...
+
+
+def stored_bytes(t) -> int:
+    """The bytes of a safetensors slice (`safe_open(...).get_slice(name)`), from its header."""
+    n = DTYPE_BYTES[t.get_dtype()]
+    for d in t.get_shape():
+        n *= d
+    return n
+
+
+def has_scaled_weights(path: Path) -> bool:
+    """The checkpoint at `path` holds FP8/MXFP4 weights with scales (the released format), from the index or the
+    files' headers alone."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = list(json.loads(index.read_text())["weight_map"])
+    else:
+        names = [n for f in checkpoint_files(path) for n in _open(f).keys()]  # noqa: SIM118 (a safetensors handle)
+    return any(scale_owner(n) is not None for n in names)
+
+
 def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
-                 quant: QuantDescription | None = None, check: bool = True) -> LoadReport:
+                 quant: QuantDescription | None = None, check: bool = True,
+                 compact: KeepsCompact | None = None, read_draft: bool = True) -> LoadReport:
     """Copy every tensor of the checkpoint at `path` into `model`; raises `CheckpointError` on any mismatch.
 
     With `quant` (a ModelSlim checkpoint's description), the tensors of quantized linears are returned aside in
     `LoadReport.quantized` (see `quant_weights.QuantizedWeights`), and `check` False leaves the completeness check
-    to the caller (which knows the pieces they stand for)."""
+    to the caller (which knows the pieces they stand for). With `compact`, a released checkpoint's FP8/MXFP4
+    weights go to it as stored (those it takes), and BF16 matrices stay BF16 (`Assigner`); `check` as above.
+    `read_draft` False: the `mtp.*` tensors are not read (no speculative decoding)."""
     files = checkpoint_files(Path(path))
     handles = {f: _open(f) for f in files}
     names = [(f, n) for f, h in handles.items() for n in h.keys()]  # noqa: SIM118 (a safetensors handle)
@@ -180,38 +210,49 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
     quantized: dict[str, torch.Tensor] = {}
     shard = model.experts  # with expert parallelism, other ranks' experts are never read
     # Each tensor goes into its parameter as it is read (never the whole checkpoint in memory beside the model).
-    into = Assigner(model, map_name, shard.first)
+    into = Assigner(model, map_name, shard.first, keep_bf16=compact is not None)
     if quant is not None and not shard.is_whole:
         raise CheckpointError("expert parallelism (`ep_size` > 1) with a ModelSlim-quantized checkpoint is not "
                               "supported yet; allowed: `ep_size` 1 for quantized checkpoints")
     # The released format's FP8/FP4 weights are read with their scales and decoded to float (`scaled_weights.py`).
-    weights = ScaledWeights(handles, names)
+    weights = ScaledWeights(handles, names, _open)
     skipped: set[str] = set()
-    bar = _progress(len(names), progress)
+    sizes = {name: stored_bytes(handles[f].get_slice(name)) for f, name in names}
+    bar = _progress(sum(sizes.values()), progress)
+    last = {f: name for f, name in names}  # each file's last tensor
     for f, name in names:
-        bar.update(1)
+        bar.update(sizes[name])
         if weights.is_scale(name):
-            continue  # (read with its weight)
-        if not shard.is_whole and (piece := map_name(name)) is not None and piece.expert is not None \
-                and not shard.holds(piece.expert):
+            pass  # (read with its weight)
+        elif not shard.is_whole and (piece := map_name(name)) is not None and piece.expert is not None \
+                and not shard.holds(piece.expert) or name.startswith(("mtp.", "model.mtp.")) and not read_draft:
             skipped.add(name)
-            continue
-        if quant is not None and quant.quantized_linear(name) is not None:
+        elif quant is not None and quant.quantized_linear(name) is not None:
             # A copy: kept as is (not copied into a parameter), a view of the mapped file would keep all of it
             # resident for the life of the model. A quantized draft linear goes aside with the other `mtp.*`.
             is_draft = name.startswith(("mtp.", "model.mtp."))
             (extra if is_draft else quantized)[name.removeprefix("model.")] = handles[f].get_tensor(name).clone()
-            continue
-        if name.startswith(("mtp.", "model.mtp.")):
-            extra[name.removeprefix("model.")] = weights.get(name)
+        elif name.startswith(("mtp.", "model.mtp.")):
+            extra[name.removeprefix("model.")] = weights.get(name).clone()  # (not a view of the mapped file)
+        elif compact is not None and weights.has_scale(name) and (piece := map_name(name)) is not None:
+            stored = weights.read(name)
+            if not compact.take(name, piece, stored):
+                into.put(name, stored.decoded())
         else:
             into.put(name, weights.get(name))
+        if last[f] == name:
+            # The file is done: closed, so that the pages of it the process mapped stop counting in its resident
+            # memory (what was read from it is copied, or a view that is gone).
+            weights.release(f)
     bar.close()
     weights.check_all_used(skipped)
     filled = into.filled
     if Piece("head") not in filled and model.cfg.tie_word_embeddings and Piece("embed") in filled:
-        with torch.no_grad():
-            model.head.copy_(model.embed)
+        if model.head.is_meta:  # (a model built on the meta device: the head is the embedding, not a copy of it)
+            model.head = model.embed
+        else:
+            with torch.no_grad():
+                model.head.copy_(model.embed)
         filled.add(Piece("head"))
     if check:
         check_complete(model, filled, range(shard.first, shard.first + shard.count))
@@ -230,22 +271,43 @@ def _open(f: Path):
 
 class Assigner:
     """Copies checkpoint tensors into `module`'s parameters through `mapper(name) -> Piece | None`, one at a time;
-    `first_expert`: the expert at index 0 of the stacked expert parameters (expert parallelism)."""
+    `first_expert`: the expert at index 0 of the stacked expert parameters (expert parallelism).
 
-    def __init__(self, module: torch.nn.Module, mapper, first_expert: int = 0):
+    A parameter still on the meta device (a model built without memory) gets its tensor when its first piece
+    arrives: of the parameter's dtype, or, with `keep_bf16`, bf16 for a matrix the checkpoint stores in BF16 (the
+    embedding, the head, the router, the compressors; vectors such as norms widen to the parameter's dtype)."""
+
+    def __init__(self, module: torch.nn.Module, mapper, first_expert: int = 0, keep_bf16: bool = False):
+        self.module = module
         self.params: dict[str, torch.Tensor] = dict(module.named_parameters())
         self.params.update(dict(module.named_buffers()))
         self.mapper = mapper
         self.first_expert = first_expert
+        self.keep_bf16 = keep_bf16
         self.filled: set[Piece] = set()  # the pieces filled so far
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         piece = self.mapper(name)
         if piece is None or piece.param not in self.params:
             raise CheckpointError(f"unexpected tensor {name!r} (not part of this model's config)")
+        if self.params[piece.param].is_meta:
+            self._materialize(piece.param, tensor.dtype)
         with torch.no_grad():
             _copy(piece.view(self.params[piece.param], self.first_expert), tensor, name)
         self.filled.add(piece)
+
+    def _materialize(self, param: str, stored: torch.dtype) -> None:
+        """Give meta parameter `param` its memory (never touched before its pieces are copied in)."""
+        meta = self.params[param]
+        dtype = torch.bfloat16 if self.keep_bf16 and stored is torch.bfloat16 and meta.dim() >= 2 else meta.dtype
+        real = torch.empty(meta.shape, dtype=dtype)
+        owner, _, attr = param.rpartition(".")
+        module = self.module.get_submodule(owner)
+        if isinstance(meta, torch.nn.Parameter):
+            setattr(module, attr, torch.nn.Parameter(real, requires_grad=False))
+        else:
+            module.register_buffer(attr, real)
+        self.params[param] = real
 
 
 def assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor], mapper, first_expert: int = 0) -> set[Piece]:
@@ -271,7 +333,7 @@ def check_expert_ids(module: torch.nn.Module, n_experts: int) -> None:
     """Every hash-routing table (`tid2eid`) names experts in [0, n_experts): the MoE kernels index the expert weights
     with these ids unchecked, so one out of range would read another tensor's memory."""
     for name, table in module.named_buffers():
-        if name.endswith("tid2eid") and table.numel():
+        if name.endswith("tid2eid") and table.numel() and not table.is_meta:
             low, high = int(table.min()), int(table.max())
             if low < 0 or high >= n_experts:
                 raise CheckpointError(f"tensor {name!r} holds expert ids in [{low}, {high}]; allowed: "
@@ -301,4 +363,4 @@ def _progress(total: int, enabled: bool):
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="loading weights", unit="tensor")
+    return tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024)

@@ -120,9 +120,9 @@ class QuantLinear(nn.Module):
         return f"{self.scheme}, in={self.in_features}, out={self.out_features}"
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantLinear, mm=F.linear) -> torch.Tensor:
-    """`x @ w.T` for a float weight (through `mm`) or a quantized linear."""
-    return w(x) if isinstance(w, QuantLinear) else mm(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor | nn.Module, mm=F.linear) -> torch.Tensor:
+    """`x @ w.T` for a float weight (through `mm`) or a linear module (a quantized one, a compact FP8 one)."""
+    return mm(x, w) if isinstance(w, torch.Tensor) else w(x)
 
 
 def _check(prefix: str, name: str, t: torch.Tensor, numel: int) -> None:

@@ -23,7 +23,7 @@ def describe_engine(engine: Engine) -> CompatDescriptor:
         hca_ratio=cfg.hca_ratio,
         head_dim=cfg.head_dim,
         index_head_dim=cfg.index_head_dim,
-        kv_dtype=str(engine.kv.pools.swa_kv.dtype).removeprefix("torch."),
+        kv_dtype=engine.kv.pools.kv_dtype,
         state_dtype=str(engine.kv.pools.c4_state.dtype).removeprefix("torch."),
         page_size=sizes.page_size,
         c128_page_size=sizes.c128_page_size,

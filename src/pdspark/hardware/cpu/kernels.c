@@ -7,6 +7,7 @@
  * The library is this one translation unit, made of parts with one job each (kernels.h: what they share):
  *   gemm.c          the weight GEMMs and dot products (fp32 weights and bf16 bits)
  *   pool.c          the helper thread that shares a step's big GEMMs
+ *   compact.c       the GEMMs of compact weights (FP8 128x128 tiles, MXFP4 experts), decoded a block of rows at a time
  *   ops.c           the per-op kernels (norms, rope, mHC, indexer, sink attention, compressor, output projection,
  *                   LM head)
  *   moe.c           MoE routing and experts
@@ -20,6 +21,7 @@
 
 #include "gemm.c"
 #include "pool.c"
+#include "compact.c"
 #include "ops.c"
 #include "moe.c"
 #include "decode_layer.c"

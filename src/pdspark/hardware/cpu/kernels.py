@@ -116,6 +116,12 @@ def load() -> ctypes.CDLL | None:
     lib.lm_head.restype = None
     lib.linear_rows.argtypes = [f, f, i, i, i, f]
     lib.linear_rows.restype = None
+    lib.linear_rows_h.argtypes = [f, f, i, i, i, f]
+    lib.linear_rows_h.restype = None
+    lib.linear_fp8.argtypes = [f, f, f, i, i, f, i, i, i, f]
+    lib.linear_fp8.restype = i
+    lib.linear_mxfp4.argtypes = [f, f, f, f, f, i, i, i, f]
+    lib.linear_mxfp4.restype = i
     lib.draft_scratch_floats.argtypes = [f, i, i]
     lib.draft_scratch_floats.restype = ctypes.c_long
     lib.draft_block.argtypes = [f, f, f, f, f, i, f, f, f, i, f, f]
@@ -537,9 +543,13 @@ def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
             head_bf16: torch.Tensor | None = None) -> torch.Tensor | None:
     """`DSV4Model.logits` of a few rows of streams `h [N, hc, D]` in one call (the final mHC collapse, the final
     norm, the LM head `head [V, D]` as GEMVs) -> fp32 `[N, V]`. `head_bf16`: `bf16_copy(head)`, read instead (the
-    same bits, half the bytes). None when the C path does not apply."""
-    lib = _usable(h, fn, scale, base, norm_w, head)
-    if lib is None:
+    same bits, half the bytes), or the head itself where it is kept bf16. None when the C path does not apply."""
+    lib = _usable(h, fn, scale, base, norm_w, head) if head.dtype is not torch.bfloat16 else _usable(
+        h, fn, scale, base, norm_w)
+    if lib is None or (head_bf16 is not None and not (head_bf16.dtype is torch.bfloat16
+                                                      and head_bf16.is_contiguous())):
+        return None
+    if head.dtype is torch.bfloat16 and head_bf16 is None:
         return None
     N, hc, D = h.shape
     V = head.shape[0]
@@ -555,15 +565,68 @@ def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """`F.linear(x, w)` (`x [..., K]`, `w [N, K]`) whose every output row depends on its own input row only: the same
     bits whatever rows share the call (BLAS picks other kernels for other row counts). ~4x slower than BLAS on a
-    prefill chunk. None when the C path does not apply (not fp32 CPU tensors)."""
-    lib = _usable(w)
-    if lib is None or w.dim() != 2 or not (x.is_cpu and x.dtype is torch.float32) or torch.is_grad_enabled():
+    prefill chunk. `w` fp32, or bf16 (widened exactly: the bits of `w.float()`). None when the C path does not apply
+    (other dtypes or devices)."""
+    lib = load()
+    if lib is None or not (w.is_cpu and w.dim() == 2 and w.is_contiguous() and w.dtype in _ROW_WEIGHTS) or not (
+            x.is_cpu and x.dtype is torch.float32) or torch.is_grad_enabled():
         return None
     N, K = w.shape
-    x2 = x.reshape(-1, K).contiguous()
-    out = torch.empty(x2.shape[0], N)
+    x2, out = _rows_out(x, K, N)
     if x2.shape[0]:
-        lib.linear_rows(x2.data_ptr(), w.data_ptr(), x2.shape[0], N, K, out.data_ptr())
+        call = lib.linear_rows if w.dtype is torch.float32 else lib.linear_rows_h
+        call(x2.data_ptr(), w.data_ptr(), x2.shape[0], N, K, out.data_ptr())
+    return out.view(*x.shape[:-1], N)
+
+
+_ROW_WEIGHTS = (torch.float32, torch.bfloat16)
+
+
+def _rows_out(x: torch.Tensor, K: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [..., K]` as contiguous rows `[M, K]` and an fp32 output `[M, N]` for them."""
+    x2 = x.reshape(-1, K).contiguous()
+    return x2, torch.empty(x2.shape[0], N)
+
+
+@cache
+def _e4m3_values() -> torch.Tensor:
+    """PyTorch's own values of the 256 e4m3 bytes (what the C decode reads: it cannot disagree with torch's)."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().contiguous()
+
+
+def linear_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row0: int = 0) -> torch.Tensor | None:
+    """`x [..., K] @ W.T` for an FP8 weight `q [N, K]` (float8_e4m3fn) with fp32 tile scales `scale [R, C]` (one per
+    128x128 tile of the matrix q's rows start at `row0` of): every output the bits `linear_rows` gives with the
+    dequantized fp32 weight, read at a byte per value. None when the C path does not apply."""
+    lib = load()
+    if lib is None or not (x.is_cpu and x.dtype is torch.float32 and q.is_cpu and q.dtype is torch.float8_e4m3fn
+                           and q.is_contiguous() and scale.dtype is torch.float32 and scale.is_contiguous()):
+        return None
+    N, K = q.shape
+    assert scale.shape[1] == -(-K // 128) and scale.shape[0] * 128 >= row0 + N, (q.shape, scale.shape, row0)
+    x2, out = _rows_out(x, K, N)
+    if x2.shape[0] and lib.linear_fp8(x2.data_ptr(), q.data_ptr(), scale.data_ptr(), scale.shape[1], row0,
+                                      _e4m3_values().data_ptr(), x2.shape[0], N, K, out.data_ptr()) != 0:
+        return None
+    return out.view(*x.shape[:-1], N)
+
+
+def linear_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, e2m1: torch.Tensor,
+                 e8m0: torch.Tensor) -> torch.Tensor | None:
+    """`x [..., K] @ W.T` for an MXFP4 weight `packed [N, K/2]` (uint8 e2m1 pairs) with ue8m0 scales `scale [N, K/32]`
+    (uint8 bytes): the bits `linear_rows` gives with the dequantized fp32 weight, read at half a byte per value.
+    `e2m1 [16]`, `e8m0 [256]`: fp32 values of the codes and of the scale bytes (the caller's torch decodes). None
+    when the C path does not apply."""
+    lib = load()
+    if lib is None or not (x.is_cpu and x.dtype is torch.float32 and packed.is_cpu and packed.dtype is torch.uint8
+                           and packed.is_contiguous() and scale.dtype is torch.uint8 and scale.is_contiguous()):
+        return None
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    assert K % 32 == 0 and tuple(scale.shape) == (N, K // 32), (packed.shape, scale.shape)
+    x2, out = _rows_out(x, K, N)
+    if x2.shape[0] and lib.linear_mxfp4(x2.data_ptr(), packed.data_ptr(), scale.data_ptr(), e2m1.data_ptr(),
+                                        e8m0.data_ptr(), x2.shape[0], N, K, out.data_ptr()) != 0:
+        return None
     return out.view(*x.shape[:-1], N)
 
 

@@ -10,6 +10,11 @@ void linear_rows(const float *x, const float *w, int T, int N, int K, float *out
     gemm_exact_w(w, 0, 0, x, K, T, N, K, out, N);
 }
 
+/* `linear_rows` of bf16 weights w [N, K] (bits): the products and sums of their fp32 twin, bit for bit. */
+void linear_rows_h(const float *x, const void *w, int T, int N, int K, float *out) {
+    gemm_exact_w(w, 0, 1, x, K, T, N, K, out, N);
+}
+
 /* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL); input
  * rows start `stride` floats apart (a column slice of a wider matrix), output rows are packed. */
 void rms_norm(const float *x, long stride, const float *w, int N, int D, float eps, float *out) {

@@ -1,0 +1,61 @@
+"""`PackedRows`: one layer's view of an FP8 cache pool (`--kv-cache-dtype fp8_e4m3`), read and written as fp32 rows.
+
+The pool stores each row packed (`quant/kv_fp8.py`: `[R, width]` uint8); the attention, compressor and indexer code
+index it as it indexes a float pool `[R, dim]`: `index_select(0, rows)` (what `batch.gather_rows` calls) decodes the
+rows it gathers, `pool[rows] = values` encodes. Its `dtype` is the storage's (uint8), so the C kernels, which check
+for fp32 pools, leave it to the PyTorch path.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class RowPack(Protocol):
+    @property
+    def dim(self) -> int: ...
+    @property
+    def width(self) -> int: ...
+    def encode(self, rows: torch.Tensor) -> torch.Tensor: ...
+    def decode(self, packed: torch.Tensor) -> torch.Tensor: ...
+
+
+class PackedRows:
+    def __init__(self, storage: torch.Tensor, pack: RowPack):
+        """`storage [R, width]` uint8 (a per-layer view of a page-major pool: rows may be strided)."""
+        assert storage.dtype is torch.uint8 and storage.shape[-1] == pack.width, (storage.dtype, storage.shape)
+        self.storage = storage
+        self.pack = pack
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.storage.shape[0], self.pack.dim])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.storage.is_cpu
+
+    def dim(self) -> int:
+        return 2
+
+    def index_select(self, axis: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows [n]` decoded -> fp32 `[n, dim]`."""
+        assert axis == 0
+        return self.pack.decode(self.storage.index_select(0, rows))
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.pack.decode(self.storage[rows])
+
+    def __setitem__(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Encode `values [n, dim]` into rows `rows [n]`."""
+        self.storage[rows] = self.pack.encode(values.reshape(-1, self.pack.dim))
