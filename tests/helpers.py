@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from pdspark import LLM, SamplingParams
-from pdspark.engine.forward_batch import Chunk, build_forward_batch
+from pdspark.testing.prompt_logits import prompt_logits  # noqa: F401 (re-exported for the tests)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -24,20 +22,6 @@ def make_llm(path, **kw) -> LLM:
 def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=max_tokens, **GREEDY))
     return [o.token_ids for o in outs]
-
-
-@torch.inference_mode()
-def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position from one prefill through the paged engine; frees what it took."""
-    kv = llm.engine.kv
-    pages = kv.open()
-    kv.grow(pages, len(ids))
-    try:
-        batch = build_forward_batch([Chunk(pages.slot, 0, ids, num_logits=len(ids))], kv)
-        model = llm.engine.runner.model
-        return model.logits(model(batch, kv.pools).hidden[batch.logits_rows]).cpu()  # beside the references
-    finally:
-        kv.close(pages)
 
 
 def assert_no_leaks(llm: LLM) -> None:

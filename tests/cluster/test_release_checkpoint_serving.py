@@ -32,3 +32,20 @@ def test_pdspark_up_serves_a_released_format_checkpoint_as_its_twin(release):
         assert [complete(cluster.info, **s) for s in sampling] == want
     finally:
         cluster.stop()
+
+
+def test_pdspark_up_serves_it_compact_with_an_fp8_cache_as_offline(release):
+    """The acceptance path with both memory savings on: weights as stored (the default) and `--kv-cache-dtype
+    fp8_e4m3` on both workers; P/D (the packed rows over Mooncake) and DSpark give the offline FP8 engine's text."""
+    sampling = [dict(temperature=0), dict(temperature=0.9, top_k=40, seed=906)]
+    with LLM(str(release.path), max_model_len=512, max_num_seqs=4, speculative="dspark",
+             kv_cache_dtype="fp8_e4m3") as offline:
+        want = [offline.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True, **s))[0].text
+                for s in sampling]
+    cluster = start_service("pdspark up", ["up", "--model", str(release.path), "--max-model-len", "512",
+                                           "--max-num-seqs", "4", "--port", "0", "--grpc-port", "0",
+                                           "--kv-cache-dtype", "fp8_e4m3"], timeout=scaled(180), env=ENV)
+    try:
+        assert [complete(cluster.info, **s) for s in sampling] == want
+    finally:
+        cluster.stop()

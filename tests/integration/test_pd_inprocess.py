@@ -514,3 +514,29 @@ def test_abort_stops_a_running_request_with_an_abort_output(pair):
     assert last.finished and last.finish_reason == FinishReason.ABORT and len(last.token_ids) < 200
     assert seconds < scaled(1.0)
     assert pair.free_counts_restored()
+
+
+def test_an_fp8_cache_ships_its_packed_rows_and_generates_the_offline_fp8_tokens(ckpt, pair):
+    """`kv_cache_dtype='fp8_e4m3'` on both sides: the packed rows ship as they are (under half the fp32 rows' bytes
+    at this model's 32-channel heads; the fp32 compressor states and draft rows unchanged), and the pair generates
+    the offline FP8 engine's tokens (DSpark on)."""
+    fp8 = {**OPTS, "kv_cache_dtype": "fp8_e4m3"}
+    prompts = random_prompts(3, [37, 64, 101], seed=36)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    offline = make_llm(ckpt, **fp8).generate(prompt_token_ids=prompts, sampling_params=params)
+    pair8 = Pair(ckpt, opts=fp8)
+    try:
+        for i, (prompt, ref) in enumerate(zip(prompts, offline)):
+            out = pair8.run(prompt, params, request_id=f"f{i}")
+            assert out["outputs"][-1].token_ids == ref.token_ids
+            fp8_stats, float_stats = out["prefill"].stats, pair.run(prompt, params, request_id=f"b{i}")["prefill"].stats
+            print(f"{len(prompt)}-token prompt: {fp8_stats.bytes} bytes fp8 {fp8_stats.bytes_by_pool}, "
+                  f"{float_stats.bytes} fp32 {float_stats.bytes_by_pool}")
+            rows = ("SWA_KV", "C4_KV", "C4_INDEX", "C128_KV")  # the packed pools (states and draft rows stay fp32)
+            assert sum(fp8_stats.bytes_by_pool[k] for k in rows) < 0.5 * sum(float_stats.bytes_by_pool[k]
+                                                                               for k in rows)
+            assert all(fp8_stats.bytes_by_pool[k] == float_stats.bytes_by_pool[k]
+                       for k in float_stats.bytes_by_pool if k not in rows)
+        assert pair8.free_counts_restored()
+    finally:
+        pair8.close()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,15 +17,18 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import random_prompts
+from ep_ranks import generate_job
 from helpers import greedy, make_llm, prompt_logits
 from pdspark import SamplingParams
 from pdspark.errors import CheckpointError
 from pdspark.model.compact_experts import CompactExperts
 from pdspark.model.fp8_linear import Fp8Linear
-from pdspark.model.loader import load_checkpoint
+from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.model.resident_weights import ResidentWeights, checkpoint_bytes
 from pdspark.parallel.expert_shard import ExpertShard
-from pdspark.testing.release_checkpoint import write_release_checkpoint
+from pdspark.testing.random_release_checkpoint import write_random_release_checkpoint
+from pdspark.testing.release_checkpoint import QUANTIZATION_CONFIG, write_release_checkpoint
+from pdspark.testing.time_scale import scaled
 
 OPTS = dict(page_size=16, max_model_len=256)
 
@@ -145,6 +150,13 @@ def test_compact_weights_stay_as_stored_within_five_percent_of_the_checkpoint(re
         m.w1_scale.nbytes + m.w3_scale.nbytes + m.w2_scale.nbytes for m in model.modules()
         if isinstance(m, CompactExperts))  # packed codes + their ue8m0 scales, as stored
     assert resident.total <= 1.05 * sum(stored.values())
+    # The DSpark draft (its `mtp.*` tensors) is held the same way.
+    ckpt = load_checkpoint(release.path, 256)
+    draft = load_draft(ckpt, 256)
+    assert sum(isinstance(m, Fp8Linear) for m in draft.modules()) == len(release.fp8) - len(fp8) > 0
+    draft_stored = sum(checkpoint_bytes(release.path).values()) - sum(stored.values())
+    print(f"draft resident {ResidentWeights.of(draft).describe()}; its checkpoint tensors {draft_stored} B")
+    assert ResidentWeights.of(draft).total <= 1.05 * draft_stored
 
 
 def test_expert_parallel_ranks_hold_the_shared_weights_and_half_the_experts(release):
@@ -169,3 +181,53 @@ def test_compact_weights_give_the_logits_and_tokens_of_the_weights_decoded_at_lo
             # kernels): a few 1e-5 apart in logits of magnitude ~1.
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert greedy(compact, prompts, 24) == greedy(dec, prompts, 24)
+
+
+def test_an_expert_parallel_group_serves_the_compact_checkpoint_as_one_process(release):
+    """Two ranks, each holding (and reading) half of every layer's MXFP4 experts: one process's greedy and seeded
+    tokens and logprobs."""
+    prompts = random_prompts(3, [9, 40, 77], seed=73)
+    one = generate_job(str(release.path), prompts, {})
+    two = generate_job(str(release.path), prompts, {"ep_size": 2})
+    assert two["greedy"] == one["greedy"] and two["seeded"] == one["seeded"]
+
+
+# Loads a checkpoint compact in a fresh process; prints its memory before the load, its peak (VmHWM) and what the
+# weights hold (the peak of a process that did nothing else before).
+_LOAD_CHILD = """
+import json, sys
+from pathlib import Path
+from pdspark.model.loader import load_checkpoint, load_draft
+from pdspark.model.resident_weights import ResidentWeights
+
+def status(key):
+    return next(int(x.split()[1]) * 1024 for x in Path("/proc/self/status").read_text().splitlines()
+                if x.startswith(key + ":"))
+
+before = status("VmRSS")
+model = load_checkpoint(sys.argv[1], 256, draft=False).model
+print(json.dumps({"before": before, "peak": status("VmHWM"), "resident": ResidentWeights.of(model).total}))
+"""
+
+
+def test_loading_peaks_under_resident_plus_the_largest_tensor_plus_ten_percent(tmp_path):
+    """A random 0.37 GiB checkpoint of the released format (`testing/random_release_checkpoint.py`), loaded compact
+    in a fresh process: the resident memory the load adds at its peak is at most the weights' resident bytes plus the
+    largest single tensor (in flight while it is copied) plus 10% (the issue's bound; measured: ~1.22x resident
+    here, ~1.13x on the 1 GiB checkpoint of `bench/bench_release_weights.py`)."""
+    config = dict(
+        model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=32768, hidden_size=1024,
+        num_hidden_layers=3, num_attention_heads=8, head_dim=512, qk_rope_head_dim=64, q_lora_rank=512, o_groups=2,
+        o_lora_rank=512, index_n_heads=8, index_head_dim=128, index_topk=64, n_routed_experts=32,
+        num_experts_per_tok=6, moe_intermediate_size=1024, num_hash_layers=1, hc_mult=4, sliding_window=128,
+        compress_ratios=[0, 4, 128, 0], num_nextn_predict_layers=1, expert_dtype="fp4", rope_theta=10000,
+        max_position_embeddings=4096, eos_token_id=1, quantization_config=dict(QUANTIZATION_CONFIG))
+    write_random_release_checkpoint(config, tmp_path / "ckpt")
+    out = subprocess.run([sys.executable, "-c", _LOAD_CHILD, str(tmp_path / "ckpt")], check=True,
+                         capture_output=True, text=True, timeout=scaled(300))
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    largest = 32768 * 1024 * 2  # the bf16 embedding (and head): the largest tensor
+    growth = got["peak"] - got["before"]
+    print(f"resident {got['resident'] / 2**20:.0f} MiB, load peak growth {growth / 2**20:.0f} MiB")
+    assert got["resident"] <= 1.05 * sum(checkpoint_bytes(tmp_path / "ckpt", skip_prefixes=("mtp.",)).values())
+    assert growth <= 1.1 * (got["resident"] + largest)

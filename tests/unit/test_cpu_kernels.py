@@ -562,6 +562,22 @@ def test_compact_weights_multiply_with_the_bits_of_their_decoded_fp32_weights():
         fp4_ref = kernels.linear_rows(x, release_formats.dequant_mxfp4(packed, ps))
         got = kernels.linear_mxfp4(x, packed.view(torch.uint8), ps.view(torch.uint8), e2m1, e8m0)
         assert torch.equal(got, fp4_ref)
+        kernels.set_threads(2)  # the rows split with the helper thread: each output still computed whole
+        try:
+            assert torch.equal(kernels.linear_fp8(x, q, scale), fp8_ref)
+            assert torch.equal(kernels.linear_mxfp4(x, packed.view(torch.uint8), ps.view(torch.uint8), e2m1, e8m0),
+                               fp4_ref)
+        finally:
+            kernels.set_threads(1)
         w = torch.randn(40, 256).bfloat16()
         assert torch.equal(kernels.linear_rows(x, w), kernels.linear_rows(x, w.float()))
         assert kernels.linear_fp8(x.double(), q, scale) is None  # not fp32: the caller decodes with torch
+        # Every e4m3 byte but the NaNs (a NaN weight would make every output of its row NaN), decoded as torch does.
+        codes = torch.cat([torch.arange(0, 127), torch.arange(128, 255)]).to(torch.uint8).repeat(16, 1)
+        weights = codes.contiguous().view(torch.float8_e4m3fn)  # [16, 254]
+        assert torch.equal(kernels.linear_fp8(torch.eye(254), weights, torch.ones(1, 2)).t(), weights.float())
+        every_code = torch.arange(256, dtype=torch.uint8).repeat(32, 1)  # [32, 256]: both nibbles of every byte
+        got = kernels.linear_mxfp4(torch.eye(512), every_code, torch.full((32, 16), 127, dtype=torch.uint8), e2m1,
+                                   e8m0)
+        assert torch.equal(got.t(), release_formats.dequant_mxfp4(every_code, torch.full(
+            (32, 16), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)))

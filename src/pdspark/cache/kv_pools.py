@@ -65,6 +65,7 @@ class KVPools:
             self.kv_pack, self.index_pack = KvRowPack(d, model.rope_dim), IndexRowPack(di)
             row, index_row, row_dtype = self.kv_pack.width, self.index_pack.width, torch.uint8
         self.kv_dtype = str(dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
+        self.rows_dtype = dtype  # what the model reads and writes, packed or not
         # [layers, (num_swa_pages + 1 dummy page) * page_size, head_dim]
         self.swa_kv = _page_major(model.num_hidden_layers, (sizes.num_swa_pages + 1) * P, row, row_dtype, device)
         # [draft stages, same rows as swa_kv, head_dim]: the drafter's context, at the target's SWA slots
@@ -119,9 +120,9 @@ class KVPools:
 
     def _rows(self, view: torch.Tensor, pack: RowPack | None = None) -> torch.Tensor:
         """A layer's view of a main KV pool (or, with `pack`, of the indexer keys), as the model reads it: the view
-        itself, or its `PackedRows` in an FP8 cache (read and written as fp32 rows)."""
+        itself, or its `PackedRows` in an FP8 cache (read and written as rows of the compute dtype)."""
         chosen: RowPack | None = pack if pack is not None else self.kv_pack
-        return view if chosen is None else PackedRows(view, chosen)  # type: ignore[return-value]  # (duck-typed)
+        return view if chosen is None else PackedRows(view, chosen, self.rows_dtype)  # type: ignore[return-value]
 
     def clear_c128_state_rows(self, rows: torch.Tensor) -> None:
         """Reset request-ring rows to the empty state (kv = 0, score = -inf)."""

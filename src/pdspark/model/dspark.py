@@ -15,6 +15,7 @@ Data flow for one draft block of a request whose next token (the anchor) sits at
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -30,7 +31,7 @@ from pdspark.model.model_config import SLIDING, ModelConfig
 from pdspark.model.moe import MoE, SharedExpert, swiglu
 from pdspark.model.norm import RMSNorm, rms_norm
 from pdspark.model.rope import RopeAt, RotaryTable
-from pdspark.model.row_exact import row_exact_linear
+from pdspark.model.row_exact import row_exact_linear, use_row_exact
 from pdspark.quant.fused_linear import FusedLinear
 from pdspark.quant.quant_linear import QuantLinear, linear
 
@@ -63,10 +64,10 @@ class DraftAttention(Attention):
         o = sink_attention(q.reshape(M, G * self.n_heads, -1), kv, valid, self.attn_sink.repeat(G), self.scale)
         return self.project_out(o.reshape(M * G, self.n_heads, -1), rope_at)
 
-    def prepare_block(self, gamma: int) -> None:
+    def prepare_block(self, gamma: int, stack: bool = True) -> None:
         """Inference only: one matmul for q_a and the latent (`Attention.fuse`) and the block's sink logits laid
         out once (`[1, gamma * H, 1]`), not per call. Call once the weights are final."""
-        self.fuse()
+        self.fuse(stack)
         self._block_sinks = self.attn_sink.detach().repeat(gamma).view(1, -1, 1)
 
     def forward_prepared(self, x: torch.Tensor, block: BlockInputs, ctx_kv: torch.Tensor) -> torch.Tensor:
@@ -117,14 +118,15 @@ class DraftStage(DecoderLayer):
         y = self.ffn(self.ffn_norm(x), ids) if isinstance(self.ffn, MoE) else self.ffn(self.ffn_norm(x))
         return HyperConnection.expand(y, h, post, comb)
 
-    def prepare_inference(self, gamma: int) -> None:
+    def prepare_inference(self, gamma: int, stack: bool = True) -> None:
         """Inference only: freeze the mHC mixes for the C collapse, fuse the matmuls that read one input
-        (attention: q_a and the latent; a dense SwiGLU: gate and up) and lay out the block's sink logits."""
+        (attention: q_a and the latent; a dense SwiGLU: gate and up) and lay out the block's sink logits. `stack`
+        False (compact weights): no stacked copies (`FusedLinear`)."""
         self.attn_hc.freeze()
         self.ffn_hc.freeze()
-        self.attn.prepare_block(gamma)
+        self.attn.prepare_block(gamma, stack)
         if isinstance(self.ffn, SharedExpert):
-            self.gate_up = FusedLinear([self.ffn.w1, self.ffn.w3])
+            self.gate_up = FusedLinear([self.ffn.w1, self.ffn.w3], stack)
 
     def forward_prepared(self, h: torch.Tensor, block: BlockInputs, ctx_kv: torch.Tensor) -> torch.Tensor:
         """`forward` with fewer ops (after `prepare_inference`), bit for bit: `h [M*G, hc, D]` -> `[M*G, hc, D]`."""
@@ -138,16 +140,25 @@ class DraftStage(DecoderLayer):
         else:
             assert self.gate_up is not None, "prepare_inference() first"
             gate, up = self.gate_up(x)  # one matmul: the same bits per column as two
-            y = linear(swiglu(gate, up, self.ffn.limit), self.ffn.w2)
+            y = linear(swiglu(gate, up, self.ffn.limit), self.ffn.w2, self.ffn.mm)
         return HyperConnection.expand(y, h, post, comb)
 
 
 class DSparkDraft(nn.Module):
-    def __init__(self, cfg: ModelConfig, dcfg: DSparkConfig, max_len: int):
+    def __init__(self, cfg: ModelConfig, dcfg: DSparkConfig, max_len: int, meta: bool = False):
+        """`meta`: the weights are built on the meta device (the loader gives each its tensor); the rotary table
+        is real either way."""
         super().__init__()
-        D, V = cfg.hidden_size, cfg.vocab_size
         self.cfg, self.dcfg = cfg, dcfg
         self.rope = RotaryTable(cfg.main_rope, cfg.rope_dim, max_len)  # stages are sliding-only layers
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            self._build_weights(cfg, dcfg)
+        self._target_vocab: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._block_offsets: torch.Tensor | None = None  # [G] 0 .. G-1, set by prepare_inference
+        self._stage_latents: FusedLinear | None = None  # every stage's wkv in one matmul, set by prepare_inference
+
+    def _build_weights(self, cfg: ModelConfig, dcfg: DSparkConfig) -> None:
+        D, V = cfg.hidden_size, cfg.vocab_size
         self.main_proj = nn.Parameter(torch.zeros(D, D * len(dcfg.target_layer_ids)))
         self.main_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.stages = nn.ModuleList(DraftStage(cfg, dcfg) for _ in range(dcfg.num_stages))
@@ -159,21 +170,22 @@ class DSparkDraft(nn.Module):
         if dcfg.uses_own_vocab_modules:
             self.embed = nn.Parameter(torch.zeros(V, D))
             self.head = nn.Parameter(torch.zeros(V, D))
-        self._target_vocab: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._block_offsets: torch.Tensor | None = None  # [G] 0 .. G-1, set by prepare_inference
-        self._stage_latents: FusedLinear | None = None  # every stage's wkv in one matmul, set by prepare_inference
 
     def bind_target(self, embed: torch.Tensor, head: torch.Tensor) -> None:
         """Share the target's embedding and LM head (unless this draft ships its own)."""
         self._target_vocab = (embed, head)
 
-    def prepare_inference(self) -> None:
+    def prepare_inference(self, compact: bool = False) -> None:
         """Inference only: prepare every stage (`DraftStage.prepare_inference`); `block_hidden` then runs the
-        prepared path when autograd is off. Call once the weights are final and on their device."""
+        prepared path when autograd is off. Call once the weights are final and on their device. `compact`: the
+        weights keep a released checkpoint's dtypes (FP8/MXFP4 modules, bf16 matrices; `dspark_weights`): fp32
+        activations through the row-exact kernels, which read them, and no stacked copies."""
         for stage in self.draft_stages:
-            stage.prepare_inference(self.dcfg.gamma)
+            stage.prepare_inference(self.dcfg.gamma, stack=not compact)
         self._block_offsets = torch.arange(self.dcfg.gamma, device=self.markov_w1.device)
-        self._stage_latents = FusedLinear([stage.attn.wkv for stage in self.draft_stages])
+        self._stage_latents = FusedLinear([stage.attn.wkv for stage in self.draft_stages], stack=not compact)
+        if compact:
+            use_row_exact(self, FusedLinear)
 
     @property
     def draft_stages(self) -> list[DraftStage]:
@@ -190,6 +202,8 @@ class DSparkDraft(nn.Module):
         """Target features `[N, D*L]` at `positions [N]` -> each stage's injected K=V rows `[stages, N, d]`."""
         if isinstance(self.main_proj, QuantLinear):  # a quantized checkpoint's: int8 math, output in x's dtype
             main_x = self.main_norm(self.main_proj(features))
+        elif self.main_proj.dtype != features.dtype:  # a compact draft's bf16 matrix, read as the fp32 it widens to
+            main_x = self.main_norm(row_exact_linear(features, self.main_proj))
         else:
             main_x = self.main_norm(F.linear(features.to(self.main_proj.dtype), self.main_proj))
         rope_at = self.rope.at(positions)

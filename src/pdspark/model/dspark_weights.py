@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 
 import torch
 
+from pdspark.model.compact_weights import CompactWeights
 from pdspark.model.dspark import DSparkDraft
 from pdspark.model.quant_weights import QuantizedWeights
-from pdspark.model.weights import Piece, assign, check_complete, map_name
+from pdspark.model.scaled_weights import Scaled
+from pdspark.model.weights import Assigner, Piece, assign, check_complete, map_name
+from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.quant.scheme import QuantDescription
 
 logger = logging.getLogger(__name__)
@@ -72,14 +76,16 @@ def map_draft_name(name: str) -> Piece | None:
     return Piece("stages." + layer_piece.param.removeprefix("layers."), layer_piece.expert, layer_piece.half)
 
 
-def load_draft_weights(draft: DSparkDraft, tensors: dict[str, torch.Tensor],
-                       quant: QuantDescription | None = None) -> QuantizedWeights | None:
+def load_draft_weights(draft: DSparkDraft, tensors: Mapping[str, torch.Tensor | Scaled],
+                       quant: QuantDescription | None = None, compact: bool = False) -> QuantizedWeights | None:
     """Fill `draft` from the checkpoint's `mtp.*` tensors; raises `CheckpointError` on any mismatch.
 
     With `quant` (a ModelSlim checkpoint's description), the linears it lists as quantized are returned as
     `QuantizedWeights`, to install once the draft is moved and cast. A draft tensor the description does not list is
     FLOAT: old ModelSlim output left the MTP entries out (vllm-ascend adds them by hand as FLOAT); an int8 one among
-    them still fails, in `assign`."""
+    them still fails, in `assign`. `compact`: a released checkpoint's draft read as stored (`Scaled` tensors: the
+    loader's `weight_format="compact"`), built as the target is: FP8/MXFP4 weights installed as stored
+    (`compact_weights.CompactWeights`), BF16 matrices kept BF16, into a draft built on the meta device."""
     # DSpark checkpoints trained with the confidence head carry it (`mtp.confidence_head.*`): it only feeds a
     # confidence-scheduled (ragged) verify, which pdspark does not run; every verify takes all the drafts.
     unused = sorted(n for n in tensors if n.startswith(CONFIDENCE_HEAD))
@@ -87,16 +93,37 @@ def load_draft_weights(draft: DSparkDraft, tensors: dict[str, torch.Tensor],
         logger.info("the draft's confidence head (%d tensors) is not used: every verify step takes all the drafts",
                     len(unused))
         tensors = {n: t for n, t in tensors.items() if not n.startswith(CONFIDENCE_HEAD)}
+    skip = () if draft.dcfg.uses_own_vocab_modules else ("embed", "head")
+    if compact:
+        _load_compact(draft, tensors, skip)
+        return None
+    plain: dict[str, torch.Tensor] = {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor)}
     quantized = None
     if quant is not None:
-        names = {n for n in tensors if quant.quantized_linear(n) is not None}
-        quantized = QuantizedWeights.build({n: tensors[n] for n in names}, quant, draft.dcfg.n_routed_experts,
+        names = {n for n in plain if quant.quantized_linear(n) is not None}
+        quantized = QuantizedWeights.build({n: plain[n] for n in names}, quant, draft.dcfg.n_routed_experts,
                                            map_draft_name)
-        tensors = {n: t for n, t in tensors.items() if n not in names}
-    filled = assign(draft, tensors, map_draft_name)
-    skip = () if draft.dcfg.uses_own_vocab_modules else ("embed", "head")
+        plain = {n: t for n, t in plain.items() if n not in names}
+    filled = assign(draft, plain, map_draft_name)
     check_complete(draft, filled | (quantized.filled if quantized else set()), draft.dcfg.n_routed_experts, skip=skip)
     return quantized
+
+
+def _load_compact(draft: DSparkDraft, tensors: Mapping[str, torch.Tensor | Scaled], skip: tuple[str, ...]) -> None:
+    compact = CompactWeights(ExpertShard.whole(max(draft.dcfg.n_routed_experts, 1)))
+    into = Assigner(draft, map_draft_name, keep_bf16=True)
+    for name, t in tensors.items():
+        stored = t if isinstance(t, Scaled) else Scaled(t, None)
+        piece = map_draft_name(name)
+        if piece is None or not compact.take(name, piece, stored):
+            into.put(name, stored.decoded())
+    check_complete(draft, into.filled | compact.filled, draft.dcfg.n_routed_experts, skip=skip)
+    compact.install(draft)
+    for name, p in list(draft.named_parameters()):  # what `skip` let through: zeros, as a float draft starts
+        if p.is_meta:
+            owner, _, attr = name.rpartition(".")
+            setattr(draft.get_submodule(owner), attr, torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype),
+                                                                         requires_grad=False))
 
 
 def draft_state_dict(draft: DSparkDraft) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from pdspark.model.model_config import SLIDING, ModelConfig
 from pdspark.model.moe import MoE
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RotaryTable
-from pdspark.model.row_exact import row_exact_linear
+from pdspark.model.row_exact import use_row_exact
 from pdspark.parallel.expert_shard import ExpertShard
 from pdspark.parallel.slot_exchange import SlotExchange
 from pdspark.parallel.token_exchange import TokenExchange
@@ -166,12 +166,7 @@ class DSV4Model(nn.Module):
         self._head_bf16 = self.head if self.head.dtype is torch.bfloat16 else cpu_kernels.bf16_copy(self.head)
         self._row_exact = row_exact
         if row_exact:
-            for module in self.modules():
-                if hasattr(type(module), "mm"):
-                    module.mm = row_exact_linear  # type: ignore[assignment]  # (a submodule slot to mypy)
-                for value in vars(module).values():
-                    if isinstance(value, FusedLinear):
-                        value.mm = row_exact_linear  # type: ignore[assignment]
+            use_row_exact(self, FusedLinear)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams `[N, hc, D]` -> fp32 logits `[N, vocab]`."""

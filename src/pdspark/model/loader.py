@@ -17,6 +17,7 @@ from pdspark.model.dspark_weights import load_draft_weights
 from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.quant_weights import QuantizedWeights
+from pdspark.model.scaled_weights import Scaled
 from pdspark.model.tokenizer import Tokenizer
 from pdspark.model.weights import check_complete, has_scaled_weights, load_weights
 from pdspark.parallel.expert_shard import ExpertShard
@@ -32,9 +33,10 @@ WEIGHT_FORMATS = ("compact", "float32")
 class Checkpoint:
     model: DSV4Model
     tokenizer: Tokenizer | None
-    extra: dict[str, torch.Tensor]  # mtp.* tensors (the speculative draft)
+    extra: dict[str, torch.Tensor | Scaled]  # mtp.* tensors (the speculative draft; `Scaled`: kept compact)
     path: Path
     quant: QuantDescription | None = None  # a ModelSlim checkpoint's description
+    compact: bool = False  # a released checkpoint's weights held as stored (`weight_format="compact"`)
 
     @property
     def quarot(self) -> bool:
@@ -80,7 +82,8 @@ def load_checkpoint(
         model.eval()
         model = model.to(device=device)
         model.prepare_inference(compact=True)
-        return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path, quant)
+        return Checkpoint(model, Tokenizer.from_dir(path, cfg.eos_token_ids), report.extra, path, quant,
+                          compact=True)
     model = model.to(device=device, dtype=getattr(torch, dtype))
     if quantized is not None:
         quantized.install(model)
@@ -123,13 +126,14 @@ def load_draft(ckpt: Checkpoint, max_len: int, dtype: str = "float32", device: s
         # ModelSlim's NPU DSpark checkpoints are, which carry their own vocab modules.
         raise ConfigError(f"{ckpt.path} is QuaRot-rotated: its DSpark draft needs its own embed and head "
                           "(`dspark.uses_own_vocab_modules: true` in config.json)")
-    draft = DSparkDraft(ckpt.model.cfg, dcfg, max_len)
-    quantized = load_draft_weights(draft, ckpt.extra, ckpt.quant)
-    draft = draft.to(device=device, dtype=getattr(torch, dtype))
+    draft = DSparkDraft(ckpt.model.cfg, dcfg, max_len, meta=ckpt.compact)
+    quantized = load_draft_weights(draft, ckpt.extra, ckpt.quant, compact=ckpt.compact)
+    # A compact draft keeps its checkpoint dtypes (only moved), as its target does.
+    draft = draft.to(device=device) if ckpt.compact else draft.to(device=device, dtype=getattr(torch, dtype))
     if quantized is not None:
         quantized.install(draft)
     draft.requires_grad_(False)
     draft.eval()
     draft.bind_target(ckpt.model.embed, ckpt.model.head)
-    draft.prepare_inference()
+    draft.prepare_inference(compact=ckpt.compact)
     return draft

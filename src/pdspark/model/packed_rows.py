@@ -1,9 +1,9 @@
-"""`PackedRows`: one layer's view of an FP8 cache pool (`--kv-cache-dtype fp8_e4m3`), read and written as fp32 rows.
+"""`PackedRows`: one layer's view of an FP8 cache pool (`--kv-cache-dtype fp8_e4m3`), read and written as float rows.
 
 The pool stores each row packed (`quant/kv_fp8.py`: `[R, width]` uint8); the attention, compressor and indexer code
-index it as it indexes a float pool `[R, dim]`: `index_select(0, rows)` (what `batch.gather_rows` calls) decodes the
-rows it gathers, `pool[rows] = values` encodes. Its `dtype` is the storage's (uint8), so the C kernels, which check
-for fp32 pools, leave it to the PyTorch path.
+index it as it indexes a float pool `[R, dim]` of the model's dtype: `index_select(0, rows)` (what
+`batch.gather_rows` calls) decodes the rows it gathers, `pool[rows] = values` encodes. Its `dtype` is the storage's
+(uint8), so the C kernels, which check for fp32 pools, leave it to the PyTorch path.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ class RowPack(Protocol):
 
 
 class PackedRows:
-    def __init__(self, storage: torch.Tensor, pack: RowPack):
-        """`storage [R, width]` uint8 (a per-layer view of a page-major pool: rows may be strided)."""
+    def __init__(self, storage: torch.Tensor, pack: RowPack, rows_dtype: torch.dtype = torch.float32):
+        """`storage [R, width]` uint8 (a per-layer view of a page-major pool: rows may be strided); `rows_dtype`:
+        the dtype rows are read in (the model's compute dtype)."""
         assert storage.dtype is torch.uint8 and storage.shape[-1] == pack.width, (storage.dtype, storage.shape)
         self.storage = storage
         self.pack = pack
+        self.rows_dtype = rows_dtype
 
     @property
     def shape(self) -> torch.Size:
@@ -49,12 +51,12 @@ class PackedRows:
         return 2
 
     def index_select(self, axis: int, rows: torch.Tensor) -> torch.Tensor:
-        """Rows `rows [n]` decoded -> fp32 `[n, dim]`."""
+        """Rows `rows [n]` decoded -> `[n, dim]` in `rows_dtype`."""
         assert axis == 0
-        return self.pack.decode(self.storage.index_select(0, rows))
+        return self.pack.decode(self.storage.index_select(0, rows)).to(self.rows_dtype)
 
     def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.pack.decode(self.storage[rows])
+        return self.pack.decode(self.storage[rows]).to(self.rows_dtype)
 
     def __setitem__(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Encode `values [n, dim]` into rows `rows [n]`."""

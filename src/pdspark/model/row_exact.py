@@ -23,3 +23,14 @@ def row_exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if out is not None:
         return out
     return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+
+
+def use_row_exact(root: torch.nn.Module, fused: type) -> None:
+    """Every float matmul of `root`'s module path through `row_exact_linear`: each module whose class has an `mm`,
+    and each `fused` (`FusedLinear`) it holds."""
+    for module in root.modules():
+        if hasattr(type(module), "mm"):
+            module.mm = row_exact_linear  # type: ignore[assignment]  # (a submodule slot to mypy)
+        for value in vars(module).values():
+            if isinstance(value, fused):
+                value.mm = row_exact_linear  # type: ignore[attr-defined]  # (a `FusedLinear`)

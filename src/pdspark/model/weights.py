@@ -151,7 +151,7 @@ def describe(piece: Piece) -> str:
 
 @dataclass
 class LoadReport:
-    extra: dict[str, torch.Tensor]  # mtp.* tensors, for the speculative decoder
+    extra: dict[str, torch.Tensor | Scaled]  # mtp.* tensors, for the speculative decoder (`Scaled`: kept compact)
     num_tensors: int
     quantized: dict[str, torch.Tensor] | None = None  # a ModelSlim checkpoint's quantized linears' tensors
     filled: set[Piece] | None = None  # the pieces loaded as float
@@ -206,7 +206,7 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
     files = checkpoint_files(Path(path))
     handles = {f: _open(f) for f in files}
     names = [(f, n) for f, h in handles.items() for n in h.keys()]  # noqa: SIM118 (a safetensors handle)
-    extra: dict[str, torch.Tensor] = {}
+    extra: dict[str, torch.Tensor | Scaled] = {}
     quantized: dict[str, torch.Tensor] = {}
     shard = model.experts  # with expert parallelism, other ranks' experts are never read
     # Each tensor goes into its parameter as it is read (never the whole checkpoint in memory beside the model).
@@ -232,8 +232,13 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
             # resident for the life of the model. A quantized draft linear goes aside with the other `mtp.*`.
             is_draft = name.startswith(("mtp.", "model.mtp."))
             (extra if is_draft else quantized)[name.removeprefix("model.")] = handles[f].get_tensor(name).clone()
-        elif name.startswith(("mtp.", "model.mtp.")):
-            extra[name.removeprefix("model.")] = weights.get(name).clone()  # (not a view of the mapped file)
+        elif name.startswith(("mtp.", "model.mtp.")):  # (copies: not views of the mapped file)
+            if compact is not None:  # kept as stored, for the draft's own compact build (`dspark_weights`)
+                stored = weights.read(name)
+                extra[name.removeprefix("model.")] = Scaled(stored.weight.clone(),
+                                                            None if stored.scale is None else stored.scale.clone())
+            else:
+                extra[name.removeprefix("model.")] = weights.get(name).clone()
         elif compact is not None and weights.has_scale(name) and (piece := map_name(name)) is not None:
             stored = weights.read(name)
             if not compact.take(name, piece, stored):

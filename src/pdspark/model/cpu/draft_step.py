@@ -99,8 +99,9 @@ def draft_table(draft: DSparkDraft) -> DraftTable | None:
     if not stages or len(stages) != len(draft.stages):
         return None
     per_stage = [_stage_weights(s) for s in stages]
-    if any(w is None for w in per_stage):
-        return None
+    if any(w is None for w in per_stage) or not all(
+            isinstance(w, torch.Tensor) for s in stages for w in (s.attn.wq_b, s.attn.wo_a, s.attn.wo_b)):
+        return None  # (a compact draft's FP8 linears: the module path)
     numbers = [_stage_numbers(s, draft) for s in stages]
     if any(n != numbers[0] for n in numbers) or stages[0].ffn_hc.hc_eps != stages[0].attn_hc.hc_eps:
         return None
