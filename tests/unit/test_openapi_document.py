@@ -55,7 +55,7 @@ def test_a_router_with_api_keys_documents_which_routes_need_one():
     assert "securitySchemes" not in DOC["components"]  # a router without keys asks for none
     for path, ops in keyed["paths"].items():
         for method, op in ops.items():
-            needs_key = path.startswith("/v1/") or path == "/generate"
+            needs_key = path.startswith("/v1/") or path in ("/generate", "/tokenize", "/detokenize", "/tokenizer_info")
             assert op["security"] == ([{"apiKey": []}] if needs_key else []), path
             assert ("401" in op["responses"]) == needs_key, path
             assert "security" not in DOC["paths"][path][method]

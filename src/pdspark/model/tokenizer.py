@@ -29,10 +29,13 @@ _KEEPING_PRE_TOKENIZERS = frozenset({"Sequence", "ByteLevel", "Split", "Punctuat
 
 
 class Tokenizer:
-    def __init__(self, tokenizer: HFTokenizer, eos_token_ids: tuple[int, ...], chat_template: str | None):
+    def __init__(self, tokenizer: HFTokenizer, eos_token_ids: tuple[int, ...], chat_template: str | None,
+                 config: dict[str, Any] | None = None):
+        """`config`: the checkpoint's `tokenizer_config.json` (its special tokens, class, flags)."""
         self._tok = tokenizer
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
+        self.config = config or {}
 
     @classmethod
     def from_dir(cls, path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer | None:
@@ -41,22 +44,27 @@ class Tokenizer:
         file = path / "tokenizer.json"
         if not file.is_file():
             return None
-        template = None
+        config: dict[str, Any] = {}
         cfg_file = path / "tokenizer_config.json"
         if cfg_file.is_file():
-            template = json.loads(cfg_file.read_text()).get("chat_template")
-        return cls(HFTokenizer.from_file(str(file)), eos_token_ids, template)
+            config = json.loads(cfg_file.read_text())
+        return cls(HFTokenizer.from_file(str(file)), eos_token_ids, config.get("chat_template"), config)
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids; `add_special_tokens`: what the tokenizer's post-processor puts around them (a BOS)."""
         if len(text) > RELEASE_GIL_CHARS:
             # `encode_batch_fast` is there from tokenizers 0.20 on.
             encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-            return encode_batch([text])[0].ids
-        return self._tok.encode(text).ids
+            return encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """A token's vocabulary string (byte-level BPE spells bytes as characters), None outside the vocabulary."""
+        return self._tok.id_to_token(token_id)
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:

@@ -1,15 +1,17 @@
 """The router's HTTP API (aiohttp): OpenAI-compatible completions and chat completions (JSON or SSE), native
-`/generate`, models, the OpenAPI document, health, metrics, Prometheus service discovery (`/prometheus/targets`) and
-the worker list (GET to list, POST/DELETE to add/remove at run time). Request bodies are validated by the pydantic
-request models (see `openai_protocol`); every error is OpenAI's error object (`error_middleware`).
+`/generate`, models, the tokenizer (`/tokenize`, `/detokenize`, `/tokenizer_info`, vLLM's shapes), the OpenAPI
+document, health, metrics, Prometheus service discovery (`/prometheus/targets`) and the worker list (GET to list,
+POST/DELETE to add/remove at run time). Request bodies are validated by the pydantic request models (see
+`openai_protocol`); every error is OpenAI's error object (`error_middleware`).
 
 A request may set its timeout with the `X-Request-Timeout` header (seconds; at most the router's
 `request_timeout_s`, also the default) and name itself with `X-Request-Id` (or the body's `user`, `/generate`'s
 `rid`): a label the router logs and echoes back in the `X-Request-Id` response header; the request's id is the
 router's own. A request the router has no room for gets 429 with `Retry-After` at once.
 
-Keys (`auth_middleware`, rules in `api_keys`): generation needs an API key when the router has any, `/workers` and
-`/prometheus/targets` an admin key; a caller who may not list workers sees no worker address in a response either.
+Keys (`auth_middleware`, rules in `api_keys`): generation and the tokenizer need an API key when the router has
+any, `/workers` and `/prometheus/targets` an admin key; a caller who may not list workers sees no worker address in a
+response either.
 
 With `--admin-port` those two admin routes are an application of their own (`build_app(core, "admin")`), served on
 that port and absent (404) from the main one; `router_server.start_http` starts both."""
@@ -28,11 +30,13 @@ from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router.auth.auth_middleware import auth_middleware, current_caller
 from pdspark.router.error_middleware import error_middleware, json_error, mark_started
 from pdspark.router.openai import openai_protocol as oai
+from pdspark.router.openai import tokenization
 from pdspark.router.openai.api_error import ApiError, error_body
 from pdspark.router.openai.chat_completion_request import ChatCompletionRequest
 from pdspark.router.openai.completion_request import CompletionRequest
 from pdspark.router.openai.generate_request import GenerateRequest
 from pdspark.router.openai.openapi_document import openapi_document
+from pdspark.router.openai.tokenize_request import DetokenizeRequest, TokenizeRequest
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 from pdspark.router.workers.prometheus_targets import prometheus_targets
 from pdspark.router.workers.worker_address import address_problem
@@ -62,6 +66,9 @@ def build_app(core: RouterCore, routes: Routes = "all", metrics_port: int | None
         web.post("/v1/chat/completions", api.chat_completions),
         web.get("/v1/models", api.models),
         web.post("/generate", api.generate),
+        web.post("/tokenize", api.tokenize),
+        web.post("/detokenize", api.detokenize),
+        web.get("/tokenizer_info", api.tokenizer_info),
         web.get("/openapi.json", api.openapi),
         web.get("/health", api.health),
         web.get("/metrics", api.metrics),
@@ -236,6 +243,32 @@ class HttpApi:
         return web.json_response({"object": "list", "data": [
             {"id": self.core.served_name, "object": "model", "created": 0, "owned_by": "pdspark",
              "max_model_len": self.core.max_model_len}]})
+
+    # ---- the tokenizer (vLLM's shapes) -------------------------------------------------------------------------------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        core = self.core
+        try:
+            req = oai.validate(TokenizeRequest, await _body(request, core.options.admission.max_body_bytes))
+            weight = len(req.prompt or "") + sum(len(m.text()) for m in req.messages or ())
+            # (off the event loop, as a prompt is: `prompt_work`)
+            return web.json_response(await core.prompt_work.run(weight, tokenization.tokenize, req, self.served))
+        except ApiError as e:
+            return json_error(e)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        core = self.core
+        try:
+            req = oai.validate(DetokenizeRequest, await _body(request, core.options.admission.max_body_bytes))
+            return web.json_response(await core.prompt_work.run(len(req.tokens), tokenization.detokenize, req,
+                                                                self.served))
+        except ApiError as e:
+            return json_error(e)
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        try:
+            return web.json_response(tokenization.tokenizer_info(self.served))
+        except ApiError as e:
+            return json_error(e)
 
     # ---- native ------------------------------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:

@@ -35,6 +35,11 @@ def current_caller() -> Caller:
     return _caller.get(ANONYMOUS)
 
 
+# Outside `/v1/`, the routes that use the model (its workers, or its tokenizer's work): keyed as generation is (vLLM
+# leaves its tokenizer routes open; they cost the router's threads, and a keyed router lends them to its callers only).
+_MODEL_ROUTES = frozenset({"/generate", "/tokenize", "/detokenize", "/tokenizer_info"})
+
+
 def access_of(request: web.Request, admin_routes: bool = True) -> Access:
     """What `request`'s route needs: by the route it matched (the path as registered, whatever the spelling of the
     request's), else by its path (an unknown `/v1/...` is refused before it is found missing). `admin_routes`: False
@@ -42,7 +47,7 @@ def access_of(request: web.Request, admin_routes: bool = True) -> Access:
     (404), as any other."""
     resource = request.match_info.route.resource
     path = resource.canonical if resource is not None else request.path
-    if path == "/generate" or path.startswith("/v1/") or path == "/v1":
+    if path in _MODEL_ROUTES or path.startswith("/v1/") or path == "/v1":
         return Access.GENERATE
     if not admin_routes:
         return Access.OPEN

@@ -14,7 +14,8 @@ DEFAULT_TEMPLATE = (
 class ChatTemplate:
     def __init__(self, source: str | None):
         env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
-        self.template = env.from_string(source or DEFAULT_TEMPLATE)
+        self.source = source or DEFAULT_TEMPLATE  # the template's text (what `/tokenizer_info` hands out)
+        self.template = env.from_string(self.source)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt)

@@ -87,7 +87,7 @@ def parse(body: bytes | object, *, chat: bool, served_model: str, tokenizer, cha
 
 
 def parse_completion(req: CompletionRequest, served: ServedModel) -> ParsedRequest:
-    _check_model(req.model, served)
+    check_model(req.model, served)
     prompt = req.prompt_value()
     if isinstance(prompt, str):
         if served.tokenizer is None:
@@ -103,7 +103,7 @@ def parse_completion(req: CompletionRequest, served: ServedModel) -> ParsedReque
 
 
 def parse_chat(req: ChatCompletionRequest, served: ServedModel) -> ParsedRequest:
-    _check_model(req.model, served)
+    check_model(req.model, served)
     if served.tokenizer is None or served.chat_template is None:
         raise ApiError(400, "this model has no tokenizer; use /v1/completions with token ids", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -139,7 +139,7 @@ def parse_generate(req: GenerateRequest, served: ServedModel) -> ParsedRequest:
     return ParsedRequest(ids, params, bool(req.stream), False, False, chat=False, logprobs=sp.logprobs)
 
 
-def _check_model(name: str | None, served: ServedModel) -> None:
+def check_model(name: str | None, served: ServedModel) -> None:
     if name is not None and name != served.name:
         raise ApiError(404, f"`model`: the model `{name}` does not exist; this server serves `{served.name}`", "model",
                        "model_not_found")

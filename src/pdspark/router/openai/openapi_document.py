@@ -19,6 +19,7 @@ from pdspark.router.openai.api_error import ErrorResponse
 from pdspark.router.openai.chat_completion_request import ChatCompletionRequest
 from pdspark.router.openai.completion_request import CompletionRequest
 from pdspark.router.openai.generate_request import GenerateRequest
+from pdspark.router.openai.tokenize_request import DetokenizeRequest, TokenizeRequest
 
 _REF = "#/components/schemas/{model}"
 
@@ -81,7 +82,22 @@ EXAMPLES: dict[str, dict[str, dict[str, Any]]] = {
         "sglang": {"summary": "SGLang's native shape", "value": {
             "text": "def main():", "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}},
     },
+    "TokenizeRequest": {
+        "lm_eval": {"summary": "lm-evaluation-harness's remote tokenizer",
+                    "value": {"prompt": "def main():", "add_special_tokens": False}},
+        "chat": {"summary": "chat messages, as the chat route renders them",
+                 "value": {"messages": [{"role": "user", "content": "hello"}], "return_token_strs": True}},
+    },
+    "DetokenizeRequest": {"ids": {"summary": "token ids", "value": {"tokens": [5, 6, 7]}}},
 }
+# The tokenizer routes' answers (vLLM's shapes).
+_TOKENIZE_RESPONSE = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"], "properties": {
+    "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+    "tokens": {"type": "array", "items": {"type": "integer"}},
+    "token_strs": {"anyOf": [{"type": "array", "items": {"type": ["string", "null"]}}, {"type": "null"}]}}}
+_DETOKENIZE_RESPONSE = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+# What the tokenizer routes refuse (no admission: no 429).
+_TOKENIZER_ERRORS = {status: why for status, why in _REQUEST_ERRORS.items() if status != "429"}
 
 
 def _generation(summary: str, request_model: str, operation_id: str) -> dict[str, Any]:
@@ -97,6 +113,18 @@ def _generation(summary: str, request_model: str, operation_id: str) -> dict[str
                                 "text/event-stream": {"schema": _SSE_EVENT}}},
             **_error_responses({**_REQUEST_ERRORS, **_KEY_ERRORS}),
         },
+    }}
+
+
+def _post(summary: str, request_model: str, operation_id: str, response: dict[str, Any]) -> dict[str, Any]:
+    """A keyed JSON route that is not a generation (one JSON answer, no stream)."""
+    return {"post": {
+        "summary": summary,
+        "operationId": operation_id,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": _REF.format(model=request_model)}, "examples": EXAMPLES[request_model]}}},
+        "responses": {"200": {"description": summary, "content": {"application/json": {"schema": response}}},
+                      **_error_responses({**_TOKENIZER_ERRORS, **_KEY_ERRORS})},
     }}
 
 
@@ -118,7 +146,7 @@ def openapi_document(api_keys: bool = False) -> dict[str, Any]:
     """The document of a router with API keys or without (built once each; treat it as read-only)."""
     _, defs = models_json_schema(
         [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"), (GenerateRequest, "validation"),
-         (ErrorResponse, "serialization")],
+         (TokenizeRequest, "validation"), (DetokenizeRequest, "validation"), (ErrorResponse, "serialization")],
         ref_template=_REF,
     )
     doc: dict[str, Any] = {
@@ -134,6 +162,12 @@ def openapi_document(api_keys: bool = False) -> dict[str, Any]:
                                      "generate"),
             "/v1/models": _get("The served model", "listModels", "application/json", {"type": "object"},
                                keyed=True),
+            "/tokenize": _post("Tokenize a text or chat messages (vLLM's shape)", "TokenizeRequest", "tokenize",
+                               _TOKENIZE_RESPONSE),
+            "/detokenize": _post("Turn token ids back into text (vLLM's shape)", "DetokenizeRequest", "detokenize",
+                                 _DETOKENIZE_RESPONSE),
+            "/tokenizer_info": _get("The tokenizer's configuration: special tokens, chat template, context (vLLM's "
+                                    "shape)", "tokenizerInfo", "application/json", {"type": "object"}, keyed=True),
             "/health": _get("Healthy when a prefill and a decode worker are (503 otherwise)", "health",
                             "application/json", {"type": "object"}),
             "/metrics": _get("Prometheus metrics", "metrics", "text/plain", {"type": "string"}),
