@@ -34,8 +34,21 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] | str = ()
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it (vLLM's option)
     # Return this many most likely tokens (with their logprobs) at each step, besides the sampled one.
     logprobs: int | None = None
+    # The controls OpenAI, vLLM and SGLang clients send (`engine/logits_controls.py`), applied to every sampled
+    # position's logits before the temperature and filters, greedy included.
+    presence_penalty: float = 0.0  # minus this for every token the output holds (OpenAI's; vLLM's: output tokens)
+    frequency_penalty: float = 0.0  # minus this times each token's count in the output
+    repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits / this, negative ones * this
+    min_p: float = 0.0  # drop tokens whose probability is under this times the most likely one's
+    min_tokens: int = 0  # EOS and the stop token ids are banned until this many tokens are out
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 bans, +100 forces)
+    banned_token_ids: tuple[int, ...] | list[int] = ()  # never sampled
+    # Set by a prefill worker, not by clients: the prompt's last tokens that are a migrated stream's earlier output
+    # (the penalties and `min_tokens` count them as output, as the uninterrupted stream did).
+    prompt_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0, "temperature", self.temperature, ">= 0")
@@ -48,6 +61,31 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in stops), "stop", self.stop, "non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "non-negative token ids")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(0 < self.repetition_penalty <= 2, "repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               self.min_tokens, f"0..max_tokens ({self.max_tokens})")
+        _check(self.logit_bias is None or all(isinstance(t, int) and t >= 0 and -100 <= b <= 100
+                                              for t, b in self.logit_bias.items()),
+               "logit_bias", self.logit_bias, "token ids >= 0 mapped to biases in [-100, 100]")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.banned_token_ids), "banned_token_ids",
+               self.banned_token_ids, "non-negative token ids")
+        _check(isinstance(self.prompt_output_tokens, int) and self.prompt_output_tokens >= 0, "prompt_output_tokens",
+               self.prompt_output_tokens, ">= 0")
+
+    @property
+    def has_controls(self) -> bool:
+        """Any control of `logits_controls` away from its neutral value (which leaves the logits as they are)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias or self.banned_token_ids)
+
+    @property
+    def needs_history(self) -> bool:
+        """The controls read the tokens before each position (penalties, `min_tokens`)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

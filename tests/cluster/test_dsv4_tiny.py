@@ -111,6 +111,29 @@ def test_pdspark_up_serves_dsv4_tiny_like_offline(tiny, prompts, dsv4_tiny_clust
         temperature=0, max_tokens=16, ignore_eos=True))[0].text
 
 
+def test_n_choices_a_batch_of_prompts_and_the_controls_through_the_cluster_equal_offline(tiny, dsv4_tiny_cluster):
+    """`n` seeded choices of a batch of two prompts, with penalties: choice j of prompt i is the offline engine's
+    generation with `choice_seed(seed, j)`, at index `i * n + j`; the usage counts each prompt once."""
+    import openai
+
+    from pdspark.router.openai.openai_protocol import choice_seed
+
+    client = openai.OpenAI(base_url=dsv4_tiny_cluster.info["http"] + "/v1", api_key="none", max_retries=0)
+    texts = ["def fibonacci(n):\n", "class Stack:\n"]
+    controls = dict(presence_penalty=0.4, frequency_penalty=0.2)
+    got = client.completions.create(model="dsv4-tiny", prompt=texts, n=3, max_tokens=12, temperature=0.8,
+                                    seed=11, extra_body={"ignore_eos": True, "repetition_penalty": 1.1}, **controls)
+    assert [c.index for c in got.choices] == list(range(6))
+    for i, text in enumerate(texts):
+        for j in range(3):
+            want = tiny.generate([text], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True,
+                                                        seed=choice_seed(11, j), repetition_penalty=1.1,
+                                                        **controls))[0].text
+            assert got.choices[i * 3 + j].text == want, (i, j)
+    assert got.usage.completion_tokens == 6 * 12
+    assert got.usage.prompt_tokens == sum(len(tiny.tokenizer.encode(t)) for t in texts)
+
+
 @pytest.mark.kills
 def test_the_only_decode_worker_killed_mid_stream_every_stream_completes_after_its_restart(tiny, dsv4_tiny_cluster):
     """`pdspark up`'s one decode worker is SIGKILLed while 3 streams run: no other decode worker can take them, so

@@ -97,7 +97,7 @@ class Pair:
         async def prefill():
             try:
                 result["prefill"] = await self.prefill.prefill(request_id, tid, [*prompt, *generated], params,
-                                                               deadline)
+                                                               deadline, num_generated=len(generated))
             except RequestFailed as e:
                 result["prefill_error"] = e
 
@@ -540,3 +540,19 @@ def test_an_fp8_cache_ships_its_packed_rows_and_generates_the_offline_fp8_tokens
         assert pair8.free_counts_restored()
     finally:
         pair8.close()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, dict(SAMPLED, seed=78)], ids=["greedy", "seeded"])
+def test_the_sampling_controls_give_the_offline_tokens_through_pd_and_after_a_migration(ckpt, pair, sampling):
+    """The prefill worker samples the first token with the prompt as its history, the decode worker the rest (DSpark
+    on); a migrated stream's prefill counts the tokens generated before it as output (`num_generated`), as the
+    uninterrupted stream did."""
+    prompt = random_prompts(1, [45], seed=9)[0]
+    params = SamplingParams(max_tokens=30, presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2,
+                            min_tokens=5, logit_bias={5: 2.0}, banned_token_ids=(7,), **sampling)
+    offline = make_llm(ckpt, **{k: v for k, v in OPTS.items() if k != "speculative"})
+    want = offline.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
+    for k in (0, 1, 17):
+        got = pair.run(prompt, params, request_id=f"c{k}", generated=want[:k])["outputs"][-1]
+        assert got.token_ids == want, f"migrated after {k} tokens"
+    assert pair.free_counts_restored()

@@ -213,7 +213,7 @@ def test_the_grpc_api_needs_a_key_and_health_does_not(monkeypatch):
 
 
 @pytest.mark.parametrize("sampling, field", [
-    (common_pb2.SamplingParams(stop=["a"] * 5), "stop"),
+    (common_pb2.SamplingParams(stop=["a"] * 17), "stop"),
     (common_pb2.SamplingParams(stop=["a" * 1025]), "stop"),
     (common_pb2.SamplingParams(stop_token_ids=list(range(65))), "stop_token_ids"),
     (common_pb2.SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
@@ -221,6 +221,10 @@ def test_the_grpc_api_needs_a_key_and_health_does_not(monkeypatch):
     (common_pb2.SamplingParams(temperature=float("inf")), "temperature"),
     (common_pb2.SamplingParams(top_k=2**31 - 1, max_tokens=10**9), "max_tokens"),
     (common_pb2.SamplingParams(logprobs=21), "logprobs"),
+    (common_pb2.SamplingParams(presence_penalty=2.5), "presence_penalty"),
+    (common_pb2.SamplingParams(min_tokens=20, max_tokens=4), "min_tokens"),
+    (common_pb2.SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
+    (common_pb2.SamplingParams(banned_token_ids=[10**6]), "banned_token_ids"),
 ])
 def test_the_grpc_api_holds_requests_to_https_bounds(sampling, field):
     async def scenario():

@@ -73,7 +73,7 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}]}
     ("POST", "/v1/completions", b"[1, 2]", "application/json", 400, None, "model_type"),
     ("POST", "/v1/completions", {"prompt": "x", "seed": 2**70}, "application/json", 400, "seed", "less_than_equal"),
     ("POST", "/v1/completions", {"prompt": "x", "top_k": 2**40}, "application/json", 400, "top_k", "less_than_equal"),
-    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, "application/json", 400, "n", "unsupported_value"),
+    ("POST", "/v1/completions", {"prompt": "x", "echo": True}, "application/json", 400, "echo", "unsupported_value"),
     ("POST", "/v1/completions", {"prompt": 12}, "application/json", 422, "prompt", "union_type"),
     ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-5"}, "application/json", 404, "model",
      "model_not_found"),
@@ -202,7 +202,7 @@ def test_the_openai_sdk_is_served_and_gets_its_errors(app):
         client.completions.create(model="tiny", prompt="hi", seed=2**70)
     assert e.value.param == "seed" and e.value.code == "less_than_equal"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=17)
     assert e.value.param == "n"
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="other", prompt="hi")
@@ -223,3 +223,65 @@ def test_openapi_json_documents_exactly_the_public_routes(app):
         if "post" in ops:
             ref = ops["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
             assert ref.removeprefix("#/components/schemas/") in doc["components"]["schemas"], path
+
+
+def test_the_sampling_controls_reach_the_workers_as_sent(app):
+    """OpenAI's `logit_bias` (token ids as strings), the penalties, min-p and `min_tokens`, and SGLang's
+    `min_new_tokens` on `/generate`: what the worker's protobuf request carries."""
+    body = {"prompt": [5, 6], "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+            "repetition_penalty": 1.1, "min_p": 0.1, "min_tokens": 2, "logit_bias": {"9": -100, "3": 1.5},
+            "banned_token_ids": [4]}
+    status, _, raw = call(app, "POST", "/v1/completions", body)
+    assert status == 200, raw
+    params = app.dispatcher.requests[-1][1]
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p,
+            params.min_tokens, params.logit_bias, params.banned_token_ids) == (0.5, -0.25, 1.1, 0.1, 2,
+                                                                               {9: -100.0, 3: 1.5}, (4,))
+    status, _, raw = call(app, "POST", "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 4,
+                                                                                           "min_new_tokens": 3}})
+    assert status == 200 and app.dispatcher.requests[-1][1].min_tokens == 3, raw
+
+
+def test_n_choices_and_a_batch_of_prompts_fan_out_one_request_per_candidate(app):
+    """Each (prompt, choice) is a request of its own with the choice's seed (`choice_seed`); the choices come back
+    indexed `prompt * n + choice`, the usage counts each prompt once; streamed, every chunk names its choice."""
+    from pdspark.router.openai.openai_protocol import choice_seed
+
+    before = len(app.dispatcher.requests)
+    status, _, raw = call(app, "POST", "/v1/completions", {"prompt": [[5, 6], [7, 8, 9]], "n": 2, "max_tokens": 3,
+                                                            "seed": 40})
+    body = json.loads(raw)
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    sent = app.dispatcher.requests[before:]
+    assert sorted((ids, p.seed) for ids, p in sent) == sorted(
+        (ids, choice_seed(40, j)) for ids in ([5, 6], [7, 8, 9]) for j in range(2))
+    assert choice_seed(40, 0) == 40 and len({choice_seed(40, j) for j in range(16)}) == 16
+    assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 4 * 3
+    status, _, raw = call(app, "POST", "/v1/completions", {"prompt": [5, 6], "best_of": 3, "n": 2, "max_tokens": 2})
+    assert status == 200 and len(json.loads(raw)["choices"]) == 2
+    assert all(p.logprobs == 0 for _, p in app.dispatcher.requests[-3:])  # (what ranks the candidates)
+    status, _, raw = call(app, "POST", "/v1/chat/completions", {**CHAT, "n": 2, "max_tokens": 2, "stream": True,
+                                                                 "stream_options": {"include_usage": True}})
+    chunks = events(raw)
+    assert status == 200 and chunks[-1] == "[DONE]" and chunks[-2]["usage"]["completion_tokens"] == 4
+    by_choice: dict[int, list] = {}
+    for c in chunks[:-2]:
+        by_choice.setdefault(c["choices"][0]["index"], []).append(c["choices"][0]["delta"])
+    assert sorted(by_choice) == [0, 1]
+    assert all(deltas[0].get("role") == "assistant" and "".join(d["content"] for d in deltas) == "aa"
+               for deltas in by_choice.values())
+
+
+def test_one_failing_candidate_ends_the_whole_request_and_the_others_are_stopped(app, caplog):
+    status, headers, raw = call(app, "POST", "/v1/completions", {"prompt": [[5], [FAIL_AT_ONCE]], "n": 2,
+                                                                  "max_tokens": 3})
+    assert status == 500 and openai_error(status, headers, raw)["type"] == "server_error"
+    # Streamed: a 500 when the failure comes before any chunk, else the stream ends with the error event.
+    status, headers, raw = call(app, "POST", "/v1/completions", {"prompt": [[5], [FAIL_AT_ONCE]], "n": 2,
+                                                                  "max_tokens": 3, "stream": True})
+    if status == 500:
+        assert openai_error(status, headers, raw)["type"] == "server_error"
+    else:
+        assert status == 200 and events(raw)[-1]["error"]["type"] == "server_error"
+    status, _, raw = call(app, "POST", "/v1/completions", {"prompt": [5], "n": 2, "max_tokens": 3})
+    assert status == 200 and len(json.loads(raw)["choices"]) == 2  # (and the router goes on serving)

@@ -45,7 +45,7 @@ class FakePrefillWorker:
     in_flight = 0
     engine = None  # GetLoad is not called here
 
-    async def prefill(self, request_id, transfer_id, prompt_ids, params, deadline, trace=None):
+    async def prefill(self, request_id, transfer_id, prompt_ids, params, deadline, trace=None, num_generated=0):
         return TransferResult(transfer_id, first_token=7, num_cached_tokens=0, checksum=0, stats=TransferStats())
 
     def abort(self, request_id):

@@ -147,7 +147,8 @@ def test_a_body_is_schema_valid_exactly_when_the_model_accepts_it(model):
     ({"sampling_params": {"max_new_tokens": 4}}, False),  # neither text nor input_ids
     ({"input_ids": [1], "sampling_params": {"top_k": 0}}, False),
     ({"input_ids": [1], "sampling_params": {"seed": 2**63}}, False),
-    ({"input_ids": [1], "sampling_params": {"min_new_tokens": 3}}, False),
+    ({"input_ids": [1], "sampling_params": {"min_new_tokens": 3}}, True),
+    ({"input_ids": [1], "sampling_params": {"min_new_tokens": -1}}, False),
     ({"input_ids": [-1]}, False),
     ({"text": "x", "rid": ""}, False),
 ])

@@ -124,3 +124,13 @@ def test_transfer_stats_round_trip():
     stats = TransferStats(bytes=1 << 20, num_writes=8, transfer_s=0.004, prefill_s=0.8, plan_wait_s=0.01,
                           bytes_by_pool={"SWA_KV": 4096}, write_s=0.002)
     assert convert.stats_from_pb(convert.stats_to_pb(stats)) == stats
+
+
+def test_the_sampling_controls_cross_the_wire_exactly_and_neutral_ones_stay_unset():
+    params = SamplingParams(presence_penalty=0.1, frequency_penalty=-0.7, repetition_penalty=1.15, min_p=0.05,
+                            min_tokens=3, logit_bias={5: -100.0, 9: 0.3}, banned_token_ids=(2, 8))
+    assert convert.sampling_from_pb(convert.sampling_to_pb(params)) == params  # doubles: the sender's very values
+    neutral = convert.sampling_to_pb(SamplingParams())
+    assert not any(neutral.HasField(f) for f in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                                                 "min_p", "min_tokens"))
+    assert not neutral.logit_bias and not neutral.banned_token_ids

@@ -22,7 +22,7 @@ from pdspark.engine.forward_batch import Chunk
 from pdspark.engine.model_runner import ModelRunner, RunOutput
 from pdspark.engine.random_stream import RandomStream
 from pdspark.engine.request import Request, RequestStatus
-from pdspark.engine.sampler import Sampler
+from pdspark.engine.sampler import History, Sampler
 from pdspark.engine.scheduler import ScheduledChunk, ScheduleOutput, Scheduler
 from pdspark.engine.spec_governor import SpecGovernor
 from pdspark.engine.spec_verifier import accept
@@ -144,7 +144,7 @@ class Engine:
         capture = draft.dcfg.target_layer_ids if self.drafter and draft is not None else ()
         streams = PrepareStreams(self.backend) if config.multi_stream_rows else None
         self.runner = ModelRunner(model, self.kv, capture, streams, config.multi_stream_rows)
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.cfg.eos_token_ids)
         # Seeds for requests that come without one. NOTE: an explicit engine seed is the deterministic mode (tests,
         # benchmarks: the n-th request gets the same seed on every run); without one (None), OS entropy, so that two
         # workers never produce the same "random" streams.
@@ -374,6 +374,7 @@ class Engine:
             [c.request.params for c, _ in rows],
             [RandomStream(c.request.seed) for c, _ in rows],
             [c.request.num_tokens + j for c, j in rows],
+            [self._history(c, j, proposals) if c.request.params.needs_history else None for c, j in rows],
         )
         produced, start = [], 0
         for c, n in zip(chunks, num_rows):
@@ -386,6 +387,14 @@ class Engine:
             else:
                 produced.append(_StepTokens(c, tokens, logits, c.num_tokens))
         return produced
+
+    @staticmethod
+    def _history(c: ScheduledChunk, j: int, proposals: dict[str, DraftProposal]) -> History:
+        """The tokens before row j's position: the committed ones, then a verify window's drafts before the row."""
+        req = c.request
+        drafts = proposals[req.req_id].tokens[:j] if c.num_drafts else []
+        prompt_len = len(req.prompt_token_ids) - req.params.prompt_output_tokens
+        return History(req.all_token_ids[: req.num_tokens] + drafts, prompt_len)
 
     def _count(self, req: Request, drafts: int, accepted: int) -> None:
         req.spec_verify_steps += 1

@@ -1,16 +1,30 @@
-"""`Sampler`: next tokens from logits, per request: greedy, temperature, top-k, top-p, seeded, with logprobs."""
+"""`Sampler`: next tokens from logits, per request: the controls (`logits_controls`), then greedy, or temperature,
+min-p, top-k, top-p, seeded; with logprobs."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from pdspark.engine.logits_controls import apply_controls
 from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.types import SamplingParams, TokenLogprobs
 
 
+class History(NamedTuple):
+    """The tokens before a sampled position: the prompt's `prompt_len`, then the output so far."""
+
+    tokens: list[int]
+    prompt_len: int
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled `[V]` logits with tokens outside top-k / top-p set to -inf."""
+    """Temperature-scaled `[V]` logits with tokens under min-p or outside top-k / top-p set to -inf."""
     logits = logits / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -24,11 +38,24 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
+    def __init__(self, eos_ids: tuple[int, ...] = ()):
+        """`eos_ids`: the model's end tokens (what `min_tokens` holds back)."""
+        self.eos_ids = eos_ids
+
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream], positions: list[int]
+        self, logits: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream], positions: list[int],
+        histories: list[History | None] | None = None,
     ) -> list[int]:
         """`logits [B, V]` fp32 -> one token id per row; row i's token goes to `positions[i]` of its request and
-        is drawn by `streams[i]` (a pure function of the seed and that position, whatever else is in the batch)."""
+        is drawn by `streams[i]` (a pure function of the seed and that position, whatever else is in the batch).
+        `histories[i]`: the tokens before row i's position, for a request with controls that read them."""
+        controlled = [i for i, p in enumerate(params) if p.has_controls]
+        if controlled:
+            logits = logits.clone()
+            for i in controlled:
+                h = histories[i] if histories is not None else None
+                logits[i] = apply_controls(logits[i], params[i], h.tokens if h else [], h.prompt_len if h else 0,
+                                           self.eos_ids)
         tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:

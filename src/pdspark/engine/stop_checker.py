@@ -16,7 +16,7 @@ class StopChecker:
     def check(self, req: Request) -> bool:
         """Update `req.text` and set `finish_reason`/`stop_reason` when the last token ends the request. A stop
         string ends it at the first place one occurs (the first listed of those starting there): the text ends
-        before it, and contains none of the stop strings. (Its stream holds back the tail that may start one:
+        before it (or, with `include_stop_str_in_output`, with it). (Its stream holds back the tail that may start one:
         `output_text.stream_text`.)"""
         token = req.output_token_ids[-1]
         p = req.params
@@ -25,7 +25,7 @@ class StopChecker:
             found = _first_stop_string(req.text, p.stop_strings)
             if found is not None:
                 idx, s = found
-                req.text = req.text[:idx]
+                req.text = req.text[: idx + len(s) if p.include_stop_str_in_output else idx]
                 return _finish(req, FinishReason.STOP, s)
         if token in p.stop_token_ids:
             return _finish(req, FinishReason.STOP, token)

@@ -18,6 +18,7 @@ import math
 from pdspark.errors import ErrorCode, InvalidRequestError, RequestFailed, as_request_failed
 from pdspark.router.auth.auth_interceptor import authorization_of
 from pdspark.router.openai.sampling_fields import (
+    MAX_LOGIT_BIAS,
     MAX_PROMPT_CHARS,
     MAX_SEED,
     MAX_STOP_CHARS,
@@ -131,3 +132,7 @@ def _check_bounds(params: SamplingParams, vocab_size: int) -> None:
     ids = params.stop_token_ids
     if len(ids) > MAX_STOP_TOKEN_IDS or any(t >= vocab_size for t in ids):
         raise InvalidRequestError(f"`stop_token_ids`: at most {MAX_STOP_TOKEN_IDS} token ids in [0, {vocab_size})")
+    for name, tokens in (("logit_bias", list(params.logit_bias or ())), ("banned_token_ids", params.banned_token_ids)):
+        if len(tokens) > MAX_LOGIT_BIAS or any(t >= vocab_size for t in tokens):
+            raise InvalidRequestError(f"`{name}`: at most {MAX_LOGIT_BIAS} token ids in [0, {vocab_size})",
+                                      field=name)

@@ -18,9 +18,13 @@ that port and absent (404) from the main one; `router_server.start_http` starts 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
 import math
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal
 
 from aiohttp import web
@@ -40,6 +44,7 @@ from pdspark.router.openai.tokenize_request import DetokenizeRequest, TokenizeRe
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 from pdspark.router.workers.prometheus_targets import prometheus_targets
 from pdspark.router.workers.worker_address import address_problem
+from pdspark.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +154,34 @@ async def _body(request: web.Request, max_bytes: int) -> bytes:
     return await request.read()
 
 
+async def _collect(stream) -> tuple[str, list]:
+    """A candidate's whole text and logprobs."""
+    text, lps = [], []
+    async for chunk in stream:
+        text.append(chunk.text)
+        lps += chunk.logprobs
+    return "".join(text), lps
+
+
+async def _end_all(tasks: Sequence[asyncio.Future], streams: list) -> None:
+    """Stop the candidates still running (one failed, or the client left) and close every stream (which cancels
+    their legs): the tasks end first, so that no stream is closed while a task still iterates it."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for s in streams:
+        await s.aclose()
+
+
+def _choices_usage(parsed: oai.ParsedRequest, runs: list, totals: list[Totals]) -> dict:
+    """A fanned-out request's usage: each prompt counted once (with its first candidate's cached tokens), every
+    candidate's completion tokens (the ones `best_of` leaves out included, as OpenAI bills them)."""
+    first = {i: k for k, (i, *_rest) in reversed(list(enumerate(runs)))}
+    prompt = sum(totals[k].prompt_tokens for k in first.values())
+    cached = sum(totals[k].cached_tokens for k in first.values())
+    return oai.usage(prompt, sum(t.completion_tokens for t in totals), cached)
+
+
 class HttpApi:
     def __init__(self, core: RouterCore, metrics_port: int | None = None):
         self.core = core
@@ -176,14 +209,17 @@ class HttpApi:
                 parsed = await core.prompt_work.run(weight, oai.parse_chat, req, self.served)
             else:
                 req = oai.validate(CompletionRequest, raw)
-                prompt = req.prompt_value()
-                oai.check_text_fits(prompt, self.served, "prompt")
-                parsed = await core.prompt_work.run(len(prompt), oai.parse_completion, req, self.served)
+                values = req.prompt_values()
+                for i, prompt in enumerate(values):
+                    oai.check_text_fits(prompt, self.served, "prompt" if len(values) == 1 else f"prompt[{i}]")
+                parsed = await core.prompt_work.run(sum(map(len, values)), oai.parse_completion, req, self.served)
             timeout = _timeout(request)
         except ApiError as e:
             core.metrics.count_request("chat" if chat else "completions", "invalid")
             return json_error(e)
         rid = oai.new_id(chat)  # minted here: the router's id (uuid4-based), also the response's `id`
+        if parsed.candidates > 1:
+            return await self._choices(request, rid, chat, parsed, timeout, _label(request, req.user))
         totals = Totals(len(parsed.prompt_ids))
         stream = core.run("chat" if chat else "completions", rid, parsed.prompt_ids, parsed.params, totals,
                           timeout_s=timeout, label=_label(request, req.user), caller=current_caller())
@@ -236,6 +272,106 @@ class HttpApi:
             use = oai.usage(totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens)
             await resp.write(f"data: {json.dumps(oai.usage_chunk(rid, core.served_name, chat, use))}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _choices(self, request: web.Request, rid: str, chat: bool, parsed: oai.ParsedRequest,
+                       timeout: float | None, label: str) -> web.StreamResponse:
+        """A batch of prompts and/or `n` > 1 (or `best_of`): one request per candidate, all at once (request ids
+        `<rid>-<k>`), candidate j of a prompt seeded with `choice_seed(seed, j)`; the choices of prompt i are indexed
+        `i * n + j`. With `best_of` > n each prompt keeps its n candidates of highest cumulative logprob."""
+        core = self.core
+        per_prompt = max(parsed.n, parsed.best_of)
+        ranked = parsed.best_of > parsed.n
+        runs: list[tuple[int, int, list[int], SamplingParams]] = []  # (prompt index, candidate j, prompt, params)
+        for i, ids in enumerate(parsed.prompts):
+            for j in range(per_prompt):
+                params = replace(parsed.params, seed=oai.choice_seed(parsed.params.seed, j))
+                if ranked and params.logprobs is None:
+                    params = replace(params, logprobs=0)  # (the sampled tokens' logprobs rank the candidates)
+                runs.append((i, j, ids, params))
+        totals = [Totals(len(ids)) for _, _, ids, _ in runs]
+        streams = [core.run("chat" if chat else "completions", f"{rid}-{k}", ids, params, totals[k],
+                            timeout_s=timeout, label=label, caller=current_caller())
+                   for k, (_, _, ids, params) in enumerate(runs)]
+        use = functools.partial(_choices_usage, parsed, runs, totals)
+        if parsed.stream:
+            indices = [i * parsed.n + j for i, j, _, _ in runs]
+            return await self._sse_choices(request, rid, chat, parsed, streams, indices, use)
+        tasks = [asyncio.ensure_future(_collect(s)) for s in streams]
+        try:
+            results = await asyncio.gather(*tasks)
+        except RequestFailed as e:
+            return _failure(e)
+        finally:
+            await _end_all(tasks, streams)
+        choices = []
+        for i in range(len(parsed.prompts)):
+            mine = [k for k, run in enumerate(runs) if run[0] == i]
+            if ranked:  # (stable: equal scores keep candidate order)
+                mine.sort(key=lambda k: -sum(lp.logprob for lp in results[k][1]))
+            for j, k in enumerate(mine[: parsed.n]):
+                text, lps = results[k]
+                logprobs = oai.logprobs_json(lps, core.tokenizer, chat) if parsed.logprobs is not None else None
+                choices.append(oai.choice(chat, text, totals[k].finish_reason, logprobs, stream=False,
+                                          index=i * parsed.n + j))
+        body = oai.completion_body(rid, core.served_name, chat, "", None, None, use(), stream=False)
+        body["choices"] = choices
+        return web.json_response(body)
+
+    async def _sse_choices(self, request: web.Request, rid: str, chat: bool, parsed: oai.ParsedRequest,
+                           streams: list, indices: list[int], use) -> web.StreamResponse:
+        """The candidates' chunks as they come, each with its choice's `index` (each choice's first chunk opens its
+        assistant message in chat); one failure ends the whole stream."""
+        core = self.core
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, stream) -> None:
+            try:
+                async for chunk in stream:
+                    await queue.put((k, chunk, None))
+                await queue.put((k, None, None))
+            except Exception as e:  # noqa: BLE001 (handed to the writer: a failure, or a bug it re-raises)
+                await queue.put((k, None, e))
+
+        tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        started, opened, done = False, set(), 0
+        try:
+            while done < len(streams):
+                k, chunk, failure = await queue.get()
+                if isinstance(failure, RequestFailed):
+                    if not started:
+                        return _failure(failure)
+                    await resp.write(f"data: {json.dumps(_failure_body(failure))}\n\n".encode())
+                    break
+                if failure is not None:  # a bug: before any chunk, the middleware's 500; after, the error event
+                    if not started:
+                        raise failure
+                    await resp.write(_internal_error_event(rid))
+                    break
+                if chunk is None:
+                    done += 1
+                    continue
+                if not started:
+                    await resp.prepare(request)
+                    started = True
+                lps = oai.logprobs_json(chunk.logprobs, core.tokenizer, chat) if parsed.logprobs is not None else None
+                body = oai.completion_body(rid, core.served_name, chat, chunk.text, chunk.finish_reason, lps,
+                                           use() if parsed.continuous_usage else None, stream=True,
+                                           first=k not in opened, index=indices[k])
+                opened.add(k)
+                await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+            else:
+                if not started:
+                    await resp.prepare(request)
+                    started = True
+                if parsed.include_usage:
+                    chunk_body = oai.usage_chunk(rid, core.served_name, chat, use())
+                    await resp.write(f"data: {json.dumps(chunk_body)}\n\n".encode())
+                await resp.write(b"data: [DONE]\n\n")
+        finally:
+            await _end_all(tasks, streams)
         await resp.write_eof()
         return resp
 

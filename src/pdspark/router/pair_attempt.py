@@ -145,7 +145,8 @@ class PairAttempt:
             self.prefill_call = asyncio.ensure_future(registry.prefill_call(
                 prefill, worker_pb2.PrefillRequest(request_id=request.worker_request_id, transfer_id=transfer_id,
                                                    prompt_token_ids=[*request.prompt_ids, *generated],
-                                                   sampling=request.sampling, timeout_ms=timeout_ms),
+                                                   num_generated=len(generated), sampling=request.sampling,
+                                                   timeout_ms=timeout_ms),
                 min(transfer_timeout_s + 5, request.deadline.remaining()), metadata))
             self.prefill_call.add_done_callback(self._prefill_done)
             self.prefill_call.add_done_callback(self._prefill_answered)

@@ -33,7 +33,11 @@ FINISH_REASON_TO_PB: dict[FinishReason, common_pb2.FinishReason] = {
 FINISH_REASON_FROM_PB: dict[int, FinishReason] = {pb: reason for reason, pb in FINISH_REASON_TO_PB.items()}
 _POOL_KINDS = frozenset(k.value for k in PoolKind)
 # `optional` fields of the SamplingParams message: unset means the engine's default, which may differ from 0.
-_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs")
+_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+# The controls sent only away from their neutral value (an older receiver then refuses nothing it cannot do).
+_NEUTRAL_CONTROLS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+                     "min_tokens": 0}
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -46,6 +50,7 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         stop=list(p.stop_strings),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output,
     )
     if p.top_k is not None:
         msg.top_k = p.top_k
@@ -53,6 +58,12 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    for name, neutral in _NEUTRAL_CONTROLS.items():
+        if getattr(p, name) != neutral:
+            setattr(msg, name, getattr(p, name))
+    if p.logit_bias:
+        msg.logit_bias.update(p.logit_bias)
+    msg.banned_token_ids.extend(p.banned_token_ids)
     return msg
 
 
@@ -64,6 +75,9 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        logit_bias=dict(msg.logit_bias) or None,
+        banned_token_ids=tuple(msg.banned_token_ids),
         **given,
     )
 

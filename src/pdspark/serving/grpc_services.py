@@ -90,6 +90,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             result = await self.worker.prefill(
                 request.request_id, request.transfer_id, list(request.prompt_token_ids),
                 convert.sampling_from_pb(request.sampling), _deadline(request.timeout_ms, context), trace=span,
+                num_generated=request.num_generated,
             )
             outcome = "ok"
             if span.is_recording():

@@ -156,11 +156,13 @@ class PrefillWorker:
 
     # ---- the two legs ------------------------------------------------------------------------------------------------
     async def prefill(self, request_id: str, transfer_id: str, prompt_ids: list[int], params: SamplingParams,
-                      deadline: Deadline, trace: tracing.Span = tracing.NO_SPAN) -> TransferResult:
+                      deadline: Deadline, trace: tracing.Span = tracing.NO_SPAN, num_generated: int = 0
+                      ) -> TransferResult:
         """Prefill the prompt once its plan is here and wait (until `deadline`) for the transfer; raises
         `RequestFailed`: OVERLOADED at once when `max_pending` transfers are in flight, UNAVAILABLE at once while
         the worker is not `serving`, ALREADY_EXISTS for a request id or transfer id in flight here. `trace`: the
-        call's span, the parent of the transfer's."""
+        call's span, the parent of the transfer's. `num_generated`: the prompt's last tokens that a migrated
+        stream generated before (its sampling controls count them as output)."""
         if request_id in self._by_request:
             raise RequestFailed(ErrorCode.ALREADY_EXISTS, f"request id {request_id!r} is already being prefilled")
         rv = self._join(transfer_id, deadline)
@@ -171,7 +173,10 @@ class PrefillWorker:
             self._fail(rv, failure)
             raise failure
         rv.request_id, rv.prompt_ids, rv.trace = request_id, prompt_ids, trace
-        rv.params = replace(params, max_tokens=1, stop=(), stop_token_ids=())
+        # One token, never stopped by text; `min_tokens` still holds back EOS and the stop ids for it.
+        rv.params = replace(params, max_tokens=1, stop=(), min_tokens=min(params.min_tokens, 1),
+                            stop_token_ids=params.stop_token_ids if params.min_tokens else (),
+                            prompt_output_tokens=num_generated)
         self._by_request[request_id] = rv
         self._maybe_submit(rv)
         return await self._wait(rv)

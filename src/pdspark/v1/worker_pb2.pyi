@@ -30,18 +30,20 @@ POOL_KIND_C128_STATE: PoolKind
 POOL_KIND_DRAFT_KV: PoolKind
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "sampling", "timeout_ms")
+    __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "sampling", "timeout_ms", "num_generated")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    num_generated: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("result",)

@@ -9,12 +9,12 @@ from pydantic_core import PydanticCustomError
 
 from pdspark.router.openai.openai_request import OpenAIRequest
 from pdspark.router.openai.sampling_fields import (
+    MAX_CHOICES,
     MAX_LOGPROBS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,
     EmptyStringOnly,
     FalseOnly,
-    OneIntOnly,
     TokenId,
     by_json_type,
 )
@@ -23,38 +23,43 @@ PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 PromptIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 
 
-def _one_prompt(value: Any) -> Any:
-    if isinstance(value, list) and len(value) > 1:
-        raise PydanticCustomError("batch_unsupported", "a batch of {count} prompts is not supported: send one prompt "
-                                  "per request", {"count": len(value)})
+MAX_BATCH_PROMPTS = 64  # prompts in one request (each `n` choices, `MAX_CHOICES` candidates at most in all)
+
+
+def _batch_size(value: Any) -> Any:
+    if isinstance(value, list) and len(value) > MAX_BATCH_PROMPTS:
+        raise PydanticCustomError("batch_too_large", "a batch of {count} prompts; allowed: at most {limit}",
+                                  {"count": len(value), "limit": MAX_BATCH_PROMPTS})
     return value
 
 
-
-# One prompt, spelled any way OpenAI allows: text, token ids, or a batch of exactly one of either (the openai client
-# sends `[text]` for a single string in some versions). A batch of several is one completion per prompt: refused,
-# as `n` > 1 is.
+# The prompt(s), spelled any way OpenAI allows: text, token ids, or a batch of either (one completion per prompt, each
+# with `n` choices; the openai client sends `[text]` for a single string in some versions).
 Prompt = Annotated[
     Annotated[PromptText, Tag("<text>")]
     | Annotated[PromptIds, Tag("<token_ids>")]
-    | Annotated[list[PromptText], BeforeValidator(_one_prompt), Field(min_length=1, max_length=1), Tag("<texts>")]
-    | Annotated[list[PromptIds], BeforeValidator(_one_prompt), Field(min_length=1, max_length=1),
+    | Annotated[list[PromptText], BeforeValidator(_batch_size), Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
+                Tag("<texts>")]
+    | Annotated[list[PromptIds], BeforeValidator(_batch_size), Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
                 Tag("<token_id_lists>")],
-    by_json_type("must be a string or a list of token ids", string="<text>", array="<token_ids>",
-                 strings="<texts>", arrays="<token_id_lists>"),
+    by_json_type("must be a string or a list of token ids (or a list of either)", string="<text>",
+                 array="<token_ids>", strings="<texts>", arrays="<token_id_lists>"),
 ]
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: Prompt = Field(description="a string or a list of token ids (or a list holding one of either)")
+    prompt: Prompt = Field(description="a string or a list of token ids, or a batch (a list) of either")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="return the log probabilities of this many most likely tokens too")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="candidates per prompt (>= n), the n with the "
+                                "highest cumulative logprob returned; not with `stream`")
     # Accepted only at their neutral value.
     echo: FalseOnly = None
-    best_of: OneIntOnly = None
     suffix: EmptyStringOnly = None
 
-    def prompt_value(self) -> str | list[int]:
-        """The one prompt, unwrapped from a batch of one."""
+    def prompt_values(self) -> list[str | list[int]]:
+        """Every prompt of the request (one, unless it is a batch)."""
         p = self.prompt
-        return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p  # type: ignore[return-value]
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]

@@ -12,17 +12,20 @@ from pdspark.router.openai.sampling_fields import (
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,
     STRICT,
+    OneIntOnly,
     SamplingFields,
     TokenId,
-    ZeroIntOnly,
 )
 
 
 class GenerateSamplingParams(SamplingFields):
+    n: OneIntOnly = Field(None, description="one output per request (`/v1/completions` takes `n`)")
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32, description="`max_new_tokens` wins when both are given")
-    min_new_tokens: ZeroIntOnly = None
+    min_new_tokens: int | None = Field(None, ge=0, le=MAX_INT32,
+                                       description="SGLang's `min_tokens`: `min_tokens` wins when both are given")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    no_stop_trim: bool | None = Field(None, description="SGLang's `include_stop_str_in_output`")
 
 
 class GenerateRequest(BaseModel):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -59,13 +59,57 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # the (first) prompt
     params: SamplingParams
     stream: bool
     include_usage: bool  # a last chunk with the usage
     continuous_usage: bool  # the usage so far in every chunk
     chat: bool
     logprobs: int | None
+    n: int = 1  # choices per prompt
+    best_of: int = 1  # candidates per prompt (>= n): the n with the highest cumulative logprob are returned
+    batch: tuple[list[int], ...] = ()  # every prompt of a batch (empty: `prompt_ids` alone)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return list(self.batch) if self.batch else [self.prompt_ids]
+
+    @property
+    def candidates(self) -> int:
+        """Requests the router runs for it: `best_of` (or `n`) per prompt."""
+        return len(self.prompts) * max(self.n, self.best_of)
+
+
+# Candidates one request may fan out to (a batch of prompts times `best_of` or `n`).
+MAX_CANDIDATES = 128
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """Choice j's seed from the request's: the request's own for choice 0 (n = 1 draws what a plain request draws),
+    a splitmix64 mix of the two for the others (distinct streams, the same every time). None stays None: each
+    choice then gets the engine's fresh entropy."""
+    if seed is None or j == 0:
+        return seed
+    z = (seed + j * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) & (2**63 - 1)
+
+
+def _choices(n: int | None, best_of: int | None, stream: bool, prompts: int) -> tuple[int, int]:
+    """(`n`, `best_of`) checked: best_of >= n, no best_of > n on a stream, the fan-out bounded."""
+    n = n or 1
+    best = best_of or n
+    if best < n:
+        raise ApiError(400, f"`best_of` ({best}) must be >= `n` ({n})", "best_of")
+    if stream and best > n:
+        raise ApiError(400, "`best_of` > `n` cannot be streamed: the best candidates are known only at the end",
+                       "best_of")
+    if prompts * best > MAX_CANDIDATES:
+        param = "n" if best == n else "best_of"
+        raise ApiError(400, f"`{param}`: {prompts} prompt(s) x {best} choices = {prompts * best} generations; allowed: "
+                       f"at most {MAX_CANDIDATES} per request", param)
+    return n, best
 
 
 def validate(model: type[M], body: bytes | str | object) -> M:
@@ -88,18 +132,25 @@ def parse(body: bytes | object, *, chat: bool, served_model: str, tokenizer, cha
 
 def parse_completion(req: CompletionRequest, served: ServedModel) -> ParsedRequest:
     check_model(req.model, served)
-    prompt = req.prompt_value()
-    if isinstance(prompt, str):
-        if served.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer; send `prompt` as a list of token ids", "prompt")
-        ids = _tokenize(prompt, served, "prompt")
-    else:
-        ids = list(prompt)
-    _check_prompt(ids, served, "prompt")
-    max_tokens = _max_tokens(req.max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, len(ids), served)
+    values = req.prompt_values()
+    n, best_of = _choices(req.n, req.best_of, bool(req.stream), len(values))
+    prompts: list[list[int]] = []
+    for i, prompt in enumerate(values):
+        param = "prompt" if len(values) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            if served.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer; send `prompt` as a list of token ids", "prompt")
+            ids = _tokenize(prompt, served, param)
+        else:
+            ids = list(prompt)
+        _check_prompt(ids, served, param)
+        prompts.append(ids)
+    # One token budget for every prompt: the longest must leave room for it.
+    max_tokens = _max_tokens(req.max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, max(map(len, prompts)), served)
     params = _sampling(req, max_tokens, req.logprobs, served)
-    return ParsedRequest(ids, params, bool(req.stream), *_usage_options(req.stream_options), chat=False,
-                         logprobs=req.logprobs)
+    return ParsedRequest(prompts[0], params, bool(req.stream), *_usage_options(req.stream_options), chat=False,
+                         logprobs=req.logprobs, n=n, best_of=best_of,
+                         batch=tuple(prompts) if len(prompts) > 1 else ())
 
 
 def parse_chat(req: ChatCompletionRequest, served: ServedModel) -> ParsedRequest:
@@ -114,9 +165,10 @@ def parse_chat(req: ChatCompletionRequest, served: ServedModel) -> ParsedRequest
                    else ("max_tokens", req.max_tokens))
     max_tokens = _max_tokens(value, name, DEFAULT_CHAT_MAX_TOKENS, len(ids), served)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    n, _ = _choices(req.n, None, bool(req.stream), 1)
     params = _sampling(req, max_tokens, logprobs, served)
     return ParsedRequest(ids, params, bool(req.stream), *_usage_options(req.stream_options), chat=True,
-                         logprobs=logprobs)
+                         logprobs=logprobs, n=n)
 
 
 def parse_generate(req: GenerateRequest, served: ServedModel) -> ParsedRequest:
@@ -135,6 +187,10 @@ def parse_generate(req: GenerateRequest, served: ServedModel) -> ParsedRequest:
     name, value = (("max_new_tokens", sp.max_new_tokens) if sp.max_new_tokens is not None
                    else ("max_tokens", sp.max_tokens))
     max_tokens = _max_tokens(value, f"sampling_params.{name}", DEFAULT_MAX_TOKENS, len(ids), served)
+    if sp.min_tokens is None and sp.min_new_tokens is not None:
+        sp = sp.model_copy(update={"min_tokens": sp.min_new_tokens})
+    if sp.include_stop_str_in_output is None and sp.no_stop_trim is not None:
+        sp = sp.model_copy(update={"include_stop_str_in_output": sp.no_stop_trim})
     params = _sampling(sp, max_tokens, sp.logprobs, served, prefix="sampling_params.")
     return ParsedRequest(ids, params, bool(req.stream), False, False, chat=False, logprobs=sp.logprobs)
 
@@ -192,6 +248,17 @@ def _sampling(fields: SamplingFields, max_tokens: int, logprobs: int | None, ser
     if bad:
         raise ApiError(400, f"`{prefix}stop_token_ids`: token ids {bad[:5]} are outside the vocabulary "
                        f"[0, {served.vocab_size})", f"{prefix}stop_token_ids")
+    bias: dict[int, float] = {}
+    for key, value in (fields.logit_bias or {}).items():
+        token = int(key) if key.isdigit() else -1
+        if not 0 <= token < served.vocab_size:
+            raise ApiError(400, f"`{prefix}logit_bias`: key {key[:32]!r} is not a token id in [0, {served.vocab_size})",
+                           f"{prefix}logit_bias")
+        bias[token] = value
+    banned = fields.banned_token_ids or []
+    if any(t >= served.vocab_size for t in banned):
+        raise ApiError(400, f"`{prefix}banned_token_ids`: token ids outside the vocabulary [0, {served.vocab_size})",
+                       f"{prefix}banned_token_ids")
     try:
         return SamplingParams(
             temperature=1.0 if fields.temperature is None else fields.temperature,
@@ -202,7 +269,15 @@ def _sampling(fields: SamplingFields, max_tokens: int, logprobs: int | None, ser
             stop=fields.stop_strings(),
             stop_token_ids=tuple(stop_ids),
             ignore_eos=bool(fields.ignore_eos),
+            include_stop_str_in_output=bool(fields.include_stop_str_in_output),
             logprobs=logprobs,
+            presence_penalty=fields.presence_penalty or 0.0,
+            frequency_penalty=fields.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if fields.repetition_penalty is None else fields.repetition_penalty,
+            min_p=fields.min_p or 0.0,
+            min_tokens=fields.min_tokens or 0,
+            logit_bias=bias or None,
+            banned_token_ids=tuple(banned),
         )
     except InvalidRequestError as e:  # the models' bounds are at least as tight; kept as a backstop
         raise ApiError(400, str(e), f"{prefix}{e.field}" if e.field else None) from e
@@ -240,24 +315,28 @@ def logprobs_json(lps: list[TokenLogprobs], tokenizer, chat: bool) -> dict | Non
 
 
 def completion_body(rid: str, model: str, chat: bool, text: str, reason: FinishReason | None,
-                    logprobs: dict | None, use: dict | None, stream: bool, first: bool = False) -> dict:
-    """A completion (or one streamed chunk of one) in OpenAI's shape."""
-    finish = reason.value if reason is not None else None
-    if chat:
-        if stream:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
-        obj = "chat.completion.chunk" if stream else "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        obj = "text_completion"
-    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+                    logprobs: dict | None, use: dict | None, stream: bool, first: bool = False,
+                    index: int = 0) -> dict:
+    """A completion (or one streamed chunk of one) in OpenAI's shape, with one choice (`index`)."""
+    body: dict[str, Any] = {"id": rid, "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else
+            "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice(chat, text, reason, logprobs, stream, first, index)]}
     if use is not None:
         body["usage"] = use
     return body
+
+
+def choice(chat: bool, text: str, reason: FinishReason | None, logprobs: dict | None, stream: bool,
+           first: bool = False, index: int = 0) -> dict:
+    """One choice of a completion (or of a streamed chunk) in OpenAI's shape."""
+    finish = reason.value if reason is not None else None
+    if not chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if stream:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish}
 
 
 def usage_chunk(rid: str, model: str, chat: bool, use: dict) -> dict:

@@ -4,12 +4,13 @@ bounds every request field is held to.
 NOTE: models are strict (a JSON string is not a number, `1` is not `true`, `5.0` is not an integer) and bounded: an
 out-of-range value is refused here, by the library, before any of it reaches a worker. The bounds come from the
 wire (`common.proto`: `top_k`, `max_tokens` and token ids are int32, `seed` is int64), the engine's limits
-(`SamplingParams`: logprobs up to 20) and OpenAI's API (temperature up to 2, four stop strings). Limits that depend
-on the served model (prompt + `max_tokens` within the context, token ids within the vocabulary) are checked after
-validation, in `openai_protocol`. Unknown fields are ignored, as OpenAI-compatible servers do.
+(`SamplingParams`: logprobs up to 20, the penalties' ranges) and OpenAI's API (temperature up to 2; 16 stop strings
+where OpenAI takes 4). Limits that depend on the served model (prompt + `max_tokens` within the context, token ids
+within the vocabulary) are checked after validation, in `openai_protocol`. Unknown fields are ignored, as
+OpenAI-compatible servers do.
 
-Values the engine cannot honour are accepted only at their neutral setting (a penalty of 0, `n` of 1), so a
-client that sends the default explicitly is served and one that asks for more is told which field it is.
+Values the engine cannot honour are accepted only at their neutral setting (`n` and `best_of` of 1, `echo` false),
+so a client that sends the default explicitly is served and one that asks for more is told which field it is.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ MAX_TEMPERATURE = 2.0
 # small keeps only the most likely token anyway.
 MIN_TOP_P = 1e-6
 MAX_LOGPROBS = 20  # `SamplingParams.logprobs`
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 16  # (OpenAI's 4 is too few for lm-eval's humaneval, which sends 6)
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 # A prompt is bounded in tokens by the served model's context (checked after tokenizing); these bound what the router
@@ -47,6 +48,8 @@ MAX_NAME_CHARS = 256  # `model`, `user`, `rid`
 STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+MAX_CHOICES = 16  # `n` and `best_of`
+MAX_LOGIT_BIAS = 4096  # entries of `logit_bias` (OpenAI allows 300) and of `banned_token_ids`
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
@@ -109,14 +112,10 @@ def _top_k_not_zero(value: int | None) -> int | None:
 
 
 # Fields accepted only at their neutral value (or null); the inner bounds pin the schema to that value.
-ZeroOnly = Annotated[Annotated[float, Field(ge=0, le=0)] | None, neutral_only(0)]
-OneOnly = Annotated[Annotated[float, Field(ge=1, le=1)] | None, neutral_only(1)]
-ZeroIntOnly = Annotated[Annotated[int, Field(ge=0, le=0)] | None, neutral_only(0)]
 OneIntOnly = Annotated[Annotated[int, Field(ge=1, le=1)] | None, neutral_only(1)]
 # NOTE: not `Literal[False]`, which takes 0 for false: the JSON value must be the boolean.
 FalseOnly = Annotated[Annotated[bool, Field(json_schema_extra={"const": False})] | None, neutral_only(False)]
 EmptyStringOnly = Annotated[Annotated[str, Field(max_length=0)] | None, neutral_only("")]
-EmptyMapOnly = Annotated[Annotated[dict[str, float], Field(max_length=0)] | None, neutral_only({})]
 
 # -1 (vLLM's and SGLang's spelling) or null turn the filter off.
 TopK = Annotated[int, Field(ge=-1, le=MAX_INT32), AfterValidator(_top_k_not_zero)]
@@ -135,14 +134,24 @@ class SamplingFields(BaseModel):
     stop: Stop | None = Field(None, description=f"up to {MAX_STOP_STRINGS} strings that end the generation")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool | None = None
-    n: OneIntOnly = Field(None, description="one completion per request")
-    # Accepted only at their neutral value: the engine has no penalties and no min-p filter.
-    presence_penalty: ZeroOnly = None
-    frequency_penalty: ZeroOnly = None
-    repetition_penalty: OneOnly = None
-    min_p: ZeroOnly = None
-    min_tokens: ZeroIntOnly = None
-    logit_bias: EmptyMapOnly = None
+    include_stop_str_in_output: bool | None = Field(None, description="keep the stop string that ended the text")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices per prompt (each its own seed, derived "
+                          "from `seed`)")
+    # The controls (`pdspark.engine.logits_controls`): applied to every sampled position, greedy included.
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="minus this for each token already in the "
+                                                                           "output")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="minus this times each token's count in "
+                                                                            "the output")
+    repetition_penalty: float | None = Field(None, gt=0, le=2, description="tokens in the prompt or output: positive "
+                                             "logits divided by this, negative ones multiplied (1: off)")
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens under this times the top token's "
+                                                              "probability")
+    min_tokens: int | None = Field(None, ge=0, le=MAX_INT32, description="no EOS or stop token id before this many "
+                                                                         "tokens")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> added to its logit (-100 bans it)")
+    banned_token_ids: list[TokenId] | None = Field(None, max_length=MAX_LOGIT_BIAS,
+                                                   description="token ids never sampled (pdspark's extension)")
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
