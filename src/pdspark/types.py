@@ -37,6 +37,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it (vLLM's option)
     # Return this many most likely tokens (with their logprobs) at each step, besides the sampled one.
     logprobs: int | None = None
+    # The prompt's tokens' logprobs (each given the tokens before it) and this many most likely tokens at each
+    # position; the first position has none. The prompt is computed whole (no prefix-cache hit skips a position).
+    prompt_logprobs: int | None = None
     # The controls OpenAI, vLLM and SGLang clients send (`engine/logits_controls.py`), applied to every sampled
     # position's logits before the temperature and filters, greedy included.
     presence_penalty: float = 0.0  # minus this for every token the output holds (OpenAI's; vLLM's: output tokens)
@@ -57,6 +60,8 @@ class SamplingParams:
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "None or 0..20")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+               self.prompt_logprobs, "None or 0..20")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         _check(all(isinstance(s, str) and s for s in stops), "stop", self.stop, "non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -123,6 +128,8 @@ class RequestOutput:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    # With `prompt_logprobs`: one entry per prompt token (None for the first), filled as the prompt is computed.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Speculative decoding counters (0 when speculation is off).
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0

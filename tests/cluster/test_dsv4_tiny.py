@@ -134,6 +134,33 @@ def test_n_choices_a_batch_of_prompts_and_the_controls_through_the_cluster_equal
     assert got.usage.prompt_tokens == sum(len(tiny.tokenizer.encode(t)) for t in texts)
 
 
+def test_echo_with_logprobs_scores_a_batch_of_token_id_prompts_as_lm_eval_asks(tiny, dsv4_tiny_cluster):
+    """lm-evaluation-harness's loglikelihood request (`echo`, `logprobs: 1`, `max_tokens: 1`, a batch of token-id
+    prompts): each choice's text starts with its prompt, its `token_logprobs` are null for the first prompt token and
+    the offline engine's prompt logprobs after it, with one `top_logprobs` entry per position."""
+    import json
+    import urllib.request
+
+    prompts = [tiny.tokenizer.encode("def fibonacci(n):\n    return n"), tiny.tokenizer.encode("class Stack:\n")]
+    body = {"model": "dsv4-tiny", "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True,
+            "temperature": 0, "seed": 1234}
+    req = urllib.request.Request(dsv4_tiny_cluster.info["http"] + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=scaled(60)) as r:
+        got = json.loads(r.read())
+    for i, ids in enumerate(prompts):
+        choice = got["choices"][i]
+        lps = choice["logprobs"]
+        want = tiny.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+            max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+        assert choice["index"] == i and choice["text"].startswith(tiny.tokenizer.decode(ids, skip_special_tokens=False))
+        assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+        assert len(lps["tokens"]) == len(lps["token_logprobs"]) == len(ids) + 1  # the prompt, then one token
+        assert lps["token_logprobs"][1:len(ids)] == pytest.approx([lp.logprob for lp in want.prompt_logprobs[1:]],
+                                                                  abs=1e-5)
+        assert all(len(top) >= 1 for top in lps["top_logprobs"][1:])
+
+
 @pytest.mark.kills
 def test_the_only_decode_worker_killed_mid_stream_every_stream_completes_after_its_restart(tiny, dsv4_tiny_cluster):
     """`pdspark up`'s one decode worker is SIGKILLed while 3 streams run: no other decode worker can take them, so

@@ -556,3 +556,20 @@ def test_the_sampling_controls_give_the_offline_tokens_through_pd_and_after_a_mi
         got = pair.run(prompt, params, request_id=f"c{k}", generated=want[:k])["outputs"][-1]
         assert got.token_ids == want, f"migrated after {k} tokens"
     assert pair.free_counts_restored()
+
+
+def test_the_prefill_worker_returns_the_prompt_logprobs_the_decode_worker_streams_first(ckpt, pair):
+    """`prompt_logprobs`: the prefill worker computes them (the head over every prompt position, no prefix-cache
+    skip) and ships them with its result; the decode worker's first output carries them; the offline engine's."""
+    prompt = random_prompts(1, [70], seed=12)[0]
+    params = SamplingParams(max_tokens=4, prompt_logprobs=2, **GREEDY)
+    offline = make_llm(ckpt, **{k: v for k, v in OPTS.items() if k != "speculative"})
+    want = offline.generate(prompt_token_ids=[prompt], sampling_params=params)[0].prompt_logprobs
+    out = pair.run(prompt, params, request_id="plp")
+    assert [lp.token_id for lp in out["prefill"].prompt_logprobs] == prompt[1:]
+    got = out["outputs"][0].prompt_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    for a, b in zip(got[1:], want[1:]):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert a.top.keys() == b.top.keys()
+    assert pair.free_counts_restored()

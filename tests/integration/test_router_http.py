@@ -73,7 +73,7 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}]}
     ("POST", "/v1/completions", b"[1, 2]", "application/json", 400, None, "model_type"),
     ("POST", "/v1/completions", {"prompt": "x", "seed": 2**70}, "application/json", 400, "seed", "less_than_equal"),
     ("POST", "/v1/completions", {"prompt": "x", "top_k": 2**40}, "application/json", 400, "top_k", "less_than_equal"),
-    ("POST", "/v1/completions", {"prompt": "x", "echo": True}, "application/json", 400, "echo", "unsupported_value"),
+    ("POST", "/v1/completions", {"prompt": "x", "suffix": "y"}, "application/json", 400, "suffix", "unsupported_value"),
     ("POST", "/v1/completions", {"prompt": 12}, "application/json", 422, "prompt", "union_type"),
     ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-5"}, "application/json", 404, "model",
      "model_not_found"),
@@ -285,3 +285,15 @@ def test_one_failing_candidate_ends_the_whole_request_and_the_others_are_stopped
         assert status == 200 and events(raw)[-1]["error"]["type"] == "server_error"
     status, _, raw = call(app, "POST", "/v1/completions", {"prompt": [5], "n": 2, "max_tokens": 3})
     assert status == 200 and len(json.loads(raw)["choices"]) == 2  # (and the router goes on serving)
+
+
+def test_echo_puts_the_prompt_before_the_completion_and_asks_the_workers_for_its_logprobs(app):
+    status, _, raw = call(app, "POST", "/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 3})
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == "hiaaa"
+    assert app.dispatcher.requests[-1][1].prompt_logprobs is None  # no logprobs asked: the text only
+    status, _, raw = call(app, "POST", "/v1/completions", {"prompt": [5, 6], "echo": True, "logprobs": 1,
+                                                            "max_tokens": 1})
+    logprobs = json.loads(raw)["choices"][0]["logprobs"]
+    assert status == 200 and app.dispatcher.requests[-1][1].prompt_logprobs == 1
+    # The two prompt tokens (the fake workers send no logprobs of their own tokens, nor of the prompt's).
+    assert logprobs["token_logprobs"] == [None] and len(logprobs["tokens"]) == 2

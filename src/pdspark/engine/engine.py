@@ -80,6 +80,16 @@ class EngineStats:
     fast_path_fallback_steps: Counter[str] = field(default_factory=Counter)
 
 
+def _prompt_rows(c: ScheduledChunk) -> int:
+    """Logits rows a chunk computes for its request's prompt logprobs: one per prompt position it predicts (its
+    rows but a sampling one: the last prompt position predicts the first output token)."""
+    req = c.request
+    if req.prompt_logprobs is None or c.num_drafts or len(req.prompt_logprobs) >= len(req.prompt_token_ids) or \
+            c.start >= len(req.prompt_token_ids) - 1:
+        return 0  # (also a preempted request computing its prompt again: its logprobs are recorded)
+    return min(c.num_tokens, len(req.prompt_token_ids) - 1 - c.start)
+
+
 def _tail_sums(counts: list[int]) -> list[int]:
     """`out[k] = sum(counts[k:])`."""
     out, acc = [0] * len(counts), 0
@@ -358,7 +368,7 @@ class Engine:
             return Chunk(req.slot, c.start, tokens + proposal.tokens, num_logits=c.num_tokens, kind="verify")
         # One token past the prompt: a generated token (or a transferred first one) being decoded.
         kind: StepKind = "decode" if c.num_tokens == 1 and c.start >= len(req.prompt_token_ids) else "extend"
-        return Chunk(req.slot, c.start, tokens, num_logits=1 if c.samples else 0, kind=kind)
+        return Chunk(req.slot, c.start, tokens, num_logits=int(c.samples) + _prompt_rows(c), kind=kind)
 
     def _decide(
         self, chunks: list[ScheduledChunk], out: RunOutput, proposals: dict[str, DraftProposal]
@@ -368,9 +378,18 @@ class Engine:
         # a prefill chunk that ends before its prompt does. Row j of a chunk predicts position `num_tokens + j` of
         # its request, and is drawn there exactly as plain decoding would draw it (see `spec_verifier`).
         num_rows = [c.num_tokens if c.num_drafts else int(c.samples) for c in chunks]
+        # A chunk of a prompt whose logprobs are wanted also has a row for each prompt position it predicts, before
+        # its sampling row (`_prompt_rows`): set aside here, the rest sampled.
+        prompt_rows = [_prompt_rows(c) for c in chunks]  # (once: recording them changes what it says)
+        at = [sum(p + n for p, n in zip(prompt_rows[:i], num_rows[:i])) for i in range(len(chunks))]
+        for c, start, p in zip(chunks, at, prompt_rows):
+            if p:
+                self._prompt_logprobs(c, out.logits[start : start + p])
+        keep = [start + p + j for start, p, n in zip(at, prompt_rows, num_rows) for j in range(n)]
+        logits = out.logits if len(keep) == out.logits.shape[0] else out.logits[keep]
         rows = [(c, j) for c, n in zip(chunks, num_rows) for j in range(n)]
         target = self.sampler.sample(
-            out.logits,
+            logits,
             [c.request.params for c, _ in rows],
             [RandomStream(c.request.seed) for c, _ in rows],
             [c.request.num_tokens + j for c, j in rows],
@@ -378,15 +397,27 @@ class Engine:
         )
         produced, start = [], 0
         for c, n in zip(chunks, num_rows):
-            logits, tokens = out.logits[start : start + n], target[start : start + n]
+            chunk_logits, tokens = logits[start : start + n], target[start : start + n]
             start += n
             if c.num_drafts:
                 acc = accept(proposals[c.request.req_id].tokens, tokens)
                 self._count(c.request, c.num_drafts, acc.num_accepted)
-                produced.append(_StepTokens(c, acc.tokens, logits[: len(acc.tokens)], acc.num_accepted + 1))
+                produced.append(_StepTokens(c, acc.tokens, chunk_logits[: len(acc.tokens)], acc.num_accepted + 1))
             else:
-                produced.append(_StepTokens(c, tokens, logits, c.num_tokens))
+                produced.append(_StepTokens(c, tokens, chunk_logits, c.num_tokens))
         return produced
+
+    @staticmethod
+    def _prompt_logprobs(c: ScheduledChunk, logits: torch.Tensor) -> None:
+        """Record the logprobs of the prompt tokens that `logits` (row j: the position after `c.start + j`)
+        predict; a position already recorded (a preempted request computing its prompt again) is left alone."""
+        req = c.request
+        assert req.prompt_logprobs is not None
+        first = c.start + 1  # the position row 0 predicts
+        tokens = req.prompt_token_ids[first : first + logits.shape[0]]
+        for j, lp in enumerate(Sampler.logprobs(logits, tokens, req.params.prompt_logprobs or 0)):
+            if first + j == len(req.prompt_logprobs):
+                req.prompt_logprobs.append(lp)
 
     @staticmethod
     def _history(c: ScheduledChunk, j: int, proposals: dict[str, DraftProposal]) -> History:
@@ -473,6 +504,7 @@ class Engine:
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_cached_tokens,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
             spec_verify_steps=req.spec_verify_steps,
             spec_accepted_tokens=req.spec_accepted_tokens,
         )

@@ -37,6 +37,7 @@ class Request:
     text: str | None = None
     output_text: OutputText = field(default_factory=OutputText, repr=False)  # decodes `text` incrementally
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # (with `params.prompt_logprobs`) position by position
     num_preemptions: int = 0
     # Prefill role: keep the pages after finishing until the engine's owner releases them (after the transfer).
     hold_pages: bool = False
@@ -49,6 +50,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # (the first prompt token has no context)
 
     @property
     def slot(self) -> int:

@@ -109,7 +109,8 @@ class Scheduler:
         pages = self.kv.open()
         if pages is None:
             return None
-        cached = self.kv.attach_prefix(pages, req.all_token_ids)
+        # A request that wants its prompt's logprobs computes the whole prompt (the cache would skip positions).
+        cached = self.kv.attach_prefix(pages, req.all_token_ids) if req.params.prompt_logprobs is None else 0
         n = self._fit(pages, cached, min(req.num_tokens - cached, budget))
         if n <= 0:
             self.kv.close(pages)

@@ -154,13 +154,14 @@ async def _body(request: web.Request, max_bytes: int) -> bytes:
     return await request.read()
 
 
-async def _collect(stream) -> tuple[str, list]:
-    """A candidate's whole text and logprobs."""
-    text, lps = [], []
+async def _collect(stream) -> tuple[str, list, tuple]:
+    """A candidate's whole text, logprobs and prompt logprobs (with `prompt_logprobs`)."""
+    text, lps, prompt_lps = [], [], ()
     async for chunk in stream:
         text.append(chunk.text)
         lps += chunk.logprobs
-    return "".join(text), lps
+        prompt_lps = chunk.prompt_logprobs or prompt_lps
+    return "".join(text), lps, prompt_lps
 
 
 async def _end_all(tasks: Sequence[asyncio.Future], streams: list) -> None:
@@ -218,7 +219,7 @@ class HttpApi:
             core.metrics.count_request("chat" if chat else "completions", "invalid")
             return json_error(e)
         rid = oai.new_id(chat)  # minted here: the router's id (uuid4-based), also the response's `id`
-        if parsed.candidates > 1:
+        if parsed.candidates > 1 or parsed.echo is not None:
             return await self._choices(request, rid, chat, parsed, timeout, _label(request, req.user))
         totals = Totals(len(parsed.prompt_ids))
         stream = core.run("chat" if chat else "completions", rid, parsed.prompt_ids, parsed.params, totals,
@@ -277,9 +278,10 @@ class HttpApi:
 
     async def _choices(self, request: web.Request, rid: str, chat: bool, parsed: oai.ParsedRequest,
                        timeout: float | None, label: str) -> web.StreamResponse:
-        """A batch of prompts and/or `n` > 1 (or `best_of`): one request per candidate, all at once (request ids
-        `<rid>-<k>`), candidate j of a prompt seeded with `choice_seed(seed, j)`; the choices of prompt i are indexed
-        `i * n + j`. With `best_of` > n each prompt keeps its n candidates of highest cumulative logprob."""
+        """A batch of prompts and/or `n` > 1 (or `best_of`), or an `echo`: one request per candidate, all at once
+        (request ids `<rid>-<k>`), candidate j of a prompt seeded with `choice_seed(seed, j)`; the choices of prompt
+        i are indexed `i * n + j`. With `best_of` > n each prompt keeps its n candidates of highest cumulative
+        logprob; with `echo` each choice's text (and logprobs) start with its prompt's."""
         core = self.core
         per_prompt = max(parsed.n, parsed.best_of)
         ranked = parsed.best_of > parsed.n
@@ -311,8 +313,12 @@ class HttpApi:
             if ranked:  # (stable: equal scores keep candidate order)
                 mine.sort(key=lambda k: -sum(lp.logprob for lp in results[k][1]))
             for j, k in enumerate(mine[: parsed.n]):
-                text, lps = results[k]
+                text, lps, prompt_lps = results[k]
                 logprobs = oai.logprobs_json(lps, core.tokenizer, chat) if parsed.logprobs is not None else None
+                if parsed.echo is not None:  # the prompt first: its text, and its tokens' logprobs
+                    text = parsed.echo[i] + text
+                    if parsed.logprobs is not None:
+                        logprobs = oai.echo_logprobs_json(runs[k][2], prompt_lps, lps, core.tokenizer)
                 choices.append(oai.choice(chat, text, totals[k].finish_reason, logprobs, stream=False,
                                           index=i * parsed.n + j))
         body = oai.completion_body(rid, core.served_name, chat, "", None, None, use(), stream=False)

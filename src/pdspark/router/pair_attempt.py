@@ -54,12 +54,14 @@ class DispatchChunk:
     cached_tokens: int
     prefill_worker: str
     decode_worker: str
+    # With `prompt_logprobs`, on the first chunk: the prompt's tokens' logprobs from its second token on.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     def without_workers(self) -> DispatchChunk:
         """This chunk with no worker addresses (for a caller who may not see them). Positional: `replace` costs
         three times as much, on every chunk."""
         return DispatchChunk(self.token_ids, self.text, self.logprobs, self.finished, self.finish_reason,
-                             self.completion_tokens, self.cached_tokens, "", "")
+                             self.completion_tokens, self.cached_tokens, "", "", self.prompt_logprobs)
 
 
 class PairFailed(Exception):
@@ -165,7 +167,8 @@ class PairAttempt:
                         error = None  # the caller may stop reading at the last chunk
                     yield DispatchChunk(list(msg.token_ids), msg.text, [convert.logprob_from_pb(x) for x in
                                         msg.logprobs], msg.finished, convert.finish_reason_from_pb(msg.finish_reason),
-                                        completion, msg.num_cached_tokens, prefill.address, decode.address)
+                                        completion, msg.num_cached_tokens, prefill.address, decode.address,
+                                        tuple(convert.logprob_from_pb(x) for x in msg.prompt_logprobs))
             except grpc.aio.AioRpcError as e:
                 failure = failure_from_aio_error(e)  # CANCELLED here is not ours (ours raises CancelledError)
                 # A failure the decode worker reported is about the transfer, so the prefill worker is the one to

@@ -33,7 +33,8 @@ FINISH_REASON_TO_PB: dict[FinishReason, common_pb2.FinishReason] = {
 FINISH_REASON_FROM_PB: dict[int, FinishReason] = {pb: reason for reason, pb in FINISH_REASON_TO_PB.items()}
 _POOL_KINDS = frozenset(k.value for k in PoolKind)
 # `optional` fields of the SamplingParams message: unset means the engine's default, which may differ from 0.
-_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs", "presence_penalty",
+_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs", "prompt_logprobs",
+                      "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
 # The controls sent only away from their neutral value (an older receiver then refuses nothing it cannot do).
 _NEUTRAL_CONTROLS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
@@ -58,6 +59,8 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     for name, neutral in _NEUTRAL_CONTROLS.items():
         if getattr(p, name) != neutral:
             setattr(msg, name, getattr(p, name))
@@ -239,6 +242,7 @@ def result_to_pb(r: TransferResult | None, error: RequestFailed | None, transfer
     )
     if r.first_logprob is not None:
         msg.first_logprob.CopyFrom(logprob_to_pb(r.first_logprob))
+    msg.prompt_logprobs.extend(logprob_to_pb(lp) for lp in r.prompt_logprobs)
     return msg
 
 
@@ -250,4 +254,5 @@ def result_from_pb(msg: worker_pb2.TransferResult) -> TransferResult:
         transfer_id=msg.transfer_id, first_token=msg.first_token_id, num_cached_tokens=msg.num_cached_tokens,
         checksum=msg.checksum, stats=stats_from_pb(msg.stats),
         first_logprob=logprob_from_pb(msg.first_logprob) if msg.HasField("first_logprob") else None,
+        prompt_logprobs=tuple(logprob_from_pb(x) for x in msg.prompt_logprobs),
     )

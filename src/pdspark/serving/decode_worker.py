@@ -197,6 +197,8 @@ class DecodeWorker:
                 stream.in_engine = True
                 raise
             stream.in_engine = True
+            if params.prompt_logprobs is not None:  # (computed by the prefill worker; sent once, first)
+                out = replace(out, prompt_logprobs=[None, *result.prompt_logprobs])
             yield out
             while not out.finished:
                 try:

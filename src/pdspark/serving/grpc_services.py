@@ -268,5 +268,7 @@ def _chunk(out: RequestOutput, sent: int, sent_text: str, text: str, logprob_bas
     )
     if out.logprobs:
         chunk.logprobs.extend(convert.logprob_to_pb(lp) for lp in out.logprobs[sent - logprob_base:])
+    if out.prompt_logprobs:  # (the decode worker's first output alone carries them)
+        chunk.prompt_logprobs.extend(convert.logprob_to_pb(lp) for lp in out.prompt_logprobs if lp is not None)
     return chunk
 

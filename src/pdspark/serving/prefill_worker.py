@@ -397,6 +397,7 @@ class PrefillWorker:
         self._end(rv, TransferResult(
             transfer_id=rv.transfer_id, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens,
             checksum=written.checksum, stats=stats, first_logprob=first.logprobs[0] if first.logprobs else None,
+            prompt_logprobs=tuple(lp for lp in first.prompt_logprobs or () if lp is not None),
         ))
 
     def _fail(self, rv: _Rendezvous, error: RequestFailed) -> None:

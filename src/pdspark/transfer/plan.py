@@ -87,3 +87,5 @@ class TransferResult:
     checksum: int
     stats: TransferStats
     first_logprob: TokenLogprobs | None = None  # when the request asked for logprobs
+    # With `prompt_logprobs`: the prompt's tokens' logprobs from its second token on (the first has no context).
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()

@@ -70,7 +70,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_cached_tokens", "spec_verify_steps", "spec_accepted_tokens")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_cached_tokens", "spec_verify_steps", "spec_accepted_tokens", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class GenerateChunk(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -89,7 +90,8 @@ class GenerateChunk(_message.Message):
     num_cached_tokens: int
     spec_verify_steps: int
     spec_accepted_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TransferPlan(_message.Message):
     __slots__ = ("transfer_id", "request_id", "session", "compat", "buffers", "prompt_len", "full_pages", "swa_pages", "swa_first_page", "c128_pages", "req_slot", "timeout_ms", "destination_rank")
@@ -165,7 +167,7 @@ class TransferStats(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., num_writes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., plan_wait_s: _Optional[float] = ..., bytes_by_pool: _Optional[_Mapping[str, int]] = ..., write_s: _Optional[float] = ..., source_rank: _Optional[int] = ..., destination_rank: _Optional[int] = ...) -> None: ...
 
 class TransferResult(_message.Message):
-    __slots__ = ("transfer_id", "error", "first_token_id", "first_logprob", "num_cached_tokens", "stats", "checksum")
+    __slots__ = ("transfer_id", "error", "first_token_id", "first_logprob", "num_cached_tokens", "stats", "checksum", "prompt_logprobs")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,7 @@ class TransferResult(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     error: _common_pb2.ErrorDetail
     first_token_id: int
@@ -180,7 +183,8 @@ class TransferResult(_message.Message):
     num_cached_tokens: int
     stats: TransferStats
     checksum: int
-    def __init__(self, transfer_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., stats: _Optional[_Union[TransferStats, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, transfer_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., stats: _Optional[_Union[TransferStats, _Mapping]] = ..., checksum: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -14,7 +14,6 @@ from pdspark.router.openai.sampling_fields import (
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,
     EmptyStringOnly,
-    FalseOnly,
     TokenId,
     by_json_type,
 )
@@ -53,8 +52,10 @@ class CompletionRequest(OpenAIRequest):
                                  description="return the log probabilities of this many most likely tokens too")
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="candidates per prompt (>= n), the n with the "
                                 "highest cumulative logprob returned; not with `stream`")
-    # Accepted only at their neutral value.
-    echo: FalseOnly = None
+    # NOTE: not `Literal`/`bool` coercion: the JSON value must be the boolean.
+    echo: bool | None = Field(None, description="the prompt before the completion in `text`, and with `logprobs` its "
+                              "tokens' logprobs first (the first null); not with `stream`")
+    # Accepted only at its neutral value.
     suffix: EmptyStringOnly = None
 
     def prompt_values(self) -> list[str | list[int]]:

@@ -12,7 +12,7 @@ in OpenAI's shape (see `api_error` for the statuses).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -69,6 +69,7 @@ class ParsedRequest:
     n: int = 1  # choices per prompt
     best_of: int = 1  # candidates per prompt (>= n): the n with the highest cumulative logprob are returned
     batch: tuple[list[int], ...] = ()  # every prompt of a batch (empty: `prompt_ids` alone)
+    echo: tuple[str, ...] | None = None  # with `echo`: each prompt's text, put before its choices' text
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -148,9 +149,17 @@ def parse_completion(req: CompletionRequest, served: ServedModel) -> ParsedReque
     # One token budget for every prompt: the longest must leave room for it.
     max_tokens = _max_tokens(req.max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, max(map(len, prompts)), served)
     params = _sampling(req, max_tokens, req.logprobs, served)
+    echo = None
+    if req.echo:
+        if req.stream:
+            raise ApiError(400, "`echo` with `stream` is not supported: ask for the echo without streaming", "echo")
+        echo = tuple(v if isinstance(v, str) else served.tokenizer.decode(list(v), skip_special_tokens=False)
+                     if served.tokenizer is not None else "" for v in values)
+        if req.logprobs is not None:  # the prompt's logprobs, computed by the prefill worker
+            params = replace(params, prompt_logprobs=req.logprobs)
     return ParsedRequest(prompts[0], params, bool(req.stream), *_usage_options(req.stream_options), chat=False,
                          logprobs=req.logprobs, n=n, best_of=best_of,
-                         batch=tuple(prompts) if len(prompts) > 1 else ())
+                         batch=tuple(prompts) if len(prompts) > 1 else (), echo=echo)
 
 
 def parse_chat(req: ChatCompletionRequest, served: ServedModel) -> ParsedRequest:
@@ -312,6 +321,19 @@ def logprobs_json(lps: list[TokenLogprobs], tokenizer, chat: bool) -> dict | Non
                             for lp in lps]}
     return {"tokens": [tok(lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{tok(t): v for t, v in lp.top.items()} for lp in lps]}
+
+
+def echo_logprobs_json(prompt_ids: list[int], prompt_lps: tuple[TokenLogprobs, ...], lps: list[TokenLogprobs],
+                       tokenizer) -> dict:
+    """OpenAI's legacy `logprobs` of an echoed completion: the prompt's tokens first (the first with null logprob and
+    top_logprobs: nothing predicts it), then the completion's."""
+    body = logprobs_json(lps, tokenizer, chat=False) or {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    prompt = logprobs_json([TokenLogprobs(t, 0.0, {}) for t in prompt_ids], tokenizer, chat=False)
+    assert prompt is not None  # (a prompt has a token)
+    return {"tokens": prompt["tokens"] + body["tokens"],
+            "token_logprobs": [None, *(lp.logprob for lp in prompt_lps), *body["token_logprobs"]],
+            "top_logprobs": [None, *(logprobs_json([lp], tokenizer, chat=False)["top_logprobs"][0]  # type: ignore[index]
+                                     for lp in prompt_lps), *body["top_logprobs"]]}
 
 
 def completion_body(rid: str, model: str, chat: bool, text: str, reason: FinishReason | None,
