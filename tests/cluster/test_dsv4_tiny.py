@@ -159,6 +159,14 @@ def test_echo_with_logprobs_scores_a_batch_of_token_id_prompts_as_lm_eval_asks(t
         assert lps["token_logprobs"][1:len(ids)] == pytest.approx([lp.logprob for lp in want.prompt_logprobs[1:]],
                                                                   abs=1e-5)
         assert all(len(top) >= 1 for top in lps["top_logprobs"][1:])
+    # The gRPC SDK's field: the same logprobs, one entry per prompt token.
+    from pdspark.client import Client
+
+    with Client(dsv4_tiny_cluster.info["grpc"]) as client:
+        sdk = client.generate(token_ids=prompts[0], max_tokens=1, temperature=0, prompt_logprobs=1).prompt_logprobs
+    assert sdk is not None and sdk[0] is None and len(sdk) == len(prompts[0])
+    assert [lp.logprob for lp in sdk[1:]] == pytest.approx(got["choices"][0]["logprobs"]["token_logprobs"][
+        1:len(prompts[0])], abs=1e-6)
 
 
 @pytest.mark.kills

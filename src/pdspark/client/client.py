@@ -106,6 +106,8 @@ class StreamChunk:
     finish_reason: FinishReason | None  # set on the last chunk
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     client_request_id: str = ""  # the label passed as `request_id`, echoed
+    # With `prompt_logprobs`, on the first chunk: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,15 @@ class GenerateResult:
     cached_tokens: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     client_request_id: str = ""  # the label passed as `request_id`, echoed
+    # With `prompt_logprobs`: one entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+def _prompt_logprobs(chunks: list[router_pb2.RouterGenerateChunk]) -> list[TokenLogprobs | None] | None:
+    for c in chunks:
+        if c.prompt_logprobs:
+            return [None, *(convert.logprob_from_pb(x) for x in c.prompt_logprobs)]
+    return None
 
 
 def build_request(prompt: str | None, token_ids: list[int] | None, request_id: str | None, timeout: float | None,
@@ -137,7 +148,8 @@ def build_request(prompt: str | None, token_ids: list[int] | None, request_id: s
 def to_chunk(msg: router_pb2.RouterGenerateChunk) -> StreamChunk:
     return StreamChunk(msg.request_id, list(msg.token_ids), msg.text, msg.finished,
                        convert.finish_reason_from_pb(msg.finish_reason),
-                       [convert.logprob_from_pb(x) for x in msg.logprobs], msg.client_request_id)
+                       [convert.logprob_from_pb(x) for x in msg.logprobs], msg.client_request_id,
+                       _prompt_logprobs([msg]))
 
 
 def collect(chunks: list[router_pb2.RouterGenerateChunk]) -> GenerateResult:
@@ -152,6 +164,7 @@ def collect(chunks: list[router_pb2.RouterGenerateChunk]) -> GenerateResult:
         cached_tokens=last.cached_tokens,
         logprobs=[convert.logprob_from_pb(x) for c in chunks for x in c.logprobs],
         client_request_id=last.client_request_id,
+        prompt_logprobs=_prompt_logprobs(chunks),
     )
 
 

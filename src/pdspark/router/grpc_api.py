@@ -78,6 +78,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     finish_reason=convert.finish_reason_to_pb(chunk.finish_reason), prompt_tokens=totals.prompt_tokens,
                     completion_tokens=chunk.completion_tokens, cached_tokens=chunk.cached_tokens,
                     prefill_worker=chunk.prefill_worker, decode_worker=chunk.decode_worker,
+                    prompt_logprobs=[convert.logprob_to_pb(lp) for lp in chunk.prompt_logprobs],
                 )
         except RequestFailed as e:
             extra = ((RETRY_AFTER_KEY, str(RETRY_AFTER_S)),) if e.code is ErrorCode.OVERLOADED else ()

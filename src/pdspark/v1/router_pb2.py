@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdspark.v1 import common_pb2 as pdspark_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdspark/v1/router.proto\x12\npdspark.v1\x1a\x17pdspark/v1/common.proto\"\xb1\x01\n\x15RouterGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdspark.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdspark.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd2\x02\n\x13RouterGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\r \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdspark.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x18.pdspark.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x16\n\x0eprefill_worker\x18\n \x01(\t\x12\x15\n\rdecode_worker\x18\x0b \x01(\tJ\x04\x08\x06\x10\x07\"(\n\x12RouterAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13RouterAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xa4\x01\n\x06Router\x12P\n\x08Generate\x12!.pdspark.v1.RouterGenerateRequest\x1a\x1f.pdspark.v1.RouterGenerateChunk0\x01\x12H\n\x05\x41\x62ort\x12\x1e.pdspark.v1.RouterAbortRequest\x1a\x1f.pdspark.v1.RouterAbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdspark/v1/router.proto\x12\npdspark.v1\x1a\x17pdspark/v1/common.proto\"\xb1\x01\n\x15RouterGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdspark.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdspark.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x85\x03\n\x13RouterGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\r \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdspark.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x18.pdspark.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x16\n\x0eprefill_worker\x18\n \x01(\t\x12\x15\n\rdecode_worker\x18\x0b \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x0e \x03(\x0b\x32\x18.pdspark.v1.TokenLogprobJ\x04\x08\x06\x10\x07\"(\n\x12RouterAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13RouterAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xa4\x01\n\x06Router\x12P\n\x08Generate\x12!.pdspark.v1.RouterGenerateRequest\x1a\x1f.pdspark.v1.RouterGenerateChunk0\x01\x12H\n\x05\x41\x62ort\x12\x1e.pdspark.v1.RouterAbortRequest\x1a\x1f.pdspark.v1.RouterAbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,11 +37,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=244
   _globals['_TOKENIDS']._serialized_end=267
   _globals['_ROUTERGENERATECHUNK']._serialized_start=270
-  _globals['_ROUTERGENERATECHUNK']._serialized_end=608
-  _globals['_ROUTERABORTREQUEST']._serialized_start=610
-  _globals['_ROUTERABORTREQUEST']._serialized_end=650
-  _globals['_ROUTERABORTRESPONSE']._serialized_start=652
-  _globals['_ROUTERABORTRESPONSE']._serialized_end=688
-  _globals['_ROUTER']._serialized_start=691
-  _globals['_ROUTER']._serialized_end=855
+  _globals['_ROUTERGENERATECHUNK']._serialized_end=659
+  _globals['_ROUTERABORTREQUEST']._serialized_start=661
+  _globals['_ROUTERABORTREQUEST']._serialized_end=701
+  _globals['_ROUTERABORTRESPONSE']._serialized_start=703
+  _globals['_ROUTERABORTRESPONSE']._serialized_end=739
+  _globals['_ROUTER']._serialized_start=742
+  _globals['_ROUTER']._serialized_end=906
 # @@protoc_insertion_point(module_scope)
