@@ -127,19 +127,15 @@ def main() -> None:
         print(json.dumps(child_decode(Path(args.child_decode), args.tokens, args.repeats)))
         return
     from pdspark.model.resident_weights import checkpoint_bytes
-    from pdspark.model.weights import checkpoint_files, stored_bytes
+    from pdspark.model.tensor_inventory import stored_tensors
+    from pdspark.model.weights import checkpoint_files
     from pdspark.testing.random_release_checkpoint import write_random_release_checkpoint
 
     fixture, twin = args.dir / "release", args.dir / "bf16"
     if not (fixture / "config.json").is_file() or not (twin / "config.json").is_file():
         log(f"writing a random released-format checkpoint and its BF16 twin under {args.dir}")
         write_random_release_checkpoint(CONFIG, fixture, twin, progress=True)
-    from safetensors import safe_open
-
-    largest = 0
-    for f in checkpoint_files(fixture):
-        with safe_open(str(f), "pt") as h:
-            largest = max([largest, *(stored_bytes(h.get_slice(n)) for n in h.keys())])  # noqa: SIM118
+    largest = max(t.nbytes for t in stored_tensors(checkpoint_files(fixture)))
     size = sum(checkpoint_bytes(fixture).values())
     log(f"checkpoint {size / 2**30:.2f} GiB, largest tensor {largest / 2**20:.0f} MiB")
     loads = {}

@@ -83,8 +83,7 @@ class SamplingParams:
     @property
     def has_controls(self) -> bool:
         """Any control of `logits_controls` away from its neutral value (which leaves the logits as they are)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias or self.banned_token_ids)
+        return self.needs_history or bool(self.logit_bias or self.banned_token_ids)
 
     @property
     def needs_history(self) -> bool:

@@ -381,7 +381,7 @@ class Engine:
         # A chunk of a prompt whose logprobs are wanted also has a row for each prompt position it predicts, before
         # its sampling row (`_prompt_rows`): set aside here, the rest sampled.
         prompt_rows = [_prompt_rows(c) for c in chunks]  # (once: recording them changes what it says)
-        at = [sum(p + n for p, n in zip(prompt_rows[:i], num_rows[:i])) for i in range(len(chunks))]
+        at = [0, *itertools.accumulate(p + n for p, n in zip(prompt_rows, num_rows))][:-1]  # each chunk's first row
         for c, start, p in zip(chunks, at, prompt_rows):
             if p:
                 self._prompt_logprobs(c, out.logits[start : start + p])

@@ -15,21 +15,17 @@ DSV4's 512 = 448 + 64) with FP8 indexer keys plus one f32 scale per 128 dims.
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import safe_open
-
 from pdspark.errors import ConfigError
 from pdspark.model.model_config import CSA, HCA, SLIDING, ModelConfig
 from pdspark.model.scaled_weights import scale_owner
-from pdspark.model.tensor_inventory import TensorSpec, released_tensors
+from pdspark.model.tensor_inventory import TensorSpec, released_tensors, stored_tensors
 from pdspark.model.weights import checkpoint_files, map_name
 
 KV_CACHE_DTYPES = ("bfloat16", "float32", "fp8_e4m3")
-_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 _GIB = 2**30
 
 
@@ -106,7 +102,7 @@ def inspect_model(path: str | Path | None = None, config_file: str | Path | None
     coverage = None
     if path is not None:
         files = checkpoint_files(Path(path))
-        tensors = _headers(files)
+        tensors = stored_tensors(files)
         coverage = _coverage(len(files), tensors, predicted)
         source = "checkpoint"
     else:
@@ -129,18 +125,6 @@ def kv_bytes(cfg: ModelConfig, dtype: str) -> KvBytes:
                  "c128_kv": hca * row / cfg.hca_ratio}
     swa_layers = len(cfg.layer_types) + cfg.num_nextn_predict_layers
     return KvBytes(dtype, per_token, {"swa_window": swa_layers * cfg.sliding_window * row})
-
-
-def _headers(files: list[Path]) -> list[TensorSpec]:
-    """Every tensor's name, shape and dtype from the files' headers (no data read)."""
-    out = []
-    for f in files:
-        with safe_open(str(f), "pt") as h:
-            for name in h.keys():  # noqa: SIM118 (a safetensors handle)
-                s = h.get_slice(name)
-                m = _EXPERT.search(name)
-                out.append(TensorSpec(name, tuple(s.get_shape()), s.get_dtype(), int(m.group(1)) if m else None))
-    return out
 
 
 def _coverage(files: int, tensors: list[TensorSpec], predicted: list[TensorSpec]) -> Coverage:

@@ -7,10 +7,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import safe_open
 from torch import nn
 
-from pdspark.model.weights import checkpoint_files, stored_bytes
+from pdspark.model.tensor_inventory import stored_tensors
+from pdspark.model.weights import checkpoint_files
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,7 @@ def checkpoint_bytes(path: str | Path, skip_prefixes: tuple[str, ...] = ()) -> d
     """The tensor bytes of the checkpoint at `path` by safetensors dtype (headers only), leaving out tensors whose
     name starts with one of `skip_prefixes` (`mtp.`: the draft, loaded apart)."""
     out: Counter[str] = Counter()
-    for f in checkpoint_files(Path(path)):
-        with safe_open(str(f), "pt") as h:
-            for name in h.keys():  # noqa: SIM118 (a safetensors handle)
-                if name.startswith(skip_prefixes):
-                    continue
-                t = h.get_slice(name)
-                out[t.get_dtype()] += stored_bytes(t)
+    for t in stored_tensors(checkpoint_files(Path(path))):
+        if not t.name.startswith(skip_prefixes):
+            out[t.dtype] += t.nbytes
     return dict(out)

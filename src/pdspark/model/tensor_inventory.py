@@ -10,7 +10,13 @@ when bf16; norms, embedding, head, gate, compressor and `weights_proj` weights B
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
 
 from pdspark.model.model_config import CSA, HCA, ModelConfig
 
@@ -31,6 +37,25 @@ class TensorSpec:
         for d in self.shape:
             n *= d
         return n
+
+
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+def stored_spec(name: str, header: Any) -> TensorSpec:
+    """Tensor `name` of a safetensors file as its header describes it (`safe_open(...).get_slice(name)`: no data
+    read); a routed expert's tensor knows its expert."""
+    m = _EXPERT.search(name)
+    return TensorSpec(name, tuple(header.get_shape()), header.get_dtype(), int(m.group(1)) if m else None)
+
+
+def stored_tensors(files: Iterable[Path]) -> list[TensorSpec]:
+    """Every tensor of the safetensors `files`, from their headers alone."""
+    out: list[TensorSpec] = []
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            out += [stored_spec(name, h.get_slice(name)) for name in h.keys()]  # noqa: SIM118 (a safetensors handle)
+    return out
 
 
 def released_tensors(cfg: ModelConfig, expert_dtype: str = "fp4") -> list[TensorSpec]:

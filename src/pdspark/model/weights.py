@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from pdspark.errors import CheckpointError
 from pdspark.model.dsv4 import DSV4Model
 from pdspark.model.scaled_weights import Scaled, ScaledWeights, scale_owner
-from pdspark.model.tensor_inventory import DTYPE_BYTES
+from pdspark.model.tensor_inventory import stored_spec
 from pdspark.quant.scheme import QuantDescription
 
 # checkpoint name (after an optional leading "model.") -> parameter name, or (parameter, row half)
@@ -174,14 +174,6 @@ class KeepsCompact(Protocol):
     def take(self, name: str, piece: Piece, tensor: Scaled) -> bool: ...
 
 
-def stored_bytes(t) -> int:
-    """The bytes of a safetensors slice (`safe_open(...).get_slice(name)`), from its header."""
-    n = DTYPE_BYTES[t.get_dtype()]
-    for d in t.get_shape():
-        n *= d
-    return n
-
-
 def has_scaled_weights(path: Path) -> bool:
     """The checkpoint at `path` holds FP8/MXFP4 weights with scales (the released format), from the index or the
     files' headers alone."""
@@ -217,7 +209,7 @@ def load_weights(model: DSV4Model, path: str | Path, progress: bool = False,
     # The released format's FP8/FP4 weights are read with their scales and decoded to float (`scaled_weights.py`).
     weights = ScaledWeights(handles, names, _open)
     skipped: set[str] = set()
-    sizes = {name: stored_bytes(handles[f].get_slice(name)) for f, name in names}
+    sizes = {name: stored_spec(name, handles[f].get_slice(name)).nbytes for f, name in names}
     bar = _progress(sum(sizes.values()), progress)
     last = {f: name for f, name in names}  # each file's last tensor
     for f, name in names:
