@@ -11,6 +11,7 @@ from aiohttp import web
 
 from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig
+from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import build
 from pdspark.router.http_api import build_app
@@ -45,6 +46,9 @@ class FakeDispatcher:
         msg = worker_pb2.GenerateRequest(request_id=request_id, transfer_id="t", prompt_token_ids=prompt_ids,
                                          sampling=convert.sampling_to_pb(params), prefill_address="p:1")
         self.requests.append((list(msg.prompt_token_ids), convert.sampling_from_pb(msg.sampling)))
+        so = params.structured_outputs
+        if so is not None and "REFUSE" in so.spec:  # a worker's compiler refusing it
+            raise RequestFailed(ErrorCode.INVALID_REQUEST, f"invalid `structured_outputs.{so.kind}`: no such thing")
         if prompt_ids[0] == FAIL_AT_ONCE:
             raise RuntimeError("a bug before the first token")
         if prompt_ids[0] == HANG_AFTER_FIRST:

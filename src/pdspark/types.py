@@ -1,10 +1,12 @@
-"""Public request/response types of the engine: `SamplingParams`, `FinishReason`, `RequestOutput`,
-`TokenLogprobs`."""
+"""Public request/response types of the engine: `SamplingParams`, `StructuredOutputs`, `FinishReason`,
+`RequestOutput`, `TokenLogprobs`."""
 
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdspark.errors import InvalidRequestError
 
@@ -20,6 +22,65 @@ class FinishReason(str, enum.Enum):  # noqa: UP042 (a `StrEnum` would change wha
 
     def __str__(self) -> str:
         return self.value
+
+
+# The constraint kinds of `StructuredOutputs`, as vLLM's `StructuredOutputsParams` names them.
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+MAX_STRUCTURED_CHARS = 1 << 20  # a schema, regex or grammar of more than a MiB is refused before compiling
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output text (`engine/grammar.py` turns it into a token mask at every sampled position).
+
+    `kind` is one of `STRUCTURED_KINDS` and `spec` its text: `json` a JSON schema (JSON text), `json_object` any JSON
+    object (`spec` empty), `regex` a regular expression, `choice` a JSON array of the allowed strings, `grammar` an
+    EBNF grammar (xgrammar's dialect: GBNF, `root ::= ...`), `structural_tag` xgrammar's structural tag JSON (what
+    tool calls are constrained with). One canonical text per constraint: it is the wire form and the compile
+    cache's key. Build with `StructuredOutputs.of(json=schema)` and the like."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS, "structured_outputs", self.kind, f"one of {', '.join(STRUCTURED_KINDS)}")
+        field = f"structured_outputs.{self.kind}"
+        _check(isinstance(self.spec, str) and len(self.spec) <= MAX_STRUCTURED_CHARS, field,
+               self.spec[:64] if isinstance(self.spec, str) else self.spec,
+               f"a string of at most {MAX_STRUCTURED_CHARS} characters")
+        if self.kind == "choice":
+            choices = _json_or_none(self.spec)
+            _check(isinstance(choices, list) and bool(choices) and all(isinstance(c, str) and c for c in choices),
+                   "structured_outputs.choice", self.spec[:64], "a non-empty JSON array of non-empty strings")
+        if self.kind in ("json", "structural_tag"):
+            _check(isinstance(_json_or_none(self.spec), dict), f"structured_outputs.{self.kind}", self.spec[:64],
+                   "a JSON object")
+
+    @classmethod
+    def of(cls, *, json: dict | str | None = None, json_object: bool = False, regex: str | None = None,
+           choice: list[str] | tuple[str, ...] | None = None, grammar: str | None = None,
+           structural_tag: dict | str | None = None) -> StructuredOutputs:
+        """Exactly one constraint, spelled as vLLM's `StructuredOutputsParams` spells it."""
+        given = {k: v for k, v in (("json", json), ("regex", regex), ("choice", choice), ("grammar", grammar),
+                                   ("structural_tag", structural_tag)) if v is not None}
+        if json_object:
+            given["json_object"] = ""
+        _check(len(given) == 1, "structured_outputs", sorted(given), f"exactly one of {', '.join(STRUCTURED_KINDS)}")
+        kind, value = next(iter(given.items()))
+        if kind == "choice" or not isinstance(value, str):
+            value = _dumps(list(value) if kind == "choice" else value)
+        return cls(kind, value)
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -52,6 +113,9 @@ class SamplingParams:
     # Set by a prefill worker, not by clients: the prompt's last tokens that are a migrated stream's earlier output
     # (the penalties and `min_tokens` count them as output, as the uninterrupted stream did).
     prompt_output_tokens: int = 0
+    # The output must match this (JSON schema, regex, choice, grammar): every sampled token is masked to those that
+    # keep it matchable, DSpark's verify rows included (`engine/grammar.py`).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0, "temperature", self.temperature, ">= 0")
@@ -87,9 +151,9 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """The controls read the tokens before each position (penalties, `min_tokens`)."""
+        """The controls read the tokens before each position (penalties, `min_tokens`, the grammar)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens)
+                    or self.min_tokens or self.structured_outputs is not None)
 
     @property
     def greedy(self) -> bool:

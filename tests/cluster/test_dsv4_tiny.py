@@ -191,10 +191,11 @@ def test_the_only_decode_worker_killed_mid_stream_every_stream_completes_after_i
 MIGRATED_TOKENS = 256
 
 
-def streams_through(info: dict, texts: list[str], max_tokens: int, kill) -> list[list[int]]:
-    """Greedy SDK streams of `texts` through the cluster's router; once each has its first token, `kill()` (a
-    worker under them); every stream's tokens once all ended. Fails unless each ended without an error and the
-    router counted a migration (the kill hit running streams)."""
+def streams_through(info: dict, texts: list[str], max_tokens: int, kill, **sampling) -> list[list[int]]:
+    """Greedy SDK streams of `texts` through the cluster's router (`sampling`: more `SamplingParams` fields, or
+    others than `ignore_eos=True`); once each has its first token, `kill()` (a worker under them); every stream's
+    tokens once all ended. Fails unless each ended without an error and the router counted a migration (the kill
+    hit running streams)."""
     import threading
 
     from pdspark.client import Client
@@ -206,7 +207,8 @@ def streams_through(info: dict, texts: list[str], max_tokens: int, kill) -> list
     def stream(i: int) -> None:
         try:
             client = Client(info["grpc"], timeout=scaled(180))
-            for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0, ignore_eos=True):
+            for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0,
+                                       **{"ignore_eos": True, **sampling}):
                 if not got[i]:
                     first_tokens.release()
                 got[i] += chunk.token_ids

@@ -573,3 +573,30 @@ def test_the_prefill_worker_returns_the_prompt_logprobs_the_decode_worker_stream
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
         assert a.top.keys() == b.top.keys()
     assert pair.free_counts_restored()
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=79)], ids=["greedy", "seeded"])
+def test_a_structured_output_gives_the_offline_tokens_through_pd_and_after_a_migration(ckpt, pair, sampling):
+    """The prefill worker masks the first token, the decode worker every later one and every DSpark verify row; a
+    migrated stream's new cursor follows the tokens generated before it: the offline tokens, a matching text. (A
+    regex without `"`: this checkpoint's byte tokenizer spends that character on its EOS id, as no real one does;
+    JSON through P/D and migration runs on the shipped model in tests/cluster/test_structured_cluster.py.)"""
+    import re
+
+    from pdspark.types import StructuredOutputs
+
+    pattern = r"[a-z]{1,6}(,[0-9]{1,2}){1,3};"
+    prompt = random_prompts(1, [30], seed=10)[0]
+    params = SamplingParams(max_tokens=40, structured_outputs=StructuredOutputs.of(regex=pattern), **sampling)
+    offline = make_llm(ckpt, **{k: v for k, v in OPTS.items() if k != "speculative"})
+    want = offline.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    # (the text ends with the EOS id's `"`: this tokenizer does not know it as special)
+    assert want.finish_reason == FinishReason.STOP and re.fullmatch(pattern + '"', want.text), want.text
+    for k in (0, 1, 5):
+        got = pair.run(prompt, params, request_id=f"s{k}", generated=want.token_ids[:k])["outputs"][-1]
+        assert got.token_ids == want.token_ids, f"migrated after {k} tokens"
+    bad = replace(params, structured_outputs=StructuredOutputs.of(grammar="root ::= "))
+    out = pair.run(prompt, bad, request_id="bad")
+    assert out["prefill_error"].code is ErrorCode.INVALID_REQUEST and "structured_outputs.grammar" in str(
+        out["prefill_error"])
+    assert pair.free_counts_restored()

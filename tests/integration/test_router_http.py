@@ -297,3 +297,49 @@ def test_echo_puts_the_prompt_before_the_completion_and_asks_the_workers_for_its
     assert status == 200 and app.dispatcher.requests[-1][1].prompt_logprobs == 1
     # The two prompt tokens (the fake workers send no logprobs of their own tokens, nor of the prompt's).
     assert logprobs["token_logprobs"] == [None] and len(logprobs["tokens"]) == 2
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("path, extra, want", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                                                        "strict": True}}},
+     ("json", json.dumps(SCHEMA, separators=(",", ":")))),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, ("json_object", "")),
+    ("/v1/chat/completions", {"response_format": {"type": "text"}}, None),
+    ("/v1/completions", {"structured_outputs": {"regex": "[0-9]+"}}, ("regex", "[0-9]+")),
+    ("/v1/completions", {"structured_outputs": {"choice": ["x", "y"]}}, ("choice", '["x","y"]')),
+    ("/v1/completions", {"structured_outputs": {"json": json.dumps(SCHEMA)}},
+     ("json", json.dumps(SCHEMA, separators=(",", ":")))),
+    ("/v1/completions", {"guided_grammar": 'root ::= "a"'}, ("grammar", 'root ::= "a"')),
+    ("/generate", {"sampling_params": {"max_new_tokens": 2, "json_schema": json.dumps(SCHEMA)}},
+     ("json", json.dumps(SCHEMA, separators=(",", ":")))),
+    ("/generate", {"sampling_params": {"max_new_tokens": 2, "ebnf": 'root ::= "b"'}}, ("grammar", 'root ::= "b"')),
+], ids=["json_schema", "json_object", "text", "regex", "choice", "json_text", "guided_grammar", "sglang_json",
+        "sglang_ebnf"])
+def test_every_spelling_of_an_output_constraint_reaches_the_workers(app, path, extra, want):
+    body = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else
+            {"text": "hi"} if path == "/generate" else {"prompt": "hi"})
+    status, _, raw = call(app, "POST", path, {**body, "max_tokens": 2, **extra} if path != "/generate" else
+                          {**body, **extra})
+    assert status == 200, raw
+    so = app.dispatcher.requests[-1][1].structured_outputs
+    assert (so.kind, so.spec) == want if want else so is None
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "a", "grammar": "root ::= \"a\""}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"structured_outputs": {"json": "[1]"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": "REFUSE("}}, "structured_outputs.regex"),  # the worker's compile refuses it
+])
+def test_a_bad_output_constraint_is_a_400_naming_its_field(app, extra, param):
+    status, _, raw = call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, **extra})
+    body = json.loads(raw)
+    assert status in (400, 422) and body["error"]["param"] == param, body

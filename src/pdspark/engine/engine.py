@@ -19,6 +19,7 @@ from pdspark.cache.pool_sizes import PoolSizes
 from pdspark.config import EngineConfig
 from pdspark.engine.drafter import DraftProposal, DSparkDrafter
 from pdspark.engine.forward_batch import Chunk
+from pdspark.engine.grammar import GrammarCursor, Grammars
 from pdspark.engine.model_runner import ModelRunner, RunOutput
 from pdspark.engine.random_stream import RandomStream
 from pdspark.engine.request import Request, RequestStatus
@@ -155,6 +156,7 @@ class Engine:
         streams = PrepareStreams(self.backend) if config.multi_stream_rows else None
         self.runner = ModelRunner(model, self.kv, capture, streams, config.multi_stream_rows)
         self.sampler = Sampler(model.cfg.eos_token_ids)
+        self.grammars = Grammars(tokenizer, model.cfg.vocab_size, model.cfg.eos_token_ids)
         # Seeds for requests that come without one. NOTE: an explicit engine seed is the deterministic mode (tests,
         # benchmarks: the n-th request gets the same seed on every run); without one (None), OS entropy, so that two
         # workers never produce the same "random" streams.
@@ -183,7 +185,7 @@ class Engine:
         self._check_new_id(req_id)
         self.validate(prompt_token_ids, params)
         req = Request(req_id, list(prompt_token_ids), params, prompt=prompt, hold_pages=hold_pages,
-                      seed=self.effective_seed(params))
+                      seed=self.effective_seed(params), grammar=self._grammar(params))
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req_id
@@ -201,6 +203,8 @@ class Engine:
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # (a bad schema fails here, before any page is taken)
         total = min(len(ids) + params.max_tokens, max_len)
         sizes, P = self.sizes, self.sizes.page_size
         need = math.ceil(total / P)
@@ -213,6 +217,11 @@ class Engine:
         c128_need = math.ceil(total / self.kv.group_tokens) if self.model_config.hca_layers else 0
         if c128_need > sizes.num_c128_pages:
             raise CapacityError(f"request needs {c128_need} C128 pages; the pool has {sizes.num_c128_pages}")
+
+    def _grammar(self, params: SamplingParams) -> GrammarCursor | None:
+        """A new cursor for a constrained request (its grammar compiled, or found compiled: workers compile ahead of
+        the loop, `EngineClient.prepare`)."""
+        return self.grammars.cursor(params.structured_outputs) if params.structured_outputs is not None else None
 
     def _check_new_id(self, req_id: str) -> None:
         # A request is in flight until `release` forgets it (finished ones too: their outputs or held pages are
@@ -290,7 +299,7 @@ class Engine:
         strings, text), as if this engine had produced them."""
         self._check_new_id(request_id)
         req = Request(request_id, list(prompt_token_ids), params, prompt=prompt, seed=self.effective_seed(params),
-                      output_token_ids=list(generated))
+                      output_token_ids=list(generated), grammar=self._grammar(params))
         req.pages = pages
         req.num_computed_tokens = req.num_tokens
         req.num_cached_tokens = num_cached_tokens
@@ -425,7 +434,7 @@ class Engine:
         req = c.request
         drafts = proposals[req.req_id].tokens[:j] if c.num_drafts else []
         prompt_len = len(req.prompt_token_ids) - req.params.prompt_output_tokens
-        return History(req.all_token_ids[: req.num_tokens] + drafts, prompt_len)
+        return History(req.all_token_ids[: req.num_tokens] + drafts, prompt_len, req.grammar)
 
     def _count(self, req: Request, drafts: int, accepted: int) -> None:
         req.spec_verify_steps += 1

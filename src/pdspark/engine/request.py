@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdspark.cache.kv_cache import ReqPages
+from pdspark.engine.grammar import GrammarCursor
 from pdspark.engine.output_text import OutputText
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
 
@@ -46,6 +47,8 @@ class Request:
     # The effective sampling seed (`RandomStream(seed)` makes every draw): the client's `params.seed`, or one the
     # engine drew for a request without one.
     seed: int = 0
+    # With `params.structured_outputs`: the matcher that follows the output (`engine/grammar.py`).
+    grammar: GrammarCursor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

@@ -1,5 +1,5 @@
-"""`Sampler`: next tokens from logits, per request: the controls (`logits_controls`), then greedy, or temperature,
-min-p, top-k, top-p, seeded; with logprobs."""
+"""`Sampler`: next tokens from logits, per request: the controls (`logits_controls`) and the grammar's mask
+(`grammar`), then greedy, or temperature, min-p, top-k, top-p, seeded; with logprobs."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ from typing import NamedTuple
 
 import torch
 
+from pdspark.engine.grammar import GrammarCursor
 from pdspark.engine.logits_controls import apply_controls
 from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.types import SamplingParams, TokenLogprobs
 
 
 class History(NamedTuple):
-    """The tokens before a sampled position: the prompt's `prompt_len`, then the output so far."""
+    """The tokens before a sampled position: the prompt's `prompt_len`, then the output so far; the request's
+    grammar cursor when its output is constrained."""
 
     tokens: list[int]
     prompt_len: int
+    grammar: GrammarCursor | None = None
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -54,8 +57,11 @@ class Sampler:
             logits = logits.clone()
             for i in controlled:
                 h = histories[i] if histories is not None else None
-                logits[i] = apply_controls(logits[i], params[i], h.tokens if h else [], h.prompt_len if h else 0,
+                raw = logits[i].clone()
+                logits[i] = apply_controls(raw, params[i], h.tokens if h else [], h.prompt_len if h else 0,
                                            self.eos_ids)
+                if h is not None and h.grammar is not None:  # (last: a bias cannot lift a token it masks)
+                    self._constrain(logits[i : i + 1], raw, h)
         tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
@@ -65,6 +71,18 @@ class Sampler:
         for i, token in zip(rows, race(probs, noise).tolist()):
             tokens[i] = token
         return tokens
+
+    @staticmethod
+    def _constrain(row: torch.Tensor, raw: torch.Tensor, h: History) -> None:
+        """The grammar's mask on `row [1, V]` (the controlled logits). Where the controls ban every token the grammar
+        allows (`min_tokens` holding back the EOS that alone may end a complete output, a bias of -100 on the only
+        allowed token), the grammar wins: the mask applies to the logits before the controls."""
+        assert h.grammar is not None
+        output = h.tokens[h.prompt_len :]
+        h.grammar.constrain(row, output)
+        if not torch.isfinite(row).any():
+            row.copy_(raw)
+            h.grammar.constrain(row, output)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprobs]:

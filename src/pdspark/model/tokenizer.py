@@ -51,6 +51,11 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(file)), eos_token_ids, config.get("chat_template"), config)
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object itself (what grammar libraries read the vocabulary from)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 

@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Literal
@@ -95,6 +96,9 @@ def _with_port(host: str, port: int) -> str:
     return f"{name}:{port}"
 
 
+_NAMED_FIELD = re.compile(r"invalid `([\w.\[\]]+)`")
+
+
 def _failure(e: RequestFailed) -> web.Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if e.code is ErrorCode.OVERLOADED else None
     return web.json_response(_failure_body(e), status=e.code.http_status, headers=headers)
@@ -127,8 +131,10 @@ def _timeout(request: web.Request) -> float | None:
 
 
 def _failure_body(e: RequestFailed) -> dict:
-    """OpenAI's error object for a failed request (also sent as the last SSE event of a broken stream)."""
-    return error_body(e.message, e.code.openai_type, None, e.code.value)
+    """OpenAI's error object for a failed request (also sent as the last SSE event of a broken stream). A worker's
+    refusal of a field (``invalid `name`: ...``, `InvalidRequestError`) names it as `param`."""
+    named = _NAMED_FIELD.match(e.message) if e.code is ErrorCode.INVALID_REQUEST else None
+    return error_body(e.message, e.code.openai_type, named.group(1) if named else None, e.code.value)
 
 
 def _internal_error_event(where: str) -> bytes:

@@ -7,7 +7,7 @@ from typing import cast
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.transfer.plan import BufferDesc, PoolKind, TransferPlan, TransferResult, TransferStats
-from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
+from pdspark.types import FinishReason, SamplingParams, StructuredOutputs, TokenLogprobs
 from pdspark.v1 import common_pb2, worker_pb2
 
 # The engine's enums and their protobuf twins. Unit tests check both directions are complete.
@@ -67,6 +67,9 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     if p.logit_bias:
         msg.logit_bias.update(p.logit_bias)
     msg.banned_token_ids.extend(p.banned_token_ids)
+    if p.structured_outputs is not None:
+        msg.structured_outputs.kind = p.structured_outputs.kind
+        msg.structured_outputs.spec = p.structured_outputs.spec
     return msg
 
 
@@ -81,6 +84,8 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=msg.include_stop_str_in_output,
         logit_bias=dict(msg.logit_bias) or None,
         banned_token_ids=tuple(msg.banned_token_ids),
+        structured_outputs=(StructuredOutputs(msg.structured_outputs.kind, msg.structured_outputs.spec)
+                            if msg.HasField("structured_outputs") else None),
         **given,
     )
 

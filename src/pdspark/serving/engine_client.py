@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A structured output's grammar that takes longer than this to compile is refused. xgrammar compiles a JSON schema
+# in milliseconds; a pathological regex or grammar can take minutes, and the compile cannot be interrupted: it goes
+# on in its thread and lands in the cache, the request is answered now.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+
 
 class EngineClient:
     def __init__(self, loop: EngineLoop, timeout_s: float = 30.0):
@@ -56,6 +61,7 @@ class EngineClient:
         """Queue a request and deliver its outputs to `listener` (on the loop thread). `hold_pages`: keep its
         pages after it finishes, until `release`. Raises `RequestFailed` (INVALID_REQUEST, CAPACITY,
         ALREADY_EXISTS, or UNAVAILABLE when the loop does not answer)."""
+        await self._compile_grammar(params)
         await self._call(self._submit, request_id, prompt_ids, params, listener, hold_pages)
 
     def abort(self, request_id: str) -> None:
@@ -83,6 +89,7 @@ class EngineClient:
         """Destination pages for a prompt whose cache will arrive by transfer, waiting in line (until `deadline`,
         `time.monotonic()` seconds) while the pools are full. Raises `RequestFailed`: OVERLOADED when none came in
         time (`reservation_queue.no_room`), or INVALID_REQUEST / CAPACITY for a prompt that can never be served."""
+        await self._compile_grammar(params)  # (adopt finds it compiled)
         ticket = ReservationTicket(prompt_ids, params, deadline)
         try:
             await self._call(self._reservations.offer, ticket)
@@ -109,6 +116,21 @@ class EngineClient:
                                 generated)
 
     # ---- plumbing ----------------------------------------------------------------------------------------------------
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a constrained request's grammar on a helper thread (cached), so that neither this event loop nor
+        the engine loop waits for a compile; raises `RequestFailed` (INVALID_REQUEST) for one that does not compile
+        or takes longer than `GRAMMAR_COMPILE_TIMEOUT_S`."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._engine.grammars.compile, so), GRAMMAR_COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise RequestFailed(ErrorCode.INVALID_REQUEST, f"`structured_outputs.{so.kind}` did not compile within "
+                                f"{GRAMMAR_COMPILE_TIMEOUT_S:.0f}s; simplify it") from None
+        except PdsparkError as e:
+            raise as_request_failed(e) from e
+
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the loop thread and await its result (engine errors as `RequestFailed`)."""
         fut = self.loop.submit(fn, *args, awaited=True)

@@ -16,6 +16,7 @@ from pdspark.router.openai.sampling_fields import (
     SamplingFields,
     TokenId,
 )
+from pdspark.types import MAX_STRUCTURED_CHARS
 
 
 class GenerateSamplingParams(SamplingFields):
@@ -26,6 +27,10 @@ class GenerateSamplingParams(SamplingFields):
                                        description="SGLang's `min_tokens`: `min_tokens` wins when both are given")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     no_stop_trim: bool | None = Field(None, description="SGLang's `include_stop_str_in_output`")
+    # SGLang's output constraints (at most one; `structured_fields`)
+    json_schema: str | None = Field(None, max_length=MAX_STRUCTURED_CHARS, description="a JSON schema, as JSON text")
+    regex: str | None = Field(None, max_length=MAX_STRUCTURED_CHARS)
+    ebnf: str | None = Field(None, max_length=MAX_STRUCTURED_CHARS, description="an EBNF grammar (`root ::= ...`)")
 
 
 class GenerateRequest(BaseModel):

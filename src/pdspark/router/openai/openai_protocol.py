@@ -24,6 +24,7 @@ from pdspark.router.openai.completion_request import CompletionRequest
 from pdspark.router.openai.generate_request import GenerateRequest, GenerateSamplingParams
 from pdspark.router.openai.openai_request import StreamOptions
 from pdspark.router.openai.sampling_fields import SamplingFields
+from pdspark.router.openai.structured_fields import generate_structured_outputs, structured_outputs
 from pdspark.router.prompt_work import too_long_for_context
 from pdspark.router.random_id import uuid4_hex
 from pdspark.types import FinishReason, SamplingParams, TokenLogprobs
@@ -148,7 +149,7 @@ def parse_completion(req: CompletionRequest, served: ServedModel) -> ParsedReque
         prompts.append(ids)
     # One token budget for every prompt: the longest must leave room for it.
     max_tokens = _max_tokens(req.max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, max(map(len, prompts)), served)
-    params = _sampling(req, max_tokens, req.logprobs, served)
+    params = replace(_sampling(req, max_tokens, req.logprobs, served), structured_outputs=structured_outputs(req))
     echo = None
     if req.echo:
         if req.stream:
@@ -175,7 +176,7 @@ def parse_chat(req: ChatCompletionRequest, served: ServedModel) -> ParsedRequest
     max_tokens = _max_tokens(value, name, DEFAULT_CHAT_MAX_TOKENS, len(ids), served)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     n, _ = _choices(req.n, None, bool(req.stream), 1)
-    params = _sampling(req, max_tokens, logprobs, served)
+    params = replace(_sampling(req, max_tokens, logprobs, served), structured_outputs=structured_outputs(req))
     return ParsedRequest(ids, params, bool(req.stream), *_usage_options(req.stream_options), chat=True,
                          logprobs=logprobs, n=n)
 
@@ -200,7 +201,8 @@ def parse_generate(req: GenerateRequest, served: ServedModel) -> ParsedRequest:
         sp = sp.model_copy(update={"min_tokens": sp.min_new_tokens})
     if sp.include_stop_str_in_output is None and sp.no_stop_trim is not None:
         sp = sp.model_copy(update={"include_stop_str_in_output": sp.no_stop_trim})
-    params = _sampling(sp, max_tokens, sp.logprobs, served, prefix="sampling_params.")
+    params = replace(_sampling(sp, max_tokens, sp.logprobs, served, prefix="sampling_params."),
+                     structured_outputs=generate_structured_outputs(sp.json_schema, sp.regex, sp.ebnf))
     return ParsedRequest(ids, params, bool(req.stream), False, False, chat=False, logprobs=sp.logprobs)
 
 

@@ -1,0 +1,109 @@
+"""`StructuredOutputs` and the grammar cursor (`engine/grammar.py`), on dsv4-tiny's tokenizer: a cursor that jumps
+between outputs (a verify window's drafts, the rollback after a rejection) gives exactly the mask a fresh cursor gives
+after the same output; special tokens never stand for their text; bad specs are refused naming the field; the wire
+form round-trips."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from pdspark.assets import resolve_model
+from pdspark.engine.grammar import Grammars
+from pdspark.errors import InvalidRequestError
+from pdspark.model.tokenizer import Tokenizer
+from pdspark.rpc import convert
+from pdspark.types import SamplingParams, StructuredOutputs
+
+EOS = 1
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "maxItems": 3}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Grammars:
+    tok = Tokenizer.from_dir(resolve_model("dsv4-tiny"), (EOS,))
+    return Grammars(tok, tok.vocab_size, (EOS,))
+
+
+def _allowed(cursor, output: list[int], vocab: int) -> torch.Tensor:
+    logits = torch.zeros(1, vocab)
+    cursor.constrain(logits, output)
+    return logits[0] > float("-inf")
+
+
+def _walk(grammars: Grammars, so: StructuredOutputs, rng: random.Random, steps: int) -> list[int]:
+    """A random output the grammar accepts (each token drawn among the allowed ones)."""
+    cursor, out = grammars.cursor(so), []
+    for _ in range(steps):
+        allowed = _allowed(cursor, out, grammars.vocab_size).nonzero().flatten().tolist()
+        token = rng.choice(allowed)
+        if token == EOS:
+            break
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("so", [StructuredOutputs.of(json=SCHEMA), StructuredOutputs.of(regex=r"[a-z]{2,5}-[0-9]+"),
+                                StructuredOutputs.of(grammar='root ::= ("ab" | "cd")+ "!"')],
+                         ids=["json", "regex", "grammar"])
+def test_a_cursor_that_jumps_gives_a_fresh_cursors_mask(grammars, so):
+    """Verify-like moves (ahead through drafts, back to a shorter prefix, sideways to a different last token) leave
+    the cursor's mask equal to that of a cursor that only ever saw the target output."""
+    rng = random.Random(7)
+    path = _walk(grammars, so, rng, 40)
+    assert len(path) >= 4
+    jumping = grammars.cursor(so)
+    for _ in range(30):
+        n = rng.randint(0, len(path))
+        target = path[:n]
+        if n and rng.random() < 0.3:  # a rejected draft: a different token the grammar refuses, or another it takes
+            target = [*path[: n - 1], rng.randrange(grammars.vocab_size)]
+        want = _allowed(grammars.cursor(so), target, grammars.vocab_size)
+        assert torch.equal(_allowed(jumping, target, grammars.vocab_size), want)
+
+
+def test_special_tokens_never_stand_for_their_text_and_eos_ends_a_complete_output(grammars):
+    so = StructuredOutputs.of(json=SCHEMA)
+    cursor = grammars.cursor(so)
+    start = _allowed(cursor, [], grammars.vocab_size)
+    assert not start[:8].any()  # `<|bos|>` .. `<|end|>`: never inside the JSON
+    text = json.dumps({"name": "ab", "n": 7})
+    done = grammars._tokenizer.encode(text, add_special_tokens=False)
+    end = _allowed(cursor, done, grammars.vocab_size)
+    assert end[EOS] and end.sum() == 1  # complete: only EOS
+
+
+def test_bad_specs_are_refused_naming_the_field(grammars):
+    for so, field in [(StructuredOutputs.of(regex="[a-"), "structured_outputs.regex"),
+                      (StructuredOutputs.of(json={"type": "objec"}), "structured_outputs.json"),
+                      (StructuredOutputs.of(grammar='root ::= "a" |'), "structured_outputs.grammar")]:
+        with pytest.raises(InvalidRequestError) as e:
+            grammars.compile(so)
+        assert e.value.field == field and f"invalid `{field}`" in str(e.value)
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputs.of(regex="a", grammar="root ::= \"a\"")
+    with pytest.raises(InvalidRequestError, match="non-empty JSON array"):
+        StructuredOutputs.of(choice=[])
+    with pytest.raises(InvalidRequestError, match="a JSON object"):
+        StructuredOutputs("json", "[1, 2]")
+    with pytest.raises(InvalidRequestError, match="one of json"):
+        StructuredOutputs("yaml", "")
+
+
+def test_a_compiled_grammar_is_cached_per_constraint(grammars):
+    so = StructuredOutputs.of(choice=["yes", "no"])
+    assert grammars.compile(so) is grammars.compile(StructuredOutputs.of(choice=["yes", "no"]))
+    assert grammars.compile(so) is not grammars.compile(StructuredOutputs.of(choice=["no", "yes"]))
+
+
+@pytest.mark.parametrize("so", [StructuredOutputs.of(json=SCHEMA), StructuredOutputs.of(json_object=True),
+                                StructuredOutputs.of(choice=["a|b", "c"]), None])
+def test_the_constraint_round_trips_the_wire(so):
+    params = SamplingParams(temperature=0, structured_outputs=so)
+    assert convert.sampling_from_pb(convert.sampling_to_pb(params)).structured_outputs == so
