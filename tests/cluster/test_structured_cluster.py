@@ -93,3 +93,72 @@ def test_constrained_streams_migrate_when_their_decode_worker_is_killed_and_equa
     assert got == want
     for ids in got:
         jsonschema.validate(json.loads(tiny.tokenizer.decode(ids)), schema)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                           "units": {"enum": ["c", "f"]}},
+           "required": ["city", "days"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 99}, "maxItems": 3}},
+       "required": ["xs"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_are_valid_through_the_openai_sdk_streamed_and_not(dsv4_tiny_cluster, tool_choice):
+    import openai
+
+    client = openai.OpenAI(base_url=dsv4_tiny_cluster.info["http"] + "/v1", api_key="none", max_retries=0,
+                           timeout=scaled(120))
+    ask = dict(model="dsv4-tiny", messages=[{"role": "user", "content": "What's the weather in Oslo?"}], tools=TOOLS,
+               tool_choice=tool_choice, max_tokens=600, temperature=0.8, seed=5)
+    got = client.chat.completions.create(**ask)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert isinstance(tool_choice, str) or call.function.name == "add"
+    # Streamed: the same calls, their arguments in pieces that add up.
+    args: dict[int, str] = {}
+    names: dict[int, str] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or ():
+            names[tc.index] = names.get(tc.index, "") + (tc.function.name or "")
+            args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(names[i], json.loads(args[i])) for i in sorted(args)] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+
+
+def test_thinking_comes_back_as_reasoning_content_and_tool_results_are_read(dsv4_tiny_cluster):
+    """`reasoning_effort` opens the thinking; `thinking_budget` ends it; the answer follows its JSON schema; streamed,
+    the thinking arrives as `reasoning_content` deltas. A conversation with a call and its result is served."""
+    import openai
+
+    client = openai.OpenAI(base_url=dsv4_tiny_cluster.info["http"] + "/v1", api_key="none", max_retries=0,
+                           timeout=scaled(120))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    ask = dict(model="dsv4-tiny", temperature=0, max_tokens=200, reasoning_effort="high",
+               extra_body={"thinking_budget": 16},
+               response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+               messages=[{"role": "user", "content": "Think, then answer."},
+                         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                          "function": {"name": "add", "arguments": '{"xs": [1, 2]}'}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "3"}])
+    got = client.chat.completions.create(**ask).choices[0].message
+    reasoning = got.model_extra["reasoning_content"]
+    assert reasoning and "</think>" not in reasoning and json.loads(got.content) in ({"ok": True}, {"ok": False})
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        streamed["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+        streamed["content"] += delta.content or ""
+    assert streamed == {"reasoning_content": reasoning, "content": got.content}

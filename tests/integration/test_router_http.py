@@ -343,3 +343,44 @@ def test_a_bad_output_constraint_is_a_400_naming_its_field(app, extra, param):
     status, _, raw = call(app, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, **extra})
     body = json.loads(raw)
     assert status in (400, 422) and body["error"]["param"] == param, body
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def long_app():
+    """A context long enough for the tools' section of the system prompt."""
+    r = RouterApp(max_model_len=2048)
+    yield r
+    r.close()
+
+
+def test_a_forced_tool_call_runs_under_the_call_grammar_and_auto_under_none(long_app):
+    app = long_app
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": TOOLS}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        status, _, raw = call(app, "POST", "/v1/chat/completions", {**chat, "tool_choice": choice})
+        so = app.dispatcher.requests[-1][1].structured_outputs
+        assert status == 200 and so.kind == "structural_tag" and "get_weather" in so.spec, raw
+    for choice in ("auto", "none"):
+        status, _, raw = call(app, "POST", "/v1/chat/completions", {**chat, "tool_choice": choice})
+        assert status == 200 and app.dispatcher.requests[-1][1].structured_outputs is None, raw
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tool_choice": "required", "tools": None}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "get_weather", "arguments": "{not json"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
+])
+def test_a_bad_tool_request_is_refused_naming_its_field(long_app, extra, param):
+    app = long_app
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": TOOLS, **extra}
+    status, _, raw = call(app, "POST", "/v1/chat/completions", {k: v for k, v in body.items() if v is not None})
+    error = json.loads(raw)["error"]
+    assert status in (400, 422) and error["param"] == param, error

@@ -130,6 +130,14 @@ def _timeout(request: web.Request) -> float | None:
     return value
 
 
+def _held_back(body: dict) -> bool:
+    """A chat chunk with nothing to say yet: its text is held back by its `AssistantOutput` (it may be the start of
+    `</think>` or of a call block), no finish, no logprobs, no usage."""
+    only = body["choices"][0]
+    return ("delta" in only and not only["delta"] and only["finish_reason"] is None and only["logprobs"] is None
+            and "usage" not in body)
+
+
 def _failure_body(e: RequestFailed) -> dict:
     """OpenAI's error object for a failed request (also sent as the last SSE event of a broken stream). A worker's
     refusal of a field (``invalid `name`: ...``, `InvalidRequestError`) names it as `param`."""
@@ -242,12 +250,14 @@ class HttpApi:
         use = oai.usage(totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens)
         logprobs = oai.logprobs_json(lps, core.tokenizer, chat) if parsed.logprobs is not None else None
         return web.json_response(oai.completion_body(rid, core.served_name, chat, "".join(text),
-                                                     totals.finish_reason, logprobs, use, stream=False))
+                                                     totals.finish_reason, logprobs, use, stream=False,
+                                                     reader=oai.assistant_reader(parsed.shape)))
 
     async def _sse(self, request, rid, chat, parsed, stream, totals) -> web.StreamResponse:
         core = self.core
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         first = True
+        reader = oai.assistant_reader(parsed.shape)
         try:
             async for chunk in stream:
                 if first:
@@ -258,8 +268,10 @@ class HttpApi:
                 use = (oai.usage(totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens)
                        if parsed.continuous_usage else None)
                 body = oai.completion_body(rid, core.served_name, chat, chunk.text, chunk.finish_reason, lps, use,
-                                           stream=True, first=first)
+                                           stream=True, first=first, reader=reader)
                 first = False
+                if _held_back(body):
+                    continue
                 await resp.write(f"data: {json.dumps(body)}\n\n".encode())
         except RequestFailed as e:
             if first:  # nothing sent yet: a normal error response
@@ -326,6 +338,7 @@ class HttpApi:
                     if parsed.logprobs is not None:
                         logprobs = oai.echo_logprobs_json(runs[k][2], prompt_lps, lps, core.tokenizer)
                 choices.append(oai.choice(chat, text, totals[k].finish_reason, logprobs, stream=False,
+                                          reader=oai.assistant_reader(parsed.shape),
                                           index=i * parsed.n + j))
         body = oai.completion_body(rid, core.served_name, chat, "", None, None, use(), stream=False)
         body["choices"] = choices
@@ -347,6 +360,7 @@ class HttpApi:
                 await queue.put((k, None, e))
 
         tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+        readers = [oai.assistant_reader(parsed.shape) for _ in streams]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         started, opened, done = False, set(), 0
         try:
@@ -371,8 +385,10 @@ class HttpApi:
                 lps = oai.logprobs_json(chunk.logprobs, core.tokenizer, chat) if parsed.logprobs is not None else None
                 body = oai.completion_body(rid, core.served_name, chat, chunk.text, chunk.finish_reason, lps,
                                            use() if parsed.continuous_usage else None, stream=True,
-                                           first=k not in opened, index=indices[k])
+                                           first=k not in opened, index=indices[k], reader=readers[k])
                 opened.add(k)
+                if _held_back(body):
+                    continue
                 await resp.write(f"data: {json.dumps(body)}\n\n".encode())
             else:
                 if not started:

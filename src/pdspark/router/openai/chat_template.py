@@ -17,5 +17,6 @@ class ChatTemplate:
         self.source = source or DEFAULT_TEMPLATE  # the template's text (what `/tokenizer_info` hands out)
         self.template = env.from_string(self.source)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: object) -> str:
+        """`kwargs`: more variables for the template (`tools`, a request's `chat_template_kwargs`)."""
+        return self.template.render(**{**kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt})

@@ -19,7 +19,10 @@ from pydantic import BaseModel, ValidationError
 
 from pdspark.errors import InvalidRequestError
 from pdspark.router.openai.api_error import ApiError, from_validation_error
+from pdspark.router.openai.assistant_output import AssistantDelta, AssistantOutput
 from pdspark.router.openai.chat_completion_request import ChatCompletionRequest
+from pdspark.router.openai.chat_grammar import chat_constraint
+from pdspark.router.openai.chat_prompt import ChatShape, chat_prompt
 from pdspark.router.openai.completion_request import CompletionRequest
 from pdspark.router.openai.generate_request import GenerateRequest, GenerateSamplingParams
 from pdspark.router.openai.openai_request import StreamOptions
@@ -71,6 +74,7 @@ class ParsedRequest:
     best_of: int = 1  # candidates per prompt (>= n): the n with the highest cumulative logprob are returned
     batch: tuple[list[int], ...] = ()  # every prompt of a batch (empty: `prompt_ids` alone)
     echo: tuple[str, ...] | None = None  # with `echo`: each prompt's text, put before its choices' text
+    shape: ChatShape = ChatShape()  # (chat) how the text is read: thinking, tool calls
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -167,18 +171,24 @@ def parse_chat(req: ChatCompletionRequest, served: ServedModel) -> ParsedRequest
     check_model(req.model, served)
     if served.tokenizer is None or served.chat_template is None:
         raise ApiError(400, "this model has no tokenizer; use /v1/completions with token ids", "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    prompt = chat_prompt(req, served.chat_template)
     # Counted once rendered: the template decides how much of the messages the prompt holds.
-    ids = _tokenize(served.chat_template.render(messages), served, "messages")
+    ids = _tokenize(prompt.text, served, "messages")
     _check_prompt(ids, served, "messages")
     name, value = (("max_completion_tokens", req.max_completion_tokens) if req.max_completion_tokens is not None
                    else ("max_tokens", req.max_tokens))
     max_tokens = _max_tokens(value, name, DEFAULT_CHAT_MAX_TOKENS, len(ids), served)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     n, _ = _choices(req.n, None, bool(req.stream), 1)
-    params = replace(_sampling(req, max_tokens, logprobs, served), structured_outputs=structured_outputs(req))
+    base = structured_outputs(req)
+    if base is not None and prompt.forced_tools:
+        raise ApiError(400, "`tool_choice` forces a tool call, which leaves no room for a response format",
+                       "tool_choice")
+    constraint = chat_constraint(base, prompt.forced_tools, prompt.parallel_tool_calls, prompt.shape.thinking,
+                                 req.thinking_budget)
+    params = replace(_sampling(req, max_tokens, logprobs, served), structured_outputs=constraint)
     return ParsedRequest(ids, params, bool(req.stream), *_usage_options(req.stream_options), chat=True,
-                         logprobs=logprobs, n=n)
+                         logprobs=logprobs, n=n, shape=prompt.shape)
 
 
 def parse_generate(req: GenerateRequest, served: ServedModel) -> ParsedRequest:
@@ -340,27 +350,59 @@ def echo_logprobs_json(prompt_ids: list[int], prompt_lps: tuple[TokenLogprobs, .
 
 def completion_body(rid: str, model: str, chat: bool, text: str, reason: FinishReason | None,
                     logprobs: dict | None, use: dict | None, stream: bool, first: bool = False,
-                    index: int = 0) -> dict:
+                    index: int = 0, reader: AssistantOutput | None = None) -> dict:
     """A completion (or one streamed chunk of one) in OpenAI's shape, with one choice (`index`)."""
     body: dict[str, Any] = {"id": rid, "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else
             "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice(chat, text, reason, logprobs, stream, first, index)]}
+            "choices": [choice(chat, text, reason, logprobs, stream, first, index, reader)]}
     if use is not None:
         body["usage"] = use
     return body
 
 
 def choice(chat: bool, text: str, reason: FinishReason | None, logprobs: dict | None, stream: bool,
-           first: bool = False, index: int = 0) -> dict:
-    """One choice of a completion (or of a streamed chunk) in OpenAI's shape."""
+           first: bool = False, index: int = 0, reader: AssistantOutput | None = None) -> dict:
+    """One choice of a completion (or of a streamed chunk) in OpenAI's shape. `reader` (chat): the choice's
+    `AssistantOutput` when its text is read for thinking and tool calls; fed `text` here (the whole text, or this
+    chunk's), and finished with the last chunk."""
     finish = reason.value if reason is not None else None
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if reader is None:
+        if stream:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+    part = reader.feed(text)
+    if reason is not None:
+        part.add(reader.finish())
+    if reason is FinishReason.STOP and reader.calls:
+        finish = "tool_calls"
     if stream:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish}
+        return {"index": index, "delta": _delta(part, first), "logprobs": logprobs, "finish_reason": finish}
+    message: dict[str, Any] = {"role": "assistant", "content": reader.content or (None if reader.calls else "")}
+    if reader.thinking:
+        message["reasoning_content"] = reader.reasoning
+    if reader.calls:
+        message["tool_calls"] = [c.openai() for c in reader.calls]
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+def assistant_reader(shape: ChatShape) -> AssistantOutput | None:
+    """A choice's reader of its text, for a chat request whose text holds thinking or tool calls."""
+    return None if shape.plain else AssistantOutput(shape.thinking, shape.tools)
+
+
+def _delta(part: AssistantDelta, first: bool) -> dict:
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if part.reasoning:
+        delta["reasoning_content"] = part.reasoning
+    if part.content or (first and not part):
+        delta["content"] = part.content
+    if part.tool_calls:
+        delta["tool_calls"] = part.tool_calls
+    return delta
 
 
 def usage_chunk(rid: str, model: str, chat: bool, use: dict) -> dict:
