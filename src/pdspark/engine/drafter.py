@@ -134,9 +134,12 @@ class DSparkDrafter:
         """Left to right from the anchor: each row's base logits plus the Markov bias of the previous token;
         `noise [n, V]` for a sampled request (None or empty for a greedy one)."""
         prev = anchor
-        tokens = []
+        tokens: list[int] = []
+        output = req.controlled_output if req.grammar is not None else []
         for k in range(n):
             logits = base[k] + self._markov_row(prev)
+            if req.grammar is not None:
+                logits = _grammar_masked(logits, req, output + tokens)
             if req.params.greedy:
                 prev = int(logits.argmax())
             else:
@@ -157,6 +160,15 @@ class DSparkDrafter:
                 del self._markov[next(iter(self._markov))]
             row = self._markov[prev] = self.draft.markov_bias(torch.tensor(prev))
         return row
+
+
+def _grammar_masked(logits: torch.Tensor, req: Request, output: list[int]) -> torch.Tensor:
+    """A constrained request's draft row under its grammar, as the target's row will be: a draft the grammar refuses
+    could never be accepted. (Left as it is where the mask leaves nothing: a row after a draft EOS.)"""
+    assert req.grammar is not None
+    masked = logits.clone()[None]  # [1, V]
+    req.grammar.constrain(masked, output)
+    return masked[0] if bool(torch.isfinite(masked).any()) else logits
 
 
 def _last_token(req: Request) -> int:

@@ -137,8 +137,8 @@ class GrammarCursor:
     def constrain(self, logits: torch.Tensor, output: list[int]) -> None:
         """Set to -inf, in place, the `logits [1, V]` of every token the grammar does not allow after `output`.
         An `output` the grammar rejects (a verify row after a draft it refuses: that row's token is discarded
-        whatever it is) leaves the logits as they are."""
-        if not self._follow(output):
+        whatever it is) or that it has ended (a row after a draft EOS, discarded too) leaves the logits as they are."""
+        if not self._follow(output) or self._matcher.is_terminated():
             return
         self._matcher.fill_next_token_bitmask(self._bitmask)
         self._xgr.apply_token_bitmask_inplace(logits, self._bitmask)

@@ -68,6 +68,12 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def controlled_output(self) -> list[int]:
+        """The tokens the sampling controls and the grammar count as output: those generated here, after a migrated
+        stream's earlier output (the prompt's last `params.prompt_output_tokens`)."""
+        return self.all_token_ids[len(self.prompt_token_ids) - self.params.prompt_output_tokens :]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

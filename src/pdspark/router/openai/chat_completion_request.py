@@ -61,8 +61,9 @@ class MessageToolCall(BaseModel):
     function: CalledFunction
 
 
-_HAS_CALLS = {"required": ["role", "tool_calls"],
-              "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}}
+_HAS_CALLS: dict[str, Any] = {"required": ["role", "tool_calls"],
+                              "properties": {"role": {"const": "assistant"},
+                                             "tool_calls": {"type": "array", "minItems": 1}}}
 
 
 class ChatMessage(BaseModel):
