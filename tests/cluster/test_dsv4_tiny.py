@@ -159,6 +159,17 @@ def test_echo_with_logprobs_scores_a_batch_of_token_id_prompts_as_lm_eval_asks(t
         assert lps["token_logprobs"][1:len(ids)] == pytest.approx([lp.logprob for lp in want.prompt_logprobs[1:]],
                                                                   abs=1e-5)
         assert all(len(top) >= 1 for top in lps["top_logprobs"][1:])
+    # `max_tokens: 0`: the prompt alone, the same logprobs.
+    req = urllib.request.Request(dsv4_tiny_cluster.info["http"] + "/v1/completions",
+                                 data=json.dumps({**body, "max_tokens": 0}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=scaled(60)) as r:
+        scored = json.loads(r.read())
+    assert scored["usage"]["completion_tokens"] == 0
+    for i, ids in enumerate(prompts):
+        lps = scored["choices"][i]["logprobs"]
+        assert scored["choices"][i]["text"] == tiny.tokenizer.decode(ids, skip_special_tokens=False)
+        assert lps["token_logprobs"] == got["choices"][i]["logprobs"]["token_logprobs"][: len(ids)]
     # The gRPC SDK's field: the same logprobs, one entry per prompt token.
     from pdspark.client import Client
 

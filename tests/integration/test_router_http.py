@@ -384,3 +384,18 @@ def test_a_bad_tool_request_is_refused_naming_its_field(long_app, extra, param):
     status, _, raw = call(app, "POST", "/v1/chat/completions", {k: v for k, v in body.items() if v is not None})
     error = json.loads(raw)["error"]
     assert status in (400, 422) and error["param"] == param, error
+
+
+def test_max_tokens_zero_with_echo_returns_the_prompt_alone(app):
+    """OpenAI's scoring request: the prompt's text and logprobs, no completion (one token is generated for the
+    prompt's logprobs and dropped); without `echo` it is refused."""
+    status, _, raw = call(app, "POST", "/v1/completions", {"prompt": [5, 6], "echo": True, "logprobs": 1,
+                                                            "max_tokens": 0})
+    body = json.loads(raw)
+    choice = body["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0, body
+    # (the fake workers send no prompt logprobs: the first position's null alone; the two prompt tokens)
+    assert choice["logprobs"]["token_logprobs"] == [None] and len(choice["logprobs"]["tokens"]) == 2
+    assert app.dispatcher.requests[-1][1].max_tokens == 1 and app.dispatcher.requests[-1][1].prompt_logprobs == 1
+    status, _, raw = call(app, "POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 0})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"

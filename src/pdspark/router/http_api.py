@@ -45,7 +45,7 @@ from pdspark.router.openai.tokenize_request import DetokenizeRequest, TokenizeRe
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 from pdspark.router.workers.prometheus_targets import prometheus_targets
 from pdspark.router.workers.worker_address import address_problem
-from pdspark.types import SamplingParams
+from pdspark.types import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -332,12 +332,16 @@ class HttpApi:
                 mine.sort(key=lambda k: -sum(lp.logprob for lp in results[k][1]))
             for j, k in enumerate(mine[: parsed.n]):
                 text, lps, prompt_lps = results[k]
+                reason = totals[k].finish_reason
+                if parsed.score_only:  # (the one token generated for the prompt's logprobs is not returned)
+                    text, lps, reason = "", [], FinishReason.LENGTH
+                    totals[k].completion_tokens = 0
                 logprobs = oai.logprobs_json(lps, core.tokenizer, chat) if parsed.logprobs is not None else None
                 if parsed.echo is not None:  # the prompt first: its text, and its tokens' logprobs
                     text = parsed.echo[i] + text
                     if parsed.logprobs is not None:
                         logprobs = oai.echo_logprobs_json(runs[k][2], prompt_lps, lps, core.tokenizer)
-                choices.append(oai.choice(chat, text, totals[k].finish_reason, logprobs, stream=False,
+                choices.append(oai.choice(chat, text, reason, logprobs, stream=False,
                                           reader=oai.assistant_reader(parsed.shape),
                                           index=i * parsed.n + j))
         body = oai.completion_body(rid, core.served_name, chat, "", None, None, use(), stream=False)

@@ -10,6 +10,7 @@ from pydantic_core import PydanticCustomError
 from pdspark.router.openai.openai_request import OpenAIRequest
 from pdspark.router.openai.sampling_fields import (
     MAX_CHOICES,
+    MAX_INT32,
     MAX_LOGPROBS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,
@@ -48,6 +49,8 @@ Prompt = Annotated[
 
 class CompletionRequest(OpenAIRequest):
     prompt: Prompt = Field(description="a string or a list of token ids, or a batch (a list) of either")
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT32, description="tokens to generate; the prompt and these "
+                                   "must fit the context; 0 with `echo`: the prompt (and its logprobs) only")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="return the log probabilities of this many most likely tokens too")
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="candidates per prompt (>= n), the n with the "

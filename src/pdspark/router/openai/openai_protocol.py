@@ -75,6 +75,7 @@ class ParsedRequest:
     batch: tuple[list[int], ...] = ()  # every prompt of a batch (empty: `prompt_ids` alone)
     echo: tuple[str, ...] | None = None  # with `echo`: each prompt's text, put before its choices' text
     shape: ChatShape = ChatShape()  # (chat) how the text is read: thinking, tool calls
+    score_only: bool = False  # `max_tokens: 0` with `echo`: the prompt alone is returned (its logprobs)
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -151,8 +152,13 @@ def parse_completion(req: CompletionRequest, served: ServedModel) -> ParsedReque
             ids = list(prompt)
         _check_prompt(ids, served, param)
         prompts.append(ids)
-    # One token budget for every prompt: the longest must leave room for it.
-    max_tokens = _max_tokens(req.max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, max(map(len, prompts)), served)
+    score_only = req.max_tokens == 0
+    if score_only and not req.echo:
+        raise ApiError(400, "`max_tokens` 0 asks for the prompt alone: it needs `echo: true`", "max_tokens")
+    # One token budget for every prompt: the longest must leave room for it. (`max_tokens: 0`: one token is generated
+    # and dropped; the prompt's logprobs come with the first.)
+    max_tokens = _max_tokens(1 if score_only else req.max_tokens, "max_tokens", DEFAULT_MAX_TOKENS,
+                             max(map(len, prompts)), served)
     params = replace(_sampling(req, max_tokens, req.logprobs, served), structured_outputs=structured_outputs(req))
     echo = None
     if req.echo:
@@ -164,7 +170,7 @@ def parse_completion(req: CompletionRequest, served: ServedModel) -> ParsedReque
             params = replace(params, prompt_logprobs=req.logprobs)
     return ParsedRequest(prompts[0], params, bool(req.stream), *_usage_options(req.stream_options), chat=False,
                          logprobs=req.logprobs, n=n, best_of=best_of,
-                         batch=tuple(prompts) if len(prompts) > 1 else (), echo=echo)
+                         batch=tuple(prompts) if len(prompts) > 1 else (), echo=echo, score_only=score_only)
 
 
 def parse_chat(req: ChatCompletionRequest, served: ServedModel) -> ParsedRequest:
