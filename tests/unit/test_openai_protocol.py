@@ -160,7 +160,8 @@ CHAT_OK = {"messages": [{"role": "user", "content": "x"}]}
     (completion, {"prompt": "x", "temperature": 2.01}, 400, "temperature", "less_than_equal"),
     (completion, {"prompt": "x", "top_p": 1.5}, 400, "top_p", "less_than_equal"),
     (completion, {"prompt": "x", "top_p": 5e-324}, 400, "top_p", "greater_than_equal"),
-    (completion, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater_than_equal"),
+    (completion, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "greater_than_equal"),
+    (completion, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),  # (0 needs `echo`)
     (completion, {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens", "context_length_exceeded"),
     (completion, {"prompt": "x", "logprobs": 21}, 400, "logprobs", "less_than_equal"),
     (completion, {"prompt": "x", "n": 17}, 400, "n", "less_than_equal"),
