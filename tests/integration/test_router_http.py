@@ -399,3 +399,18 @@ def test_max_tokens_zero_with_echo_returns_the_prompt_alone(app):
     assert app.dispatcher.requests[-1][1].max_tokens == 1 and app.dispatcher.requests[-1][1].prompt_logprobs == 1
     status, _, raw = call(app, "POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 0})
     assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"
+
+
+def test_echo_streams_the_prompt_first_in_each_choices_first_chunk(app):
+    status, _, raw = call(app, "POST", "/v1/completions", {"prompt": ["hi", "yo"], "echo": True, "max_tokens": 2,
+                                                            "stream": True})
+    got = events(raw)
+    assert status == 200 and got[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    for c in got[:-1]:
+        texts[c["choices"][0]["index"]] = texts.get(c["choices"][0]["index"], "") + c["choices"][0]["text"]
+    assert texts == {0: "hiaa", 1: "yoaa"}
+    status, _, raw = call(app, "POST", "/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0,
+                                                            "stream": True, "stream_options": {"include_usage": True}})
+    got = events(raw)
+    assert [c["choices"][0]["text"] for c in got[:-2]] == ["hi"] and got[-2]["usage"]["completion_tokens"] == 0

@@ -220,7 +220,7 @@ class Engine:
 
     def _grammar(self, params: SamplingParams) -> GrammarCursor | None:
         """A new cursor for a constrained request (its grammar compiled, or found compiled: workers compile ahead of
-        the loop, `EngineClient.prepare`)."""
+        the loop, `EngineClient._compile_grammar`)."""
         return self.grammars.cursor(params.structured_outputs) if params.structured_outputs is not None else None
 
     def _check_new_id(self, req_id: str) -> None:

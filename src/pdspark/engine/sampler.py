@@ -57,11 +57,11 @@ class Sampler:
             logits = logits.clone()
             for i in controlled:
                 h = histories[i] if histories is not None else None
-                raw = logits[i].clone()
-                logits[i] = apply_controls(raw, params[i], h.tokens if h else [], h.prompt_len if h else 0,
-                                           self.eos_ids)
+                row = apply_controls(logits[i], params[i], h.tokens if h else [], h.prompt_len if h else 0,
+                                     self.eos_ids)  # (a new tensor: `logits[i]` stays the uncontrolled row)
                 if h is not None and h.grammar is not None:  # (last: a bias cannot lift a token it masks)
-                    self._constrain(logits[i : i + 1], raw, h)
+                    self._constrain(row[None], logits[i], h)
+                logits[i] = row
         tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:

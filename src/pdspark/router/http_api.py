@@ -317,7 +317,8 @@ class HttpApi:
         use = functools.partial(_choices_usage, parsed, runs, totals)
         if parsed.stream:
             indices = [i * parsed.n + j for i, j, _, _ in runs]
-            return await self._sse_choices(request, rid, chat, parsed, streams, indices, use)
+            echoes = [(parsed.echo[i], ids) if parsed.echo is not None else None for i, _, ids, _ in runs]
+            return await self._sse_choices(request, rid, chat, parsed, streams, indices, use, echoes, totals)
         tasks = [asyncio.ensure_future(_collect(s)) for s in streams]
         try:
             results = await asyncio.gather(*tasks)
@@ -349,9 +350,11 @@ class HttpApi:
         return web.json_response(body)
 
     async def _sse_choices(self, request: web.Request, rid: str, chat: bool, parsed: oai.ParsedRequest,
-                           streams: list, indices: list[int], use) -> web.StreamResponse:
+                           streams: list, indices: list[int], use, echoes: list[tuple[str, list[int]] | None],
+                           totals: list[Totals]) -> web.StreamResponse:
         """The candidates' chunks as they come, each with its choice's `index` (each choice's first chunk opens its
-        assistant message in chat); one failure ends the whole stream."""
+        assistant message in chat, or with `echo` starts with its prompt's text and logprobs); one failure ends the
+        whole stream."""
         core = self.core
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -386,8 +389,17 @@ class HttpApi:
                 if not started:
                     await resp.prepare(request)
                     started = True
-                lps = oai.logprobs_json(chunk.logprobs, core.tokenizer, chat) if parsed.logprobs is not None else None
-                body = oai.completion_body(rid, core.served_name, chat, chunk.text, chunk.finish_reason, lps,
+                text, token_lps, reason = chunk.text, chunk.logprobs, chunk.finish_reason
+                if parsed.score_only:  # (the one token generated for the prompt's logprobs is not returned)
+                    text, token_lps, reason = "", [], FinishReason.LENGTH if chunk.finished else None
+                    totals[k].completion_tokens = 0
+                lps = oai.logprobs_json(token_lps, core.tokenizer, chat) if parsed.logprobs is not None else None
+                echo = echoes[k] if k not in opened else None
+                if echo is not None:  # the choice's first chunk: its prompt first
+                    text = echo[0] + text
+                    if parsed.logprobs is not None:
+                        lps = oai.echo_logprobs_json(echo[1], chunk.prompt_logprobs, token_lps, core.tokenizer)
+                body = oai.completion_body(rid, core.served_name, chat, text, reason, lps,
                                            use() if parsed.continuous_usage else None, stream=True,
                                            first=k not in opened, index=indices[k], reader=readers[k])
                 opened.add(k)

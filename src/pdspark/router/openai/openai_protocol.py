@@ -162,8 +162,6 @@ def parse_completion(req: CompletionRequest, served: ServedModel) -> ParsedReque
     params = replace(_sampling(req, max_tokens, req.logprobs, served), structured_outputs=structured_outputs(req))
     echo = None
     if req.echo:
-        if req.stream:
-            raise ApiError(400, "`echo` with `stream` is not supported: ask for the echo without streaming", "echo")
         echo = tuple(v if isinstance(v, str) else served.tokenizer.decode(list(v), skip_special_tokens=False)
                      if served.tokenizer is not None else "" for v in values)
         if req.logprobs is not None:  # the prompt's logprobs, computed by the prefill worker
