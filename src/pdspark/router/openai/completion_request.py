@@ -57,7 +57,7 @@ class CompletionRequest(OpenAIRequest):
                                 "highest cumulative logprob returned; not with `stream`")
     # NOTE: not `Literal`/`bool` coercion: the JSON value must be the boolean.
     echo: bool | None = Field(None, description="the prompt before the completion in `text`, and with `logprobs` its "
-                              "tokens' logprobs first (the first null); not with `stream`")
+                              "tokens' logprobs first (the first null); streamed, in each choice's first chunk")
     # Accepted only at its neutral value.
     suffix: EmptyStringOnly = None
 
