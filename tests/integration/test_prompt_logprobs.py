@@ -35,3 +35,39 @@ def test_prompt_logprobs_are_the_prefills_and_survive_chunking_the_cache_and_dsp
         for a, b in zip(spec.prompt_logprobs[1:], lps[1:]):
             # (chunked: the attention sums run over other blocks; the logits agree to fp32 rounding)
             assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-5)
+
+
+def test_a_scoring_request_computes_its_prompt_alone_so_its_logprobs_are_exactly_its_solo_runs(draft_ckpt):
+    """Prompt logprobs must not depend on what the request is batched with (BLAS bits can): a request that asks for
+    them runs its prompt's chunks in steps of its own, others pausing. Scored in a batch with other scoring and
+    plain requests, each equals its run alone, bit for bit."""
+    prompts = random_prompts(4, [90, 40, 130, 60], seed=93)
+    score = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with make_llm(draft_ckpt, max_num_batched_tokens=64) as llm:
+        alone = [llm.generate(prompt_token_ids=[p], sampling_params=score)[0].prompt_logprobs for p in prompts]
+        engine = llm.engine
+        steps: list[list[tuple[str, bool]]] = []  # per step: (request id, computing a scoring prompt) per chunk
+        schedule = engine.scheduler.schedule
+
+        def recorded():
+            out = schedule()
+            steps.append([(c.request.req_id, c.request.prompt_logprobs is not None
+                           and c.start < len(c.request.prompt_token_ids)) for c in out.chunks])
+            return out
+
+        engine.scheduler.schedule = recorded
+        for i, p in enumerate(prompts):
+            engine.add_request(p, plain, request_id=f"plain{i}")
+            engine.add_request(p, score, request_id=f"score{i}")
+        done: dict[str, object] = {}
+        while engine.has_unfinished:
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o
+                    engine.release(o.request_id)
+    scoring_steps = [s for s in steps if any(scoring for _, scoring in s)]
+    assert len(scoring_steps) >= 4 and all(len(s) == 1 for s in scoring_steps)
+    assert any(len(s) > 1 for s in steps)  # (the plain requests were batched together)
+    for i in range(len(prompts)):
+        assert done[f"score{i}"].prompt_logprobs == alone[i]  # (==: TokenLogprobs compare their floats exactly)

@@ -8,6 +8,11 @@ grow, the most recently admitted request is preempted (its pages freed, recomput
 a waiting request that does not fit simply waits. With the prefix cache, admission starts a request from its
 longest cached prefix (`num_computed_tokens = num_cached_tokens`), growth evicts unlocked cache pages before it
 preempts anyone, and a request that ends or is preempted leaves its computed pages in the cache.
+
+A request that asks for its prompt's logprobs (a scoring request: lm-eval's loglikelihoods) computes its prompt
+alone, one step per chunk with nothing else in it, the others pausing meanwhile: a float's bits may depend on the
+rows it is computed with (BLAS blocking), and a score must be the same number whatever traffic the worker shares,
+the offline engine's bit for bit.
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def schedule(self) -> ScheduleOutput:
+        alone = self._scoring_alone()
+        if alone is not None:
+            return ScheduleOutput([alone])
         budget = self.cfg.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
@@ -74,6 +82,8 @@ class Scheduler:
             budget -= chunk.num_tokens
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
+            if _scoring(self.waiting[0]):
+                break  # (it starts next step, alone)
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break
@@ -81,6 +91,25 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.num_tokens
         return ScheduleOutput(chunks)
+
+    def _scoring_alone(self) -> ScheduledChunk | None:
+        """This step's chunk when a scoring request computes its prompt: one already running first, else one at
+        the head of the queue (admitted if it fits: otherwise the step goes on without it)."""
+        for req in self.running:
+            if _scoring(req):
+                assert req.pages is not None
+                start = req.num_computed_tokens
+                n = self._fit(req.pages, start, min(req.num_pending_tokens, self.cfg.max_num_batched_tokens))
+                if n > 0:
+                    self.kv.grow(req.pages, start + n)
+                    return ScheduledChunk(req, start, n)
+                return None  # (no room to grow: the normal schedule preempts for it)
+        if self.waiting and _scoring(self.waiting[0]) and len(self.running) < self.cfg.max_num_seqs:
+            chunk = self._admit(self.waiting[0], self.cfg.max_num_batched_tokens)
+            if chunk is not None:
+                self.waiting.popleft()
+                return chunk
+        return None
 
     def _grow_running(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledChunk | None:
         assert req.pages is not None
@@ -186,3 +215,8 @@ class Scheduler:
             # What was computed stays reusable: a later request (or this one, after preemption) can match it.
             self.kv.close(req.pages, cache_tokens=req.all_token_ids[: req.num_computed_tokens])
             req.pages = None
+
+
+def _scoring(req: Request) -> bool:
+    """A request whose prompt's logprobs are wanted, while it computes its prompt."""
+    return req.prompt_logprobs is not None and req.num_computed_tokens < len(req.prompt_token_ids)
