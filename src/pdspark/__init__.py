@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdspark.types import RequestOutput, SamplingParams, TokenLogprobs
+from pdspark.types import RequestOutput, SamplingParams, StructuredOutputs, TokenLogprobs
 
 if TYPE_CHECKING:
     from pdspark.llm import LLM
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "TokenLogprobs"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputs", "TokenLogprobs"]
 __version__ = "0.1.0"
 
 
