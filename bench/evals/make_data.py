@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE.parent.parent / "scripts"))  # the recipe is a sibli
 from dsv4_tiny_recipe.corpus import is_heldout, stdlib_files  # noqa: E402
 
 DEFAULT_OUT = Path.home() / ".cache" / "pdspark" / "evals"
+TOKENIZER = HERE.parent.parent / "src" / "pdspark" / "assets" / "dsv4-tiny" / "tokenizer.json"
 # HumanEval's usual stop strings (the Codex paper's): a new top-level statement ends the function body.
 HUMANEVAL_STOP = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
 
@@ -43,9 +44,9 @@ def heldout_docs() -> list[dict]:
             for rel, path in stdlib_files() if is_heldout(rel)]
 
 
-def next_line_items(doc: dict, rng: random.Random, per_file: int, context_lines: int, context_chars: int) -> list[dict]:
-    """Up to `per_file` multiple-choice items from one file: context = the lines before a sampled line (at most
-    `context_lines` lines and `context_chars` characters, whole lines), choices = that line and 3 distractors."""
+def next_line_items(doc: dict, rng: random.Random, per_file: int, bounds: ContextBounds) -> list[dict]:
+    """Up to `per_file` multiple-choice items from one file: context = whole lines before a sampled line, within
+    `bounds`; choices = that line and 3 distractors."""
     lines = doc["text"].splitlines(keepends=True)
     # Distractors must be distinguishable from the answer and from each other, so only distinct non-blank lines
     # take part; lines are compared without their newline (every choice is written without one).
@@ -56,7 +57,7 @@ def next_line_items(doc: dict, rng: random.Random, per_file: int, context_lines:
     items = []
     for i in sorted(rng.sample(positions, min(per_file, len(positions)))):
         answer = lines[i].rstrip("\n")
-        context = bounded_context(lines[:i], context_lines, context_chars)
+        context = bounds.context(lines[:i])
         if not context:
             continue
         others = rng.sample([c for c in candidates if c != answer], 3)
@@ -66,16 +67,31 @@ def next_line_items(doc: dict, rng: random.Random, per_file: int, context_lines:
     return items
 
 
-def bounded_context(before: list[str], max_lines: int, max_chars: int) -> str:
-    """The last whole lines of `before` that fit both bounds (long lines never leave a partial one)."""
-    kept: list[str] = []
-    size = 0
-    for line in reversed(before[-max_lines:]):
-        if size + len(line) > max_chars:
-            break
-        kept.append(line)
-        size += len(line)
-    return "".join(reversed(kept))
+class ContextBounds:
+    """At most `lines` lines, `chars` characters and `tokens` tokens of dsv4-tiny's tokenizer, whole lines only.
+
+    The token bound keeps context + choice inside the 512-token window both lm-eval backends get: a longer request
+    would be cut on the left, in the middle of a line (some files, e.g. codec tables, take ~1 token per byte).
+    """
+
+    def __init__(self, lines: int, chars: int, tokens: int):
+        from tokenizers import Tokenizer  # transformers' dependency, in .venv-evals
+
+        self.lines, self.chars, self.tokens = lines, chars, tokens
+        self.tokenizer = Tokenizer.from_file(str(TOKENIZER))
+
+    def context(self, before: list[str]) -> str:
+        kept: list[str] = []
+        size = 0
+        for line in reversed(before[-self.lines:]):
+            if size + len(line) > self.chars:
+                break
+            kept.append(line)
+            size += len(line)
+        kept.reverse()
+        while kept and len(self.tokenizer.encode("".join(kept)).ids) > self.tokens:
+            kept.pop(0)
+        return "".join(kept)
 
 
 def humaneval_problems() -> list[dict]:
@@ -146,6 +162,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--per-file", type=int, default=8, help="next-line items sampled per held-out file (at most)")
     p.add_argument("--context-lines", type=int, default=24, help="next-line context: at most this many lines")
     p.add_argument("--context-chars", type=int, default=1200, help="next-line context: at most this many characters")
+    p.add_argument("--context-tokens", type=int, default=384, help="next-line context: at most this many tokens")
     p.add_argument("--max-gen-toks", type=int, default=128, help="HumanEval: most tokens generated per problem")
     return p.parse_args()
 
@@ -156,8 +173,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     docs = heldout_docs()
     rng = random.Random(args.seed)
-    items = [it for doc in docs
-             for it in next_line_items(doc, rng, args.per_file, args.context_lines, args.context_chars)]
+    bounds = ContextBounds(args.context_lines, args.context_chars, args.context_tokens)
+    items = [it for doc in docs for it in next_line_items(doc, rng, args.per_file, bounds)]
     # Shuffled once (seeded): `--limit N` then takes N items spread over every file, not the first few files.
     rng.shuffle(items)
     problems = humaneval_problems()  # HumanEval's order: `--limit N` takes HumanEval/0..N-1
