@@ -36,10 +36,10 @@ class MaskTimer:
         self._inner = GrammarCursor.constrain
         timer = self
 
-        def timed(cursor, logits, output):
+        def timed(cursor, *args):
             start = time.perf_counter()
             try:
-                return timer._inner(cursor, logits, output)
+                return timer._inner(cursor, *args)
             finally:
                 timer.seconds += time.perf_counter() - start
                 timer.calls += 1

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
-from test_dsv4_tiny import streams_through
+from test_dsv4_tiny import current_pid, streams_through
 
 from pdspark import LLM, SamplingParams
 from pdspark.router.openai.chat_template import ChatTemplate
@@ -88,7 +88,7 @@ def test_constrained_streams_migrate_when_their_decode_worker_is_killed_and_equa
     want = [o.token_ids for o in tiny.generate(texts, SamplingParams(temperature=0, max_tokens=256,
                                                                      structured_outputs=so))]
     info = dsv4_tiny_cluster.info
-    got = streams_through(info, texts, 256, lambda: os.kill(info["services"]["decode-1"]["pid"], signal.SIGKILL),
+    got = streams_through(info, texts, 256, lambda: os.kill(current_pid(dsv4_tiny_cluster, "decode-1"), signal.SIGKILL),
                           structured_outputs=so, ignore_eos=False)
     assert got == want
     for ids in got:

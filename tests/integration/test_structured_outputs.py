@@ -71,3 +71,35 @@ def test_a_bad_spec_is_refused_naming_its_field_and_takes_no_page(engines):
         plain.generate([PROMPT], SamplingParams(structured_outputs=StructuredOutputs.of(regex="(unclosed")))
     assert e.value.field == "structured_outputs.regex"
     assert plain.engine.kv.usage() == used and not plain.engine.requests
+
+
+def test_thinking_budgets_and_forced_tool_calls_give_dspark_the_plain_tokens(engines):
+    """Structural tags (`chat_grammar`): thinking with a token budget, then a schema's JSON; a forced DSML tool call
+    after a budgeted thinking. The budget ends the thinking at the same token with DSpark on as off (the cursor drives
+    its matcher as plain decoding does), and the answers validate."""
+    from pdspark.router.openai.assistant_output import AssistantOutput
+    from pdspark.router.openai.chat_grammar import chat_constraint
+
+    plain, spec = engines
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    xs = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 3}
+    tool = {"name": "add", "parameters": {"type": "object", "properties": {"xs": xs}, "required": ["xs"]}}
+    constraints = [chat_constraint(StructuredOutputs.of(json=schema), None, True, thinking=True, thinking_budget=b)
+                   for b in (4, 16)] + [chat_constraint(None, [tool], False, thinking=True, thinking_budget=8)]
+    params = [SamplingParams(temperature=t, seed=9, max_tokens=400, structured_outputs=c)
+              for c in constraints for t in (0, 0.8)]
+    prompts = [PROMPT + "<think>"] * len(params)
+    want = plain.generate(prompts, params)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in want]
+    for k, o in enumerate(want):
+        reader = AssistantOutput(thinking=True, tools=k >= 4)
+        reader.feed(o.text)
+        reader.finish()
+        assert o.finish_reason == "stop" and reader.reasoning, o.text
+        if k < 4:
+            jsonschema.validate(json.loads(reader.content), schema)
+        else:
+            assert [c.name for c in reader.calls] == ["add"]
+            jsonschema.validate(reader.calls[0].arguments, tool["parameters"])

@@ -1,7 +1,7 @@
-"""`StructuredOutputs` and the grammar cursor (`engine/grammar.py`), on dsv4-tiny's tokenizer: a cursor that jumps
-between outputs (a verify window's drafts, the rollback after a rejection) gives exactly the mask a fresh cursor gives
-after the same output; special tokens never stand for their text; bad specs are refused naming the field; the wire
-form round-trips."""
+"""`StructuredOutputs` and the grammar cursor (`engine/grammar.py`), on dsv4-tiny's tokenizer: a cursor asked about
+drafts beyond its committed output (a verify window, the drafter's rows, drafts it refuses) gives exactly the mask a
+fresh cursor gives after the same output; a token budget ends where it ends in plain decoding; special tokens never
+stand for their text; bad specs are refused naming the field; the wire form round-trips."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def grammars() -> Grammars:
     return Grammars(tok, tok.vocab_size, (EOS,))
 
 
-def _allowed(cursor, output: list[int], vocab: int) -> torch.Tensor:
+def _allowed(cursor, output: list[int], vocab: int, committed: int | None = None) -> torch.Tensor:
     logits = torch.zeros(1, vocab)
-    cursor.constrain(logits, output)
+    cursor.constrain(logits, output, len(output) if committed is None else committed)
     return logits[0] > float("-inf")
 
 
@@ -49,23 +49,32 @@ def _walk(grammars: Grammars, so: StructuredOutputs, rng: random.Random, steps: 
     return out
 
 
+BUDGETED = StructuredOutputs.of(structural_tag={"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "tag", "begin": "", "end": "</think>", "content": {"type": "any_text", "excludes": ["</think>"],
+                                                                 "max_tokens": 5}},
+    {"type": "regex", "pattern": "[0-9]{1,3}"}]}})
+
+
 @pytest.mark.parametrize("so", [StructuredOutputs.of(json=SCHEMA), StructuredOutputs.of(regex=r"[a-z]{2,5}-[0-9]+"),
-                                StructuredOutputs.of(grammar='root ::= ("ab" | "cd")+ "!"')],
-                         ids=["json", "regex", "grammar"])
-def test_a_cursor_that_jumps_gives_a_fresh_cursors_mask(grammars, so):
-    """Verify-like moves (ahead through drafts, back to a shorter prefix, sideways to a different last token) leave
-    the cursor's mask equal to that of a cursor that only ever saw the target output."""
+                                StructuredOutputs.of(grammar='root ::= ("ab" | "cd")+ "!"'), BUDGETED],
+                         ids=["json", "regex", "grammar", "token_budget"])
+def test_rows_with_drafts_get_a_fresh_cursors_mask(grammars, so):
+    """Verify-like queries: the committed output grows along a valid path; each step asks about up to 4 drafts past
+    it (some replaced by a random token, which the grammar may refuse), row by row, as a verify window and the
+    drafter do; every row's mask is a fresh cursor's after the same output, all of it committed."""
     rng = random.Random(7)
     path = _walk(grammars, so, rng, 40)
     assert len(path) >= 4
-    jumping = grammars.cursor(so)
-    for _ in range(30):
-        n = rng.randint(0, len(path))
-        target = path[:n]
-        if n and rng.random() < 0.3:  # a rejected draft: a different token the grammar refuses, or another it takes
-            target = [*path[: n - 1], rng.randrange(grammars.vocab_size)]
-        want = _allowed(grammars.cursor(so), target, grammars.vocab_size)
-        assert torch.equal(_allowed(jumping, target, grammars.vocab_size), want)
+    cursor, committed = grammars.cursor(so), 0
+    while committed < len(path):
+        drafts = path[committed : committed + rng.randint(0, 4)]
+        if drafts and rng.random() < 0.3:
+            drafts[rng.randrange(len(drafts))] = rng.randrange(grammars.vocab_size)
+        for j in range(len(drafts) + 1):
+            target = path[:committed] + drafts[:j]
+            want = _allowed(grammars.cursor(so), target, grammars.vocab_size)
+            assert torch.equal(_allowed(cursor, target, grammars.vocab_size, committed), want)
+        committed += rng.randint(1, 3)
 
 
 def test_special_tokens_never_stand_for_their_text_and_eos_ends_a_complete_output(grammars):

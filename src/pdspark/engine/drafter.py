@@ -139,7 +139,7 @@ class DSparkDrafter:
         for k in range(n):
             logits = base[k] + self._markov_row(prev)
             if req.grammar is not None:
-                logits = _grammar_masked(logits, req, output + tokens)
+                logits = _grammar_masked(logits, req, output + tokens, len(output))
             if req.params.greedy:
                 prev = int(logits.argmax())
             else:
@@ -162,12 +162,12 @@ class DSparkDrafter:
         return row
 
 
-def _grammar_masked(logits: torch.Tensor, req: Request, output: list[int]) -> torch.Tensor:
+def _grammar_masked(logits: torch.Tensor, req: Request, output: list[int], committed: int) -> torch.Tensor:
     """A constrained request's draft row under its grammar, as the target's row will be: a draft the grammar refuses
     could never be accepted. (Left as it is where the mask leaves nothing: a row after a draft EOS.)"""
     assert req.grammar is not None
     masked = logits.clone()[None]  # [1, V]
-    req.grammar.constrain(masked, output)
+    req.grammar.constrain(masked, output, committed)
     return masked[0] if bool(torch.isfinite(masked).any()) else logits
 
 

@@ -434,7 +434,7 @@ class Engine:
         req = c.request
         drafts = proposals[req.req_id].tokens[:j] if c.num_drafts else []
         prompt_len = len(req.prompt_token_ids) - req.params.prompt_output_tokens
-        return History(req.all_token_ids[: req.num_tokens] + drafts, prompt_len, req.grammar)
+        return History(req.all_token_ids[: req.num_tokens] + drafts, prompt_len, req.grammar, req.num_tokens)
 
     def _count(self, req: Request, drafts: int, accepted: int) -> None:
         req.spec_verify_steps += 1

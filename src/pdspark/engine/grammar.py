@@ -7,11 +7,16 @@ needs), and it carries DeepSeek-V4's tool-call format as a structural tag. llgui
 compiles, no rollback of the same kind) and would serve as well; one library is enough.
 
 A cursor is a matcher that follows one request's output. The mask for a position is a pure function of the output
-tokens before it: the cursor rolls back to the longest prefix it shares with them and accepts the rest, so the same
-code serves a decode step (one new token), a DSpark verify window (row j sees the committed tokens and drafts
-`< j`; the next step rolls back the rejected drafts), the prefill worker's first token (no output yet) and a
-migrated or adopted stream (a fresh cursor accepts everything generated so far). Outputs are therefore equal across
-those paths, as the plain controls' are (`logits_controls`).
+tokens before it: the cursor's matcher stands after the committed output (it only ever moves forward), and a row
+that also sees drafts is masked by a fork of it that accepts them. So the same code serves a decode step (one new
+token), a DSpark verify window (row j sees the committed tokens and drafts `< j`), the drafter's own rows, the
+prefill worker's first token (no output yet) and a migrated or adopted stream (a fresh cursor accepts everything
+generated so far). Outputs are therefore equal across those paths, as the plain controls' are (`logits_controls`).
+NOTE: forks, not `rollback`, and a mask computed at every position before its token is accepted: xgrammar 0.2.9
+counts a token budget (`any_text.max_tokens`, the thinking budget) as masks are computed and does not restore it on
+rollback, so every matcher is driven as plain decoding drives one (mask, accept, mask, accept, ...) whatever
+DSpark's rows skip; otherwise DSpark's outputs would differ from plain decoding's (measured: by one token at the
+budget's end).
 
 JSON is generated in one fixed layout (`", "` and `": "` separators, no other whitespace; vLLM's
 `disable_any_whitespace`): free whitespace lets a small model pad forever instead of closing the object.
@@ -130,31 +135,55 @@ class GrammarCursor:
         import xgrammar as xgr
 
         self._xgr = xgr
-        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+        self._compiled = compiled
+        self._matcher = xgr.GrammarMatcher(compiled)  # after `_committed`
+        self._committed: list[int] = []
+        self._masked = False  # the matcher's mask at its position has been computed
+        self._broken = False  # a committed token the grammar refuses (past its end with `ignore_eos`): no more masks
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
-        self._consumed: list[int] = []
+        self._scratch = xgr.allocate_token_bitmask(1, vocab_size)
 
-    def constrain(self, logits: torch.Tensor, output: list[int]) -> None:
-        """Set to -inf, in place, the `logits [1, V]` of every token the grammar does not allow after `output`.
-        An `output` the grammar rejects (a verify row after a draft it refuses: that row's token is discarded
-        whatever it is) or that it has ended (a row after a draft EOS, discarded too) leaves the logits as they are."""
-        if not self._follow(output) or self._matcher.is_terminated():
+    def constrain(self, logits: torch.Tensor, output: list[int], committed: int) -> None:
+        """Set to -inf, in place, the `logits [1, V]` of every token the grammar does not allow after `output`, of
+        which the first `committed` tokens are the request's committed output (they never change; the rest are
+        drafts). An `output` the grammar rejects (a verify row after a draft it refuses: that row's token is
+        discarded whatever it is) or that it has ended (a row after a draft EOS, discarded too) leaves the logits
+        as they are."""
+        if not self._commit(output[:committed]) or self._matcher.is_terminated():
             return
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        self._xgr.apply_token_bitmask_inplace(logits, self._bitmask)
+        if not self._masked:
+            self._matcher.fill_next_token_bitmask(self._bitmask)
+            self._masked = True
+        if len(output) == committed:
+            self._xgr.apply_token_bitmask_inplace(logits, self._bitmask)
+            return
+        fork = self._matcher.fork()
+        for k, token in enumerate(output[committed:]):
+            if k:  # (the mask of every position before its token, as plain decoding computes them)
+                if fork.is_terminated():
+                    return
+                fork.fill_next_token_bitmask(self._scratch)
+            if not fork.accept_token(token):
+                return
+        if fork.is_terminated():
+            return
+        fork.fill_next_token_bitmask(self._scratch)
+        self._xgr.apply_token_bitmask_inplace(logits, self._scratch)
 
-    def _follow(self, output: list[int]) -> bool:
-        """Bring the matcher to just after `output`; False (and the matcher at its longest accepted prefix) when a
-        token of it is not allowed."""
-        done = self._consumed
-        n = min(len(done), len(output))
-        if done[:n] != output[:n]:
-            n = next(i for i, (a, b) in enumerate(zip(done, output)) if a != b)
-        if n < len(done):
-            self._matcher.rollback(len(done) - n)
-            del done[n:]
-        for token in output[n:]:
+    def _commit(self, committed: list[int]) -> bool:
+        """Move the matcher forward through the newly committed tokens; False once one was refused."""
+        done = self._committed
+        if committed[: len(done)] != done:  # (committed tokens never change: a new cursor's job, kept as a guard)
+            self._matcher, self._committed, self._masked, self._broken = (
+                self._xgr.GrammarMatcher(self._compiled), [], False, False)
+            done = self._committed
+        for token in committed[len(done):]:
+            if self._broken:
+                break
+            if not self._masked and not self._matcher.is_terminated():
+                self._matcher.fill_next_token_bitmask(self._scratch)
+            self._masked = False
             if not self._matcher.accept_token(token):
-                return False
+                self._broken = True
             done.append(token)
-        return True
+        return not self._broken

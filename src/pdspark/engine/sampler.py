@@ -14,12 +14,14 @@ from pdspark.types import SamplingParams, TokenLogprobs
 
 
 class History(NamedTuple):
-    """The tokens before a sampled position: the prompt's `prompt_len`, then the output so far; the request's
-    grammar cursor when its output is constrained."""
+    """The tokens before a sampled position: the prompt's `prompt_len`, then the output so far, of which the tokens
+    before `committed` are committed (the rest a verify window's drafts); the request's grammar cursor when its
+    output is constrained."""
 
     tokens: list[int]
     prompt_len: int
     grammar: GrammarCursor | None = None
+    committed: int = 0
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -78,11 +80,11 @@ class Sampler:
         allows (`min_tokens` holding back the EOS that alone may end a complete output, a bias of -100 on the only
         allowed token), the grammar wins: the mask applies to the logits before the controls."""
         assert h.grammar is not None
-        output = h.tokens[h.prompt_len :]
-        h.grammar.constrain(row, output)
+        output, committed = h.tokens[h.prompt_len :], h.committed - h.prompt_len
+        h.grammar.constrain(row, output, committed)
         if not torch.isfinite(row).any():
             row.copy_(raw)
-            h.grammar.constrain(row, output)
+            h.grammar.constrain(row, output, committed)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprobs]:
