@@ -3,7 +3,8 @@ keys on), every pod started as a local process exactly as rendered (tests/chart_
 Dockerfile, args, env, volumes; the liberties named there), each on its own loopback address, the headless Services'
 names resolving through the router's DNS discovery hosts-file override once the pods pass their readiness probes.
 Completions through the router Service's HTTP port equal the offline engine's: a chart whose wiring is wrong
-(ports, selectors, env names, discovery names, key files) fails here although it validates."""
+(ports, selectors, env names, discovery names, key files) fails here although it validates. The router starts before
+its workers: alive (startup and liveness probes pass) but not ready until they come."""
 
 from __future__ import annotations
 
@@ -81,17 +82,27 @@ def cluster(tmp_path_factory):
     keys = rendered.data("Secret", f"{FULL}-auth")
     api_key, admin_key = keys["api-keys"].split()[0], keys["admin-api-keys"].split()[0]
     try:
-        for pod in all_pods:  # all at once, as a cluster schedules them
-            pod.start()
         deadline = t0 + START_S
         workers = [p for p in all_pods if p.labels["app.kubernetes.io/component"] != "router"]
+        router = next(p for p in all_pods if p not in workers)
+        # The router first, alone: its startup and liveness probes pass (it would not be restarted in a loop while
+        # its workers load), its readiness probe does not (no worker yet).
+        router.start()
+        assert router.process is not None
+        while not router.probe("startupProbe"):
+            assert router.process.alive and time.monotonic() < deadline, router.process.tail()
+            time.sleep(0.2)
+        assert router.probe("livenessProbe") and not router.probe("readinessProbe")
+        for pod in workers:  # then the workers, all at once, as a cluster schedules them
+            pod.start()
         for pod in workers:
             pod.wait_ready(deadline)
+            assert pod.probe("livenessProbe")
         # A headless Service's DNS lists the ready pods it selects: now all of them (atomic: the router re-reads it).
         (work / "hosts.new").write_text(hosts_file_text(rendered, workers))
         os.replace(work / "hosts.new", hosts)
-        router = next(p for p in all_pods if p not in workers)
         router.wait_ready(deadline)
+        assert router.probe("livenessProbe")
         url = service_url(rendered, all_pods, f"{FULL}-router", "http")
         while True:  # 503 until discovery has admitted the workers and their health checks passed
             try:

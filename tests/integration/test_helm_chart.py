@@ -214,11 +214,16 @@ def test_rendered_args_and_env_parse_as_the_services_configs(values: Path | None
 def test_probes_security_context_and_volumes():
     docs = render()
     router = container(docs, "router")
+    # Readiness: /health; startup and liveness: /live (the router stays alive while no worker is healthy).
     assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    for probe in ("startupProbe", "livenessProbe"):
+        assert router[probe]["httpGet"] == {"path": "/live", "port": "http", "scheme": "HTTP"}
     for role in ("prefill", "decode"):
         c = container(docs, role)
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"] == {"port": 50051}
+        for probe, path in (("startupProbe", "/live"), ("readinessProbe", "/health"), ("livenessProbe", "/live")):
+            assert c[probe]["httpGet"] == {"path": path, "port": "metrics", "scheme": "HTTP"}
+        # A worker's startup budget covers loading a real checkpoint: at least 60 minutes.
+        assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 3600
         pod = one(docs, "Deployment", f"{FULL}-{role}")["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
         assert "hostNetwork" not in pod and pod["automountServiceAccountToken"] is False
@@ -346,8 +351,9 @@ def test_tls_and_auth_mount_secrets_as_files():
             "/etc/pdspark/tls/tls.crt", "/etc/pdspark/tls/tls.key", "/etc/pdspark/tls/ca.crt")
         vols = one(docs, "Deployment", f"{FULL}-{role}")["spec"]["template"]["spec"]["volumes"]
         assert {"name": "tls", "secret": {"secretName": f"pdspark-{role}-mtls", "defaultMode": 0o440}} in vols
-    # Under mutual TLS a kubelet cannot pass the handshake: the workers' probes check the port instead.
-    assert container(docs, "prefill")["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
+    # Under mutual TLS a kubelet cannot pass the handshake: the workers' probes ask their plain metrics port.
+    assert container(docs, "prefill")["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics",
+                                                                      "scheme": "HTTP"}
     assert container(docs, "router")["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     # An existing Secret: none generated, the router reads that one.
     docs = render("auth.enabled=true", "auth.existingSecret=mykeys")

@@ -414,3 +414,17 @@ def test_echo_streams_the_prompt_first_in_each_choices_first_chunk(app):
                                                             "stream": True, "stream_options": {"include_usage": True}})
     got = events(raw)
     assert [c["choices"][0]["text"] for c in got[:-2]] == ["hi"] and got[-2]["usage"]["completion_tokens"] == 0
+
+
+def test_live_answers_while_health_says_no_worker_is_healthy():
+    """The liveness probe's route does not depend on the workers (a router whose workers load slowly must not be
+    restarted in a loop); /health does."""
+    r = RouterApp()
+    try:
+        r.core.registry.workers.clear()  # (no worker at all: what a router sees before its workers come)
+        status, _, raw = call(r, "GET", "/live")
+        assert status == 200 and json.loads(raw) == {"status": "alive"}
+        status, _, raw = call(r, "GET", "/health")
+        assert status == 503 and json.loads(raw)["status"] == "degraded"
+    finally:
+        r.close()

@@ -77,6 +77,7 @@ def build_app(core: RouterCore, routes: Routes = "all", metrics_port: int | None
         web.get("/tokenizer_info", api.tokenizer_info),
         web.get("/openapi.json", api.openapi),
         web.get("/health", api.health),
+        web.get("/live", api.live),
         web.get("/metrics", api.metrics),
     ]
     admin = [
@@ -512,6 +513,11 @@ class HttpApi:
     # ---- operations --------------------------------------------------------------------------------------------------
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document(self.core.keys.generation_needs_key))
+
+    async def live(self, request: web.Request) -> web.Response:
+        """The liveness (and startup) probe's answer: this event loop turns. It does not depend on the workers (a
+        router restarted because its workers load slowly or a decode pod is lost would only add an outage)."""
+        return web.json_response({"status": "alive"})
 
     async def health(self, request: web.Request) -> web.Response:
         reg, adm = self.core.registry, self.core.admission

@@ -2,7 +2,8 @@
 
 engine (+ draft) -> engine loop thread -> transfer backend with every pool registered -> worker -> grpc.aio server
 (worker service, standard health checking, reflection; keepalive; mutual TLS with `--tls-*`: only peers with a
-certificate of the cluster's CA, each RPC only from the role that makes it) + Prometheus `/metrics`. Prints one JSON
+certificate of the cluster's CA, each RPC only from the role that makes it) + a plain HTTP port with Prometheus
+`/metrics` and the kubelet's `/health` and `/live` (`probe_server`). Prints one JSON
 "ready" line on stdout (with the ports actually bound) and serves until SIGTERM/SIGINT, then drains and stops.
 
 Threads: the main thread runs the asyncio loop (every gRPC handler, every rendezvous and stream); the engine loop
@@ -25,7 +26,6 @@ from typing import cast
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from pdspark.config import WorkerConfig
 from pdspark.engine.engine import Engine
@@ -47,6 +47,7 @@ from pdspark.serving.grpc_services import DecodeServicer, PrefillServicer
 from pdspark.serving.prefill_client import PrefillClients
 from pdspark.serving.prefill_metrics import PrefillMetrics
 from pdspark.serving.prefill_worker import PrefillWorker
+from pdspark.serving.probe_server import LIVE_STALE_S, ProbeServer
 from pdspark.serving.transfer_destinations import DestinationService, TransferDestinations, local_destination
 from pdspark.serving.transfer_writer import TRANSFER_THREADS
 from pdspark.transfer.backend import create_backend
@@ -107,6 +108,10 @@ class WorkerServer:
         self.prefill_clients: PrefillClients | None = None
         self._health_task: asyncio.Task | None = None
         self._published: int | None = None  # the status the health service was last given
+        self._stopping = False
+        self._beat = time.monotonic()  # the asyncio loop's last heartbeat (`/live`)
+        self._heartbeat: asyncio.Task | None = None
+        self.probes: ProbeServer | None = None
         if isinstance(self.metrics, PrefillMetrics):
             prefill = PrefillWorker(self.loop, self.backend, compat, self.metrics, max_pending=cfg.max_pending_prefills,
                                     executor=self.executor, early_prefills=cfg.early_prefills,
@@ -190,8 +195,9 @@ class WorkerServer:
         await self.grpc.start()
         metrics_port = None  # null on the ready line: no metrics server
         if self.cfg.metrics_port is not None:
-            server, _ = start_http_server(self.cfg.metrics_port, addr=self.cfg.host, registry=self.metrics.registry)
-            metrics_port = server.server_port
+            self.probes = ProbeServer(self.metrics.registry, self._ready, self._alive)
+            metrics_port = self.probes.start(self.cfg.host, self.cfg.metrics_port)
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat_every_second())
             # Reported in GetLoad: the router lists it in /workers without being told.
             self.servicer.metrics_url = f"http://{self.cfg.advertise_host}:{metrics_port}/metrics"
         await self._publish_health()
@@ -210,6 +216,19 @@ class WorkerServer:
         if self._published is not None and (self._health_task is None or self._health_task.done()):
             self._health_task = asyncio.get_running_loop().create_task(self._publish_health())
 
+    def _ready(self) -> bool:
+        """(probe thread) `/health`: what the gRPC health service says now."""
+        return not self._stopping and self._published == health_pb2.HealthCheckResponse.SERVING
+
+    def _alive(self) -> bool:
+        """(probe thread) `/live`: the asyncio loop turned within `LIVE_STALE_S`."""
+        return time.monotonic() - self._beat < LIVE_STALE_S
+
+    async def _beat_every_second(self) -> None:
+        while True:
+            self._beat = time.monotonic()
+            await asyncio.sleep(1.0)
+
     def _health_status(self) -> int:
         if isinstance(self.worker, PrefillWorker) and not self.worker.serving:
             return health_pb2.HealthCheckResponse.NOT_SERVING
@@ -224,6 +243,7 @@ class WorkerServer:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         # NOT_SERVING for good: a status set later (a stuck transfer thread freed) is ignored.
+        self._stopping = True
         await self.health.enter_graceful_shutdown()
         # New calls on the routers' `Calls` streams are refused as the server refuses new gRPC calls in its grace.
         self.servicer.calls.stop_taking_calls()
@@ -237,6 +257,10 @@ class WorkerServer:
         if isinstance(self.worker, PrefillWorker):
             self.worker.close()
         self.backend.close()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.probes is not None:
+            self.probes.close()
 
 
 async def _serve(server: WorkerServer) -> None:

@@ -124,21 +124,27 @@ spec:
           containerPort: {{ $v.ports.grpc }}
           protocol: TCP
         {{- end }}
+      {{- /* Readiness asks whether the process takes work (/health); startup and liveness only whether it runs
+      (/live): a router whose workers are still loading, or a worker between requests of a drain, is alive. The
+      workers answer on their plain metrics port, whatever the gRPC port's mutual TLS (a kubelet has no client
+      certificate). */}}
       {{- range $kind := list "startup" "readiness" "liveness" }}
       {{ $kind }}Probe:
-        {{- if not $worker }}
         httpGet:
-          path: /health
+          path: {{ ternary "/health" "/live" (eq $kind "readiness") }}
+          {{- if not $worker }}
           port: http
           scheme: {{ ternary "HTTPS" "HTTP" (ne $v.router.httpsSecret "") }}
-        {{- else if $v.tls.enabled }}
-        tcpSocket:
-          port: grpc
-        {{- else }}
-        grpc:
-          port: {{ $v.ports.worker }}
+          {{- else }}
+          port: metrics
+          scheme: HTTP
+          {{- end }}
+        {{- $timing := deepCopy (index $v.probes $kind) }}
+        {{- if and $worker (eq $kind "startup") }}
+        {{- /* (the budget for loading the weights: periodSeconds x this) */}}
+        {{- $_ := set $timing "failureThreshold" $v.probes.workerStartupFailureThreshold }}
         {{- end }}
-        {{- toYaml (index $v.probes $kind) | nindent 8 }}
+        {{- toYaml $timing | nindent 8 }}
       {{- end }}
       {{- end }}
       resources:

@@ -9,7 +9,7 @@ The rules (docs/operations.md, "Security"):
   addresses anywhere else (`/generate`'s `meta_info`, gRPC chunks, error messages) needs an admin key too, except
   on a development router: no key of either kind configured and bound to a loopback address, whose only callers are
   this machine's users.
-- `/health`, `/metrics` and `/openapi.json` are open: probes and scrapers carry no key, and none of them shows a key,
+- `/health`, `/live`, `/metrics` and `/openapi.json` are open: probes and scrapers carry no key, and none shows a key,
   a prompt or a worker's address (per-worker metrics are labelled by the worker's name).
 
 NOTE: keys are held only as SHA-256 digests, and a presented key's digest is compared with every configured one by

@@ -168,8 +168,10 @@ def openapi_document(api_keys: bool = False) -> dict[str, Any]:
                                  _DETOKENIZE_RESPONSE),
             "/tokenizer_info": _get("The tokenizer's configuration: special tokens, chat template, context (vLLM's "
                                     "shape)", "tokenizerInfo", "application/json", {"type": "object"}, keyed=True),
-            "/health": _get("Healthy when a prefill and a decode worker are (503 otherwise)", "health",
-                            "application/json", {"type": "object"}),
+            "/health": _get("Ready: a prefill and a decode worker are healthy (503 otherwise); the readiness probe",
+                            "health", "application/json", {"type": "object"}),
+            "/live": _get("Alive: the router's event loop answers (whatever the workers); the liveness and startup "
+                          "probes", "live", "application/json", {"type": "object"}),
             "/metrics": _get("Prometheus metrics", "metrics", "text/plain", {"type": "string"}),
             "/openapi.json": _get("This document", "openapi", "application/json", {"type": "object"}),
         },
