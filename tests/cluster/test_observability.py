@@ -42,8 +42,13 @@ def cluster(one_by_one):
 
 @pytest.fixture(scope="module")
 def prometheus(cluster, tmp_path_factory):
-    """One Prometheus for the module's tests, scraping `cluster` from its start on."""
-    server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), cluster.info["http"], ADMIN_KEY, rules=RULES)
+    """One Prometheus for the module's tests, scraping `cluster` from its start on, as prometheus-operator scrapes
+    the Helm chart's PodMonitor: the job named after the monitor (`<namespace>/<monitor>`), set back to `pdspark` by
+    the chart's relabelling (tests/integration/test_helm_chart.py holds the chart to it), so every rule and panel
+    that selects job="pdspark" is tried under that shape."""
+    server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), cluster.info["http"], ADMIN_KEY, rules=RULES,
+                              job_name="serving/rel-pdspark",
+                              relabel_configs=[{"target_label": "job", "replacement": "pdspark"}])
     try:
         server.wait_ready()
         yield server

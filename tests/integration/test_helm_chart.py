@@ -247,6 +247,12 @@ def test_network_policy_fences_worker_ports():
         assert exprs["app.kubernetes.io/instance"] == [RELEASE]
         assert scrapers["ports"] == [{"port": "metrics", "protocol": "TCP"}]
     assert "NetworkPolicy" not in kinds(render("networkPolicy.enabled=false"))
+    # A router open only to some callers (routerFrom) still lets the scrapers (metricsFrom) reach its /metrics.
+    docs = render("networkPolicy.routerFrom[0].podSelector.matchLabels.app=gateway")
+    callers, scrapers = one(docs, "NetworkPolicy", f"{FULL}-router")["spec"]["ingress"]
+    assert callers["from"] == [{"podSelector": {"matchLabels": {"app": "gateway"}}}]
+    assert scrapers["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert scrapers["from"] == one(docs, "NetworkPolicy", f"{FULL}-prefill")["spec"]["ingress"][2]["from"]
 
 
 @pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "defaults" if v is None else v.name)
@@ -300,7 +306,10 @@ def test_monitor_scrapes_router_and_workers_with_the_rule_labels(kind: str):
     endpoints = mon["spec"]["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"]
     assert [e["port"] for e in endpoints] == ["http", "metrics"]
     for e in endpoints:
-        assert {r["targetLabel"] for r in e["relabelings"]} == {"role", "model", "instance"}
+        assert {r["targetLabel"] for r in e["relabelings"]} == {"job", "role", "model", "instance"}
+        # The rules and dashboards select job="pdspark", which the operator would set to the Service's or the
+        # monitor's name: the relabelling (applied after the operator's own) sets it back.
+        assert {"targetLabel": "job", "replacement": "pdspark"} in e["relabelings"]
     # The ports named are ports of the Services (ServiceMonitor) or containers (PodMonitor).
     if kind == "ServiceMonitor":
         names = {p["name"] for d in docs if d["kind"] == "Service" for p in d["spec"]["ports"]}

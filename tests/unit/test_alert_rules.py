@@ -14,7 +14,9 @@ from pdspark.testing.time_scale import scaled
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules"
 ALERTS = {"PdsparkHighErrorRate", "PdsparkTTFTSLOBreach", "PdsparkTransferFailures", "PdsparkStuckTransfers",
-          "PdsparkPoolNearlyFull", "PdsparkTargetDown", "PdsparkWorkerUnhealthy", "PdsparkAcceptanceCollapse"}
+          "PdsparkPoolNearlyFull", "PdsparkTargetDown", "PdsparkWorkerUnhealthy", "PdsparkAcceptanceCollapse",
+          "PdsparkNoHealthyWorkers", "PdsparkRejectingRequests", "PdsparkITLSLOBreach", "PdsparkQueueSaturated"}
+OPERATIONS = RULES.parents[2] / "docs" / "operations.md"
 
 
 def promtool(*args: str) -> str:
@@ -40,7 +42,15 @@ def test_every_alert_has_for_severity_and_annotations():
     assert {r["alert"] for r in rules()} == ALERTS
     for rule in rules():
         assert rule.get("for") and rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
-        assert set(rule["annotations"]) == {"summary", "description"}, rule["alert"]
+        assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}, rule["alert"]
+
+
+def test_every_runbook_url_is_a_section_of_the_operations_guide():
+    """`docs/operations.md#<anchor>`: a `####` heading named as the alert (GitHub's anchor: lower case)."""
+    headings = {line[5:].strip().lower() for line in OPERATIONS.read_text().splitlines() if line.startswith("#### ")}
+    for rule in rules():
+        path, anchor = rule["annotations"]["runbook_url"].split("#")
+        assert path == "docs/operations.md" and anchor == rule["alert"].lower() and anchor in headings, rule["alert"]
 
 
 def test_promtool_unit_tests_cover_every_alert_firing_and_not():

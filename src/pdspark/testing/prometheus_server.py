@@ -30,7 +30,10 @@ class PrometheusServer:
     """`admin_key`: the router's admin key, which guards its service discovery when one is set; `rules`: alert and
     recording rule files to load (the repository's are under deploy/prometheus/rules)."""
 
-    def __init__(self, tmp: Path, router_http: str, admin_key: str | None = None, rules: Sequence[Path] = ()):
+    def __init__(self, tmp: Path, router_http: str, admin_key: str | None = None, rules: Sequence[Path] = (),
+                 job_name: str = "pdspark", relabel_configs: Sequence[dict] = ()):
+        """`job_name`, `relabel_configs`: the scrape job's (the Helm chart's monitors: the operator names the job
+        after the monitor and the chart's relabelling sets `job` back to `pdspark`)."""
         sd: dict = {"url": router_http + "/prometheus/targets", "refresh_interval": "1s"}
         if admin_key is not None:
             key_file = tmp / "admin-key"
@@ -41,7 +44,8 @@ class PrometheusServer:
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(f) for f in rules],
-            "scrape_configs": [{"job_name": "pdspark", "http_sd_configs": [sd]}],
+            "scrape_configs": [{"job_name": job_name, "http_sd_configs": [sd],
+                                "relabel_configs": list(relabel_configs)}],
         }
         (tmp / "prometheus.json").write_text(json.dumps(config))  # JSON is YAML
         self.url = f"http://127.0.0.1:{free_ports('127.0.0.1', 1)[0]}"

@@ -1,6 +1,9 @@
 {{/* Relabelings that give every series the labels the dashboards and alert rules use (as the router's own
-service discovery does): role, model, instance (the pod). */}}
+service discovery does): job (the operator would set the Service's or the monitor's name: the rules and dashboards
+select job="pdspark"), role, model, instance (the pod). */}}
 {{- define "pdspark.relabelings" -}}
+- targetLabel: job
+  replacement: pdspark
 - sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
   targetLabel: role
 - targetLabel: model
