@@ -125,7 +125,8 @@ def _serve_worker(args: argparse.Namespace, cfg: WorkerConfig) -> int:
         if cfg.role == "decode":  # this machine's ranks receive their requests' caches at this machine's address
             from pdspark.serving.transfer_destinations import DestinationService
 
-            service = DestinationService(cfg.transfer_backend, cfg.advertise_host, cfg.transfer_protocol)
+            service = DestinationService(cfg.transfer_backend, cfg.advertise_host, cfg.transfer_protocol,
+                                         cfg.transfer_device)
         return join_engine_group(cfg.model, cfg.engine, {}, rank_service=service)
     from pdspark.serving.worker_server import run_worker
 

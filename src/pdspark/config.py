@@ -222,6 +222,8 @@ class WorkerConfig:
     advertise_host: str = option(LOOPBACK, "address peers reach this worker at (gRPC and transfer engine)")
     transfer_backend: TransferBackend = option("mooncake", "how the cache moves from prefill to decode")
     transfer_protocol: Literal["tcp", "rdma"] = option("tcp", "transport of the mooncake transfer engine")
+    transfer_device: str = option("", "the NIC(s) the mooncake transfer engine uses for RDMA, comma-separated (e.g. "
+                                  "mlx5_0,mlx5_1); empty: Mooncake discovers them all")
     # Admission: beyond these bounds a worker refuses a request at once (OVERLOADED: gRPC RESOURCE_EXHAUSTED, HTTP
     # 429 at the router), never by a timeout. Sized so that one prefill + one decode worker queue several hundred
     # concurrent requests; each waiting request costs a coroutine and a little memory, no thread.

@@ -207,7 +207,8 @@ def test_rendered_args_and_env_parse_as_the_services_configs(values: Path | None
             assert {t.role for t in cfg.discovery.dns_targets} == {"prefill", "decode"}
         else:
             cfg = parse_args(WorkerConfig, c.get("args", []), environ, role=role)
-            assert (cfg.host, cfg.port, cfg.metrics_port) == ("0.0.0.0", 50051, 9100)
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            assert (cfg.host, cfg.port, cfg.metrics_port) == ("0.0.0.0", ports["grpc"], ports["metrics"])
         assert cfg.tls.enabled == ("PDSPARK_TLS_CERT" in e)
 
 
@@ -552,3 +553,28 @@ def test_a_group_pods_env_parses_as_the_workers_config():
 def test_a_group_across_pods_is_refused_without_what_it_needs(sets, message):
     out = helm("template", RELEASE, str(CHART), *[a for s in sets for a in ("--set", s)], check=False)
     assert out.returncode != 0 and re.search(message, out.stderr), out.stderr
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "defaults" if v is None else v.name)
+def test_host_network_roles_get_distinct_ports_none_of_them_9100(values: Path | None):
+    """Under hostNetwork a prefill and a decode pod may share a node: their ports (gRPC, metrics) must differ, and
+    none may be node-exporter's 9100; the Services, the env the workers read and the router's discovery agree."""
+    docs = render(values=values)
+    used: dict[str, set[int]] = {}
+    for role in ("prefill", "decode"):
+        pod = one(docs, "Deployment", f"{FULL}-{role}")["spec"]["template"]["spec"]
+        ports = {p["name"]: p["containerPort"] for p in container(docs, role)["ports"]}
+        e = env(docs, role)
+        assert (int(e["PDSPARK_PORT"]), int(e["PDSPARK_METRICS_PORT"])) == (ports["grpc"], ports["metrics"])
+        service = {p["name"]: p["port"] for p in one(docs, "Service", f"{FULL}-{role}")["spec"]["ports"]}
+        assert service == ports
+        if pod.get("hostNetwork"):
+            used[role] = set(ports.values())
+    if used:
+        assert not used["prefill"] & used["decode"] and 9100 not in used["prefill"] | used["decode"]
+        assert env(docs, "prefill")["PDSPARK_TRANSFER_DEVICE"] == "mlx5_0,mlx5_1"
+    # Colliding or 9100 host ports are refused with a message.
+    for bad in ("mooncake.hostPorts.decode.worker=50051", "mooncake.hostPorts.prefill.metrics=9100"):
+        out = subprocess.run([_bin("helm"), "template", RELEASE, str(CHART), "--set", "mooncake.hostNetwork=true",
+                              "--set", bad], capture_output=True, text=True, timeout=scaled(60))
+        assert out.returncode != 0 and "mooncake.hostPorts" in out.stderr, out.stderr

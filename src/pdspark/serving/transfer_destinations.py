@@ -37,14 +37,14 @@ class DestinationService:
     """On each other rank of a decode group: its transfer engine over its pools; answers checksums. Picklable
     until started (the backend is created on the rank)."""
 
-    def __init__(self, backend: str, host: str, protocol: str):
-        self.args = (backend, host, protocol)
+    def __init__(self, backend: str, host: str, protocol: str, device: str = ""):
+        self.args = (backend, host, protocol, device)
         self._backend: TransferBackend | None = None
         self._buffers: list[BufferDesc] = []
 
     def start(self, engine: Engine) -> RankDestination:
-        backend, host, protocol = self.args
-        self._backend = create_backend(backend, host=host, protocol=protocol)
+        backend, host, protocol, device = self.args
+        self._backend = create_backend(backend, host=host, protocol=protocol, device=device)
         for addr, nbytes in registered_regions(engine.kv.pools):
             self._backend.register(addr, nbytes)
         self._buffers = cache_buffers(engine.kv.pools)  # fixed at start: the pools never move

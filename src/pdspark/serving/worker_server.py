@@ -82,7 +82,7 @@ class WorkerServer:
                                       "rank receives into its own process's memory)")
                 # Each other rank receives transfers into its own pools, through its own transfer engine.
                 destination_service = DestinationService(cfg.transfer_backend, cfg.advertise_host,
-                                                         cfg.transfer_protocol)
+                                                         cfg.transfer_protocol, cfg.transfer_device)
             # Rank 0 here, the other ranks child processes (`engine/lockstep.py`, `engine/data_parallel.py`): the
             # Engine API over the group. Only rank 0 serves gRPC; in a prefill group only rank 0 writes transfers.
             self.group = start_engine_group(cfg.model, False, cfg.engine, {}, rank_service=destination_service)
@@ -100,7 +100,8 @@ class WorkerServer:
             observer = OneProcessGroup(then=self.metrics.engine)
             self.metrics.registry.register(GroupCollector(observer))
         self.loop = EngineLoop(engine, observer=observer)
-        self.backend = create_backend(cfg.transfer_backend, host=cfg.advertise_host, protocol=cfg.transfer_protocol)
+        self.backend = create_backend(cfg.transfer_backend, host=cfg.advertise_host, protocol=cfg.transfer_protocol,
+                                      device=cfg.transfer_device)
         for addr, nbytes in registered_regions(engine.kv.pools):  # (rank 0's; the other ranks register theirs)
             self.backend.register(addr, nbytes)
         self.executor = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="transfer")

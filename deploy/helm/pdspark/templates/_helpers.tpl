@@ -49,7 +49,27 @@ app.kubernetes.io/component: {{ .role }}
 
 {{/* The headless Service of a worker role, as the router resolves it: (dict "ctx" $ "role" "prefill") */}}
 {{- define "pdspark.workerDns" -}}
-{{- printf "%s-%s.%s.svc.%s:%d" (include "pdspark.fullname" .ctx) .role .ctx.Release.Namespace .ctx.Values.clusterDomain (int .ctx.Values.ports.worker) -}}
+{{- printf "%s-%s.%s.svc.%s:%d" (include "pdspark.fullname" .ctx) .role .ctx.Release.Namespace .ctx.Values.clusterDomain (int (include "pdspark.workerPort" (dict "ctx" .ctx "role" .role "port" "worker"))) -}}
+{{- end -}}
+
+{{/* A worker role's port ("worker": gRPC, or "metrics"): ports.* on the pod network; under mooncake.hostNetwork the
+role's own host port (mooncake.hostPorts), which must differ from the other role's and from 9100. */}}
+{{- define "pdspark.workerPort" -}}
+{{- $v := .ctx.Values -}}
+{{- if $v.mooncake.hostNetwork -}}
+{{- $p := $v.mooncake.hostPorts -}}
+{{- /* (as strings: --set and values.yaml give numbers of different types) */ -}}
+{{- $all := list (toString $p.prefill.worker) (toString $p.prefill.metrics) (toString $p.decode.worker) (toString $p.decode.metrics) -}}
+{{- if ne (len (uniq $all)) 4 -}}
+{{- fail (printf "mooncake.hostPorts: under hostNetwork the prefill and decode ports must all differ (a prefill and a decode pod may share a node); got %v" $p) -}}
+{{- end -}}
+{{- if has "9100" $all -}}
+{{- fail "mooncake.hostPorts: 9100 is node-exporter's port on kube-prometheus-stack clusters; choose another" -}}
+{{- end -}}
+{{- index (index $p .role) .port -}}
+{{- else -}}
+{{- index $v.ports .port -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "pdspark.authSecretName" -}}

@@ -111,10 +111,10 @@ spec:
         {{- end }}
         {{- if $worker }}
         - name: grpc
-          containerPort: {{ $v.ports.worker }}
+          containerPort: {{ include "pdspark.workerPort" (dict "ctx" $root "role" $role "port" "worker") }}
           protocol: TCP
         - name: metrics
-          containerPort: {{ $v.ports.metrics }}
+          containerPort: {{ include "pdspark.workerPort" (dict "ctx" $root "role" $role "port" "metrics") }}
           protocol: TCP
         {{- else }}
         - name: http

@@ -12,9 +12,12 @@
 {{- $_ := set $env "PDSPARK_DNS_INTERVAL_S" (toString $v.router.dnsIntervalSeconds) -}}
 {{- end -}}
 {{- else -}}
-{{- $_ := set $env "PDSPARK_PORT" (toString $v.ports.worker) -}}
-{{- $_ := set $env "PDSPARK_METRICS_PORT" (toString $v.ports.metrics) -}}
+{{- $_ := set $env "PDSPARK_PORT" (include "pdspark.workerPort" (dict "ctx" .ctx "role" .role "port" "worker")) -}}
+{{- $_ := set $env "PDSPARK_METRICS_PORT" (include "pdspark.workerPort" (dict "ctx" .ctx "role" .role "port" "metrics")) -}}
 {{- $_ := set $env "PDSPARK_TRANSFER_PROTOCOL" $v.mooncake.protocol -}}
+{{- if $v.mooncake.device -}}
+{{- $_ := set $env "PDSPARK_TRANSFER_DEVICE" $v.mooncake.device -}}
+{{- end -}}
 {{- $_ := set $env "PDSPARK_EP_SIZE" (toString ((index $v .role).epSize | default 1)) -}}
 {{- $_ := set $env "PDSPARK_NNODES" (toString ((index $v .role).nnodes | default 1)) -}}
 {{- /* A decode group runs DP-attention (each rank owns whole requests); a prefill group runs its batch on every rank. */ -}}
