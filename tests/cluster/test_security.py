@@ -179,6 +179,23 @@ def test_a_key_file_is_read_again_on_sighup(cluster, key_file):
     assert request(cluster, "GET", "/v1/models", None, ROTATED)[0] == 401
 
 
+def test_a_changed_key_file_is_read_again_without_a_signal(cluster, key_file):
+    """As a Kubernetes Secret volume updates it: the file is replaced (a new inode), nobody signals the router."""
+    before = key_file.read_text()
+    try:
+        swap = key_file.with_name(key_file.name + ".new")
+        swap.write_text(f"{ROTATED}\n")
+        swap.chmod(0o600)
+        os.replace(swap, key_file)
+        deadline = time.monotonic() + scaled(10)  # (the router checks every 2 s)
+        while request(cluster, "GET", "/v1/models", None, ROTATED)[0] != 200:
+            assert time.monotonic() < deadline, "the rotated key is not accepted 10 s after the file changed"
+            time.sleep(0.1)
+        assert request(cluster, "GET", "/v1/models", None, FILE_KEY)[0] == 401
+    finally:
+        reload_keys(cluster, key_file, before, accepted=FILE_KEY)
+
+
 def reload_keys(cluster: ServiceProcess, key_file: Path, text: str, accepted: str) -> None:
     """Write the key file, SIGHUP the launcher (it passes it to the router) and wait until `accepted` works."""
     key_file.write_text(text)

@@ -374,10 +374,15 @@ def test_tls_and_auth_mount_secrets_as_files():
     assert missing.returncode != 0 and "tls.secrets.router is required" in missing.stderr
 
 
-def test_generated_keys_are_random():
-    a = one(render("auth.enabled=true"), "Secret", f"{FULL}-auth")["data"]["api-keys"]
-    text = helm("template", RELEASE, str(CHART), "--set", "auth.enabled=true", "--set", "replicas.router=1").stdout
-    b = one([d for d in yaml.safe_load_all(text) if d], "Secret", f"{FULL}-auth")["data"]["api-keys"]
+def test_keys_are_never_minted_silently_where_the_render_cannot_see_the_cluster():
+    """`helm template` (Argo CD, GitOps) cannot look the release's Secret up: keys minted there would change at
+    every sync, so the chart refuses unless `auth.existingSecret` names the keys or `auth.mintWithoutCluster` says
+    they are throwaway (then random at every render)."""
+    refused = helm("template", RELEASE, str(CHART), "--set", "auth.enabled=true", check=False)
+    assert refused.returncode != 0 and "auth.existingSecret" in refused.stderr, refused.stderr
+    mint = ("auth.enabled=true", "auth.mintWithoutCluster=true")
+    a = one(render(*mint), "Secret", f"{FULL}-auth")["data"]["api-keys"]
+    b = one(render(*mint, "replicas.router=1"), "Secret", f"{FULL}-auth")["data"]["api-keys"]
     assert a != b and len(a) >= 40
 
 
@@ -419,7 +424,8 @@ def test_notes_tell_how_to_reach_the_router(tmp_path: Path):
     assert f"port-forward svc/{FULL}-router 8000:8000" in plain
     assert f"http://{FULL}-router.serving.svc.cluster.local:8000/v1" in plain
     assert "auth.enabled is false" in plain
-    secured = notes("auth.enabled=true", "router.httpsSecret=s", "router.service.type=LoadBalancer")
+    secured = notes("auth.enabled=true", "auth.mintWithoutCluster=true", "router.httpsSecret=s",
+                    "router.service.type=LoadBalancer")
     assert f"https://{FULL}-router" in secured and "EXTERNAL-IP" in secured
     assert f"secret {FULL}-auth" in secured
 

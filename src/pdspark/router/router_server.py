@@ -1,6 +1,7 @@
 """`run_router`: the router process. HTTP (aiohttp) and gRPC (grpc.aio) on one asyncio loop (uvloop's), the worker
 registry's health polling and DNS discovery (`--prefill-dns`/`--decode-dns`) beside them; one JSON ready line on stdout;
-SIGTERM/SIGINT drain and stop; SIGHUP reads the key files again (key rotation without a restart). With
+SIGTERM/SIGINT drain and stop; SIGHUP, or a change to a key file (checked every 2 s), reads the key files again (key
+rotation without a restart). With
 `--ssl-certfile`/`--ssl-keyfile` both public ports speak TLS (HTTPS; gRPC without client certificates: clients
 authenticate with API keys); with `--tls-*` the calls to the workers use mutual TLS (`WorkerRegistry`). With
 `--admin-port` the admin routes have an HTTP listener of their own (`start_http`), with the same TLS and keys."""
@@ -68,11 +69,29 @@ def build_grpc_server(core: RouterCore) -> tuple[grpc.aio.Server, health.aio.Hea
 
 
 def reload_keys(core: RouterCore) -> None:
-    """SIGHUP: the key files again; a file that cannot be read keeps the keys in use (and says why)."""
+    """SIGHUP, or a key file changed: the key files again; a file that cannot be read keeps the keys in use (and
+    says why)."""
     try:
         core.keys.reload()
     except ConfigError as e:
         logger.error("keys not reloaded, the previous ones stay in use: %s", e)
+
+
+# How often the key files are checked for a change (rotation without a SIGHUP: a Kubernetes Secret volume updates its
+# files in place of the pod, which cannot be signalled). A rotated key works within this, plus the kubelet's sync.
+KEY_WATCH_S = 2.0
+
+
+async def watch_key_files(core: RouterCore) -> None:
+    """Reload the keys whenever a key file changes (its inode, size or modification time)."""
+    seen = core.keys.files_version()
+    while True:
+        await asyncio.sleep(KEY_WATCH_S)
+        now = core.keys.files_version()
+        if now != seen:
+            seen = now
+            logger.info("a key file changed: reading the keys again")
+            reload_keys(core)
 
 
 def _warn_if_exposed(cfg: RouterConfig, core: RouterCore) -> None:
@@ -193,6 +212,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     for name in ("", ROUTER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     poller = asyncio.create_task(core.registry.poll_forever())
+    key_watch = asyncio.create_task(watch_key_files(core))
     discovery = build_discovery(cfg, core)
     discoverer = asyncio.create_task(discovery.run()) if discovery is not None else None
     public_tls = ssl_context is not None
@@ -207,6 +227,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     for name in ("", ROUTER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     poller.cancel()
+    key_watch.cancel()
     if discoverer is not None:
         discoverer.cancel()
     await server.stop(5)

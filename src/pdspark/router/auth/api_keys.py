@@ -130,6 +130,20 @@ class ApiKeys:
         if self.auth.configured:
             logger.info("keys loaded: %d API key(s), %d admin key(s)", len(self._client), len(self._admin))
 
+    def files_version(self) -> tuple:
+        """What changes when a key file changes: each file's inode, size and modification time (a Kubernetes Secret
+        volume swaps a symlink to a new file; an editor rewrites in place). Unreadable files count as missing."""
+        out: list[tuple[str, int | None, int | None, int | None]] = []
+        for path in (self.auth.api_key_file, self.auth.admin_api_key_file):
+            if path is None:
+                continue
+            try:
+                st = os.stat(path)
+                out.append((str(path), st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                out.append((str(path), None, None, None))
+        return tuple(out)
+
     @property
     def generation_needs_key(self) -> bool:
         return bool(self._client)
