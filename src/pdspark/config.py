@@ -224,6 +224,9 @@ class WorkerConfig:
     transfer_protocol: Literal["tcp", "rdma"] = option("tcp", "transport of the mooncake transfer engine")
     transfer_device: str = option("", "the NIC(s) the mooncake transfer engine uses for RDMA, comma-separated (e.g. "
                                   "mlx5_0,mlx5_1); empty: Mooncake discovers them all")
+    drain_timeout_s: float = option(5.0, "on SIGTERM: seconds running calls get to finish before the worker stops "
+                                    "(streams still running then end and migrate); the pod's termination grace less "
+                                    "its preStop and a margin", minimum=0.0)
     # Admission: beyond these bounds a worker refuses a request at once (OVERLOADED: gRPC RESOURCE_EXHAUSTED, HTTP
     # 429 at the router), never by a timeout. Sized so that one prefill + one decode worker queue several hundred
     # concurrent requests; each waiting request costs a coroutine and a little memory, no thread.

@@ -584,3 +584,21 @@ def test_host_network_roles_get_distinct_ports_none_of_them_9100(values: Path | 
         out = subprocess.run([_bin("helm"), "template", RELEASE, str(CHART), "--set", "mooncake.hostNetwork=true",
                               "--set", bad], capture_output=True, text=True, timeout=scaled(60))
         assert out.returncode != 0 and "mooncake.hostPorts" in out.stderr, out.stderr
+
+
+def test_rollouts_and_drains_per_role():
+    """Prefill replaced in place (surge 0, one unavailable), decode surged (one new first, none unavailable); a
+    worker's preStop turns it NOT_SERVING (SIGUSR1) and waits, and its drain timeout is the grace period left."""
+    docs = render()
+    strategy = {r: one(docs, "Deployment", f"{FULL}-{r}")["spec"].get("strategy") for r in ("router", "prefill",
+                                                                                            "decode")}
+    assert strategy["router"] is None
+    assert strategy["prefill"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert strategy["decode"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    for role in ("prefill", "decode"):
+        pre = container(docs, role)["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre == ["/bin/sh", "-c", "kill -USR1 1; sleep 5"]
+        assert env(docs, role)["PDSPARK_DRAIN_TIMEOUT_S"] == "50"  # 60 - 5 (preStop) - 5 (margin)
+    assert "lifecycle" not in container(docs, "router")
+    docs = render("terminationGracePeriodSeconds=600")
+    assert env(docs, "decode")["PDSPARK_DRAIN_TIMEOUT_S"] == "590"

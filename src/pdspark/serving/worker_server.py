@@ -242,10 +242,19 @@ class WorkerServer:
                 await self.health.set(name, status)
             self._published = status
 
-    async def stop(self, grace_s: float = 5.0) -> None:
-        # NOT_SERVING for good: a status set later (a stuck transfer thread freed) is ignored.
+    async def drain(self) -> None:
+        """Stop taking new work (SIGUSR1, the pod's preStop): NOT_SERVING for good, so the routers' health checks
+        send nothing new here; running calls go on until `stop`."""
+        if not self._stopping:
+            logger.info("%s worker draining: NOT_SERVING, running calls go on", self.cfg.role)
+        # (a status set later, a stuck transfer thread freed, is ignored)
         self._stopping = True
         await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain, let running calls finish for `grace_s` (default `--drain-timeout-s`), then stop everything."""
+        grace_s = self.cfg.drain_timeout_s if grace_s is None else grace_s
+        await self.drain()
         # New calls on the routers' `Calls` streams are refused as the server refuses new gRPC calls in its grace.
         self.servicer.calls.stop_taking_calls()
         await self.grpc.stop(grace_s)
@@ -269,6 +278,8 @@ async def _serve(server: WorkerServer) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # The pod's preStop: stop taking new work before SIGTERM comes (the routers notice within their health poll).
+    loop.add_signal_handler(signal.SIGUSR1, lambda: asyncio.ensure_future(server.drain()))
     print(json.dumps(await server.start()), flush=True)
     await stop.wait()
     logger.info("%s worker stopping", server.cfg.role)

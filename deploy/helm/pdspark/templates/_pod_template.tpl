@@ -42,6 +42,14 @@ spec:
         - --decode-dns
         - {{ include "pdspark.workerDns" (dict "ctx" $root "role" "decode") }}
       {{- end }}
+      {{- if and $worker (ne $node "worker") }}
+      lifecycle:
+        # Stop taking new work first (SIGUSR1: NOT_SERVING, the routers' health checks send nothing new), give the
+        # routers time to notice, then SIGTERM: running calls get --drain-timeout-s to finish or migrate.
+        preStop:
+          exec:
+            command: ["/bin/sh", "-c", "kill -USR1 1; sleep {{ $v.drain.preStopSeconds }}"]
+      {{- end }}
       envFrom:
         - configMapRef:
             name: {{ $fullname }}-{{ $role }}

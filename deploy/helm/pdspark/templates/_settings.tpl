@@ -15,6 +15,8 @@
 {{- $_ := set $env "PDSPARK_PORT" (include "pdspark.workerPort" (dict "ctx" .ctx "role" .role "port" "worker")) -}}
 {{- $_ := set $env "PDSPARK_METRICS_PORT" (include "pdspark.workerPort" (dict "ctx" .ctx "role" .role "port" "metrics")) -}}
 {{- $_ := set $env "PDSPARK_TRANSFER_PROTOCOL" $v.mooncake.protocol -}}
+{{- /* The drain follows the pod's grace period: what is left of it after the preStop, less a margin for the stop. */ -}}
+{{- $_ := set $env "PDSPARK_DRAIN_TIMEOUT_S" (toString (max 1 (sub (sub (int $v.terminationGracePeriodSeconds) (int $v.drain.preStopSeconds)) (int $v.drain.marginSeconds)))) -}}
 {{- if $v.mooncake.device -}}
 {{- $_ := set $env "PDSPARK_TRANSFER_DEVICE" $v.mooncake.device -}}
 {{- end -}}
