@@ -325,7 +325,7 @@ def test_hpa_per_worker_role_on_pod_metrics():
     assert sorted(h["spec"]["scaleTargetRef"]["name"] for h in hpas) == [f"{FULL}-decode", f"{FULL}-prefill"]
     for h in hpas:
         assert h["apiVersion"] == "autoscaling/v2"
-        (metric,) = h["spec"]["metrics"]
+        metric = h["spec"]["metrics"][0]  # (decode's second: KV-pool usage)
         assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"].startswith("pdspark_engine_")
     # The HPA owns the workers' replica count; the router keeps its own.
     assert "replicas" not in one(docs, "Deployment", f"{FULL}-prefill")["spec"]
@@ -338,7 +338,7 @@ def test_keda_scaled_objects_and_not_both():
     assert len(scaled) == 2 and "HorizontalPodAutoscaler" not in kinds(docs)
     for s in scaled:
         assert s["apiVersion"] == "keda.sh/v1alpha1"
-        (trigger,) = s["spec"]["triggers"]
+        trigger = s["spec"]["triggers"][0]  # (decode's second: KV-pool usage)
         assert trigger["type"] == "prometheus" and "pdspark_engine_" in trigger["metadata"]["query"]
         assert s["spec"]["scaleTargetRef"]["name"] in kinds(docs)["Deployment"]
     both = helm("template", RELEASE, str(CHART), "--set", "autoscaling.hpa.enabled=true",
@@ -602,3 +602,47 @@ def test_rollouts_and_drains_per_role():
     assert "lifecycle" not in container(docs, "router")
     docs = render("terminationGracePeriodSeconds=600")
     assert env(docs, "decode")["PDSPARK_DRAIN_TIMEOUT_S"] == "590"
+
+
+def test_the_schemas_escape_hatches_reach_the_pods():
+    docs = render(values=CHART / "ci" / "escape-hatches-values.yaml")
+    pod = one(docs, "Deployment", f"{FULL}-decode")["spec"]["template"]
+    assert pod["metadata"]["labels"]["team"] == "inference"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "decode"  # (the selector's stay)
+    spec = pod["spec"]
+    assert (spec["priorityClassName"], spec["runtimeClassName"]) == ("pdspark-high", "nvidia")
+    assert spec["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert [c["name"] for c in spec["initContainers"]] == ["warm-cache"]
+    assert one(docs, "Deployment", f"{FULL}-router")["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 1
+    extra = one(docs, "PriorityClass", "pdspark-high")
+    assert extra["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE  # (through tpl)
+    refused = helm("template", RELEASE, str(CHART), "--set", "decode.podLabels.app\\.kubernetes\\.io/name=x",
+                   check=False)
+    assert refused.returncode != 0 and "the chart's" in refused.stderr
+
+
+def test_autoscalers_behaviour_fallback_pool_usage_and_the_adapter_rules(tmp_path):
+    """HPA `behavior` from values; decode also scales on KV-pool usage; KEDA holds replicas.<role> while Prometheus
+    cannot be queried; every HPA metric is served by deploy/prometheus-adapter/rules.yaml, and every query (KEDA's,
+    the adapter's with its placeholders filled) parses as PromQL (promtool)."""
+    hpa = {d["metadata"]["name"]: d for d in render("autoscaling.hpa.enabled=true") if
+           d["kind"] == "HorizontalPodAutoscaler"}
+    decode = hpa[f"{FULL}-decode"]["spec"]
+    assert [m["pods"]["metric"]["name"] for m in decode["metrics"]] == ["pdspark_engine_running_requests",
+                                                                        "pdspark_kv_pool_usage"]
+    assert decode["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 300}}
+    keda = [d for d in render("autoscaling.keda.enabled=true") if d["kind"] == "ScaledObject"]
+    assert all(k["spec"]["fallback"] == {"failureThreshold": 3, "replicas": 1} for k in keda)
+    adapter = yaml.safe_load((ROOT / "deploy" / "prometheus-adapter" / "rules.yaml").read_text())["rules"]["custom"]
+    served = {r["name"]["as"] for r in adapter}
+    assert {m["pods"]["metric"]["name"] for h in hpa.values() for m in h["spec"]["metrics"]} <= served
+    queries = [t["metadata"]["query"] for k in keda for t in k["spec"]["triggers"]]
+    queries += [r["metricsQuery"].replace("<<.GroupBy>>", "namespace, pod").replace("<<.Series>>", "x")
+                .replace("<<.LabelMatchers>>", 'namespace="serving"') for r in adapter]
+    rules = {"groups": [{"name": "q", "rules": [{"record": f"q{i}", "expr": q} for i, q in enumerate(queries)]}]}
+    (tmp_path / "q.yml").write_text(yaml.safe_dump(rules))
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: `make setup` installs Debian's `prometheus` package"
+    out = subprocess.run([promtool, "check", "rules", str(tmp_path / "q.yml")], capture_output=True, text=True,
+                         timeout=scaled(60))
+    assert out.returncode == 0, out.stdout + out.stderr

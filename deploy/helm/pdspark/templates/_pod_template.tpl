@@ -12,6 +12,12 @@ run only their ranks (no port, no probe: a group fails and restarts as a unit). 
 metadata:
   labels:
     {{- include "pdspark.selectorLabels" (dict "ctx" $root "role" (ternary (printf "%s-ranks" $role) $role (eq $node "worker"))) | nindent 4 }}
+    {{- range $k, $val := $r.podLabels }}
+    {{- if hasPrefix "app.kubernetes.io/" $k }}
+    {{- fail (printf "%s.podLabels.%s: app.kubernetes.io/ labels are the chart's (its selectors use them)" $role $k) }}
+    {{- end }}
+    {{ $k }}: {{ $val | quote }}
+    {{- end }}
   annotations:
     checksum/config: {{ include "pdspark.settings" (dict "ctx" $root "role" $role) | sha256sum }}
     {{- with $r.podAnnotations }}
@@ -31,6 +37,16 @@ spec:
   {{- end }}
   securityContext:
     {{- toYaml $v.podSecurityContext | nindent 4 }}
+  {{- with $r.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with $r.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  {{- with $r.initContainers }}
+  initContainers:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   containers:
     - name: {{ $role }}
       image: {{ include "pdspark.image" (dict "ctx" $root "role" $role) }}
@@ -265,6 +281,10 @@ spec:
   {{- end }}
   {{- with $r.affinity }}
   affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $r.topologySpreadConstraints }}
+  topologySpreadConstraints:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 {{- end -}}
