@@ -4,13 +4,20 @@ registry's stable names (kept for an address gone for a while, within a bound)."
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
 from pdspark.config import DiscoveryConfig, DnsTarget, RouterConfig
 from pdspark.errors import ConfigError
 from pdspark.options import parse_args
-from pdspark.router.workers.dns_discovery import DnsDiscovery, ResolveError, read_hosts_file, worker_address
+from pdspark.router.workers.dns_discovery import (
+    DnsDiscovery,
+    EmptyAnswer,
+    ResolveError,
+    read_hosts_file,
+    worker_address,
+)
 from pdspark.router.workers.worker_registry import WorkerRegistry
 
 
@@ -104,5 +111,65 @@ def test_the_names_of_addresses_gone_are_kept_for_a_while_then_forgotten():
         r.add("decode", "127.0.0.4:1")
         assert len(r._names) == 1
         assert r.add("decode", "127.0.0.3:1").name != a
+
+    asyncio.run(scenario())
+
+
+def test_no_address_is_an_answer_and_a_timeout_is_not(monkeypatch):
+    """NXDOMAIN / no data / an empty list: `EmptyAnswer` (the name has no ready pod); a temporary failure: nothing
+    known (`ResolveError`, not `EmptyAnswer`)."""
+    async def scenario():
+        d = DnsDiscovery(WorkerRegistry(), (), interval_s=1.0)
+        loop = asyncio.get_running_loop()
+        for errno, empty in ((socket.EAI_NONAME, True), (socket.EAI_AGAIN, False)):
+            async def fail(*args, errno=errno, **kwargs):
+                raise socket.gaierror(errno, "scripted")
+
+            monkeypatch.setattr(loop, "getaddrinfo", fail)
+            with pytest.raises(ResolveError) as e:
+                await d.resolve("pf.test", 7)
+            assert isinstance(e.value, EmptyAnswer) == empty
+
+        async def nothing(*args, **kwargs):
+            return []
+
+        monkeypatch.setattr(loop, "getaddrinfo", nothing)
+        with pytest.raises(EmptyAnswer):
+            await d.resolve("pf.test", 7)
+
+    asyncio.run(scenario())
+
+
+def test_an_empty_answer_retires_the_workers_once_confirmed_and_an_outage_never_does():
+    """A headless Service whose pods all went away answers no address: after `empty_confirm_s` of such answers the
+    name has zero workers. A single empty answer in between two good ones, and any outage, keep them."""
+    async def scenario():
+        r = WorkerRegistry()
+        target = DnsTarget("prefill", "pf.test", 7)
+        answers: list = []
+
+        class Scripted(DnsDiscovery):
+            async def resolve(self, name, port):
+                answer = answers.pop(0)
+                if isinstance(answer, Exception):
+                    raise answer
+                return frozenset(answer)
+
+        d = Scripted(r, (target,), interval_s=0.01, empty_confirm_s=0.05)
+        answers += [{"127.0.0.2:7"}, EmptyAnswer("nxdomain"), {"127.0.0.2:7"}]
+        for _ in range(3):
+            await d.poll()
+        assert "127.0.0.2:7" in r.workers  # (one empty answer between good ones: nothing changes)
+        answers += [ResolveError("timeout")] * 3
+        for _ in range(3):
+            await d.poll()
+            await asyncio.sleep(0.03)
+        assert "127.0.0.2:7" in r.workers  # (an outage: kept however long)
+        answers += [EmptyAnswer("nxdomain")] * 2
+        await d.poll()
+        assert "127.0.0.2:7" in r.workers  # (empty, not yet confirmed)
+        await asyncio.sleep(0.06)
+        await d.poll()
+        assert "127.0.0.2:7" not in r.workers  # (confirmed: zero workers)
 
     asyncio.run(scenario())

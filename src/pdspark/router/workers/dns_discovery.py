@@ -7,8 +7,12 @@ AAAA addresses, `loop.getaddrinfo`):
   it serves, as for any worker;
 - an address that vanishes is retired (`WorkerRegistry.retire`): no new request picks it, the calls on it may end
   within `drain_s`, and the policies forget it, as `DELETE /workers` does;
-- a name that fails to resolve (NXDOMAIN, no answer in time) keeps its last known addresses: a DNS outage never
-  empties the cluster. A change of a name's state (failing, resolving again) is logged once, not at every poll.
+- a name whose resolver answers that it has no address (NXDOMAIN or no data: what a headless Service with no
+  ready pod answers) for `empty_confirm_s` in a row (3 intervals by default) has zero workers: its addresses are
+  retired. One such answer alone changes nothing (a pod set being replaced can answer empty for a moment);
+- a name that fails to resolve otherwise (no answer in time, a temporary failure, the hosts file unreadable) keeps
+  its last known addresses: a DNS outage never empties the cluster. A change of a name's state (failing, empty,
+  resolving again) is logged once, not at every poll.
 Only addresses discovery added are retired by it: workers from `--prefill`/`--decode` or `POST /workers` stay;
 one of its own removed by `DELETE /workers` stays out until its address vanishes from DNS and appears again.
 A worker's name (`prefill-3`) is the registry's, stable per address, so one that comes back keeps its series.
@@ -34,7 +38,15 @@ DRAIN_S = 30.0  # how long the calls on a vanished worker may go on (a terminati
 
 
 class ResolveError(Exception):
-    """A name did not resolve (no such name, no answer in time)."""
+    """A name did not resolve (no answer in time, a temporary failure): nothing is known of its addresses."""
+
+
+class EmptyAnswer(ResolveError):
+    """The resolver answered: the name has no address (NXDOMAIN, no data, an empty answer)."""
+
+
+# getaddrinfo's codes for an answer that the name has no address (not an outage)
+_NO_ADDRESS = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 
 def read_hosts_file(path: str) -> dict[str, list[str]]:
@@ -73,11 +85,14 @@ class DnsDiscovery:
         on_admit: called with each worker added.
         on_retire: called with each worker retired (the policies forget it, metrics drop its series).
         drain_s: how long the calls on a retired worker may go on.
+        empty_confirm_s: how long a name must answer "no address" before its workers are retired (default: 3
+            intervals).
     """
 
     def __init__(self, registry: WorkerRegistry, targets: tuple[DnsTarget, ...], interval_s: float,
                  hosts_file: str | None = None, on_admit: Callable[[WorkerInfo], None] | None = None,
-                 on_retire: Callable[[WorkerInfo], None] | None = None, drain_s: float = DRAIN_S):
+                 on_retire: Callable[[WorkerInfo], None] | None = None, drain_s: float = DRAIN_S,
+                 empty_confirm_s: float | None = None):
         self.registry = registry
         self.targets = targets
         self.interval_s = interval_s
@@ -87,6 +102,8 @@ class DnsDiscovery:
         self.drain_s = drain_s
         self.known: dict[DnsTarget, frozenset[str]] = {t: frozenset() for t in targets}  # last addresses resolved
         self.failing: dict[DnsTarget, str] = {}  # target -> why its last resolution failed
+        self.empty_confirm_s = 3 * interval_s if empty_confirm_s is None else empty_confirm_s
+        self.empty_since: dict[DnsTarget, float] = {}  # target -> when its answers turned "no address"
         self.owned: dict[str, str] = {}  # address -> role, for the workers discovery added
         self.polls = 0  # resolution rounds done (tests wait on it)
 
@@ -105,6 +122,9 @@ class DnsDiscovery:
         for target in self.targets:
             try:
                 addresses = await self.resolve(target.name, target.port)
+            except EmptyAnswer as e:
+                self._empty(target, str(e))
+                continue
             except ResolveError as e:
                 if self.failing.get(target) != str(e):
                     logger.warning("%s DNS name %s does not resolve (%s); keeping its %d known address(es)",
@@ -113,12 +133,31 @@ class DnsDiscovery:
                 continue
             if self.failing.pop(target, None) is not None:
                 logger.info("%s DNS name %s resolves again", target.role, target.name)
+            self.empty_since.pop(target, None)
             self.known[target] = addresses
         self._reconcile()
         self.polls += 1
 
+    def _empty(self, target: DnsTarget, why: str) -> None:
+        """A "no address" answer: zero workers once it has held for `empty_confirm_s`."""
+        now = asyncio.get_running_loop().time()
+        since = self.empty_since.setdefault(target, now)
+        state = "empty" if now - since >= self.empty_confirm_s else "empty, unconfirmed"
+        if self.failing.get(target) != state:
+            if state == "empty":
+                logger.warning("%s DNS name %s has answered no address for %.0f s (%s): zero workers; retiring its "
+                               "%d address(es)", target.role, target.name, now - since, why, len(self.known[target]))
+            else:
+                logger.warning("%s DNS name %s answers no address (%s); its %d known address(es) stay until that "
+                               "holds for %.0f s", target.role, target.name, why, len(self.known[target]),
+                               self.empty_confirm_s)
+        self.failing[target] = state
+        if state == "empty":
+            self.known[target] = frozenset()
+
     async def resolve(self, name: str, port: int) -> frozenset[str]:
-        """Every `host:port` of `name` (the hosts file first, then DNS). Raises ResolveError."""
+        """Every `host:port` of `name` (the hosts file first, then DNS). Raises EmptyAnswer (the name has no
+        address) or ResolveError (nothing known)."""
         if self.hosts_file is not None:
             try:
                 hosts = read_hosts_file(self.hosts_file)
@@ -129,11 +168,15 @@ class DnsDiscovery:
         loop = asyncio.get_running_loop()
         try:
             infos = await asyncio.wait_for(loop.getaddrinfo(name, port, type=socket.SOCK_STREAM), self.interval_s)
-        except (TimeoutError, OSError) as e:  # socket.gaierror is an OSError
+        except socket.gaierror as e:
+            if e.errno in _NO_ADDRESS:
+                raise EmptyAnswer(str(e)) from e
+            raise ResolveError(str(e)) from e
+        except (TimeoutError, OSError) as e:
             raise ResolveError(str(e) or "no answer in time") from e
         addresses = frozenset(worker_address(str(info[4][0]), port) for info in infos)
         if not addresses:
-            raise ResolveError("no addresses")
+            raise EmptyAnswer("no addresses")
         return addresses
 
     def _reconcile(self) -> None:
