@@ -390,6 +390,12 @@ class RouterConfig:
     host: str = option(LOOPBACK, "HTTP and gRPC bind address")
     port: int = option(ROUTER_HTTP_PORT, "HTTP port (0: any free port)", **_PORT)
     grpc_port: int = option(0, "gRPC port (0: any free port)", **_PORT)
+    # Several routers (replicas behind one Service) each name themselves and their own address in their Prometheus
+    # service discovery, instead of one `router` at whatever address the scraper called.
+    instance_name: str = option("router", "this router's `instance` label in /prometheus/targets (a pod's name)")
+    advertise_host: str | None = option(
+        None, "the address this router's own /metrics target is listed at in /prometheus/targets (a pod's IP; "
+        "default: the address the scraper called)")
     # Worker administration on a listener of its own, so that a firewall or network policy can keep it from the
     # clients the main port faces (its keys still apply there, and its TLS).
     admin_port: int | None = option(

@@ -146,3 +146,18 @@ def test_an_invalid_grpc_request_is_counted():
             assert h.sample("pdspark_router_requests_total", api="grpc", outcome="invalid") == 1
 
     run_within(scenario())
+
+
+def test_a_router_replica_lists_itself_by_its_own_name_and_address():
+    """Several routers behind one Service: each names itself (`--instance-name`, the pod's name in the chart) and
+    lists its own address (`--advertise-host`, the pod's IP), not the Service address the scraper called."""
+    async def scenario():
+        async with await RouterHarness.start(instance_name="rel-pdspark-router-abc12",
+                                             advertise_host="127.0.0.1") as h, aiohttp.ClientSession() as s:
+            port = h.http_url.rsplit(":", 1)[1]
+            status, groups = await get(s, h.http_url.replace("127.0.0.1", "localhost") + "/prometheus/targets")
+            assert status == 200
+            assert groups[0]["targets"] == [f"127.0.0.1:{port}"]
+            assert groups[0]["labels"]["instance"] == "rel-pdspark-router-abc12"
+
+    run_within(scenario())

@@ -541,10 +541,17 @@ class HttpApi:
 
     async def prometheus_targets(self, request: web.Request) -> web.Response:
         """Prometheus HTTP service discovery: every metrics endpoint of the cluster (see `prometheus_targets`)."""
-        # The router as the scraper reached it, on the port of its `/metrics` when that is another one.
-        router = request.host if self.metrics_port is None else _with_port(request.host, self.metrics_port)
+        # The router at its advertised address, else as the scraper reached it; on the port of its `/metrics` when
+        # that is another one.
+        opts = self.core.options
+        host = request.host
+        if opts.advertise_host is not None:  # (the port this router listens on, where the request arrived)
+            sock = request.transport.get_extra_info("sockname") if request.transport is not None else None
+            host = f"[{opts.advertise_host}]" if ":" in opts.advertise_host else opts.advertise_host
+            host = _with_port(host, sock[1]) if sock else host
+        router = host if self.metrics_port is None else _with_port(host, self.metrics_port)
         return web.json_response(prometheus_targets(self.core.registry.workers.values(), self.core.served_name,
-                                                    router, request.scheme))
+                                                    router, request.scheme, opts.instance_name))
 
     async def workers(self, request: web.Request) -> web.Response:
         return web.json_response([w.to_json() for w in self.core.registry.workers.values()])

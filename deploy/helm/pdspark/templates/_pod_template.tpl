@@ -78,6 +78,16 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: status.podIP
+        {{- else }}
+        # Each router replica names itself and its own address in its Prometheus service discovery.
+        - name: PDSPARK_INSTANCE_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+        - name: PDSPARK_ADVERTISE_HOST
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
         {{- end }}
         {{- if $node }}
         # This pod's place in its group (a LeaderWorkerSet): the worker index LWS labels it with, and the group's
