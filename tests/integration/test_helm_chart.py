@@ -646,3 +646,12 @@ def test_autoscalers_behaviour_fallback_pool_usage_and_the_adapter_rules(tmp_pat
     out = subprocess.run([promtool, "check", "rules", str(tmp_path / "q.yml")], capture_output=True, text=True,
                          timeout=scaled(60))
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_tracing_reaches_every_role_with_its_sampler():
+    docs = render("tracing.otlpEndpoint=http://otel-collector.observability:4317")
+    for role in ("router", "prefill", "decode"):
+        e = env(docs, role)
+        assert e["PDSPARK_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+        assert (e["OTEL_TRACES_SAMPLER"], e["OTEL_TRACES_SAMPLER_ARG"]) == ("parentbased_traceidratio", "0.1")
+    assert "PDSPARK_OTLP_ENDPOINT" not in env(render(), "router")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import aiohttp
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -261,3 +262,22 @@ assert trace.get_tracer_provider().force_flush(10_000)
         (span,) = collector.spans
     assert (span.service, span.name, span.parent_span_id) == ("pdspark-prefill", "prefill", "")
     assert span.attributes == {"pdspark.request_id": "r-1", "pdspark.prompt_tokens": 7}
+
+
+def test_a_clients_traceparent_makes_the_request_span_its_child(spans):
+    """A client tracing its own work sends W3C `traceparent`: the router's request span continues that trace (its
+    parent is the client's span). (The gRPC API reads the same context from the call's metadata.)"""
+    trace_id, parent_id = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
+    header = f"00-{trace_id:032x}-{parent_id:016x}-01"
+
+    async def scenario():
+        async with await RouterHarness.start() as h, aiohttp.ClientSession() as s:
+            async with s.post(h.http_url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2},
+                              headers={"traceparent": header}) as r:
+                assert r.status == 200, await r.text()
+            await until(lambda: named(spans, "request"), 5, "the request span")
+            request = one(spans, "request")
+            assert request.context is not None and request.parent is not None
+            assert (request.context.trace_id, request.parent.span_id) == (trace_id, parent_id)
+
+    run_within(scenario())

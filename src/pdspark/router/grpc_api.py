@@ -28,7 +28,7 @@ from pdspark.router.openai.sampling_fields import (
 )
 from pdspark.router.prompt_work import too_long_for_context
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
-from pdspark.rpc import convert, status
+from pdspark.rpc import convert, status, tracing
 from pdspark.types import SamplingParams
 from pdspark.v1 import router_pb2, router_pb2_grpc
 
@@ -68,7 +68,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         totals = Totals(len(ids))
         caller = core.keys.identify(authorization_of(context.invocation_metadata()))
         stream = core.run("grpc", rid, ids, params, totals, timeout_s=min(asked, default=None), label=label,
-                          caller=caller)
+                          caller=caller, trace_parent=tracing.parent_of(context))
         try:
             await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
             async for chunk in stream:

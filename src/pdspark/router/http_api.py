@@ -45,6 +45,7 @@ from pdspark.router.openai.tokenize_request import DetokenizeRequest, TokenizeRe
 from pdspark.router.router_core import RETRY_AFTER_S, RouterCore, Totals, clean_label
 from pdspark.router.workers.prometheus_targets import prometheus_targets
 from pdspark.router.workers.worker_address import address_problem
+from pdspark.rpc import tracing
 from pdspark.types import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -238,7 +239,8 @@ class HttpApi:
             return await self._choices(request, rid, chat, parsed, timeout, _label(request, req.user))
         totals = Totals(len(parsed.prompt_ids))
         stream = core.run("chat" if chat else "completions", rid, parsed.prompt_ids, parsed.params, totals,
-                          timeout_s=timeout, label=_label(request, req.user), caller=current_caller())
+                          timeout_s=timeout, label=_label(request, req.user), caller=current_caller(),
+                          trace_parent=tracing.parent_of_headers(request.headers))
         if parsed.stream:
             return await self._sse(request, rid, chat, parsed, stream, totals)
         text, lps = [], []
@@ -312,8 +314,9 @@ class HttpApi:
                     params = replace(params, logprobs=0)  # (the sampled tokens' logprobs rank the candidates)
                 runs.append((i, j, ids, params))
         totals = [Totals(len(ids)) for _, _, ids, _ in runs]
+        parent = tracing.parent_of_headers(request.headers)
         streams = [core.run("chat" if chat else "completions", f"{rid}-{k}", ids, params, totals[k],
-                            timeout_s=timeout, label=label, caller=current_caller())
+                            timeout_s=timeout, label=label, caller=current_caller(), trace_parent=parent)
                    for k, (_, _, ids, params) in enumerate(runs)]
         use = functools.partial(_choices_usage, parsed, runs, totals)
         if parsed.stream:
@@ -468,7 +471,8 @@ class HttpApi:
         # The body's `rid` is a label like X-Request-Id: a client's name never becomes the request's id.
         totals = Totals(len(parsed.prompt_ids))
         stream = core.run("generate", rid, parsed.prompt_ids, parsed.params, totals, timeout_s=timeout,
-                          label=_label(request, req.rid), caller=current_caller())
+                          label=_label(request, req.rid), caller=current_caller(),
+                          trace_parent=tracing.parent_of_headers(request.headers))
 
         # The workers' addresses: empty unless the caller may list workers (`RouterCore.run` leaves them out).
         def meta() -> dict:

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pdspark.config import RouterConfig
 from pdspark.deadline import Deadline
@@ -77,7 +78,9 @@ class _Observed:
     is the outcome (a `RequestFailed`'s code, `cancelled` when the client went away, `error` for anything else),
     and the latency, token counters, outcome count and span's end are recorded on the way out, whatever it was."""
 
-    def __init__(self, metrics: RouterMetrics, api: str, request_id: str, label: str, totals: Totals):
+    def __init__(self, metrics: RouterMetrics, api: str, request_id: str, label: str, totals: Totals,
+                 trace_parent: Any = None):
+        self.trace_parent = trace_parent  # the client's trace context (`tracing.parent_of_headers`), if it sent one
         self.metrics = metrics
         self.api = api
         self.request_id = request_id
@@ -89,7 +92,7 @@ class _Observed:
     def __enter__(self) -> _Observed:
         self.t0 = self.last = time.perf_counter()  # `last`: when the last chunk with tokens arrived
         self.first = True
-        self.span = tracing.start("request", attributes={
+        self.span = tracing.start("request", parent=self.trace_parent, attributes={
             "pdspark.request_id": self.request_id, "pdspark.api": self.api,
             "pdspark.prompt_tokens": self.totals.prompt_tokens,
         } if tracing.enabled() else None)
@@ -203,13 +206,14 @@ class RouterCore:
 
     async def run(self, api: str, request_id: str, prompt_ids: list[int], params: SamplingParams, totals: Totals,
                   timeout_s: float | None = None, label: str = "",
-                  caller: Caller = ANONYMOUS) -> AsyncGenerator[DispatchChunk, None]:
+                  caller: Caller = ANONYMOUS, trace_parent: Any = None) -> AsyncGenerator[DispatchChunk, None]:
         """Admit, dispatch and account (queue time, TTFT, inter-token latency, latency, tokens, outcome, 429s).
 
         Args:
             request_id: the router's id, from `new_request_id` (what `abort` takes).
             timeout_s: what the caller asked for; see `timeout_for`.
             label: the client's name for the request, for the logs only.
+            trace_parent: the client's trace context (HTTP headers or gRPC metadata), the request span's parent.
             caller: who asked: its key's quota is charged, and unless it may list workers, worker addresses are
                 left out of the chunks and the failure.
 
@@ -220,7 +224,7 @@ class RouterCore:
         reveal = self.keys.allows(caller, Access.LIST_WORKERS)
         assert request_id not in self.live, f"request id {request_id} is in use: ids come from new_request_id"
         try:
-            with _Observed(self.metrics, api, request_id, label, totals) as observed:
+            with _Observed(self.metrics, api, request_id, label, totals, trace_parent) as observed:
                 deadline = Deadline.after(self.timeout_for(timeout_s))
                 self.key_quota.enter(caller.key_id)
                 observed.rejected = "queue_full"

@@ -15,7 +15,8 @@ Spans (their attributes in docs/operations.md, "Tracing"):
           submit_plan (prefill worker)     the decode worker's SubmitPlan call
 
 Context crosses a process in gRPC metadata, as W3C trace context (`traceparent`, `tracestate`): the router sends
-its attempt's on Prefill and Generate; a decode worker sends its decode span's on SubmitPlan. Parents are passed
+its attempt's on Prefill and Generate; a decode worker sends its decode span's on SubmitPlan. A client's own context
+(HTTP headers, or the gRPC API's metadata) is the parent of the router's request span. Parents are passed
 explicitly (`start(..., parent=)`), never made current with `context.attach`: a span that outlives a `yield` of an
 async generator would be detached in another context. The one implicit link is `calls_under`: a servicer names
 the span that the outgoing calls of its task (and the tasks it starts) belong to.
@@ -145,6 +146,19 @@ def metadata_of(span: Span) -> tuple[tuple[str, str], ...] | None:
     carrier: dict[str, str] = {}
     TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))  # type: ignore[arg-type]
     return tuple(carrier.items())
+
+
+def parent_of_headers(headers: Mapping[str, str]) -> Any:
+    """The W3C trace context a client sent in its HTTP headers (`traceparent`, `tracestate`), for `start(parent=)`:
+    the router's request span then continues the client's trace. None when tracing is off or none was sent."""
+    if _tracer is None:
+        return None
+    carrier = {k: headers[k] for k in _HEADERS if k in headers}
+    if "traceparent" not in carrier:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract(carrier)
 
 
 def parent_of(call: Any) -> Any:

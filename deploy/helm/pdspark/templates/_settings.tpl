@@ -28,6 +28,12 @@
 {{- $_ := set $env $k (toString $val) -}}
 {{- end -}}
 {{- end -}}
+{{- with $v.tracing.otlpEndpoint -}}
+{{- /* every role exports its spans there; the SDK reads its sampler from the standard variables */ -}}
+{{- $_ := set $env "PDSPARK_OTLP_ENDPOINT" . -}}
+{{- $_ := set $env "OTEL_TRACES_SAMPLER" $v.tracing.sampler -}}
+{{- $_ := set $env "OTEL_TRACES_SAMPLER_ARG" (toString $v.tracing.samplerArg) -}}
+{{- end -}}
 {{- range $k, $val := $v.settings.common -}}
 {{- $_ := set $env $k (toString $val) -}}
 {{- end -}}
