@@ -167,3 +167,22 @@ def test_the_rendered_api_key_is_required(cluster):
     with pytest.raises(urllib.error.HTTPError) as refused:
         complete(url, PROMPTS[0], "not-the-key")
     assert refused.value.code == 401
+
+
+def test_the_helm_test_hook_runs_one_completion(cluster, tmp_path):
+    """`helm test`'s Pod, its command as rendered, run against the chart's pods. LIBERTIES: the router Service's
+    in-cluster URL is replaced by its local address (DNS), and the key file the Pod mounts from the auth Secret by
+    a file with the rendered Secret's keys (volumes)."""
+    rendered, all_pods, url, api_key, admin_key, first, elapsed = cluster
+    (pod,) = [d for d in rendered.docs if d["kind"] == "Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PDSPARK_TEST_URL"] == f"http://{FULL}-router:8000"
+    keys = tmp_path / "api-keys"
+    keys.write_text(rendered.data("Secret", f"{FULL}-auth")["api-keys"])
+    env |= {"PDSPARK_TEST_URL": url, "PDSPARK_TEST_KEYS_FILE": str(keys)}
+    assert container["command"][:2] == ["python", "-c"]
+    out = subprocess.run([sys.executable, "-c", container["command"][2]], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=scaled(120))
+    assert out.returncode == 0 and "one completion served" in out.stdout, out.stdout + out.stderr

@@ -143,7 +143,7 @@ def test_defaults_render_the_three_roles_and_their_services():
         svc = one(docs, "Service", f"{FULL}-{role}")["spec"]
         assert svc["clusterIP"] == "None" and svc["selector"]["app.kubernetes.io/component"] == role
     assert sorted(k["PodDisruptionBudget"]) == sorted(k["Deployment"])
-    assert len(k["NetworkPolicy"]) == 3
+    assert len(k["NetworkPolicy"]) == 4  # each role's, and the `helm test` Pod's
     for absent in ("HorizontalPodAutoscaler", "Secret", *CRDS):
         assert absent not in k
 
@@ -262,6 +262,9 @@ def test_selectors_select_the_pods_they_mean(values: Path | None):
     docs = render(values=values)
     pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in docs
             if d["kind"] == "Deployment"}
+    # The `helm test` Pod (a bare Pod; its NetworkPolicy is named `-test` after its component)
+    pods |= {d["metadata"]["name"].removesuffix("-completion"): d["metadata"]["labels"] for d in docs
+             if d["kind"] == "Pod"}
 
     def selected(selector: dict) -> set[str]:
         return {name for name, labels in pods.items() if selector.items() <= labels.items()}
