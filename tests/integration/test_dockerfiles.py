@@ -47,8 +47,9 @@ def test_router_image_installs_the_core_package_without_torch():
     assert router == ["pip install --no-cache-dir ."], router
     for role in ("prefill", "decode"):
         workers = pip_installs(role)
-        assert any(cmd.startswith("pip install --no-cache-dir torch==") for cmd in workers), workers
-        assert workers[-1] == 'pip install --no-cache-dir "./[engine]"', workers
+        assert any(cmd.startswith('pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url') for cmd in
+                   workers), workers
+        assert 'pip install --no-cache-dir "./[${ENGINE_EXTRA}]"' in workers, workers
 
 
 def test_core_dependencies_leave_the_engine_to_its_extra():
@@ -61,7 +62,33 @@ def test_core_dependencies_leave_the_engine_to_its_extra():
     def names(requirements: list[str]) -> set[str]:
         return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requirements}
 
-    engine = {"torch", "numpy", "safetensors", "mooncake-transfer-engine-non-cuda"}
-    assert not names(project["dependencies"]) & engine
-    assert names(project["optional-dependencies"]["engine"]) >= engine
-    assert "pdspark[engine,ray]" in project["optional-dependencies"]["dev"]
+    extras = project["optional-dependencies"]
+
+    def resolved(extra: str) -> set[str]:
+        """An extra's requirements, its own extras (`pdspark[engine-base]`) expanded."""
+        out = set()
+        for r in extras[extra]:
+            if r.startswith("pdspark["):
+                for inner in r[len("pdspark["):-1].split(","):
+                    out |= resolved(inner)
+            else:
+                out |= names([r])
+        return out
+
+    base = {"torch", "numpy", "safetensors", "xgrammar"}
+    assert not names(project["dependencies"]) & (base | {"mooncake-transfer-engine-non-cuda"})
+    assert resolved("engine") >= base | {"mooncake-transfer-engine-non-cuda"}
+    # The CUDA images' extra: the same engine with the CUDA build of Mooncake, never both builds.
+    assert resolved("engine-cuda") >= base | {"mooncake-transfer-engine"}
+    assert "mooncake-transfer-engine-non-cuda" not in resolved("engine-cuda")
+    assert "pdspark[engine,ray]" in extras["dev"]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_worker_images_take_the_accelerator_build_as_arguments(role):
+    """One Dockerfile per role, its accelerator build chosen by build args (the CPU build by default)."""
+    text = (ROOT / "services" / role / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(.*)$", text, re.M))
+    assert args["BASE"] == "python:3.11-slim" and args["ENGINE_EXTRA"] == "engine"
+    assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+    assert "--build-arg ENGINE_EXTRA=engine-cuda" in text and "EXTRA_PIP=torch-npu==" in text

@@ -658,3 +658,12 @@ def test_tracing_reaches_every_role_with_its_sampler():
         assert e["PDSPARK_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
         assert (e["OTEL_TRACES_SAMPLER"], e["OTEL_TRACES_SAMPLER_ARG"]) == ("parentbased_traceidratio", "0.1")
     assert "PDSPARK_OTLP_ENDPOINT" not in env(render(), "router")
+
+
+def test_the_accelerator_type_picks_the_worker_images_build():
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    for kind, suffix in (("cpu", ""), ("cuda", "-cuda"), ("ascend", "-ascend")):
+        docs = render(f"accelerator.type={kind}")
+        for role in ("prefill", "decode"):
+            assert container(docs, role)["image"].endswith(f":{version}{suffix}")
+        assert container(docs, "router")["image"].endswith(f":{version}")  # (the router has none)

@@ -34,9 +34,16 @@ app.kubernetes.io/component: {{ .role }}
 {{- default .Values.model .Values.servedModelName -}}
 {{- end -}}
 
+{{/* A role's image; a worker's tag names its accelerator build (accelerator.type: cpu -> <version>, cuda ->
+<version>-cuda, ascend -> <version>-ascend; the worker Dockerfiles' build args make them). */}}
 {{- define "pdspark.image" -}}
 {{- $repo := index .ctx.Values.image.repositories .role -}}
-{{- printf "%s:%s" $repo (default .ctx.Chart.AppVersion .ctx.Values.image.tag) -}}
+{{- $tag := default .ctx.Chart.AppVersion .ctx.Values.image.tag -}}
+{{- $type := .ctx.Values.accelerator.type -}}
+{{- if and (ne .role "router") (ne $type "cpu") -}}
+{{- $tag = printf "%s-%s" $tag $type -}}
+{{- end -}}
+{{- printf "%s:%s" $repo $tag -}}
 {{- end -}}
 
 {{- define "pdspark.serviceAccountName" -}}
