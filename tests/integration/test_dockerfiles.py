@@ -47,8 +47,8 @@ def test_router_image_installs_the_core_package_without_torch():
     assert router == ["pip install --no-cache-dir ."], router
     for role in ("prefill", "decode"):
         workers = pip_installs(role)
-        assert any(cmd.startswith('pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url') for cmd in
-                   workers), workers
+        assert any(cmd.startswith('pip install --no-cache-dir "torch==${TORCH_VERSION}"') and "${TORCH_INDEX}" in cmd
+                   for cmd in workers), workers
         assert 'pip install --no-cache-dir "./[${ENGINE_EXTRA}]"' in workers, workers
 
 
@@ -90,5 +90,5 @@ def test_worker_images_take_the_accelerator_build_as_arguments(role):
     text = (ROOT / "services" / role / "Dockerfile").read_text()
     args = dict(re.findall(r"^ARG (\w+)=(.*)$", text, re.M))
     assert args["BASE"] == "python:3.11-slim" and args["ENGINE_EXTRA"] == "engine"
-    assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+    assert args["TORCH_INDEX"].endswith("/whl/cpu")  # (torch's CPU build unless a CUDA index is given)
     assert "--build-arg ENGINE_EXTRA=engine-cuda" in text and "EXTRA_PIP=torch-npu==" in text

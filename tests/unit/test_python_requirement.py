@@ -37,7 +37,8 @@ def test_the_tools_the_readme_and_the_images_name_the_same_minimum():
     assert dockerfiles
     spec = SpecifierSet(config["project"]["requires-python"])
     for dockerfile in dockerfiles:
-        bases = re.findall(r"^FROM python:(\d+\.\d+)", dockerfile.read_text(), re.MULTILINE)
+        # (`FROM python:X.Y...`, or the default of the `ARG BASE` a worker image's FROM takes)
+        bases = re.findall(r"^(?:FROM |ARG BASE=)python:(\d+\.\d+)", dockerfile.read_text(), re.MULTILINE)
         assert bases, f"{dockerfile.relative_to(ROOT)} names no python base image"
         for version in bases:
             assert spec.contains(f"{version}.0"), f"{dockerfile.relative_to(ROOT)}: python {version}"

@@ -217,14 +217,24 @@ class Dispatcher:
         return all(any(w.address not in excluded for w in self.registry.healthy(role)) for role in ROLES)
 
     def _pick(self, prompt_ids: list[int], excluded: set[str]) -> tuple[WorkerInfo, WorkerInfo]:
+        """A pair by the policies, among the prefill workers that can transfer into some decode worker and then the
+        decode workers that one can transfer into (their reported compatibility: during a rollout across schema
+        versions, old pairs with old and new with new; a worker that reported none pairs with any)."""
         prefills = [w for w in self.registry.healthy("prefill") if w.address not in excluded]
         decodes = [w for w in self.registry.healthy("decode") if w.address not in excluded]
         prefills = prefills or self.registry.healthy("prefill")  # after exclusions, fall back to any healthy one
         decodes = decodes or self.registry.healthy("decode")
         if not prefills or not decodes:
             raise RequestFailed(ErrorCode.UNAVAILABLE, "no healthy prefill and decode worker pair is registered")
-        prefill = self.prefill_policy.select(prefills, prompt_ids)
-        decode = self.decode_policy.select(decodes, prompt_ids)
+        pairable = [p for p in prefills if any(pairs(p, d) for d in decodes)]
+        if not pairable:
+            p, d = prefills[0], decodes[0]
+            assert p.compat is not None and d.compat is not None  # (unknown compatibility always pairs)
+            raise RequestFailed(ErrorCode.INCOMPATIBLE, "no healthy prefill worker can transfer into a healthy decode "
+                                f"worker (e.g. {p.name} -> {d.name}: {', '.join(p.compat.mismatches(d.compat))} "
+                                "differ)")
+        prefill = self.prefill_policy.select(pairable, prompt_ids)
+        decode = self.decode_policy.select([d for d in decodes if pairs(prefill, d)], prompt_ids)
         if self.metrics is not None:
             self.metrics.count_selected("prefill", prefill.name)
             self.metrics.count_selected("decode", decode.name)
@@ -259,3 +269,7 @@ class Dispatcher:
         attempt.end(PairFailed(RequestFailed(ErrorCode.ABORTED, "aborted by its caller"), ""))
         return True
 
+
+def pairs(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
+    """Whether `prefill` can transfer into `decode`, by what they reported (unknown: yes, the plan's check decides)."""
+    return prefill.compat is None or decode.compat is None or not prefill.compat.mismatches(decode.compat)

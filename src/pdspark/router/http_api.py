@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router.auth.auth_middleware import auth_middleware, current_caller
+from pdspark.router.dispatcher import pairs
 from pdspark.router.error_middleware import error_middleware, json_error, mark_started
 from pdspark.router.openai import openai_protocol as oai
 from pdspark.router.openai import tokenization
@@ -540,6 +541,8 @@ class HttpApi:
             total = sum(1 for w in reg.workers.values() if w.role == role)
             self.core.metrics.workers.labels(worker_role=role, healthy="true").set(healthy)
             self.core.metrics.workers.labels(worker_role=role, healthy="false").set(total - healthy)
+        self.core.metrics.incompatible_pairs.set(sum(not pairs(p, d) for p in reg.healthy("prefill")
+                                                     for d in reg.healthy("decode")))
         body = generate_latest(self.core.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

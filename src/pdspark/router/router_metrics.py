@@ -70,6 +70,10 @@ class RouterMetrics:
                                 "attempt, by the worker's role and name", ["worker_role", "worker"], registry=r)
         self.workers = Gauge("pdspark_router_workers", "Registered workers, by role and health", ["worker_role",
                              "healthy"], registry=r)
+        self.incompatible_pairs = Gauge(
+            "pdspark_router_incompatible_worker_pairs", "Healthy (prefill, decode) worker pairs whose reported "
+            "compatibility rules a transfer between them out (never picked: during a rollout across schema versions, "
+            "old and new workers pair among themselves)", registry=r)
         # Requests refused for their key (never the key itself): missing_key, invalid_key, or forbidden (a valid key
         # without the right: an API key on /workers, or worker administration that is off).
         self.auth_failures = Counter("pdspark_router_auth_failures_total", "Requests refused for their key, by "

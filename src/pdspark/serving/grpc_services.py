@@ -34,14 +34,16 @@ from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_load import EngineLoad
 from pdspark.serving.metrics import WorkerMetrics
 from pdspark.serving.prefill_worker import PrefillWorker
+from pdspark.transfer.compat import CompatDescriptor
 from pdspark.types import RequestOutput
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 
-def _load(load: EngineLoad, in_flight: int, metrics_url: str, rank_states: list[str], queued: int = 0,
-          quarantined_pages: dict[str, int] | None = None) -> worker_pb2.LoadReport:
+def _load(load: EngineLoad, in_flight: int, metrics_url: str, rank_states: list[str], compat: CompatDescriptor,
+          queued: int = 0, quarantined_pages: dict[str, int] | None = None) -> worker_pb2.LoadReport:
     quarantined = quarantined_pages or {}
     return worker_pb2.LoadReport(
+        compat=convert.compat_to_pb(compat),
         running=load.running,
         waiting=load.waiting,
         pages_used=dict(load.pages_used),
@@ -140,7 +142,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     async def GetLoad(self, request, context):
-        return _load(self.worker.engine.load(), self.worker.in_flight, self.metrics_url, self.rank_states())
+        return _load(self.worker.engine.load(), self.worker.in_flight, self.metrics_url, self.rank_states(),
+                     self.worker.compat)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -211,7 +214,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # The reservation queue and the quarantined slots: capacity the engine's own counts do not show as taken,
         # which the router counts as load.
         return _load(self.worker.engine.load(), self.worker.transfers_in_flight, self.metrics_url, self.rank_states(),
-                     self.worker.waiting, self.worker.quarantined_pages)
+                     self.worker.compat, self.worker.waiting, self.worker.quarantined_pages)
 
 
 def _decode_attributes(out: RequestOutput | None, request) -> dict[str, str | int | float]:

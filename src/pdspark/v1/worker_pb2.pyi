@@ -203,7 +203,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "pages_used", "pages_total", "transfers_in_flight", "pages_cached", "metrics_url", "queued", "quarantined_pages", "quarantined_slots", "rank_states")
+    __slots__ = ("running", "waiting", "pages_used", "pages_total", "transfers_in_flight", "pages_cached", "metrics_url", "queued", "quarantined_pages", "quarantined_slots", "rank_states", "compat")
     class PagesUsedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class LoadReport(_message.Message):
     QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RANK_STATES_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     pages_used: _containers.ScalarMap[str, int]
@@ -254,7 +255,8 @@ class LoadReport(_message.Message):
     quarantined_pages: _containers.ScalarMap[str, int]
     quarantined_slots: int
     rank_states: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_used: _Optional[_Mapping[str, int]] = ..., pages_total: _Optional[_Mapping[str, int]] = ..., transfers_in_flight: _Optional[int] = ..., pages_cached: _Optional[_Mapping[str, int]] = ..., metrics_url: _Optional[str] = ..., queued: _Optional[int] = ..., quarantined_pages: _Optional[_Mapping[str, int]] = ..., quarantined_slots: _Optional[int] = ..., rank_states: _Optional[_Iterable[str]] = ...) -> None: ...
+    compat: _common_pb2.CompatDescriptor
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., pages_used: _Optional[_Mapping[str, int]] = ..., pages_total: _Optional[_Mapping[str, int]] = ..., transfers_in_flight: _Optional[int] = ..., pages_cached: _Optional[_Mapping[str, int]] = ..., metrics_url: _Optional[str] = ..., queued: _Optional[int] = ..., quarantined_pages: _Optional[_Mapping[str, int]] = ..., quarantined_slots: _Optional[int] = ..., rank_states: _Optional[_Iterable[str]] = ..., compat: _Optional[_Union[_common_pb2.CompatDescriptor, _Mapping]] = ...) -> None: ...
 
 class CallFrame(_message.Message):
     __slots__ = ("call_id", "prefill", "generate", "cancel", "timeout_ms", "metadata")

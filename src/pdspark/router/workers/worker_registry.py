@@ -54,9 +54,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdspark.config import TLSConfig
+from pdspark.rpc import convert
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS
 from pdspark.rpc.multiplexed_client import MultiplexedCall, MultiplexedClient
 from pdspark.rpc.tls_credentials import aio_channel, channel_credentials
+from pdspark.transfer.compat import CompatDescriptor
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 S = TypeVar("S")
@@ -84,6 +86,9 @@ class WorkerInfo:
     # failed transfer can land is as busy as a running one, so a worker whose free slots are all quarantined is not
     # picked over one with room (it would refuse or queue the request until its deadline).
     reported_load: int = 0
+    # From its load reports: what a peer must match to pair with it (None until one came, or from a worker that does
+    # not report it: any pair with it is tried, and the plan's own check refuses a mismatch)
+    compat: CompatDescriptor | None = None
     queued: int = 0  # decode: requests waiting for a slot and pages (its reservation queue)
     quarantined_slots: int = 0  # decode: request slots held by quarantined transfers
     quarantined_pages: dict[str, int] = field(default_factory=dict)  # decode: their pages, per pool
@@ -116,7 +121,8 @@ class WorkerInfo:
         return {"name": self.name, "role": self.role, "address": self.address, "healthy": self.healthy,
                 "load": self.load, "in_flight": self.in_flight, "queued": self.queued,
                 "quarantined_slots": self.quarantined_slots, "quarantined_pages": dict(self.quarantined_pages),
-                "metrics_url": self.metrics_url, "ranks": list(self.ranks)}
+                "metrics_url": self.metrics_url, "ranks": list(self.ranks),
+                "schema_version": self.compat.schema_version if self.compat is not None else None}
 
 
 class WorkerRegistry:
@@ -357,6 +363,10 @@ class WorkerRegistry:
         w.ranks = list(load.rank_states)
         w.reported_load = load.running + load.waiting + load.queued + load.quarantined_slots
         w.metrics_url = w.metrics_url or load.metrics_url  # a URL given at registration wins
+        compat = convert.compat_from_pb(load.compat) if load.HasField("compat") else None
+        if compat is not None and (w.compat is None or compat.schema_version != w.compat.schema_version):
+            logger.info("%s worker %s reports transfer schema version %d", w.role, w.name, compat.schema_version)
+        w.compat = compat
         w.last_load = time.time()
         return True
 
