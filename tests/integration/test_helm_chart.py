@@ -667,3 +667,27 @@ def test_the_accelerator_type_picks_the_worker_images_build():
         for role in ("prefill", "decode"):
             assert container(docs, role)["image"].endswith(f":{version}{suffix}")
         assert container(docs, "router")["image"].endswith(f":{version}")  # (the router has none)
+
+
+def test_a_decode_group_across_pods_is_a_leaderworkerset_whose_other_pods_take_transfers():
+    """decode.nnodes 2: a LeaderWorkerSet per decode replica (DP-attention over 4 ranks, 2 a pod); the other pod's
+    ranks receive their requests' caches through transfer engines of their own, so this release's prefill workers
+    reach them on every port (their own policy), and the leaders accept them (rendezvous)."""
+    docs = render("decode.epSize=4", "decode.nnodes=2", "decode.groupSecret=grp",
+                  "decode.accelerators.nvidia\\.com/gpu=1")
+    assert f"{FULL}-decode" not in kinds(docs)["Deployment"]
+    tmpl = one(docs, "LeaderWorkerSet", f"{FULL}-decode-group")["spec"]["leaderWorkerTemplate"]
+    worker = tmpl["workerTemplate"]
+    assert worker["metadata"]["labels"]["app.kubernetes.io/component"] == "decode-ranks"
+    c = worker["spec"]["containers"][0]
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 2
+    assert any(e["name"] == "PDSPARK_ADVERTISE_HOST" for e in c["env"])  # (its own transfer engine's address)
+    ranks = one(docs, "NetworkPolicy", f"{FULL}-decode-ranks")["spec"]
+    assert ranks["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode-ranks"
+    (rule,) = ranks["ingress"]
+    assert "ports" not in rule  # (every port: Mooncake's are picked at start)
+    exprs = {e["key"]: e["values"] for e in rule["from"][0]["podSelector"]["matchExpressions"]}
+    assert exprs["app.kubernetes.io/component"] == ["prefill", "decode", "decode-ranks"]
+    leader_from = one(docs, "NetworkPolicy", f"{FULL}-decode")["spec"]["ingress"][1]["from"][0]["podSelector"]
+    assert "decode-ranks" in {e["key"]: e["values"] for e in leader_from["matchExpressions"]}[
+        "app.kubernetes.io/component"]
