@@ -7,12 +7,17 @@ channels every pdspark service opens to its peers.
 - The router's public ports: a server certificate only (HTTPS on the HTTP port, TLS on the gRPC port); clients
   authenticate with API keys, not certificates.
 
-Files are read once, when the credentials are made (at start): a path that cannot be read is a `ConfigError` naming
-the option, never a traceback with the file's contents. Key material never reaches a log or an error message.
+Files are read when the credentials are made (at start): a path that cannot be read is a `ConfigError` naming
+the option, never a traceback with the file's contents. Key material never reaches a log or an error message. A
+worker's server reads its certificate, key and CA again when they change (a rotation: a Secret volume swaps them
+atomically): each new handshake checks the files' identity (inode, size, modification time) and, once they changed,
+uses the new pair and CA; connections already made finish on theirs.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import ssl
 from collections.abc import Sequence
 
@@ -20,6 +25,8 @@ import grpc
 
 from pdspark.config import TLSConfig
 from pdspark.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def read_pem(path: str, option: str) -> bytes:
@@ -40,9 +47,49 @@ def _files(tls: TLSConfig) -> tuple[bytes, bytes, bytes]:
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
-    """A worker's: only peers whose certificate chains to the CA get past the handshake."""
-    cert, key, ca = _files(tls)
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    """A worker's: only peers whose certificate chains to the CA get past the handshake; the files read again once
+    they change (the module doc)."""
+    files = _ServerFiles(tls)
+    return grpc.dynamic_ssl_server_credentials(files.configuration(), files.changed_configuration,
+                                               require_client_authentication=True)
+
+
+class _ServerFiles:
+    """A server's certificate, key and CA files, and the identity they had when last read."""
+
+    def __init__(self, tls: TLSConfig):
+        self.tls = tls
+        self._read_at = self._identity()
+
+    def _identity(self) -> tuple:
+        out: list[tuple[int, int, int] | None] = []
+        for path in (self.tls.tls_cert, self.tls.tls_key, self.tls.tls_ca):
+            try:
+                st = os.stat(path)  # type: ignore[arg-type]  # (TLS is on: every path is set)
+                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        cert, key, ca = _files(self.tls)
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def changed_configuration(self) -> grpc.ServerCertificateConfiguration | None:
+        """(gRPC, at each new handshake) The files again when they changed since last read; None: keep the pair in
+        use (unchanged, or unreadable now: said once, and read when they change again)."""
+        now = self._identity()
+        if now == self._read_at:
+            return None
+        try:
+            config = self.configuration()
+        except ConfigError as e:
+            logger.error("certificate files changed but cannot be read; the previous ones stay in use: %s", e)
+            self._read_at = now
+            return None
+        self._read_at = now
+        logger.info("certificate files changed: new connections use them")
+        return config
 
 
 def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
