@@ -11,13 +11,13 @@ must be read for (`ChatShape`) and the functions a call is forced to (`tool_choi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdspark.router.openai.api_error import ApiError
 from pdspark.router.openai.chat_completion_request import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from pdspark.router.openai.dsml_format import THINK_BEGIN, calls_block, results_block, tools_section
+from pdspark.router.openai.structured_fields import json_object
 
 if TYPE_CHECKING:
     from pdspark.router.openai.chat_template import ChatTemplate
@@ -98,7 +98,8 @@ def _template_messages(messages: list[ChatMessage], functions: list[dict[str, An
             results = []
         content = m.text()
         if m.tool_calls:
-            content += calls_block([(c.function.name, _arguments(c.function.arguments, i, j))
+            content += calls_block([(c.function.name, json_object(c.function.arguments,
+                                                                  f"messages[{i}].tool_calls[{j}].function.arguments"))
                                     for j, c in enumerate(m.tool_calls)])
         out.append({"role": m.role, "content": content})
     if results:
@@ -111,13 +112,3 @@ def _template_messages(messages: list[ChatMessage], functions: list[dict[str, An
             out.insert(0, {"role": "system", "content": section})
     return out
 
-
-def _arguments(text: str, i: int, j: int) -> dict[str, Any]:
-    param = f"messages[{i}].tool_calls[{j}].function.arguments"
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ApiError(400, f"`{param}` is not valid JSON: {e}", param) from e
-    if not isinstance(value, dict):
-        raise ApiError(400, f"`{param}` must be a JSON object", param)
-    return value

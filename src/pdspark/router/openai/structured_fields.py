@@ -134,10 +134,16 @@ def _one(given: list[tuple[str, dict[str, Any]]]) -> StructuredOutputs | None:
 def _schema_text(text: str, param: str) -> dict[str, Any]:
     if len(text) > MAX_STRUCTURED_CHARS:
         raise ApiError(400, f"`{param}`: a schema of more than {MAX_STRUCTURED_CHARS} characters", param)
+    return json_object(text, param, " (a JSON schema)")
+
+
+def json_object(text: str, param: str, what: str = "") -> dict[str, Any]:
+    """`text` (the value of request field `param`) parsed as a JSON object; an `ApiError` (400) naming the field
+    otherwise (`what`: said after "must be a JSON object")."""
     try:
         value = json.loads(text)
     except ValueError as e:
         raise ApiError(400, f"`{param}` is not valid JSON: {e}", param) from e
     if not isinstance(value, dict):
-        raise ApiError(400, f"`{param}` must be a JSON object (a JSON schema)", param)
+        raise ApiError(400, f"`{param}` must be a JSON object{what}", param)
     return value
