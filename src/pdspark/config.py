@@ -12,6 +12,8 @@ variable name.
 
 from __future__ import annotations
 
+import re
+import string
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -194,6 +196,10 @@ class TLSConfig:
                                   "--tls-key and --tls-ca: mutual TLS between services)")
     tls_key: str | None = option(None, "PEM private key of --tls-cert")
     tls_ca: str | None = option(None, "PEM CA certificate(s) the peers' certificates must chain to")
+    tls_peer_name: str | None = option(
+        None, "the name a worker's certificate must carry, checked instead of the address dialled: a DNS name, or a "
+        "template of {role} (prefill, decode) and {ip} (the dialled IP, '-' for '.' and ':', as Kubernetes names a "
+        "pod under a headless Service), e.g. '{ip}.pdspark-{role}.default.svc'; none: the dialled address")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -202,10 +208,35 @@ class TLSConfig:
             # Half a configuration would serve plain text (or TLS without checking peers) while looking secured.
             raise ConfigError(f"`tls_cert`, `tls_key` and `tls_ca` go together (mutual TLS); only "
                               f"{', '.join(f'`{n}`' for n in given)} given")
+        if self.tls_peer_name is not None:
+            if not given:
+                raise ConfigError("`tls_peer_name` is given without `tls_cert`, `tls_key` and `tls_ca` (it names "
+                                  "what mutual TLS checks)")
+            _check_peer_name(self.tls_peer_name)
 
     @property
     def enabled(self) -> bool:
         return self.tls_cert is not None
+
+
+PEER_NAME_FIELDS = ("role", "ip")  # what `tls_peer_name` may hold in braces
+
+
+def _check_peer_name(template: str) -> None:
+    """`tls_peer_name` formats (only the fields `PEER_NAME_FIELDS`) into a DNS name."""
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        raise ConfigError(f"invalid value {template!r} for `tls_peer_name`: {e}") from None
+    unknown = sorted(fields - set(PEER_NAME_FIELDS))
+    if unknown:
+        raise ConfigError(f"invalid value {template!r} for `tls_peer_name`: unknown field {{{unknown[0]}}}; allowed: "
+                          + ", ".join(f"{{{f}}}" for f in PEER_NAME_FIELDS))
+    example = template.format(role="prefill", ip="10-0-0-1")
+    if not re.fullmatch(r"(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*",
+                        example):
+        raise ConfigError(f"invalid value {template!r} for `tls_peer_name`; allowed: a lower-case DNS name once "
+                          f"{{role}} and {{ip}} are filled in ({example!r} is not one)")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pdspark.testing.time_scale import scaled
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "pdspark"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
-CRDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject"}
+CRDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject", "Certificate", "Issuer"}
 RELEASE = "rel"
 FULL = f"{RELEASE}-pdspark"
 
@@ -374,7 +374,42 @@ def test_tls_and_auth_mount_secrets_as_files():
     vols = one(docs, "Deployment", f"{FULL}-router")["spec"]["template"]["spec"]["volumes"]
     assert any(v.get("secret", {}).get("secretName") == "mykeys" for v in vols)
     missing = helm("template", RELEASE, str(CHART), "--set", "tls.enabled=true", check=False)
-    assert missing.returncode != 0 and "tls.secrets.router is required" in missing.stderr
+    assert missing.returncode != 0 and "tls.secrets.router is required with tls.enabled" in missing.stderr
+
+
+def test_cert_manager_certificates_name_services_and_peers_check_those_names():
+    """tls.certManager: a Certificate per role whose Secret the role mounts, workers named by their headless Service
+    (no IP), and --tls-peer-name set so that a peer's name for any pod IP is one of that role's SANs. Without
+    certManager (or peerName) peers check the address dialled, as before."""
+    from pdspark.rpc.tls_credentials import peer_name
+
+    docs = render(values=CHART / "ci" / "cert-manager-values.yaml")
+    assert sorted(kinds(docs)["Issuer"]) == [f"{FULL}-ca", f"{FULL}-selfsigned"]
+    assert one(docs, "Certificate", f"{FULL}-ca")["spec"]["isCA"] is True
+    for role in ("router", "prefill", "decode"):
+        cert = one(docs, "Certificate", f"{FULL}-{role}-tls")["spec"]
+        assert cert["issuerRef"] == {"name": f"{FULL}-ca", "kind": "Issuer", "group": "cert-manager.io"}
+        assert cert["uris"] == [f"urn:pdspark:role:{role}"] and "ipAddresses" not in cert
+        assert set(cert["usages"]) == {"server auth", "client auth"}
+        vols = one(docs, "Deployment", f"{FULL}-{role}")["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "tls", "secret": {"secretName": cert["secretName"], "defaultMode": 0o440}} in vols
+        template = env(docs, role)["PDSPARK_TLS_PEER_NAME"]
+        if role != "router":  # (the router is only a client: nobody checks its name)
+            name = peer_name(template, role, "10.1.2.3:50051")
+            assert name == f"10-1-2-3.{FULL}-{role}.serving.svc"
+            assert "*." + name.split(".", 1)[1] in cert["dnsNames"]
+    docs = render("tls.enabled=true", "tls.certManager.enabled=true", "tls.certManager.issuerRef.name=corp",
+                  "tls.certManager.issuerRef.kind=ClusterIssuer", "tls.secrets.router=mine")
+    assert "Issuer" not in kinds(docs)
+    assert sorted(kinds(docs)["Certificate"]) == [f"{FULL}-decode-tls", f"{FULL}-prefill-tls"]
+    assert one(docs, "Certificate", f"{FULL}-prefill-tls")["spec"]["issuerRef"] == {"name": "corp",
+                                                                                  "kind": "ClusterIssuer"}
+    assert "PDSPARK_TLS_PEER_NAME" not in env(render(values=CHART / "ci" / "tls-auth-values.yaml"), "prefill")
+    docs = render("tls.peerName=pdspark-workers.serving.svc", values=CHART / "ci" / "tls-auth-values.yaml")
+    assert env(docs, "decode")["PDSPARK_TLS_PEER_NAME"] == "pdspark-workers.serving.svc"
+    nameless = helm("template", RELEASE, str(CHART), "--set", "tls.enabled=true", "--set",
+                    "tls.certManager.enabled=true", "--set", "tls.certManager.issuerRef.kind=Issuer", check=False)
+    assert nameless.returncode != 0 and "tls.certManager.issuerRef needs a name" in nameless.stderr
 
 
 def test_keys_are_never_minted_silently_where_the_render_cannot_see_the_cluster():

@@ -13,7 +13,7 @@ import pytest
 
 from pdspark.router.router_server import start_http
 from pdspark.rpc.throwaway_ca import ThrowawayCA
-from pdspark.rpc.tls_credentials import public_ssl_context
+from pdspark.rpc.tls_credentials import PublicCertificate
 from pdspark.testing.waiting import run_within
 from router_harness import RouterHarness
 
@@ -100,7 +100,7 @@ def test_the_admin_port_speaks_the_main_ports_tls(tmp_path):
     async def scenario():
         async with await RouterHarness.start(admin_api_key=(ADMIN,)) as h, aiohttp.ClientSession() as s:
             cfg = dataclasses.replace(h.core.options, port=0, admin_port=0)
-            listeners = await start_http(h.core, cfg, public_ssl_context(cert.cert, cert.key))
+            listeners = await start_http(h.core, cfg, PublicCertificate(cert.cert, cert.key).context)
             try:
                 admin, main = f"https://127.0.0.1:{listeners.admin_port}", f"https://127.0.0.1:{listeners.port}"
                 status, workers = await call(s, admin, "GET", "/workers", ssl=client_tls)

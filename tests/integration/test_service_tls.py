@@ -27,7 +27,7 @@ from pdspark.rpc.multiplexed_client import MultiplexedClient
 from pdspark.rpc.peer_roles import PeerRoleInterceptor
 from pdspark.rpc.status import failure_from_rpc_error
 from pdspark.rpc.throwaway_ca import ROLE_URI_PREFIX, ThrowawayCA
-from pdspark.rpc.tls_credentials import aio_channel, server_credentials
+from pdspark.rpc.tls_credentials import PeerCredentials, aio_channel, server_credentials
 from pdspark.testing.time_scale import scaled
 from pdspark.testing.worker_stubs import StubDecode, StubHealth
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
@@ -77,7 +77,7 @@ def test_only_peers_with_a_certificate_of_the_ca_reach_a_worker(pki):
 
 def test_each_rpc_only_from_the_role_that_makes_it(pki):
     async def call(role: str, address: str) -> tuple[list[str], ErrorCode | None]:
-        async with aio_channel(address, pki[role], []) as channel:
+        async with aio_channel(address, "decode", [], PeerCredentials(pki[role])) as channel:
             stub = worker_pb2_grpc.DecodeWorkerStub(channel)
             # The Generate call as it is, and multiplexed on a `Calls` stream (`--worker-calls multiplexed`).
             calls = MultiplexedClient(channel, "/pdspark.v1.DecodeWorker/Calls")

@@ -43,6 +43,7 @@ FIXED: dict[type, dict] = {WorkerConfig: {"role": "decode"}}
 REQUIRED_ENV: dict[type, dict] = {GenerateConfig: {"PDSPARK_MODEL": "m"}}
 # Options valid only together (a cross-field rule): setting one sets the others of its group too.
 TOGETHER = [("tls_cert", "tls_key", "tls_ca"), ("ssl_certfile", "ssl_keyfile")]
+NEEDS = {"tls_peer_name": ("tls_cert", "tls_key", "tls_ca")}  # options valid only beside others
 ALL_CONFIGS = sorted(
     {c for _, c in inspect.getmembers(config_module, inspect.isclass) if dataclasses.is_dataclass(c)
      and c.__module__ == config_module.__name__}, key=lambda c: c.__name__)
@@ -75,6 +76,8 @@ def sample(spec: OptionSpec):
         value = spec.default + 1 if isinstance(spec.default, int) else (spec.minimum or 0) + 7
     elif spec.base is float:
         value = (spec.default or 0.0) + 1.5
+    elif spec.name == "tls_peer_name":
+        value = "{ip}.pdspark-{role}.default.svc"  # a DNS name template
     else:
         value = f"x-{spec.name}"
     return value, text(value)
@@ -131,7 +134,7 @@ def test_every_leaf_field_is_an_option_of_its_root(cls):
 def test_every_option_has_a_flag_and_a_variable(cls, spec):
     value, text = sample(spec)
     flag = (["--" + spec.flag] if value else ["--no-" + spec.flag]) if spec.base is bool else ["--" + spec.flag, text]
-    group = next((g for g in TOGETHER if spec.name in g), ())
+    group = next((g for g in TOGETHER if spec.name in g), NEEDS.get(spec.name, ()))
     others = {s.env: f"x-{s.name}" for s in specs(cls) if s.name in group and s.name != spec.name}
     assert value_at(parse(cls, flag, env=others), spec) == value
     assert value_at(parse(cls, env={**others, spec.env: text}), spec) == value

@@ -37,7 +37,7 @@ from pdspark.router.workers.policies import make_policy
 from pdspark.router.workers.worker_registry import WorkerInfo, WorkerRegistry
 from pdspark.rpc import tracing
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
-from pdspark.rpc.tls_credentials import public_server_credentials, public_ssl_context
+from pdspark.rpc.tls_credentials import PublicCertificate, public_server_credentials
 from pdspark.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -77,13 +77,16 @@ def reload_keys(core: RouterCore) -> None:
         logger.error("keys not reloaded, the previous ones stay in use: %s", e)
 
 
-# How often the key files are checked for a change (rotation without a SIGHUP: a Kubernetes Secret volume updates its
-# files in place of the pod, which cannot be signalled). A rotated key works within this, plus the kubelet's sync.
+# How often the key and certificate files are checked for a change (rotation without a SIGHUP: a Kubernetes Secret
+# volume updates its files in place of the pod, which cannot be signalled). A rotated key or certificate is in use
+# within this, plus the kubelet's sync.
 KEY_WATCH_S = 2.0
 
 
-async def watch_key_files(core: RouterCore) -> None:
-    """Reload the keys whenever a key file changes (its inode, size or modification time)."""
+async def watch_files(core: RouterCore, https: PublicCertificate | None = None) -> None:
+    """Whenever their files change (inode, size or modification time): reload the keys; make new channels to the
+    workers with the rotated client certificate (`WorkerRegistry.renew_channels`); load the rotated HTTPS pair.
+    (The public gRPC port reads its pair at a handshake: `public_server_credentials`.)"""
     seen = core.keys.files_version()
     while True:
         await asyncio.sleep(KEY_WATCH_S)
@@ -92,6 +95,9 @@ async def watch_key_files(core: RouterCore) -> None:
             seen = now
             logger.info("a key file changed: reading the keys again")
             reload_keys(core)
+        core.registry.renew_channels()
+        if https is not None:
+            https.refresh()
 
 
 def _warn_if_exposed(cfg: RouterConfig, core: RouterCore) -> None:
@@ -107,7 +113,8 @@ def build_core(cfg: RouterConfig) -> RouterCore:
     registry = WorkerRegistry(health_interval_s=cfg.health.health_interval_s,
                               health_timeout_s=cfg.health.health_timeout_s,
                               load_interval_s=cfg.health.load_interval_s, tls=cfg.tls,
-                              multiplexed=cfg.worker_calls == "multiplexed")
+                              multiplexed=cfg.worker_calls == "multiplexed",
+                              renew_drain_s=cfg.admission.request_timeout_s)
     for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)):
         for address in addresses:
             registry.add(role, address)
@@ -140,11 +147,11 @@ def build_discovery(cfg: RouterConfig, core: RouterCore) -> DnsDiscovery | None:
                         admitted, retired)
 
 
-def _public_tls(cfg: RouterConfig) -> tuple[ssl.SSLContext | None, grpc.ServerCredentials | None]:
-    """HTTPS context and gRPC credentials of the public ports (None, None: plain text)."""
+def _public_tls(cfg: RouterConfig) -> tuple[PublicCertificate | None, grpc.ServerCredentials | None]:
+    """HTTPS certificate and gRPC credentials of the public ports (None, None: plain text)."""
     if cfg.ssl_certfile is None or cfg.ssl_keyfile is None:
         return None, None
-    return (public_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile),
+    return (PublicCertificate(cfg.ssl_certfile, cfg.ssl_keyfile),
             public_server_credentials(cfg.ssl_certfile, cfg.ssl_keyfile))
 
 
@@ -201,7 +208,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     _warn_if_exposed(cfg, core)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys, core)
     # Read before anything listens: a bad certificate path is a configuration error at start.
-    ssl_context, grpc_credentials = _public_tls(cfg)
+    https, grpc_credentials = _public_tls(cfg)
+    ssl_context = https.context if https is not None else None
     listeners = await start_http(core, cfg, ssl_context)
     http_port = listeners.port
     server, health_servicer = build_grpc_server(core)
@@ -212,7 +220,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     for name in ("", ROUTER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     poller = asyncio.create_task(core.registry.poll_forever())
-    key_watch = asyncio.create_task(watch_key_files(core))
+    file_watch = asyncio.create_task(watch_files(core, https))
     discovery = build_discovery(cfg, core)
     discoverer = asyncio.create_task(discovery.run()) if discovery is not None else None
     public_tls = ssl_context is not None
@@ -227,7 +235,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     for name in ("", ROUTER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     poller.cancel()
-    key_watch.cancel()
+    file_watch.cancel()
     if discoverer is not None:
         discoverer.cancel()
     await server.stop(5)

@@ -244,6 +244,11 @@ class MultiplexedClient:
         stream.send(frame)
         return call
 
+    @property
+    def in_flight(self) -> int:
+        """Calls on the stream that have not ended."""
+        return 0 if self._stream is None or self._stream.broken else len(self._stream.calls)
+
     async def close(self) -> None:
         """End the stream (its calls end CANCELLED); a later call opens a new one."""
         if self._stream is not None and not self._stream.broken:

@@ -73,10 +73,10 @@ class ThrowawayCA:
 
         return cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, name: str, role: str | None, hosts: tuple[str, ...] = ()) -> IssuedCert:
+    def issue(self, name: str, role: str | None, hosts: tuple[str, ...] = (), loopback: bool = True) -> IssuedCert:
         """A certificate for service `name` (its common name and file names) of `role` (None: naming no role),
-        valid for `hosts` and this machine's loopback names (127.0.0.1, ::1, localhost), for server and client
-        authentication."""
+        valid for `hosts` (IPs, DNS names, wildcards such as `*.pdspark-prefill.ns.svc`) and, with `loopback`, this
+        machine's loopback names (127.0.0.1, ::1, localhost), for server and client authentication."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -84,7 +84,7 @@ class ThrowawayCA:
 
         key = ec.generate_private_key(ec.SECP256R1())
         names: list[x509.GeneralName] = []
-        for host in dict.fromkeys((*hosts, "127.0.0.1", "::1", "localhost")):
+        for host in dict.fromkeys((*hosts, *(("127.0.0.1", "::1", "localhost") if loopback else ()))):
             try:
                 names.append(x509.IPAddress(ipaddress.ip_address(host)))
             except ValueError:

@@ -7,11 +7,19 @@ channels every pdspark service opens to its peers.
 - The router's public ports: a server certificate only (HTTPS on the HTTP port, TLS on the gRPC port); clients
   authenticate with API keys, not certificates.
 
+- Which name a worker's certificate must carry: the address dialled (gRPC's check), or `tls_peer_name` — a
+  Service DNS name such as `{ip}.pdspark-prefill.ns.svc` (`peer_name`), which cert-manager can put in a
+  certificate (`*.pdspark-prefill.ns.svc`) where it cannot put a pod's IP.
+
 Files are read when the credentials are made (at start): a path that cannot be read is a `ConfigError` naming
-the option, never a traceback with the file's contents. Key material never reaches a log or an error message. A
-worker's server reads its certificate, key and CA again when they change (a rotation: a Secret volume swaps them
-atomically): each new handshake checks the files' identity (inode, size, modification time) and, once they changed,
-uses the new pair and CA; connections already made finish on theirs.
+the option, never a traceback with the file's contents. Key material never reaches a log or an error message.
+Rotation (a Secret volume swaps the files atomically; nobody signals the process): every certificate is read again
+once its files' identity (inode, size, modification time) changed and the new key matches the new certificate (a
+pair caught half-written is read again at the next check). A worker's server checks at each new handshake
+(`server_credentials`); the router's public ports when the router's file watch sees the change
+(`PublicCertificate`); a service's channels to its peers through `PeerCredentials`, whose `generation` tells their
+owner to make new channels (which present the new pair) while the calls on the old ones finish. Connections
+already made always finish on what they were made with.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -41,9 +50,40 @@ def read_pem(path: str, option: str) -> bytes:
 
 
 def _files(tls: TLSConfig) -> tuple[bytes, bytes, bytes]:
-    """(certificate chain, private key, CA) of an enabled `tls`."""
+    """(certificate chain, private key, CA) of an enabled `tls`, the key checked to be the certificate's."""
     assert tls.tls_cert is not None and tls.tls_key is not None and tls.tls_ca is not None, "TLS is off"
-    return (read_pem(tls.tls_cert, "tls_cert"), read_pem(tls.tls_key, "tls_key"), read_pem(tls.tls_ca, "tls_ca"))
+    cert, key = read_pem(tls.tls_cert, "tls_cert"), read_pem(tls.tls_key, "tls_key")
+    check_pair(cert, key, "tls_cert", "tls_key")
+    return cert, key, read_pem(tls.tls_ca, "tls_ca")
+
+
+def check_pair(cert: bytes, key: bytes, cert_option: str, key_option: str) -> None:
+    """ConfigError unless `key` (PEM) is the private key of `cert`'s first certificate: a pair read while a
+    rotation replaced one file and not yet the other would fail every handshake made with it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        public = x509.load_pem_x509_certificate(cert).public_key()
+        private = serialization.load_pem_private_key(key, password=None)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"`{cert_option}` / `{key_option}` cannot be parsed: {type(e).__name__}") from None
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if public.public_bytes(*spki) != private.public_key().public_bytes(*spki):
+        raise ConfigError(f"`{key_option}` is not the private key of `{cert_option}`")
+
+
+def files_identity(paths: Sequence[str | None]) -> tuple:
+    """What changes when one of `paths` is replaced or rewritten: each one's inode, size and modification time (a
+    Kubernetes Secret volume swaps a symlink to new files; an editor rewrites in place); None for one missing."""
+    out: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)  # type: ignore[arg-type]  # (None: fails as missing)
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except (OSError, TypeError):
+            out.append(None)
+    return tuple(out)
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
@@ -62,14 +102,7 @@ class _ServerFiles:
         self._read_at = self._identity()
 
     def _identity(self) -> tuple:
-        out: list[tuple[int, int, int] | None] = []
-        for path in (self.tls.tls_cert, self.tls.tls_key, self.tls.tls_ca):
-            try:
-                st = os.stat(path)  # type: ignore[arg-type]  # (TLS is on: every path is set)
-                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-            except OSError:
-                out.append(None)
-        return tuple(out)
+        return files_identity((self.tls.tls_cert, self.tls.tls_key, self.tls.tls_ca))
 
     def configuration(self) -> grpc.ServerCertificateConfiguration:
         cert, key, ca = _files(self.tls)
@@ -97,29 +130,145 @@ def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
-def aio_channel(address: str, tls: TLSConfig | None, options: Sequence[tuple[str, int]],
-                credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
-    """A channel to a peer service: mutual TLS when `tls` is enabled (pass `credentials` made once to skip reading
-    the files again), else plain text."""
-    if tls is None or not tls.enabled:
+def peer_name(template: str | None, role: str, address: str) -> str | None:
+    """The name `address`'s certificate must carry under `tls_peer_name` `template` (None: the address itself):
+    `{role}` filled in, `{ip}` the dialled host with '-' for '.' and ':' (a pod's name under a headless Service:
+    10-0-0-1.pdspark-prefill.ns.svc)."""
+    if template is None:
+        return None
+    host = address.rsplit(":", 1)[0].strip("[]")  # (host:port, [v6]:port)
+    return template.format(role=role, ip=host.replace(".", "-").replace(":", "-"))
+
+
+class PeerCredentials:
+    """What a service dials its peers with under mutual TLS: its certificate and key, the CA, and the name a
+    peer's certificate must carry (`tls_peer_name`). Read at start (a bad file is a `ConfigError` naming the
+    option) and again by `refresh` once the files changed: `generation` counts the pairs read, and channels made
+    after a refresh present the new pair. The owner of a channel made before replaces it and lets its calls finish
+    (a gRPC channel keeps the credentials it was made with for every reconnection)."""
+
+    def __init__(self, tls: TLSConfig, check_every_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        """`check_every_s`: `refresh` looks at the files at most this often (three `stat`s)."""
+        self.tls = tls
+        self._read_at = self._identity()
+        self._refused_at: tuple | None = None  # the files' identity when they last could not be used
+        self.credentials = channel_credentials(tls)
+        self.generation = 0
+        self.check_every_s = check_every_s
+        self._clock = clock
+        self._next_check = clock() + check_every_s
+
+    def _identity(self) -> tuple:
+        return files_identity((self.tls.tls_cert, self.tls.tls_key, self.tls.tls_ca))
+
+    def refresh(self) -> bool:
+        """Read the files again when they changed (looked at no more than every `check_every_s`); True when a new
+        pair is in use from now on. A change that cannot be read yet (a file missing, a key not the certificate's:
+        a rotation half done) keeps the pair in use and is tried again at the next check."""
+        now = self._clock()
+        if now < self._next_check:
+            return False
+        self._next_check = now + self.check_every_s
+        identity = self._identity()
+        if identity == self._read_at:
+            return False
+        try:
+            credentials = channel_credentials(self.tls)
+        except ConfigError as e:
+            if identity != self._refused_at:  # (said once per state of the files)
+                logger.warning("certificate files changed but cannot be used yet; the previous ones stay: %s", e)
+            self._refused_at = identity
+            return False
+        self._read_at, self.credentials = identity, credentials
+        self.generation += 1
+        logger.info("certificate files changed: channels to peers made from now on present the new certificate")
+        return True
+
+    def channel(self, address: str, role: str, options: Sequence[tuple[str, int | str]]) -> grpc.aio.Channel:
+        """A mutual-TLS channel to the `role` worker at `address`, its certificate checked for `peer_name`."""
+        name = peer_name(self.tls.tls_peer_name, role, address)
+        if name is not None:
+            options = [*options, ("grpc.ssl_target_name_override", name)]
+        return grpc.aio.secure_channel(address, self.credentials, options=options)
+
+
+def aio_channel(address: str, role: str, options: Sequence[tuple[str, int]],
+                peer: PeerCredentials | None = None) -> grpc.aio.Channel:
+    """A channel to the `role` peer service at `address`: mutual TLS with `peer`'s credentials, else plain text."""
+    if peer is None:
         return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, credentials or channel_credentials(tls), options=options)
+    return peer.channel(address, role, options)
 
 
 def public_server_credentials(certfile: str, keyfile: str) -> grpc.ServerCredentials:
-    """The router's gRPC port: TLS without client certificates."""
-    pair = (read_pem(keyfile, "ssl_keyfile"), read_pem(certfile, "ssl_certfile"))
-    return grpc.ssl_server_credentials([pair], require_client_auth=False)
+    """The router's gRPC port: TLS without client certificates, the pair read again at a new handshake once its
+    files changed (as a worker's)."""
+    files = _PublicFiles(certfile, keyfile)
+    return grpc.dynamic_ssl_server_credentials(files.configuration(), files.changed_configuration,
+                                               require_client_authentication=False)
 
 
-def public_ssl_context(certfile: str, keyfile: str) -> ssl.SSLContext:
-    """The router's HTTPS port (TLS 1.2 or later)."""
-    read_pem(certfile, "ssl_certfile")  # the option named when a file is missing, as for gRPC
-    read_pem(keyfile, "ssl_keyfile")
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        context.load_cert_chain(certfile, keyfile)
-    except ssl.SSLError as e:  # a key that does not match the certificate, say
-        raise ConfigError(f"`ssl_certfile` {certfile} / `ssl_keyfile` {keyfile}: {e.reason or e}") from None
-    return context
+class _PublicFiles:
+    """The router's public certificate and key files, and their identity when last read."""
+
+    def __init__(self, certfile: str, keyfile: str):
+        self.certfile, self.keyfile = certfile, keyfile
+        self._read_at = files_identity((certfile, keyfile))
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        cert, key = read_pem(self.certfile, "ssl_certfile"), read_pem(self.keyfile, "ssl_keyfile")
+        check_pair(cert, key, "ssl_certfile", "ssl_keyfile")
+        return grpc.ssl_server_certificate_configuration([(key, cert)])
+
+    def changed_configuration(self) -> grpc.ServerCertificateConfiguration | None:
+        now = files_identity((self.certfile, self.keyfile))
+        if now == self._read_at:
+            return None
+        try:
+            config = self.configuration()
+        except ConfigError as e:
+            logger.warning("public certificate files changed but cannot be used yet; the previous ones stay: %s", e)
+            return None  # (tried again at the next handshake: the identity is not taken)
+        self._read_at = now
+        logger.info("public certificate files changed: new gRPC connections use them")
+        return config
+
+
+class PublicCertificate:
+    """The router's HTTPS context (TLS 1.2 or later), its pair loaded again by `refresh` once the files changed:
+    OpenSSL copies a context's certificate into each connection as it starts, so new connections get the new pair
+    and those made before keep theirs."""
+
+    def __init__(self, certfile: str, keyfile: str):
+        self.certfile, self.keyfile = certfile, keyfile
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._read_at = files_identity((certfile, keyfile))
+        self._refused_at: tuple | None = None
+        self._load()
+
+    def _load(self) -> None:
+        cert, key = read_pem(self.certfile, "ssl_certfile"), read_pem(self.keyfile, "ssl_keyfile")
+        check_pair(cert, key, "ssl_certfile", "ssl_keyfile")  # (the option named, as for gRPC)
+        try:
+            self.context.load_cert_chain(self.certfile, self.keyfile)
+        except ssl.SSLError as e:  # (the files changed again between the check and the load)
+            raise ConfigError(f"`ssl_certfile` {self.certfile} / `ssl_keyfile` {self.keyfile}: "
+                              f"{e.reason or e}") from None
+
+    def refresh(self) -> bool:
+        """Load the pair again when its files changed; True when new connections get a new one."""
+        now = files_identity((self.certfile, self.keyfile))
+        if now == self._read_at:
+            return False
+        try:
+            self._load()
+        except ConfigError as e:
+            if now != self._refused_at:  # (said once per state of the files)
+                logger.warning("public certificate files changed but cannot be used yet; the previous ones stay: "
+                               "%s", e)
+            self._refused_at = now
+            return False
+        self._read_at = now
+        logger.info("public certificate files changed: new HTTPS connections use them")
+        return True

@@ -4,7 +4,9 @@ TLS with the worker's own certificate when it has one).
 
 A channel no call used for `idle_s` is closed and forgotten (made again on the next call to that address): prefill
 addresses come and go (DNS discovery, a pod restarted under a new IP), and one channel per address ever seen would
-grow without bound. A channel with a call on it is never closed.
+grow without bound. A channel with a call on it is never closed. Once the worker's certificate files changed
+(`PeerCredentials.refresh`, looked at by each call at most every second), a call gets a new channel presenting the
+new certificate, and each older channel closes as its last call ends.
 
 A plan is sent only on a connected channel, so that a plan that never left can be told from one that may have
 reached the prefill worker (`submit_plan`): the decode worker quarantines the pages of the latter only."""
@@ -19,12 +21,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdspark.config import TLSConfig
 from pdspark.errors import ErrorCode, NotSent, Unanswered
 from pdspark.rpc import convert, tracing
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS, LEASE_S
 from pdspark.rpc.status import failure_from_rpc_error, reported_failure
-from pdspark.rpc.tls_credentials import aio_channel
+from pdspark.rpc.tls_credentials import PeerCredentials, aio_channel
 from pdspark.transfer.plan import TransferPlan, TransferResult
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
@@ -37,21 +38,22 @@ class _Channel:
     stub: worker_pb2_grpc.PrefillWorkerStub
     calls: int = 0  # calls on it now
     last_used: float = 0.0  # clock() when its last call ended (or it was made)
+    generation: int = 0  # the `PeerCredentials.generation` it was made with
 
 
 class PrefillClients:
     """Channels are made on first use, on the asyncio loop that uses them (a grpc.aio channel belongs to one)."""
 
-    def __init__(self, tls: TLSConfig | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 idle_s: float = IDLE_S, clock: Callable[[], float] = time.monotonic) -> None:
-        """`credentials`: made from `tls` once (at start, where a bad file is a configuration error). `clock`: the
-        time idleness is measured on (tests)."""
-        self._tls, self._credentials = tls, credentials
+    def __init__(self, peer: PeerCredentials | None = None, idle_s: float = IDLE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`peer`: mutual TLS (made at start, where a bad file is a configuration error); None: plain text.
+        `clock`: the time idleness is measured on (tests)."""
+        self._peer = peer
         self.idle_s = idle_s
         self._clock = clock
         self._channels: dict[str, _Channel] = {}
         self._next_sweep = 0.0  # clock() from when idle channels are looked for again
-        self._closing: set[asyncio.Future] = set()  # closes of idle channels under way
+        self._closing: set[asyncio.Future] = set()  # closes of idle and replaced channels under way
 
     @property
     def addresses(self) -> list[str]:
@@ -62,17 +64,37 @@ class PrefillClients:
     def _in_use(self, address: str) -> Iterator[_Channel]:
         """The channel and stub for `address`, the channel counted as in use while the block runs."""
         self._close_idle()
+        generation = self._generation()
         entry = self._channels.get(address)
+        if entry is not None and entry.generation != generation:  # made with a certificate rotated since
+            del self._channels[address]
+            if entry.calls == 0:
+                self._close_later(entry.channel)
+            entry = None
         if entry is None:
-            channel = aio_channel(address, self._tls, CHANNEL_OPTIONS, self._credentials)
+            channel = aio_channel(address, "prefill", CHANNEL_OPTIONS, self._peer)
             entry = self._channels[address] = _Channel(channel, worker_pb2_grpc.PrefillWorkerStub(channel),
-                                                       last_used=self._clock())
+                                                       last_used=self._clock(), generation=generation)
         entry.calls += 1
         try:
             yield entry
         finally:
             entry.calls -= 1
             entry.last_used = self._clock()
+            if entry.calls == 0 and self._channels.get(address) is not entry:  # replaced: its last call ended
+                self._close_later(entry.channel)
+
+    def _generation(self) -> int:
+        """The certificate generation channels are made with now (the files looked at again first)."""
+        if self._peer is None:
+            return 0
+        self._peer.refresh()
+        return self._peer.generation
+
+    def _close_later(self, channel: grpc.aio.Channel) -> None:
+        closing = asyncio.ensure_future(channel.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
 
     def _close_idle(self) -> None:
         """Close the channels no call used for `idle_s` (looked for at most every quarter of it)."""
@@ -83,9 +105,7 @@ class PrefillClients:
         for address, entry in list(self._channels.items()):
             if entry.calls == 0 and now - entry.last_used >= self.idle_s:
                 del self._channels[address]
-                closing = asyncio.ensure_future(entry.channel.close())
-                self._closing.add(closing)
-                closing.add_done_callback(self._closing.discard)
+                self._close_later(entry.channel)
 
     async def submit_plan(self, address: str, plan: TransferPlan, timeout_s: float) -> TransferResult:
         """Send the plan and wait (at most `timeout_s`) for the result; raises `RequestFailed` (the prefill

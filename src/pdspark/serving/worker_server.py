@@ -37,7 +37,7 @@ from pdspark.rpc import tracing
 from pdspark.rpc.keepalive import SERVER_OPTIONS
 from pdspark.rpc.malformed_requests import MalformedRequestInterceptor
 from pdspark.rpc.peer_roles import PeerRoleInterceptor
-from pdspark.rpc.tls_credentials import channel_credentials, server_credentials
+from pdspark.rpc.tls_credentials import PeerCredentials, server_credentials
 from pdspark.serving.decode_metrics import DecodeMetrics
 from pdspark.serving.decode_worker import DecodeWorker
 from pdspark.serving.engine_descriptor import describe_engine
@@ -123,7 +123,7 @@ class WorkerServer:
             self.service = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
         else:
             # Under mutual TLS the decode worker calls prefill workers with its own certificate.
-            self.prefill_clients = PrefillClients(cfg.tls, channel_credentials(cfg.tls) if cfg.tls.enabled else None)
+            self.prefill_clients = PrefillClients(PeerCredentials(cfg.tls) if cfg.tls.enabled else None)
             destinations = None
             if self.group is not None:
                 destinations = TransferDestinations(local_destination(self.backend, engine), self.group.rank_services,

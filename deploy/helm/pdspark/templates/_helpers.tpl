@@ -82,3 +82,29 @@ role's own host port (mooncake.hostPorts), which must differ from the other role
 {{- define "pdspark.authSecretName" -}}
 {{- default (printf "%s-auth" (include "pdspark.fullname" .)) .Values.auth.existingSecret -}}
 {{- end -}}
+
+{{/* The Secret with a role's mutual-TLS certificate: tls.secrets.<role>, or under tls.certManager the one its
+Certificate fills. (dict "ctx" $ "role" "prefill") */}}
+{{- define "pdspark.tlsSecret" -}}
+{{- $v := .ctx.Values -}}
+{{- $given := index $v.tls.secrets .role -}}
+{{- if $given -}}
+{{- $given -}}
+{{- else if $v.tls.certManager.enabled -}}
+{{- printf "%s-%s-tls" (include "pdspark.fullname" .ctx) .role -}}
+{{- else -}}
+{{- fail (printf "tls.secrets.%s is required with tls.enabled (or tls.certManager.enabled)" .role) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The name a worker's certificate must carry (--tls-peer-name), "" for the address dialled: tls.peerName
+"service" (the default under tls.certManager) is the pod's name under its headless Service. */}}
+{{- define "pdspark.tlsPeerName" -}}
+{{- $v := .Values -}}
+{{- $name := $v.tls.peerName | default (ternary "service" "" $v.tls.certManager.enabled) -}}
+{{- if eq $name "service" -}}
+{{- printf "{ip}.%s-{role}.%s.svc" (include "pdspark.fullname" .) .Release.Namespace -}}
+{{- else -}}
+{{- $name -}}
+{{- end -}}
+{{- end -}}

@@ -112,6 +112,10 @@ spec:
           value: /etc/pdspark/tls/tls.key
         - name: PDSPARK_TLS_CA
           value: /etc/pdspark/tls/ca.crt
+        {{- with include "pdspark.tlsPeerName" $root }}
+        - name: PDSPARK_TLS_PEER_NAME
+          value: {{ . | quote }}
+        {{- end }}
         {{- end }}
         {{- if not $worker }}
         {{- if $v.auth.enabled }}
@@ -256,7 +260,7 @@ spec:
     {{- if $v.tls.enabled }}
     - name: tls
       secret:
-        secretName: {{ required (printf "tls.secrets.%s is required with tls.enabled" $role) (index $v.tls.secrets $role) }}
+        secretName: {{ include "pdspark.tlsSecret" (dict "ctx" $root "role" $role) }}
         defaultMode: 0440
     {{- end }}
     {{- if and (not $worker) $v.auth.enabled }}

@@ -57,7 +57,7 @@ from pdspark.config import TLSConfig
 from pdspark.rpc import convert
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS
 from pdspark.rpc.multiplexed_client import MultiplexedCall, MultiplexedClient
-from pdspark.rpc.tls_credentials import aio_channel, channel_credentials
+from pdspark.rpc.tls_credentials import PeerCredentials, aio_channel
 from pdspark.transfer.compat import CompatDescriptor
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
@@ -73,6 +73,8 @@ MAX_READMIT_BACKOFF_S = 30.0
 STABLE_S = 60.0
 NAME_RETENTION_S = 3600.0  # how long the name of an address that is gone is kept for it
 MAX_GONE_NAMES = 1024  # the names of at most this many addresses that are gone are kept (the most recently gone)
+RENEW_DRAIN_S = 600.0  # calls on a channel replaced for a rotated certificate may go on this long (the router's default
+# longest request: `AdmissionConfig.request_timeout_s`)
 
 
 @dataclass
@@ -130,11 +132,15 @@ class WorkerRegistry:
                  max_failures: int = 2, readmit_backoff_s: float = READMIT_BACKOFF_S,
                  max_readmit_backoff_s: float = MAX_READMIT_BACKOFF_S, stable_s: float = STABLE_S,
                  tls: TLSConfig | None = None, multiplexed: bool = False,
-                 name_retention_s: float = NAME_RETENTION_S, max_gone_names: int = MAX_GONE_NAMES):
+                 name_retention_s: float = NAME_RETENTION_S, max_gone_names: int = MAX_GONE_NAMES,
+                 renew_drain_s: float = RENEW_DRAIN_S):
+        """`renew_drain_s`: how long the calls on a channel replaced by `renew_channels` may go on (the longest a
+        request may take)."""
         self.tls = tls
         self.multiplexed = multiplexed
-        # Read once, here (at start): a missing file is a configuration error, not a failure of every call later.
-        self._credentials = channel_credentials(tls) if tls is not None and tls.enabled else None
+        # Read here (at start): a missing file is a configuration error, not a failure of every call later.
+        self._peer = PeerCredentials(tls) if tls is not None and tls.enabled else None
+        self.renew_drain_s = renew_drain_s
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.load_interval_s = load_interval_s
@@ -254,8 +260,28 @@ class WorkerRegistry:
     def channel(self, w: WorkerInfo) -> grpc.aio.Channel:
         if w.channel is None:
             # Pings and reconnects as every channel a pdspark service opens (`rpc/keepalive.py`).
-            w.channel = aio_channel(w.address, self.tls, CHANNEL_OPTIONS, self._credentials)
+            w.channel = aio_channel(w.address, w.role, CHANNEL_OPTIONS, self._peer)
         return w.channel
+
+    def renew_channels(self) -> bool:
+        """Under mutual TLS, once this router's certificate files changed (`PeerCredentials.refresh`, which looks
+        at most every second): every worker gets a new channel, its stubs and `Calls` client, so that calls from now
+        on present the new certificate (a channel keeps its credentials for every reconnection, and the old
+        certificate may expire); the calls on the old channel finish there, and it closes once they ended (at most
+        `renew_drain_s` on). True when the channels were renewed."""
+        if self._peer is None or not self._peer.refresh():
+            return False
+        for w in self.workers.values():
+            if w.closed or w.channel is None:
+                continue
+            old_channel, old_calls = w.channel, w.calls
+            w.channel, w.stubs, w.calls = None, {}, None
+            self._connect(w)
+            task = asyncio.ensure_future(_close_once_idle(old_channel, old_calls, self.renew_drain_s))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
+        logger.info("channels to %d workers renewed with the new certificate", len(self.workers))
+        return True
 
     def prefill_stub(self, w: WorkerInfo) -> worker_pb2_grpc.PrefillWorkerStub:
         return self._stub(w, worker_pb2_grpc.PrefillWorkerStub)
@@ -389,6 +415,17 @@ class WorkerRegistry:
             for _, tasks in watched.values():
                 for t in tasks:
                     t.cancel()
+
+
+async def _close_once_idle(channel: grpc.aio.Channel, calls: MultiplexedClient | None, within_s: float) -> None:
+    """Close a replaced channel once the calls on it ended, or `within_s` on (those still running then end
+    CANCELLED, as when a worker is removed)."""
+    deadline = time.monotonic() + within_s
+    if calls is not None:  # (the `Calls` stream is one long call: wait for the calls multiplexed on it)
+        while calls.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # (a poll period, not a bound: the deadline bounds the wait)
+        await calls.close()
+    await channel.close(grace=max(0.0, deadline - time.monotonic()))  # (waits for the per-request calls)
 
 
 async def _every(interval_s: float, poll: Callable[[WorkerInfo], Awaitable[bool]], w: WorkerInfo) -> None:
