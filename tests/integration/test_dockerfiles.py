@@ -81,7 +81,10 @@ def test_core_dependencies_leave_the_engine_to_its_extra():
     # The CUDA images' extra: the same engine with the CUDA build of Mooncake, never both builds.
     assert resolved("engine-cuda") >= base | {"mooncake-transfer-engine"}
     assert "mooncake-transfer-engine-non-cuda" not in resolved("engine-cuda")
-    assert "pdspark[engine,ray]" in extras["dev"]
+    assert "pdspark[engine,ray,device-check]" in extras["dev"]
+    # The device check's tests: pytest and transformers (the ladder's bottom) beside any engine build.
+    assert resolved("device-check") >= {"pytest", "transformers", "hypothesis"}
+    assert not resolved("device-check") & (base | {"mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"})
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -92,3 +95,23 @@ def test_worker_images_take_the_accelerator_build_as_arguments(role):
     assert args["BASE"] == "python:3.11-slim" and args["ENGINE_EXTRA"] == "engine"
     assert args["TORCH_INDEX"].endswith("/whl/cpu")  # (torch's CPU build unless a CUDA index is given)
     assert "--build-arg ENGINE_EXTRA=engine-cuda" in text and "EXTRA_PIP=torch-npu==" in text
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_worker_images_have_a_device_check_target_and_build_the_worker_by_default(role):
+    """`--target device-check`: the worker's image (its accelerator build) plus scripts/device_check.sh, the tests it
+    lists with their helpers, and the engine benchmark, run as the same non-root user; a plain build (the last
+    stage) is the worker itself."""
+    text = (ROOT / "services" / role / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, re.M)
+    assert stages == [("${BASE}", "worker"), ("worker", "device-check"), ("worker", "")], stages
+    check = text[text.index("AS device-check"):text.rindex("FROM worker")]
+    assert 'pip install --no-cache-dir "./[${ENGINE_EXTRA},device-check]"' in " ".join(check.split())
+    copied = set(re.findall(r"^COPY --chown=10001:10001 (\S+) ", check, re.M))
+    assert copied == {"tests", "bench", "scripts/device_check.sh"}
+    assert re.findall(r"^USER (\S+)", check, re.M)[-1] == "10001:10001"
+    assert 'ENTRYPOINT ["bash", "scripts/device_check.sh"]' in check
+    # What the script runs lies in what the stage copies.
+    script = (ROOT / "scripts" / "device_check.sh").read_text()
+    named = re.findall(r"\b((?:tests|bench)/[\w/]+\.py)", script)
+    assert any(p.startswith("bench/") for p in named) and all((ROOT / p).is_file() for p in named)
