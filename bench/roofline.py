@@ -6,6 +6,8 @@ both with PyTorch's own fp32 kernels on the benchmark's thread count; `work_per_
 active weights (every tensor but the embedding table, whose one row per token is a gather, with the routed experts
 scaled by top-k / experts) in the fp32 bytes the engine computes in. Attention over the context (KV reads, scores)
 is left out of both: at the benchmarks' lengths it is small next to the weights, so the fractions are upper bounds.
+Beside the DRAM GEMV, the same GEMV over a decode step's own working set (`working_set_bytes`): where the weights
+fit in the caches that is the limit, and the fraction of it is the honest one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 # so each call streams it from memory as a decode step streams the weights.
 _GEMM_N = 1024
 _GEMV_ROWS, _GEMV_COLS = 4096, 4096
+_WS_COLS = 1024  # the working-set GEMV's row length (a decode step's matrices are a few hundred to a few thousand)
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -32,9 +35,14 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def machine_limits(threads: int, repeats: int = 15) -> dict:
+def machine_limits(threads: int, repeats: int = 15, working_set_bytes: int | None = None) -> dict:
     """fp32 GEMM GFLOP/s (`[N, N] @ [N, N]`) and GEMV GB/s (weight bytes read per second by `F.linear` of one
-    row) with `threads` intra-op threads; medians of `repeats` calls."""
+    row) with `threads` intra-op threads; medians of `repeats` calls.
+
+    `gemv_gb_s` streams a 64 MiB matrix from DRAM. With `working_set_bytes` (what one decode step reads) also
+    `working_set_gemv_gb_s`: a GEMV over a matrix of that many bytes, called again and again as decode steps are,
+    so it stays in the caches exactly when the model's weights would (the limit a small model's decode meets on a
+    host whose L2/L3 holds it; the DRAM figure would flatter such a run)."""
     import torch
     import torch.nn.functional as F
 
@@ -45,10 +53,16 @@ def machine_limits(threads: int, repeats: int = 15) -> dict:
         gemm_s = _median_seconds(lambda: torch.mm(a, b), repeats)
         w, x = torch.randn(_GEMV_ROWS, _GEMV_COLS), torch.randn(1, _GEMV_COLS)
         gemv_s = _median_seconds(lambda: F.linear(x, w), repeats)
+        out = {"threads": threads, "gemm_gflops": 2 * _GEMM_N**3 / gemm_s / 1e9,
+               "gemv_gb_s": w.numel() * w.element_size() / gemv_s / 1e9}
+        if working_set_bytes:
+            rows = max(1, working_set_bytes // (4 * _WS_COLS))
+            ws, xs = torch.randn(rows, _WS_COLS), torch.randn(1, _WS_COLS)
+            ws_s = _median_seconds(lambda: F.linear(xs, ws), max(repeats, 50))
+            out.update(working_set_bytes=ws.numel() * 4, working_set_gemv_gb_s=ws.numel() * 4 / ws_s / 1e9)
     finally:
         torch.set_num_threads(before)
-    return {"threads": threads, "gemm_gflops": 2 * _GEMM_N**3 / gemm_s / 1e9,
-            "gemv_gb_s": w.numel() * w.element_size() / gemv_s / 1e9}
+    return out
 
 
 @functools.cache

@@ -59,11 +59,20 @@ class Image:
         cmd: tuple[str, ...] = ()
         env: dict[str, str] = {}
         workdir = "/"
+        stages: dict[str, tuple] = {}  # named stages as they ended: a later `FROM <name>` starts from one
+        name = ""
         for line in _instructions(path.read_text()):
             op, _, rest = line.partition(" ")
             op, rest = op.upper(), rest.strip()
             if op == "FROM":  # a new stage: only the last one is the image
+                if name:
+                    stages[name] = (entrypoint, cmd, dict(env), workdir)
+                base, _, name = rest.partition(" AS ") if " AS " in rest else rest.partition(" as ")
+                base, name = base.strip(), name.strip()
                 entrypoint, cmd, env, workdir = (), (), {}, "/"
+                if base in stages:
+                    entrypoint, cmd, inherited, workdir = stages[base]
+                    env = dict(inherited)
             elif op == "ENV":
                 env.update(_env_instruction(rest))
             elif op == "WORKDIR":

@@ -50,7 +50,10 @@ def test_prefill_and_decode_paths_score_bitwise_alike_and_pick_alike_at_a_near_t
         s_prefill = indexer.scores(head_w, qr, at_prefill, prefill, index_kv)[-1]
         s_decode = indexer.scores(head_w[-1:], qr[-1:], at_decode, decode, index_kv)[0]
         pick_prefill = indexer.select(head_w, qr, prefill, index_kv, at_prefill).valid[-1]
-        pick_decode = indexer.select(head_w[-1:], qr[-1:], decode, index_kv, at_decode).valid[0]
+        # A decode token's pick comes as its picked entries' own rows (`picked_entries`): as a mask over its entries
+        own = indexer.select(head_w[-1:], qr[-1:], decode, index_kv, at_decode)
+        chosen = set(own.rows[0][own.valid[0]].tolist())
+        pick_decode = torch.tensor([r in chosen for r in decode.csa.rows[0].tolist()])
         return s_prefill, s_decode, pick_prefill, pick_decode
 
     # Make a near-tie at the cut: copy the last picked entry's key onto two entries it beats, once one ulp away (a

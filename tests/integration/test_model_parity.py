@@ -70,15 +70,22 @@ def test_sparse_indexer_selection_matches_reference(checkpoints, monkeypatch):
     llm = make_llm(path)
     (prompt,) = random_prompts(1, [160], seed=11)
 
-    picked = []  # (scores [T, V], columns [T, k], valid [T, k]) per CSA layer, in layer order
-    original = indexer_module.select_topk
+    picked = []  # (scores [T, V], each row's picked entries) per CSA layer, in layer order
+    original, original_c = indexer_module.select_topk, indexer_module.cpu_kernels.topk_mask
 
     def recording(scores, valid, k):
         top = original(scores, valid, k)
-        picked.append((scores, top.columns, top.valid))
+        picked.append((scores, [{int(c) for c, v in zip(cols, ok) if v} for cols, ok in zip(top.columns, top.valid)]))
         return top
 
+    def recording_c(scores, valid, k):  # (the C selection, which a prefill takes when it can)
+        mask = original_c(scores, valid, k)
+        if mask is not None:
+            picked.append((scores, [set(torch.nonzero(row).flatten().tolist()) for row in mask]))
+        return mask
+
     monkeypatch.setattr(indexer_module, "select_topk", recording)
+    monkeypatch.setattr(indexer_module.cpu_kernels, "topk_mask", recording_c)
     prompt_logits(llm, prompt)
 
     # transformers' own scores for the first CSA layer, whose input does not depend on any earlier selection.
@@ -96,9 +103,9 @@ def test_sparse_indexer_selection_matches_reference(checkpoints, monkeypatch):
 
     assert len(picked) == 2
     ties = 0
-    for layer, (scores, cols, ok) in enumerate(picked):
+    for layer, (scores, rows) in enumerate(picked):
         for pos in range(len(prompt)):
-            ours = {int(c) for c, v in zip(cols[pos], ok[pos]) if v}
+            ours = rows[pos]
             assert ours == reference_selection(scores[pos], pos, SPARSE.csa_ratio, SPARSE.index_topk), (layer, pos)
             if layer == 0:
                 assert ours == reference_selection(hf_scores[0][pos], pos, SPARSE.csa_ratio, SPARSE.index_topk)

@@ -121,6 +121,30 @@ def test_drafting_only_when_faster_switches_modes_mid_request_and_keeps_plain_to
         make_llm(path, speculative="dspark", speculative_policy="sometimes", **OPTS)
 
 
+def test_a_server_saturated_from_the_start_measures_and_probes_both_modes(draft_ckpt):
+    """Every slot taken and more requests queued from the first step on: the decode steps of the running requests
+    are still measured with drafts and without (the governor then explores within its probe share), and the
+    tokens are plain decoding's."""
+    path, _ = draft_ckpt[MIXED.seed]
+    prompts = random_prompts(8, [9, 40], seed=25)
+    opts = {**OPTS, "max_num_seqs": 2}
+    plain, _ = greedy_outputs(make_llm(path, **opts), prompts, 24, GREEDY)
+    llm = make_llm(path, speculative="dspark", speculative_policy="when-faster", **opts)
+    engine = llm.engine
+    saturated: list[bool] = []  # the mode of each decode step timed while requests were queued
+    record = engine.governor.record
+
+    def recorded(b, speculated, s, n):
+        if engine.scheduler.waiting:
+            saturated.append(speculated)
+        record(b, speculated, s, n)
+
+    engine.governor.record = recorded
+    assert greedy_outputs(llm, prompts, 24, GREEDY)[0] == plain  # all 8 queued at once: 6 wait from the start
+    assert saturated.count(True) >= 4 and saturated.count(False) >= 4, saturated
+    assert_no_leaks(llm)
+
+
 class _Plain:
     """A governor that never drafts (the draft context rows of every step are kept for later)."""
 

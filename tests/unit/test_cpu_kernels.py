@@ -218,6 +218,33 @@ def test_c_index_pick_is_the_torch_top_k_under_the_tie_rule():
     top = select_topk(scores, valid, k)
     assert torch.equal(picked, torch.zeros_like(valid).scatter_(1, top.columns, top.valid))
     assert (scores == 0).sum() > 2 * k  # the ties were there
+    # The same mask from the scores alone (a prefill's picks), -inf where no entry is, as `Indexer.scores` fills.
+    scores[~valid] = float("-inf")
+    assert torch.equal(kernels.topk_mask(scores, valid, k), picked)
+
+
+def test_attending_to_the_picked_entries_gives_the_masks_bits():
+    """A decode token attends to its `k` picked CSA entries (`picked_entries`: entry order, invalid padding) instead
+    of a mask over all visible ones: the C attention gives the very same bits, at any number of visible entries."""
+    from pdspark.model.batch import CompressedIndex
+    from pdspark.model.indexer import picked_entries
+
+    torch.manual_seed(11)
+    T, H, d, W, k = 3, 4, 64, 16, 8
+    for V in (9, 40, 400):
+        swa, comp = torch.randn(50, d), torch.randn(V + 5, d)
+        q, sink = torch.randn(T, H, d), torch.randn(H)
+        win_rows, win_ok = torch.randint(0, 50, (T, W)), torch.rand(T, W) > 0.3
+        rows = torch.randint(0, V + 5, (T, V))
+        picked = torch.zeros(T, V, dtype=torch.bool)
+        for t, n in enumerate((k, k, 3)):  # the last token has fewer picks than k: padding
+            picked[t, torch.randperm(V)[:n]] = True
+        mask = kernels.sink_attend(q, swa, win_rows, win_ok, comp, rows, picked, sink, 0.125)
+        few = picked_entries(CompressedIndex(rows, picked, V), picked, k)
+        assert few.rows.shape == (T, k) and few.valid.sum(1).tolist() == [k, k, 3]
+        assert torch.equal(few.rows[few.valid], rows[picked])  # the picked rows, in entry order
+        gathered = kernels.sink_attend(q, swa, win_rows, win_ok, comp, few.rows, few.valid, sink, 0.125)
+        assert torch.equal(gathered, mask)
 
 
 def test_c_attention_projections_match_the_torch_steps():

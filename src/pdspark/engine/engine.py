@@ -339,7 +339,12 @@ class Engine:
         if self.governor is None:
             return None
         started, batch = time.perf_counter(), len(self.scheduler.running)
-        steady = not self.scheduler.waiting and all(r.num_pending_tokens == 1 for r in self.scheduler.running)
+        running = self.scheduler.running
+        # Saturated (every slot taken): the waiting requests start only once one finishes, so the step is of the
+        # running ones alone, as without a queue. A server busy from its start would otherwise never measure (nor
+        # probe) speculation.
+        full = len(running) >= self.scheduler.cfg.max_num_seqs
+        steady = (not self.scheduler.waiting or full) and all(r.num_pending_tokens == 1 for r in running)
         self.scheduler.num_drafts = self.governor.drafts(batch, steady)
         return _GovernedStep(started, batch)
 

@@ -9,6 +9,7 @@ from pdspark.assets import resolve_model
 from pdspark.config import EngineConfig
 from pdspark.engine.engine import Engine
 from pdspark.errors import ConfigError
+from pdspark.hardware.cpu.cpu_budget import fit_threads
 from pdspark.hardware.extra_ops import load_extra_ops
 from pdspark.hardware.registry import select_backend
 from pdspark.model.fingerprint import expert_digests
@@ -46,6 +47,8 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     backend = select_backend(config.device)
     load_extra_ops(config.extra_ops_so, {f: backend.required_ops(f) for f in backend.op_features}, backend.name)
     device = str(backend.device)
+    if device == "cpu":
+        fit_threads()  # (a pod's CPU limit, not the node's cores)
     shard = None if group is None else ExpertShard(group.rank, group.size, model_cfg.n_routed_experts)
     ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress,
                            quantization=config.quantization, experts=shard, weight_format=config.weight_format,

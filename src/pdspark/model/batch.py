@@ -22,9 +22,12 @@ class WindowIndex:
 
 @dataclass(frozen=True)
 class CompressedIndex:
+    """The compressed entries each query may attend to: every visible one, or (CSA decode/verify tokens, after the
+    indexer's pick: `model.indexer.picked_entries`) only the picked ones, in entry order either way."""
+
     rows: torch.Tensor  # [T, V] pool rows of compressed entries g = 0 .. V-1 (dummy row where g >= visible)
     valid: torch.Tensor  # [T, V] bool: the query attends to entry g (visible, and for CSA picked by the indexer)
-    max_visible: int  # V
+    max_visible: int  # V (after a pick: index_topk)
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,9 @@ class Indexer(nn.Module):
     def select(
         self, head_w: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, index_kv: torch.Tensor, rope_at: RopeAt
     ) -> CompressedIndex:
-        """The compressed entries each query attends to, as a mask over its visible entries (all of them when at
-        most `topk` are visible)."""
+        """The compressed entries each query attends to: all visible ones when at most `topk` are; else, for tokens
+        that gather their own entries (decode, verify), the `topk` picked ones (`picked_entries`), and for prefill
+        segments (which share their keys) a mask over the visible entries."""
         csa = batch.csa
         assert csa is not None
         if csa.max_visible <= self.topk:
@@ -129,7 +130,21 @@ class Indexer(nn.Module):
         if not batch.segments and not torch.is_grad_enabled():  # decode/verify tokens: one C call
             picked = self._pick_in_c(head_w, qr, rope_at, csa, index_kv)
             if picked is not None:
-                return CompressedIndex(csa.rows, picked, csa.max_visible)
-        top = select_topk(self.scores(head_w, qr, rope_at, batch, index_kv), csa.valid, self.topk)
-        picked = torch.zeros_like(csa.valid).scatter_(1, top.columns, top.valid)
+                return picked_entries(csa, picked, self.topk)
+        scores = self.scores(head_w, qr, rope_at, batch, index_kv)
+        # (In C: the same picks in O(V) a query; a sort of every query's scores dominated long prefills.)
+        picked = None if torch.is_grad_enabled() else cpu_kernels.topk_mask(scores, csa.valid, self.topk)
+        if picked is None:
+            top = select_topk(scores, csa.valid, self.topk)
+            picked = torch.zeros_like(csa.valid).scatter_(1, top.columns, top.valid)
+        if not batch.segments:  # tokens that gather their own entries attend to the picked ones only
+            return picked_entries(csa, picked, self.topk)
         return CompressedIndex(csa.rows, picked, csa.max_visible)
+
+
+def picked_entries(csa: CompressedIndex, picked: torch.Tensor, k: int) -> CompressedIndex:
+    """Each query's picked entries (`picked [T, V]`, at most `k` a row) as entries of their own `[T, k]`, in entry
+    order (the order attention reads a mask in), invalid padding after them: a decode token's attention then reads
+    `k` compressed rows whatever the context, instead of masking all `V` visible ones."""
+    order = torch.sort(picked.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :k]  # [T, k]
+    return CompressedIndex(csa.rows.gather(1, order), picked.gather(1, order), k)

@@ -20,7 +20,8 @@ long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
     if (kind != KIND_SLIDING) {
         n += r16(t * 2 * (cw > iw ? cw : iw));
         if (kind == KIND_CSA && V > wi[I_I_TOPK])
-            n += 2 * r16(t * Hi * Di) + r16(t * Hi) + r16(2L * V) + r16((t * V + 3) / 4);
+            n += 2 * r16(t * Hi * Di) + r16(t * Hi) + r16(2L * V) + r16((t * V + 3) / 4)
+                 + r16(2L * t * wi[I_I_TOPK]) + r16((t * wi[I_I_TOPK] + 3) / 4);
     }
     n += r16(2 * ((long)H * (W + V) + 16)) + r16(t * (H * HD + wi[I_G] * wi[I_L])) + r16(t * (E + 2 * I));
     if (T == 1 && wi[I_E_HELD] == E) n += r16(3L * I + 2L * D + K);
@@ -97,7 +98,14 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
                 rope_rotate(iq, cos, sin, T, Hi, Di, r, 1.0f, iqr);
                 index_pick(iqr, iwt, (const float *)pp[P_IDX], pp[P_IDX_STRIDE], comp_rows, comp_valid, T, Hi, V,
                            Di, wf[F_I_SCALE], wi[I_I_TOPK], isc, picked);
-                comp_valid = picked;
+                /* Attention reads the picked entries only: the window and topk rows whatever the context. */
+                const int k = wi[I_I_TOPK];
+                long *crows = (long *)take(&at, 2L * T * k);
+                unsigned char *cvalid = (unsigned char *)take(&at, ((long)T * k + 3) / 4);
+                compact_picks(comp_rows, picked, T, V, k, crows, cvalid);
+                comp_rows = crows;
+                comp_valid = cvalid;
+                V = k;
             }
         } else {
             V = si[SI_V_HCA];

@@ -157,6 +157,10 @@ void index_scores(const float *q, const float *w, const float *k, long kstride, 
 void index_pick(const float *q, const float *w, const float *k, long row_stride, const long *rows,
                 const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                 unsigned char *picked);
+void topk_mask(const float *scores, const unsigned char *valid, int T, int V, int topk, float *scratch,
+               unsigned char *picked);
+void compact_picks(const long *rows, const unsigned char *picked, int T, int V, int k, long *out_rows,
+                   unsigned char *out_valid);
 void sink_attend(const float *q, const float *swa, long swa_stride, const long *win_rows,
                  const unsigned char *win_valid, int W, const float *comp, long comp_stride, const long *comp_rows,
                  const unsigned char *comp_valid, int V, const float *sink, float scale, int T, int H, int d,

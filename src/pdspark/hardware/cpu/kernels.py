@@ -102,6 +102,8 @@ def load() -> ctypes.CDLL | None:
     lib.compressor_run.restype = None
     lib.index_pick.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, f]
     lib.index_pick.restype = None
+    lib.topk_mask.argtypes = [f, f, i, i, i, f, f]
+    lib.topk_mask.restype = None
     lib.norm_rope.argtypes = [f, ctypes.c_long, f, i, i, i, fl, f, f, i, f, f, ctypes.c_long, f]
     lib.norm_rope.restype = None
     lib.attn_out.argtypes = [f, f, f, i, i, i, i, f, i, i, f, i, f, f]
@@ -444,6 +446,21 @@ def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch
     scratch = torch.empty(2 * V)
     lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(), valid.data_ptr(),
                    T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
+    return picked
+
+
+def topk_mask(scores: torch.Tensor, valid: torch.Tensor, topk: int) -> torch.Tensor | None:
+    """The top-`topk` mask `[T, V]` bool of `scores [T, V]` fp32 among the `valid [T, V]` entries, by the indexer's
+    tie rule (`model.indexer.select_topk`'s picks, without a sort). None when the C path does not apply."""
+    lib = _usable(scores)
+    if lib is None or not (scores.is_contiguous() and valid.is_contiguous() and valid.is_cpu):
+        return None
+    T, V = scores.shape
+    _check_index("topk_mask", "valid", valid, _FLAGS, (T, V))
+    picked = torch.empty(T, V, dtype=torch.bool)
+    scratch = torch.empty(V)  # (held here: a temporary's memory would be freed before the call)
+    if T and V:
+        lib.topk_mask(scores.data_ptr(), valid.data_ptr(), T, V, topk, scratch.data_ptr(), picked.data_ptr())
     return picked
 
 

@@ -230,6 +230,25 @@ static float kth_largest(float *a, int n, int k) {
  * floats apart): the scores of `index_scores` (the same bits) against each token's rows [T, V], then the top `topk`
  * among its valid entries by the tie rule (higher score first, equal scores: lower entry first).
  * picked [T, V] (bytes) = valid and among the top. scratch holds 2 * V floats. */
+/* pk [V] = ok and among the top `topk` of the scores sc [V] by the tie rule (higher first, equal: lower entry
+ * first): every ok entry when there are at most topk. tmp holds V floats. */
+static void pick_top(const float *sc, const unsigned char *ok, int V, int topk, float *tmp, unsigned char *pk) {
+    int n = 0;
+    for (int g = 0; g < V; g++)
+        if (ok[g]) tmp[n++] = sc[g];
+    if (n <= topk) {
+        for (int g = 0; g < V; g++) pk[g] = ok[g];
+        return;
+    }
+    const float kth = kth_largest(tmp, n, topk);
+    int above = 0;
+    for (int g = 0; g < V; g++) above += ok[g] && sc[g] > kth;
+    int ties = topk - above; /* equal to the k-th score: the lowest entries first */
+    for (int g = 0; g < V; g++) {
+        pk[g] = ok[g] && (sc[g] > kth || (sc[g] == kth && ties-- > 0));
+    }
+}
+
 void index_pick(const float *q, const float *w, const float *k, long row_stride, const long *rows,
                 const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                 unsigned char *picked) {
@@ -237,21 +256,37 @@ void index_pick(const float *q, const float *w, const float *k, long row_stride,
     for (int t = 0; t < T; t++) {
         index_scores_from(q + (long)t * H * D, w + (long)t * H, k, 0, rows + (long)t * V, row_stride, 1, H, V, D,
                           scale, sc);
-        const unsigned char *ok = valid + (long)t * V;
-        unsigned char *pk = picked + (long)t * V;
+        pick_top(sc, valid + (long)t * V, V, topk, tmp, picked + (long)t * V);
+    }
+}
+
+/* The top-`topk` mask of each row of scores [T, V] among its valid entries, by the tie rule (`pick_top`): the
+ * mask `model.indexer.select_topk` describes, in O(V) a row instead of a sort. scratch holds V floats. */
+void topk_mask(const float *scores, const unsigned char *valid, int T, int V, int topk, float *scratch,
+               unsigned char *picked) {
+    for (int t = 0; t < T; t++)
+        pick_top(scores + (long)t * V, valid + (long)t * V, V, topk, scratch, picked + (long)t * V);
+}
+
+/* The picked entries of each token's mask `picked [T, V]` as rows of their own: out_rows/out_valid [T, k] hold its
+ * rows[t, g] for the picked g in entry order (the order `sink_attend` reads a mask in, so attending to them gives
+ * the mask's bits), then invalid padding (row 0) where fewer than k were picked. */
+void compact_picks(const long *rows, const unsigned char *picked, int T, int V, int k, long *out_rows,
+                   unsigned char *out_valid) {
+    for (int t = 0; t < T; t++) {
+        const long *rt = rows + (long)t * V;
+        const unsigned char *pt = picked + (long)t * V;
+        long *ot = out_rows + (long)t * k;
+        unsigned char *vt = out_valid + (long)t * k;
         int n = 0;
-        for (int g = 0; g < V; g++)
-            if (ok[g]) tmp[n++] = sc[g];
-        if (n <= topk) {
-            for (int g = 0; g < V; g++) pk[g] = ok[g];
-            continue;
+        for (int g = 0; g < V && n < k; g++) {
+            if (!pt[g]) continue;
+            ot[n] = rt[g];
+            vt[n++] = 1;
         }
-        const float kth = kth_largest(tmp, n, topk);
-        int above = 0;
-        for (int g = 0; g < V; g++) above += ok[g] && sc[g] > kth;
-        int ties = topk - above; /* equal to the k-th score: the lowest entries first */
-        for (int g = 0; g < V; g++) {
-            pk[g] = ok[g] && (sc[g] > kth || (sc[g] == kth && ties-- > 0));
+        for (; n < k; n++) {
+            ot[n] = 0;
+            vt[n] = 0;
         }
     }
 }
