@@ -35,6 +35,7 @@ from pdspark.model.batch import CompressedIndex
 
 _CACHE = Path.home() / ".cache" / "pdspark-bench"
 POSITIONS = 131072
+PAGE_SIZE = 128
 
 
 def long_model(name: str) -> Path:
@@ -89,17 +90,22 @@ def decode_steps(engine, prompt: list[int], steps: int) -> tuple[list[float], li
     return times, tokens, prefilled
 
 
-def indexer_ms(engine, visible: int, repeats: int = 50) -> float:
-    """The C indexer pick of one decode token over `visible` entries, every CSA layer of the model (ms, median)."""
+def indexer_ms(engine, visible: int, page_size: int, repeats: int = 50) -> float:
+    """The C indexer pick of one decode token over `visible` entries (scores and top-k), every CSA layer of the
+    model (ms, median): read from the engine's own indexer-key pool, a page's entries together and the pages in a
+    random order, as a request's pages lie in the pool."""
     from pdspark.hardware.cpu import kernels
 
     cfg = engine.runner.model.cfg
-    layers = sum(t == "compressed_sparse_attention" for t in cfg.layer_types)
+    csa = engine.kv.model.csa_layers
+    keys = engine.kv.pools.layer(csa[0]).index_kv  # [rows, D]: a per-layer view of the page-major pool
     H, D = cfg.index_n_heads, cfg.index_head_dim
     q, w = torch.randn(1, H, D), torch.rand(1, H)
-    keys = torch.randn(visible + 1, D)
-    rows = torch.arange(visible)[None].contiguous()
+    per_page = page_size // cfg.csa_ratio
+    pages = torch.randperm(keys.shape[0] // per_page)[: -(-visible // per_page)]
+    rows = (pages[:, None] * per_page + torch.arange(per_page)).flatten()[None, :visible].contiguous()
     valid = torch.ones(1, visible, dtype=torch.bool)
+    layers = len(csa)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -110,7 +116,7 @@ def indexer_ms(engine, visible: int, repeats: int = 50) -> float:
 
 
 def measure(model: Path, context: int, steps: int, seed: int) -> dict:
-    engine = create_engine(str(model), page_size=128, max_model_len=context + steps + 8, max_num_seqs=1,
+    engine = create_engine(str(model), page_size=PAGE_SIZE, max_model_len=context + steps + 8, max_num_seqs=1,
                            max_num_batched_tokens=2048, enable_prefix_cache=False)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, engine.runner.model.cfg.vocab_size, (context,), generator=g).tolist()
@@ -125,7 +131,7 @@ def measure(model: Path, context: int, steps: int, seed: int) -> dict:
     model_obj._decode_step = saved
     visible = context // engine.runner.model.cfg.csa_ratio
     step = statistics.median(times)
-    idx = indexer_ms(engine, visible)
+    idx = indexer_ms(engine, visible, PAGE_SIZE)
     return {"context": context, "prefill_s": prefill_s, "step_ms": 1e3 * step,
             "module_gathered_step_ms": 1e3 * statistics.median(module_times),
             "module_mask_step_ms": 1e3 * statistics.median(mask_times),

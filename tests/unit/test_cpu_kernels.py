@@ -243,6 +243,11 @@ def test_attending_to_the_picked_entries_gives_the_masks_bits():
         few = picked_entries(CompressedIndex(rows, picked, V), picked, k)
         assert few.rows.shape == (T, k) and few.valid.sum(1).tolist() == [k, k, 3]
         assert torch.equal(few.rows[few.valid], rows[picked])  # the picked rows, in entry order
+        with pytest.MonkeyPatch.context() as mp:  # the PyTorch compaction: the same rows
+            mp.setattr(kernels, "picked_rows", lambda *a: None)
+            torch_few = picked_entries(CompressedIndex(rows, picked, V), picked, k)
+        assert torch.equal(torch_few.rows[torch_few.valid], few.rows[few.valid])
+        assert torch.equal(torch_few.valid, few.valid)
         gathered = kernels.sink_attend(q, swa, win_rows, win_ok, comp, few.rows, few.valid, sink, 0.125)
         assert torch.equal(gathered, mask)
 

@@ -146,5 +146,8 @@ def picked_entries(csa: CompressedIndex, picked: torch.Tensor, k: int) -> Compre
     """Each query's picked entries (`picked [T, V]`, at most `k` a row) as entries of their own `[T, k]`, in entry
     order (the order attention reads a mask in), invalid padding after them: a decode token's attention then reads
     `k` compressed rows whatever the context, instead of masking all `V` visible ones."""
+    fast = cpu_kernels.picked_rows(csa.rows, picked, k)
+    if fast is not None:
+        return CompressedIndex(fast[0], fast[1], k)
     order = torch.sort(picked.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :k]  # [T, k]
     return CompressedIndex(csa.rows.gather(1, order), picked.gather(1, order), k)

@@ -104,6 +104,8 @@ def load() -> ctypes.CDLL | None:
     lib.index_pick.restype = None
     lib.topk_mask.argtypes = [f, f, i, i, i, f, f]
     lib.topk_mask.restype = None
+    lib.compact_picks.argtypes = [f, f, i, i, i, f, f]
+    lib.compact_picks.restype = None
     lib.norm_rope.argtypes = [f, ctypes.c_long, f, i, i, i, fl, f, f, i, f, f, ctypes.c_long, f]
     lib.norm_rope.restype = None
     lib.attn_out.argtypes = [f, f, f, i, i, i, i, f, i, i, f, i, f, f]
@@ -447,6 +449,22 @@ def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch
     lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(), valid.data_ptr(),
                    T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
     return picked
+
+
+def picked_rows(rows: torch.Tensor, picked: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's picked entries of `picked [T, V]` bool as `(rows [T, k] int64, valid [T, k] bool)`: `rows[t, g]`
+    of the picked g in entry order, then invalid padding (row 0): `model.indexer.picked_entries` in one O(V) pass.
+    None when the C path does not apply."""
+    lib = load()
+    if lib is None or not (rows.is_cpu and rows.is_contiguous() and picked.is_contiguous() and picked.is_cpu):
+        return None
+    T, V = rows.shape
+    _check_index("picked_rows", "rows", rows, (torch.int64,), (T, V))
+    _check_index("picked_rows", "picked", picked, _FLAGS, (T, V))
+    out_rows, out_valid = torch.empty(T, k, dtype=torch.int64), torch.empty(T, k, dtype=torch.bool)
+    if T and k:
+        lib.compact_picks(rows.data_ptr(), picked.data_ptr(), T, V, k, out_rows.data_ptr(), out_valid.data_ptr())
+    return out_rows, out_valid
 
 
 def topk_mask(scores: torch.Tensor, valid: torch.Tensor, topk: int) -> torch.Tensor | None:
