@@ -107,7 +107,8 @@ def test_steps_the_c_path_does_not_cover_are_logged_once_per_reason_and_counted(
 
     path, _ = checkpoints(MIXED)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm = make_llm(path)
+    # (every request of a batch prefilled in one step, then decoding together)
+    llm = make_llm(path, max_num_seqs=MAX_TOKENS + 2, max_num_batched_tokens=32 * (MAX_TOKENS + 2))
     steps = llm.engine.stats.fast_path_fallback_steps
     llm.generate(prompt_token_ids=random_prompts(2, [20, 30], seed=8), sampling_params=params)
     assert sum(steps.values()) == 0
