@@ -87,6 +87,17 @@ def test_a_new_batch_size_follows_the_nearest_measured_one_and_probes_the_other_
     assert seen["spec_s"] <= 1.5 * PROBE_SHARE * (seen["spec_s"] + seen["plain_s"]), seen
 
 
+def test_a_new_batch_size_whose_borrowed_choice_is_wrong_corrects_it_within_a_few_steps():
+    """Drafting pays at 1 request and costs at 8: batch 8 starts as batch 1 chose, measures plain decoding at once,
+    and settles on it after a handful of verify steps instead of drafting until a probe comes round."""
+    gov = SpecGovernor(GAMMA)
+    run(gov, 1, 200, spec_cost=(2e-3, 4), plain_cost=(1e-3, 1))
+    assert gov.chosen() == {1: True}
+    seen = run(gov, 8, 40, spec_cost=(30e-3, 34), plain_cost=(2e-3, 8))
+    assert gov.chosen() == {1: True, 8: False}
+    assert seen["spec_steps"] <= 2 * MIN_STEPS, seen
+
+
 def test_steps_with_no_tokens_do_not_divide_by_zero_and_bad_shares_are_refused():
     gov = SpecGovernor(GAMMA)
     for _ in range(MIN_STEPS):

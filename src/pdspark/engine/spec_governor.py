@@ -7,7 +7,9 @@ read), the verify costs several decodes and speculation is slower than plain dec
 1 on a Zen 4 core, 0.3-0.5x at batch 8 on two hosts, 2.0x at batch 1 on a Xeon). Measuring beats guessing: the
 governor keeps, per number of running requests, the seconds per generated token of recent decode steps with
 drafts and without, and picks the cheaper mode; now and then (at most `PROBE_SHARE` of the time) it runs a few steps
-of the other mode, so a change (longer contexts, other prompts, acceptance moving) is seen. The tokens are
+of the other mode, so a change (longer contexts, other prompts, acceptance moving) is seen. A batch size first seen
+follows the nearest measured one's choice and, once that mode is measured there, the other mode at once
+(`MIN_STEPS` + 1 steps). The tokens are
 the same either way (a verify step draws each position exactly as plain decoding does), so the choice moves
 only the speed.
 """
@@ -54,6 +56,7 @@ class _BatchCosts:
     since_probe: float = 0.0  # decode seconds at this batch size since the last probe began
     probe_left: int = 0  # steps of the current probe still to come
     last: bool | None = None  # the mode of the last step recorded (None: none yet)
+    explored: bool = False  # the mode not chosen was run once, at once, to measure it here (`drafts`)
 
 
 class SpecGovernor:
@@ -80,8 +83,16 @@ class SpecGovernor:
                 return 0 if not steady or spec is not None else self.num_drafts
             speculate = guess
         if steady:
+            own, other = (spec, plain) if speculate else (plain, spec)
             if costs.probe_left:
                 costs.probe_left -= 1
+                speculate = not speculate
+            elif own is not None and other is None and not costs.explored:
+                # A batch size that follows another's choice, once it measured that mode here, measures the other
+                # one at once: the nearest size's choice is often wrong at this one (drafting pays at 1 request,
+                # costs at 8), and waiting for probes within the share left a costly mode running for most of a
+                # request.
+                costs.explored, costs.since_probe, costs.probe_left = True, 0.0, MIN_STEPS
                 speculate = not speculate
             elif costs.since_probe * self.probe_share >= PROBE_BURST * self._step_seconds(batch, not speculate):
                 costs.since_probe, costs.probe_left = 0.0, PROBE_BURST - 1
