@@ -8,6 +8,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <string.h>
 #include <stdatomic.h>
 #include <time.h>
 

@@ -165,6 +165,35 @@ static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
  * same entries. Vector lanes run over entries (32 at a time, four independent accumulators), not channels, with
  * each block of keys transposed channel-major once per block (once for all queries when they share the keys).
  * relu is `x > 0 ? x : +0`. out [T, V]. */
+/* kt[d * NV + i] (lanes l = 0..7) = row[8 i + l][d0 + d] for d < 8: eight rows' channels d0 .. d0+7 transposed
+ * with shuffles (a scalar transpose stores one lane at a time, and each vector load of kt then waits on eight
+ * stores); NULL rows are zeros. Data movement only: the scores' arithmetic is unchanged. */
+static void transpose8(const float *const r[8], int d0, int NV, int i, v8f *kt) {
+    v8f a[8];
+    for (int l = 0; l < 8; l++) {
+        if (r[l] != 0) memcpy(&a[l], r[l] + d0, sizeof(v8f));
+        else a[l] = splat(0.0f);
+    }
+    v8f b[8], c[8];
+    for (int l = 0; l < 8; l += 2) {
+        b[l] = __builtin_shuffle(a[l], a[l + 1], (v8i){0, 8, 1, 9, 4, 12, 5, 13});
+        b[l + 1] = __builtin_shuffle(a[l], a[l + 1], (v8i){2, 10, 3, 11, 6, 14, 7, 15});
+    }
+    for (int l = 0; l < 8; l += 4) {
+        for (int j = 0; j < 2; j++) {
+            c[l + j] = __builtin_shuffle(b[l + j], b[l + j + 2], (v8i){0, 1, 8, 9, 4, 5, 12, 13});
+            c[l + j + 2] = __builtin_shuffle(b[l + j], b[l + j + 2], (v8i){2, 3, 10, 11, 6, 7, 14, 15});
+        }
+    }
+    /* c[j] (j < 4) holds rows 0-3 of channels (ch[j], ch[j] + 4) in its halves, c[j + 4] rows 4-7 of the same: the
+     * last stage joins the halves. */
+    static const int ch[4] = {0, 2, 1, 3};
+    for (int j = 0; j < 4; j++) {
+        kt[(d0 + ch[j]) * NV + i] = __builtin_shuffle(c[j], c[j + 4], (v8i){0, 1, 2, 3, 8, 9, 10, 11});
+        kt[(d0 + ch[j] + 4) * NV + i] = __builtin_shuffle(c[j], c[j + 4], (v8i){4, 5, 6, 7, 12, 13, 14, 15});
+    }
+}
+
 static void index_scores_from(const float *q, const float *w, const float *k, long kstride, const long *rows,
                               long row_stride, int T, int H, int V, int D, float scale, float *out) {
     enum { NV = 4, NB = 8 * NV };
@@ -175,10 +204,15 @@ static void index_scores_from(const float *q, const float *w, const float *k, lo
         for (int t = 0; t < T; t++) {
             if (t == 0 || kstride != 0 || rows != 0) {
                 const float *kb = k + (long)t * kstride + (long)g0 * D;
-                for (int l = 0; l < NB; l++) {
-                    const float *kl = rows == 0 ? kb + (long)l * D
-                                                : k + rows[(long)t * V + g0 + (l < m ? l : 0)] * row_stride;
-                    for (int d = 0; d < D; d++) kt[d * NV + l / 8][l % 8] = l < m ? kl[d] : 0.0f;
+                const float *r[NB];
+                for (int l = 0; l < NB; l++)
+                    r[l] = l >= m ? 0 : rows == 0 ? kb + (long)l * D : k + rows[(long)t * V + g0 + l] * row_stride;
+                if (D % 8 == 0) {
+                    for (int i = 0; i < NV; i++)
+                        for (int d0 = 0; d0 < D; d0 += 8) transpose8(r + 8 * i, d0, NV, i, kt);
+                } else {
+                    for (int l = 0; l < NB; l++)
+                        for (int d = 0; d < D; d++) kt[d * NV + l / 8][l % 8] = r[l] != 0 ? r[l][d] : 0.0f;
                 }
             }
             v8f o[NV];
