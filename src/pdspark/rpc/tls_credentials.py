@@ -29,6 +29,7 @@ import os
 import ssl
 import time
 from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 import grpc
 
@@ -36,6 +37,7 @@ from pdspark.config import TLSConfig
 from pdspark.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def read_pem(path: str, option: str) -> bytes:
@@ -86,43 +88,45 @@ def files_identity(paths: Sequence[str | None]) -> tuple:
     return tuple(out)
 
 
-def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
-    """A worker's: only peers whose certificate chains to the CA get past the handshake; the files read again once
-    they change (the module doc)."""
-    files = _ServerFiles(tls)
-    return grpc.dynamic_ssl_server_credentials(files.configuration(), files.changed_configuration,
-                                               require_client_authentication=True)
+class WatchedFiles(Generic[T]):
+    """What `read()` makes of some files, made again once they change: `value` at start (a bad file raises there,
+    a `ConfigError` naming its option), then `changed()` — the new value when the files' identity changed and
+    `read()` succeeds, else None (the value in use stays). A change that cannot be used yet (a file missing, a key
+    not the certificate's: a rotation half done) is said once and read again only when the files change again."""
 
+    def __init__(self, paths: Sequence[str | None], read: Callable[[], T], what: str):
+        """`what`: the files, as the log names them ("public certificate files (HTTPS port)")."""
+        self.paths, self.read, self.what = tuple(paths), read, what
+        self._read_at = files_identity(self.paths)
+        self._refused_at: tuple | None = None  # the identity of files that could not be used
+        self.value = read()
 
-class _ServerFiles:
-    """A server's certificate, key and CA files, and the identity they had when last read."""
-
-    def __init__(self, tls: TLSConfig):
-        self.tls = tls
-        self._read_at = self._identity()
-
-    def _identity(self) -> tuple:
-        return files_identity((self.tls.tls_cert, self.tls.tls_key, self.tls.tls_ca))
-
-    def configuration(self) -> grpc.ServerCertificateConfiguration:
-        cert, key, ca = _files(self.tls)
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
-
-    def changed_configuration(self) -> grpc.ServerCertificateConfiguration | None:
-        """(gRPC, at each new handshake) The files again when they changed since last read; None: keep the pair in
-        use (unchanged, or unreadable now: said once, and read when they change again)."""
-        now = self._identity()
-        if now == self._read_at:
+    def changed(self) -> T | None:
+        now = files_identity(self.paths)
+        if now == self._read_at or now == self._refused_at:
             return None
         try:
-            config = self.configuration()
+            value = self.read()
         except ConfigError as e:
-            logger.error("certificate files changed but cannot be read; the previous ones stay in use: %s", e)
-            self._read_at = now
+            logger.warning("%s changed but cannot be used yet; the previous ones stay: %s", self.what, e)
+            self._refused_at = now
             return None
-        self._read_at = now
-        logger.info("certificate files changed: new connections use them")
-        return config
+        self._read_at, self.value = now, value
+        logger.info("%s changed: new connections use them", self.what)
+        return value
+
+
+def _server_configuration(tls: TLSConfig) -> grpc.ServerCertificateConfiguration:
+    cert, key, ca = _files(tls)
+    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+
+def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+    """A worker's: only peers whose certificate chains to the CA get past the handshake; the files read again once
+    they change, looked at by each new handshake (the module doc)."""
+    files = WatchedFiles((tls.tls_cert, tls.tls_key, tls.tls_ca), lambda: _server_configuration(tls),
+                         "certificate files")
+    return grpc.dynamic_ssl_server_credentials(files.value, files.changed, require_client_authentication=True)
 
 
 def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
@@ -150,38 +154,27 @@ class PeerCredentials:
     def __init__(self, tls: TLSConfig, check_every_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
         """`check_every_s`: `refresh` looks at the files at most this often (three `stat`s)."""
         self.tls = tls
-        self._read_at = self._identity()
-        self._refused_at: tuple | None = None  # the files' identity when they last could not be used
-        self.credentials = channel_credentials(tls)
+        self._files = WatchedFiles((tls.tls_cert, tls.tls_key, tls.tls_ca), lambda: channel_credentials(tls),
+                                   "certificate files (of channels to peers)")
         self.generation = 0
         self.check_every_s = check_every_s
         self._clock = clock
         self._next_check = clock() + check_every_s
 
-    def _identity(self) -> tuple:
-        return files_identity((self.tls.tls_cert, self.tls.tls_key, self.tls.tls_ca))
+    @property
+    def credentials(self) -> grpc.ChannelCredentials:
+        return self._files.value
 
     def refresh(self) -> bool:
         """Read the files again when they changed (looked at no more than every `check_every_s`); True when a new
-        pair is in use from now on. A change that cannot be read yet (a file missing, a key not the certificate's:
-        a rotation half done) keeps the pair in use and is tried again at the next check."""
+        pair is in use from now on (`WatchedFiles.changed`)."""
         now = self._clock()
         if now < self._next_check:
             return False
         self._next_check = now + self.check_every_s
-        identity = self._identity()
-        if identity == self._read_at:
+        if self._files.changed() is None:
             return False
-        try:
-            credentials = channel_credentials(self.tls)
-        except ConfigError as e:
-            if identity != self._refused_at:  # (said once per state of the files)
-                logger.warning("certificate files changed but cannot be used yet; the previous ones stay: %s", e)
-            self._refused_at = identity
-            return False
-        self._read_at, self.credentials = identity, credentials
         self.generation += 1
-        logger.info("certificate files changed: channels to peers made from now on present the new certificate")
         return True
 
     def channel(self, address: str, role: str, options: Sequence[tuple[str, int | str]]) -> grpc.aio.Channel:
@@ -200,38 +193,22 @@ def aio_channel(address: str, role: str, options: Sequence[tuple[str, int]],
     return peer.channel(address, role, options)
 
 
+def _public_pair(certfile: str, keyfile: str) -> tuple[bytes, bytes]:
+    """The router's public (certificate, key), the key checked to be the certificate's."""
+    cert, key = read_pem(certfile, "ssl_certfile"), read_pem(keyfile, "ssl_keyfile")
+    check_pair(cert, key, "ssl_certfile", "ssl_keyfile")
+    return cert, key
+
+
 def public_server_credentials(certfile: str, keyfile: str) -> grpc.ServerCredentials:
     """The router's gRPC port: TLS without client certificates, the pair read again at a new handshake once its
     files changed (as a worker's)."""
-    files = _PublicFiles(certfile, keyfile)
-    return grpc.dynamic_ssl_server_credentials(files.configuration(), files.changed_configuration,
-                                               require_client_authentication=False)
-
-
-class _PublicFiles:
-    """The router's public certificate and key files, and their identity when last read."""
-
-    def __init__(self, certfile: str, keyfile: str):
-        self.certfile, self.keyfile = certfile, keyfile
-        self._read_at = files_identity((certfile, keyfile))
-
-    def configuration(self) -> grpc.ServerCertificateConfiguration:
-        cert, key = read_pem(self.certfile, "ssl_certfile"), read_pem(self.keyfile, "ssl_keyfile")
-        check_pair(cert, key, "ssl_certfile", "ssl_keyfile")
+    def configuration() -> grpc.ServerCertificateConfiguration:
+        cert, key = _public_pair(certfile, keyfile)
         return grpc.ssl_server_certificate_configuration([(key, cert)])
 
-    def changed_configuration(self) -> grpc.ServerCertificateConfiguration | None:
-        now = files_identity((self.certfile, self.keyfile))
-        if now == self._read_at:
-            return None
-        try:
-            config = self.configuration()
-        except ConfigError as e:
-            logger.warning("public certificate files changed but cannot be used yet; the previous ones stay: %s", e)
-            return None  # (tried again at the next handshake: the identity is not taken)
-        self._read_at = now
-        logger.info("public certificate files changed: new gRPC connections use them")
-        return config
+    files = WatchedFiles((certfile, keyfile), configuration, "public certificate files (gRPC port)")
+    return grpc.dynamic_ssl_server_credentials(files.value, files.changed, require_client_authentication=False)
 
 
 class PublicCertificate:
@@ -243,32 +220,17 @@ class PublicCertificate:
         self.certfile, self.keyfile = certfile, keyfile
         self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
-        self._read_at = files_identity((certfile, keyfile))
-        self._refused_at: tuple | None = None
-        self._load()
+        self._files = WatchedFiles((certfile, keyfile), self._load, "public certificate files (HTTPS port)")
 
-    def _load(self) -> None:
-        cert, key = read_pem(self.certfile, "ssl_certfile"), read_pem(self.keyfile, "ssl_keyfile")
-        check_pair(cert, key, "ssl_certfile", "ssl_keyfile")  # (the option named, as for gRPC)
+    def _load(self) -> bool:
+        _public_pair(self.certfile, self.keyfile)  # (the option named, as for gRPC)
         try:
             self.context.load_cert_chain(self.certfile, self.keyfile)
         except ssl.SSLError as e:  # (the files changed again between the check and the load)
             raise ConfigError(f"`ssl_certfile` {self.certfile} / `ssl_keyfile` {self.keyfile}: "
                               f"{e.reason or e}") from None
+        return True
 
     def refresh(self) -> bool:
         """Load the pair again when its files changed; True when new connections get a new one."""
-        now = files_identity((self.certfile, self.keyfile))
-        if now == self._read_at:
-            return False
-        try:
-            self._load()
-        except ConfigError as e:
-            if now != self._refused_at:  # (said once per state of the files)
-                logger.warning("public certificate files changed but cannot be used yet; the previous ones stay: "
-                               "%s", e)
-            self._refused_at = now
-            return False
-        self._read_at = now
-        logger.info("public certificate files changed: new HTTPS connections use them")
-        return True
+        return self._files.changed() is not None
