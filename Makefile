@@ -1,6 +1,9 @@
 # pdspark: `make run` sets up .venv and runs the main job; `make test` sets up .venv and runs the test suite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# torch's OpenMP threads sleep when their parallel region ends (src/pdspark/omp_wait_policy.py; `import pdspark`
+# sets this itself, but the tests and benchmarks import torch first).
+export OMP_WAIT_POLICY ?= PASSIVE
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdspark.types import RequestOutput, SamplingParams, StructuredOutputs, TokenLogprobs
+from pdspark import omp_wait_policy
+
+omp_wait_policy.apply()  # before anything loads torch (and libgomp with it): see omp_wait_policy
+
+from pdspark.types import RequestOutput, SamplingParams, StructuredOutputs, TokenLogprobs  # noqa: E402
 
 if TYPE_CHECKING:
     from pdspark.llm import LLM

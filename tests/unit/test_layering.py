@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # Parts of equal rank are independent of each other (engine and transfer; serving, client and router).
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "omp_wait_policy": 0,  # OpenMP threads that sleep, set before torch loads (the package's first import)
     "v1": 0,  # generated protobuf code
     "types": 1,
     "deadline": 1,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from pdspark import omp_wait_policy
 from pdspark.assets import resolve_model
 from pdspark.config import EngineConfig
 from pdspark.engine.engine import Engine
@@ -49,6 +50,7 @@ def create_engine(model: str, progress: bool = False, config: EngineConfig | Non
     device = str(backend.device)
     if device == "cpu":
         fit_threads()  # (a pod's CPU limit, not the node's cores)
+        omp_wait_policy.check()
     shard = None if group is None else ExpertShard(group.rank, group.size, model_cfg.n_routed_experts)
     ckpt = load_checkpoint(path, max_len, dtype=config.dtype, device=device, progress=progress,
                            quantization=config.quantization, experts=shard, weight_format=config.weight_format,

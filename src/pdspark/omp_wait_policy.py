@@ -1,0 +1,54 @@
+"""`apply`: OpenMP threads that sleep when their parallel region ends (`OMP_WAIT_POLICY=PASSIVE`) unless the
+environment says otherwise; `check`: say so when it came too late.
+
+Why: an engine process runs torch's OpenMP team beside threads of its own (the C kernels' GEMM helper, gRPC's,
+Mooncake's). libgomp's default has every worker spin ~300,000 times after each parallel region before it sleeps, so
+on a few cores a spinning worker holds a core that the main thread or the GEMM helper needs next, and once anything
+else on the machine wants a core too, the kernel's millisecond time slices fall between a step's microsecond-apart
+kernels: a DSpark decode at batch 8 was measured at 150-260 tokens/s instead of ~1,400 on a 2-core Zen 4 VM while
+another process ran (`bench/bench_cpu_contention.py`). Sleeping threads cost a wake-up (a futex, microseconds) per
+parallel region, which a decode step's few torch regions do not notice.
+
+libgomp reads the variable once, when torch loads it: `import pdspark` sets it first (the CLI, the workers and `from
+pdspark import LLM` all import this package before torch). `OMP_WAIT_POLICY` set by the user is left alone;
+`PDSPARK_OMP_WAIT_POLICY=default` leaves it unset (libgomp's own default).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+VARIABLE = "OMP_WAIT_POLICY"
+OPT_OUT = "PDSPARK_OMP_WAIT_POLICY"  # "default": leave OMP_WAIT_POLICY unset
+# What `apply` found: "set" (it set PASSIVE), "user" (already set), "opted-out", or "late" (torch was loaded first).
+outcome = "unapplied"
+
+
+def apply() -> str:
+    """Set `OMP_WAIT_POLICY=PASSIVE` when nothing set it and torch is not loaded yet; returns what it found."""
+    global outcome
+    if VARIABLE in os.environ:
+        outcome = "user"
+    elif os.environ.get(OPT_OUT, "").lower() == "default":
+        outcome = "opted-out"
+    elif "torch" in sys.modules:
+        outcome = "late"
+    else:
+        os.environ[VARIABLE] = "PASSIVE"
+        outcome = "set"
+    return outcome
+
+
+def check() -> None:
+    """At engine start: a process that loaded torch before pdspark has libgomp's spinning threads; say how to avoid
+    them (once a process)."""
+    global outcome
+    if outcome == "late":
+        outcome = "late, said"
+        logger.warning("torch was imported before pdspark, so its OpenMP threads spin after each parallel region "
+                       "(libgomp's default): on a machine shared with other work decode can slow down several "
+                       "times; import pdspark first, or set %s=PASSIVE before starting Python", VARIABLE)
