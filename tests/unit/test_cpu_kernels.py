@@ -613,3 +613,29 @@ def test_compact_weights_multiply_with_the_bits_of_their_decoded_fp32_weights():
                                    e8m0)
         assert torch.equal(got.t(), release_formats.dequant_mxfp4(every_code, torch.full(
             (32, 16), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_c_top_k_mask_is_the_sorts_under_ties_signed_zeros_infinities_and_nans(seed):
+    """`topk_mask`'s radix select picks what a stable descending sort of each row's valid entries picks (the tie rule
+    of `select_topk`), for any number of entries and k, on scores with long runs of equal values, -0 beside +0,
+    infinities and NaNs (ranked first, as the sort ranks them)."""
+    g = torch.Generator().manual_seed(seed)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])
+    for V in (1, 7, 130, 2049, 20000):
+        T = 3
+        base = torch.randn(T, V, generator=g) * 10 ** float(torch.randint(-3, 4, (1,), generator=g))
+        coarse = torch.round(base * 2) / 2  # few distinct values: long runs of ties
+        scores = torch.where(torch.rand(T, V, generator=g) < 0.5, base, coarse)
+        where = torch.rand(T, V, generator=g) < 0.05
+        scores[where] = specials[torch.randint(0, 5, (int(where.sum()),), generator=g)]
+        scores[0] = scores[0, 0]  # one row of equal scores
+        valid = torch.rand(T, V, generator=g) < 0.9
+        for k in sorted({1, 8, 64, 512, max(1, V - 1), V, V + 5}):
+            want = torch.zeros_like(valid)
+            for t in range(T):
+                idx = valid[t].nonzero().flatten()
+                order = torch.sort(scores[t, idx], descending=True, stable=True).indices[:k]
+                want[t, idx[order]] = True
+            got = kernels.topk_mask(scores, valid, k)
+            assert got is not None and torch.equal(got, want), (V, k)

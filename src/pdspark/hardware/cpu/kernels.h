@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <string.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <time.h>
 
 static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }

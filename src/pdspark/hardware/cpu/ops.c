@@ -242,47 +242,85 @@ void index_scores(const float *q, const float *w, const float *k, long kstride, 
     index_scores_from(q, w, k, kstride, 0, 0, T, H, V, D, scale, out);
 }
 
-/* The k-th largest of n floats (quickselect over a scratch copy `a`, which it reorders). */
-static float kth_largest(float *a, int n, int k) {
-    int lo = 0, hi = n - 1;
+/* A score's place in the order as an unsigned key: key(a) < key(b) exactly when a < b for numbers, -0 and +0 (equal
+ * scores) share +0's key, and every NaN ranks above +inf (where a descending `torch.sort` puts it). */
+static inline uint32_t order_key(float f) {
+    if (f != f) return UINT32_MAX;
+    f += 0.0f; /* -0 + 0 = +0 (kept: the kernels build without -ffast-math) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
+}
+
+/* Buckets per round of the radix select below: 8 KiB of counts, in L1. */
+#define PICK_BUCKETS 2048
+
+/* The key of the `need`-th largest of the n keys `a` (1-based; a is reordered) and, in *equal_needed, how many of the
+ * keys equal to it are among the top `need`. Each round counts the keys into PICK_BUCKETS buckets of equal width over
+ * [lo, hi], finds the bucket that holds the need-th largest, keeps only its keys (moved to the front of a) and
+ * narrows [lo, hi] to it: at most three rounds for 32-bit keys, the first over all n, the others over one bucket's. */
+static uint32_t kth_key(uint32_t *a, int n, int need, uint32_t lo, uint32_t hi, int *equal_needed) {
+    int counts[PICK_BUCKETS];
     while (lo < hi) {
-        const float pivot = a[(lo + hi) / 2];
-        int i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > pivot) i++;
-            while (a[j] < pivot) j--;
-            if (i <= j) { const float tmp = a[i]; a[i] = a[j]; a[j] = tmp; i++; j--; }
+        int shift = 0;
+        while (((hi - lo) >> shift) >= PICK_BUCKETS) shift++;
+        memset(counts, 0, sizeof counts);
+        for (int i = 0; i < n; i++) counts[(a[i] - lo) >> shift]++;
+        int b = (int)((hi - lo) >> shift);
+        while (counts[b] < need) need -= counts[b--]; /* (the buckets above b hold fewer than need keys) */
+        const uint32_t first = lo + ((uint32_t)b << shift);
+        const uint32_t last = shift == 0 ? first : first + ((1u << shift) - 1u);
+        int m = 0;
+        for (int i = 0; i < n; i++)
+            if (((a[i] - lo) >> shift) == (uint32_t)b) a[m++] = a[i];
+        n = m;
+        lo = first;
+        hi = last < hi ? last : hi;
+        if (shift == 0) break;
+        uint32_t mn = UINT32_MAX, mx = 0; /* the bucket's own range: the next round spreads over it */
+        for (int i = 0; i < n; i++) {
+            mn = a[i] < mn ? a[i] : mn;
+            mx = a[i] > mx ? a[i] : mx;
         }
-        if (k - 1 <= j) hi = j;
-        else if (k - 1 >= i) lo = i;
-        else break;
+        lo = mn, hi = mx;
     }
-    return a[k - 1];
+    *equal_needed = need;
+    return lo;
+}
+
+/* pk [V] = ok and among the top `topk` of the scores sc [V] by the tie rule (higher first, equal: lower entry
+ * first): every ok entry when there are at most topk. The k-th score comes from a radix select over the scores' order
+ * keys (`kth_key`: O(V), a few branch-free passes; a quickselect's data-dependent branches cost ~3x as much at 16k
+ * entries); which entries it picks depends only on the scores. tmp holds V floats. */
+static void pick_top(const float *sc, const unsigned char *ok, int V, int topk, float *tmp, unsigned char *pk) {
+    uint32_t *keys = (uint32_t *)tmp;
+    uint32_t lo = UINT32_MAX, hi = 0;
+    int n = 0;
+    for (int g = 0; g < V; g++) {
+        const uint32_t key = order_key(sc[g]);
+        keys[n] = key;
+        n += ok[g] != 0;
+        if (ok[g]) {
+            lo = key < lo ? key : lo;
+            hi = key > hi ? key : hi;
+        }
+    }
+    if (n <= topk) {
+        for (int g = 0; g < V; g++) pk[g] = ok[g];
+        return;
+    }
+    int ties; /* entries whose key is the k-th's that the top takes: the lowest ones first */
+    const uint32_t kth = kth_key(keys, n, topk, lo, hi, &ties);
+    for (int g = 0; g < V; g++) {
+        const uint32_t key = order_key(sc[g]);
+        pk[g] = ok[g] && (key > kth || (key == kth && ties-- > 0));
+    }
 }
 
 /* The lightning indexer's pick for a few decode/verify tokens, keys read in place from the pool (rows `row_stride`
  * floats apart): the scores of `index_scores` (the same bits) against each token's rows [T, V], then the top `topk`
  * among its valid entries by the tie rule (higher score first, equal scores: lower entry first).
  * picked [T, V] (bytes) = valid and among the top. scratch holds 2 * V floats. */
-/* pk [V] = ok and among the top `topk` of the scores sc [V] by the tie rule (higher first, equal: lower entry
- * first): every ok entry when there are at most topk. tmp holds V floats. */
-static void pick_top(const float *sc, const unsigned char *ok, int V, int topk, float *tmp, unsigned char *pk) {
-    int n = 0;
-    for (int g = 0; g < V; g++)
-        if (ok[g]) tmp[n++] = sc[g];
-    if (n <= topk) {
-        for (int g = 0; g < V; g++) pk[g] = ok[g];
-        return;
-    }
-    const float kth = kth_largest(tmp, n, topk);
-    int above = 0;
-    for (int g = 0; g < V; g++) above += ok[g] && sc[g] > kth;
-    int ties = topk - above; /* equal to the k-th score: the lowest entries first */
-    for (int g = 0; g < V; g++) {
-        pk[g] = ok[g] && (sc[g] > kth || (sc[g] == kth && ties-- > 0));
-    }
-}
-
 void index_pick(const float *q, const float *w, const float *k, long row_stride, const long *rows,
                 const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                 unsigned char *picked) {
