@@ -377,7 +377,7 @@ class Engine:
     @staticmethod
     def _chunk(c: ScheduledChunk, proposal: DraftProposal | None) -> Chunk:
         req = c.request
-        tokens = req.all_token_ids[c.start : c.start + c.num_tokens - c.num_drafts]
+        tokens = req.tokens_between(c.start, c.start + c.num_tokens - c.num_drafts)
         if proposal is not None:
             return Chunk(req.slot, c.start, tokens + proposal.tokens, num_logits=c.num_tokens, kind="verify")
         # One token past the prompt: a generated token (or a transferred first one) being decoded.

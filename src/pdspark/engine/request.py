@@ -67,6 +67,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without building the whole list: a decode step takes one token of a context
+        that may be 100k long, and the list's copy was an O(context) cost of every step."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     @property
     def controlled_output(self) -> list[int]:
         """The tokens the sampling controls and the grammar count as output: those generated here, after a migrated

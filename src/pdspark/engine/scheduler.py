@@ -176,7 +176,7 @@ class Scheduler:
             assert req.pages is not None
             if req.num_computed_tokens <= len(req.prompt_token_ids):
                 # Prompt pages enter the prefix cache as they are computed, before their SWA pages slide out.
-                self.kv.cache_computed(req.pages, req.all_token_ids[: req.num_computed_tokens])
+                self.kv.cache_computed(req.pages, req.tokens_between(0, req.num_computed_tokens))
             self.kv.release_window(req.pages, req.num_computed_tokens)
 
     def preempt(self, req: Request) -> None:
