@@ -49,11 +49,14 @@ def test_prefill_and_decode_paths_score_bitwise_alike_and_pick_alike_at_a_near_t
         at_decode = model.rope_compress.at(decode.positions)
         s_prefill = indexer.scores(head_w, qr, at_prefill, prefill, index_kv)[-1]
         s_decode = indexer.scores(head_w[-1:], qr[-1:], at_decode, decode, index_kv)[0]
-        pick_prefill = indexer.select(head_w, qr, prefill, index_kv, at_prefill).valid[-1]
-        # A decode token's pick comes as its picked entries' own rows (`picked_entries`): as a mask over its entries
-        own = indexer.select(head_w[-1:], qr[-1:], decode, index_kv, at_decode)
-        chosen = set(own.rows[0][own.valid[0]].tolist())
-        pick_decode = torch.tensor([r in chosen for r in decode.csa.rows[0].tolist()])
+        # Each path's pick comes as the query's picked entries' own rows (`picked_entries`): as a mask over the
+        # entries here
+        def as_mask(own, t):
+            chosen = set(own.rows[t][own.valid[t]].tolist())
+            return torch.tensor([r in chosen for r in decode.csa.rows[0].tolist()])
+
+        pick_prefill = as_mask(indexer.select(head_w, qr, prefill, index_kv, at_prefill), -1)
+        pick_decode = as_mask(indexer.select(head_w[-1:], qr[-1:], decode, index_kv, at_decode), 0)
         return s_prefill, s_decode, pick_prefill, pick_decode
 
     # Make a near-tie at the cut: copy the last picked entry's key onto two entries it beats, once one ulp away (a

@@ -16,7 +16,7 @@ from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.hardware.prepare_streams import PrepareStreams
-from pdspark.model.batch import CompressedIndex, ForwardBatch, LayerCache, Segment, gather_rows
+from pdspark.model.batch import CompressedIndex, ForwardBatch, LayerCache, Segment, WindowIndex, gather_rows
 from pdspark.model.compressor import Compressor
 from pdspark.model.indexer import Indexer
 from pdspark.model.model_config import CSA, HCA, ModelConfig
@@ -223,7 +223,28 @@ class Attention(nn.Module):
             out[g] = self._attend_gathered(q[g], cache, batch.window, compressed, g)
         for seg in batch.segments:
             rows = slice(seg.offset, seg.offset + seg.length)
-            out[rows] = self._attend_segment(q[rows], cache, seg, compressed)
+            if compressed is not None and compressed.picked:
+                out[rows] = self._attend_segment_picked(q[rows], cache, seg, compressed, rows)
+            else:
+                out[rows] = self._attend_segment(q[rows], cache, seg, compressed)
+        return out
+
+    def _attend_segment_picked(self, q, cache: LayerCache, seg: Segment, compressed: CompressedIndex,
+                               rows: slice) -> torch.Tensor:
+        """A long chunk of a CSA layer whose queries each attend to their own picked entries: every query over its
+        own window (the union's rows i .. i + W - 1) and its `topk` compressed rows, as decode tokens attend, in
+        blocks of queries (the PyTorch path gathers each block's rows)."""
+        n = seg.length
+        W = seg.window_rows.shape[0] - n + 1
+        out = torch.empty_like(q)
+        for b0 in range(0, n, _QUERY_BLOCK):
+            b1 = min(n, b0 + _QUERY_BLOCK)
+            # [m, W]: query i's window is union rows i .. i + W - 1, valid where its band says so
+            span = torch.arange(b0, b1)[:, None] + torch.arange(W)
+            window = WindowIndex(seg.window_rows[span], seg.band[b0:b1].gather(1, span))
+            picks = CompressedIndex(compressed.rows[rows][b0:b1], compressed.valid[rows][b0:b1],
+                                    compressed.max_visible, picked=True)
+            out[b0:b1] = self._attend_gathered(q[b0:b1], cache, window, picks, None)
         return out
 
     def _attend_gathered(self, q, cache: LayerCache, window, compressed: CompressedIndex | None,

@@ -28,6 +28,7 @@ class CompressedIndex:
     rows: torch.Tensor  # [T, V] pool rows of compressed entries g = 0 .. V-1 (dummy row where g >= visible)
     valid: torch.Tensor  # [T, V] bool: the query attends to entry g (visible, and for CSA picked by the indexer)
     max_visible: int  # V (after a pick: index_topk)
+    picked: bool = False  # each query's own picked entries (rows differ per query), not the request's visible ones
 
 
 @dataclass(frozen=True)

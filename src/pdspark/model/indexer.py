@@ -120,9 +120,9 @@ class Indexer(nn.Module):
     def select(
         self, head_w: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, index_kv: torch.Tensor, rope_at: RopeAt
     ) -> CompressedIndex:
-        """The compressed entries each query attends to: all visible ones when at most `topk` are; else, for tokens
-        that gather their own entries (decode, verify), the `topk` picked ones (`picked_entries`), and for prefill
-        segments (which share their keys) a mask over the visible entries."""
+        """The compressed entries each query attends to: all visible ones when at most `topk` are; else its `topk`
+        picked ones (`picked_entries`), for decode and verify tokens and prefill segments alike (a prefill query
+        then attends to `topk` compressed rows instead of a mask over every visible one: O(topk), not O(context))."""
         csa = batch.csa
         assert csa is not None
         if csa.max_visible <= self.topk:
@@ -137,9 +137,7 @@ class Indexer(nn.Module):
         if picked is None:
             top = select_topk(scores, csa.valid, self.topk)
             picked = torch.zeros_like(csa.valid).scatter_(1, top.columns, top.valid)
-        if not batch.segments:  # tokens that gather their own entries attend to the picked ones only
-            return picked_entries(csa, picked, self.topk)
-        return CompressedIndex(csa.rows, picked, csa.max_visible)
+        return picked_entries(csa, picked, self.topk)
 
 
 def picked_entries(csa: CompressedIndex, picked: torch.Tensor, k: int) -> CompressedIndex:
@@ -148,6 +146,6 @@ def picked_entries(csa: CompressedIndex, picked: torch.Tensor, k: int) -> Compre
     `k` compressed rows whatever the context, instead of masking all `V` visible ones."""
     fast = cpu_kernels.picked_rows(csa.rows, picked, k)
     if fast is not None:
-        return CompressedIndex(fast[0], fast[1], k)
+        return CompressedIndex(fast[0], fast[1], k, picked=True)
     order = torch.sort(picked.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :k]  # [T, k]
-    return CompressedIndex(csa.rows.gather(1, order), picked.gather(1, order), k)
+    return CompressedIndex(csa.rows.gather(1, order), picked.gather(1, order), k, picked=True)
