@@ -559,7 +559,8 @@ def plot(results: dict, args: argparse.Namespace, title: str, out: Path) -> None
     fig, (ax_off, ax_srv) = figure(ncols=2, width=11.0)
     groups = [(f, b) for f in ("release", "bf16", "llama") for b in map(str, args.batches)
               if results["offline"].get(f"pdspark/{f}") or results["offline"].get(f"vllm/{f}")]
-    labels = [f"{f}\nbatch {b}" for f, b in groups]
+    short = {"release": "release", "bf16": "bf16", "llama": "llama\n(vLLM only)"}
+    labels = [f"{short[f]}\nbatch {b}" for f, b in groups]
     width = 0.38
     for k, engine in enumerate(("pdspark", "vllm")):
         xs = [i + (k - 0.5) * width for i in range(len(groups))]
@@ -567,7 +568,8 @@ def plot(results: dict, args: argparse.Namespace, title: str, out: Path) -> None
         ax_off.bar(xs, [v or 0 for v in vals], width, label=engine)
         for x, v, (f, _) in zip(xs, vals, groups):
             if v is None and results["offline"].get(f"{engine}/{f}"):
-                ax_off.text(x, 0, "failed", rotation=90, ha="center", va="bottom", fontsize=7)
+                ax_off.text(x, 0.02, "failed", rotation=90, ha="center", va="bottom", fontsize=7,
+                            transform=ax_off.get_xaxis_transform())
     ax_off.set_xticks(range(len(groups)), labels, fontsize=7)
     ax_off.set_ylabel("offline decode tokens/s")
     ax_off.set_yscale("log")
@@ -582,7 +584,8 @@ def plot(results: dict, args: argparse.Namespace, title: str, out: Path) -> None
                        label=f"{engine} {key.split('_')[0].upper()}")
             for x, v, f in zip(xs, vals, srv_groups):
                 if v is None and results["serving"].get(f"{engine}/{f}"):
-                    ax_srv.text(x, 0, "failed", rotation=90, ha="center", va="bottom", fontsize=7)
+                    ax_srv.text(x, 0.02, "failed", rotation=90, ha="center", va="bottom", fontsize=7,
+                                transform=ax_srv.get_xaxis_transform())
     ax_srv.set_xticks([i * 2 + 0.5 for i in range(len(srv_groups))], srv_groups, fontsize=7)
     ax_srv.set_ylabel("served p50, ms (TTFT plain, ITL hatched)")
     ax_srv.set_yscale("log")
