@@ -16,6 +16,7 @@ are refused.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
@@ -35,6 +36,14 @@ PONG = "pong"
 # State changes of the engine API a group does not send yet: refused, not made on rank 0 alone.
 _NOT_MIRRORED = frozenset({"adopt", "reserve_transfer", "cancel_transfer"})
 _T = TypeVar("_T")
+
+
+# A rank killed as the group fails closes its sockets (whose error fails the call here) and its pipe in the same exit,
+# and its exit status can be read microseconds later, once it is a zombie. A failure's message waits at most this long
+# for the ranks whose process is already going away, so that it says "exited (-9)" and not "running" (which the
+# SIGKILL test saw once on a busy 2-core VM). A rank that is alive, even stopped, costs this once: in a failed
+# group's message, never in a step.
+EXITING_RANK_WAIT_S = 0.1
 
 
 class RankProcess(Protocol):
@@ -188,7 +197,14 @@ class LockstepEngine:
                                                       f"did not answer within {timeout_s:.0f} s"))
 
     def _states(self) -> str:
-        """The other ranks' states, for messages."""
+        """The other ranks' states, for messages (ranks already going away are given `EXITING_RANK_WAIT_S` to be
+        reaped first: see there)."""
+        exiting = wait_for([p.sentinel for p in self._ranks if p.exitcode is None], timeout=EXITING_RANK_WAIT_S)
+        deadline = time.monotonic() + EXITING_RANK_WAIT_S
+        for p in self._ranks:
+            # (the exit status appears microseconds after the sentinel: polled, not waited on, within the bound)
+            while p.sentinel in exiting and p.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.001)
         return ", ".join(f"rank {r}: {state}" for r, state in enumerate(self.rank_states()[1:], start=1)) or \
             "rank 0 only"
 
