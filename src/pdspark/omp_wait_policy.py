@@ -5,9 +5,11 @@ Why: an engine process runs torch's OpenMP team beside threads of its own (the C
 Mooncake's). libgomp's default has every worker spin ~300,000 times after each parallel region before it sleeps, so
 on a few cores a spinning worker holds a core that the main thread or the GEMM helper needs next, and once anything
 else on the machine wants a core too, the kernel's millisecond time slices fall between a step's microsecond-apart
-kernels: a DSpark decode at batch 8 was measured at 150-260 tokens/s instead of ~1,400 on a 2-core Zen 4 VM while
-another process ran (`bench/bench_cpu_contention.py`). Sleeping threads cost a wake-up (a futex, microseconds) per
-parallel region, which a decode step's few torch regions do not notice.
+kernels. Measured on a 2-core Zen 4 VM (`bench/bench_cpu_contention.py`): beside one busy process, decode 1.7-2.3x
+faster with sleeping workers at half the CPU per token (beside several, batch 8 collapsed to 60-240 tokens/s
+spinning against 390-760); on an idle machine the same at batch 1 and 8-19% slower at batch 8, a wake-up (a futex,
+microseconds) at each parallel region of the step's torch ops. A serving worker never has the machine to itself
+(its router, gRPC and Mooncake threads, other pods), so the robust setting is the default.
 
 libgomp reads the variable once, when torch loads it: `import pdspark` sets it first (the CLI, the workers and `from
 pdspark import LLM` all import this package before torch). `OMP_WAIT_POLICY` set by the user is left alone;
