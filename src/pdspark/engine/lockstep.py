@@ -199,7 +199,8 @@ class LockstepEngine:
     def _states(self) -> str:
         """The other ranks' states, for messages (ranks already going away are given `EXITING_RANK_WAIT_S` to be
         reaped first: see there)."""
-        exiting = wait_for([p.sentinel for p in self._ranks if p.exitcode is None], timeout=EXITING_RANK_WAIT_S)
+        running = [p.sentinel for p in self._ranks if p.exitcode is None]
+        exiting = wait_for(running, timeout=EXITING_RANK_WAIT_S) if running else []
         deadline = time.monotonic() + EXITING_RANK_WAIT_S
         for p in self._ranks:
             # (the exit status appears microseconds after the sentinel: polled, not waited on, within the bound)

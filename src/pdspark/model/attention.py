@@ -236,14 +236,14 @@ class Attention(nn.Module):
         blocks of queries (the PyTorch path gathers each block's rows)."""
         n = seg.length
         W = seg.window_rows.shape[0] - n + 1
+        picked_rows, picked_valid = compressed.rows[rows], compressed.valid[rows]  # [n, topk]
         out = torch.empty_like(q)
         for b0 in range(0, n, _QUERY_BLOCK):
             b1 = min(n, b0 + _QUERY_BLOCK)
             # [m, W]: query i's window is union rows i .. i + W - 1, valid where its band says so
             span = torch.arange(b0, b1)[:, None] + torch.arange(W)
             window = WindowIndex(seg.window_rows[span], seg.band[b0:b1].gather(1, span))
-            picks = CompressedIndex(compressed.rows[rows][b0:b1], compressed.valid[rows][b0:b1],
-                                    compressed.max_visible, picked=True)
+            picks = CompressedIndex(picked_rows[b0:b1], picked_valid[b0:b1], compressed.max_visible, picked=True)
             out[b0:b1] = self._attend_gathered(q[b0:b1], cache, window, picks, None)
         return out
 
