@@ -223,6 +223,28 @@ def test_c_index_pick_is_the_torch_top_k_under_the_tie_rule():
     assert torch.equal(kernels.topk_mask(scores, valid, k), picked)
 
 
+@pytest.mark.parametrize("kernel_threads", [1, 2], indirect=True)
+def test_c_index_pick_over_many_entries_is_the_torch_top_k_whatever_the_threads(kernel_threads):
+    """From 4,096 entries a token's scores are split with the helper thread (its last half of the entries): each
+    score is still computed whole by one thread, so the picks are the tie rule's over the PyTorch scores, at 1 thread
+    and 2, with an odd count of entries (blocks of 32 and a tail) and ties."""
+    from pdspark.model.indexer import index_scores, select_topk
+
+    torch.manual_seed(8)
+    H, D, T, V, k = 4, 32, 2, 5003, 64
+    pool = -torch.randn(V + 100, 3, D)[:, 2].abs()  # a page-major pool's layer view; keys scoring 0 after the ReLU
+    pool[::97] = pool[::97].abs()  # but ~50 entries: the top k reaches into the ties the rule must break
+    q, w = torch.rand(T, H, D), torch.rand(T, H)
+    rows = torch.stack([torch.randperm(V + 100)[:V] for _ in range(T)])
+    valid = torch.rand(T, V) > 0.1
+    picked = kernels.index_pick(q, w, pool, rows, valid, D**-0.5, k)
+    scores = index_scores(q, w, pool[rows].contiguous(), D**-0.5)
+    top = select_topk(scores, valid, k)
+    assert torch.equal(picked, torch.zeros_like(valid).scatter_(1, top.columns, top.valid))
+    assert picked.sum(1).tolist() == [k, k]
+    assert ((scores > 0) & valid).sum(1).max() < k  # the ties were picked from
+
+
 def test_attending_to_the_picked_entries_gives_the_masks_bits():
     """A decode token attends to its `k` picked CSA entries (`picked_entries`: entry order, invalid padding) instead
     of a mask over all visible ones: the C attention gives the very same bits, at any number of visible entries."""

@@ -194,6 +194,11 @@ static void transpose8(const float *const r[8], int d0, int NV, int i, v8f *kt) 
     }
 }
 
+/* Hint the cache lines of a row of n floats into the cache (no arithmetic: results are unchanged). */
+static inline void prefetch_row(const float *r, int n) {
+    for (int o = 0; o < n; o += 16) __builtin_prefetch(r + o, 0, 3);
+}
+
 static void index_scores_from(const float *q, const float *w, const float *k, long kstride, const long *rows,
                               long row_stride, int T, int H, int V, int D, float scale, float *out) {
     enum { NV = 4, NB = 8 * NV };
@@ -207,6 +212,9 @@ static void index_scores_from(const float *q, const float *w, const float *k, lo
                 const float *r[NB];
                 for (int l = 0; l < NB; l++)
                     r[l] = l >= m ? 0 : rows == 0 ? kb + (long)l * D : k + rows[(long)t * V + g0 + l] * row_stride;
+                if (rows != 0) /* the next block's keys asked for now: pool rows lie apart (other layers, pages) */
+                    for (int l = g0 + NB; l < g0 + 2 * NB && l < V; l++)
+                        prefetch_row(k + rows[(long)t * V + l] * row_stride, D);
                 if (D % 8 == 0) {
                     for (int i = 0; i < NV; i++)
                         for (int d0 = 0; d0 < D; d0 += 8) transpose8(r + 8 * i, d0, NV, i, kt);
@@ -321,13 +329,47 @@ static void pick_top(const float *sc, const unsigned char *ok, int V, int topk, 
  * floats apart): the scores of `index_scores` (the same bits) against each token's rows [T, V], then the top `topk`
  * among its valid entries by the tie rule (higher score first, equal scores: lower entry first).
  * picked [T, V] (bytes) = valid and among the top. scratch holds 2 * V floats. */
+typedef struct {
+    const float *q, *w, *k;
+    long row_stride;
+    const long *rows;
+    int H, V, D;
+    float scale;
+    float *out;
+} scores_job;
+
+static void scores_job_fn(void *arg) {
+    const scores_job *j = (const scores_job *)arg;
+    index_scores_from(j->q, j->w, j->k, 0, j->rows, j->row_stride, 1, j->H, j->V, j->D, j->scale, j->out);
+}
+
+/* Entries of one token's scores below which the helper thread is not worth waking (a few microseconds of work). */
+#define SCORES_SPLIT_MIN 4096
+
+/* One token's scores over its V rows, the last half of the entries offered to the helper thread when there are
+ * enough of them: each score is computed whole by one thread with the same code, so the bits do not depend on the
+ * split. At long context this is a decode step's one O(context) part (DSV4's lightning indexer scores every entry). */
+static void index_scores_split(scores_job mine) {
+    const int half = (mine.V / 2) & ~31; /* a multiple of `index_scores_from`'s block of 32 entries */
+    if (pool.threads < 2 || mine.V < SCORES_SPLIT_MIN || !pool_take()) {
+        scores_job_fn(&mine);
+        return;
+    }
+    scores_job theirs = mine;
+    theirs.rows += half;
+    theirs.out += half;
+    theirs.V = mine.V - half;
+    mine.V = half;
+    pool_split(scores_job_fn, &theirs, scores_job_fn, &mine);
+}
+
 void index_pick(const float *q, const float *w, const float *k, long row_stride, const long *rows,
                 const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                 unsigned char *picked) {
     float *sc = scratch, *tmp = scratch + V;
     for (int t = 0; t < T; t++) {
-        index_scores_from(q + (long)t * H * D, w + (long)t * H, k, 0, rows + (long)t * V, row_stride, 1, H, V, D,
-                          scale, sc);
+        index_scores_split((scores_job){q + (long)t * H * D, w + (long)t * H, k, row_stride, rows + (long)t * V, H,
+                                        V, D, scale, sc});
         pick_top(sc, valid + (long)t * V, V, topk, tmp, picked + (long)t * V);
     }
 }
