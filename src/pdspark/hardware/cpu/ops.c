@@ -325,10 +325,7 @@ static void pick_top(const float *sc, const unsigned char *ok, int V, int topk, 
     }
 }
 
-/* The lightning indexer's pick for a few decode/verify tokens, keys read in place from the pool (rows `row_stride`
- * floats apart): the scores of `index_scores` (the same bits) against each token's rows [T, V], then the top `topk`
- * among its valid entries by the tie rule (higher score first, equal scores: lower entry first).
- * picked [T, V] (bytes) = valid and among the top. scratch holds 2 * V floats. */
+/* One token's `index_scores_from` over its rows: a job for `index_scores_split`. */
 typedef struct {
     const float *q, *w, *k;
     long row_stride;
@@ -363,6 +360,10 @@ static void index_scores_split(scores_job mine) {
     pool_split(scores_job_fn, &theirs, scores_job_fn, &mine);
 }
 
+/* The lightning indexer's pick for a few decode/verify tokens, keys read in place from the pool (rows `row_stride`
+ * floats apart): the scores of `index_scores` (the same bits) against each token's rows [T, V], then the top `topk`
+ * among its valid entries by the tie rule (higher score first, equal scores: lower entry first).
+ * picked [T, V] (bytes) = valid and among the top. scratch holds 2 * V floats. */
 void index_pick(const float *q, const float *w, const float *k, long row_stride, const long *rows,
                 const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                 unsigned char *picked) {
