@@ -72,6 +72,7 @@ def test_sparse_indexer_selection_matches_reference(checkpoints, monkeypatch):
 
     picked = []  # (scores [T, V], each row's picked entries) per CSA layer, in layer order
     original, original_c = indexer_module.select_topk, indexer_module.cpu_kernels.topk_mask
+    original_shared = indexer_module.cpu_kernels.index_pick_shared
 
     def recording(scores, valid, k):
         top = original(scores, valid, k)
@@ -84,8 +85,16 @@ def test_sparse_indexer_selection_matches_reference(checkpoints, monkeypatch):
             picked.append((scores, [set(torch.nonzero(row).flatten().tolist()) for row in mask]))
         return mask
 
+    def recording_shared(q, w, keys, rows, valid, scale, k):  # (a prefill segment's pick in C, without scores)
+        mask = original_shared(q, w, keys, rows, valid, scale, k)
+        if mask is not None:  # its scores: the same bits from the one scoring routine (a unit test checks)
+            scores = indexer_module.index_scores(q, w, keys[rows][:, : q.shape[-1]].contiguous(), scale)
+            picked.append((scores, [set(torch.nonzero(row).flatten().tolist()) for row in mask]))
+        return mask
+
     monkeypatch.setattr(indexer_module, "select_topk", recording)
     monkeypatch.setattr(indexer_module.cpu_kernels, "topk_mask", recording_c)
+    monkeypatch.setattr(indexer_module.cpu_kernels, "index_pick_shared", recording_shared)
     prompt_logits(llm, prompt)
 
     # transformers' own scores for the first CSA layer, whose input does not depend on any earlier selection.

@@ -182,9 +182,13 @@ def _csa_index(kv: KVCache, tables: HostTables, token_slot: np.ndarray, position
     g = np.arange(V)
     valid = g[None, :] < visible[:, None]
     # An entry's C4 row derives from the full slot of its group (pages are multiples of R, so any position of
-    # the group gives the same row).
-    full = tables.req_to_token[token_slot[:, None], (g * R)[None, :]]
-    rows = np.where(valid, full // R, kv.pools.c4_dummy_row)
+    # the group gives the same row): computed once per request, then spread over its queries. A long prefill chunk
+    # has [T, V] entries (2,048 x 16,384 at 64k tokens): one array of that shape, not the four that per-query
+    # lookups, division and selection made (each a fresh 256 MiB the kernel zeroes page by page).
+    slots, of_slot = np.unique(token_slot, return_inverse=True)
+    per_request = tables.req_to_token[slots[:, None], (g * R)[None, :]] // R  # [requests, V]
+    rows = per_request[of_slot.reshape(-1)]  # [T, V]
+    np.copyto(rows, kv.pools.c4_dummy_row, where=~valid)
     return CompressedIndex(_t(rows), _t(valid), V)
 
 

@@ -111,11 +111,35 @@ class Indexer(nn.Module):
         q = rope_at.apply(linear(qr, self.wq_b, self.mm).view(qr.shape[0], self.n_heads, self.dim)).float()
         return q, head_w.float() * self.n_heads**-0.5
 
-    def _pick_in_c(self, head_w: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt, csa: CompressedIndex,
+    def _pick_in_c(self, head_w: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt, batch: ForwardBatch,
                    index_kv: torch.Tensor) -> torch.Tensor | None:
-        """`select`'s mask for tokens that gather their own entries: the same scores and tie rule, in C."""
+        """`select`'s mask `[T, V]` in C (the same scores and tie rule), keys read in place from the pool; None where
+        the C path does not apply. Tokens that gather their own entries (decode, verify) pick one by one; the queries
+        of a prefill segment share their entries and pick together (`index_pick_shared`: no `[T, V]` scores, both
+        kernel threads)."""
+        csa = batch.csa
+        assert csa is not None
         q, w = self._queries(head_w, qr, rope_at)
-        return cpu_kernels.index_pick(q, w.contiguous(), index_kv, csa.rows, csa.valid, self.dim**-0.5, self.topk)
+        w, scale = w.contiguous(), self.dim**-0.5
+        if not batch.segments:
+            return cpu_kernels.index_pick(q, w, index_kv, csa.rows, csa.valid, scale, self.topk)
+        picked = torch.zeros_like(csa.valid)
+        g = batch.gather_rows  # (with segments: the other tokens' rows)
+        if g is not None and g.numel():
+            part = cpu_kernels.index_pick(q[g], w[g], index_kv, csa.rows[g], csa.valid[g], scale, self.topk)
+            if part is None:
+                return None
+            picked[g] = part
+        for seg in batch.segments:
+            last = seg.offset + seg.length - 1
+            V = min(csa.max_visible, (seg.start + seg.length) // self.compressor.ratio)
+            sl = slice(seg.offset, last + 1)
+            part = cpu_kernels.index_pick_shared(q[sl], w[sl], index_kv, csa.rows[last, :V].contiguous(),
+                                                 csa.valid[sl, :V].contiguous(), scale, self.topk)
+            if part is None:
+                return None
+            picked[sl, :V] = part
+        return picked
 
     def select(
         self, head_w: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, index_kv: torch.Tensor, rope_at: RopeAt
@@ -127,8 +151,8 @@ class Indexer(nn.Module):
         assert csa is not None
         if csa.max_visible <= self.topk:
             return csa
-        if not batch.segments and not torch.is_grad_enabled():  # decode/verify tokens: one C call
-            picked = self._pick_in_c(head_w, qr, rope_at, csa, index_kv)
+        if not torch.is_grad_enabled():
+            picked = self._pick_in_c(head_w, qr, rope_at, batch, index_kv)
             if picked is not None:
                 return picked_entries(csa, picked, self.topk)
         scores = self.scores(head_w, qr, rope_at, batch, index_kv)

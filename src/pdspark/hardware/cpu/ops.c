@@ -200,21 +200,22 @@ static inline void prefetch_row(const float *r, int n) {
 }
 
 static void index_scores_from(const float *q, const float *w, const float *k, long kstride, const long *rows,
-                              long row_stride, int T, int H, int V, int D, float scale, float *out) {
+                              long row_stride, long rows_tstride, int T, int H, int V, int D, float scale,
+                              float *out) {
     enum { NV = 4, NB = 8 * NV };
     v8f kt[D * NV]; /* [D, NB]: one block of keys, channel-major */
     const v8f zero = splat(0.0f), vscale = splat(scale);
     for (int g0 = 0; g0 < V; g0 += NB) {
         const int m = V - g0 < NB ? V - g0 : NB;
         for (int t = 0; t < T; t++) {
-            if (t == 0 || kstride != 0 || rows != 0) {
+            if (t == 0 || kstride != 0 || (rows != 0 && rows_tstride != 0)) {
                 const float *kb = k + (long)t * kstride + (long)g0 * D;
+                const long *rt = rows == 0 ? 0 : rows + (long)t * rows_tstride;
                 const float *r[NB];
                 for (int l = 0; l < NB; l++)
-                    r[l] = l >= m ? 0 : rows == 0 ? kb + (long)l * D : k + rows[(long)t * V + g0 + l] * row_stride;
+                    r[l] = l >= m ? 0 : rows == 0 ? kb + (long)l * D : k + rt[g0 + l] * row_stride;
                 if (rows != 0) /* the next block's keys asked for now: pool rows lie apart (other layers, pages) */
-                    for (int l = g0 + NB; l < g0 + 2 * NB && l < V; l++)
-                        prefetch_row(k + rows[(long)t * V + l] * row_stride, D);
+                    for (int l = g0 + NB; l < g0 + 2 * NB && l < V; l++) prefetch_row(k + rt[l] * row_stride, D);
                 if (D % 8 == 0) {
                     for (int i = 0; i < NV; i++)
                         for (int d0 = 0; d0 < D; d0 += 8) transpose8(r + 8 * i, d0, NV, i, kt);
@@ -247,7 +248,7 @@ static void index_scores_from(const float *q, const float *w, const float *k, lo
 
 void index_scores(const float *q, const float *w, const float *k, long kstride, int T, int H, int V, int D,
                   float scale, float *out) {
-    index_scores_from(q, w, k, kstride, 0, 0, T, H, V, D, scale, out);
+    index_scores_from(q, w, k, kstride, 0, 0, 0, T, H, V, D, scale, out);
 }
 
 /* A score's place in the order as an unsigned key: key(a) < key(b) exactly when a < b for numbers, -0 and +0 (equal
@@ -337,7 +338,7 @@ typedef struct {
 
 static void scores_job_fn(void *arg) {
     const scores_job *j = (const scores_job *)arg;
-    index_scores_from(j->q, j->w, j->k, 0, j->rows, j->row_stride, 1, j->H, j->V, j->D, j->scale, j->out);
+    index_scores_from(j->q, j->w, j->k, 0, j->rows, j->row_stride, 0, 1, j->H, j->V, j->D, j->scale, j->out);
 }
 
 /* Entries of one token's scores below which the helper thread is not worth waking (a few microseconds of work). */
@@ -381,6 +382,61 @@ void topk_mask(const float *scores, const unsigned char *valid, int T, int V, in
                unsigned char *picked) {
     for (int t = 0; t < T; t++)
         pick_top(scores + (long)t * V, valid + (long)t * V, V, topk, scratch, picked + (long)t * V);
+}
+
+/* A prefill segment's queries: how many score their shared keys together (each block of keys transposed once for
+ * all of them; their scores [G, V] in scratch). */
+#define SHARED_PICK_GROUP 16
+
+/* `index_pick_shared` of queries [0, T) of a job (the helper thread takes the last half of a segment's). */
+typedef struct {
+    const float *q, *w, *k;
+    long row_stride;
+    const long *rows;
+    const unsigned char *valid;
+    int T, H, V, D;
+    float scale;
+    int topk;
+    float *scratch; /* (SHARED_PICK_GROUP + 1) * V floats */
+    unsigned char *picked;
+} shared_pick_job;
+
+static void shared_pick_fn(void *arg) {
+    const shared_pick_job *j = (const shared_pick_job *)arg;
+    const long V = j->V;
+    float *sc = j->scratch, *tmp = j->scratch + SHARED_PICK_GROUP * V;
+    for (int t0 = 0; t0 < j->T; t0 += SHARED_PICK_GROUP) {
+        const int n = j->T - t0 < SHARED_PICK_GROUP ? j->T - t0 : SHARED_PICK_GROUP;
+        index_scores_from(j->q + (long)t0 * j->H * j->D, j->w + (long)t0 * j->H, j->k, 0, j->rows, j->row_stride, 0,
+                          n, j->H, j->V, j->D, j->scale, sc);
+        for (int t = 0; t < n; t++)
+            pick_top(sc + t * V, j->valid + (t0 + t) * V, j->V, j->topk, tmp, j->picked + (t0 + t) * V);
+    }
+}
+
+/* The indexer's pick for the queries of one prefill segment, which share their candidate entries: `index_pick` with
+ * one row list rows [V] (read in place from the pool, rows `row_stride` floats apart) for all T queries, each with
+ * its own valid [T, V] (the causal visible count), without a [T, V] array of scores: the queries go in groups of
+ * SHARED_PICK_GROUP, the last half of them on the helper thread. Every score and pick is computed whole by one
+ * thread with `index_pick`'s code: the same picks. scratch holds 2 * (SHARED_PICK_GROUP + 1) * V floats. */
+void index_pick_shared(const float *q, const float *w, const float *k, long row_stride, const long *rows,
+                       const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
+                       unsigned char *picked) {
+    shared_pick_job mine = {q, w, k, row_stride, rows, valid, T, H, V, D, scale, topk, scratch, picked};
+    const int half = T / 2;
+    if (pool.threads < 2 || half == 0 || (long)T * V < SCORES_SPLIT_MIN || !pool_take()) {
+        shared_pick_fn(&mine);
+        return;
+    }
+    shared_pick_job theirs = mine;
+    theirs.q += (long)half * H * D;
+    theirs.w += (long)half * H;
+    theirs.valid += (long)half * V;
+    theirs.picked += (long)half * V;
+    theirs.T = T - half;
+    theirs.scratch += (long)(SHARED_PICK_GROUP + 1) * V;
+    mine.T = half;
+    pool_split(shared_pick_fn, &theirs, shared_pick_fn, &mine);
 }
 
 /* The picked entries of each token's mask `picked [T, V]` as rows of their own: out_rows/out_valid [T, k] hold its
