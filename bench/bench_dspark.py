@@ -1,7 +1,8 @@
 """DSpark on vs off on held-out prompts: decode tokens/s at batch 1 and 8, acceptance length and per position.
 
-Decode tokens/s counts tokens after each request's first one, over the time after that first token (prefill is
-excluded). Greedy, EOS ignored. Three engines run in this process, alternating, with `--repeats` medians: plain,
+Decode tokens/s counts a group's tokens from the step at which its last prompt was computed to its end (prefill is
+excluded: at batch 8 the prompts take more than one step's token budget, and a step that computes prompts is not a
+decode step). Greedy, EOS ignored. Three engines run in this process, alternating, with `--repeats` medians: plain,
 DSpark at every step, and DSpark with `speculative_policy="when-faster"` (the governor of `engine/spec_governor.py`,
 which drafts only at the batch sizes where it measured drafting faster; its exploration is part of its figure).
 
@@ -70,18 +71,24 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, output_len: int) -> dict
         for i in range(0, len(prompts), batch):
             ids = [engine.add_request(p, params) for p in prompts[i : i + batch]]
             first = last = None
+            before = 0  # the group's tokens when its decoding began
             while engine.has_unfinished:
                 verified = engine.spec.verify_steps  # counts verify chunks: more than one a step at batch > 1
-                outs = engine.step()
+                engine.step()
                 now = time.perf_counter()
-                if outs and first is None:
-                    first = now
-                elif first is not None:
+                if first is None:
+                    # Decoding begins once every prompt is computed: a group's prompts may take several steps (the
+                    # step's token budget), and those steps are prefill, whatever tokens they also decode.
+                    if all(engine.requests[r].output_token_ids for r in ids):
+                        first = now
+                        before = sum(len(engine.requests[r].output_token_ids) for r in ids)
+                else:
                     decode_steps += 1
                     drafted_steps += engine.spec.verify_steps > verified
                 last = now
+            assert first is not None and last is not None
             decode_s += last - first
-            n_tokens += sum(len(engine.requests[r].output_token_ids) - 1 for r in ids)
+            n_tokens += sum(len(engine.requests[r].output_token_ids) for r in ids) - before
             for r in ids:
                 engine.release(r)
     medians = {f"forward_ms_{rows}_rows": 1e3 * statistics.median(ts)
