@@ -79,7 +79,7 @@ class SpecGovernor:
         choice as it stands, without probing. A batch size not measured in both modes yet follows the nearest one
         that is (the mode it lacks is probed like any other); before anything is known, speculation is measured
         first, then plain decoding."""
-        costs = self._batches.setdefault(batch, _BatchCosts())
+        costs = self._costs(batch)
         spec, plain = costs.speculate.seconds_per_token(), costs.plain.seconds_per_token()
         if spec is not None and plain is not None:
             speculate = spec <= plain
@@ -105,6 +105,14 @@ class SpecGovernor:
                 speculate = not speculate  # the other mode's estimate follows the machine, prompts and acceptance
         return self.num_drafts if speculate else 0
 
+    def _costs(self, batch: int) -> _BatchCosts:
+        """`batch`'s books, made on its first step (not `setdefault`: that built a new, unused set of books, four
+        deques, at every step)."""
+        costs = self._batches.get(batch)
+        if costs is None:
+            costs = self._batches[batch] = _BatchCosts()
+        return costs
+
     def _nearest_choice(self, batch: int) -> bool | None:
         """The choice at the nearest batch size measured in both modes (the smaller on a tie); None: none is."""
         known = self.chosen()
@@ -129,7 +137,7 @@ class SpecGovernor:
     def record(self, batch: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A decode step of `batch` running requests (no prompt chunk in it) that gave `tokens` tokens. The first
         step after a switch of mode is timed into the probe budget only."""
-        costs = self._batches.setdefault(batch, _BatchCosts())
+        costs = self._costs(batch)
         if costs.last is None or costs.last == speculated:
             (costs.speculate if speculated else costs.plain).add(seconds, tokens)
         costs.last = speculated
