@@ -447,10 +447,12 @@ def test_row_exact_linear_gives_each_row_the_same_bits_whatever_rows_share_the_c
         assert ref is not None
         for rows in (2, 3, 7, 50, 150):
             assert torch.equal(kernels.linear_rows(x[:rows], w)[:1], ref), rows
-        # Every row, wherever it falls (the rows run in pairs, an odd one alone), as it comes alone.
-        alone = torch.cat([kernels.linear_rows(x[t:t + 1], w) for t in range(7)])
-        for rows in (2, 5, 6, 7):
-            assert torch.equal(kernels.linear_rows(x[:rows], w), alone[:rows]), rows
+        # Every row, wherever it falls (tiles of 8, 4, 3, 2 and 1 input rows; the portable kernel's pairs), as it
+        # comes alone; fp32 weights and bf16 ones (widened in the kernel).
+        for weights in (w, w.bfloat16()):
+            alone = torch.cat([kernels.linear_rows(x[t:t + 1], weights) for t in range(150)])
+            for rows in (2, 5, 6, 7, 8, 9, 12, 15, 16, 17, 50, 150):
+                assert torch.equal(kernels.linear_rows(x[:rows], weights), alone[:rows]), (weights.dtype, rows)
         torch.testing.assert_close(kernels.linear_rows(x, w), torch.nn.functional.linear(x, w), atol=1e-5,
                                    rtol=1e-5)
         assert kernels.linear_rows(x.double(), w.double()) is None  # not fp32: the caller keeps BLAS
