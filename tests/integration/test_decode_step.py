@@ -74,10 +74,10 @@ def test_bf16_weights_give_the_fp32_kernels_bits_on_the_shipped_checkpoint():
                 assert [x.top for x in a.logprobs] == [x.top for x in b.logprobs]
 
 
-def test_the_helper_thread_gives_every_step_the_same_bits():
-    """With 2 threads the C steps share their GEMMs, the routed experts and the attention rows with a helper thread
-    (`pool.c`): tokens and logprobs equal, bit for bit, those of one thread, plain and DSpark, batch 1 and
-    3 (verify steps of 6 and 18 rows)."""
+def test_the_helper_threads_give_every_step_the_same_bits():
+    """With 2 and 4 threads the C steps share their GEMMs (in up to 4 parts), the routed experts and the attention
+    rows with helper threads (`pool.c`): tokens and logprobs equal, bit for bit, those of one thread, plain and
+    DSpark, batch 1 and 3 (verify steps of 6 and 18 rows)."""
     from pdspark.hardware.cpu import kernels as cpu_kernels
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -87,13 +87,14 @@ def test_the_helper_thread_gives_every_step_the_same_bits():
             for prompts in (random_prompts(1, [90], seed=9, vocab=4096),
                             random_prompts(3, [70, 100, 53], seed=10, vocab=4096)):
                 runs = []
-                for threads in (1, 2):
+                for threads in (1, 2, 4):
                     cpu_kernels.set_threads(threads)
                     runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
-                for a, b in zip(*runs):
-                    assert a.token_ids == b.token_ids
-                    assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
-                    assert [x.top for x in a.logprobs] == [x.top for x in b.logprobs]
+                for other in runs[1:]:
+                    for a, b in zip(runs[0], other):
+                        assert a.token_ids == b.token_ids
+                        assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+                        assert [x.top for x in a.logprobs] == [x.top for x in b.logprobs]
     finally:
         cpu_kernels.set_threads(1)
 

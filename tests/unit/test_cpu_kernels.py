@@ -223,7 +223,7 @@ def test_c_index_pick_is_the_torch_top_k_under_the_tie_rule():
     assert torch.equal(kernels.topk_mask(scores, valid, k), picked)
 
 
-@pytest.mark.parametrize("kernel_threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("kernel_threads", [1, 2, 4], indirect=True)
 def test_c_index_pick_over_many_entries_is_the_torch_top_k_whatever_the_threads(kernel_threads):
     """From 4,096 entries a token's scores are split with the helper thread (its last half of the entries): each
     score is still computed whole by one thread, so the picks are the tie rule's over the PyTorch scores, at 1 thread
@@ -245,7 +245,7 @@ def test_c_index_pick_over_many_entries_is_the_torch_top_k_whatever_the_threads(
     assert ((scores > 0) & valid).sum(1).max() < k  # the ties were picked from
 
 
-@pytest.mark.parametrize("kernel_threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("kernel_threads", [1, 2, 4], indirect=True)
 def test_c_index_pick_of_a_prefill_segment_is_the_per_token_pick_with_its_shared_rows(kernel_threads):
     """A prefill segment's queries share their candidate rows and pick together (`index_pick_shared`: groups of 16
     queries, the last half of them on the helper thread at 2): each query's mask is `index_pick`'s with the rows
@@ -364,7 +364,7 @@ def kernel_threads(request):
     kernels.set_threads(1)
 
 
-@pytest.mark.parametrize("kernel_threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("kernel_threads", [1, 2, 4], indirect=True)
 def test_row_shared_moe_and_output_projection_are_the_per_row_bits(kernel_threads):
     """A verify step's rows read each routed expert once for all rows that picked it (`moe_decode_rows`; with 2
     threads the experts split in two ranges, one per thread) and each projection weight once for all rows
@@ -394,7 +394,7 @@ def test_row_shared_moe_and_output_projection_are_the_per_row_bits(kernel_thread
     assert torch.equal(kernels.attn_out_rows(o, at.cos, at.sin, wo_a, G, wo_b), per_row)
 
 
-@pytest.mark.parametrize("kernel_threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("kernel_threads", [1, 2, 4], indirect=True)
 def test_row_shared_moe_takes_an_expert_repeated_in_a_tokens_slots(kernel_threads):
     """A hash table that names one expert in several slots of a row (transformers initialises tid2eid to zeros, so
     a checkpoint saved without real values routes every slot to expert 0) makes an expert gather up to T*k rows,
@@ -475,19 +475,24 @@ def _gemm_in_a_child(x: torch.Tensor, w: torch.Tensor, q) -> None:
         q.put(kernels.linear_rows(x, w).tolist())  # plain floats (each float32 exactly): no shared memory
 
 
-def test_the_helper_thread_changes_no_bits_and_a_forked_child_gets_its_own():
-    """With 2 threads a big enough weight GEMM gives its last rows to a helper thread (or takes them back when the
-    helper is slow to wake): every output keeps the bits it has alone. A process forked after the helper exists
-    has no helper thread (fork copies only the forking thread): it must make its own, not wait on the parent's."""
+def test_the_helper_threads_change_no_bits_and_a_forked_child_gets_its_own():
+    """With n threads a big enough weight GEMM splits its rows into up to n parts that the caller and the helper
+    threads claim (the caller takes every part no helper has claimed when it is free): every output keeps the bits it
+    has alone, with more threads than cores too (here: 2 cores) and after the count changes. A process forked after
+    the helpers exist has none (fork copies only the forking thread): it must make its own, not wait on the
+    parent's."""
     torch.manual_seed(12)
-    w, x = torch.randn(300, 200), torch.randn(9, 200)  # 540K multiply-adds: shared
+    w, x = torch.randn(300, 200), torch.randn(9, 200)  # 540K multiply-adds: up to 16 parts
     with torch.inference_mode():
         try:
             kernels.set_threads(1)
             alone = kernels.linear_rows(x, w)
-            kernels.set_threads(2)
-            shared = [kernels.linear_rows(x, w) for _ in range(50)]
-            assert all(torch.equal(s, alone) for s in shared)
+            for threads in (2, 4, 3, 8, 2):
+                kernels.set_threads(threads)
+                shared = [kernels.linear_rows(x, w) for _ in range(50)]
+                assert all(torch.equal(s, alone) for s in shared), threads
+                rows = [kernels.linear_rows(x, w[:n]) for n in (4, 8, 17, 33, 64, 299)]  # parts of 4 and 16 rows
+                assert all(torch.equal(r, alone[:, : r.shape[1]]) for r in rows), threads
             ctx = multiprocessing.get_context("fork")
             q = ctx.Queue()
             child = ctx.Process(target=_gemm_in_a_child, args=(x, w, q))
@@ -637,11 +642,14 @@ def test_compact_weights_multiply_with_the_bits_of_their_decoded_fp32_weights():
         fp4_ref = kernels.linear_rows(x, release_formats.dequant_mxfp4(packed, ps))
         got = kernels.linear_mxfp4(x, packed.view(torch.uint8), ps.view(torch.uint8), e2m1, e8m0)
         assert torch.equal(got, fp4_ref)
-        kernels.set_threads(2)  # the rows split with the helper thread: each output still computed whole
-        try:
-            assert torch.equal(kernels.linear_fp8(x, q, scale), fp8_ref)
-            assert torch.equal(kernels.linear_mxfp4(x, packed.view(torch.uint8), ps.view(torch.uint8), e2m1, e8m0),
-                               fp4_ref)
+        try:  # the rows split in blocks of 16 with the helper threads: each output still computed whole
+            for threads in (2, 3, 4):
+                kernels.set_threads(threads)
+                assert torch.equal(kernels.linear_fp8(x, q, scale), fp8_ref), threads
+                assert torch.equal(kernels.linear_fp8(x, q[130:260].contiguous(), scale, row0=130),
+                                   fp8_ref[:, 130:260]), threads
+                assert torch.equal(kernels.linear_mxfp4(x, packed.view(torch.uint8), ps.view(torch.uint8), e2m1,
+                                                        e8m0), fp4_ref), threads
         finally:
             kernels.set_threads(1)
         w = torch.randn(40, 256).bfloat16()

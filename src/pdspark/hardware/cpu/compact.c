@@ -74,19 +74,34 @@ static void compact_job_fn(void *arg) {
     free(rows);
 }
 
-/* Run `mine` (all N rows), its second half offered to the helper thread when it is wanted, free and the GEMM big
- * enough (each output is computed whole by one thread: the bits do not depend on the split). */
-static int compact_run(compact_job mine) {
-    const int half = (mine.N / 2) / COMPACT_BLOCK_ROWS * COMPACT_BLOCK_ROWS;
-    if (pool.threads < 2 || (long)mine.T * mine.N * mine.K < POOL_MIN_MACS || half == 0 || !pool_take()) {
-        compact_job_fn(&mine);
-        return mine.failed ? -1 : 0;
+/* Part `part` of `parts` of a compact GEMM: its rows, in whole blocks of COMPACT_BLOCK_ROWS (the last part ends at
+ * N); a failed scratch allocation is noted in the job. */
+static void compact_part(void *arg, int part, int parts) {
+    compact_job *all = (compact_job *)arg;
+    const int blocks = (all->N + COMPACT_BLOCK_ROWS - 1) / COMPACT_BLOCK_ROWS;
+    compact_job j = *all;
+    j.n_begin = (int)((long)blocks * part / parts) * COMPACT_BLOCK_ROWS;
+    j.n_end = part + 1 == parts ? all->N : (int)((long)blocks * (part + 1) / parts) * COMPACT_BLOCK_ROWS;
+    j.failed = 0;
+    if (j.n_begin >= j.n_end) return;
+    compact_job_fn(&j);
+    if (j.failed) __atomic_store_n(&all->failed, 1, __ATOMIC_RELAXED);
+}
+
+/* Run `job` (all N rows), split in whole blocks over the pool's threads when there are helpers, the pool is free and
+ * the GEMM big enough (one part per POOL_MIN_MACS / 2 multiply-adds; each output is computed whole by one thread:
+ * the bits do not depend on the split). */
+static int compact_run(compact_job job) {
+    long parts = (long)job.T * job.N * job.K / (POOL_MIN_MACS / 2);
+    const long blocks = (job.N + COMPACT_BLOCK_ROWS - 1) / COMPACT_BLOCK_ROWS;
+    parts = parts < blocks ? parts : blocks;
+    parts = parts < pool.threads ? parts : pool.threads;
+    if (parts < 2 || !pool_take()) {
+        compact_job_fn(&job);
+        return job.failed ? -1 : 0;
     }
-    compact_job theirs = mine;
-    theirs.n_begin = half;
-    mine.n_end = half;
-    pool_split(compact_job_fn, &theirs, compact_job_fn, &mine);
-    return mine.failed || theirs.failed ? -1 : 0;
+    pool_parts(compact_part, &job, (int)parts);
+    return job.failed ? -1 : 0;
 }
 
 /* out [T, N] = x [T, K] @ W^T for FP8 weights q [N, K] (e4m3 bytes) whose row r and column c take the scale

@@ -107,9 +107,9 @@ static void gemv(const float *w, const float *x, int N, int K, float *out);
 static void gemm_rows(const float *w, const float *x, long xs, int T, int N, int K, float *out, long os);
 static void gemm_rows_h(const bf16_t *w, const float *x, long xs, int T, int N, int K, float *out, long os);
 
-/* ---- pool.c: the helper thread for a step's big GEMMs ------------------------------------------------------------ */
-/* Its state `pool` (`pool.threads`: 1 or 2) and `POOL_MIN_MACS` (the least work worth splitting) are defined there
- * and read by ops.c and moe.c. */
+/* ---- pool.c: the helper threads for a step's big GEMMs ----------------------------------------------------------- */
+/* Its state `pool` (`pool.threads`: the caller and its helpers, 1 .. POOL_MAX_THREADS) and `POOL_MIN_MACS` (the
+ * least work worth splitting) are defined there and read by compact.c, ops.c and moe.c. */
 
 static int pool_take(void);
 static void pool_split(void (*fn)(void *), void *arg, void (*mine)(void *), void *mine_arg);

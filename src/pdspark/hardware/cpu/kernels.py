@@ -693,8 +693,10 @@ def linear_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, e2m
 
 
 def set_threads(n: int) -> None:
-    """Threads (1, or 2: a helper thread) for the weight GEMMs of the C decode and verify steps, process-wide
-    (the engine sets its own thread count; each output keeps its bits whatever the count)."""
+    """Threads for the weight GEMMs of the C decode and verify steps and the compact weights' GEMMs, process-wide:
+    the caller and `n - 1` helper threads (at most 64; the attention rows, expert ranges and the indexer use two of
+    them). The engine sets its own thread count, the CPUs the process may use; each output keeps its bits whatever
+    the count."""
     lib = load()
     if lib is not None:
         lib.pool_threads(n)
