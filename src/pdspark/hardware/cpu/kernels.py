@@ -102,7 +102,7 @@ def load() -> ctypes.CDLL | None:
     lib.compressor_run.restype = None
     lib.index_pick.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, f]
     lib.index_pick.restype = None
-    lib.index_pick_shared.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, f]
+    lib.index_pick_shared.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, i, f]
     lib.index_pick_shared.restype = None
     lib.topk_mask.argtypes = [f, f, i, i, i, f, f]
     lib.topk_mask.restype = None
@@ -457,7 +457,7 @@ def index_pick_shared(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows
                       valid: torch.Tensor, scale: float, topk: int) -> torch.Tensor | None:
     """`index_pick` for the queries of a prefill segment, which share their candidate entries: one row list
     `rows [V]` for all of `q [T, H, D]`, each query's own `valid [T, V]` -> the mask `[T, V]` bool (the same picks as
-    `index_pick` with the rows repeated per query), with no `[T, V]` array of scores, on both kernel threads. None
+    `index_pick` with the rows repeated per query), with no `[T, V]` array of scores, on the kernel threads. None
     when the C path does not apply."""
     lib = _usable(q, w)
     if lib is None or not _row_major(keys) or not (rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
@@ -469,9 +469,10 @@ def index_pick_shared(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows
     if keys.shape[1] < D or tuple(w.shape) != (T, H):
         raise KernelArgumentError(f"index_pick_shared: keys of {D} channels and head weights [{T}, {H}] expected")
     picked = torch.empty(T, V, dtype=torch.bool)
-    scratch = torch.empty(2 * (_SHARED_PICK_GROUP + 1) * V)
+    parts = min(_threads, max(T, 1))  # the parts the C call may split the queries into, each with its scratch
+    scratch = torch.empty(parts * (_SHARED_PICK_GROUP + 1) * V)
     lib.index_pick_shared(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(),
-                          valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
+                          valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), parts, picked.data_ptr())
     return picked
 
 
@@ -697,9 +698,15 @@ def set_threads(n: int) -> None:
     the caller and `n - 1` helper threads (at most 64; the attention rows, expert ranges and the indexer use two of
     them). The engine sets its own thread count, the CPUs the process may use; each output keeps its bits whatever
     the count."""
+    global _threads
     lib = load()
     if lib is not None:
         lib.pool_threads(n)
+        _threads = max(1, min(n, _MAX_THREADS))
+
+
+_MAX_THREADS = 64  # pool.c's POOL_MAX_THREADS
+_threads = 1  # the count `set_threads` last set (what per-part scratch is sized for)
 
 
 def bf16_copy(w: torch.Tensor) -> torch.Tensor | None:

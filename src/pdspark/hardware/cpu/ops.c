@@ -341,24 +341,34 @@ static void scores_job_fn(void *arg) {
     index_scores_from(j->q, j->w, j->k, 0, j->rows, j->row_stride, 0, 1, j->H, j->V, j->D, j->scale, j->out);
 }
 
-/* Entries of one token's scores below which the helper thread is not worth waking (a few microseconds of work). */
-#define SCORES_SPLIT_MIN 4096
+/* Entries of one token's scores per thread below which a helper is not worth waking (a few microseconds of work). */
+#define SCORES_SPLIT_MIN 2048
 
-/* One token's scores over its V rows, the last half of the entries offered to the helper thread when there are
- * enough of them: each score is computed whole by one thread with the same code, so the bits do not depend on the
- * split. At long context this is a decode step's one O(context) part (DSV4's lightning indexer scores every entry). */
-static void index_scores_split(scores_job mine) {
-    const int half = (mine.V / 2) & ~31; /* a multiple of `index_scores_from`'s block of 32 entries */
-    if (pool.threads < 2 || mine.V < SCORES_SPLIT_MIN || !pool_take()) {
-        scores_job_fn(&mine);
+/* Part `part` of `parts` of one token's scores: its entries, in whole blocks of 32 (the last part ends at V). */
+static void scores_part(void *arg, int part, int parts) {
+    scores_job j = *(const scores_job *)arg;
+    const int blocks = (j.V + 31) / 32;
+    const int lo = (int)((long)blocks * part / parts) * 32;
+    const int hi = part + 1 == parts ? j.V : (int)((long)blocks * (part + 1) / parts) * 32;
+    if (lo >= hi) return;
+    j.rows += lo;
+    j.out += lo;
+    j.V = hi - lo;
+    scores_job_fn(&j);
+}
+
+/* One token's scores over its V rows, split by entries over the pool's threads when there are enough of them
+ * (SCORES_SPLIT_MIN a thread): each score is computed whole by one thread with the same code, so the bits do not
+ * depend on the split. At long context this is a decode step's one O(context) part (DSV4's lightning indexer scores
+ * every entry). */
+static void index_scores_split(scores_job job) {
+    int parts = job.V / SCORES_SPLIT_MIN;
+    parts = parts < pool.threads ? parts : pool.threads;
+    if (parts < 2 || !pool_take()) {
+        scores_job_fn(&job);
         return;
     }
-    scores_job theirs = mine;
-    theirs.rows += half;
-    theirs.out += half;
-    theirs.V = mine.V - half;
-    mine.V = half;
-    pool_split(scores_job_fn, &theirs, scores_job_fn, &mine);
+    pool_parts(scores_part, &job, parts);
 }
 
 /* The lightning indexer's pick for a few decode/verify tokens, keys read in place from the pool (rows `row_stride`
@@ -388,7 +398,7 @@ void topk_mask(const float *scores, const unsigned char *valid, int T, int V, in
  * all of them; their scores [G, V] in scratch). */
 #define SHARED_PICK_GROUP 16
 
-/* `index_pick_shared` of queries [0, T) of a job (the helper thread takes the last half of a segment's). */
+/* `index_pick_shared` of queries [0, T) of a job (a part of a segment's queries). */
 typedef struct {
     const float *q, *w, *k;
     long row_stride;
@@ -397,7 +407,7 @@ typedef struct {
     int T, H, V, D;
     float scale;
     int topk;
-    float *scratch; /* (SHARED_PICK_GROUP + 1) * V floats */
+    float *scratch; /* (SHARED_PICK_GROUP + 1) * V floats a part */
     unsigned char *picked;
 } shared_pick_job;
 
@@ -414,29 +424,42 @@ static void shared_pick_fn(void *arg) {
     }
 }
 
+/* Part `part` of `parts` of a segment's queries, in whole groups of SHARED_PICK_GROUP when every part gets one
+ * (the last part ends at T), with the part's own scratch. */
+static void shared_pick_part(void *arg, int part, int parts) {
+    shared_pick_job j = *(const shared_pick_job *)arg;
+    const int align = j.T / parts >= SHARED_PICK_GROUP ? SHARED_PICK_GROUP : 1;
+    const int lo = (int)((long)j.T * part / parts) / align * align;
+    const int hi = part + 1 == parts ? j.T : (int)((long)j.T * (part + 1) / parts) / align * align;
+    if (lo >= hi) return;
+    j.q += (long)lo * j.H * j.D;
+    j.w += (long)lo * j.H;
+    j.valid += (long)lo * j.V;
+    j.picked += (long)lo * j.V;
+    j.scratch += (long)part * (SHARED_PICK_GROUP + 1) * j.V;
+    j.T = hi - lo;
+    shared_pick_fn(&j);
+}
+
 /* The indexer's pick for the queries of one prefill segment, which share their candidate entries: `index_pick` with
  * one row list rows [V] (read in place from the pool, rows `row_stride` floats apart) for all T queries, each with
  * its own valid [T, V] (the causal visible count), without a [T, V] array of scores: the queries go in groups of
- * SHARED_PICK_GROUP, the last half of them on the helper thread. Every score and pick is computed whole by one
- * thread with `index_pick`'s code: the same picks. scratch holds 2 * (SHARED_PICK_GROUP + 1) * V floats. */
+ * SHARED_PICK_GROUP, split over the pool's threads (at most `scratch_parts`). Every score and pick is computed whole
+ * by one thread with `index_pick`'s code: the same picks. scratch holds scratch_parts * (SHARED_PICK_GROUP + 1) * V
+ * floats. */
 void index_pick_shared(const float *q, const float *w, const float *k, long row_stride, const long *rows,
                        const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
-                       unsigned char *picked) {
-    shared_pick_job mine = {q, w, k, row_stride, rows, valid, T, H, V, D, scale, topk, scratch, picked};
-    const int half = T / 2;
-    if (pool.threads < 2 || half == 0 || (long)T * V < SCORES_SPLIT_MIN || !pool_take()) {
-        shared_pick_fn(&mine);
+                       int scratch_parts, unsigned char *picked) {
+    shared_pick_job job = {q, w, k, row_stride, rows, valid, T, H, V, D, scale, topk, scratch, picked};
+    long parts = (long)T * V / SCORES_SPLIT_MIN;
+    parts = parts < T ? parts : T;
+    parts = parts < pool.threads ? parts : pool.threads;
+    parts = parts < scratch_parts ? parts : scratch_parts;
+    if (parts < 2 || !pool_take()) {
+        shared_pick_fn(&job);
         return;
     }
-    shared_pick_job theirs = mine;
-    theirs.q += (long)half * H * D;
-    theirs.w += (long)half * H;
-    theirs.valid += (long)half * V;
-    theirs.picked += (long)half * V;
-    theirs.T = T - half;
-    theirs.scratch += (long)(SHARED_PICK_GROUP + 1) * V;
-    mine.T = half;
-    pool_split(shared_pick_fn, &theirs, shared_pick_fn, &mine);
+    pool_parts(shared_pick_part, &job, (int)parts);
 }
 
 /* The picked entries of each token's mask `picked [T, V]` as rows of their own: out_rows/out_valid [T, k] hold its
