@@ -124,8 +124,9 @@ static void moe_experts(void *arg) {
 /* `moe_decode` for a verify step's few tokens with each routed expert's weights read once for every token that
  * picked it (the per-token loop reads them once per pick): routing as there, then per expert its tokens' rows
  * gathered and run through `gemm_exact`, the outputs kept per (token, slot) and summed per token in slot order,
- * then the shared term, so every output has `moe_decode`'s bits. With the helper thread (`pool_threads(2)`) the
- * experts are split in two ranges of about as many rows, one per thread (each expert's arithmetic unchanged).
+ * then the shared term, so every output has `moe_decode`'s bits. With one helper thread (`pool_threads(2)`) the
+ * experts are split in two ranges of about as many rows, one per thread; with more, each expert's GEMMs are split
+ * over all of them (each expert's arithmetic unchanged either way).
  * Expert parallelism: this rank holds experts [e0, e0 + e_held) of the E (w13, w2 hold those only); the slots of
  * the others stay zero and `ex` sums the (token, slot) rows over the ranks before the slot-order sum, so every
  * output has the bits of one process holding all E (each row is computed by exactly one rank; x + 0 is x).
@@ -153,7 +154,9 @@ static int moe_decode_rows_w(const float *x, const float *lgu, long lstride, con
     int split = e0;
     for (long behind = 0; split < e1 && 2 * behind < held; split++)
         for (long p = 0; p < (long)T * k; p++) behind += ids[p] == split;
-    if (pool.threads >= 2 && split > e0 && split < e1 && held * 3 * I * D >= POOL_MIN_MACS && pool_take()) {
+    /* Two threads: two ranges of experts, one a thread. More: the experts one after another, each GEMM split over
+     * every thread (`gemm_exact_w`): a range a thread would leave the others idle. */
+    if (pool.threads == 2 && split > e0 && split < e1 && held * 3 * I * D >= POOL_MIN_MACS && pool_take()) {
         moe_range theirs = mine;
         mine.e1 = theirs.e0 = split;
         theirs.scr = fs + range_scr;
