@@ -139,9 +139,9 @@ static void pool_parts(void (*fn)(void *, int, int), void *arg, int parts) {
     atomic_store(&pool.done, 0);
     const unsigned long long gen = work_gen(atomic_load(&pool.work)) + 1;
     atomic_store(&pool.work, work_word(gen, parts, 0));
-    if (atomic_load(&pool.sleeping)) {
+    if (atomic_load(&pool.sleeping)) { /* wake as many as the job has parts for (more would only spin) */
         pthread_mutex_lock(&pool.mu);
-        pthread_cond_broadcast(&pool.cv);
+        for (int i = 1; i < parts; i++) pthread_cond_signal(&pool.cv);
         pthread_mutex_unlock(&pool.mu);
     }
     int mine = 0;
