@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import re
+import threading
 import types
 from pathlib import Path
 
@@ -504,6 +505,34 @@ def test_the_helper_threads_change_no_bits_and_a_forked_child_gets_its_own():
                 if child.is_alive():
                     child.kill()
             assert child.exitcode == 0
+        finally:
+            kernels.set_threads(1)
+
+
+def test_callers_on_several_threads_at_once_keep_their_bits():
+    """Two engines of one process may step at once: the C calls release the GIL, so GEMMs from several Python threads
+    meet the pool together. One takes it and the others run alone; every output keeps its bits (fp32 and bf16)."""
+    torch.manual_seed(14)
+    jobs = [(torch.randn(9, 200), torch.randn(300, 200)), (torch.randn(5, 256), torch.randn(500, 256).bfloat16())]
+    with torch.inference_mode():
+        try:
+            kernels.set_threads(1)
+            refs = [kernels.linear_rows(x, w) for x, w in jobs]
+            kernels.set_threads(4)
+            wrong: list[int] = []
+
+            def caller(i: int) -> None:
+                x, w = jobs[i % 2]
+                with torch.inference_mode():
+                    wrong.extend(i for _ in range(300) if not torch.equal(kernels.linear_rows(x, w), refs[i % 2]))
+
+            threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(scaled(120))
+            assert not any(t.is_alive() for t in threads)
+            assert not wrong
         finally:
             kernels.set_threads(1)
 
