@@ -115,8 +115,8 @@ class Indexer(nn.Module):
                    index_kv: torch.Tensor) -> torch.Tensor | None:
         """`select`'s mask `[T, V]` in C (the same scores and tie rule), keys read in place from the pool; None where
         the C path does not apply. Tokens that gather their own entries (decode, verify) pick one by one; the queries
-        of a prefill segment share their entries and pick together (`index_pick_shared`: no `[T, V]` scores, both
-        kernel threads)."""
+        of a prefill segment share their entries and pick together (`index_pick_shared`: no `[T, V]` scores, on every
+        kernel thread)."""
         csa = batch.csa
         assert csa is not None
         q, w = self._queries(head_w, qr, rope_at)

@@ -695,9 +695,9 @@ def linear_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, e2m
 
 def set_threads(n: int) -> None:
     """Threads for the weight GEMMs of the C decode and verify steps and the compact weights' GEMMs, process-wide:
-    the caller and `n - 1` helper threads (at most 64; the attention rows, expert ranges and the indexer use two of
-    them). The engine sets its own thread count, the CPUs the process may use; each output keeps its bits whatever
-    the count."""
+    the caller and `n - 1` helper threads (at most 64), who share the indexer's work too (a verify step's attention
+    rows, and at 2 threads a multi-row step's expert ranges, split in two). The engine sets its own count, the CPUs
+    the process may use; each output keeps its bits whatever the count."""
     global _threads
     lib = load()
     if lib is not None:
