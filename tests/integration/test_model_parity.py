@@ -86,11 +86,12 @@ def test_sparse_indexer_selection_matches_reference(checkpoints, monkeypatch):
         return mask
 
     def recording_shared(q, w, keys, rows, valid, scale, k):  # (a prefill segment's pick in C, without scores)
-        mask = original_shared(q, w, keys, rows, valid, scale, k)
-        if mask is not None:  # its scores: the same bits from the one scoring routine (a unit test checks)
+        out = original_shared(q, w, keys, rows, valid, scale, k)
+        if out is not None:  # its scores: the same bits from the one scoring routine (a unit test checks)
             scores = indexer_module.index_scores(q, w, keys[rows][:, : q.shape[-1]].contiguous(), scale)
-            picked.append((scores, [set(torch.nonzero(row).flatten().tolist()) for row in mask]))
-        return mask
+            entry = {int(r): g for g, r in enumerate(rows)}  # (the picks come as pool rows: each entry's own)
+            picked.append((scores, [{entry[int(r)] for r, ok in zip(rs, oks) if ok} for rs, oks in zip(*out)]))
+        return out
 
     monkeypatch.setattr(indexer_module, "select_topk", recording)
     monkeypatch.setattr(indexer_module.cpu_kernels, "topk_mask", recording_c)

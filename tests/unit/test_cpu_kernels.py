@@ -249,8 +249,9 @@ def test_c_index_pick_over_many_entries_is_the_torch_top_k_whatever_the_threads(
 @pytest.mark.parametrize("kernel_threads", [1, 2, 4], indirect=True)
 def test_c_index_pick_of_a_prefill_segment_is_the_per_token_pick_with_its_shared_rows(kernel_threads):
     """A prefill segment's queries share their candidate rows and pick together (`index_pick_shared`: groups of 16
-    queries, the last half of them on the helper thread at 2): each query's mask is `index_pick`'s with the rows
-    repeated per query, under a causal visible count (fewer than k visible for the first queries), with ties."""
+    queries split over the kernel threads, each query's picks compacted to rows in C): each query's rows are
+    `index_pick`'s mask with the rows repeated per query, as `picked_rows` compacts it, under a causal visible count
+    (fewer than k visible for the first queries), with ties."""
     torch.manual_seed(9)
     H, D, T, V, k = 4, 32, 37, 3001, 48
     pool = -torch.randn(V + 50, 3, D)[:, 1].abs()  # keys scoring 0 after the ReLU: ties ...
@@ -259,10 +260,13 @@ def test_c_index_pick_of_a_prefill_segment_is_the_per_token_pick_with_its_shared
     rows = torch.randperm(V + 50)[:V].contiguous()
     visible = torch.linspace(k // 2, V, T).long()  # causal: each query sees the entries before its position
     valid = torch.arange(V)[None, :] < visible[:, None]
-    picked = kernels.index_pick_shared(q, w, pool, rows, valid, D**-0.5, k)
-    one_by_one = kernels.index_pick(q, w, pool, rows.expand(T, V).contiguous(), valid, D**-0.5, k)
-    assert torch.equal(picked, one_by_one)
-    assert picked.sum(1).tolist() == visible.clamp(max=k).tolist()
+    picked_rows, picked_valid = kernels.index_pick_shared(q, w, pool, rows, valid, D**-0.5, k)
+    repeated = rows.expand(T, V).contiguous()
+    one_by_one = kernels.index_pick(q, w, pool, repeated, valid, D**-0.5, k)
+    assert one_by_one.sum(1).tolist() == visible.clamp(max=k).tolist()
+    expected_rows, expected_valid = kernels.picked_rows(repeated, one_by_one, k)
+    assert torch.equal(picked_valid, expected_valid)
+    assert torch.equal(picked_rows, expected_rows)  # entry order, padding row 0 after
 
 
 def test_attending_to_the_picked_entries_gives_the_masks_bits():

@@ -112,34 +112,37 @@ class Indexer(nn.Module):
         return q, head_w.float() * self.n_heads**-0.5
 
     def _pick_in_c(self, head_w: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt, batch: ForwardBatch,
-                   index_kv: torch.Tensor) -> torch.Tensor | None:
-        """`select`'s mask `[T, V]` in C (the same scores and tie rule), keys read in place from the pool; None where
-        the C path does not apply. Tokens that gather their own entries (decode, verify) pick one by one; the queries
-        of a prefill segment share their entries and pick together (`index_pick_shared`: no `[T, V]` scores, on every
-        kernel thread)."""
+                   index_kv: torch.Tensor) -> CompressedIndex | None:
+        """`select`'s picked entries in C (the same scores and tie rule), keys read in place from the pool; None where
+        the C path does not apply. Tokens that gather their own entries (decode, verify) pick one by one into a mask
+        (`picked_entries` makes it rows); the queries of a prefill segment share their entries and pick together,
+        straight into rows (`index_pick_shared`: no `[T, V]` scores or mask, on every kernel thread)."""
         csa = batch.csa
         assert csa is not None
         q, w = self._queries(head_w, qr, rope_at)
-        w, scale = w.contiguous(), self.dim**-0.5
+        w, scale, k = w.contiguous(), self.dim**-0.5, self.topk
         if not batch.segments:
-            return cpu_kernels.index_pick(q, w, index_kv, csa.rows, csa.valid, scale, self.topk)
-        picked = torch.zeros_like(csa.valid)
+            picked = cpu_kernels.index_pick(q, w, index_kv, csa.rows, csa.valid, scale, k)
+            return None if picked is None else picked_entries(csa, picked, k)
+        T = q.shape[0]
+        rows, valid = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k, dtype=torch.bool)
         g = batch.gather_rows  # (with segments: the other tokens' rows)
         if g is not None and g.numel():
-            part = cpu_kernels.index_pick(q[g], w[g], index_kv, csa.rows[g], csa.valid[g], scale, self.topk)
-            if part is None:
+            picked = cpu_kernels.index_pick(q[g], w[g], index_kv, csa.rows[g], csa.valid[g], scale, k)
+            if picked is None:
                 return None
-            picked[g] = part
+            few = picked_entries(CompressedIndex(csa.rows[g], csa.valid[g], csa.max_visible), picked, k)
+            rows[g], valid[g] = few.rows, few.valid
         for seg in batch.segments:
             last = seg.offset + seg.length - 1
             V = min(csa.max_visible, (seg.start + seg.length) // self.compressor.ratio)
             sl = slice(seg.offset, last + 1)
             part = cpu_kernels.index_pick_shared(q[sl], w[sl], index_kv, csa.rows[last, :V].contiguous(),
-                                                 csa.valid[sl, :V].contiguous(), scale, self.topk)
+                                                 csa.valid[sl, :V].contiguous(), scale, k)
             if part is None:
                 return None
-            picked[sl, :V] = part
-        return picked
+            rows[sl], valid[sl] = part
+        return CompressedIndex(rows, valid, k, picked=True)
 
     def select(
         self, head_w: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, index_kv: torch.Tensor, rope_at: RopeAt
@@ -152,9 +155,9 @@ class Indexer(nn.Module):
         if csa.max_visible <= self.topk:
             return csa
         if not torch.is_grad_enabled():
-            picked = self._pick_in_c(head_w, qr, rope_at, batch, index_kv)
-            if picked is not None:
-                return picked_entries(csa, picked, self.topk)
+            fast = self._pick_in_c(head_w, qr, rope_at, batch, index_kv)
+            if fast is not None:
+                return fast
         scores = self.scores(head_w, qr, rope_at, batch, index_kv)
         # (In C: the same picks in O(V) a query; a sort of every query's scores dominated long prefills.)
         picked = None if torch.is_grad_enabled() else cpu_kernels.topk_mask(scores, csa.valid, self.topk)

@@ -161,7 +161,8 @@ void index_pick(const float *q, const float *w, const float *k, long row_stride,
                 unsigned char *picked);
 void index_pick_shared(const float *q, const float *w, const float *k, long row_stride, const long *rows,
                        const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
-                       int scratch_parts, unsigned char *picked);
+                       int scratch_parts, long *out_rows, unsigned char *out_valid);
+long index_pick_shared_scratch_floats(int V);
 void topk_mask(const float *scores, const unsigned char *valid, int T, int V, int topk, float *scratch,
                unsigned char *picked);
 void compact_picks(const long *rows, const unsigned char *picked, int T, int V, int k, long *out_rows,

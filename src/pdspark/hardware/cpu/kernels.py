@@ -102,8 +102,10 @@ def load() -> ctypes.CDLL | None:
     lib.compressor_run.restype = None
     lib.index_pick.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, f]
     lib.index_pick.restype = None
-    lib.index_pick_shared.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, i, f]
+    lib.index_pick_shared.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, i, f, f]
     lib.index_pick_shared.restype = None
+    lib.index_pick_shared_scratch_floats.argtypes = [i]
+    lib.index_pick_shared_scratch_floats.restype = ctypes.c_long
     lib.topk_mask.argtypes = [f, f, i, i, i, f, f]
     lib.topk_mask.restype = None
     lib.compact_picks.argtypes = [f, f, i, i, i, f, f]
@@ -454,11 +456,12 @@ def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch
 
 
 def index_pick_shared(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
-                      valid: torch.Tensor, scale: float, topk: int) -> torch.Tensor | None:
+                      valid: torch.Tensor, scale: float, topk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`index_pick` for the queries of a prefill segment, which share their candidate entries: one row list
-    `rows [V]` for all of `q [T, H, D]`, each query's own `valid [T, V]` -> the mask `[T, V]` bool (the same picks as
-    `index_pick` with the rows repeated per query), with no `[T, V]` array of scores, on the kernel threads. None
-    when the C path does not apply."""
+    `rows [V]` for all of `q [T, H, D]`, each query's own `valid [T, V]` -> each query's picks as rows of their own,
+    `(rows [T, topk] int64, valid [T, topk] bool)` in entry order then invalid padding (row 0), as `picked_rows` of
+    `index_pick`'s mask with the rows repeated per query gives them; with no `[T, V]` array of scores or mask, on the
+    kernel threads. None when the C path does not apply."""
     lib = _usable(q, w)
     if lib is None or not _row_major(keys) or not (rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
         return None
@@ -468,15 +471,14 @@ def index_pick_shared(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows
     _check_index("index_pick_shared", "valid", valid, _FLAGS, (T, V))
     if keys.shape[1] < D or tuple(w.shape) != (T, H):
         raise KernelArgumentError(f"index_pick_shared: keys of {D} channels and head weights [{T}, {H}] expected")
-    picked = torch.empty(T, V, dtype=torch.bool)
+    out_rows, out_valid = torch.empty(T, topk, dtype=torch.int64), torch.empty(T, topk, dtype=torch.bool)
     parts = min(_threads, max(T, 1))  # the parts the C call may split the queries into, each with its scratch
-    scratch = torch.empty(parts * (_SHARED_PICK_GROUP + 1) * V)
-    lib.index_pick_shared(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(),
-                          valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), parts, picked.data_ptr())
-    return picked
-
-
-_SHARED_PICK_GROUP = 16  # ops.c's SHARED_PICK_GROUP: queries scored together (its scratch holds their scores)
+    scratch = torch.empty(parts * lib.index_pick_shared_scratch_floats(V))
+    if T and topk:
+        lib.index_pick_shared(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(),
+                              valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), parts,
+                              out_rows.data_ptr(), out_valid.data_ptr())
+    return out_rows, out_valid
 
 
 def picked_rows(rows: torch.Tensor, picked: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -399,6 +399,10 @@ void topk_mask(const float *scores, const unsigned char *valid, int T, int V, in
  * all of them; their scores [G, V] in scratch). */
 #define SHARED_PICK_GROUP 16
 
+/* Floats of one part's scratch in `index_pick_shared`: the scores of a group [G, V], pick_top's V, its mask's V
+ * bytes. */
+#define SHARED_PICK_SCRATCH(V) ((SHARED_PICK_GROUP + 1) * (long)(V) + ((long)(V) + 3) / 4)
+
 /* `index_pick_shared` of queries [0, T) of a job (a part of a segment's queries). */
 typedef struct {
     const float *q, *w, *k;
@@ -408,20 +412,25 @@ typedef struct {
     int T, H, V, D;
     float scale;
     int topk;
-    float *scratch; /* (SHARED_PICK_GROUP + 1) * V floats a part */
-    unsigned char *picked;
+    float *scratch; /* SHARED_PICK_SCRATCH(V) floats a part */
+    long *out_rows;
+    unsigned char *out_valid;
 } shared_pick_job;
 
 static void shared_pick_fn(void *arg) {
     const shared_pick_job *j = (const shared_pick_job *)arg;
     const long V = j->V;
     float *sc = j->scratch, *tmp = j->scratch + SHARED_PICK_GROUP * V;
+    unsigned char *pk = (unsigned char *)(tmp + V);
     for (int t0 = 0; t0 < j->T; t0 += SHARED_PICK_GROUP) {
         const int n = j->T - t0 < SHARED_PICK_GROUP ? j->T - t0 : SHARED_PICK_GROUP;
         index_scores_from(j->q + (long)t0 * j->H * j->D, j->w + (long)t0 * j->H, j->k, 0, j->rows, j->row_stride, 0,
                           n, j->H, j->V, j->D, j->scale, sc);
-        for (int t = 0; t < n; t++)
-            pick_top(sc + t * V, j->valid + (t0 + t) * V, j->V, j->topk, tmp, j->picked + (t0 + t) * V);
+        for (int t = 0; t < n; t++) { /* the pick, then its rows in entry order (`compact_picks`) */
+            pick_top(sc + t * V, j->valid + (t0 + t) * V, j->V, j->topk, tmp, pk);
+            compact_picks(j->rows, pk, 1, j->V, j->topk, j->out_rows + (long)(t0 + t) * j->topk,
+                          j->out_valid + (long)(t0 + t) * j->topk);
+        }
     }
 }
 
@@ -436,22 +445,24 @@ static void shared_pick_part(void *arg, int part, int parts) {
     j.q += (long)lo * j.H * j.D;
     j.w += (long)lo * j.H;
     j.valid += (long)lo * j.V;
-    j.picked += (long)lo * j.V;
-    j.scratch += (long)part * (SHARED_PICK_GROUP + 1) * j.V;
+    j.out_rows += (long)lo * j.topk;
+    j.out_valid += (long)lo * j.topk;
+    j.scratch += (long)part * SHARED_PICK_SCRATCH(j.V);
     j.T = hi - lo;
     shared_pick_fn(&j);
 }
 
 /* The indexer's pick for the queries of one prefill segment, which share their candidate entries: `index_pick` with
  * one row list rows [V] (read in place from the pool, rows `row_stride` floats apart) for all T queries, each with
- * its own valid [T, V] (the causal visible count), without a [T, V] array of scores: the queries go in groups of
- * SHARED_PICK_GROUP, split over the pool's threads (at most `scratch_parts`). Every score and pick is computed whole
- * by one thread with `index_pick`'s code: the same picks. scratch holds scratch_parts * (SHARED_PICK_GROUP + 1) * V
- * floats. */
+ * its own valid [T, V] (the causal visible count), and the picks as rows of their own (`compact_picks`: out_rows /
+ * out_valid [T, topk], in entry order, then invalid padding), with no [T, V] array of scores or mask: the queries go
+ * in groups of SHARED_PICK_GROUP, split over the pool's threads (at most `scratch_parts`). Every score and pick is
+ * computed whole by one thread with `index_pick`'s code: the same picks. scratch holds scratch_parts *
+ * SHARED_PICK_SCRATCH(V) floats (`index_pick_shared_scratch_floats`). */
 void index_pick_shared(const float *q, const float *w, const float *k, long row_stride, const long *rows,
                        const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
-                       int scratch_parts, unsigned char *picked) {
-    shared_pick_job job = {q, w, k, row_stride, rows, valid, T, H, V, D, scale, topk, scratch, picked};
+                       int scratch_parts, long *out_rows, unsigned char *out_valid) {
+    shared_pick_job job = {q, w, k, row_stride, rows, valid, T, H, V, D, scale, topk, scratch, out_rows, out_valid};
     long parts = (long)T * V / SCORES_SPLIT_MIN;
     parts = parts < T ? parts : T;
     parts = parts < pool.threads ? parts : pool.threads;
@@ -462,6 +473,9 @@ void index_pick_shared(const float *q, const float *w, const float *k, long row_
     }
     pool_parts(shared_pick_part, &job, (int)parts);
 }
+
+/* The floats of one part's scratch in `index_pick_shared` over V entries. */
+long index_pick_shared_scratch_floats(int V) { return SHARED_PICK_SCRATCH(V); }
 
 /* The picked entries of each token's mask `picked [T, V]` as rows of their own: out_rows/out_valid [T, k] hold its
  * rows[t, g] for the picked g in entry order (the order `sink_attend` reads a mask in, so attending to them gives
