@@ -298,15 +298,51 @@ static uint32_t kth_key(uint32_t *a, int n, int need, uint32_t lo, uint32_t hi, 
     return lo;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PICK_AVX512 1
+/* The order keys of 16 scores, lane by lane `order_key`'s. */
+static inline __m512i order_keys16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(_mm512_add_ps(f, _mm512_setzero_ps())); /* -0 + 0 = +0 */
+    const __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32(INT32_MIN)));
+    return _mm512_mask_mov_epi32(key, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(-1));
+}
+
+/* The lanes of 16 `ok` bytes that are set. */
+static inline __mmask16 ok16(const unsigned char *ok) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)ok);
+    return _mm_test_epi8_mask(b, b);
+}
+#else
+#define PICK_AVX512 0
+#endif
+
 /* pk [V] = ok and among the top `topk` of the scores sc [V] by the tie rule (higher first, equal: lower entry
  * first): every ok entry when there are at most topk. The k-th score comes from a radix select over the scores' order
  * keys (`kth_key`: O(V), a few branch-free passes; a quickselect's data-dependent branches cost ~3x as much at 16k
- * entries); which entries it picks depends only on the scores. tmp holds V floats. */
+ * entries); which entries it picks depends only on the scores. With AVX-512 the two passes over all V entries (the
+ * valid keys with their range, and the marks) take 16 entries at a time; the same keys and marks. tmp holds V
+ * floats. */
 static void pick_top(const float *sc, const unsigned char *ok, int V, int topk, float *tmp, unsigned char *pk) {
     uint32_t *keys = (uint32_t *)tmp;
     uint32_t lo = UINT32_MAX, hi = 0;
-    int n = 0;
-    for (int g = 0; g < V; g++) {
+    int n = 0, g = 0;
+#if PICK_AVX512
+    __m512i vlo = _mm512_set1_epi32(-1), vhi = _mm512_setzero_si512();
+    for (; g + 16 <= V; g += 16) {
+        const __m512i key = order_keys16(_mm512_loadu_ps(sc + g));
+        const __mmask16 v = ok16(ok + g);
+        /* (compress in a register, then store all 16 lanes: n + 16 <= g + 16 <= V; the memory form of the
+         * compress is microcoded on Zen 4) */
+        _mm512_storeu_si512(keys + n, _mm512_maskz_compress_epi32(v, key));
+        n += __builtin_popcount(v);
+        vlo = _mm512_mask_min_epu32(vlo, v, vlo, key);
+        vhi = _mm512_mask_max_epu32(vhi, v, vhi, key);
+    }
+    lo = (uint32_t)_mm512_reduce_min_epu32(vlo);
+    hi = (uint32_t)_mm512_reduce_max_epu32(vhi);
+#endif
+    for (; g < V; g++) {
         const uint32_t key = order_key(sc[g]);
         keys[n] = key;
         n += ok[g] != 0;
@@ -316,12 +352,27 @@ static void pick_top(const float *sc, const unsigned char *ok, int V, int topk, 
         }
     }
     if (n <= topk) {
-        for (int g = 0; g < V; g++) pk[g] = ok[g];
+        for (g = 0; g < V; g++) pk[g] = ok[g];
         return;
     }
     int ties; /* entries whose key is the k-th's that the top takes: the lowest ones first */
     const uint32_t kth = kth_key(keys, n, topk, lo, hi, &ties);
-    for (int g = 0; g < V; g++) {
+    g = 0;
+#if PICK_AVX512
+    const __m512i vk = _mm512_set1_epi32((int)kth);
+    for (; g + 16 <= V; g += 16) {
+        const __m512i key = order_keys16(_mm512_loadu_ps(sc + g));
+        const __mmask16 v = ok16(ok + g);
+        __mmask16 take = _mm512_mask_cmpgt_epu32_mask(v, key, vk);
+        __mmask16 equal = _mm512_mask_cmpeq_epu32_mask(v, key, vk);
+        for (; equal != 0 && ties > 0; ties--) { /* the lowest entries first */
+            take |= equal & (__mmask16)-equal;
+            equal &= equal - 1;
+        }
+        _mm_storeu_si128((__m128i *)(pk + g), _mm_maskz_set1_epi8(take, 1));
+    }
+#endif
+    for (; g < V; g++) {
         const uint32_t key = order_key(sc[g]);
         pk[g] = ok[g] && (key > kth || (key == kth && ties-- > 0));
     }
