@@ -9,7 +9,7 @@ scoring is O(entries) by design, the one part that must grow) and reports its sh
 bytes and the process's resident memory. Target (issue: performance against the peers): the 64k step <= 1.5x the
 4k step, and the same tokens on both paths.
 
-    python bench/bench_long_context.py [--contexts 1024,4096,16384,65536] [--steps 32]
+    python bench/bench_long_context.py [--contexts 1024,4096,16384,65536] [--steps 128]
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="dsv4-tiny")
     parser.add_argument("--contexts", default="1024,4096,16384,65536")
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(2)
