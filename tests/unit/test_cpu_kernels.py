@@ -226,9 +226,9 @@ def test_c_index_pick_is_the_torch_top_k_under_the_tie_rule():
 
 @pytest.mark.parametrize("kernel_threads", [1, 2, 4], indirect=True)
 def test_c_index_pick_over_many_entries_is_the_torch_top_k_whatever_the_threads(kernel_threads):
-    """From 4,096 entries a token's scores are split with the helper thread (its last half of the entries): each
-    score is still computed whole by one thread, so the picks are the tie rule's over the PyTorch scores, at 1 thread
-    and 2, with an odd count of entries (blocks of 32 and a tail) and ties."""
+    """From 2,048 entries a thread a token's scores are split by entries over the kernel threads: each score is still
+    computed whole by one thread, so the picks are the tie rule's over the PyTorch scores, at 1, 2 and 4 threads,
+    with an odd count of entries (blocks of 32 and a tail) and ties."""
     from pdspark.model.indexer import index_scores, select_topk
 
     torch.manual_seed(8)
