@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
-from pdspark.model.batch import CompressedIndex, ForwardBatch, gather_rows
+from pdspark.model.batch import CompressedIndex, ForwardBatch, Segment, gather_rows
 from pdspark.model.compressor import Compressor
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.rope import RopeAt, RotaryTable
@@ -99,12 +99,17 @@ class Indexer(nn.Module):
             else:
                 out[g] = part
         for seg in batch.segments:
-            last = seg.offset + seg.length - 1
-            V = min(csa.max_visible, (seg.start + seg.length) // self.compressor.ratio)
+            sl, last, V = self._segment_entries(csa, seg)
             keys = gather_rows(index_kv, csa.rows[last, :V]).float()  # [V, Di]: shared by the whole segment
-            sl = slice(seg.offset, last + 1)
             out[sl, :V] = index_scores(q[sl], w[sl], keys, scale)
         return out
+
+    def _segment_entries(self, csa: CompressedIndex, seg: Segment) -> tuple[slice, int, int]:
+        """A prefill segment's token rows, its last row (whose entry rows the segment shares) and how many entries
+        its queries may see at most (its last query's visible count)."""
+        last = seg.offset + seg.length - 1
+        visible = min(csa.max_visible, (seg.start + seg.length) // self.compressor.ratio)
+        return slice(seg.offset, last + 1), last, visible
 
     def _queries(self, head_w: torch.Tensor, qr: torch.Tensor, rope_at: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries `[T, Hi, Di]` and head weights `[T, Hi]`, fp32."""
@@ -134,9 +139,7 @@ class Indexer(nn.Module):
             few = picked_entries(CompressedIndex(csa.rows[g], csa.valid[g], csa.max_visible), picked, k)
             rows[g], valid[g] = few.rows, few.valid
         for seg in batch.segments:
-            last = seg.offset + seg.length - 1
-            V = min(csa.max_visible, (seg.start + seg.length) // self.compressor.ratio)
-            sl = slice(seg.offset, last + 1)
+            sl, last, V = self._segment_entries(csa, seg)
             part = cpu_kernels.index_pick_shared(q[sl], w[sl], index_kv, csa.rows[last, :V].contiguous(),
                                                  csa.valid[sl, :V].contiguous(), scale, k)
             if part is None:

@@ -78,10 +78,8 @@ static void compact_job_fn(void *arg) {
  * N); a failed scratch allocation is noted in the job. */
 static void compact_part(void *arg, int part, int parts) {
     compact_job *all = (compact_job *)arg;
-    const int blocks = (all->N + COMPACT_BLOCK_ROWS - 1) / COMPACT_BLOCK_ROWS;
     compact_job j = *all;
-    j.n_begin = (int)((long)blocks * part / parts) * COMPACT_BLOCK_ROWS;
-    j.n_end = part + 1 == parts ? all->N : (int)((long)blocks * (part + 1) / parts) * COMPACT_BLOCK_ROWS;
+    part_range(all->N, COMPACT_BLOCK_ROWS, part, parts, &j.n_begin, &j.n_end);
     j.failed = 0;
     if (j.n_begin >= j.n_end) return;
     compact_job_fn(&j);

@@ -399,9 +399,8 @@ static void scores_job_fn(void *arg) {
 /* Part `part` of `parts` of one token's scores: its entries, in whole blocks of 32 (the last part ends at V). */
 static void scores_part(void *arg, int part, int parts) {
     scores_job j = *(const scores_job *)arg;
-    const int blocks = (j.V + 31) / 32;
-    const int lo = (int)((long)blocks * part / parts) * 32;
-    const int hi = part + 1 == parts ? j.V : (int)((long)blocks * (part + 1) / parts) * 32;
+    int lo, hi;
+    part_range(j.V, 32, part, parts, &lo, &hi);
     if (lo >= hi) return;
     j.rows += lo;
     j.out += lo;
@@ -489,9 +488,8 @@ static void shared_pick_fn(void *arg) {
  * (the last part ends at T), with the part's own scratch. */
 static void shared_pick_part(void *arg, int part, int parts) {
     shared_pick_job j = *(const shared_pick_job *)arg;
-    const int align = j.T / parts >= SHARED_PICK_GROUP ? SHARED_PICK_GROUP : 1;
-    const int lo = (int)((long)j.T * part / parts) / align * align;
-    const int hi = part + 1 == parts ? j.T : (int)((long)j.T * (part + 1) / parts) / align * align;
+    int lo, hi;
+    part_range(j.T, j.T / parts >= SHARED_PICK_GROUP ? SHARED_PICK_GROUP : 1, part, parts, &lo, &hi);
     if (lo >= hi) return;
     j.q += (long)lo * j.H * j.D;
     j.w += (long)lo * j.H;

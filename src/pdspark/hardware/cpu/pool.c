@@ -130,6 +130,14 @@ static int pool_take(void) {
     return 1;
 }
 
+/* Part `part` of `parts` of [0, n) in whole blocks of `align` (the last part ends at n): [*lo, *hi), empty when
+ * there are fewer blocks than parts. The users' part functions all split their range this way. */
+static void part_range(int n, int align, int part, int parts, int *lo, int *hi) {
+    const long blocks = (n + align - 1) / align;
+    *lo = (int)(blocks * part / parts) * align;
+    *hi = part + 1 == parts ? n : (int)(blocks * (part + 1) / parts) * align;
+}
+
 /* With the pool taken (`pool_take`): fn(arg, part, parts) for every part in [0, parts), parts <= 65535, on this
  * thread and the helpers, whoever claims each first; the pool is free again on return. The parts must write
  * disjoint memory. */
@@ -197,9 +205,8 @@ static void gemm_job_run(const gemm_job *j) {
  * that many, else of 4; the last part ends at N. */
 static void gemm_part(void *arg, int part, int parts) {
     gemm_job j = *(const gemm_job *)arg;
-    const int align = j.N / parts >= 16 ? 16 : 4;
-    const int lo = (int)((long)j.N * part / parts) / align * align;
-    const int hi = part + 1 == parts ? j.N : (int)((long)j.N * (part + 1) / parts) / align * align;
+    int lo, hi;
+    part_range(j.N, j.N / parts >= 16 ? 16 : 4, part, parts, &lo, &hi);
     if (lo >= hi) return;
     j.w = weights_at(j.w, j.bf, (long)lo * j.K);
     j.out += lo;
