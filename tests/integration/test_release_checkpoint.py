@@ -147,7 +147,7 @@ def test_compact_weights_stay_as_stored_within_five_percent_of_the_checkpoint(re
     print(f"resident {resident.describe()}; checkpoint {sum(stored.values()) / 2**20:.2f} MiB {stored}")
     assert resident.by_dtype["float8_e4m3fn"] == stored["F8_E4M3"]
     assert resident.by_dtype["uint8"] == stored["I8"] + sum(
-        m.w1_scale.nbytes + m.w3_scale.nbytes + m.w2_scale.nbytes for m in model.modules()
+        m.w13_scale.nbytes + m.w2_scale.nbytes for m in model.modules()
         if isinstance(m, CompactExperts))  # packed codes + their ue8m0 scales, as stored
     assert resident.total <= 1.05 * sum(stored.values())
     # The DSpark draft (its `mtp.*` tensors) is held the same way.
@@ -181,6 +181,36 @@ def test_compact_weights_give_the_logits_and_tokens_of_the_weights_decoded_at_lo
             # kernels): a few 1e-5 apart in logits of magnitude ~1.
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert greedy(compact, prompts, 24) == greedy(dec, prompts, 24)
+
+
+def test_the_c_decode_step_reads_compact_weights_with_the_bits_of_the_same_step_over_them_decoded(release):
+    """The C decode/verify step runs on the released format's weights as stored (FP8 projections, MXFP4 experts and
+    the bf16 matrices beside them: no step falls back), and every token and logprob equals, bit for bit, those of the
+    same engine with the C step built over the dequantized twin's weights (same prefill, same pools): plain decode
+    and DSpark verify steps, batches of 1 and 3."""
+    twin = load_checkpoint(release.twin, 256).model
+    assert twin._decode_step is not None
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for speculative in (None, "dspark"):
+        # (no prefix cache: a second run of a prompt would compute its last tokens through the C step, the first
+        # through the module path)
+        with make_llm(release.path, speculative=speculative, enable_prefix_cache=False, **OPTS) as llm:
+            model = llm.engine.runner.model
+            own = model._decode_step
+            assert own is not None, model.decode_step_off
+            formats = {f for t in own.tables for fs in t.formats.values() for f in fs}
+            assert {"fp8", "mxfp4", "bf16"} <= formats and "f32" not in formats
+            got = []
+            for step in (own, twin._decode_step):
+                model._decode_step = step
+                got.append([[(o.token_ids, [lp.logprob for lp in o.logprobs], [lp.top for lp in o.logprobs])
+                             for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+                            for prompts in (random_prompts(1, [60], seed=73), random_prompts(3, [9, 40, 77], seed=74))])
+            model._decode_step = own
+            assert got[0] == got[1]
+            assert sum(llm.engine.stats.fast_path_fallback_steps.values()) == 0
+            if speculative:
+                assert llm.engine.spec.verify_steps > 0
 
 
 def test_an_expert_parallel_group_serves_the_compact_checkpoint_as_one_process(release):

@@ -33,7 +33,9 @@ def _experts(fmt: str, first: int, count: int, g: torch.Generator):
                 ss.append(s32)
                 ds.append(release_formats.dequant_fp8_blocks(q, s32))
         weights[p], scales[p], dense[p] = torch.stack(ws), torch.stack(ss), ds
-    return CompactExperts(fmt, first, weights, scales), dense
+    stacks = {"w13": torch.cat([weights["w1"], weights["w3"]], dim=1), "w2": weights["w2"]}
+    stack_scales = {"w13": torch.cat([scales["w1"], scales["w3"]], dim=1), "w2": scales["w2"]}
+    return CompactExperts(fmt, first, stacks, stack_scales), dense
 
 
 @pytest.mark.parametrize("fmt", [MXFP4, FP8])

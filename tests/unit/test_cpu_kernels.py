@@ -596,7 +596,7 @@ _W, _LIMIT = len(kernel_abi.DECODE_WEIGHTS), kernel_abi.INDEX_MAX_TOKENS
     (_abi_with("W_COUNT", _W + 1), f"len(DECODE_WEIGHTS) is {_W} in kernel_abi.py but W_COUNT is {_W + 1}"),
     (_abi_with("INDEX_MAX_TOKENS", 32), f"INDEX_MAX_TOKENS is {_LIMIT} in kernel_abi.py but INDEX_MAX_TOKENS is 32"),
     (_abi_with("KIND_CSA", 2), f"DECODE_CSA is {kernel_abi.DECODE_CSA} in kernel_abi.py but KIND_CSA is 2"),
-    (kernel_abi.ABI[:-1], "no KIND_HCA"),
+    (kernel_abi.ABI[:-1], "no WF_MXFP4"),
     ((*kernel_abi.ABI, 7), "1 more than kernel_abi.py mirrors"),
 ])
 def test_a_library_whose_enums_differ_is_refused_naming_the_enum(monkeypatch, caplog, abi, named):
@@ -692,6 +692,10 @@ def test_compact_weights_multiply_with_the_bits_of_their_decoded_fp32_weights():
         codes = torch.cat([torch.arange(0, 127), torch.arange(128, 255)]).to(torch.uint8).repeat(16, 1)
         weights = codes.contiguous().view(torch.float8_e4m3fn)  # [16, 254]
         assert torch.equal(kernels.linear_fp8(torch.eye(254), weights, torch.ones(1, 2)).t(), weights.float())
+        nan_row = torch.zeros(2, 32, dtype=torch.uint8)
+        nan_row[1, 3] = 0x7F  # (e4m3's NaN byte: its row's every output NaN, the other row's not)
+        out = kernels.linear_fp8(torch.ones(1, 32), nan_row.view(torch.float8_e4m3fn), torch.ones(1, 1))
+        assert out[0, 0] == 0.0 and out[0, 1].isnan()
         every_code = torch.arange(256, dtype=torch.uint8).repeat(32, 1)  # [32, 256]: both nibbles of every byte
         got = kernels.linear_mxfp4(torch.eye(512), every_code, torch.full((32, 16), 127, dtype=torch.uint8), e2m1,
                                    e8m0)

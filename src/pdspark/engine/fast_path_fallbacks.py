@@ -1,8 +1,9 @@
 """`FastPathFallbacks`: decode and verify steps the C fast path did not run, by reason, each reason logged once.
 
-The C step (`model.cpu.decode_step`) serves small decode/verify steps of fp32 CPU models; anything else takes the
-PyTorch module path, which gives the same tokens, slower. That must never happen silently: the first step of each
-reason writes one log line saying why, and every such step counts (`pdspark_engine_fast_path_fallback_steps_total`).
+The C step (`model.cpu.decode_step`) serves small decode/verify steps of fp32 CPU models and of released checkpoints
+held compact (their FP8/MXFP4 and bf16 matrices as stored); anything else takes the PyTorch module path, which gives
+the same tokens, slower. That must never happen silently: the first step of each reason writes one log line saying
+why, and every such step counts (`pdspark_engine_fast_path_fallback_steps_total`).
 Prefill chunks are not counted: they take the module path by design (BLAS matmuls share each weight read).
 """
 
@@ -14,8 +15,8 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-# The reasons (metric label values, all initialised at start): the model has no C step (quantized or non-fp32
-# weights, no C kernels), the step has more token rows than the C step takes, the KV pools (or the drafter's capture)
+# The reasons (metric label values, all initialised at start): the model has no C step (ModelSlim int8 weights, a
+# bf16/fp16 model, no C kernels), the step has more token rows than the C step takes, the KV pools (or the drafter's capture)
 # are not what it reads, the engine runs off the CPU, the multi-stream prepare takes the step.
 REASONS = ("model", "step_tokens", "pools", "device", "multi_stream")
 

@@ -23,30 +23,46 @@ from pdspark.quant.release_formats import E2M1, dequant_mxfp4, scale_values
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate [n, I], up [n, I]) -> [n, I]
 MXFP4, FP8 = "mxfp4", "fp8"
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
+STACKS = ("w13", "w2")  # how they are held: gate and up rows in one stack
 
 
 class CompactExperts(nn.Module):
-    w1: torch.Tensor
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
     _e2m1: torch.Tensor
     _e8m0: torch.Tensor
 
     def __init__(self, fmt: str, first: int, weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]):
-        """`weights[p]`, `scales[p]` for p in w1, w3, w2, stacked over the held experts: MXFP4 uint8 `[E, out, in/2]`
-        and uint8 ue8m0 `[E, out, in/32]`; FP8 e4m3 `[E, out, in]` and fp32 `[E, ceil(out/128), ceil(in/128)]`."""
+        """`weights[p]`, `scales[p]` for p in w13 (each expert's gate rows w1, then its up rows w3) and w2, stacked over
+        the held experts: MXFP4 uint8 `[E, out, in/2]` and uint8 ue8m0 `[E, out, in/32]`; FP8 e4m3 `[E, out, in]` and
+        fp32 `[E, tiles, ceil(in/128)]` (w13: w1's ceil(I/128) tile rows, then w3's). Gate and up rows share one stack
+        so that the C decode step reads an expert's 2I rows as one matrix, as it reads float experts."""
         super().__init__()
         assert fmt in (MXFP4, FP8), fmt
         self.fmt, self.first = fmt, first
-        for p in PROJECTIONS:
+        for p in STACKS:
             self.register_buffer(p, weights[p])
             self.register_buffer(f"{p}_scale", scales[p])
-        self.count = weights["w1"].shape[0]
+        self.count = weights["w13"].shape[0]
+        self.inter = weights["w13"].shape[1] // 2
         self.register_buffer("_e2m1", E2M1.clone(), persistent=False)  # [16] the code values
         self.register_buffer("_e8m0", scale_values(torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu)),
                              persistent=False)  # [256] the scale bytes' values
 
+    def weights(self, e: int, p: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held expert `e`'s projection `p` (w1, w3 or w2): its stored weight and scale (views)."""
+        if p == "w2":
+            return self.w2[e], self.w2_scale[e]
+        I = self.inter
+        tiles = -(-I // 128) if self.fmt == FP8 else I  # the scale rows of one half
+        half = slice(0, I) if p == "w1" else slice(I, 2 * I)
+        return self.w13[e, half], self.w13_scale[e, slice(0, tiles) if p == "w1" else slice(tiles, 2 * tiles)]
+
     def project(self, e: int, p: str, x: torch.Tensor) -> torch.Tensor:
         """Held expert `e` (0-based within the shard), projection `p`, on rows `x [n, in]` -> `[n, out]` fp32."""
-        w, s = getattr(self, p)[e], getattr(self, f"{p}_scale")[e]
+        w, s = self.weights(e, p)
         if self.fmt == FP8:
             return Fp8Linear(w, s)(x)
         if not torch.is_grad_enabled():
@@ -78,5 +94,4 @@ class CompactExperts(nn.Module):
         return slots.view(T, k, -1)
 
     def extra_repr(self) -> str:
-        E, inter = self.w1.shape[:2]
-        return f"{self.fmt}, experts=[{self.first}, {self.first + E}), inter={inter}"
+        return f"{self.fmt}, experts=[{self.first}, {self.first + self.count}), inter={self.inter}"

@@ -35,7 +35,7 @@ class _ExpertStacks:
     """One layer's held experts, filled as they are read."""
 
     fmt: str
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # projection -> [E_held, ...]
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # w13 / w2 -> [E_held, ...] (`CompactExperts`)
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
     filled: set[tuple[int, str]] = field(default_factory=set)  # (held index, projection)
 
@@ -73,15 +73,20 @@ class CompactWeights:
         weight = tensor.weight.view(torch.uint8) if fmt == MXFP4 else tensor.weight
         assert tensor.scale is not None
         scale = tensor.scale.view(torch.uint8) if fmt == MXFP4 else scale_values(tensor.scale)
-        if proj not in stacks.weights:
-            stacks.weights[proj] = torch.empty(self.shard.count, *weight.shape, dtype=weight.dtype)
-            stacks.scales[proj] = torch.empty(self.shard.count, *scale.shape, dtype=scale.dtype)
+        stack = "w2" if proj == "w2" else "w13"
+        if stack not in stacks.weights:  # gate (w1) and up (w3) rows in one stack, each half as it comes
+            n = 1 if proj == "w2" else 2
+            stacks.weights[stack] = torch.empty(self.shard.count, n * weight.shape[0], *weight.shape[1:],
+                                                dtype=weight.dtype)
+            stacks.scales[stack] = torch.empty(self.shard.count, n * scale.shape[0], *scale.shape[1:],
+                                               dtype=scale.dtype)
         held = piece.expert - self.shard.first  # type: ignore[operator]  # (an expert piece)
-        for what, dest, src in (("weight", stacks.weights[proj], weight), ("scale", stacks.scales[proj], scale)):
-            if tuple(dest.shape[1:]) != tuple(src.shape):
+        for what, stacked, src in (("weight", stacks.weights[stack], weight), ("scale", stacks.scales[stack], scale)):
+            rows = stacked.shape[1] // (1 if proj == "w2" else 2)
+            if (rows, *stacked.shape[2:]) != tuple(src.shape):
                 raise CheckpointError(f"tensor {name!r}'s {what} has shape {tuple(src.shape)}; expert "
-                                      f"{self.shard.first}'s has {tuple(dest.shape[1:])}")
-            dest[held].copy_(src)
+                                      f"{self.shard.first}'s has {(rows, *stacked.shape[2:])}")
+            stacked[held, rows if proj == "w3" else 0 :][:rows].copy_(src)
         stacks.filled.add((held, proj))
         self.filled.add(piece)
 

@@ -39,8 +39,8 @@ class EngineMetrics:
             self.errors.labels(stage=stage)
         self.fallback_steps = Counter(
             "pdspark_engine_fast_path_fallback_steps_total", "Decode/verify steps the C fast path did not run (the "
-            "slower PyTorch path ran them, same tokens), by reason: model (quantized or non-fp32 weights, no C "
-            "kernels), step_tokens (more rows than the C step takes), pools, device, multi_stream", ["reason"],
+            "slower PyTorch path ran them, same tokens), by reason: model (ModelSlim int8 weights, a bf16/fp16 model, "
+            "no C kernels), step_tokens (more rows than the C step takes), pools, device, multi_stream", ["reason"],
             registry=r)
         for reason in FALLBACK_REASONS:
             self.fallback_steps.labels(reason=reason)

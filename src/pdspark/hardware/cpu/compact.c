@@ -15,26 +15,82 @@
 /* Weight rows decoded per block: one AVX-512 tile of `gemm_exact` (16 rows), a few L2-resident KiB per row. */
 #define COMPACT_BLOCK_ROWS 16
 
-/* Row q [K] of e4m3 bytes times its tiles' scales (s [ceil(K / 128)]) into dst [K]: each byte's value from lut
- * [256] (PyTorch's float8_e4m3fn decode), then one fp32 multiply: the float the dequantized weight holds. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(PDSPARK_NO_AVX512_DECODE)
+#define COMPACT_AVX512 1
+#include <immintrin.h>
+
+/* 16 e4m3 bytes -> their values, as torch decodes them (lut [256], tested on every byte): a normal byte's exponent
+ * and mantissa moved to an fp32's (bit 20 up) with the exponent rebased from 7 to 127; a subnormal (exponent 0) is
+ * its mantissa times 2^-9, exactly; the sign to bit 31 (0x80 is -0.0); the two NaN bytes from the table. */
+static inline __m512 e4m3_values16(const unsigned char *q, const float *lut) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    const __m512i m7 = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
+    const __m512i rebased = _mm512_add_epi32(_mm512_slli_epi32(m7, 20), _mm512_set1_epi32(120 << 23));
+    const __m512 normal = _mm512_castsi512_ps(rebased);
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m7), _mm512_set1_ps(0x1p-9f));
+    __m512 f = _mm512_mask_mov_ps(normal, _mm512_cmplt_epi32_mask(m7, _mm512_set1_epi32(8)), sub);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+    f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(m7, _mm512_set1_epi32(0x7F));
+    return nan ? _mm512_mask_i32gather_ps(f, nan, v, lut, 4) : f;
+}
+#endif
+
+/* Row q [K] of e4m3 bytes times its tiles' scales (s [ceil(K / 128)]) into dst [K]: each byte's value (lut [256],
+ * PyTorch's float8_e4m3fn decode; the same values computed 16 at a time where the CPU has AVX-512), then one fp32
+ * multiply: the float the dequantized weight holds. */
 static void decode_e4m3_row(const unsigned char *q, const float *s, const float *lut, int K, float *dst) {
     for (int c0 = 0; c0 < K; c0 += 128) {
         const float scale = s[c0 / 128];
         const int c1 = c0 + 128 < K ? c0 + 128 : K;
-        for (int c = c0; c < c1; c++) dst[c] = lut[q[c]] * scale;
+        int c = c0;
+#ifdef COMPACT_AVX512
+        for (; c + 16 <= c1; c += 16)
+            _mm512_storeu_ps(dst + c, _mm512_mul_ps(e4m3_values16(q + c, lut), _mm512_set1_ps(scale)));
+#endif
+        for (; c < c1; c++) dst[c] = lut[q[c]] * scale;
     }
+}
+
+/* Row pr [K / 2] of MXFP4 (element 2b in the low nibble of byte b, 2b + 1 in the high one) times its groups' scales
+ * (sr [K / 32] ue8m0 bytes, values e8m0 [256]) into dst [K]: each code's value (e2m1 [16]) times its group's scale,
+ * one fp32 multiply. A group's 32 values are 16 bytes: on AVX-512, two table lookups in a register and an
+ * interleave. */
+static void decode_mxfp4_row(const unsigned char *pr, const unsigned char *sr, const float *e2m1, const float *e8m0,
+                             int K, float *dst) {
+#ifdef COMPACT_AVX512
+    const __m512 table = _mm512_loadu_ps(e2m1);
+    const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int g = 0; g < K / 32; g++) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pr + 16 * g)));
+        const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)), table);
+        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+        const __m512 scale = _mm512_set1_ps(e8m0[sr[g]]);
+        _mm512_storeu_ps(dst + 32 * g, _mm512_mul_ps(_mm512_permutex2var_ps(lo, even, hi), scale));
+        _mm512_storeu_ps(dst + 32 * g + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, odd, hi), scale));
+    }
+#else
+    for (int g = 0; g < K / 32; g++) { /* bytes 16g .. 16g + 15 hold the 32 inputs of group g */
+        const float s = e8m0[sr[g]];
+        for (int b = 16 * g; b < 16 * g + 16; b++) {
+            dst[2 * b] = e2m1[pr[b] & 0x0F] * s;
+            dst[2 * b + 1] = e2m1[pr[b] >> 4] * s;
+        }
+    }
+#endif
 }
 
 /* One compact GEMM's rows [n_begin, n_end) (both multiples of COMPACT_BLOCK_ROWS but the last end): a job for
  * the caller or the helper thread (`pool.c`), each with a scratch of its own. */
 typedef struct {
     int mxfp4; /* 0: FP8 tiles (q, scale [ceil(rows/128), scale_cols], row0, lut [256]); 1: MXFP4 (q packed, sbytes
-                  [N, K/32], pairs [256][2], e8m0 [256]) */
+                  [N, K/32], e2m1 [16], e8m0 [256]) */
     const float *x;
     const unsigned char *q, *sbytes;
-    const float *scale, *lut, *e8m0;
-    const float (*pairs)[2];
+    const float *scale, *lut, *e2m1, *e8m0;
     int scale_cols, row0, T, N, K, n_begin, n_end;
+    long xs, os; /* x's and out's row strides (floats) */
     float *out;
     int failed;
 } compact_job;
@@ -43,25 +99,34 @@ static void compact_rows(compact_job *j, int n, int nb, float *rows) {
     const int K = j->K;
     for (int r = 0; r < nb; r++) {
         float *dst = rows + (long)r * K;
-        if (!j->mxfp4) {
+        if (j->mxfp4)
+            decode_mxfp4_row(j->q + (long)(n + r) * (K / 2), j->sbytes + (long)(n + r) * (K / 32), j->e2m1, j->e8m0,
+                             K, dst);
+        else
             decode_e4m3_row(j->q + (long)(n + r) * K, j->scale + (long)((j->row0 + n + r) / 128) * j->scale_cols,
                             j->lut, K, dst);
-            continue;
-        }
-        const unsigned char *pr = j->q + (long)(n + r) * (K / 2), *sr = j->sbytes + (long)(n + r) * (K / 32);
-        for (int g = 0; g < K / 32; g++) { /* bytes 16g .. 16g + 15 hold the 32 inputs of group g */
-            const float s = j->e8m0[sr[g]];
-            for (int b = 16 * g; b < 16 * g + 16; b++) {
-                dst[2 * b] = j->pairs[pr[b]][0] * s;
-                dst[2 * b + 1] = j->pairs[pr[b]][1] * s;
-            }
-        }
     }
+}
+
+/* This thread's block of decoded rows (COMPACT_BLOCK_ROWS x K floats), kept for its next call: a decode step runs
+ * hundreds of compact GEMMs, and a fresh block of this size would be mapped and unmapped by each. Grown when a
+ * wider K comes; NULL when that failed. */
+static __thread float *compact_block;
+static __thread long compact_block_floats;
+
+static float *compact_rows_scratch(int K) {
+    const long need = (long)COMPACT_BLOCK_ROWS * K;
+    if (compact_block_floats < need) {
+        free(compact_block);
+        compact_block = malloc(sizeof(float) * (size_t)need);
+        compact_block_floats = compact_block ? need : 0;
+    }
+    return compact_block;
 }
 
 static void compact_job_fn(void *arg) {
     compact_job *j = arg;
-    float *rows = malloc(sizeof(float) * (size_t)COMPACT_BLOCK_ROWS * (size_t)j->K);
+    float *rows = compact_rows_scratch(j->K);
     if (rows == 0) {
         j->failed = 1;
         return;
@@ -69,9 +134,8 @@ static void compact_job_fn(void *arg) {
     for (int n = j->n_begin; n < j->n_end; n += COMPACT_BLOCK_ROWS) {
         const int nb = j->n_end - n < COMPACT_BLOCK_ROWS ? j->n_end - n : COMPACT_BLOCK_ROWS;
         compact_rows(j, n, nb, rows);
-        gemm_exact(rows, j->x, j->K, j->T, nb, j->K, j->out + n, j->N);
+        gemm_exact(rows, j->x, j->xs, j->T, nb, j->K, j->out + n, j->os);
     }
-    free(rows);
 }
 
 /* Part `part` of `parts` of a compact GEMM: its rows, in whole blocks of COMPACT_BLOCK_ROWS (the last part ends at
@@ -109,7 +173,8 @@ static int compact_run(compact_job job) {
 int linear_fp8(const float *x, const unsigned char *q, const float *scale, int scale_cols, int row0, const float *lut,
                int T, int N, int K, float *out) {
     return compact_run((compact_job){.mxfp4 = 0, .x = x, .q = q, .scale = scale, .lut = lut, .scale_cols = scale_cols,
-                                     .row0 = row0, .T = T, .N = N, .K = K, .n_end = N, .out = out});
+                                     .row0 = row0, .T = T, .N = N, .K = K, .n_end = N, .xs = K, .os = N,
+                                     .out = out});
 }
 
 /* out [T, N] = x [T, K] @ W^T for MXFP4 weights: packed [N, K / 2] (element 2j in the low nibble of byte j, 2j + 1
@@ -117,9 +182,72 @@ int linear_fp8(const float *x, const unsigned char *q, const float *scale, int s
  * value. K is a multiple of 32. Returns 0, or -1 when a scratch cannot be allocated. */
 int linear_mxfp4(const float *x, const unsigned char *packed, const unsigned char *scale, const float *e2m1,
                  const float *e8m0, int T, int N, int K, float *out) {
-    float pairs[256][2]; /* each byte's two values (low nibble first): one lookup a byte */
-    for (int b = 0; b < 256; b++) pairs[b][0] = e2m1[b & 0x0F], pairs[b][1] = e2m1[b >> 4];
-    return compact_run((compact_job){.mxfp4 = 1, .x = x, .q = packed, .sbytes = scale, .e8m0 = e8m0,
-                                     .pairs = (const float (*)[2])pairs, .T = T, .N = N, .K = K, .n_end = N,
-                                     .out = out});
+    return compact_run((compact_job){.mxfp4 = 1, .x = x, .q = packed, .sbytes = scale, .e2m1 = e2m1, .e8m0 = e8m0,
+                                     .T = T, .N = N, .K = K, .n_end = N, .xs = K, .os = N, .out = out});
+}
+
+/* ---- a projection's weights in any storage: what the decode step's layer table points to ------------------------- */
+
+/* One GEMM over rows [r, r + n) of segment g (`PS_*` words, see kernels.h): out [T, n] (rows os apart) = x [T, K]
+ * (rows xs apart) @ those rows^T, each output one `dot` of its weight row as fp32 (decoded first where compact):
+ * the bits of `gemm_exact` over the weights decoded to fp32. Returns 0, or -1 when a compact block's scratch
+ * cannot be allocated. */
+static int gemm_segment(const long *g, long r, const float *x, long xs, int T, int n, int K, float *out, long os) {
+    const long fmt = g[PS_FMT];
+    if (fmt == WF_F32 || fmt == WF_BF16) {
+        gemm_exact_w((const void *)g[PS_DATA], r * K, fmt == WF_BF16, x, xs, T, n, K, out, os);
+        return 0;
+    }
+    if (fmt == WF_MXFP4)
+        return compact_run((compact_job){.mxfp4 = 1, .x = x, .q = (const unsigned char *)g[PS_DATA] + r * (K / 2),
+                                         .sbytes = (const unsigned char *)g[PS_SCALE] + r * (K / 32),
+                                         .e2m1 = (const float *)g[PS_LUT], .e8m0 = (const float *)g[PS_LUT2],
+                                         .T = T, .N = n, .K = K, .n_end = n, .xs = xs, .os = os, .out = out});
+    /* FP8 tiles. A stack of matrices (routed experts) of PS_PERIOD rows each, every one with its own PS_SCALE_PERIOD
+     * rows of tile scales: a call runs one matrix at a time, its rows' tiles counted from the matrix's first row
+     * (offset by PS_ROW0: a slice of a bigger matrix). */
+    const long period = g[PS_PERIOD], cols = g[PS_SCALE_COLS];
+    while (n > 0) {
+        const long e = period ? r / period : 0, rr = period ? r % period : r;
+        const int m = period && rr + n > period ? (int)(period - rr) : n;
+        if (compact_run((compact_job){.mxfp4 = 0, .x = x, .q = (const unsigned char *)g[PS_DATA] + r * K,
+                                      .scale = (const float *)g[PS_SCALE] + e * g[PS_SCALE_PERIOD] * cols,
+                                      .scale_cols = (int)cols, .row0 = (int)(g[PS_ROW0] + rr),
+                                      .lut = (const float *)g[PS_LUT], .T = T, .N = m, .K = K, .n_end = m, .xs = xs,
+                                      .os = os, .out = out}) != 0)
+            return -1;
+        r += m, n -= m, out += m;
+    }
+    return 0;
+}
+
+/* out [T, N] (rows os apart) = x [T, K] (rows xs apart) @ rows [row, row + N) of projection p^T: p[0] segments of
+ * rows one after another, each in its own storage (`PS_*` words from p + 1), so a fused projection may join an
+ * FP8 matrix and fp32 ones without a stacked copy. Every output has the bits of `gemm_exact` over the weights decoded
+ * to fp32, whatever the storage and the split. Returns 0, or -1 when a compact scratch cannot be allocated. */
+static int gemm_proj(const long *p, long row, const float *x, long xs, int T, int N, int K, float *out, long os) {
+    long s0 = 0;
+    for (long s = 0; s < p[0] && N > 0; s++) {
+        const long *g = p + 1 + s * PS_COUNT, s1 = s0 + g[PS_ROWS];
+        if (row < s1) {
+            const int n = row + N < s1 ? N : (int)(s1 - row);
+            if (gemm_segment(g, row - s0, x, xs, T, n, K, out, os) != 0) return -1;
+            row += n, N -= n, out += n;
+        }
+        s0 = s1;
+    }
+    return 0;
+}
+
+/* A projection of one segment of plain weights w [rows, K], fp32 (bf = 0) or bf16 bits (bf = 1), in p. */
+static const long *proj_plain(long p[1 + PS_COUNT], const void *w, int bf, long rows) {
+    for (int i = 0; i <= PS_COUNT; i++) p[i] = 0;
+    p[0] = 1;
+    p[1 + PS_FMT] = bf ? WF_BF16 : WF_F32, p[1 + PS_ROWS] = rows, p[1 + PS_DATA] = (long)w;
+    return p;
+}
+
+/* `gemm_proj` for Python (tests and the module path's one-off callers): x [T, K], out [T, N] packed. */
+int linear_proj(const long *p, long row, const float *x, int T, int N, int K, float *out) {
+    return gemm_proj(p, row, x, K, T, N, K, out, N);
 }

@@ -34,14 +34,17 @@ long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
  * the compressors and the CSA indexer's pick, the sink attention read from the pools, the output projection, the
  * expand; then the FFN collapse, the MoE and the expand. The same steps, in the same order, as the separate calls
  * (BLAS matmuls become `dot` GEMVs). h and h_out [T, hc, D]. scratch: see `kernels.decode_layer_scratch_floats`.
- * Returns 0, or -1 when the expert exchange (expert parallelism) failed. */
+ * Projections (W_X, W_Q_B, W_I_Q_B, W_O_A, W_O_B, W_MOE_IN, W_13, W_2, W_2S) are `gemm_proj` descriptors: fp32,
+ * bf16 bits or the checkpoint's compact FP8/MXFP4 weights, segment by segment.
+ * Returns 0, -1 when the expert exchange (expert parallelism) failed, -3 when a compact weight block's scratch could
+ * not be allocated. */
 static int decode_layer_run(const long *wp, const int *wi, const float *wf, const long *sp, const int *si,
                              const long *pp, const float *h, float *h_out, float *scratch, long *ids_buf) {
     const int T = si[SI_T], W = si[SI_W], r = si[SI_R];
     const int kind = wi[I_KIND], hc = wi[I_HC], D = wi[I_D], QL = wi[I_QL], H = wi[I_H], HD = wi[I_HD];
     const int cdim = wi[I_C_DIM], cw = kind == KIND_CSA ? 2 * cdim : cdim; /* compressor width (coff * dim) */
     const int Hi = wi[I_I_HEADS], Di = wi[I_I_DIM], iw = 2 * Di;
-    const int E = wi[I_E], I = wi[I_INTER], K = wi[I_K], bf = wi[I_BF16];
+    const int E = wi[I_E], I = wi[I_INTER], K = wi[I_K];
     const int NX = QL + HD + (kind != KIND_SLIDING ? 2 * cw : 0) + (kind == KIND_CSA ? 2 * iw + Hi : 0);
     const int M = (2 + hc) * hc;
     const float *cos = kind == KIND_SLIDING ? PTR(sp, S_COS_MAIN) : PTR(sp, S_COS_COMP);
@@ -56,9 +59,9 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
     /* attention sublayer */
     hc_collapse(h, PTR(wp, W_ATTN_FN), PTR(wp, W_ATTN_SCALE), PTR(wp, W_ATTN_BASE), T, hc, D, wi[I_ITERS],
                 wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_ATTN_NORM), wf[F_ATTN_NORM_EPS]);
-    gemm_exact_w(PTR(wp, W_X), 0, bf, x, D, T, NX, D, xp, NX);
+    if (gemm_proj(LPTR(wp, W_X), 0, x, D, T, NX, D, xp, NX) != 0) return -3;
     rms_norm(xp, NX, PTR(wp, W_Q_NORM), T, QL, wf[F_Q_EPS], qr);
-    gemm_exact_w(PTR(wp, W_Q_B), 0, bf, qr, QL, T, H * HD, QL, qh, H * HD);
+    if (gemm_proj(LPTR(wp, W_Q_B), 0, qr, QL, T, H * HD, QL, qh, H * HD) != 0) return -3;
     norm_rope(qh, HD, 0, T * H, H, HD, wf[F_HEAD_EPS], cos, sin, r, q, 0, 0, small);
     norm_rope(xp + QL, NX, PTR(wp, W_KV_NORM), T, 1, HD, wf[F_KV_EPS], cos, sin, r, (float *)pp[P_SWA],
               LPTR(sp, S_SLOTS), pp[P_SWA_STRIDE], small);
@@ -90,7 +93,7 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
                 float *iq = take(&at, (long)T * Hi * Di), *iqr = take(&at, (long)T * Hi * Di);
                 float *iwt = take(&at, (long)T * Hi), *isc = take(&at, 2L * V);
                 unsigned char *picked = (unsigned char *)take(&at, ((long)T * V + 3) / 4);
-                gemm_exact_w(PTR(wp, W_I_Q_B), 0, bf, qr, QL, T, Hi * Di, QL, iq, Hi * Di);
+                if (gemm_proj(LPTR(wp, W_I_Q_B), 0, qr, QL, T, Hi * Di, QL, iq, Hi * Di) != 0) return -3;
                 for (int t = 0; t < T; t++) {
                     const float *hw = xp + (long)t * NX + QL + HD + 2 * cw + 2 * iw;
                     for (int j = 0; j < Hi; j++) iwt[t * Hi + j] = hw[j] * wf[F_I_WSCALE];
@@ -121,52 +124,57 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
                                   PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o},
                      ascr + ascr_n);
     float *oscr = take(&at, (long)T * (H * HD + wi[I_G] * wi[I_L]));
-    attn_out_rows_w(o, cos, sin, T, H, HD, r, PTR(wp, W_O_A), wi[I_G], wi[I_L], PTR(wp, W_O_B), D, bf, oscr, y);
+    if (attn_out_rows_p(o, cos, sin, T, H, HD, r, LPTR(wp, W_O_A), wi[I_G], wi[I_L], LPTR(wp, W_O_B), D, oscr, y)
+        != 0)
+        return -3;
     hc_expand(y, h, post, comb, T, hc, D, hm);
 
     /* FFN sublayer */
     hc_collapse(hm, PTR(wp, W_FFN_FN), PTR(wp, W_FFN_SCALE), PTR(wp, W_FFN_BASE), T, hc, D, wi[I_ITERS],
                 wf[F_HC_EPS], wf[F_HC_NORM_EPS], cscr, x, pre, post, comb, PTR(wp, W_FFN_NORM), wf[F_FFN_NORM_EPS]);
     float *lgu = take(&at, (long)T * (E + 2 * I));
-    gemm_exact_w(PTR(wp, W_MOE_IN), 0, bf, x, D, T, E + 2 * I, D, lgu, E + 2 * I);
+    if (gemm_proj(LPTR(wp, W_MOE_IN), 0, x, D, T, E + 2 * I, D, lgu, E + 2 * I) != 0) return -3;
     const int e0 = wi[I_E0], e_held = wi[I_E_HELD];
     const expert_exchange ex = (expert_exchange)wp[W_EXCHANGE];
     if (T == 1 && e_held == E) { /* one process: one token's slots summed as they come */
         float *mscr = take(&at, 3L * I + 2L * D + K);
-        moe_decode_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), PTR(wp, W_13),
-                     PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], mscr,
-                   ids_buf, mscr + 3 * I + 2 * D, y);
+        if (moe_decode_p(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS), LPTR(wp, W_13),
+                         LPTR(wp, W_2), LPTR(wp, W_2S), T, D, E, I, K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT],
+                         mscr, ids_buf, mscr + 3 * I + 2 * D, y) != 0)
+            return -3;
     } else { /* ids: T*K longs (as many floats again), ws: T*K floats, then the grouped scratch */
         long *gids = (long *)take(&at, 2L * T * K);
         float *gws = take(&at, (long)T * K), *gscr = take(&at, moe_rows_scratch_floats(T, K, D, I));
-        if (moe_decode_rows_w(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS),
-                              PTR(wp, W_13), PTR(wp, W_2), PTR(wp, W_2S), bf, T, D, E, e0, e_held, ex, I, K,
-                              wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], gids, gws, gscr, y) != 0)
-            return -1;
+        const int rc = moe_decode_rows_p(x, lgu, E + 2 * I, LPTR(sp, S_IDS), LPTR(wp, W_TID2EID), PTR(wp, W_BIAS),
+                                         LPTR(wp, W_13), LPTR(wp, W_2), LPTR(wp, W_2S), T, D, E, e0, e_held, ex, I,
+                                         K, wi[I_SQRTSP], wf[F_SCALING], wf[F_LIMIT], gids, gws, gscr, y);
+        if (rc != 0) return rc == -1 ? -1 : -3;
     }
     hc_expand(y, hm, post, comb, T, hc, D, h_out);
     return 0;
 }
 
 /* `decode_layer_run` when its scratch (scratch_n floats) holds what it carves; else -1, nothing done; -2 when the
- * expert exchange failed. */
+ * expert exchange failed; -3 when a compact weight block's scratch could not be allocated. */
 int decode_layer(const long *wp, const int *wi, const float *wf, const long *sp, const int *si, const long *pp,
                  const float *h, float *h_out, float *scratch, long scratch_n, long *ids_buf) {
     const int V = si[SI_V_CSA] > si[SI_V_HCA] ? si[SI_V_CSA] : si[SI_V_HCA];
     if (decode_layer_scratch_floats(wi, si[SI_T], V, si[SI_W]) > scratch_n) return -1;
-    return decode_layer_run(wp, wi, wf, sp, si, pp, h, h_out, scratch, ids_buf) == 0 ? 0 : -2;
+    const int rc = decode_layer_run(wp, wi, wf, sp, si, pp, h, h_out, scratch, ids_buf);
+    return rc == 0 ? 0 : rc == -1 ? -2 : -3;
 }
 
-/* Every layer of a small step after `decode_index`: the token embeddings copied into each of the hc streams of h0
- * [T, hc, D], then layer l reads one buffer and writes the other. tables [n, 4]: each layer's weights, sizes,
- * scalars and pools arrays (`decode_layer`'s first and sixth arguments). Returns the buffer holding the result
- * (0: h0, 1: h1), or -1 (nothing done) when some layer's scratch exceeds scratch_n floats, or -2 when a layer's
- * expert exchange failed (the buffers then hold partial results).
+/* Every layer of a small step after `decode_index`: the token embeddings (fp32, or bf16 bits when embed_bf16: a
+ * compact model's, widened exactly) copied into each of the hc streams of h0 [T, hc, D], then layer l reads one
+ * buffer and writes the other. tables [n, 4]: each layer's weights, sizes, scalars and pools arrays (`decode_layer`'s first and sixth arguments). Returns the buffer holding the result
+ * (0: h0, 1: h1), or -1 (nothing done) when some layer's scratch exceeds scratch_n floats, -2 when a layer's
+ * expert exchange failed, -3 when a compact weight block's scratch could not be allocated (the buffers then hold
+ * partial results).
  * Drafter features (a DSpark verify step): where capture != NULL and capture[l] = c >= 0, layer l's output streams
  * averaged over hc go to columns [c * D, (c + 1) * D) of features [T, F] (F floats a row), as `DSV4Model.forward`'s
  * `h.mean(dim=1)`: the streams summed in order, then divided by hc (the bits of ATen's CPU mean). */
-int decode_layers(int n, const long *tables, const long *sp, const int *si, const float *embed, int hc, int D,
-                  float *h0, float *h1, float *scratch, long scratch_n, long *ids_buf, const int *capture,
+int decode_layers(int n, const long *tables, const long *sp, const int *si, const void *embed, int embed_bf16, int hc,
+                  int D, float *h0, float *h1, float *scratch, long scratch_n, long *ids_buf, const int *capture,
                   float *features, int F) {
     const int T = si[SI_T];
     const int V = si[SI_V_CSA] > si[SI_V_HCA] ? si[SI_V_CSA] : si[SI_V_HCA];
@@ -175,16 +183,21 @@ int decode_layers(int n, const long *tables, const long *sp, const int *si, cons
     const long *ids = (const long *)sp[S_IDS];
     for (int t = 0; t < T; t++)
         for (int i = 0; i < hc; i++) {
-            const float *e = embed + ids[t] * (long)D;
             float *o = h0 + ((long)t * hc + i) * D;
-            for (int d = 0; d < D; d++) o[d] = e[d];
+            if (embed_bf16) {
+                const bf16_t *e = (const bf16_t *)embed + ids[t] * (long)D;
+                for (int d = 0; d < D; d++) o[d] = bf16f(e[d]);
+            } else {
+                const float *e = (const float *)embed + ids[t] * (long)D;
+                for (int d = 0; d < D; d++) o[d] = e[d];
+            }
         }
     float *bufs[2] = {h0, h1};
     for (int l = 0; l < n; l++) {
         const long *tb = tables + 4L * l;
-        if (decode_layer_run((const long *)tb[0], (const int *)tb[1], (const float *)tb[2], sp, si,
-                             (const long *)tb[3], bufs[l % 2], bufs[(l + 1) % 2], scratch, ids_buf) != 0)
-            return -2;
+        const int rc = decode_layer_run((const long *)tb[0], (const int *)tb[1], (const float *)tb[2], sp, si,
+                                        (const long *)tb[3], bufs[l % 2], bufs[(l + 1) % 2], scratch, ids_buf);
+        if (rc != 0) return rc == -1 ? -2 : -3;
         if (capture == 0 || capture[l] < 0) continue;
         for (int t = 0; t < T; t++) {
             const float *ht = bufs[(l + 1) % 2] + (long)t * hc * D;

@@ -12,8 +12,8 @@ DECODE_WEIGHTS = ("attn_fn", "attn_scale", "attn_base", "attn_norm", "ffn_fn", "
                   "wx", "q_norm", "wq_b", "kv_norm", "sink", "wo_a", "wo_b", "c_ape", "c_norm", "i_wq_b", "i_ape",
                   "i_norm", "moe_in", "w13", "w2", "w2s", "bias", "tid2eid", "exchange")
 DECODE_SIZES = ("kind", "hc", "iters", "hidden", "q_lora", "heads", "head_dim", "o_groups", "o_lora", "c_ratio",
-                "c_dim", "i_heads", "i_dim", "i_topk", "experts", "inter", "top_k", "sqrtsoftplus", "bf16",
-                "expert0", "experts_held")
+                "c_dim", "i_heads", "i_dim", "i_topk", "experts", "inter", "top_k", "sqrtsoftplus", "expert0",
+                "experts_held")
 DECODE_SCALARS = ("hc_eps", "hc_norm_eps", "attn_norm_eps", "ffn_norm_eps", "q_eps", "head_eps", "kv_eps", "scale",
                   "c_eps", "i_eps", "i_wscale", "i_scale", "scaling", "limit")
 DECODE_STEP = ("positions", "input_ids", "swa_slots", "win_rows", "win_valid", "csa_rows", "csa_valid", "hca_rows",
@@ -26,6 +26,10 @@ DECODE_POOLS = ("swa", "swa_stride", "comp", "comp_stride", "state", "state_stri
                 "index_state", "index_state_stride")
 # Layer kinds (`kind` above).
 DECODE_SLIDING, DECODE_CSA, DECODE_HCA = 0, 1, 2
+# A projection's weights (the table's wx, wq_b, wo_a, wo_b, i_wq_b, moe_in, w13, w2 and w2s point to one): an int64
+# array, the number of row segments, then these words per segment (`gemm_proj` in compact.c), and the storages.
+PROJ_SEGMENT = ("format", "rows", "data", "scale", "scale_cols", "row0", "period", "scale_period", "lut", "lut2")
+PROJ_FORMATS = ("f32", "bf16", "fp8", "mxfp4")
 
 
 # The slots of `draft_block`'s arrays, in the order of the enums in kernels.h: S stages' weights, then the head's.
@@ -69,6 +73,8 @@ ABI_MIRRORS: tuple[tuple[str, str, int], ...] = (
     ("DECODE_SLIDING", "KIND_SLIDING", DECODE_SLIDING),
     ("DECODE_CSA", "KIND_CSA", DECODE_CSA),
     ("DECODE_HCA", "KIND_HCA", DECODE_HCA),
+    ("len(PROJ_SEGMENT)", "PS_COUNT", len(PROJ_SEGMENT)),
+    *((f"PROJ_FORMATS.index({f!r})", f"WF_{f.upper()}", i) for i, f in enumerate(PROJ_FORMATS)),
 )
 # `pdspark_abi` of a library that matches this file.
 ABI = tuple(value for _, _, value in ABI_MIRRORS)

@@ -7,7 +7,8 @@
  * The library is this one translation unit, made of parts with one job each (kernels.h: what they share):
  *   gemm.c          the weight GEMMs and dot products (fp32 weights and bf16 bits)
  *   pool.c          the helper thread that shares a step's big GEMMs
- *   compact.c       the GEMMs of compact weights (FP8 128x128 tiles, MXFP4 experts), decoded a block of rows at a time
+ *   compact.c       the GEMMs of compact weights (FP8 128x128 tiles, MXFP4 experts), decoded a block of rows at a time,
+ *                   and of a projection whose rows are segments in any of the storages (`gemm_proj`)
  *   ops.c           the per-op kernels (norms, rope, mHC, indexer, sink attention, compressor, output projection,
  *                   LM head)
  *   moe.c           MoE routing and experts
@@ -37,7 +38,7 @@
 int pdspark_abi(long *out, int n) {
     const long abi[] = {W_COUNT,  I_COUNT,  F_COUNT,   S_COUNT,  SI_COUNT,     P_COUNT,  L_COUNT,
                         DW_COUNT, DH_COUNT, DI_COUNT,  DF_COUNT, INDEX_MAX_TOKENS,
-                        KIND_SLIDING, KIND_CSA, KIND_HCA};
+                        KIND_SLIDING, KIND_CSA, KIND_HCA, PS_COUNT, WF_F32, WF_BF16, WF_FP8, WF_MXFP4};
     const int count = (int)(sizeof(abi) / sizeof(abi[0]));
     for (int i = 0; i < count && i < n; i++) out[i] = abi[i];
     return count;

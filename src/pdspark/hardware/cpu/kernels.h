@@ -43,7 +43,7 @@ enum { /* the layer's weights (pointers, fixed once the weights are final) */
 };
 enum { /* the layer's sizes */
     I_KIND, I_HC, I_ITERS, I_D, I_QL, I_H, I_HD, I_G, I_L, I_C_RATIO, I_C_DIM, I_I_HEADS, I_I_DIM, I_I_TOPK,
-    I_E, I_INTER, I_K, I_SQRTSP, I_BF16, /* I_BF16: the projections are bf16 bits (`gemm_exact_h`) */
+    I_E, I_INTER, I_K, I_SQRTSP,
     I_E0, I_E_HELD, /* expert parallelism: the experts this rank holds, [I_E0, I_E0 + I_E_HELD) of the I_E */
     I_COUNT
 };
@@ -63,6 +63,22 @@ enum { /* the layer's pools: pointer, row stride (floats) */
     P_IDX_STATE_STRIDE, P_COUNT
 };
 enum { KIND_SLIDING, KIND_CSA, KIND_HCA };
+
+/* A projection's weights (the W_X, W_Q_B, W_O_A, W_O_B, W_I_Q_B, W_MOE_IN, W_13, W_2 and W_2S slots point to one):
+ * word 0 the number of row segments, then PS_COUNT words per segment, its rows following the previous segment's.
+ * Keep in step with `pdspark.hardware.cpu.kernel_abi.PROJ_SEGMENT` and `PROJ_FORMATS`. */
+enum { WF_F32, WF_BF16, WF_FP8, WF_MXFP4, WF_COUNT }; /* a segment's storage */
+enum {
+    PS_FMT, PS_ROWS, /* WF_*, and the segment's rows */
+    PS_DATA, /* fp32 or bf16 bits [rows, K]; e4m3 bytes [rows, K]; MXFP4 pairs of codes [rows, K / 2] */
+    PS_SCALE, /* FP8: fp32 tile scales [.., PS_SCALE_COLS]; MXFP4: ue8m0 bytes [rows, K / 32] */
+    PS_SCALE_COLS, /* FP8: ceil(K / 128) */
+    PS_ROW0, /* FP8: where row 0 sits in the matrix its scales tile (a slice of a bigger one: 0 for a whole one) */
+    PS_PERIOD, PS_SCALE_PERIOD, /* FP8 stacks (routed experts): rows and scale rows per matrix (0: one matrix) */
+    PS_LUT, /* FP8: fp32 [256] each e4m3 byte's value; MXFP4: fp32 [16] each e2m1 code's value */
+    PS_LUT2, /* MXFP4: fp32 [256] each ue8m0 byte's value */
+    PS_COUNT
+};
 
 /* Slots of `draft_block`'s arrays. Keep in step with `pdspark.hardware.cpu.kernels.DRAFT_*`. */
 enum { /* one stage's weights (the table holds S of these, then the DH_* head slots) */
@@ -119,6 +135,12 @@ static void gemm_rows_w(const void *w, long off, int bf, const float *x, long xs
                         long os);
 void pool_threads(int n);
 
+/* ---- compact.c: compact weights, and a projection's weights in any storage ------------------------------------ */
+
+static int gemm_proj(const long *p, long row, const float *x, long xs, int T, int N, int K, float *out, long os);
+static const long *proj_plain(long p[1 + PS_COUNT], const void *w, int bf, long rows);
+int linear_proj(const long *p, long row, const float *x, int T, int N, int K, float *out);
+
 /* ---- ops.c: the per-op kernels ----------------------------------------------------------------------------------- */
 
 /* `sink_attend`'s arguments, for a range of its rows. */
@@ -140,9 +162,8 @@ typedef struct {
 } attend_job;
 
 static void sink_attend_rows(attend_job a, float *scratch2);
-static void attn_out_rows_w(const float *o, const float *cos, const float *sin, int T, int H, int d, int r,
-                            const void *wo_a, int G, int L, const void *wo_b, int Dm, int bf, float *scratch,
-                            float *out);
+static int attn_out_rows_p(const float *o, const float *cos, const float *sin, int T, int H, int d, int r,
+                           const long *wo_a, int G, int L, const long *wo_b, int Dm, float *scratch, float *out);
 void linear_rows(const float *x, const float *w, int T, int N, int K, float *out);
 void rms_norm(const float *x, long stride, const float *w, int N, int D, float eps, float *out);
 void rope_rotate(const float *x, const float *cos, const float *sin, int T, int H, int D, int r, float sign,
@@ -190,18 +211,18 @@ void lm_head(const float *h, int N, int hc, int D, const float *fn, const float 
 /* ---- moe.c: MoE routing and experts ------------------------------------------------------------------------------ */
 
 static float swiglu1(float g, float u, float limit);
-static void moe_decode_w(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
-                         const float *bias, const void *w13, const void *w2, const void *w2s, int bf, int T, int D,
-                         int E, int I, int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids,
-                         float *ws, float *out);
+static int moe_decode_p(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
+                        const float *bias, const long *w13, const long *w2, const long *w2s, int T, int D, int E,
+                        int I, int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids,
+                        float *ws, float *out);
 /* Expert parallelism: sums ys [n floats] (each (token, slot) output row, zeros where another rank holds the slot's
  * expert) over the ranks of the group, in place; 0 on success, else nonzero (a collective failed or timed out). */
 typedef int (*expert_exchange)(float *ys, long n);
-static int moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
-                             const long *tid2eid, const float *bias, const void *w13, const void *w2,
-                             const void *w2s, int bf, int T, int D, int E, int e0, int e_held, expert_exchange ex,
-                             int I, int k, int sqrtsoftplus, float scaling, float limit, long *ids, float *ws,
-                             float *fs, float *out);
+static int moe_decode_rows_p(const float *x, const float *lgu, long lstride, const long *input_ids,
+                             const long *tid2eid, const float *bias, const long *w13, const long *w2, const long *w2s,
+                             int T, int D, int E, int e0, int e_held, expert_exchange ex, int I, int k,
+                             int sqrtsoftplus, float scaling, float limit, long *ids, float *ws, float *fs,
+                             float *out);
 void moe_decode(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
                 const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E, int I,
                 int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids, float *ws, float *out);
@@ -216,8 +237,8 @@ int moe_decode_rows(const float *x, const float *lgu, long lstride, const long *
 long decode_layer_scratch_floats(const int *wi, int T, int V, int W);
 int decode_layer(const long *wp, const int *wi, const float *wf, const long *sp, const int *si, const long *pp,
                  const float *h, float *h_out, float *scratch, long scratch_n, long *ids_buf);
-int decode_layers(int n, const long *tables, const long *sp, const int *si, const float *embed, int hc, int D,
-                  float *h0, float *h1, float *scratch, long scratch_n, long *ids_buf, const int *capture,
+int decode_layers(int n, const long *tables, const long *sp, const int *si, const void *embed, int embed_bf16, int hc,
+                  int D, float *h0, float *h1, float *scratch, long scratch_n, long *ids_buf, const int *capture,
                   float *features, int F);
 
 /* ---- draft_block.c: the DSpark draft ----------------------------------------------------------------------------- */

@@ -130,6 +130,8 @@ def load() -> ctypes.CDLL | None:
     lib.linear_fp8.restype = i
     lib.linear_mxfp4.argtypes = [f, f, f, f, f, i, i, i, f]
     lib.linear_mxfp4.restype = i
+    lib.linear_proj.argtypes = [f, ctypes.c_long, f, i, i, i, f]
+    lib.linear_proj.restype = i
     lib.draft_scratch_floats.argtypes = [f, i, i]
     lib.draft_scratch_floats.restype = ctypes.c_long
     lib.draft_block.argtypes = [f, f, f, f, f, i, f, f, f, i, f, f]
@@ -138,7 +140,7 @@ def load() -> ctypes.CDLL | None:
     lib.draft_inject.restype = None
     lib.decode_index.argtypes = [f, f, f, f]
     lib.decode_index.restype = i
-    lib.decode_layers.argtypes = [i, f, f, f, f, i, i, f, f, f, ctypes.c_long, f, f, f, i]
+    lib.decode_layers.argtypes = [i, f, f, f, f, i, i, i, f, f, f, ctypes.c_long, f, f, f, i]
     lib.decode_layer_scratch_floats.argtypes = [f, i, i, i]
     lib.decode_layer_scratch_floats.restype = ctypes.c_long
     lib.decode_layers.restype = i
@@ -588,6 +590,8 @@ def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
                           scratch.numel(), ids.data_ptr())
     if rc == -2:
         raise ExpertExchangeError("decode_layer: the expert exchange failed")
+    if rc == -3:
+        raise MemoryError("decode_layer: no memory for a compact weight block's decoded rows")
     if rc < 0:
         raise KernelArgumentError(f"decode_layer: the layer needs more than the {scratch.numel()} scratch floats")
     return out
@@ -654,7 +658,7 @@ def _rows_out(x: torch.Tensor, K: int, N: int) -> tuple[torch.Tensor, torch.Tens
 
 
 @cache
-def _e4m3_values() -> torch.Tensor:
+def e4m3_values() -> torch.Tensor:
     """PyTorch's own values of the 256 e4m3 bytes (what the C decode reads: it cannot disagree with torch's)."""
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().contiguous()
 
@@ -671,7 +675,7 @@ def linear_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row0: int 
     assert scale.shape[1] == -(-K // 128) and scale.shape[0] * 128 >= row0 + N, (q.shape, scale.shape, row0)
     x2, out = _rows_out(x, K, N)
     if x2.shape[0] and lib.linear_fp8(x2.data_ptr(), q.data_ptr(), scale.data_ptr(), scale.shape[1], row0,
-                                      _e4m3_values().data_ptr(), x2.shape[0], N, K, out.data_ptr()) != 0:
+                                      e4m3_values().data_ptr(), x2.shape[0], N, K, out.data_ptr()) != 0:
         return None
     return out.view(*x.shape[:-1], N)
 
@@ -693,6 +697,22 @@ def linear_mxfp4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, e2m
                                         e8m0.data_ptr(), x2.shape[0], N, K, out.data_ptr()) != 0:
         return None
     return out.view(*x.shape[:-1], N)
+
+
+def linear_proj(x: torch.Tensor, proj: torch.Tensor, row: int, rows: int) -> torch.Tensor | None:
+    """`x [T, K] @ W.T` for rows `[row, row + rows)` of a projection descriptor `proj` (int64, `kernel_abi.
+    PROJ_SEGMENT` words a segment, built by `model.cpu.projection_table`): every output the bits `linear_rows` gives
+    with those rows decoded to fp32. None when the C path does not apply or a compact block's scratch could not be
+    allocated."""
+    lib = load()
+    if lib is None or not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and proj.dtype is torch.int64
+                           and proj.is_contiguous()):
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], rows)
+    if lib.linear_proj(proj.data_ptr(), row, x.data_ptr(), x.shape[0], rows, x.shape[1], out.data_ptr()) != 0:
+        return None
+    return out
 
 
 def set_threads(n: int) -> None:
@@ -799,9 +819,9 @@ def _check_index_request(req: torch.Tensor, layout: torch.Tensor, step: torch.Te
 def decode_layers(tables: torch.Tensor, step: torch.Tensor, step_sizes: torch.Tensor, embed: torch.Tensor,
                   h: tuple[torch.Tensor, torch.Tensor], scratch: torch.Tensor, ids: torch.Tensor,
                   capture: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
-    """Every layer of a step after `decode_index`: the step's token embeddings into `h[0]` (each `[>= T, hc, D]`),
-    then `decode_layer` per row of `tables` (`[layers, 4]` int64: weights, sizes, scalars, pools pointers),
-    alternating between the two buffers. Returns the index of the buffer holding the output.
+    """Every layer of a step after `decode_index`: the step's token embeddings (`embed` fp32 or bf16) into `h[0]`
+    (each `[>= T, hc, D]`), then `decode_layer` per row of `tables` (`[layers, 4]` int64: weights, sizes, scalars,
+    pools pointers), alternating between the two buffers. Returns the index of the buffer holding the output.
 
     `capture = (columns, features)`: `columns` int32 `[layers]` (-1: not captured, else the layer's block of D
     columns), `features` fp32 `[>= T, F]` receives each captured layer's output averaged over the hc streams (the
@@ -813,12 +833,16 @@ def decode_layers(tables: torch.Tensor, step: torch.Tensor, step_sizes: torch.Te
     T = int(step_sizes[0])
     if h[0].shape[0] < T or h[1].shape[0] < T or (feats is not None and feats.shape[0] < T):
         raise KernelArgumentError(f"decode_layers: {T} tokens; the stream or feature buffers hold fewer")
+    assert embed.dtype in (torch.float32, torch.bfloat16) and embed.is_contiguous(), embed.dtype
     k = lib.decode_layers(tables.shape[0], tables.data_ptr(), step.data_ptr(), step_sizes.data_ptr(),
-                          embed.data_ptr(), hc, D, h[0].data_ptr(), h[1].data_ptr(), scratch.data_ptr(),
-                          scratch.numel(), ids.data_ptr(), None if cols is None else cols.data_ptr(),
-                          None if feats is None else feats.data_ptr(), 0 if feats is None else feats.shape[1])
+                          embed.data_ptr(), int(embed.dtype is torch.bfloat16), hc, D, h[0].data_ptr(),
+                          h[1].data_ptr(), scratch.data_ptr(), scratch.numel(), ids.data_ptr(),
+                          None if cols is None else cols.data_ptr(), None if feats is None else feats.data_ptr(),
+                          0 if feats is None else feats.shape[1])
     if k == -2:
         raise ExpertExchangeError("decode_layers: a layer's expert exchange failed")
+    if k == -3:
+        raise MemoryError("decode_layers: no memory for a compact weight block's decoded rows")
     if k < 0:
         raise KernelArgumentError(f"decode_layers: a layer needs more than the {scratch.numel()} scratch floats")
     return int(k)

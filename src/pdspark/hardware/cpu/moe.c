@@ -47,12 +47,13 @@ static void route_token(const float *lt, const long *eids, const float *bias, in
  *            weight = score / (sum of the k scores + 1e-20) * scaling.
  *   out[t] = sum_j weight_j * w2[e_j] @ swiglu(w13[e_j] @ x[t]) + w2s @ swiglu(shared gate, shared up),
  * the routed terms summed in slot order, then the shared term added (as `MoE.forward`'s pair loop).
- * x [T, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], w2s [D, I]; scratch 3I + 2D floats, ids k
- * words, ws k floats. */
-static void moe_decode_w(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
-                         const float *bias, const void *w13, const void *w2, const void *w2s, int bf, int T, int D,
-                         int E, int I, int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids,
-                         float *ws, float *out) {
+ * x [T, D]; projections (`gemm_proj`) w13 of E * 2I rows of D (each expert's gate rows then up rows), w2 of E * D
+ * rows of I, w2s of D rows of I; scratch 3I + 2D floats, ids k words, ws k floats. Returns 0, or -1 when a compact
+ * block's scratch could not be allocated. */
+static int moe_decode_p(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
+                        const float *bias, const long *w13, const long *w2, const long *w2s, int T, int D, int E,
+                        int I, int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids,
+                        float *ws, float *out) {
     float *h = scratch, *act = scratch + 2 * I, *acc = scratch + 3 * I, *y = scratch + 3 * I + D;
     for (int t = 0; t < T; t++) {
         const float *xt = x + (long)t * D, *lt = lgu + (long)t * lstride;
@@ -60,43 +61,47 @@ static void moe_decode_w(const float *x, const float *lgu, long lstride, const l
         route_token(lt, tid2eid != 0 ? tid2eid + input_ids[t] * k : 0, bias, E, k, sqrtsoftplus, scaling, ids, ws);
         /* routed experts, in slot order */
         for (int j = 0; j < k; j++) { /* one row: `gemv`'s bits */
-            gemm_exact_w(w13, ids[j] * 2L * I * D, bf, xt, D, 1, 2 * I, D, h, 2 * I);
+            if (gemm_proj(w13, ids[j] * 2L * I, xt, D, 1, 2 * I, D, h, 2 * I) != 0) return -1;
             for (int i = 0; i < I; i++) act[i] = swiglu1(h[i], h[I + i], limit);
-            gemm_exact_w(w2, ids[j] * (long)D * I, bf, act, I, 1, D, I, y, D);
+            if (gemm_proj(w2, ids[j] * (long)D, act, I, 1, D, I, y, D) != 0) return -1;
             for (int d = 0; d < D; d++) acc[d] = j == 0 ? y[d] * ws[j] : acc[d] + y[d] * ws[j];
         }
         /* shared expert */
         const float *sg = lt + E, *su = lt + E + I;
         for (int i = 0; i < I; i++) act[i] = swiglu1(sg[i], su[i], limit);
-        gemm_exact_w(w2s, 0, bf, act, I, 1, D, I, y, D);
+        if (gemm_proj(w2s, 0, act, I, 1, D, I, y, D) != 0) return -1;
         for (int d = 0; d < D; d++) ot[d] = acc[d] + y[d];
     }
+    return 0;
 }
 
 void moe_decode(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
                 const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E, int I,
                 int k, int sqrtsoftplus, float scaling, float limit, float *scratch, long *ids, float *ws, float *out) {
-    moe_decode_w(x, lgu, lstride, input_ids, tid2eid, bias, w13, w2, w2s, 0, T, D, E, I, k, sqrtsoftplus, scaling,
-                 limit, scratch, ids, ws, out);
+    long p13[1 + PS_COUNT], p2[1 + PS_COUNT], p2s[1 + PS_COUNT];
+    moe_decode_p(x, lgu, lstride, input_ids, tid2eid, bias, proj_plain(p13, w13, 0, 2L * E * I),
+                 proj_plain(p2, w2, 0, (long)E * D), proj_plain(p2s, w2s, 0, D), T, D, E, I, k, sqrtsoftplus, scaling,
+                 limit, scratch, ids, ws, out); /* (plain weights: nothing to allocate) */
 }
 
-/* A range of routed experts of `moe_decode_rows_w`, each over the rows that picked it; `scr` is this range's own
+/* A range of routed experts of `moe_decode_rows_p`, each over the rows that picked it; `scr` is this range's own
  * MOE_RANGE_FLOATS(T, k, D, I) floats (gathered rows, activations, outputs, row slots). An expert may be picked
  * by up to T*k rows, not T: a hash layer's tid2eid row may name one expert in several slots (transformers
  * initialises the table to zeros: every slot expert 0), and each slot then counts once, as in the reference. */
 #define MOE_RANGE_FLOATS(T, k, D, I) ((long)(T) * (k) * (2L * (D) + 3L * (I) + 1))
 typedef struct {
     const float *x;
-    const void *w13, *w2; /* the held experts' weights: expert e at index e - held0 */
-    int bf, T, D, I, k, e0, e1, held0;
+    const long *w13, *w2; /* the held experts' projections: expert e at index e - held0 */
+    int T, D, I, k, e0, e1, held0;
     float limit;
     const long *ids;
     float *ys; /* [T, k, D]: token t's slot j output */
     float *scr;
+    int failed; /* a compact block's scratch could not be allocated */
 } moe_range;
 
 static void moe_experts(void *arg) {
-    const moe_range *m = (const moe_range *)arg;
+    moe_range *m = (moe_range *)arg;
     const int T = m->T, D = m->D, I = m->I, k = m->k;
     const long n_max = (long)T * k; /* rows an expert can gather */
     float *xg = m->scr, *hg = xg + n_max * D, *ag = hg + n_max * 2 * I, *yg = ag + n_max * I;
@@ -111,11 +116,17 @@ static void moe_experts(void *arg) {
                     n++;
                 }
         if (n == 0) continue;
-        gemm_exact_w(m->w13, (long)(e - m->held0) * 2 * I * D, m->bf, xg, D, n, 2 * I, D, hg, 2 * I);
+        if (gemm_proj(m->w13, (long)(e - m->held0) * 2 * I, xg, D, n, 2 * I, D, hg, 2 * I) != 0) {
+            m->failed = 1;
+            return;
+        }
         for (int r = 0; r < n; r++)
             for (int i = 0; i < I; i++)
                 ag[(long)r * I + i] = swiglu1(hg[(long)r * 2 * I + i], hg[(long)r * 2 * I + I + i], m->limit);
-        gemm_exact_w(m->w2, (long)(e - m->held0) * D * I, m->bf, ag, I, n, D, I, yg, D);
+        if (gemm_proj(m->w2, (long)(e - m->held0) * D, ag, I, n, D, I, yg, D) != 0) {
+            m->failed = 1;
+            return;
+        }
         for (int r = 0; r < n; r++)
             for (int d = 0; d < D; d++) m->ys[(long)rows[r] * D + d] = yg[(long)r * D + d];
     }
@@ -130,14 +141,14 @@ static void moe_experts(void *arg) {
  * Expert parallelism: this rank holds experts [e0, e0 + e_held) of the E (w13, w2 hold those only); the slots of
  * the others stay zero and `ex` sums the (token, slot) rows over the ranks before the slot-order sum, so every
  * output has the bits of one process holding all E (each row is computed by exactly one rank; x + 0 is x).
- * Returns 0, or -1 when `ex` failed (out not written).
+ * Returns 0, -1 when `ex` failed, -2 when a compact block's scratch could not be allocated (out not written).
  * Scratch: T*k longs ids, T*k floats ws, 2 * MOE_RANGE_FLOATS(T, k, D, I) + T*k*D floats fs
  * (`moe_rows_scratch_floats`). */
-static int moe_decode_rows_w(const float *x, const float *lgu, long lstride, const long *input_ids,
-                             const long *tid2eid, const float *bias, const void *w13, const void *w2,
-                             const void *w2s, int bf, int T, int D, int E, int e0, int e_held, expert_exchange ex,
-                             int I, int k, int sqrtsoftplus, float scaling, float limit, long *ids, float *ws,
-                             float *fs, float *out) {
+static int moe_decode_rows_p(const float *x, const float *lgu, long lstride, const long *input_ids,
+                             const long *tid2eid, const float *bias, const long *w13, const long *w2, const long *w2s,
+                             int T, int D, int E, int e0, int e_held, expert_exchange ex, int I, int k,
+                             int sqrtsoftplus, float scaling, float limit, long *ids, float *ws, float *fs,
+                             float *out) {
     const long range_scr = MOE_RANGE_FLOATS(T, k, D, I);
     const int e1 = e0 + e_held;
     float *ys = fs + 2 * range_scr; /* [T, k, D] */
@@ -149,21 +160,23 @@ static int moe_decode_rows_w(const float *x, const float *lgu, long lstride, con
     for (long p = 0; p < (long)T * k; p++) held += ids[p] >= e0 && ids[p] < e1;
     if (held < (long)T * k)
         for (long p = 0; p < (long)T * k * D; p++) ys[p] = 0.0f;
-    moe_range mine = {x, w13, w2, bf, T, D, I, k, e0, e1, e0, limit, ids, ys, fs};
+    moe_range mine = {x, w13, w2, T, D, I, k, e0, e1, e0, limit, ids, ys, fs, 0};
     /* The split: the first expert at which half of the held picks are behind. */
     int split = e0;
     for (long behind = 0; split < e1 && 2 * behind < held; split++)
         for (long p = 0; p < (long)T * k; p++) behind += ids[p] == split;
     /* Two threads: two ranges of experts, one a thread. More: the experts one after another, each GEMM split over
-     * every thread (`gemm_exact_w`): a range a thread would leave the others idle. */
+     * every thread (`gemm_proj`): a range a thread would leave the others idle. */
     if (pool.threads == 2 && split > e0 && split < e1 && held * 3 * I * D >= POOL_MIN_MACS && pool_take()) {
         moe_range theirs = mine;
         mine.e1 = theirs.e0 = split;
         theirs.scr = fs + range_scr;
         pool_split(moe_experts, &theirs, moe_experts, &mine);
+        mine.failed |= theirs.failed;
     } else {
         moe_experts(&mine);
     }
+    if (mine.failed) return -2;
     if (ex != 0 && ex(ys, (long)T * k * D) != 0) return -1;
     for (int t = 0; t < T; t++) { /* routed terms in slot order, as `moe_decode`'s acc */
         float *ot = out + (long)t * D;
@@ -176,7 +189,7 @@ static int moe_decode_rows_w(const float *x, const float *lgu, long lstride, con
     for (int t = 0; t < T; t++) /* shared expert's activations */
         for (int i = 0; i < I; i++)
             ag[(long)t * I + i] = swiglu1(lgu[(long)t * lstride + E + i], lgu[(long)t * lstride + E + I + i], limit);
-    gemm_exact_w(w2s, 0, bf, ag, I, T, D, I, yg, D);
+    if (gemm_proj(w2s, 0, ag, I, T, D, I, yg, D) != 0) return -2;
     for (int t = 0; t < T; t++)
         for (int d = 0; d < D; d++) out[(long)t * D + d] = out[(long)t * D + d] + yg[(long)t * D + d];
     return 0;
@@ -187,12 +200,14 @@ long moe_rows_scratch_floats(int T, int k, int D, int I) {
     return 2 * MOE_RANGE_FLOATS(T, k, D, I) + (long)T * k * D;
 }
 
-/* Returns 0, or -1 when `ex` failed (expert parallelism: see `moe_decode_rows_w`; one process: e0 0, e_held E,
+/* Returns 0, or -1 when `ex` failed (expert parallelism: see `moe_decode_rows_p`; one process: e0 0, e_held E,
  * ex NULL). */
 int moe_decode_rows(const float *x, const float *lgu, long lstride, const long *input_ids, const long *tid2eid,
                     const float *bias, const float *w13, const float *w2, const float *w2s, int T, int D, int E,
                     int e0, int e_held, expert_exchange ex, int I, int k, int sqrtsoftplus, float scaling,
                     float limit, long *ids, float *ws, float *fs, float *out) {
-    return moe_decode_rows_w(x, lgu, lstride, input_ids, tid2eid, bias, w13, w2, w2s, 0, T, D, E, e0, e_held, ex, I,
-                             k, sqrtsoftplus, scaling, limit, ids, ws, fs, out);
+    long p13[1 + PS_COUNT], p2[1 + PS_COUNT], p2s[1 + PS_COUNT];
+    return moe_decode_rows_p(x, lgu, lstride, input_ids, tid2eid, bias, proj_plain(p13, w13, 0, 2L * e_held * I),
+                             proj_plain(p2, w2, 0, (long)e_held * D), proj_plain(p2s, w2s, 0, D), T, D, E, e0, e_held,
+                             ex, I, k, sqrtsoftplus, scaling, limit, ids, ws, fs, out);
 }

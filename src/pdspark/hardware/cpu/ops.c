@@ -716,22 +716,23 @@ void attn_out(const float *o, const float *cos, const float *sin, int T, int H, 
 
 /* `attn_out` with the rows sharing each weight read (`gemm_exact`; the same bits): every token unrotated first,
  * then each group's wo_a and wo_b over all T rows. scratch holds T * (H*d + G*L) floats. */
-static void attn_out_rows_w(const float *o, const float *cos, const float *sin, int T, int H, int d, int r,
-                            const void *wo_a, int G, int L, const void *wo_b, int Dm, int bf, float *scratch,
-                            float *out) {
+static int attn_out_rows_p(const float *o, const float *cos, const float *sin, int T, int H, int d, int r,
+                           const long *wo_a, int G, int L, const long *wo_b, int Dm, float *scratch, float *out) {
     const int C = H * d / G;
     float *un = scratch, *mid = scratch + (long)T * H * d;
     for (int t = 0; t < T; t++)
         rope_rotate(o + (long)t * H * d, cos + (long)t * r, sin + (long)t * r, 1, H, d, r, -1.0f,
                     un + (long)t * H * d);
     for (int g = 0; g < G; g++)
-        gemm_exact_w(wo_a, (long)g * L * C, bf, un + (long)g * C, H * d, T, L, C, mid + g * L, (long)G * L);
-    gemm_exact_w(wo_b, 0, bf, mid, (long)G * L, T, Dm, G * L, out, Dm);
+        if (gemm_proj(wo_a, (long)g * L, un + (long)g * C, H * d, T, L, C, mid + g * L, (long)G * L) != 0) return -1;
+    return gemm_proj(wo_b, 0, mid, (long)G * L, T, Dm, G * L, out, Dm);
 }
 
 void attn_out_rows(const float *o, const float *cos, const float *sin, int T, int H, int d, int r, const float *wo_a,
                    int G, int L, const float *wo_b, int Dm, float *scratch, float *out) {
-    attn_out_rows_w(o, cos, sin, T, H, d, r, wo_a, G, L, wo_b, Dm, 0, scratch, out);
+    long pa[1 + PS_COUNT], pb[1 + PS_COUNT];
+    attn_out_rows_p(o, cos, sin, T, H, d, r, proj_plain(pa, wo_a, 0, (long)G * L), G, L,
+                    proj_plain(pb, wo_b, 0, Dm), Dm, scratch, out); /* (plain weights: nothing to allocate) */
 }
 
 /* The model's head for a few rows: the final mHC collapse (`HyperHead`: no Sinkhorn), the final RMSNorm and the

@@ -6,8 +6,9 @@ the step's indices once per step (shared by every layer), and a layer is one cal
 order as `DecoderLayer.forward` (its BLAS matmuls become GEMV loops). Two entry points, each returning None where
 it does not apply (the package's contract, `model.cpu`): `try_run` over a built `ForwardBatch` (one C call per
 layer), and `try_run_indexed`, which builds the step's indices in C from the page tables and runs every layer in one
-more call. Steps they do not cover (prefill chunks, more than `MAX_TOKENS` tokens, other dtypes or devices,
-quantized weights, the multi-stream prepare) keep the module path.
+more call. A projection's weights may be fp32, bf16 or a released checkpoint's FP8/MXFP4 weights as stored, segment by
+segment (`projection_table`). Steps they do not cover (prefill chunks, more than `MAX_TOKENS` tokens, other devices,
+ModelSlim int8 weights, the multi-stream prepare) keep the module path.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pdspark.hardware.cpu import kernel_abi
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.attention import Attention
 from pdspark.model.batch import CompressPlan, ForwardBatch, LayerCaches
+from pdspark.model.compact_experts import CompactExperts
+from pdspark.model.cpu.projection_table import ProjectionTable, Segment, expert_segment, projection_table, segment_of
 from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.model_config import CSA, HCA, ModelConfig
 from pdspark.model.moe import MoE
@@ -58,6 +61,7 @@ class LayerTable(NamedTuple):
     sizes: torch.Tensor  # int32
     scalars: torch.Tensor  # fp32
     keep: tuple[torch.Tensor, ...]  # the tensors behind the pointers, held while the table lives
+    formats: dict[str, tuple[str, ...]]  # each projection's storages (`kernel_abi.PROJ_FORMATS`), segment by segment
 
 
 def _fp32(t: object) -> torch.Tensor | None:
@@ -67,33 +71,74 @@ def _fp32(t: object) -> torch.Tensor | None:
     return None
 
 
-# The weights `decode_layer` reads through its GEMMs (the rest are vectors and small mixes, read once per row).
-_PROJECTIONS = ("wx", "wq_b", "wo_a", "wo_b", "i_wq_b", "moe_in", "w13", "w2", "w2s")
+def _projection_parts(layer: DecoderLayer) -> dict[str, list[object]] | str:
+    """Each projection `decode_layer` reads through its GEMMs (`kernel_abi.DECODE_WEIGHTS` names) as its parts in row
+    order: the stacked float matrix `fuse` built where there is one, else the layer's own weights and linears (a
+    compact model keeps no stacked copy), or why the C step cannot read them."""
+    attn, moe = layer.attn, layer.ffn
+    if not (isinstance(attn, Attention) and isinstance(moe, MoE)):
+        return f"{type(attn).__name__}/{type(moe).__name__} modules"
+    fused_x = attn.fused_x
+    if fused_x is None:
+        return "projections not laid out for inference (`prepare_inference` not run)"
+    stacked = fused_x.groups[0][1] if len(fused_x.groups) == 1 else None
+    wx: list[object] = [stacked] if isinstance(stacked, torch.Tensor) else [attn.wq_a, attn.wkv]
+    if not isinstance(stacked, torch.Tensor):
+        if attn.compressor is not None:
+            wx.append(attn.compressor.wkv_gate)
+        if attn.indexer is not None:
+            wx += [attn.indexer.compressor.wkv_gate, attn.indexer.weights_proj]
+    parts: dict[str, list[object]] = {"wx": wx, "wq_b": [attn.wq_b], "wo_a": [attn.wo_a], "wo_b": [attn.wo_b]}
+    if attn.indexer is not None:
+        parts["i_wq_b"] = [attn.indexer.wq_b]
+    if moe.c_decode is not None:  # float experts: the router and shared gate/up stacked by `fuse`
+        parts |= {"moe_in": [moe.c_decode[0]], "w2s": [moe.c_decode[1]], "w13": [moe.w13], "w2": [moe.w2]}
+    elif isinstance(moe.experts, CompactExperts):
+        parts |= {"moe_in": [moe.gate, moe.shared.w1, moe.shared.w3], "w2s": [moe.shared.w2],
+                  "w13": [(moe.experts, "w13")], "w2": [(moe.experts, "w2")]}
+    else:
+        what = "no C layout" if moe.experts is None else type(moe.experts).__name__
+        return f"routed experts of {what} (ModelSlim int8 experts, or a MoE `fuse` did not lay out)"
+    return parts
+
+
+def _projection(parts: list[object], rows: int, name: str) -> ProjectionTable | str:
+    """One projection's table from its parts (`_projection_parts`), checked to hold the `rows` rows the C loops
+    will read (they trust their sizes)."""
+    segments: list[Segment] = []
+    for part in parts:
+        seg = expert_segment(*part) if isinstance(part, tuple) else segment_of(part, bf16_copy=True)
+        if isinstance(seg, str):
+            return f"weight {name}: {seg}"
+        segments.append(seg)
+    if sum(s.rows for s in segments) != rows:
+        return f"weight {name} has {sum(s.rows for s in segments)} rows where the layer's sizes give {rows}"
+    return projection_table(segments)
 
 
 def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
-    """The table of one target layer, or why it has none (some weight is not a plain fp32 CPU tensor)."""
+    """The table of one target layer, or why it has none (a weight the C loops cannot read: off the CPU, a format
+    without a C kernel, a vector that is not fp32)."""
+    if isinstance(getattr(layer.ffn, "exchange", None), TokenExchange):
+        return "DP-attention: the C decode step does not exchange token rows between ranks yet"
+    parts = _projection_parts(layer)
+    if isinstance(parts, str):
+        return parts
     attn, moe = layer.attn, layer.ffn
-    if not (isinstance(attn, Attention) and isinstance(moe, MoE)):
-        return f"{type(attn).__name__}/{type(moe).__name__} modules (quantized weights)"
-    fused_x, c_decode = attn.fused_x, moe.c_decode
-    wx = fused_x.groups[0][1] if fused_x is not None and len(fused_x.groups) == 1 else None
+    assert isinstance(attn, Attention) and isinstance(moe, MoE)  # (`_projection_parts` checked)
     frozen = (layer.attn_hc._frozen, layer.ffn_hc._frozen)
-    if not isinstance(wx, torch.Tensor) or c_decode is None or None in frozen:
-        return "projections not fused into one fp32 matrix (quantized or non-fp32 weights)"
+    if None in frozen:
+        return "the hyper-connection mixes are not frozen (`prepare_inference` not run)"
     w: dict[str, torch.Tensor | None] = {
         "attn_fn": frozen[0][0], "attn_scale": frozen[0][1], "attn_base": frozen[0][2],  # type: ignore[index]
         "ffn_fn": frozen[1][0], "ffn_scale": frozen[1][1], "ffn_base": frozen[1][2],  # type: ignore[index]
-        "attn_norm": layer.attn_norm.weight, "ffn_norm": layer.ffn_norm.weight, "wx": wx,
-        "q_norm": attn.q_norm.weight, "wq_b": attn.wq_b, "kv_norm": attn.kv_norm.weight, "sink": attn.attn_sink,
-        "wo_a": attn.wo_a, "wo_b": attn.wo_b, "moe_in": c_decode[0], "w13": moe.w13, "w2": moe.w2,
-        "w2s": c_decode[1],
+        "attn_norm": layer.attn_norm.weight, "ffn_norm": layer.ffn_norm.weight,
+        "q_norm": attn.q_norm.weight, "kv_norm": attn.kv_norm.weight, "sink": attn.attn_sink,
     }
     if attn.compressor is not None:
         w |= {"c_ape": attn.compressor.ape, "c_norm": attn.compressor.norm.weight}
     if attn.indexer is not None:
-        w |= {"i_wq_b": attn.indexer.wq_b, "i_ape": attn.indexer.compressor.ape,
-              "i_norm": attn.indexer.compressor.norm.weight}
+        w |= {"i_ape": attn.indexer.compressor.ape, "i_norm": attn.indexer.compressor.norm.weight}
     if not moe.is_hash:
         w["bias"] = moe.bias
     checked = {k: _fp32(v) for k, v in w.items()}
@@ -102,36 +147,38 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
         t = w[odd]
         what = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         return f"weight {odd} is {what}, not a contiguous fp32 CPU tensor"
-    # The projections as bf16 bits when every one of them holds bf16 numbers (a checkpoint's weights do): the same
-    # arithmetic on half the bytes (`gemm.c`, `gemm_exact_h`). The norms, mixes, sinks and biases stay fp32.
-    halves = {k: cpu_kernels.bf16_copy(v) for k in _PROJECTIONS if (v := checked.get(k)) is not None}
-    bf16 = all(v is not None for v in halves.values())
-    if bf16:
-        checked |= halves
     tid2eid = moe.get_buffer("tid2eid") if moe.is_hash else None
     if tid2eid is not None:
         if not (tid2eid.dtype is torch.int64 and tid2eid.is_contiguous() and tid2eid.is_cpu):
             return f"tid2eid is {tid2eid.dtype} on {tid2eid.device}, not contiguous int64 on the CPU"
         checked["tid2eid"] = tid2eid
-    pointers = {n: v.data_ptr() for n, v in checked.items() if v is not None}
-    # Expert parallelism: the C function that sums the (token, slot) outputs over the group (0: one process).
-    if isinstance(moe.exchange, TokenExchange):
-        return "DP-attention: the C decode step does not exchange token rows between ranks yet"
-    pointers["exchange"] = 0 if moe.exchange is None else moe.exchange.c_pointer
-    weights = [pointers.get(n, 0) for n in kernel_abi.DECODE_WEIGHTS]
     kind = {CSA: kernel_abi.DECODE_CSA, HCA: kernel_abi.DECODE_HCA}.get(attn.layer_type, kernel_abi.DECODE_SLIDING)
     comp = attn.compressor
     idx = attn.indexer
+    inter = moe.experts.inter if isinstance(moe.experts, CompactExperts) else moe.w2.shape[2]
     sizes = {
         "kind": kind, "hc": cfg.hc_mult, "iters": cfg.hc_sinkhorn_iters, "hidden": cfg.hidden_size,
         "q_lora": cfg.q_lora_rank, "heads": attn.n_heads, "head_dim": attn.head_dim, "o_groups": attn.o_groups,
         "o_lora": cfg.o_lora_rank, "c_ratio": 0 if comp is None else comp.ratio,
         "c_dim": 0 if comp is None else comp.dim,
         "i_heads": 0 if idx is None else idx.n_heads, "i_dim": 0 if idx is None else idx.dim,
-        "i_topk": 0 if idx is None else idx.topk, "experts": moe.n_experts, "inter": moe.w2.shape[2],
-        "top_k": moe.top_k, "sqrtsoftplus": int(moe.scoring_func == "sqrtsoftplus"), "bf16": int(bf16),
+        "i_topk": 0 if idx is None else idx.topk, "experts": moe.n_experts, "inter": inter,
+        "top_k": moe.top_k, "sqrtsoftplus": int(moe.scoring_func == "sqrtsoftplus"),
         "expert0": moe.shard.first, "experts_held": moe.shard.count,
     }
+    # The rows each projection must hold (decode_layer.c reads these many).
+    cw = 0 if comp is None else comp.dim * (2 if kind == kernel_abi.DECODE_CSA else 1)
+    iw = 0 if idx is None else 2 * idx.dim
+    rows = {"wx": cfg.q_lora_rank + attn.head_dim + 2 * cw + (0 if idx is None else 2 * iw + idx.n_heads),
+            "wq_b": attn.n_heads * attn.head_dim, "wo_a": attn.o_groups * cfg.o_lora_rank, "wo_b": cfg.hidden_size,
+            "i_wq_b": 0 if idx is None else idx.n_heads * idx.dim, "moe_in": moe.n_experts + 2 * inter,
+            "w13": moe.shard.count * 2 * inter, "w2": moe.shard.count * cfg.hidden_size, "w2s": cfg.hidden_size}
+    projections: dict[str, ProjectionTable] = {}
+    for name, ps in parts.items():
+        table = _projection(ps, rows[name], name)
+        if isinstance(table, str):
+            return table
+        projections[name] = table
     scalars = {
         "hc_eps": layer.attn_hc.hc_eps, "hc_norm_eps": layer.attn_hc.norm_eps, "attn_norm_eps": layer.attn_norm.eps,
         "ffn_norm_eps": layer.ffn_norm.eps, "q_eps": attn.q_norm.eps, "head_eps": attn.eps,
@@ -142,11 +189,18 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
     }
     if layer.attn_hc.hc_eps != layer.ffn_hc.hc_eps or layer.attn_hc.norm_eps != layer.ffn_hc.norm_eps:
         return "the attention and FFN hyper-connections have different epsilons"
+    pointers = {n: v.data_ptr() for n, v in checked.items() if v is not None}
+    pointers |= {n: p.words.data_ptr() for n, p in projections.items()}
+    # Expert parallelism: the C function that sums the (token, slot) outputs over the group (0: one process).
+    assert not isinstance(moe.exchange, TokenExchange)  # (refused above)
+    pointers["exchange"] = 0 if moe.exchange is None else moe.exchange.c_pointer
     return LayerTable(
-        torch.tensor(weights, dtype=torch.int64),
+        torch.tensor([pointers.get(n, 0) for n in kernel_abi.DECODE_WEIGHTS], dtype=torch.int64),
         torch.tensor([sizes[n] for n in kernel_abi.DECODE_SIZES], dtype=torch.int32),
         torch.tensor([scalars[n] for n in kernel_abi.DECODE_SCALARS], dtype=torch.float32),
-        tuple(v for v in checked.values() if v is not None),
+        (*(v for v in checked.values() if v is not None),
+         *(t for p in projections.values() for t in (p.words, *p.keep))),
+        {n: p.formats for n, p in projections.items()},
     )
 
 
@@ -207,7 +261,7 @@ class DecodeStep:
         if pool_tables is None:
             return None
         rope_main, rope_compress = ropes
-        x = F.embedding(batch.input_ids, embed)
+        x = F.embedding(batch.input_ids, embed).float()  # (a compact model's embedding is bf16: exact)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
         # The rotation factors at the step's positions, held in locals: the step table points into them.
         main_at, comp_at = rope_main.at(batch.positions), rope_compress.at(batch.positions)
@@ -348,7 +402,8 @@ class _IndexedStep(NamedTuple):
               ropes: tuple[RotaryTable, RotaryTable]) -> _IndexedStep | None:
         tables = ds.pool_tables(pools)
         tabs = [_fp32(t) for r in ropes for t in (r.cos, r.sin)]
-        if tables is None or _fp32(embed) is None or any(t is None for t in tabs):
+        plain_embed = embed.is_cpu and embed.is_contiguous() and embed.dtype in (torch.float32, torch.bfloat16)
+        if tables is None or not plain_embed or any(t is None for t in tabs):
             return None
         main_cos, main_sin, comp_cos, comp_sin = tabs
         assert main_cos is not None and main_sin is not None and comp_cos is not None and comp_sin is not None
