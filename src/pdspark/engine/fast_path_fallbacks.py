@@ -16,8 +16,8 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 # The reasons (metric label values, all initialised at start): the model has no C step (ModelSlim int8 weights, a
-# bf16/fp16 model, no C kernels), the step has more token rows than the C step takes, the KV pools (or the drafter's capture)
-# are not what it reads, the engine runs off the CPU, the multi-stream prepare takes the step.
+# bf16/fp16 model, no C kernels), the step has more token rows than the C step takes, the KV pools (or the drafter's
+# capture) are not what it reads, the engine runs off the CPU, the multi-stream prepare takes the step.
 REASONS = ("model", "step_tokens", "pools", "device", "multi_stream")
 
 

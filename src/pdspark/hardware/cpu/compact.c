@@ -19,20 +19,18 @@
 #define COMPACT_AVX512 1
 #include <immintrin.h>
 
-/* 16 e4m3 bytes -> their values, as torch decodes them (lut [256], tested on every byte): a normal byte's exponent
- * and mantissa moved to an fp32's (bit 20 up) with the exponent rebased from 7 to 127; a subnormal (exponent 0) is
- * its mantissa times 2^-9, exactly; the sign to bit 31 (0x80 is -0.0); the two NaN bytes from the table. */
+/* 16 e4m3 bytes -> their values, as torch decodes them (lut [256]; tested on every byte): each byte's exponent and
+ * mantissa bits shifted into a half float's (whose exponent bias, 15, is e4m3's 7 plus 8: an e4m3 subnormal becomes
+ * a half subnormal) and its sign to bit 15, widened by the CPU's exact half-to-single conversion, times 2^8 (exact);
+ * the two NaN bytes take the table's value. */
 static inline __m512 e4m3_values16(const unsigned char *q, const float *lut) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    const __m512i m7 = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
-    const __m512i rebased = _mm512_add_epi32(_mm512_slli_epi32(m7, 20), _mm512_set1_epi32(120 << 23));
-    const __m512 normal = _mm512_castsi512_ps(rebased);
-    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m7), _mm512_set1_ps(0x1p-9f));
-    __m512 f = _mm512_mask_mov_ps(normal, _mm512_cmplt_epi32_mask(m7, _mm512_set1_epi32(8)), sub);
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-    f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
-    const __mmask16 nan = _mm512_cmpeq_epi32_mask(m7, _mm512_set1_epi32(0x7F));
-    return nan ? _mm512_mask_i32gather_ps(f, nan, v, lut, 4) : f;
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+    const __m256i m7 = _mm256_and_si256(v, _mm256_set1_epi16(0x7F));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(m7, 7), sign)),
+                                   _mm512_set1_ps(256.0f));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(m7, _mm256_set1_epi16(0x7F));
+    return nan ? _mm512_mask_i32gather_ps(f, nan, _mm512_cvtepu16_epi32(v), lut, 4) : f;
 }
 #endif
 
@@ -124,8 +122,118 @@ static float *compact_rows_scratch(int K) {
     return compact_block;
 }
 
+#ifdef COMPACT_AVX512
+/* A few input rows (decode steps, a batch-1 DSpark verify step: up to COMPACT_FUSED_T) take each weight chunk of 16 decoded in a
+ * register and multiplied at once, without the decoded block's round trip through memory. Each output keeps `dot`'s
+ * arithmetic: 16 lane sums of products (a product, then a sum: no fused multiply-add), the lanes added in order from
+ * 0.0f, then the columns past the last whole chunk one by one. Weight rows go in groups of COMPACT_FUSED_ROWS(T) so
+ * that the T x rows' sums stay in 16 registers. */
+#define COMPACT_FUSED_T 6
+#define COMPACT_FUSED_ROWS(T) ((T) <= 4 ? 4 : 2)
+
+/* acc[r][t] += w * x[t][k .. k + 16), for every input row. */
+#define COMPACT_MADD(r, w, k)                                                                                       \
+    do {                                                                                                            \
+        const __m512 w_ = (w);                                                                                      \
+        for (int t = 0; t < T; t++)                                                                                 \
+            acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_mul_ps(w_, _mm512_loadu_ps(x + (long)t * xs + (k))));      \
+    } while (0)
+
+/* out[t * os + r] = the finished sum of weight row r and input row t: acc's lanes in order, then the columns from k
+ * on (`tail(r, c)`: weight row r's value at column c). */
+#define COMPACT_FINISH(tail)                                                                                        \
+    do {                                                                                                            \
+        float lanes[16];                                                                                            \
+        for (int r = 0; r < nr; r++)                                                                                \
+            for (int t = 0; t < T; t++) {                                                                           \
+                _mm512_storeu_ps(lanes, acc[r][t]);                                                                 \
+                float s = 0.0f;                                                                                     \
+                for (int l = 0; l < 16; l++) s += lanes[l];                                                         \
+                for (int c = k; c < K; c++) s += (tail) * x[(long)t * xs + c];                                     \
+                out[(long)t * os + r] = s;                                                                          \
+            }                                                                                                       \
+    } while (0)
+
+/* FP8 rows [n, n + nr) of job j (nr <= 4), T <= COMPACT_FUSED_T input rows -> out [T, nr] (rows os apart). Inlined
+ * with T and nr constants (`compact_dot`), so that the sums live in registers. */
+static inline __attribute__((always_inline)) void compact_dot_fp8(const compact_job *j, int n, int nr, float *out,
+                                                                  int T) {
+    const int K = j->K;
+    const long xs = j->xs, os = j->os;
+    const float *x = j->x;
+    const unsigned char *q[4];
+    const float *sc[4];
+    __m512 acc[4][COMPACT_FUSED_T];
+    for (int r = 0; r < nr; r++) {
+        q[r] = j->q + (long)(n + r) * K;
+        sc[r] = j->scale + (long)((j->row0 + n + r) / 128) * j->scale_cols;
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    }
+    int k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int r = 0; r < nr; r++)
+            COMPACT_MADD(r, _mm512_mul_ps(e4m3_values16(q[r] + k, j->lut), _mm512_set1_ps(sc[r][k / 128])), k);
+    COMPACT_FINISH(j->lut[q[r][c]] * sc[r][c / 128]);
+}
+
+/* MXFP4 rows [n, n + nr) of job j (nr <= 4; K a multiple of 32), T <= COMPACT_FUSED_T input rows -> out [T, nr]. */
+static inline __attribute__((always_inline)) void compact_dot_mxfp4(const compact_job *j, int n, int nr, float *out,
+                                                                    int T) {
+    const int K = j->K;
+    const long xs = j->xs, os = j->os;
+    const float *x = j->x;
+    const __m512 table = _mm512_loadu_ps(j->e2m1);
+    const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const unsigned char *pr[4], *sr[4];
+    __m512 acc[4][COMPACT_FUSED_T];
+    for (int r = 0; r < nr; r++) {
+        pr[r] = j->q + (long)(n + r) * (K / 2);
+        sr[r] = j->sbytes + (long)(n + r) * (K / 32);
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    }
+    int k = 0;
+    for (; k + 32 <= K; k += 32)
+        for (int r = 0; r < nr; r++) {
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pr[r] + k / 2)));
+            const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)), table);
+            const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+            const __m512 scale = _mm512_set1_ps(j->e8m0[sr[r][k / 32]]);
+            COMPACT_MADD(r, _mm512_mul_ps(_mm512_permutex2var_ps(lo, even, hi), scale), k);
+            COMPACT_MADD(r, _mm512_mul_ps(_mm512_permutex2var_ps(lo, odd, hi), scale), k + 16);
+        }
+    COMPACT_FINISH(0.0f); /* (no columns left: 32 divides K) */
+}
+
+/* Rows [n, n + nr) of job j, nr <= COMPACT_FUSED_ROWS(T): the fused kernel of its format instantiated for its T and
+ * nr. */
+static void compact_dot(const compact_job *j, int n, int nr, float *out) {
+#define COMPACT_DOT_T(T)                                                                                            \
+    case T:                                                                                                         \
+        if (nr == COMPACT_FUSED_ROWS(T))                                                                            \
+            j->mxfp4 ? compact_dot_mxfp4(j, n, COMPACT_FUSED_ROWS(T), out, T)                                       \
+                     : compact_dot_fp8(j, n, COMPACT_FUSED_ROWS(T), out, T);                                        \
+        else                                                                                                        \
+            j->mxfp4 ? compact_dot_mxfp4(j, n, nr, out, T) : compact_dot_fp8(j, n, nr, out, T);                     \
+        break;
+    switch (j->T) {
+        COMPACT_DOT_T(1) COMPACT_DOT_T(2) COMPACT_DOT_T(3) COMPACT_DOT_T(4)
+        COMPACT_DOT_T(5) COMPACT_DOT_T(6)
+    }
+#undef COMPACT_DOT_T
+}
+#endif
+
 static void compact_job_fn(void *arg) {
     compact_job *j = arg;
+#ifdef COMPACT_AVX512
+    if (j->T <= COMPACT_FUSED_T) {
+        const int group = COMPACT_FUSED_ROWS(j->T);
+        for (int n = j->n_begin; n < j->n_end; n += group)
+            compact_dot(j, n, j->n_end - n < group ? j->n_end - n : group, j->out + n);
+        return;
+    }
+#endif
     float *rows = compact_rows_scratch(j->K);
     if (rows == 0) {
         j->failed = 1;

@@ -8,7 +8,8 @@
 
 Every entry point is a `try_...` with one contract: it runs the whole step and returns its output, or returns None
 where the path does not apply (other devices, weights without a C kernel (ModelSlim int8; the draft's FP8 ones), too
-many tokens, positions past the rotary table...), having computed and written nothing; the caller then runs the PyTorch modules:
+many tokens, positions past the rotary table...), having computed and written nothing; the caller then runs the
+PyTorch modules:
 
     out = step.try_run(...)
     if out is None:
