@@ -72,13 +72,14 @@ def test_injected_context_rows_match_the_module_path():
 def test_drafts_it_does_not_cover_keep_the_module_path(monkeypatch):
     moe = random_draft(moe=True)
     moe.prepare_inference()
-    assert DraftStep.build(moe) is None  # routed-MoE stages
-    unprepared = random_draft(moe=False)
-    assert DraftStep.build(unprepared) is None  # no fused projections, no frozen mixes
+    assert DraftStep.build(moe) == "its stages have routed experts (the C draft block runs one shared expert a stage)"
+    unprepared = random_draft(moe=False)  # no fused projections, no frozen mixes
+    assert DraftStep.build(unprepared) == "its stages are not prepared for inference (`prepare_inference` not run)"
     dense = random_draft(moe=False)
     dense.prepare_inference()
+    assert isinstance(DraftStep.build(dense), DraftStep)
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # PDSPARK_NO_C_KERNELS=1 or no compiler
-    assert DraftStep.build(dense) is None
+    assert str(DraftStep.build(dense)).startswith("no C kernels")
 
 
 @needs_c

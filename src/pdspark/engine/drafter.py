@@ -19,6 +19,7 @@ import torch
 
 from pdspark.cache.kv_cache import KVCache
 from pdspark.engine.draft_backlog import MAX_ROWS, DraftBacklog
+from pdspark.engine.fast_path_fallbacks import FastPathFallbacks
 from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.engine.request import Request
 from pdspark.engine.sampler import filter_logits
@@ -35,7 +36,7 @@ class DraftProposal:
 
 
 class DSparkDrafter:
-    def __init__(self, draft: DSparkDraft, kv: KVCache):
+    def __init__(self, draft: DSparkDraft, kv: KVCache, fallbacks: FastPathFallbacks | None = None):
         self.draft = draft
         self.kv = kv
         self.gamma = draft.dcfg.gamma
@@ -45,8 +46,12 @@ class DSparkDrafter:
         # the same bits): a block picks gamma tokens one after another, each needing the row of the one before.
         self._markov: dict[int, torch.Tensor] = {}
         self._markov_max = max(1, _MARKOV_CACHE_BYTES // (4 * draft.cfg.vocab_size))
-        # The whole draft forward as one C call where the draft and its pool allow it (else the module path).
-        self._step = DraftStep.build(draft)
+        # The whole draft forward as one C call where the draft and its pool allow it (else the module path, each
+        # time logged once and counted in `fallbacks` under "draft").
+        built = DraftStep.build(draft)
+        self._step: DraftStep | None = None if isinstance(built, str) else built
+        self.step_off: str | None = built if isinstance(built, str) else None  # why there is no C step
+        self.fallbacks = fallbacks if fallbacks is not None else FastPathFallbacks()
         self._pools: tuple[int, np.ndarray | None] | None = None  # (the pool's address, its `pool_table`)
         self.backlog = DraftBacklog()  # context rows kept, not written yet (`keep`)
 
@@ -77,6 +82,7 @@ class DSparkDrafter:
             return
         if self._step is not None and self._step.try_inject(features, positions, swa_slots, self._pool_table()):
             return  # one C call
+        self._note_module_path("its context rows")
         self.kv.pools.draft_kv[:, swa_slots] = self.draft.context_kv(features, positions).to(
             self.kv.pools.draft_kv.dtype
         )
@@ -113,12 +119,21 @@ class DSparkDrafter:
             fused = self._step.try_logits(np.array(anchors), anchor_pos, self._pool_table(), rows, valid)
             if fused is not None:
                 return fused
+        self._note_module_path("a proposal's draft blocks")
         pool = self.kv.pools.draft_kv
         dev = pool.device
         ctx_kv = pool[:, torch.from_numpy(rows.astype(np.int64)).to(dev)]  # [stages, M, W, d]
         h = self.draft.block_hidden(torch.tensor(anchors, device=dev), torch.from_numpy(anchor_pos).to(dev), ctx_kv,
                                     torch.from_numpy(valid).to(dev))
         return self.draft.base_logits(h)
+
+    def _note_module_path(self, what: str) -> None:
+        """`what` ran on the draft's module path: logged the first time, counted every time."""
+        if self.step_off is not None:
+            self.fallbacks.note("draft", lambda: f"the DSpark draft has no C step: {self.step_off}")
+        else:
+            self.fallbacks.note("draft", lambda: f"{what} are not what the C draft reads (no fp32 CPU pool table, "
+                                                 "positions past the rotary table, a quantized main_proj)")
 
     def _pool_table(self) -> np.ndarray | None:
         """`DraftStep.pool_table` of the draft pool (None: no C path), built again only if the pool moved."""

@@ -149,12 +149,14 @@ class Engine:
         self.kv = KVCache(model.cfg, self.sizes, dtype, self.backend.device, config.cache.enable_prefix_cache, stages,
                           config.cache.kv_cache_dtype)
         self.scheduler = Scheduler(config.scheduler, self.kv, num_drafts)
-        self.drafter = DSparkDrafter(draft, self.kv) if num_drafts and draft is not None else None
-        self.governor = (SpecGovernor(num_drafts) if self.drafter is not None
-                         and config.speculative_policy == "when-faster" else None)
-        capture = draft.dcfg.target_layer_ids if self.drafter and draft is not None else ()
+        capture = draft.dcfg.target_layer_ids if num_drafts and draft is not None else ()
         streams = PrepareStreams(self.backend) if config.multi_stream_rows else None
         self.runner = ModelRunner(model, self.kv, capture, streams, config.multi_stream_rows)
+        # (the drafter's module-path forwards count with the runner's steps)
+        self.drafter = DSparkDrafter(draft, self.kv, self.runner.fallbacks) if num_drafts and draft is not None \
+            else None
+        self.governor = (SpecGovernor(num_drafts) if self.drafter is not None
+                         and config.speculative_policy == "when-faster" else None)
         self.sampler = Sampler(model.cfg.eos_token_ids)
         self.grammars = Grammars(tokenizer, model.cfg.vocab_size, model.cfg.eos_token_ids)
         # Seeds for requests that come without one. NOTE: an explicit engine seed is the deterministic mode (tests,

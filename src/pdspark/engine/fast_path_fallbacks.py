@@ -17,8 +17,10 @@ logger = logging.getLogger(__name__)
 
 # The reasons (metric label values, all initialised at start): the model has no C step (ModelSlim int8 weights, a
 # bf16/fp16 model, no C kernels), the step has more token rows than the C step takes, the KV pools (or the drafter's
-# capture) are not what it reads, the engine runs off the CPU, the multi-stream prepare takes the step.
-REASONS = ("model", "step_tokens", "pools", "device", "multi_stream")
+# capture) are not what it reads, the engine runs off the CPU, the multi-stream prepare takes the step; and a DSpark
+# draft's forward or context-row write that took the draft's module path (the draft has no C step, or the call is not
+# what it reads).
+REASONS = ("model", "step_tokens", "pools", "device", "multi_stream", "draft")
 
 
 class FastPathFallbacks:

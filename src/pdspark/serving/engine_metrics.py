@@ -40,7 +40,8 @@ class EngineMetrics:
         self.fallback_steps = Counter(
             "pdspark_engine_fast_path_fallback_steps_total", "Decode/verify steps the C fast path did not run (the "
             "slower PyTorch path ran them, same tokens), by reason: model (ModelSlim int8 weights, a bf16/fp16 model, "
-            "no C kernels), step_tokens (more rows than the C step takes), pools, device, multi_stream", ["reason"],
+            "no C kernels), step_tokens (more rows than the C step takes), pools, device, multi_stream, draft (a "
+            "DSpark draft forward or context-row write on the draft's module path)", ["reason"],
             registry=r)
         for reason in FALLBACK_REASONS:
             self.fallback_steps.labels(reason=reason)

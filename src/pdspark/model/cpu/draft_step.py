@@ -10,7 +10,8 @@ differ from BLAS, so the logits match the module path to ~1e-6 of their scale, n
 (`tests/unit/test_draft_step.py`); verification keeps the committed tokens the target's either way. Two entry
 points, each returning None where it does not apply (the package's contract, `model.cpu`): `try_logits` (a
 proposal's base logits) and `try_inject` (context rows written to the draft's pool; True where it wrote them).
-Drafts it does not cover (routed-MoE stages, other dtypes or devices, quantized weights) keep the module path.
+Drafts it does not cover (routed-MoE stages, other dtypes or devices, quantized weights) keep the module path: the
+drafter logs why once and counts each such forward (`pdspark_engine_fast_path_fallback_steps_total{reason="draft"}`).
 """
 
 from __future__ import annotations
@@ -51,11 +52,15 @@ def _single(fused: object) -> torch.Tensor | None:
     return _fp32(groups[0][1])
 
 
-def _stage_weights(stage: DraftStage) -> dict[str, torch.Tensor | None] | None:
+def _stage_weights(stage: DraftStage) -> dict[str, torch.Tensor | None] | str:
     attn, ffn = stage.attn, stage.ffn
     frozen = (stage.attn_hc._frozen, stage.ffn_hc._frozen)
-    if not isinstance(ffn, SharedExpert) or None in frozen or attn.compressor is not None:
-        return None  # routed-MoE stages and unprepared ones keep the module path
+    if not isinstance(ffn, SharedExpert):
+        return "its stages have routed experts (the C draft block runs one shared expert a stage)"
+    if None in frozen:
+        return "its stages are not prepared for inference (`prepare_inference` not run)"
+    if attn.compressor is not None:
+        return "its stages compress their context (the C draft block attends a sliding window only)"
     return {
         "attn_fn": frozen[0][0], "attn_scale": frozen[0][1], "attn_base": frozen[0][2],  # type: ignore[index]
         "ffn_fn": frozen[1][0], "ffn_scale": frozen[1][1], "ffn_base": frozen[1][2],  # type: ignore[index]
@@ -92,21 +97,23 @@ _STAGE_MATRICES = ("wx", "wq_b", "wo_a", "wo_b", "gate_up", "down")
 _HEAD_MATRICES = ("head", "main_proj", "latents")
 
 
-def draft_table(draft: DSparkDraft) -> DraftTable | None:
-    """The table of a prepared draft, or None where some weight is not a plain fp32 CPU tensor or the stages'
-    numbers differ (the C call reads one set of sizes and scalars for every stage)."""
+def draft_table(draft: DSparkDraft) -> DraftTable | str:
+    """The table of a prepared draft, or why it has none: some weight is not a plain fp32 CPU tensor (a compact
+    draft's FP8 linears), a stage the C block does not run, the stages' numbers differ (the C call reads one set of
+    sizes and scalars for every stage)."""
     stages = draft.draft_stages
     if not stages or len(stages) != len(draft.stages):
-        return None
+        return "it has no draft stages laid out for inference"
     per_stage = [_stage_weights(s) for s in stages]
-    if any(w is None for w in per_stage) or not all(
-            isinstance(w, torch.Tensor) for s in stages for w in (s.attn.wq_b, s.attn.wo_a, s.attn.wo_b)):
-        return None  # (a compact draft's FP8 linears: the module path)
+    odd = next((w for w in per_stage if isinstance(w, str)), None)
+    if odd is not None:
+        return odd
+    if not all(isinstance(w, torch.Tensor) for s in stages for w in (s.attn.wq_b, s.attn.wo_a, s.attn.wo_b)):
+        return "its attention projections are FP8 linears (a released checkpoint's draft held compact)"
     numbers = [_stage_numbers(s, draft) for s in stages]
-    if any(n != numbers[0] for n in numbers) or stages[0].ffn_hc.hc_eps != stages[0].attn_hc.hc_eps:
-        return None
-    if stages[0].ffn_hc.norm_eps != stages[0].attn_hc.norm_eps:
-        return None
+    if any(n != numbers[0] for n in numbers) or stages[0].ffn_hc.hc_eps != stages[0].attn_hc.hc_eps or \
+            stages[0].ffn_hc.norm_eps != stages[0].attn_hc.norm_eps:
+        return "its stages differ in sizes or epsilons (the C block reads one set for every stage)"
     hh = draft.hc_head
     head: dict[str, object] = {
         "embed": draft.vocab[0], "hc_fn": hh.fn, "hc_scale": hh.scale, "hc_base": hh.base,
@@ -116,7 +123,7 @@ def draft_table(draft: DSparkDraft) -> DraftTable | None:
     checked_head = {k: _fp32(v) for k, v in head.items()}
     tensors = [v for w in checked for v in w.values()] + list(checked_head.values())
     if any(v is None for v in tensors):
-        return None
+        return "some weight is not a contiguous fp32 CPU tensor (fused bf16 or FP8 matrices, another device)"
     inject = {"main_proj": _fp32(draft.main_proj), "main_norm": _fp32(draft.main_norm.weight),
               "latents": _single(draft._stage_latents)}
     injects = None not in inject.values()
@@ -158,13 +165,13 @@ class DraftStep:
         self.scratch = torch.empty(0)
 
     @classmethod
-    def build(cls, draft: DSparkDraft) -> DraftStep | None:
-        """None where the draft has no table (see `draft_table`) or the C kernels cannot be built here."""
+    def build(cls, draft: DSparkDraft) -> DraftStep | str:
+        """The draft's C step, or why there is none (see `draft_table`, or no C kernels here)."""
         if cpu_kernels.load() is None:
-            return None
+            return "no C kernels (PDSPARK_NO_C_KERNELS=1, or they could not be built: see the log above)"
         table = draft_table(draft)
-        if table is None:
-            return None
+        if isinstance(table, str):
+            return table
         return cls(table, draft.dcfg.gamma, draft.vocab[1].shape[0], draft.rope.cos.shape[0])
 
     @staticmethod
