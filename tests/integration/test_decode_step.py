@@ -75,9 +75,9 @@ def test_bf16_weights_give_the_fp32_kernels_bits_on_the_shipped_checkpoint():
 
 
 def test_the_helper_threads_give_every_step_the_same_bits():
-    """With 2 and 4 threads the C steps share their GEMMs (in up to 4 parts), the routed experts and the attention
-    rows with helper threads (`pool.c`): tokens and logprobs equal, bit for bit, those of one thread, plain and
-    DSpark, batch 1 and 3 (verify steps of 6 and 18 rows)."""
+    """With 2, 3 and 4 threads the C steps share their GEMMs (in up to 4 parts), the routed experts and a verify
+    step's attention rows (in up to 4 ranges) with helper threads (`pool.c`): tokens and logprobs equal, bit for bit,
+    those of one thread, plain and DSpark, batch 1 and 3 (verify steps of 6 and 18 rows)."""
     from pdspark.hardware.cpu import kernels as cpu_kernels
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -87,7 +87,7 @@ def test_the_helper_threads_give_every_step_the_same_bits():
             for prompts in (random_prompts(1, [90], seed=9, vocab=4096),
                             random_prompts(3, [70, 100, 53], seed=10, vocab=4096)):
                 runs = []
-                for threads in (1, 2, 4):
+                for threads in (1, 2, 3, 4):
                     cpu_kernels.set_threads(threads)
                     runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
                 for other in runs[1:]:

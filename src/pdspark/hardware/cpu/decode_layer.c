@@ -23,7 +23,7 @@ long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
             n += 2 * r16(t * Hi * Di) + r16(t * Hi) + r16(2L * V) + r16((t * V + 3) / 4)
                  + r16(2L * t * wi[I_I_TOPK]) + r16((t * wi[I_I_TOPK] + 3) / 4);
     }
-    n += r16(2 * ((long)H * (W + V) + 16)) + r16(t * (H * HD + wi[I_G] * wi[I_L])) + r16(t * (E + 2 * I));
+    n += r16(ATTEND_MAX_PARTS * ((long)H * (W + V) + 16)) + r16(t * (H * HD + wi[I_G] * wi[I_L])) + r16(t * (E + 2 * I));
     if (T == 1 && wi[I_E_HELD] == E) n += r16(3L * I + 2L * D + K);
     else n += r16(2 * t * K) + r16(t * K) + r16(moe_rows_scratch_floats(T, K, D, I));
     return n;
@@ -118,11 +118,11 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
         if (V == 0) comp = 0;
     }
     const long ascr_n = (long)H * (W + V) + 16;
-    float *ascr = take(&at, 2 * ascr_n); /* this thread's and the helper's */
+    float *ascr = take(&at, ATTEND_MAX_PARTS * ascr_n); /* one for each part of the rows (`sink_attend_rows`) */
     sink_attend_rows((attend_job){q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS),
                                   BPTR(sp, S_WIN_VALID), W, comp, pp[P_COMP_STRIDE], comp_rows, comp_valid, V,
                                   PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o},
-                     ascr + ascr_n);
+                     ascr_n);
     float *oscr = take(&at, (long)T * (H * HD + wi[I_G] * wi[I_L]));
     if (attn_out_rows_p(o, cos, sin, T, H, HD, r, LPTR(wp, W_O_A), wi[I_G], wi[I_L], LPTR(wp, W_O_B), D, oscr, y)
         != 0)

@@ -161,7 +161,9 @@ typedef struct {
     float *scratch, *out;
 } attend_job;
 
-static void sink_attend_rows(attend_job a, float *scratch2);
+/* The parts a verify step's attention rows split into at most (each its own scratch of H*(W+V) floats). */
+#define ATTEND_MAX_PARTS 8
+static void sink_attend_rows(attend_job a, long scratch_floats);
 static int attn_out_rows_p(const float *o, const float *cos, const float *sin, int T, int H, int d, int r,
                            const long *wo_a, int G, int L, const long *wo_b, int Dm, float *scratch, float *out);
 void linear_rows(const float *x, const float *w, int T, int N, int K, float *out);

@@ -611,28 +611,43 @@ static void attend_job_fn(void *arg) {
                 a->comp_valid, a->V, a->sink, a->scale, a->T, a->H, a->d, a->scratch, a->out);
 }
 
-/* `sink_attend` of a verify step's rows, the last half offered to the helper thread (each row's arithmetic
- * unchanged); `scratch2` holds the helper's H*(W+V) floats. */
-static void sink_attend_rows(attend_job a, float *scratch2) {
-    const int half = a.T / 2;
-    if (pool.threads < 2 || half == 0 || !pool_take()) {
+/* A part of `sink_attend_rows`: its rows, with its own scratch. */
+typedef struct {
+    attend_job a;
+    long scratch_floats;
+} attend_parts;
+
+static void attend_part(void *arg, int part, int parts) {
+    const attend_parts *j = (const attend_parts *)arg;
+    int lo, hi;
+    part_range(j->a.T, 1, part, parts, &lo, &hi);
+    if (lo >= hi) return;
+    attend_job b = j->a;
+    b.q += (long)lo * b.H * b.d;
+    b.out += (long)lo * b.H * b.d;
+    b.win_rows += (long)lo * b.W;
+    b.win_valid += (long)lo * b.W;
+    if (b.V > 0) {
+        b.comp_rows += (long)lo * b.V;
+        b.comp_valid += (long)lo * b.V;
+    }
+    b.T = hi - lo;
+    b.scratch += part * j->scratch_floats;
+    attend_job_fn(&b);
+}
+
+/* `sink_attend` of a verify step's rows, split over the pool's threads (at most ATTEND_MAX_PARTS parts, each a range
+ * of rows with its own scratch: each row's arithmetic unchanged); a.scratch holds ATTEND_MAX_PARTS * scratch_floats
+ * floats, scratch_floats >= H*(W+V) each. */
+static void sink_attend_rows(attend_job a, long scratch_floats) {
+    int parts = pool.threads < ATTEND_MAX_PARTS ? pool.threads : ATTEND_MAX_PARTS;
+    parts = parts < a.T ? parts : a.T;
+    if (parts < 2 || !pool_take()) {
         attend_job_fn(&a);
         return;
     }
-    attend_job b = a;
-    const long hd = (long)half * a.H * a.d;
-    b.q += hd;
-    b.out += hd;
-    b.win_rows += (long)half * a.W;
-    b.win_valid += (long)half * a.W;
-    if (a.V > 0) {
-        b.comp_rows += (long)half * a.V;
-        b.comp_valid += (long)half * a.V;
-    }
-    b.T = a.T - half;
-    b.scratch = scratch2;
-    a.T = half;
-    pool_split(attend_job_fn, &b, attend_job_fn, &a);
+    attend_parts j = {a, scratch_floats};
+    pool_parts(attend_part, &j, parts);
 }
 
 /* One compressor's step (`model.compressor.Compressor.run`) in one call. w = coff * dim (coff 2 with overlap).
