@@ -718,8 +718,8 @@ def linear_proj(x: torch.Tensor, proj: torch.Tensor, row: int, rows: int) -> tor
 def set_threads(n: int) -> None:
     """Threads for the weight GEMMs of the C decode and verify steps and the compact weights' GEMMs, process-wide:
     the caller and `n - 1` helper threads (at most 64), who share the indexer's work and a verify step's attention
-    rows (in up to 8 ranges) too, and at 2 threads a multi-row step's expert ranges. The engine sets its own count, the CPUs
-    the process may use; each output keeps its bits whatever the count."""
+    rows (in up to 8 ranges) too, and at 2 threads a multi-row step's expert ranges. The engine sets its own count,
+    the CPUs the process may use; each output keeps its bits whatever the count."""
     global _threads
     lib = load()
     if lib is not None:
