@@ -4,10 +4,15 @@
  *
  * A block of weight rows is decoded into a scratch of fp32 rows (each value `code value * scale`, one fp32 multiply,
  * exactly the float the dequantized checkpoint holds), then multiplied by `gemm_exact`, whose every output is one
- * `dot` of a weight row and an input row whatever rows share the call. So an output has the bits the fp32 weights
- * decoded at load would give it through `linear_rows`, while the weights stay resident at 1 byte (FP8) or half a
- * byte (MXFP4) per value and are read once per call. The code tables come from the caller (PyTorch's own decodes of
- * the 256 e4m3 bytes, the 16 e2m1 codes and the 256 ue8m0 bytes), so the two paths cannot disagree on a value. */
+ * `dot` of a weight row and an input row whatever rows share the call; for 1 to COMPACT_FUSED_T input rows each
+ * chunk of 16 values is decoded in a register and multiplied at once, in `dot`'s order. So an output has the bits the
+ * fp32 weights decoded at load would give it through `linear_rows`, while the weights stay resident at 1 byte (FP8)
+ * or half a byte (MXFP4) per value and are read once per call. The code tables come from the caller (PyTorch's own
+ * decodes of the 256 e4m3 bytes, the 16 e2m1 codes and the 256 ue8m0 bytes), so the two paths cannot disagree on a
+ * value (the AVX-512 decodes compute the same values: tested on every code).
+ *
+ * `gemm_proj` (at the end) is the decode step's GEMM of a projection whose rows are segments in different storages
+ * (fp32, bf16 bits, FP8, MXFP4), each through its kernel. */
 #include <stdlib.h>
 
 #include "kernels.h"
@@ -123,11 +128,11 @@ static float *compact_rows_scratch(int K) {
 }
 
 #ifdef COMPACT_AVX512
-/* A few input rows (decode steps, a batch-1 DSpark verify step: up to COMPACT_FUSED_T) take each weight chunk of 16 decoded in a
- * register and multiplied at once, without the decoded block's round trip through memory. Each output keeps `dot`'s
- * arithmetic: 16 lane sums of products (a product, then a sum: no fused multiply-add), the lanes added in order from
- * 0.0f, then the columns past the last whole chunk one by one. Weight rows go in groups of COMPACT_FUSED_ROWS(T) so
- * that the T x rows' sums stay in 16 registers. */
+/* A few input rows (decode steps, a batch-1 DSpark verify step: up to COMPACT_FUSED_T) take each weight chunk of 16
+ * decoded in a register and multiplied at once, without the decoded block's round trip through memory. Each output
+ * keeps `dot`'s arithmetic: 16 lane sums of products (a product, then a sum: no fused multiply-add), the lanes added
+ * in order from 0.0f, then the columns past the last whole chunk one by one. Weight rows go in groups of
+ * COMPACT_FUSED_ROWS(T) so that the sums of a group's rows and the T input rows stay in at most 16 registers. */
 #define COMPACT_FUSED_T 6
 #define COMPACT_FUSED_ROWS(T) ((T) <= 4 ? 4 : 2)
 

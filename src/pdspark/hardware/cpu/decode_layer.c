@@ -23,7 +23,8 @@ long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
             n += 2 * r16(t * Hi * Di) + r16(t * Hi) + r16(2L * V) + r16((t * V + 3) / 4)
                  + r16(2L * t * wi[I_I_TOPK]) + r16((t * wi[I_I_TOPK] + 3) / 4);
     }
-    n += r16(ATTEND_MAX_PARTS * ((long)H * (W + V) + 16)) + r16(t * (H * HD + wi[I_G] * wi[I_L])) + r16(t * (E + 2 * I));
+    n += r16(ATTEND_MAX_PARTS * ((long)H * (W + V) + 16)) + r16(t * (H * HD + wi[I_G] * wi[I_L]))
+         + r16(t * (E + 2 * I));
     if (T == 1 && wi[I_E_HELD] == E) n += r16(3L * I + 2L * D + K);
     else n += r16(2 * t * K) + r16(t * K) + r16(moe_rows_scratch_floats(T, K, D, I));
     return n;
@@ -166,10 +167,10 @@ int decode_layer(const long *wp, const int *wi, const float *wf, const long *sp,
 
 /* Every layer of a small step after `decode_index`: the token embeddings (fp32, or bf16 bits when embed_bf16: a
  * compact model's, widened exactly) copied into each of the hc streams of h0 [T, hc, D], then layer l reads one
- * buffer and writes the other. tables [n, 4]: each layer's weights, sizes, scalars and pools arrays (`decode_layer`'s first and sixth arguments). Returns the buffer holding the result
- * (0: h0, 1: h1), or -1 (nothing done) when some layer's scratch exceeds scratch_n floats, -2 when a layer's
- * expert exchange failed, -3 when a compact weight block's scratch could not be allocated (the buffers then hold
- * partial results).
+ * buffer and writes the other. tables [n, 4]: each layer's weights, sizes, scalars and pools arrays
+ * (`decode_layer`'s first and sixth arguments). Returns the buffer holding the result (0: h0, 1: h1), or -1
+ * (nothing done) when some layer's scratch exceeds scratch_n floats, -2 when a layer's expert exchange failed, -3
+ * when a compact weight block's scratch could not be allocated (the buffers then hold partial results).
  * Drafter features (a DSpark verify step): where capture != NULL and capture[l] = c >= 0, layer l's output streams
  * averaged over hc go to columns [c * D, (c + 1) * D) of features [T, F] (F floats a row), as `DSV4Model.forward`'s
  * `h.mean(dim=1)`: the streams summed in order, then divided by hc (the bits of ATen's CPU mean). */

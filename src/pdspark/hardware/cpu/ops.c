@@ -161,11 +161,11 @@ static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 /* Lightning-indexer scores: out[t, g] = sum_h relu(q[t, h, :] . k_t[g, :]) * scale * w[t, h], for T queries of
  * H heads (q [T, H, D], w [T, H]) against V keys each (k_t = k + t * kstride, [V, D]; kstride 0: the queries share
  * their keys; or, with `rows`, the pool rows k + rows[t * rows_tstride + g] * row_stride, read in place;
- * rows_tstride 0: the queries share their rows). Every dot product is a plain sum in channel order (no partial sums) and the heads are summed in
- * order, so a score does not depend on T, V, kstride or the vector width: the prefill and decode paths pick the
- * same entries. Vector lanes run over entries (32 at a time, four independent accumulators), not channels, with
- * each block of keys transposed channel-major once per block (once for all queries when they share the keys).
- * relu is `x > 0 ? x : +0`. out [T, V]. */
+ * rows_tstride 0: the queries share their rows). Every dot product is a plain sum in channel order (no partial
+ * sums) and the heads are summed in order, so a score does not depend on T, V, kstride or the vector width: the
+ * prefill and decode paths pick the same entries. Vector lanes run over entries (32 at a time, four independent
+ * accumulators), not channels, with each block of keys transposed channel-major once per block (once for all
+ * queries when they share the keys). relu is `x > 0 ? x : +0`. out [T, V]. */
 /* kt[d * NV + i] (lanes l = 0..7) = row[8 i + l][d0 + d] for d < 8: eight rows' channels d0 .. d0+7 transposed
  * with shuffles (a scalar transpose stores one lane at a time, and each vector load of kt then waits on eight
  * stores); NULL rows are zeros. Data movement only: the scores' arithmetic is unchanged. */

@@ -1,4 +1,4 @@
-/* pdspark CPU kernels, pool.c: the helper thread that shares a step's big GEMMs, and the GEMM entry points the
+/* pdspark CPU kernels, pool.c: the helper threads that share a step's big GEMMs, and the GEMM entry points the
  * other parts call (`gemm_exact_w`, `gemm_rows_w`), which offer it work. */
 #include "kernels.h"
 
@@ -7,10 +7,11 @@
  * from a shared counter and compute each claimed part whole, so a part's arithmetic does not depend on the thread or
  * the split, and the caller takes every part no helper has claimed by the time it is free (a sleeping helper never
  * makes a job slower than the caller alone). A GEMM big enough (`POOL_MIN_MACS`) splits its output rows into up to
- * n parts (`gemm_pooled`), as do the compact GEMMs (compact.c) and the indexer (ops.c); a verify step's attention
- * rows and, at 2 threads, a multi-row step's expert ranges split in two (`pool_split`), each with its own scratch. Helpers spin `POOL_SPIN_NS` for the next job (a step's GEMMs come
- * microseconds apart), then sleep on a condition variable. One caller at a time: a job that finds the pool taken
- * (two engines of one process stepping at once) runs alone. A forked child starts with no helper (threads are not
+ * n parts (`gemm_pooled`), as do the compact GEMMs (compact.c), the indexer and a verify step's attention rows
+ * (ops.c, each part with its own scratch); at 2 threads a multi-row step's expert ranges split in two
+ * (`pool_split`). Helpers spin `POOL_SPIN_NS` for the next job (a step's GEMMs come microseconds apart), then sleep
+ * on a condition variable. One caller at a time: a job that finds the pool taken (two engines of one process
+ * stepping at once) runs alone. A forked child starts with no helper (threads are not
  * copied) and makes new ones when it needs them.
  *
  * The claim word holds (generation, parts, next part) in one atomic 64-bit value, so a helper claims a part of the
