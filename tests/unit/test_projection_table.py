@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdspark.hardware.cpu import kernels
 from pdspark.model.compact_experts import FP8, MXFP4, CompactExperts
@@ -98,3 +100,50 @@ def test_segments_the_c_step_cannot_read_are_named():
     exact = torch.randn(4, 8).bfloat16().float()
     assert float_segment(exact, bf16_copy=True).fmt == "bf16" and float_segment(exact, bf16_copy=False).fmt == "f32"
     assert float_segment(torch.randn(4, 8) / 3, bf16_copy=True).fmt == "f32"  # (not bf16 numbers: kept fp32)
+
+
+@st.composite
+def _layouts(draw):
+    """A projection of 1 to 5 segments over K inputs (fp32, bf16, FP8 with a row0, MXFP4), a row range of it, and
+    1 to 9 input rows."""
+    K = draw(st.sampled_from([32, 96, 160]))
+    segments = draw(st.lists(st.tuples(st.sampled_from(["f32", "bf16", "fp8", "mxfp4"]), st.integers(1, 40),
+                                       st.integers(0, 200)), min_size=1, max_size=5))
+    total = sum(rows for _, rows, _ in segments)
+    start = draw(st.integers(0, total - 1))
+    n = draw(st.integers(1, total - start))
+    return K, segments, start, n, draw(st.integers(1, 9)), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_layouts())
+def test_any_layout_of_segments_has_the_bits_of_its_decoded_rows(layout):
+    """Random segment layouts, row ranges and input row counts (both the fused kernels' 1 to 6 rows and the block
+    path's more): every output equals the row-exact GEMM's over the same rows decoded to fp32."""
+    K, specs, start, n, T, seed = layout
+    g = torch.Generator().manual_seed(seed)
+    segments, dense = [], []
+    for fmt, rows, row0 in specs:
+        w = torch.randn(rows, K, generator=g)
+        if fmt in ("f32", "bf16"):
+            t = w if fmt == "f32" else w.bfloat16()
+            segments.append(float_segment(t, bf16_copy=False))
+            dense.append(t.float())
+        elif fmt == "fp8":  # rows [row0, row0 + rows) of a bigger matrix: their tiles counted from row0
+            q, s = release_formats.quant_fp8_blocks(torch.randn(row0 + rows, K, generator=g))
+            linear = Fp8Linear(q, s).rows(row0, row0 + rows)
+            segments.append(fp8_segment(linear))
+            dense.append(linear.dequantized_weight())
+        else:
+            q, s = release_formats.quant_mxfp4(w)
+            q8, s8 = q.view(torch.uint8)[None], s.view(torch.uint8)[None]  # one expert's rows x K as its w2
+            experts = CompactExperts(MXFP4, 0, {"w13": torch.cat([q8, q8], 1), "w2": q8},
+                                     {"w13": torch.cat([s8, s8], 1), "w2": s8})
+            segments.append(expert_segment(experts, "w2"))
+            dense.append(release_formats.dequant_mxfp4(q, s))
+    proj = projection_table(segments)  # type: ignore[arg-type]
+    x = torch.randn(T, K, generator=g)
+    with torch.inference_mode():
+        got = kernels.linear_proj(x, proj.words, start, n)
+        want = kernels.linear_rows(x, torch.cat(dense)[start : start + n].contiguous())
+    assert got is not None and torch.equal(got, want)
