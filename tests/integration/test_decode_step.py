@@ -130,3 +130,21 @@ def test_steps_the_c_path_does_not_cover_are_logged_once_per_reason_and_counted(
         "decode/verify steps take the slower PyTorch path: the model has no C decode step: no C kernels "
         "(PDSPARK_NO_C_KERNELS=1, or they could not be built: see the log above) (logged once per reason; counted "
         "in pdspark_engine_fast_path_fallback_steps_total{reason='model'})"]
+
+
+def test_a_projection_of_another_shape_than_the_layers_sizes_is_refused_naming_it():
+    """The C loops trust the sizes they are given: a projection whose rows or inputs differ from what the layer's
+    sizes make them read gets no table (the module path runs), with a reason naming the weight and both numbers."""
+    import torch
+
+    from pdspark.assets import resolve_model
+    from pdspark.model.cpu.decode_step import layer_table
+    from pdspark.model.loader import load_checkpoint
+
+    model = load_checkpoint(resolve_model("dsv4-tiny"), 128).model
+    layer, cfg = model.layers[1], model.cfg
+    assert not isinstance(layer_table(layer, cfg), str)
+    for shape, why in (((192, 100), "weight wo_b has rows of 100 inputs where the layer's sizes give 128"),
+                       ((100, 128), "weight wo_b has 100 rows where the layer's sizes give 192")):
+        layer.attn.wo_b = torch.nn.Parameter(torch.zeros(shape), requires_grad=False)
+        assert layer_table(layer, cfg) == why

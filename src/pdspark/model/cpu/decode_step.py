@@ -102,14 +102,16 @@ def _projection_parts(layer: DecoderLayer) -> dict[str, list[object]] | str:
     return parts
 
 
-def _projection(parts: list[object], rows: int, name: str) -> ProjectionTable | str:
-    """One projection's table from its parts (`_projection_parts`), checked to hold the `rows` rows the C loops
-    will read (they trust their sizes)."""
+def _projection(parts: list[object], rows: int, inputs: int, name: str) -> ProjectionTable | str:
+    """One projection's table from its parts (`_projection_parts`), checked to hold the `rows` rows of `inputs`
+    values the C loops will read (they trust their sizes)."""
     segments: list[Segment] = []
     for part in parts:
         seg = expert_segment(*part) if isinstance(part, tuple) else segment_of(part, bf16_copy=True)
         if isinstance(seg, str):
             return f"weight {name}: {seg}"
+        if seg.inputs != inputs:
+            return f"weight {name} has rows of {seg.inputs} inputs where the layer's sizes give {inputs}"
         segments.append(seg)
     if sum(s.rows for s in segments) != rows:
         return f"weight {name} has {sum(s.rows for s in segments)} rows where the layer's sizes give {rows}"
@@ -166,16 +168,18 @@ def layer_table(layer: DecoderLayer, cfg: ModelConfig) -> LayerTable | str:
         "top_k": moe.top_k, "sqrtsoftplus": int(moe.scoring_func == "sqrtsoftplus"),
         "expert0": moe.shard.first, "experts_held": moe.shard.count,
     }
-    # The rows each projection must hold (decode_layer.c reads these many).
+    # The rows and inputs of each projection (decode_layer.c reads these many).
+    D, QL, L, G = cfg.hidden_size, cfg.q_lora_rank, cfg.o_lora_rank, attn.o_groups
     cw = 0 if comp is None else comp.dim * (2 if kind == kernel_abi.DECODE_CSA else 1)
     iw = 0 if idx is None else 2 * idx.dim
-    rows = {"wx": cfg.q_lora_rank + attn.head_dim + 2 * cw + (0 if idx is None else 2 * iw + idx.n_heads),
-            "wq_b": attn.n_heads * attn.head_dim, "wo_a": attn.o_groups * cfg.o_lora_rank, "wo_b": cfg.hidden_size,
-            "i_wq_b": 0 if idx is None else idx.n_heads * idx.dim, "moe_in": moe.n_experts + 2 * inter,
-            "w13": moe.shard.count * 2 * inter, "w2": moe.shard.count * cfg.hidden_size, "w2s": cfg.hidden_size}
+    shapes = {"wx": (QL + attn.head_dim + 2 * cw + (0 if idx is None else 2 * iw + idx.n_heads), D),
+              "wq_b": (attn.n_heads * attn.head_dim, QL), "wo_a": (G * L, attn.n_heads * attn.head_dim // G),
+              "wo_b": (D, G * L), "i_wq_b": (0 if idx is None else idx.n_heads * idx.dim, QL),
+              "moe_in": (moe.n_experts + 2 * inter, D), "w13": (moe.shard.count * 2 * inter, D),
+              "w2": (moe.shard.count * D, inter), "w2s": (D, inter)}
     projections: dict[str, ProjectionTable] = {}
     for name, ps in parts.items():
-        table = _projection(ps, rows[name], name)
+        table = _projection(ps, *shapes[name], name)
         if isinstance(table, str):
             return table
         projections[name] = table

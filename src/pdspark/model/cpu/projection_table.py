@@ -33,6 +33,11 @@ class Segment(NamedTuple):
     scale_period: int = 0  # FP8 stacks: scale rows per matrix
     luts: tuple[torch.Tensor, ...] = ()  # FP8: e4m3 values [256]; MXFP4: e2m1 values [16], ue8m0 values [256]
 
+    @property
+    def inputs(self) -> int:
+        """K: the inputs each row multiplies (an MXFP4 byte holds two)."""
+        return self.data.shape[-1] * (2 if self.fmt == MXFP4 else 1)
+
 
 class ProjectionTable(NamedTuple):
     words: torch.Tensor  # int64 [1 + segments * len(PROJ_SEGMENT)]: what the layer table points to
