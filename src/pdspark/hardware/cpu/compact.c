@@ -20,7 +20,7 @@
 /* Weight rows decoded per block: one AVX-512 tile of `gemm_exact` (16 rows), a few L2-resident KiB per row. */
 #define COMPACT_BLOCK_ROWS 16
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(PDSPARK_NO_AVX512_DECODE)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(PDSPARK_NO_AVX512_DECODE)
 #define COMPACT_AVX512 1
 #include <immintrin.h>
 
