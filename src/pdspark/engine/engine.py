@@ -149,12 +149,12 @@ class Engine:
         self.kv = KVCache(model.cfg, self.sizes, dtype, self.backend.device, config.cache.enable_prefix_cache, stages,
                           config.cache.kv_cache_dtype)
         self.scheduler = Scheduler(config.scheduler, self.kv, num_drafts)
-        capture = draft.dcfg.target_layer_ids if num_drafts and draft is not None else ()
+        drafting = draft if num_drafts else None
+        capture = drafting.dcfg.target_layer_ids if drafting is not None else ()
         streams = PrepareStreams(self.backend) if config.multi_stream_rows else None
         self.runner = ModelRunner(model, self.kv, capture, streams, config.multi_stream_rows)
         # (the drafter's module-path forwards count with the runner's steps)
-        self.drafter = DSparkDrafter(draft, self.kv, self.runner.fallbacks) if num_drafts and draft is not None \
-            else None
+        self.drafter = DSparkDrafter(drafting, self.kv, self.runner.fallbacks) if drafting is not None else None
         self.governor = (SpecGovernor(num_drafts) if self.drafter is not None
                          and config.speculative_policy == "when-faster" else None)
         self.sampler = Sampler(model.cfg.eos_token_ids)

@@ -18,7 +18,7 @@ from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.fp8_linear import Fp8Linear
-from pdspark.quant.release_formats import E2M1, dequant_mxfp4, scale_values
+from pdspark.quant.release_formats import E2M1, FP8_BLOCK, dequant_mxfp4, scale_values
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate [n, I], up [n, I]) -> [n, I]
 MXFP4, FP8 = "mxfp4", "fp8"
@@ -56,7 +56,7 @@ class CompactExperts(nn.Module):
         if p == "w2":
             return self.w2[e], self.w2_scale[e]
         I = self.inter
-        tiles = -(-I // 128) if self.fmt == FP8 else I  # the scale rows of one half
+        tiles = -(-I // FP8_BLOCK) if self.fmt == FP8 else I  # the scale rows of one half
         half = slice(0, I) if p == "w1" else slice(I, 2 * I)
         return self.w13[e, half], self.w13_scale[e, slice(0, tiles) if p == "w1" else slice(tiles, 2 * tiles)]
 
