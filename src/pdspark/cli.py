@@ -111,6 +111,10 @@ def _up(args: argparse.Namespace, cfg: UpConfig) -> int:
 
 
 def _serve_router(args: argparse.Namespace, cfg: RouterConfig) -> int:
+    if cfg.processes > 1:
+        from pdspark.router.router_group import run_router_group
+
+        return run_router_group(cfg)
     from pdspark.router.router_server import run_router
 
     return run_router(cfg)

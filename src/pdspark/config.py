@@ -474,9 +474,17 @@ class RouterConfig:
     # Off by default: a line per request costs the router about a tenth of its per-request time at load (formatting
     # and a write to stderr on the event loop); the metrics count every request anyway.
     access_log: bool = option(False, "log one line per HTTP request (aiohttp's access log, level INFO)")
+    # One Python process serves about one core's worth of requests; several share the ports by SO_REUSEPORT (the
+    # kernel spreads connections), under a supervisor (`pdspark.router.router_group`, which says what they share).
+    processes: int = option(1, "router processes serving the same HTTP and gRPC ports (SO_REUSEPORT), as many as "
+                            "the cores the router may use; max-in-flight and max-queued are divided between them, "
+                            "the per-key limit and /metrics are over all", minimum=1, maximum=256)
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.processes > self.admission.max_in_flight:
+            raise ConfigError(f"`processes` ({self.processes}) may be at most `max_in_flight` "
+                              f"({self.admission.max_in_flight}): each process holds a share of the admission slots")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ConfigError("`ssl_certfile` and `ssl_keyfile` go together (HTTPS and TLS on the public ports)")
         _require_positive(self, "transfer_timeout_s")

@@ -89,7 +89,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Abort(self, request, context):
         """Abort by the router's id of the request (what `Generate` told its caller); a client's label finds
         nothing."""
-        return router_pb2.RouterAbortResponse(found=self.core.abort(request.request_id))
+        return router_pb2.RouterAbortResponse(found=await self.core.abort_anywhere(request.request_id))
 
     def _check_text(self, text: str) -> None:
         """A text prompt's checks before it is tokenized: a tokenizer to do it, and a length that may fit."""

@@ -33,7 +33,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdspark.errors import ErrorCode, RequestFailed
 from pdspark.router.auth.auth_middleware import auth_middleware, current_caller
-from pdspark.router.dispatcher import pairs
 from pdspark.router.error_middleware import error_middleware, json_error, mark_started
 from pdspark.router.openai import openai_protocol as oai
 from pdspark.router.openai import tokenization
@@ -522,7 +521,9 @@ class HttpApi:
     async def live(self, request: web.Request) -> web.Response:
         """The liveness (and startup) probe's answer: this event loop turns. It does not depend on the workers (a
         router restarted because its workers load slowly or a decode pod is lost would only add an outage)."""
-        return web.json_response({"status": "alive"})
+        if self.core.peers is None:
+            return web.json_response({"status": "alive"})
+        return web.json_response({"status": "alive", "process": self.core.peers.index})  # which of the group
 
     async def health(self, request: web.Request) -> web.Response:
         reg, adm = self.core.registry, self.core.admission
@@ -535,15 +536,12 @@ class HttpApi:
                                  status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        reg = self.core.registry
-        for role in ("prefill", "decode"):
-            healthy = len(reg.healthy(role))
-            total = sum(1 for w in reg.workers.values() if w.role == role)
-            self.core.metrics.workers.labels(worker_role=role, healthy="true").set(healthy)
-            self.core.metrics.workers.labels(worker_role=role, healthy="false").set(total - healthy)
-        self.core.metrics.incompatible_pairs.set(sum(not pairs(p, d) for p in reg.healthy("prefill")
-                                                     for d in reg.healthy("decode")))
-        body = generate_latest(self.core.metrics.registry)
+        if self.core.peers is None:
+            self.core.publish_gauges()
+            body = generate_latest(self.core.metrics.registry)
+        else:  # every process's gauges written now, then every process's files read
+            await self.core.peers.ask("publish_gauges", {})
+            body = self.core.metrics.group_exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def prometheus_targets(self, request: web.Request) -> web.Response:
@@ -576,20 +574,17 @@ class HttpApi:
         if body["address"] in self.core.registry.workers:
             raise ApiError(409, f"worker {body['address']} is already registered (DELETE it first to add it anew)",
                            "address", "already_exists")
-        try:
-            w = self.core.registry.add(str(body.get("role")), body["address"], str(body.get("metrics_url", "")))
-        except ValueError as e:  # (the address is new: what is left to refuse is the role)
-            raise ApiError(400, str(e), "role") from e
-        self.core.metrics.worker_added(w.role, w.name)
-        await self.core.registry.check(w)
-        return web.json_response(w.to_json(), status=201)
+        answer = await self.core.change_workers("add_worker", {
+            "role": str(body.get("role")), "address": body["address"], "metrics_url": str(body.get("metrics_url", ""))})
+        if "error" in answer:  # (the address is new: what is left to refuse is the role)
+            raise ApiError(400, answer["error"], answer["field"])
+        return web.json_response(answer["worker"], status=201)
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         address = request.query.get("address", "")
         if address not in self.core.registry.workers:
             raise ApiError(404, f"no worker {address!r}", "address")
-        w = self.core.registry.remove(address)
-        self.core.metrics.worker_removed(w.role, w.name)
-        self.core.dispatcher.prefill_policy.forget(address)
-        self.core.dispatcher.decode_policy.forget(address)
-        return web.json_response(w.to_json())
+        answer = await self.core.change_workers("remove_worker", {"address": address})
+        if "error" in answer:  # removed meanwhile by another request
+            raise ApiError(404, f"no worker {address!r}", "address")
+        return web.json_response(answer["worker"])

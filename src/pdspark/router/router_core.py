@@ -33,9 +33,11 @@ from pdspark.model.tokenizer import Tokenizer
 from pdspark.router.admission_queue import AdmissionQueue, AdmissionTicket
 from pdspark.router.auth.api_keys import ANONYMOUS, Access, ApiKeys, Caller
 from pdspark.router.auth.key_quota import KeyQuota
-from pdspark.router.dispatcher import Dispatcher
+from pdspark.router.auth.shared_key_quota import SharedKeyQuota
+from pdspark.router.dispatcher import Dispatcher, pairs
 from pdspark.router.openai.chat_template import ChatTemplate
 from pdspark.router.pair_attempt import DispatchChunk
+from pdspark.router.peer_link import PeerLink
 from pdspark.router.prompt_work import PromptWork
 from pdspark.router.random_id import uuid4_hex
 from pdspark.router.router_metrics import RouterMetrics
@@ -158,7 +160,10 @@ def clean_label(label: str | None) -> str:
 
 class RouterCore:
     def __init__(self, model_path: str, served_name: str, max_model_len: int, registry: WorkerRegistry,
-                 dispatcher: Dispatcher, metrics: RouterMetrics, options: RouterConfig | None = None):
+                 dispatcher: Dispatcher, metrics: RouterMetrics, options: RouterConfig | None = None,
+                 key_quota: KeyQuota | SharedKeyQuota | None = None, peers: PeerLink | None = None):
+        """`key_quota`, `peers`: a process of a router group's (`router_group`): the group's shared per-key counts,
+        and its line to the other processes (worker changes and aborts reach them all)."""
         cfg = ModelConfig.from_dir(model_path)
         options = options or RouterConfig()
         self.model_config = cfg
@@ -176,11 +181,14 @@ class RouterCore:
         self.request_timeout_s = options.admission.request_timeout_s
         self.keys = ApiKeys(options.auth, options.host)
         self.admission = AdmissionQueue(options.admission.max_in_flight, options.admission.max_queued)
-        self.key_quota = KeyQuota(options.admission.key_in_flight_limit)
+        self.key_quota = key_quota or KeyQuota(options.admission.key_in_flight_limit)
+        self.peers = peers
         self.live: dict[str, _Live] = {}
-        # Read at scrape time: the queue is the one source of these numbers.
-        metrics.in_flight.set_function(lambda: self.admission.in_flight)
-        metrics.queued.set_function(lambda: self.admission.queued)
+        if not metrics.multiprocess:
+            # Read at scrape time: the queue is the one source of these numbers. (A group's processes write theirs
+            # when a scrape asks: `publish_gauges`.)
+            metrics.in_flight.set_function(lambda: self.admission.in_flight)
+            metrics.queued.set_function(lambda: self.admission.queued)
         metrics.max_in_flight.set(options.admission.max_in_flight)
         metrics.max_queued.set(options.admission.max_queued)
         for w in registry.workers.values():
@@ -254,6 +262,58 @@ class RouterCore:
             if reveal:
                 raise
             raise RequestFailed(e.code, self.redact(e.message)) from None
+
+    def publish_gauges(self) -> None:
+        """Set the gauges a scrape reads from this process's state (the admission queue, the workers' health)."""
+        reg = self.registry
+        if self.metrics.multiprocess:
+            self.metrics.in_flight.set(self.admission.in_flight)
+            self.metrics.queued.set(self.admission.queued)
+        for role in ("prefill", "decode"):
+            healthy = len(reg.healthy(role))
+            total = sum(1 for w in reg.workers.values() if w.role == role)
+            self.metrics.workers.labels(worker_role=role, healthy="true").set(healthy)
+            self.metrics.workers.labels(worker_role=role, healthy="false").set(total - healthy)
+        self.metrics.incompatible_pairs.set(sum(not pairs(p, d) for p in reg.healthy("prefill")
+                                                for d in reg.healthy("decode")))
+
+    async def change_workers(self, op: str, args: dict) -> dict:
+        """`add_worker` (args: role, address, metrics_url) or `remove_worker` (args: address), in this process or,
+        in a group, in every process in the group's one order: this process's `apply_worker_change` answer."""
+        if self.peers is None:
+            return await self.apply_worker_change(op, args)
+        answers = await self.peers.ask(op, args)
+        mine = answers.get(self.peers.index)
+        if mine is None:
+            raise RequestFailed(ErrorCode.UNAVAILABLE, f"this router process did not answer its own {op!r}")
+        return mine
+
+    async def apply_worker_change(self, op: str, args: dict) -> dict:
+        """`{"worker": its JSON}`, or `{"error": why, "field": which}` when the registry refused it."""
+        address = args["address"]
+        try:
+            if op == "add_worker":
+                w = self.registry.add(args["role"], address, args.get("metrics_url", ""))
+            else:
+                w = self.registry.remove(address)
+        except (ValueError, KeyError) as e:
+            return {"error": str(e), "field": "role" if op == "add_worker" else "address"}
+        if op == "add_worker":
+            self.metrics.worker_added(w.role, w.name)
+            await self.registry.check(w)
+        else:
+            self.metrics.worker_removed(w.role, w.name)
+            self.dispatcher.prefill_policy.forget(address)
+            self.dispatcher.decode_policy.forget(address)
+        return {"worker": w.to_json()}
+
+    async def abort_anywhere(self, request_id: str) -> bool:
+        """`abort` here, or in a group in whichever process serves the request."""
+        if self.abort(request_id):
+            return True
+        if self.peers is None:
+            return False
+        return any((await self.peers.ask("abort", {"request_id": request_id})).values())
 
     def abort(self, request_id: str) -> bool:
         """Abort the request with the router's id `request_id`, wherever it is (queued or at the workers); it ends

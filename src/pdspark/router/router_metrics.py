@@ -11,8 +11,10 @@ labelled by name (`prefill-0`), never by address: `/metrics` is open (see `api_k
 from __future__ import annotations
 
 import contextlib
+import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from pdspark.errors import ErrorCode
 
@@ -32,6 +34,10 @@ ROLES = ("prefill", "decode")
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
+        # A process of a router group (`router_group`): prometheus_client keeps every value in files of this
+        # directory (its multiprocess mode, chosen by the same variable at its import), and a scrape reads them
+        # all. Counters and histograms add up; each gauge says how its processes' values combine.
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.requests = Counter("pdspark_router_requests_total", "Requests by API (completions, chat, generate, "
                                 "grpc) and outcome (ok, invalid, cancelled, error or the failure's code)",
                                 ["api", "outcome"], registry=r)
@@ -40,12 +46,13 @@ class RouterMetrics:
                                 "admission queue) or workers_full (every worker of a role is full)", ["reason"],
                                 registry=r)
         self.in_flight = Gauge("pdspark_router_requests_in_flight", "Requests holding an admission slot (at the "
-                               "workers)", registry=r)
-        self.queued = Gauge("pdspark_router_requests_queued", "Requests waiting in the admission queue", registry=r)
+                               "workers)", registry=r, multiprocess_mode="livesum")
+        self.queued = Gauge("pdspark_router_requests_queued", "Requests waiting in the admission queue", registry=r,
+                            multiprocess_mode="livesum")
         self.max_in_flight = Gauge("pdspark_router_max_in_flight_requests", "Admission slots (max_in_flight)",
-                                   registry=r)
+                                   registry=r, multiprocess_mode="livesum")
         self.max_queued = Gauge("pdspark_router_max_queued_requests", "Admission queue bound (max_queued)",
-                                registry=r)
+                                registry=r, multiprocess_mode="livesum")
         self.queue_time = Histogram("pdspark_router_queue_time_seconds", "Seconds admitted requests waited for a "
                                     "slot", buckets=_LATENCY, registry=r)
         self.ttft = Histogram("pdspark_router_time_to_first_token_seconds", "Seconds from a request's arrival to "
@@ -69,11 +76,12 @@ class RouterMetrics:
         self.selected = Counter("pdspark_router_worker_selected_total", "Routing decisions: a worker picked for an "
                                 "attempt, by the worker's role and name", ["worker_role", "worker"], registry=r)
         self.workers = Gauge("pdspark_router_workers", "Registered workers, by role and health", ["worker_role",
-                             "healthy"], registry=r)
+                             "healthy"], registry=r, multiprocess_mode="livemostrecent")
         self.incompatible_pairs = Gauge(
             "pdspark_router_incompatible_worker_pairs", "Healthy (prefill, decode) worker pairs whose reported "
             "compatibility rules a transfer between them out (never picked: during a rollout across schema versions, "
-            "old and new workers pair among themselves)", registry=r)
+            "old and new workers pair among themselves)", registry=r,
+            multiprocess_mode="livemostrecent")
         # Requests refused for their key (never the key itself): missing_key, invalid_key, or forbidden (a valid key
         # without the right: an API key on /workers, or worker administration that is off).
         self.auth_failures = Counter("pdspark_router_auth_failures_total", "Requests refused for their key, by "
@@ -92,6 +100,13 @@ class RouterMetrics:
         for api in ("http", "grpc"):
             for reason in ("missing_key", "invalid_key", "forbidden"):
                 self.auth_failures.labels(api=api, reason=reason)
+
+    def group_exposition(self) -> bytes:
+        """`/metrics` of a router group: every process's series, combined (see `multiprocess`). A removed worker's
+        `worker_selected` series stays (its files are the processes' own until they exit)."""
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return generate_latest(registry)
 
     def worker_added(self, role: str, name: str) -> None:
         """Create a newly registered worker's series (at zero)."""

@@ -27,9 +27,11 @@ from pdspark.config import RouterConfig, resolve_max_model_len
 from pdspark.errors import ConfigError
 from pdspark.model.model_config import ModelConfig
 from pdspark.router.auth.auth_interceptor import AuthInterceptor
+from pdspark.router.auth.shared_key_quota import SharedKeyQuota
 from pdspark.router.dispatcher import Dispatcher
 from pdspark.router.grpc_api import RouterServicer
 from pdspark.router.http_api import Routes, build_app
+from pdspark.router.peer_link import PeerLink
 from pdspark.router.router_core import RouterCore
 from pdspark.router.router_metrics import RouterMetrics
 from pdspark.router.workers.dns_discovery import DnsDiscovery
@@ -107,7 +109,21 @@ def _warn_if_exposed(cfg: RouterConfig, core: RouterCore) -> None:
                    "--api-key-file or PDSPARK_API_KEY", cfg.host)
 
 
-def build_core(cfg: RouterConfig) -> RouterCore:
+@dataclass
+class GroupMember:
+    """This process's place in a router group (`router_group`): its line to the others, the shared per-key counts,
+    and the worker changes asked before it started (replayed before it serves)."""
+
+    link: PeerLink
+    key_quota: SharedKeyQuota
+    worker_ops: list[dict]
+
+    @property
+    def index(self) -> int:
+        return self.link.index
+
+
+def build_core(cfg: RouterConfig, member: GroupMember | None = None) -> RouterCore:
     path = resolve_model(cfg.model)
     model_cfg = ModelConfig.from_dir(path)
     registry = WorkerRegistry(health_interval_s=cfg.health.health_interval_s,
@@ -119,13 +135,16 @@ def build_core(cfg: RouterConfig) -> RouterCore:
         for address in addresses:
             registry.add(role, address)
     metrics = RouterMetrics()
-    dispatcher = Dispatcher(registry, make_policy(cfg.prefill_policy), make_policy(cfg.decode_policy),
+    group = member is not None
+    dispatcher = Dispatcher(registry, make_policy(cfg.prefill_policy, group), make_policy(cfg.decode_policy, group),
                             transfer_timeout_s=cfg.transfer_timeout_s, max_attempts=cfg.max_attempts,
                             max_migrations=cfg.max_migrations, max_role_outage_wait_s=cfg.max_role_outage_wait_s,
                             metrics=metrics)
     name = cfg.served_model_name or (cfg.model if "/" not in cfg.model else path.rstrip("/").split("/")[-1])
     max_len = resolve_max_model_len(cfg.max_model_len, model_cfg.max_position_embeddings)
-    return RouterCore(path, name, max_len, registry, dispatcher, metrics, cfg)
+    if member is None:
+        return RouterCore(path, name, max_len, registry, dispatcher, metrics, cfg)
+    return RouterCore(path, name, max_len, registry, dispatcher, metrics, cfg, member.key_quota, member.link)
 
 
 def build_discovery(cfg: RouterConfig, core: RouterCore) -> DnsDiscovery | None:
@@ -169,17 +188,20 @@ class HttpListeners:
             await runner.cleanup()
 
 
-async def start_http(core: RouterCore, cfg: RouterConfig, ssl_context: ssl.SSLContext | None) -> HttpListeners:
+async def start_http(core: RouterCore, cfg: RouterConfig, ssl_context: ssl.SSLContext | None,
+                     member: GroupMember | None = None) -> HttpListeners:
     """Listen on `cfg`'s host and ports (0: any free one): HTTPS with `ssl_context`, aiohttp's access log with
-    `--access-log`; the admin routes on a listener of their own with `--admin-port`."""
+    `--access-log`; the admin routes on a listener of their own with `--admin-port`. A group's `member`
+    listens beside the others (SO_REUSEPORT); the admin port is process 0's alone."""
     split = cfg.admin_port is not None
-    runner, port = await _listen(core, cfg, "public" if split else "all", cfg.port, ssl_context)
+    reuse = member is not None
+    runner, port = await _listen(core, cfg, "public" if split else "all", cfg.port, ssl_context, reuse_port=reuse)
     listeners = HttpListeners([runner], port)
-    if cfg.admin_port is not None:
+    if cfg.admin_port is not None and (member is None or member.index == 0):
         try:
             # The router's own metrics target, in the admin routes' Prometheus discovery, is on the main port.
             runner, listeners.admin_port = await _listen(core, cfg, "admin", cfg.admin_port, ssl_context,
-                                                         metrics_port=port)
+                                                         metrics_port=port, reuse_port=reuse)
         except BaseException:
             await listeners.cleanup()
             raise
@@ -188,14 +210,14 @@ async def start_http(core: RouterCore, cfg: RouterConfig, ssl_context: ssl.SSLCo
 
 
 async def _listen(core: RouterCore, cfg: RouterConfig, routes: Routes, port: int, ssl_context: ssl.SSLContext | None,
-                  metrics_port: int | None = None) -> tuple[web.AppRunner, int]:
+                  metrics_port: int | None = None, reuse_port: bool = False) -> tuple[web.AppRunner, int]:
     """`build_app(core, routes)` listening on `port`: its runner, and the port it got."""
     app = build_app(core, routes, metrics_port)
     runner = (web.AppRunner(app, handler_cancellation=True) if cfg.access_log
               else web.AppRunner(app, handler_cancellation=True, access_log=None))
     await runner.setup()
     try:
-        site = web.TCPSite(runner, cfg.host, port, ssl_context=ssl_context)
+        site = web.TCPSite(runner, cfg.host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
         await site.start()
     except BaseException:
         await runner.cleanup()
@@ -203,14 +225,40 @@ async def _listen(core: RouterCore, cfg: RouterConfig, routes: Routes, port: int
     return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
 
-async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
-    core = build_core(cfg)
-    _warn_if_exposed(cfg, core)
+def answer_peers(core: RouterCore, link: PeerLink) -> None:
+    """What this process of a group does when another (or itself) asks the group (`PeerLink.ask`)."""
+
+    async def publish_gauges(args: dict) -> None:
+        core.publish_gauges()
+
+    async def abort(args: dict) -> bool:
+        return core.abort(args["request_id"])
+
+    async def add_worker(args: dict) -> dict:
+        return await core.apply_worker_change("add_worker", args)
+
+    async def remove_worker(args: dict) -> dict:
+        return await core.apply_worker_change("remove_worker", args)
+
+    link.handlers.update(publish_gauges=publish_gauges, abort=abort, add_worker=add_worker,
+                         remove_worker=remove_worker)
+
+
+async def serve(cfg: RouterConfig, stop: asyncio.Event, member: GroupMember | None = None) -> None:
+    core = build_core(cfg, member)
+    if member is None or member.index == 0:
+        _warn_if_exposed(cfg, core)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys, core)
     # Read before anything listens: a bad certificate path is a configuration error at start.
     https, grpc_credentials = _public_tls(cfg)
     ssl_context = https.context if https is not None else None
-    listeners = await start_http(core, cfg, ssl_context)
+    if member is not None:
+        for op in member.worker_ops:  # what the group changed before this process started, in its order
+            await core.apply_worker_change(op["op"], op["args"])
+        answer_peers(core, member.link)
+        member.link.lost = stop.set  # the supervisor is gone: stop too
+        member.link.start()
+    listeners = await start_http(core, cfg, ssl_context, member)
     http_port = listeners.port
     server, health_servicer = build_grpc_server(core)
     grpc_address = f"{cfg.host}:{cfg.grpc_port}"
@@ -227,9 +275,13 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     scheme = "https" if public_tls else "http"
     admin = ({} if listeners.admin_port is None else
              {"admin": f"{scheme}://{cfg.host}:{listeners.admin_port}", "admin_port": listeners.admin_port})
-    print(json.dumps({"event": "ready", "role": "router", "http": f"{scheme}://{cfg.host}:{http_port}",
-                      "grpc": f"{cfg.host}:{grpc_port}", "http_port": http_port, "grpc_port": grpc_port, **admin,
-                      "model": core.served_name, "tls": public_tls, "worker_tls": cfg.tls.enabled}), flush=True)
+    ready = {"role": "router", "http": f"{scheme}://{cfg.host}:{http_port}", "grpc": f"{cfg.host}:{grpc_port}",
+             "http_port": http_port, "grpc_port": grpc_port, **admin, "model": core.served_name, "tls": public_tls,
+             "worker_tls": cfg.tls.enabled}
+    if member is None:
+        print(json.dumps({"event": "ready", **ready}), flush=True)
+    else:  # the supervisor prints the group's one line
+        member.link.send({"kind": "ready", **ready})
     await stop.wait()
     logger.info("router stopping")
     for name in ("", ROUTER_SERVICE):
@@ -241,9 +293,13 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     await server.stop(5)
     await listeners.cleanup()
     core.prompt_work.close()
+    if member is not None:
+        member.link.stop()
 
 
-def run_router(cfg: RouterConfig) -> int:
+def run_router(cfg: RouterConfig, member: GroupMember | None = None) -> int:
+    """The router in this process: alone (`--processes 1`), or as `member` of a group (`router_group`, which
+    runs `--processes` > 1)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     tracing.configure(cfg.otlp_endpoint, "pdspark-router")
@@ -251,9 +307,10 @@ def run_router(cfg: RouterConfig) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # A group's process stops when its supervisor says (SIGTERM), not on a terminal's Ctrl-C to them all.
+        for sig in (signal.SIGTERM,) if member is not None else (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(cfg, stop)
+        await serve(cfg, stop, member)
 
     # uvloop: the loop's own work (callbacks, socket reads and writes) in C; grpc.aio runs on it as on asyncio's.
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
