@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
-from cpu_time import cpu_s
+from cpu_time import cpu_s, tree_cpu_s
 from report import figure, save_figure, write_json
 
 from pdspark.launch.plan import free_ports
@@ -82,12 +82,13 @@ class Load:
 
 
 def wrk(url: str, script: Path, threads: int, connections: int, seconds: float, pid: int | None = None) -> Load:
-    """A wrk run; `pid`: the router's process, whose CPU time per request is measured over the run."""
-    before = cpu_s(pid) if pid is not None else 0.0
+    """A wrk run; `pid`: the router's process, whose CPU time per request (its processes' too) is measured over the
+    run."""
+    before = tree_cpu_s(pid) if pid is not None else 0.0
     out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "-s", str(script), url],
                          capture_output=True, text=True, timeout=seconds + 60, check=True).stdout
     stats = json.loads(out.strip().splitlines()[-1])
-    cpu = (cpu_s(pid) - before) / max(1, stats["requests"]) * 1e3 if pid is not None else None
+    cpu = (tree_cpu_s(pid) - before) / max(1, stats["requests"]) * 1e3 if pid is not None else None
     return Load(stats["requests"] / (stats["duration_us"] / 1e6), stats["p50_us"] / 1e3, stats["p99_us"] / 1e3,
                 stats["requests"], stats["errors"], cpu)
 
@@ -178,15 +179,18 @@ async def direct(prefill: str, decode: str, requests: int, concurrency: int = 1,
 
 # ---- the two stacks -------------------------------------------------------------------------------------------------
 class PdsparkStack:
-    def __init__(self, model: str, worker_calls: str = "per-request", src: str | None = None):
-        """`src`: run the router from this source tree (PYTHONPATH) instead of this checkout's."""
+    def __init__(self, model: str, worker_calls: str = "per-request", src: str | None = None, processes: int = 1):
+        """`src`: run the router from this source tree (PYTHONPATH) instead of this checkout's; `processes`: the
+        router's `--processes`."""
+        self.worker_calls = worker_calls
         self.stubs, info = start_json_child([sys.executable, str(ROOT / "bench" / "stub_workers.py"), "--tokens",
                                              "1"])
         self.prefill, self.decode = info["prefill"], info["decode"]
         fake = [ServiceProcess("p", self.stubs, {"address": self.prefill}),
                 ServiceProcess("d", self.stubs, {"address": self.decode})]
         self.router = start_router(model, fake[:1], fake[1:], "--served-model-name", MODEL_NAME, "--worker-calls",
-                                   worker_calls, env={"PYTHONPATH": src} if src else None)
+                                   worker_calls, "--processes", str(processes),
+                                   env={"PYTHONPATH": src} if src else None)
         self.url = f"{self.router.info['http']}/v1/completions"
         wait_serving(self.url)
 
@@ -219,9 +223,11 @@ class SglangStack:
         stop(self.stubs)
 
 
-def stack_name(worker_calls: str) -> str:
-    """The name of a pdspark run in the results: `pdspark` (per-request calls), `pdspark_multiplexed`."""
-    return "pdspark" if worker_calls == "per-request" else f"pdspark_{worker_calls}"
+def stack_name(worker_calls: str, processes: int = 1) -> str:
+    """The name of a pdspark run in the results: `pdspark` (per-request calls), `pdspark_multiplexed`,
+    `pdspark_multiplexed_x2` (2 router processes)."""
+    name = "pdspark" if worker_calls == "per-request" else f"pdspark_{worker_calls}"
+    return name if processes == 1 else f"{name}_x{processes}"
 
 
 def side_by_side(args, script: Path) -> dict:
@@ -230,9 +236,11 @@ def side_by_side(args, script: Path) -> dict:
     rounds: list[dict] = []
     try:
         for calls in args.worker_calls:
-            stacks[stack_name(calls)] = PdsparkStack(args.model, calls)
-            if args.baseline_src:
-                stacks[f"{stack_name(calls)}_baseline"] = PdsparkStack(args.model, calls, args.baseline_src)
+            for processes in args.router_processes:
+                name = stack_name(calls, processes)
+                stacks[name] = PdsparkStack(args.model, calls, processes=processes)
+                if args.baseline_src:
+                    stacks[f"{name}_baseline"] = PdsparkStack(args.model, calls, args.baseline_src, processes)
         for n in range(args.rounds):  # alternating: all meet the same contention
             row = {}
             for name, stack in stacks.items():
@@ -243,10 +251,10 @@ def side_by_side(args, script: Path) -> dict:
         one = {"sglang_router": asdict(wrk(sglang.url, script, 1, 1, args.duration)),
                "sglang_direct": asdict(wrk(sglang.decode_url, script, 1, 1, args.duration))}
         ceiling = {}
-        for calls in args.worker_calls:
-            name = stack_name(calls)
-            stack = stacks[name]
-            assert isinstance(stack, PdsparkStack)
+        for name, stack in stacks.items():
+            if not isinstance(stack, PdsparkStack) or name.endswith("_baseline"):
+                continue
+            calls = stack.worker_calls
             one[f"{name}_router"] = asdict(wrk(stack.url, script, 1, 1, args.duration))
             one[f"{name}_direct"] = asdict(asyncio.run(direct(stack.prefill, stack.decode, args.direct_requests,
                                                               worker_calls=calls)))
@@ -356,6 +364,8 @@ def main() -> None:
     parser.add_argument("--real", action="store_true", help="also the pdspark router over a real dsv4-tiny pair")
     parser.add_argument("--worker-calls", nargs="+", default=["per-request", "multiplexed"],
                         choices=["per-request", "multiplexed"], help="pdspark routers to run (their --worker-calls)")
+    parser.add_argument("--router-processes", nargs="+", type=int, default=[1, 2],
+                        help="pdspark routers of these --processes (each its own run)")
     parser.add_argument("--baseline-src", default=None, help="also run each pdspark router from this source tree "
                         "(another revision's `src`), in the same rounds")
     parser.add_argument("--no-save", action="store_true", help="print the table only (no JSON/PNG)")

@@ -8,6 +8,7 @@
 {{- $_ := set $env "PDSPARK_SERVED_MODEL_NAME" (include "pdspark.servedModelName" .ctx) -}}
 {{- $_ := set $env "PDSPARK_PREFILL_POLICY" $v.router.prefillPolicy -}}
 {{- $_ := set $env "PDSPARK_DECODE_POLICY" $v.router.decodePolicy -}}
+{{- $_ := set $env "PDSPARK_PROCESSES" (toString $v.router.processes) -}}
 {{- if $v.router.dnsDiscovery -}}
 {{- $_ := set $env "PDSPARK_DNS_INTERVAL_S" (toString $v.router.dnsIntervalSeconds) -}}
 {{- end -}}
