@@ -19,6 +19,7 @@ from cluster_pool import ADMIN_KEY
 from conftest import random_prompts
 from pdspark import SamplingParams
 from pdspark.client import AsyncClient, Client
+from pdspark.testing.services import start_router
 from pdspark.testing.time_scale import scaled
 from pdspark.testing.waiting import wait_until
 from pdspark.testing.worker_load import WorkerAt, is_idle
@@ -95,6 +96,43 @@ def test_sdk_generate_and_stream_match(cluster, offline):
             assert result.text == want and result.completion_tokens == 18 and result.finish_reason == "length"
             streamed = "".join(c.text for c in client.stream(prompt, max_tokens=18, temperature=0, ignore_eos=True))
             assert streamed == want
+
+
+def test_a_router_of_two_processes_serves_the_offline_tokens(one_by_one, offline, draft_ckpt):
+    """`--processes 2` in front of the shared workers: the OpenAI API (each request on a connection of its own, so
+    both processes serve: all on one, probability 2^-11) and the SDK give the offline tokens, and `/metrics` counts
+    every request once."""
+    services = one_by_one.info["services"]
+
+    class At:
+        def __init__(self, role: str):
+            self.address = next(s["address"] for name, s in services.items() if name.startswith(role))
+
+    router = start_router(str(draft_ckpt), [At("prefill")], [At("decode")], "--processes", "2",
+                          "--served-model-name", one_by_one.info["model"])
+    try:
+        info = router.info
+        assert info["processes"] == 2
+        prompts = PROMPTS * 4
+        seen = set()
+        for prompt in prompts:
+            with openai_client(info) as c:  # a client, and so a connection, of its own
+                text = c.completions.create(model=info["model"], prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+            assert text == expected(offline, prompt, 12)
+            with urllib.request.urlopen(info["http"] + "/live", timeout=scaled(10)) as r:
+                seen.add(json.loads(r.read())["process"])
+        assert seen == {0, 1}
+        with Client(info["grpc"], timeout=scaled(60)) as client:
+            streamed = "".join(c.text for c in client.stream(PROMPTS[0], max_tokens=12, temperature=0,
+                                                             ignore_eos=True))
+        assert streamed == expected(offline, PROMPTS[0], 12)
+        with urllib.request.urlopen(info["http"] + "/metrics", timeout=scaled(10)) as r:
+            metrics = r.read().decode()
+        assert f'pdspark_router_requests_total{{api="completions",outcome="ok"}} {len(prompts)}.0' in metrics
+        assert 'pdspark_router_requests_total{api="grpc",outcome="ok"} 1.0' in metrics
+    finally:
+        router.stop()
 
 
 def test_async_sdk(cluster, offline):

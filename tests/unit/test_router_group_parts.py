@@ -18,6 +18,7 @@ from pdspark.router.auth.shared_key_quota import SharedKeyQuota
 from pdspark.router.router_group import GroupPorts, member_config, share
 from pdspark.router.workers.policies import CacheAware
 from pdspark.router.workers.worker_registry import WorkerInfo
+from pdspark.testing.time_scale import scaled
 
 
 @settings(max_examples=200, deadline=None)
@@ -80,7 +81,7 @@ def test_a_spawned_process_counts_in_the_same_table():
     done = ctx.Event()
     child = ctx.Process(target=_enter_twice, args=(quota, done))
     child.start()
-    child.join(60)
+    child.join(scaled(60))  # a spawned interpreter's start: seconds
     assert done.is_set() and quota.held("key") == 2
     quota.enter("key")
     with pytest.raises(RequestFailed):
