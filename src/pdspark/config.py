@@ -521,6 +521,8 @@ class UpConfig:
     otlp_endpoint: str | None = option(None, _OTLP_HELP + " (passed to the router and every worker)")
     transfer_timeout_s: float = option(30.0, "seconds a request's cache transfer may take before the pair is "
                                        "failed (the router's --transfer-timeout)", flag="transfer-timeout")
+    router_processes: int = option(1, "router processes on the router's ports (the router's --processes)", minimum=1,
+                                   maximum=256)
     # Where the services run: child processes of `up`, or Ray actors (`pdspark.launch.ray_backend`; the
     # `pdspark[ray]` extra).
     backend: UpBackend = option("process", "run the services as child processes, or as Ray actors")

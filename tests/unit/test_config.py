@@ -383,7 +383,8 @@ def test_up_refuses_what_a_local_cluster_cannot_run_and_ray_actors_take_each_ran
 def test_up_passes_its_options_to_the_children():
     from pdspark.launch.plan import router_config, worker_configs
 
-    up = parse(UpConfig, ["--model", "m", "--page-size", "16", "--max-model-len", "256", "--no-speculative"])
+    up = parse(UpConfig, ["--model", "m", "--page-size", "16", "--max-model-len", "256", "--no-speculative",
+                          "--router-processes", "2"])
     workers = worker_configs(up, has_draft=True)
     assert workers["prefill"].engine.speculative is None  # --no-speculative wins over the shipped draft
     assert worker_configs(parse(UpConfig), has_draft=True)["decode"].engine.speculative == "dspark"
@@ -399,6 +400,7 @@ def test_up_passes_its_options_to_the_children():
     args = parser.parse_args(["serve", "router", *to_argv(router)])
     assert parse_options(RouterConfig, args, {}) == router
     assert router.max_model_len == 256 and router.prefill == ("p:1",) and router.model == "m"
+    assert router.processes == 2 and "--processes" in to_argv(router)
     # The keys reach the router; the secret ones by its environment.
     keyed = parse(UpConfig, ["--api-key-file", "/k"], {"PDSPARK_API_KEY": "client-key-1",
                                                        "PDSPARK_ADMIN_API_KEY": "admin-key-1"})

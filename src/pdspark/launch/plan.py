@@ -81,7 +81,7 @@ def router_config(cfg: UpConfig, prefill: list[str], decode: list[str]) -> Route
     return RouterConfig(model=cfg.model, host=cfg.host, port=cfg.port, grpc_port=cfg.grpc_port,
                         admin_port=cfg.admin_port, auth=cfg.auth, prefill=tuple(prefill), decode=tuple(decode),
                         max_model_len=cfg.engine.scheduler.max_model_len, otlp_endpoint=cfg.otlp_endpoint,
-                        transfer_timeout_s=cfg.transfer_timeout_s)
+                        transfer_timeout_s=cfg.transfer_timeout_s, processes=cfg.router_processes)
 
 
 def free_ports(host: str, n: int) -> list[int]:
