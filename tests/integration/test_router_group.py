@@ -186,3 +186,38 @@ def test_a_killed_process_is_started_again_and_sigterm_stops_them_all(tmp_path):
         for pid in routers:  # the group stopped (router.stop waited for the supervisor): no router process left
             assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     asyncio.run(scenario())
+
+
+def test_a_killed_process_s_requests_stop_counting_against_their_key(tmp_path):
+    """The key's one request dies with its process (both are killed: which one serves it is the kernel's choice):
+    once the processes are back, the key may send again (its count went with the dead process's column)."""
+    async def scenario():
+        keys = tmp_path / "keys"
+        keys.write_text(CLIENT + "\n")
+        async with group(tmp_path, "--api-key-file", str(keys), "--max-in-flight-per-key", "1") as (router, _, d):
+            d.mode = HOLD
+            headers = {"Authorization": f"Bearer {CLIENT}"}
+            url = router.info["http"] + "/v1/completions"
+            held = asyncio.create_task(fresh("POST", url, json=BODY, headers=headers))
+            await until(lambda: d.running == 1, 10, "the key's request at the decode stub")
+            before = _children(router.pid)
+            for pid in router.info["pids"]:
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(aiohttp.ClientError):
+                await held
+            await until(lambda: len(_children(router.pid) - before) == 2, 20, "both processes started again")
+            await until(lambda: d.running == 0, 10, "the dead request's decode call ended")
+            again = asyncio.create_task(fresh("POST", url, json=BODY, headers=headers))
+            # Polled: the new processes answer once their start is done (a refused connection is retried).
+            deadline = asyncio.get_running_loop().time() + scaled(60)
+            while d.running == 0:
+                if again.done():
+                    status, body = again.result() if again.exception() is None else (None, again.exception())
+                    assert status != 429, body  # refused for its key: the dead request still counted
+                    again = asyncio.create_task(fresh("POST", url, json=BODY, headers=headers))
+                assert asyncio.get_running_loop().time() < deadline, "the key's new request never reached a worker"
+                await asyncio.sleep(0.01)
+            d.release.set()
+            status, _ = await again
+            assert status == 200
+    asyncio.run(scenario())

@@ -5,7 +5,9 @@ miss, which must be the same in every process."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
+import signal
 
 import pytest
 from hypothesis import given, settings
@@ -39,9 +41,13 @@ def test_a_member_holds_its_share_of_admission_and_the_whole_per_key_limit():
         RouterConfig(processes=3, admission=AdmissionConfig(max_in_flight=2))
 
 
-def test_two_handles_on_one_table_count_one_limit():
-    a = SharedKeyQuota.create(2, multiprocessing.get_context("spawn"))
-    b = SharedKeyQuota(2, a._table)  # another process's handle: the same table
+def _quota(tmp_path, limit: int, processes: int = 2) -> SharedKeyQuota:
+    return SharedKeyQuota.create(limit, processes, str(tmp_path / "lock"), multiprocessing.get_context("spawn"))
+
+
+def test_two_processes_handles_count_one_limit(tmp_path):
+    a = _quota(tmp_path, 2)
+    b = a.for_process(1)  # another process's handle: the same table, its own column
     a.enter("k1")
     b.enter("k1")
     with pytest.raises(RequestFailed, match="max_in_flight_per_key 2"):
@@ -54,9 +60,24 @@ def test_two_handles_on_one_table_count_one_limit():
     assert b.held("k1") == 2
 
 
-def test_a_full_table_drops_its_idle_keys_and_keeps_the_counts(monkeypatch):
+def test_a_dead_process_s_requests_stop_counting(tmp_path):
+    a = _quota(tmp_path, 3)
+    b = a.for_process(1)
+    a.enter("k")
+    b.enter("k")
+    b.enter("k")
+    with pytest.raises(RequestFailed):
+        a.enter("k")
+    a.forget_process(1)  # the supervisor, once process 1 died
+    assert a.held("k") == 1
+    a.enter("k")
+    a.enter("k")
+    assert a.held("k") == 3
+
+
+def test_a_full_table_drops_its_idle_keys_and_keeps_the_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(shared_key_quota, "SLOTS", 8)
-    q = SharedKeyQuota(3, multiprocessing.get_context("spawn").Array("q", 16))
+    q = _quota(tmp_path, 3, processes=1)
     for i in range(8):
         q.enter(f"idle-{i}")
         if i:
@@ -75,17 +96,31 @@ def _enter_twice(quota: SharedKeyQuota, done) -> None:
     done.set()
 
 
-def test_a_spawned_process_counts_in_the_same_table():
+def _die_holding_the_lock(quota: SharedKeyQuota, holding) -> None:
+    with quota._locked():
+        holding.set()
+        signal.pause()  # killed here, the lock held
+
+
+def test_a_spawned_process_counts_in_the_same_table_and_its_death_frees_the_lock(tmp_path):
     ctx = multiprocessing.get_context("spawn")
-    quota = SharedKeyQuota.create(3, ctx)
+    quota = _quota(tmp_path, 3)
     done = ctx.Event()
-    child = ctx.Process(target=_enter_twice, args=(quota, done))
+    child = ctx.Process(target=_enter_twice, args=(quota.for_process(1), done))
     child.start()
     child.join(scaled(60))  # a spawned interpreter's start: seconds
     assert done.is_set() and quota.held("key") == 2
     quota.enter("key")
     with pytest.raises(RequestFailed):
         quota.enter("key")
+    holding = ctx.Event()
+    holder = ctx.Process(target=_die_holding_the_lock, args=(quota.for_process(1), holding))
+    holder.start()
+    assert holding.wait(scaled(60))
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(scaled(10))
+    quota.leave("key")  # would wait forever on a lock its dead holder kept
+    assert quota.held("key") == 2
 
 
 def _workers(loads: list[int]) -> list[WorkerInfo]:

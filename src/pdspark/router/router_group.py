@@ -10,7 +10,8 @@ What they share, and how:
 - Admission bounds: `max_in_flight` and `max_queued` are divided between the processes (their shares sum to the
   bounds: the router never holds more); a process may refuse (429) while another still has room, by at most its
   share.
-- The per-key limit is over all processes: one table in shared memory (`SharedKeyQuota`).
+- The per-key limit is over all processes: one table in shared memory (`SharedKeyQuota`), under a lock the kernel
+  releases when its holder dies; a dead process's counts are dropped before it is started again.
 - `/metrics` is every process's, summed: prometheus_client's multiprocess mode (each process writes its series to
   files in a directory of the supervisor's; the scraped process reads them all); gauges are refreshed in every
   process at the scrape (`publish_gauges`).
@@ -122,7 +123,8 @@ class RouterGroup:
         self.ports = ports
         self.metrics_dir = metrics_dir
         self.ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no gRPC state forked
-        self.quota = SharedKeyQuota.create(cfg.admission.key_in_flight_limit, self.ctx)
+        self.quota = SharedKeyQuota.create(cfg.admission.key_in_flight_limit, cfg.processes,
+                                           os.path.join(metrics_dir, "key-quota.lock"), self.ctx)
         self.members: dict[int, _Member] = {}
         self.asks: dict[str, _Ask] = {}
         self.restart_at: dict[int, float] = {}
@@ -134,7 +136,7 @@ class RouterGroup:
         parent, child = self.ctx.Pipe()
         process = self.ctx.Process(target=run_member, name=f"pdspark-router-{index}", daemon=False,
                                    args=(member_config(self.cfg, index, self.ports), index, self.cfg.processes,
-                                         child, self.quota, list(self.worker_ops)))
+                                         child, self.quota.for_process(index), list(self.worker_ops)))
         process.start()
         child.close()
         self.members[index] = _Member(index, process, parent)
@@ -169,6 +171,7 @@ class RouterGroup:
 
         del self.members[m.index]
         m.conn.close()
+        self.quota.forget_process(m.index)  # its requests are gone: their keys' counts with them
         if m.process.pid is not None:
             multiprocess.mark_process_dead(m.process.pid, self.metrics_dir)
         for token, ask in list(self.asks.items()):
