@@ -2,7 +2,9 @@
 asks for it and stopped after the last one, instead of one boot per module (fixtures and hooks registered by
 tests/conftest.py).
 
-- `one_by_one`: 1 prefill + 1 decode on the draft checkpoint (DSpark on), room for a 2,000-token stream, an admin key.
+- `one_by_one`: 1 prefill + 1 decode on the draft checkpoint (DSpark on), room for a 2,000-token stream, an admin key;
+  its router is a group of 2 processes (`--router-processes 2`), so the router's cluster tests
+  (`test_router_cluster.py`, `test_observability.py`) run through one; the other shapes' routers are single processes.
 - `dsv4_tiny`: the shipped model with `pdspark up`'s defaults (the engine a user gets).
 - `keys_tls`: 1 prefill + 1 decode of the shipped model with an API key (`API_KEY`), the admin key, the session's
   key file (`key_file`: `KEY_FILE_TEXT`) and `--tls` (a throwaway CA, its path in the ready event's `ca`): the
@@ -57,7 +59,8 @@ FAULT_TRANSFER_TIMEOUT_S = 5
 FAULT_MC_TIMEOUT_S = 3
 
 SHAPES = {
-    "one_by_one": Shape(("--model", "{draft}", "--page-size", "16", "--max-model-len", "2048", "--max-num-seqs", "8"),
+    "one_by_one": Shape(("--model", "{draft}", "--page-size", "16", "--max-model-len", "2048", "--max-num-seqs", "8",
+                         "--router-processes", "2"),
                         {"PDSPARK_ADMIN_API_KEY": ADMIN_KEY, **QUIET_THREADS}),
     "dsv4_tiny": Shape(()),
     "keys_tls": Shape(("--model", "dsv4-tiny", "--max-model-len", "256", "--max-num-seqs", "4",
