@@ -1,8 +1,8 @@
 """`PeerLink`: one router process's line to the others of its group (`--processes`), through the supervisor.
 
 What one process changes or finds on behalf of all goes out as an *ask*: the supervisor (`router_group`) sends it to
-every live process, the asking one included, in the one order it receives asks in, and sends the asker the list of
-their answers. So every process applies worker additions and removals in the same order (workers get the same names
+every process, the asking one included, in the one order it receives asks in, and sends the asker their answers
+once all have answered (or exited). So every process applies worker additions and removals in the same order (workers get the same names
 everywhere), and a request's abort reaches whichever process serves it.
 
 Messages are small dicts over a `multiprocessing` pipe (pickled): `{"kind": "ask", "token", "op", "args"}` up and
