@@ -2,8 +2,8 @@
 
 What one process changes or finds on behalf of all goes out as an *ask*: the supervisor (`router_group`) sends it to
 every process, the asking one included, in the one order it receives asks in, and sends the asker their answers
-once all have answered (or exited). So every process applies worker additions and removals in the same order (workers get the same names
-everywhere), and a request's abort reaches whichever process serves it.
+once all have answered (or exited). So every process applies worker additions and removals in the same order
+(workers get the same names everywhere), and a request's abort reaches whichever process serves it.
 
 Messages are small dicts over a `multiprocessing` pipe (pickled): `{"kind": "ask", "token", "op", "args"}` up and
 down, `{"kind": "answer", "token", "value"}` up, `{"kind": "answers", "token", "values": {index: answer}}` down,
