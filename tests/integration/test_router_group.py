@@ -61,6 +61,21 @@ async def group(tmp_path: Path, *args: str, env: dict | None = None):
             await server.stop(None)
 
 
+@contextlib.asynccontextmanager
+async def keyed_group(tmp_path: Path, per_key: int):
+    """`group` with the client key and `--max-in-flight-per-key per_key`, its decode stub holding every request:
+    (router, decode stub, a coroutine function posting one keyed completion on a connection of its own)."""
+    keys = tmp_path / "keys"
+    keys.write_text(CLIENT + "\n")
+    async with group(tmp_path, "--api-key-file", str(keys), "--max-in-flight-per-key", str(per_key)) as (router, _, d):
+        d.mode = HOLD
+        url = router.info["http"] + "/v1/completions"
+
+        async def post() -> tuple[int, object]:
+            return await fresh("POST", url, json=BODY, headers={"Authorization": f"Bearer {CLIENT}"})
+        yield router, d, post
+
+
 async def fresh(method: str, url: str, **kw) -> tuple[int, object]:
     """One request on a connection of its own: (status, JSON body or text)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
@@ -119,13 +134,8 @@ def test_a_worker_change_reaches_every_process_before_it_is_answered(tmp_path):
 
 def test_the_per_key_limit_holds_across_processes(tmp_path):
     async def scenario():
-        keys = tmp_path / "keys"
-        keys.write_text(CLIENT + "\n")
-        async with group(tmp_path, "--api-key-file", str(keys), "--max-in-flight-per-key", "2") as (router, _, d):
-            d.mode = HOLD
-            headers = {"Authorization": f"Bearer {CLIENT}"}
-            url = router.info["http"] + "/v1/completions"
-            calls = [asyncio.create_task(fresh("POST", url, json=BODY, headers=headers)) for _ in range(CONNECTIONS)]
+        async with keyed_group(tmp_path, 2) as (_, d, post):
+            calls = [asyncio.create_task(post()) for _ in range(CONNECTIONS)]
             await until(lambda: sum(c.done() for c in calls) == CONNECTIONS - 2 and d.running == 2, 10,
                         "all but the key's 2 requests refused, those 2 at the decode stub")
             for status, body in (c.result() for c in calls if c.done()):
@@ -192,13 +202,8 @@ def test_a_killed_process_s_requests_stop_counting_against_their_key(tmp_path):
     """The key's one request dies with its process (both are killed: which one serves it is the kernel's choice):
     once the processes are back, the key may send again (its count went with the dead process's column)."""
     async def scenario():
-        keys = tmp_path / "keys"
-        keys.write_text(CLIENT + "\n")
-        async with group(tmp_path, "--api-key-file", str(keys), "--max-in-flight-per-key", "1") as (router, _, d):
-            d.mode = HOLD
-            headers = {"Authorization": f"Bearer {CLIENT}"}
-            url = router.info["http"] + "/v1/completions"
-            held = asyncio.create_task(fresh("POST", url, json=BODY, headers=headers))
+        async with keyed_group(tmp_path, 1) as (router, d, post):
+            held = asyncio.create_task(post())
             await until(lambda: d.running == 1, 10, "the key's request at the decode stub")
             before = _children(router.pid)
             for pid in router.info["pids"]:
@@ -207,14 +212,14 @@ def test_a_killed_process_s_requests_stop_counting_against_their_key(tmp_path):
                 await held
             await until(lambda: len(_children(router.pid) - before) == 2, 20, "both processes started again")
             await until(lambda: d.running == 0, 10, "the dead request's decode call ended")
-            again = asyncio.create_task(fresh("POST", url, json=BODY, headers=headers))
+            again = asyncio.create_task(post())
             # Polled: the new processes answer once their start is done (a refused connection is retried).
             deadline = asyncio.get_running_loop().time() + scaled(60)
             while d.running == 0:
                 if again.done():
                     status, body = again.result() if again.exception() is None else (None, again.exception())
                     assert status != 429, body  # refused for its key: the dead request still counted
-                    again = asyncio.create_task(fresh("POST", url, json=BODY, headers=headers))
+                    again = asyncio.create_task(post())
                 assert asyncio.get_running_loop().time() < deadline, "the key's new request never reached a worker"
                 await asyncio.sleep(0.01)
             d.release.set()

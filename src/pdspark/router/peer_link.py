@@ -31,10 +31,9 @@ ASK_TIMEOUT_S = 30.0
 
 
 class PeerLink:
-    def __init__(self, conn: Connection, index: int, processes: int):
+    def __init__(self, conn: Connection, index: int):
         self.conn = conn
         self.index = index
-        self.processes = processes
         self.handlers: dict[str, Handler] = {}
         self._tokens = itertools.count()
         self._waiting: dict[str, asyncio.Future] = {}

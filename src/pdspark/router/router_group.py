@@ -135,8 +135,8 @@ class RouterGroup:
     def start(self, index: int) -> None:
         parent, child = self.ctx.Pipe()
         process = self.ctx.Process(target=run_member, name=f"pdspark-router-{index}", daemon=False,
-                                   args=(member_config(self.cfg, index, self.ports), index, self.cfg.processes,
-                                         child, self.quota.for_process(index), list(self.worker_ops)))
+                                   args=(member_config(self.cfg, index, self.ports), index, child,
+                                         self.quota.for_process(index), list(self.worker_ops)))
         process.start()
         child.close()
         self.members[index] = _Member(index, process, parent)
@@ -210,12 +210,12 @@ class RouterGroup:
             self.members[index].conn.send(message)
 
 
-def run_member(cfg: RouterConfig, index: int, processes: int, conn: Connection, key_quota: SharedKeyQuota,
+def run_member(cfg: RouterConfig, index: int, conn: Connection, key_quota: SharedKeyQuota,
                worker_ops: list[dict]) -> None:
     """Process `index` of the group (spawned by `RouterGroup.start`): the router on the group's ports."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the supervisor, which stops us
-    sys.exit(run_router(cfg, GroupMember(PeerLink(conn, index, processes), key_quota, worker_ops)))
+    sys.exit(run_router(cfg, GroupMember(PeerLink(conn, index), key_quota, worker_ops)))
 
 
 def _die_with_parent() -> None:
