@@ -7,11 +7,14 @@ read), the verify costs several decodes and speculation is slower than plain dec
 1 on a Zen 4 core, 0.3-0.5x at batch 8 on two hosts, 2.0x at batch 1 on a Xeon). Measuring beats guessing: the
 governor keeps, per number of running requests, the seconds per generated token of recent decode steps with
 drafts and without, and picks the cheaper mode; now and then (at most `PROBE_SHARE` of the time) it runs a few steps
-of the other mode, so a change (longer contexts, other prompts, acceptance moving) is seen. A batch size first seen
-follows the nearest measured one's choice and, once that mode is measured there, the other mode at once
-(`MIN_STEPS` + 1 steps). The tokens are
-the same either way (a verify step draws each position exactly as plain decoding does), so the choice moves
-only the speed.
+of the other mode, so a change (longer contexts, other prompts, acceptance moving) is seen.
+
+A batch size first seen decodes plainly (`MIN_STEPS` + 1 steps: plain decoding costs nothing over itself), then
+tries drafting at once, unless a smaller size measured in both modes predicts that drafting cannot pay here
+(`_drafting_cannot_pay`): a verify step over 8 requests' 48 rows costs ~8x one over 6 rows where the rows are
+arithmetic, and five such steps to learn it cost a quarter of a short batch-8 run's time (measured on a Zen 4 VM:
+0.78x plain over 128 tokens). The tokens are the same either way (a verify step draws each position exactly as
+plain decoding does), so the choice moves only the speed.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ PROBE_BURST = 3
 # chosen mode has run 1 / PROBE_SHARE times the burst's expected time (a verify step 15x a decode step, as a batch of 8
 # on the module path, is probed once in ~900 plain steps; two modes of equal cost every ~60 steps).
 PROBE_SHARE = 0.05
+# Drafting is tried at a new batch size unless its predicted seconds a token exceed plain decoding's there by this
+# factor. The prediction is optimistic (see `_drafting_cannot_pay`), so a size it rules out is one where drafting
+# loses clearly; a size where the two come close is measured.
+PREDICTED_LOSS = 1.1
 
 
 @dataclass
@@ -54,6 +61,9 @@ class _ModeCost:
     def seconds_per_step(self) -> float:
         return sum(self.seconds) / max(1, len(self.seconds))
 
+    def tokens_per_step(self) -> float:
+        return sum(self.tokens) / max(1, len(self.tokens))
+
 
 @dataclass
 class _BatchCosts:
@@ -62,7 +72,7 @@ class _BatchCosts:
     since_probe: float = 0.0  # decode seconds at this batch size since the last probe began
     probe_left: int = 0  # steps of the current probe still to come
     last: bool | None = None  # the mode of the last step recorded (None: none yet)
-    explored: bool = False  # the mode not chosen was run once, at once, to measure it here (`drafts`)
+    explored: bool = False  # drafting was run once, at once, to measure it here (`drafts`)
 
 
 class SpecGovernor:
@@ -76,34 +86,44 @@ class SpecGovernor:
     def drafts(self, batch: int, steady: bool = True) -> int:
         """Draft tokens per verify step for the next step of `batch` running requests (0: decode plainly). Not
         `steady`: prompts are being computed too, so the step will not be timed (its cost is mostly theirs): the
-        choice as it stands, without probing. A batch size not measured in both modes yet follows the nearest one
-        that is (the mode it lacks is probed like any other); before anything is known, speculation is measured
-        first, then plain decoding."""
+        choice as it stands, without probing. A batch size not measured in both modes yet decodes plainly, and
+        measures drafting once plain decoding is measured there (unless it is predicted to lose: then only probes
+        measure it, within their share)."""
         costs = self._costs(batch)
         spec, plain = costs.speculate.seconds_per_token(), costs.plain.seconds_per_token()
-        if spec is not None and plain is not None:
-            speculate = spec <= plain
-        else:
-            guess = self._nearest_choice(batch)
-            if guess is None:
-                return 0 if not steady or spec is not None else self.num_drafts
-            speculate = guess
-        if steady:
-            own, other = (spec, plain) if speculate else (plain, spec)
-            if costs.probe_left:
-                costs.probe_left -= 1
-                speculate = not speculate
-            elif own is not None and other is None and not costs.explored:
-                # A batch size that follows another's choice, once it measured that mode here, measures the other
-                # one at once: the nearest size's choice is often wrong at this one (drafting pays at 1 request,
-                # costs at 8), and waiting for probes within the share left a costly mode running for most of a
-                # request.
-                costs.explored, costs.since_probe, costs.probe_left = True, 0.0, MIN_STEPS
-                speculate = not speculate
-            elif costs.since_probe * self.probe_share >= PROBE_BURST * self._step_seconds(batch, not speculate):
-                costs.since_probe, costs.probe_left = 0.0, PROBE_BURST - 1
-                speculate = not speculate  # the other mode's estimate follows the machine, prompts and acceptance
+        speculate = spec is not None and plain is not None and spec <= plain
+        if not steady:
+            return self.num_drafts if speculate else 0
+        if costs.probe_left:
+            costs.probe_left -= 1
+            speculate = not speculate
+        elif plain is None:
+            pass  # plain decoding is measured first (it costs nothing over itself)
+        elif spec is None and not costs.explored and not self._drafting_cannot_pay(batch, plain):
+            # Measured at once rather than when a probe comes round: waiting left drafting unmeasured (or a costly
+            # mode running) for most of a request.
+            costs.explored, costs.since_probe, costs.probe_left = True, 0.0, MIN_STEPS
+            speculate = True
+        elif costs.since_probe * self.probe_share >= PROBE_BURST * self._step_seconds(batch, not speculate):
+            costs.since_probe, costs.probe_left = 0.0, PROBE_BURST - 1
+            speculate = not speculate  # the other mode's estimate follows the machine, prompts and acceptance
         return self.num_drafts if speculate else 0
+
+    def _drafting_cannot_pay(self, batch: int, plain: float) -> bool:
+        """Whether drafting at `batch`, predicted from the nearest smaller size `b` measured in both modes, costs
+        more than `PREDICTED_LOSS` times plain decoding's `plain` seconds a token here. A request adds gamma + 1 rows
+        to a verify step where it adds one to a plain step, so the verify step grows by gamma + 1 times what the
+        plain step grew from `b` to `batch`; each request gives the tokens a request gave at `b`. Optimistic: the
+        draft's own cost is taken as not growing, and rows past the caches cost more than the first ones."""
+        chosen = self.chosen()  # the sizes measured in both modes
+        smaller = [b for b in chosen if b < batch]
+        if not smaller:
+            return False
+        near = self._batches[max(smaller)]
+        grown = self._batches[batch].plain.seconds_per_step() - near.plain.seconds_per_step()
+        spec_step = near.speculate.seconds_per_step() + (self.num_drafts + 1) * max(0.0, grown)
+        tokens = near.speculate.tokens_per_step() * batch / max(smaller)
+        return tokens > 0 and spec_step / tokens > PREDICTED_LOSS * plain
 
     def _costs(self, batch: int) -> _BatchCosts:
         """`batch`'s books, made on its first step (not `setdefault`: that built a new, unused set of books, four
@@ -112,13 +132,6 @@ class SpecGovernor:
         if costs is None:
             costs = self._batches[batch] = _BatchCosts()
         return costs
-
-    def _nearest_choice(self, batch: int) -> bool | None:
-        """The choice at the nearest batch size measured in both modes (the smaller on a tie); None: none is."""
-        known = self.chosen()
-        if not known:
-            return None
-        return known[min(known, key=lambda b: (abs(b - batch), b))]
 
     def _step_seconds(self, batch: int, speculate: bool) -> float:
         """What a step of that mode takes at `batch`: its own recent mean, else the nearest size's scaled by rows."""
