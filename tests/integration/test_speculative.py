@@ -172,7 +172,7 @@ def test_draft_context_kept_by_steps_without_drafts_ends_as_written_at_every_ste
         engine, kept, waiting = llm.engine, [], []
         drafter = engine.drafter
         keep, base_logits = drafter.keep, drafter._base_logits
-        drafter.keep = lambda *rows: (kept.append(rows[0].shape[0]), keep(*rows))
+        drafter.keep = lambda *rows: (kept.append(rows[3]), keep(*rows))  # (rows[3]: how many)
         # (the context is read in `_base_logits`, after `propose` wrote what was kept)
         drafter._base_logits = lambda *a: (waiting.append(drafter.backlog.rows), base_logits(*a))[1]
         for prompt in prompts:
@@ -189,6 +189,32 @@ def test_draft_context_kept_by_steps_without_drafts_ends_as_written_at_every_ste
     # (A run with verify steps lays its pool out otherwise: not compared.)
     _, kept, proposals = draft_pool("when-faster", governor=SpecGovernor(3, probe_share=0.9))
     assert kept > 10 and proposals > 10
+
+
+def test_kept_draft_context_of_a_request_whose_pages_are_freed_is_never_computed(draft_ckpt):
+    """Without a prefix cache a finished request's pages go back free, unread: the rows its plain steps kept are
+    dropped, not written (the draft's context projection is most of what a plain step under the governor pays
+    over plain decoding); with the cache they are written before the cache takes the pages. Tokens as plain."""
+    path, _ = draft_ckpt[MIXED.seed]
+    prompts = random_prompts(3, [9, 40], seed=26)
+    want, _ = greedy_outputs(make_llm(path, **OPTS), prompts, 30)
+
+    def written_rows(enable_prefix_cache):
+        llm = make_llm(path, speculative="dspark", speculative_policy="when-faster",
+                       enable_prefix_cache=enable_prefix_cache, **OPTS)
+        llm.engine.governor = _Plain()
+        backlog, written = llm.engine.drafter.backlog, []
+        take = backlog.take
+        backlog.take = lambda: (lambda rows: (written.append(0 if rows is None else rows[0].shape[0]), rows)[1])(take())
+        for prompt, tokens in zip(prompts, want):  # one at a time, then all three at once
+            assert greedy_outputs(llm, [prompt], 30)[0] == [tokens]
+        assert greedy_outputs(llm, prompts, 30)[0] == want
+        assert not backlog.rows
+        assert_no_leaks(llm)
+        return sum(written)
+
+    assert written_rows(enable_prefix_cache=False) == 0
+    assert written_rows(enable_prefix_cache=True) >= 6 * 29  # every plain step's rows (the first token is prefill's)
 
 
 def test_kept_draft_context_of_a_preempted_request_ends_as_written_at_every_step():
@@ -213,7 +239,7 @@ def test_kept_draft_context_of_a_preempted_request_ends_as_written_at_every_step
                 pages = engine.reserve_transfer(prompts[0], SamplingParams(max_tokens=8, **GREEDY))
                 assert pages is not None and not engine.drafter.backlog.rows
                 engine.cancel_transfer(pages)
-        # Rows kept since the last write (at 256): positions inside the 128-token unit the cache takes.
+        # Rows kept since the write at step 50: positions inside the 128-token unit the cache takes.
         assert policy != "when-faster" or engine.drafter.backlog.rows > 100
         engine.scheduler.preempt(engine.scheduler.running[-1])
         while engine.has_unfinished:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pdspark.cache.kv_cache import KVCache
-from pdspark.engine.draft_backlog import MAX_ROWS, DraftBacklog
+from pdspark.engine.draft_backlog import DraftBacklog
 from pdspark.engine.fast_path_fallbacks import FastPathFallbacks
 from pdspark.engine.random_stream import RandomStream, exponentials, race
 from pdspark.engine.request import Request
@@ -55,12 +55,22 @@ class DSparkDrafter:
         self._pools: tuple[int, np.ndarray | None] | None = None  # (the pool's address, its `pool_table`)
         self.backlog = DraftBacklog()  # context rows kept, not written yet (`keep`)
 
-    def keep(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor) -> None:
-        """Keep the draft context rows of committed tokens for later (copies: the step's buffers are reused).
-        Written by the next `inject`, `propose` or `flush`, or here once `MAX_ROWS` are kept."""
-        self.backlog.keep(features, positions, swa_slots)
-        if self.backlog.rows >= MAX_ROWS:
+    def keep(self, features: torch.Tensor, positions: torch.Tensor, swa_slots: torch.Tensor, n: int,
+             owners: list[int]) -> None:
+        """Keep the draft context rows of the first `n` committed tokens of a step for later (copies: the step's
+        buffers are reused), with each row's request slot (`owners`, for `forget`). Written by the next `inject`,
+        `propose` or `flush`, or here once the backlog is full; at once where the features are not fp32 CPU rows."""
+        width = features.shape[1]
+        if features.dtype is not torch.float32 or not features.is_cpu or not self.backlog.room(n, width):
             self.flush()
+            if features.dtype is not torch.float32 or not features.is_cpu or not self.backlog.room(n, width):
+                self._write(features[:n], positions[:n], swa_slots[:n])
+                return
+        self.backlog.keep(features, positions, swa_slots, n, owners)
+
+    def forget(self, owner: int) -> None:
+        """Drop the kept rows of request slot `owner`, whose pages are freed unread (`DraftBacklog.forget`)."""
+        self.backlog.forget(owner)
 
     def flush(self) -> None:
         """Write every kept row (one call), before anything else reads or writes draft rows (`draft_backlog`)."""

@@ -240,7 +240,7 @@ class Engine:
         if req is None or req.finished:
             return False
         req.finish_reason = FinishReason.ABORT
-        self._flush_draft_context()
+        self._settle_draft_context(req)
         self.scheduler.finish(req)
         return True
 
@@ -465,14 +465,25 @@ class Engine:
                 self._clear_rejected_c128_rows(p)
         if self.drafter is not None and out.features is not None:
             if keep_context:  # (row i is chunk i's token)
-                n = len(produced)
-                self.drafter.keep(out.features[:n], out.positions[:n], out.swa_slots[:n])
+                self.drafter.keep(out.features, out.positions, out.swa_slots, len(produced),
+                                  [p.chunk.request.slot for p in produced])
             else:
                 # Committed rows from the first on (one request, or none rejected): views, not gathered copies.
                 idx = (slice(0, len(rows)) if rows and rows[-1] == len(rows) - 1
                        else torch.tensor(rows, dtype=torch.long))
                 self.drafter.inject(out.features[idx], out.positions[idx], out.swa_slots[idx])
         self.scheduler.update([p.chunk for p in produced], [p.committed for p in produced])
+
+    def _settle_draft_context(self, req: Request) -> None:
+        """Before `req` finishes: its kept draft context rows are dropped where its pages are freed unread (no
+        prefix cache takes them, no transfer ships them); else every kept row is written."""
+        if self.drafter is None:
+            return
+        held = req.hold_pages and req.finish_reason != FinishReason.ABORT  # (`Scheduler.finish`'s rule)
+        if req.pages is not None and self.kv.tree is None and not held:
+            self.drafter.forget(req.slot)
+        else:
+            self.drafter.flush()
 
     def _flush_draft_context(self) -> None:
         """The drafter writes every draft context row it kept: before pages are shipped (a finish, an abort) or
@@ -501,7 +512,7 @@ class Engine:
                 if self.stop_checker.check(req):
                     # Rows past the stop token were computed for tokens we drop; keep the books consistent.
                     req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
-                    self._flush_draft_context()
+                    self._settle_draft_context(req)
                     self.scheduler.finish(req)
                     break
             self.stats.generated_tokens += j + 1
