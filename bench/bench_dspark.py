@@ -2,9 +2,10 @@
 
 Decode tokens/s counts a group's tokens from the step at which its last prompt was computed to its end (prefill is
 excluded: at batch 8 the prompts take more than one step's token budget, and a step that computes prompts is not a
-decode step). Greedy, EOS ignored. Three engines run in this process, alternating, with `--repeats` medians: plain,
-DSpark at every step, and DSpark with `speculative_policy="when-faster"` (the governor of `engine/spec_governor.py`,
-which drafts only at the batch sizes where it measured drafting faster; its exploration is part of its figure).
+decode step). Greedy, EOS ignored. Three engines run in this process, taking turns group by group (a slow spell of a
+shared VM then falls on all three alike), with `--repeats` medians: plain, DSpark at every step, and DSpark with
+`speculative_policy="when-faster"` (the governor of `engine/spec_governor.py`, which drafts only at the batch sizes
+where it measured drafting faster; its exploration is part of its figure).
 
 Where a step goes at batch 1: the forward of a plain decode step (1 row) and of a verify step (gamma + 1 rows), and
 the draft's proposal, medians over the steps. The roofline (`roofline.py`: fp32 GEMV GB/s measured in this run,
@@ -55,21 +56,35 @@ class StepTimer:
         delattr(self.obj, self.name)  # back to the class's method
 
 
-def run(llm: LLM, prompts: list[list[int]], batch: int, output_len: int) -> dict:
-    """Requests in groups of `batch`; decode time of a group runs from its first token to its last. Also the
-    medians of the step forwards by row count (up to 16 rows: decode and verify steps) and of the proposals."""
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    decode_s, n_tokens, decode_steps, drafted_steps = 0.0, 0, 0, 0
-    verify0 = engine.spec.verify_steps
-    forward = StepTimer(engine.runner, "run", lambda a: sum(len(c.token_ids) for c in a[0]))
-    propose = StepTimer(engine.drafter, "propose", lambda a: len(a[0])) if engine.drafter is not None else None
-    with contextlib.ExitStack() as timers:
-        for timer in (forward, propose):
+class DecodeMeter:
+    """One engine's decode time and tokens, a group of requests at a time (`group`), with the medians of its step
+    forwards by row count and of its proposals (`result`). The engines of a run take turns group by group, so that
+    a slow spell of a shared VM (its neighbours) falls on all of them alike rather than on one engine's whole turn."""
+
+    def __init__(self, llm: LLM, output_len: int):
+        self.engine = engine = llm.engine
+        self.params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        self.forward = StepTimer(engine.runner, "run", lambda a: sum(len(c.token_ids) for c in a[0]))
+        self.propose = (StepTimer(engine.drafter, "propose", lambda a: len(a[0]))
+                        if engine.drafter is not None else None)
+        self.reset()
+
+    def reset(self) -> None:
+        self.decode_s, self.tokens, self.decode_steps, self.drafted_steps = 0.0, 0, 0, 0
+        self.verify0 = self.engine.spec.verify_steps
+        for timer in (self.forward, self.propose):
             if timer is not None:
-                timers.enter_context(timer)
-        for i in range(0, len(prompts), batch):
-            ids = [engine.add_request(p, params) for p in prompts[i : i + batch]]
+                timer.times = {}
+
+    def group(self, prompts: list[list[int]]) -> None:
+        """Decode one group of requests at once; its decode time runs from the step at which its last prompt was
+        computed to its last token."""
+        engine = self.engine
+        with contextlib.ExitStack() as timers:
+            for timer in (self.forward, self.propose):
+                if timer is not None:
+                    timers.enter_context(timer)
+            ids = [engine.add_request(p, self.params) for p in prompts]
             first = last = None
             before = 0  # the group's tokens when its decoding began
             while engine.has_unfinished:
@@ -83,21 +98,27 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, output_len: int) -> dict
                         first = now
                         before = sum(len(engine.requests[r].output_token_ids) for r in ids)
                 else:
-                    decode_steps += 1
-                    drafted_steps += engine.spec.verify_steps > verified
+                    self.decode_steps += 1
+                    self.drafted_steps += engine.spec.verify_steps > verified
                 last = now
             assert first is not None and last is not None
-            decode_s += last - first
-            n_tokens += sum(len(engine.requests[r].output_token_ids) for r in ids) - before
+            self.decode_s += last - first
+            self.tokens += sum(len(engine.requests[r].output_token_ids) for r in ids) - before
             for r in ids:
                 engine.release(r)
-    medians = {f"forward_ms_{rows}_rows": 1e3 * statistics.median(ts)
-               for rows, ts in sorted(forward.times.items()) if rows <= 16}
-    if propose is not None:
-        medians.update({f"propose_ms_{m}_blocks": 1e3 * statistics.median(ts)
-                        for m, ts in sorted(propose.times.items())})
-    return {"decode_tok_s": n_tokens / decode_s, "verify_steps": engine.spec.verify_steps - verify0,
-            "decode_steps": decode_steps, "drafted_steps": drafted_steps, "tokens": n_tokens, **medians}
+
+    def result(self) -> dict:
+        """Decode tokens/s over the groups since `reset`, and the step medians (up to 16 rows: decode and verify
+        steps)."""
+        medians = {f"forward_ms_{rows}_rows": 1e3 * statistics.median(ts)
+                   for rows, ts in sorted(self.forward.times.items()) if rows <= 16}
+        if self.propose is not None:
+            medians.update({f"propose_ms_{m}_blocks": 1e3 * statistics.median(ts)
+                            for m, ts in sorted(self.propose.times.items())})
+        verify_steps = self.engine.spec.verify_steps - self.verify0
+        return {"decode_tok_s": self.tokens / self.decode_s, "verify_steps": verify_steps,
+                "decode_steps": self.decode_steps, "drafted_steps": self.drafted_steps, "tokens": self.tokens,
+                **medians}
 
 
 RECIPE = Path(__file__).resolve().parents[1] / "scripts" / "train_dspark_draft.py"
@@ -131,11 +152,18 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     working_set = int(work_per_token(path, 1)["decode_step_bytes_read"])
     limits = [machine_limits(args.threads, working_set_bytes=working_set)]
+    meters = {name: DecodeMeter(llm, args.output_len) for name, llm in (("plain", plain), ("dspark", spec),
+                                                                           ("auto", auto))}
     rows: dict[tuple[str, int], list[dict]] = {}
     for rep in range(args.repeats):
         for b in batches:
-            for name, llm in (("plain", plain), ("dspark", spec), ("auto", auto)):
-                r = run(llm, prompts, b, args.output_len)
+            for meter in meters.values():
+                meter.reset()
+            for i in range(0, len(prompts), b):  # the engines take turns, group by group
+                for meter in meters.values():
+                    meter.group(prompts[i : i + b])
+            for name, meter in meters.items():
+                r = meter.result()
                 rows.setdefault((name, b), []).append(r)
                 print(f"[{rep + 1}/{args.repeats}] batch {b} {name:<6}: {r['decode_tok_s']:.1f} decode tok/s",
                       file=sys.stderr, flush=True)
