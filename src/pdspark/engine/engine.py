@@ -327,7 +327,9 @@ class Engine:
         produced = self._decide(sched.chunks, out, proposals)
         timed = governed is not None and _decode_only(sched.chunks)
         self._commit(produced, out, keep_context=timed and not proposals)
-        if governed is not None and timed:
+        # (A step the governor wanted drafts for but whose requests could take none, each at its last token, is not
+        # of either mode: not timed.)
+        if governed is not None and timed and bool(proposals) == (self.scheduler.num_drafts > 0):
             self._record_decode_step(governed, bool(proposals), produced)
         return self._append(produced)
 

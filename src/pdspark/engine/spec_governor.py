@@ -22,12 +22,18 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-WINDOW_STEPS = 32  # recent steps per mode whose seconds / tokens make its estimate (a ratio of sums: a mean)
+WINDOW_STEPS = 32  # recent steps per mode whose seconds and tokens make its estimate (`_ModeCost`)
 MIN_STEPS = 4  # steps of a mode before its estimate counts
-# Probes come in bursts of this many steps of the mode not chosen, the first of which is not counted: the first step
-# after a switch pays for it (step buffers and indices for another row count: a plain step after a verify step cost
-# ~3x a plain step after a plain step on a Zen 4 core), which a steady mode does not.
-PROBE_BURST = 3
+# The steps that begin within this many seconds of a switch of mode are not counted: a mode runs slower for a while
+# after the other one (step buffers and indices for another row count, caches holding the other mode's data):
+# measured on a Zen 4 VM with dsv4-tiny, the first plain step after verify steps cost 2-3x a steady one, and the next
+# ones 1.6x, back to steady after ~5 ms (about 10 steps); a verify step after plain ones ~1.1x, for one step. A mode
+# measured in its first milliseconds looked twice as dear as it runs in a stretch of its own, which is what the
+# choice buys, and the governor kept drafting where it cost 0.8x.
+SETTLE_S = 0.008
+SETTLE_STEPS = 8  # and the first this many steps (plain steps warm up by steps, not only by time: ~8 of them)
+# Probes come in bursts of the mode not chosen: the steps that settle it, then this many counted ones.
+PROBE_COUNTED = 2
 # At most this share of a batch size's decode time goes to probing the mode not chosen: a burst comes once the
 # chosen mode has run 1 / PROBE_SHARE times the burst's expected time (a verify step 15x a decode step, as a batch of 8
 # on the module path, is probed once in ~900 plain steps; two modes of equal cost every ~60 steps).
@@ -36,30 +42,39 @@ PROBE_SHARE = 0.05
 # factor. The prediction is optimistic (see `_drafting_cannot_pay`), so a size it rules out is one where drafting
 # loses clearly; a size where the two come close is measured.
 PREDICTED_LOSS = 1.1
+# The mode chosen changes only once the other one is this much cheaper a token: each switch costs the settling of the
+# mode switched to (above), so two modes of about equal cost are better left than flipped at every wobble.
+HYSTERESIS = 0.05
 
 
 @dataclass
 class _ModeCost:
-    """Recent seconds and tokens of the decode steps of one mode at one batch size (two deques side by side: the
-    estimates are sums and a max over them in C, asked for at every step, a few microseconds of a ~0.5 ms step)."""
+    """Recent seconds and tokens of the decode steps of one mode at one batch size. Its estimates use the median
+    step: a step's time hardly depends on how many drafts it accepted (a verify step computes its gamma + 1 rows
+    whatever), and a median is not moved by the slow steps of a shared machine (a GC pause, a neighbour's burst, a
+    page fault) that a mean of 32 steps carried for as long as they stayed in the window."""
 
     seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
     tokens: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
+    _median: float | None = None  # of `seconds`, made when first asked for after an `add`
 
     def add(self, seconds: float, tokens: int) -> None:
         self.seconds.append(seconds)
         self.tokens.append(tokens)
+        self._median = None
 
     def seconds_per_token(self) -> float | None:
-        """Seconds over tokens of the window less its slowest step (a GC pause, a page fault)."""
+        """The median step's seconds over the mean tokens a step; None before `MIN_STEPS` steps."""
         if len(self.seconds) < MIN_STEPS:
             return None
-        slowest = max(self.seconds)
-        tokens = sum(self.tokens) - self.tokens[self.seconds.index(slowest)]
-        return (sum(self.seconds) - slowest) / max(1, tokens)
+        return self.seconds_per_step() * len(self.tokens) / max(1, sum(self.tokens))
 
     def seconds_per_step(self) -> float:
-        return sum(self.seconds) / max(1, len(self.seconds))
+        """The median step's seconds (0 before any step)."""
+        if self._median is None:
+            ordered, n = sorted(self.seconds), len(self.seconds)
+            self._median = 0.0 if not n else (ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2)
+        return self._median
 
     def tokens_per_step(self) -> float:
         return sum(self.tokens) / max(1, len(self.tokens))
@@ -72,7 +87,11 @@ class _BatchCosts:
     since_probe: float = 0.0  # decode seconds at this batch size since the last probe began
     probe_left: int = 0  # steps of the current probe still to come
     last: bool | None = None  # the mode of the last step recorded (None: none yet)
-    explored: bool = False  # drafting was run once, at once, to measure it here (`drafts`)
+    settled: float = 0.0  # seconds of that mode since the last switch (or the first step at this size)
+    settled_steps: int = 0  # and its steps
+    choice: bool | None = None  # drafting chosen (None: not both modes measured yet)
+    explored: bool = False  # drafting was run at once to measure it here (`drafts`)
+    exploring: bool = False  # and is being run until it is measured
 
 
 class SpecGovernor:
@@ -91,23 +110,43 @@ class SpecGovernor:
         measure it, within their share)."""
         costs = self._costs(batch)
         spec, plain = costs.speculate.seconds_per_token(), costs.plain.seconds_per_token()
-        speculate = spec is not None and plain is not None and spec <= plain
+        speculate = self._choose(costs, spec, plain)
         if not steady:
             return self.num_drafts if speculate else 0
-        if costs.probe_left:
+        if costs.exploring:
+            costs.exploring = spec is None
+            speculate = speculate or spec is None
+            if not costs.exploring:
+                costs.since_probe = 0.0
+        elif costs.probe_left:
             costs.probe_left -= 1
             speculate = not speculate
         elif plain is None:
             pass  # plain decoding is measured first (it costs nothing over itself)
         elif spec is None and not costs.explored and not self._drafting_cannot_pay(batch, plain):
             # Measured at once rather than when a probe comes round: waiting left drafting unmeasured (or a costly
-            # mode running) for most of a request.
-            costs.explored, costs.since_probe, costs.probe_left = True, 0.0, MIN_STEPS
+            # mode running) for most of a request. Until measured: the steps that settle it, then `MIN_STEPS`.
+            costs.explored = costs.exploring = True
             speculate = True
-        elif costs.since_probe * self.probe_share >= PROBE_BURST * self._step_seconds(batch, not speculate):
-            costs.since_probe, costs.probe_left = 0.0, PROBE_BURST - 1
+        elif costs.since_probe * self.probe_share >= self._burst_seconds(batch, not speculate):
+            costs.since_probe = 0.0
+            costs.probe_left = self._settle_steps(batch, not speculate) + PROBE_COUNTED - 1
             speculate = not speculate  # the other mode's estimate follows the machine, prompts and acceptance
         return self.num_drafts if speculate else 0
+
+    @staticmethod
+    def _choose(costs: _BatchCosts, spec: float | None, plain: float | None) -> bool:
+        """The mode chosen at a batch size: the cheaper a token, changed only past `HYSTERESIS`; plain decoding
+        until both are measured."""
+        if spec is None or plain is None:
+            return False
+        if costs.choice is None:
+            costs.choice = spec <= plain
+        elif costs.choice and plain < spec * (1 - HYSTERESIS):
+            costs.choice = False
+        elif not costs.choice and spec < plain * (1 - HYSTERESIS):
+            costs.choice = True
+        return costs.choice
 
     def _drafting_cannot_pay(self, batch: int, plain: float) -> bool:
         """Whether drafting at `batch`, predicted from the nearest smaller size `b` measured in both modes, costs
@@ -147,20 +186,35 @@ class SpecGovernor:
         near = min(measured, key=lambda b: (abs(b - batch), b))
         return mode(self._batches[near]).seconds_per_step() * batch / near
 
+    def _settle_steps(self, batch: int, speculate: bool) -> int:
+        """Steps of that mode at `batch` that settle it after a switch: the first `SETTLE_STEPS`, and those that
+        begin within `SETTLE_S`."""
+        step = self._step_seconds(batch, speculate)
+        return max(SETTLE_STEPS, 1 + (int(SETTLE_S / step) if step > 0 else 0))
+
+    def _burst_seconds(self, batch: int, speculate: bool) -> float:
+        """What a probe of that mode at `batch` takes: the steps that settle it, then `PROBE_COUNTED` more."""
+        return (self._settle_steps(batch, speculate) + PROBE_COUNTED) * self._step_seconds(batch, speculate)
+
     def record(self, batch: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """A decode step of `batch` running requests (no prompt chunk in it) that gave `tokens` tokens. The first
-        step after a switch of mode is timed into the probe budget only."""
+        """A decode step of `batch` running requests (no prompt chunk in it) that gave `tokens` tokens. A step that
+        settles its mode (among the first `SETTLE_STEPS` steps or `SETTLE_S` seconds after a switch of mode, or
+        after the first step at this size) is timed into the probe budget only."""
         costs = self._costs(batch)
-        if costs.last is None or costs.last == speculated:
+        if costs.last is not None and costs.last != speculated:
+            costs.settled, costs.settled_steps = 0.0, 0
+        if costs.settled >= SETTLE_S and costs.settled_steps >= SETTLE_STEPS:
             (costs.speculate if speculated else costs.plain).add(seconds, tokens)
+        costs.settled += seconds
+        costs.settled_steps += 1
         costs.last = speculated
         costs.since_probe += seconds
 
     def chosen(self) -> dict[int, bool]:
-        """Per batch size with both estimates: whether speculation is the cheaper mode now (for stats and logs)."""
+        """Per batch size with both estimates: whether speculation is the mode chosen now (for stats and logs)."""
         out = {}
         for batch, costs in sorted(self._batches.items()):
             spec, plain = costs.speculate.seconds_per_token(), costs.plain.seconds_per_token()
             if spec is not None and plain is not None:
-                out[batch] = spec <= plain
+                out[batch] = self._choose(costs, spec, plain)
         return out
