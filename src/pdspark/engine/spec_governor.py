@@ -57,17 +57,21 @@ class _ModeCost:
     seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
     tokens: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
     _median: float | None = None  # of `seconds`, made when first asked for after an `add`
+    _tokens_sum: int = 0  # of `tokens` (kept as steps come and go: the estimates are asked for at every step)
 
     def add(self, seconds: float, tokens: int) -> None:
+        if len(self.tokens) == WINDOW_STEPS:
+            self._tokens_sum -= self.tokens[0]
         self.seconds.append(seconds)
         self.tokens.append(tokens)
+        self._tokens_sum += tokens
         self._median = None
 
     def seconds_per_token(self) -> float | None:
         """The median step's seconds over the mean tokens a step; None before `MIN_STEPS` steps."""
         if len(self.seconds) < MIN_STEPS:
             return None
-        return self.seconds_per_step() * len(self.tokens) / max(1, sum(self.tokens))
+        return self.seconds_per_step() * len(self.tokens) / max(1, self._tokens_sum)
 
     def seconds_per_step(self) -> float:
         """The median step's seconds (0 before any step)."""
@@ -77,7 +81,7 @@ class _ModeCost:
         return self._median
 
     def tokens_per_step(self) -> float:
-        return sum(self.tokens) / max(1, len(self.tokens))
+        return self._tokens_sum / max(1, len(self.tokens))
 
 
 @dataclass
@@ -85,6 +89,7 @@ class _BatchCosts:
     speculate: _ModeCost = field(default_factory=_ModeCost)
     plain: _ModeCost = field(default_factory=_ModeCost)
     since_probe: float = 0.0  # decode seconds at this batch size since the last probe began
+    probe_due: float = 0.0  # `since_probe` at which the next probe may be due (`drafts` checks it exactly then)
     probe_left: int = 0  # steps of the current probe still to come
     last: bool | None = None  # the mode of the last step recorded (None: none yet)
     settled: float = 0.0  # seconds of that mode since the last switch (or the first step at this size)
@@ -128,10 +133,13 @@ class SpecGovernor:
             # mode running) for most of a request. Until measured: the steps that settle it, then `MIN_STEPS`.
             costs.explored = costs.exploring = True
             speculate = True
-        elif costs.since_probe * self.probe_share >= self._burst_seconds(batch, not speculate):
-            costs.since_probe = 0.0
-            costs.probe_left = self._settle_steps(batch, not speculate) + PROBE_COUNTED - 1
-            speculate = not speculate  # the other mode's estimate follows the machine, prompts and acceptance
+        elif costs.since_probe >= costs.probe_due:
+            # (A probe's cost is worked out when one may be due, not at every step: estimates move slowly.)
+            costs.probe_due = self._burst_seconds(batch, not speculate) / self.probe_share
+            if costs.since_probe >= costs.probe_due:
+                costs.since_probe = costs.probe_due = 0.0
+                costs.probe_left = self._settle_steps(batch, not speculate) + PROBE_COUNTED - 1
+                speculate = not speculate  # the other mode's estimate follows the machine, prompts and acceptance
         return self.num_drafts if speculate else 0
 
     @staticmethod
