@@ -327,9 +327,7 @@ class Engine:
         produced = self._decide(sched.chunks, out, proposals)
         timed = governed is not None and _decode_only(sched.chunks)
         self._commit(produced, out, keep_context=timed and not proposals)
-        # (A step the governor wanted drafts for but whose requests could take none, each at its last token, is not
-        # of either mode: not timed.)
-        if governed is not None and timed and bool(proposals) == (self.scheduler.num_drafts > 0):
+        if governed is not None and timed:
             self._record_decode_step(governed, bool(proposals), produced)
         return self._append(produced)
 
@@ -354,8 +352,11 @@ class Engine:
 
     def _record_decode_step(self, governed: _GovernedStep, drafted: bool, produced: list[_StepTokens]) -> None:
         """A decode step (no prompt chunk in it) is timed whole, drafting, forward, sampling and commit: what the
-        governor compares drafting with."""
+        governor compares drafting with. Not a step the governor wanted drafts for whose requests could take none
+        (each at its last token): it is of neither mode."""
         assert self.governor is not None
+        if drafted != (self.scheduler.num_drafts > 0):
+            return
         self.governor.record(governed.batch, drafted, time.perf_counter() - governed.started,
                              sum(len(p.tokens) for p in produced))
 
