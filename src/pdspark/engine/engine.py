@@ -327,8 +327,8 @@ class Engine:
         produced = self._decide(sched.chunks, out, proposals)
         timed = governed is not None and _decode_only(sched.chunks)
         self._commit(produced, out, keep_context=timed and not proposals)
-        if governed is not None and timed:
-            self._record_decode_step(governed, bool(proposals), produced)
+        if governed is not None:
+            self._record_decode_step(governed, timed, bool(proposals), produced)
         return self._append(produced)
 
     def _schedule(self) -> ScheduleOutput:
@@ -350,12 +350,15 @@ class Engine:
         self.scheduler.num_drafts = self.governor.drafts(batch, steady)
         return _GovernedStep(started, batch)
 
-    def _record_decode_step(self, governed: _GovernedStep, drafted: bool, produced: list[_StepTokens]) -> None:
-        """A decode step (no prompt chunk in it) is timed whole, drafting, forward, sampling and commit: what the
-        governor compares drafting with. Not a step the governor wanted drafts for whose requests could take none
-        (each at its last token): it is of neither mode."""
+    def _record_decode_step(self, governed: _GovernedStep, timed: bool, drafted: bool,
+                            produced: list[_StepTokens]) -> None:
+        """A decode step (no prompt chunk in it: `timed`) is timed whole, drafting, forward, sampling and commit:
+        what the governor compares drafting with. Not a step the governor wanted drafts for whose requests could take
+        none (each at its last token): it is of neither mode. Another step only tells the governor that the engine
+        was busy, not idle, until now."""
         assert self.governor is not None
-        if drafted != (self.scheduler.num_drafts > 0):
+        if not timed or drafted != (self.scheduler.num_drafts > 0):
+            self.governor.busy()
             return
         self.governor.record(governed.batch, drafted, time.perf_counter() - governed.started,
                              sum(len(p.tokens) for p in produced))

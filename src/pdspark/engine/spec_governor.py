@@ -19,21 +19,31 @@ plain decoding does), so the choice moves only the speed.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 WINDOW_STEPS = 32  # recent steps per mode whose seconds and tokens make its estimate (`_ModeCost`)
 MIN_STEPS = 4  # steps of a mode before its estimate counts
 # The steps that begin within this many seconds of a switch of mode are not counted: a mode runs slower for a while
-# after the other one (step buffers and indices for another row count, caches holding the other mode's data):
-# measured on a Zen 4 VM with dsv4-tiny, the first plain step after verify steps cost 2-3x a steady one, and the next
-# ones 1.6x, back to steady after ~5 ms (about 10 steps); a verify step after plain ones ~1.1x, for one step. A mode
-# measured in its first milliseconds looked twice as dear as it runs in a stretch of its own, which is what the
-# choice buys, and the governor kept drafting where it cost 0.8x.
-SETTLE_S = 0.008
-SETTLE_STEPS = 8  # and the first this many steps (plain steps warm up by steps, not only by time: ~8 of them)
-# Probes come in bursts of the mode not chosen: the steps that settle it, then this many counted ones.
+# after the other one (step buffers and indices for another row count, caches and clocks settling after the other
+# mode's work): measured on a Zen 4 VM with dsv4-tiny, the first plain step after verify steps cost 2-3x a steady
+# one, the next ones 1.3-1.6x for 8-12 steps (~5-10 ms), and a verify step after plain ones ~1.1x, for one step. A
+# mode measured in its first milliseconds looked twice as dear as it runs in a stretch of its own, which is what
+# the choice buys, and the governor kept drafting where it cost 0.8x.
+SETTLE_S = 0.015
+SETTLE_STEPS = 4  # and the first this many steps, however long (the first after a switch alone ran 2-3x)
+# A pause of this long between two steps (no request to run: the engine idle) settles the mode again:
+# after a 20 ms sleep the next plain steps of dsv4-tiny ran 3x, 1.7x, 1.3x, 1.1x a steady one (Zen 4 VM). A serving
+# loop's own work between steps is well under it.
+GAP_S = 0.01
+# Probes come in bursts of the mode not chosen: the steps that settle it, then this many counted ones (a burst ends
+# when they are counted, not after a number of steps worked out from an estimate: an estimate too high would make
+# bursts too short to count a step, and so never be corrected), at most `PROBE_MAX_STEPS` steps or 4 times the
+# steps its estimate says settle the mode, whichever is more.
 PROBE_COUNTED = 2
+PROBE_MAX_STEPS = 64
 # At most this share of a batch size's decode time goes to probing the mode not chosen: a burst comes once the
 # chosen mode has run 1 / PROBE_SHARE times the burst's expected time (a verify step 15x a decode step, as a batch of 8
 # on the module path, is probed once in ~900 plain steps; two modes of equal cost every ~60 steps).
@@ -90,7 +100,9 @@ class _BatchCosts:
     plain: _ModeCost = field(default_factory=_ModeCost)
     since_probe: float = 0.0  # decode seconds at this batch size since the last probe began
     probe_due: float = 0.0  # `since_probe` at which the next probe may be due (`drafts` checks it exactly then)
-    probe_left: int = 0  # steps of the current probe still to come
+    probe: bool | None = None  # the mode being probed (None: no probe under way)
+    probe_need: int = 0  # its steps still to be counted
+    probe_cap: int = 0  # its steps still allowed
     last: bool | None = None  # the mode of the last step recorded (None: none yet)
     settled: float = 0.0  # seconds of that mode since the last switch (or the first step at this size)
     settled_steps: int = 0  # and its steps
@@ -100,12 +112,15 @@ class _BatchCosts:
 
 
 class SpecGovernor:
-    def __init__(self, num_drafts: int, probe_share: float = PROBE_SHARE):
+    def __init__(self, num_drafts: int, probe_share: float = PROBE_SHARE,
+                 clock: Callable[[], float] = time.perf_counter):
         if not 0 < probe_share < 1:
             raise ValueError(f"probe_share must be in (0, 1) (got {probe_share})")
         self.num_drafts = num_drafts
         self.probe_share = probe_share
         self._batches: dict[int, _BatchCosts] = {}
+        self._clock = clock  # seconds: the pauses between steps (`GAP_S`)
+        self._last_busy = float("-inf")  # when the last step ended (recorded or not: `record`, `busy`)
 
     def drafts(self, batch: int, steady: bool = True) -> int:
         """Draft tokens per verify step for the next step of `batch` running requests (0: decode plainly). Not
@@ -114,6 +129,8 @@ class SpecGovernor:
         measures drafting once plain decoding is measured there (unless it is predicted to lose: then only probes
         measure it, within their share)."""
         costs = self._costs(batch)
+        if self._clock() - self._last_busy > GAP_S:
+            costs.settled, costs.settled_steps = 0.0, 0  # a pause: the machine settles again (`GAP_S`)
         spec, plain = costs.speculate.seconds_per_token(), costs.plain.seconds_per_token()
         speculate = self._choose(costs, spec, plain)
         if not steady:
@@ -123,9 +140,11 @@ class SpecGovernor:
             speculate = speculate or spec is None
             if not costs.exploring:
                 costs.since_probe = 0.0
-        elif costs.probe_left:
-            costs.probe_left -= 1
-            speculate = not speculate
+        elif costs.probe is not None and costs.probe_need > 0 and costs.probe_cap > 0:
+            costs.probe_cap -= 1
+            speculate = costs.probe
+        elif costs.probe is not None:
+            costs.probe = None  # (counted, or out of steps)
         elif plain is None:
             pass  # plain decoding is measured first (it costs nothing over itself)
         elif spec is None and not costs.explored and not self._drafting_cannot_pay(batch, plain):
@@ -138,8 +157,9 @@ class SpecGovernor:
             costs.probe_due = self._burst_seconds(batch, not speculate) / self.probe_share
             if costs.since_probe >= costs.probe_due:
                 costs.since_probe = costs.probe_due = 0.0
-                costs.probe_left = self._settle_steps(batch, not speculate) + PROBE_COUNTED - 1
                 speculate = not speculate  # the other mode's estimate follows the machine, prompts and acceptance
+                cap = max(PROBE_MAX_STEPS, 4 * self._settle_steps(batch, speculate))
+                costs.probe, costs.probe_need, costs.probe_cap = speculate, PROBE_COUNTED, cap - 1
         return self.num_drafts if speculate else 0
 
     @staticmethod
@@ -213,10 +233,17 @@ class SpecGovernor:
             costs.settled, costs.settled_steps = 0.0, 0
         if costs.settled >= SETTLE_S and costs.settled_steps >= SETTLE_STEPS:
             (costs.speculate if speculated else costs.plain).add(seconds, tokens)
+            if costs.probe == speculated:
+                costs.probe_need -= 1
         costs.settled += seconds
         costs.settled_steps += 1
         costs.last = speculated
         costs.since_probe += seconds
+        self._last_busy = self._clock()
+
+    def busy(self) -> None:
+        """A step that is not recorded (prompts in it) ended now: the engine was not idle (`GAP_S`)."""
+        self._last_busy = self._clock()
 
     def chosen(self) -> dict[int, bool]:
         """Per batch size with both estimates: whether speculation is the mode chosen now (for stats and logs)."""
