@@ -161,6 +161,7 @@ def test_a_step_with_prompts_in_it_follows_the_choice_without_exploring():
     """Such steps are not timed: exploring there would draft (at large verify cost) and never learn."""
     gov = governor()
     assert gov.drafts(3, steady=False) == 0  # nothing known at 3 yet: no drafts
+    assert gov.drafts(0, steady=False) == 0 and 0 not in gov._batches  # a step of prompts alone
     run(gov, 3, 200, spec_cost=(2e-3, 4), plain_cost=(1e-3, 1))
     assert gov.chosen() == {3: True}
     assert all(gov.drafts(3, steady=False) == GAMMA for _ in range(100))  # and no probe among them

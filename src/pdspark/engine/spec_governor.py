@@ -9,7 +9,7 @@ governor keeps, per number of running requests, the seconds per generated token 
 drafts and without, and picks the cheaper mode; now and then (at most `PROBE_SHARE` of the time) it runs a few steps
 of the other mode, so a change (longer contexts, other prompts, acceptance moving) is seen.
 
-A batch size first seen decodes plainly (`MIN_STEPS` + 1 steps: plain decoding costs nothing over itself), then
+A batch size first seen decodes plainly until plain decoding is measured there (it costs nothing over itself), then
 tries drafting at once, unless a smaller size measured in both modes predicts that drafting cannot pay here
 (`_drafting_cannot_pay`): a verify step over 8 requests' 48 rows costs ~8x one over 6 rows where the rows are
 arithmetic, and five such steps to learn it cost a quarter of a short batch-8 run's time (measured on a Zen 4 VM:
@@ -45,8 +45,7 @@ GAP_S = 0.01
 PROBE_COUNTED = 2
 PROBE_MAX_STEPS = 64
 # At most this share of a batch size's decode time goes to probing the mode not chosen: a burst comes once the
-# chosen mode has run 1 / PROBE_SHARE times the burst's expected time (a verify step 15x a decode step, as a batch of 8
-# on the module path, is probed once in ~900 plain steps; two modes of equal cost every ~60 steps).
+# chosen mode has run 1 / PROBE_SHARE times the burst's expected time (`_burst_seconds`).
 PROBE_SHARE = 0.05
 # Drafting is tried at a new batch size unless its predicted seconds a token exceed plain decoding's there by this
 # factor. The prediction is optimistic (see `_drafting_cannot_pay`), so a size it rules out is one where drafting
@@ -128,6 +127,8 @@ class SpecGovernor:
         choice as it stands, without probing. A batch size not measured in both modes yet decodes plainly, and
         measures drafting once plain decoding is measured there (unless it is predicted to lose: then only probes
         measure it, within their share)."""
+        if not batch:
+            return 0  # (prompts alone: nothing decodes, and no books are made for it)
         costs = self._costs(batch)
         if self._clock() - self._last_busy > GAP_S:
             costs.settled, costs.settled_steps = 0.0, 0  # a pause: the machine settles again (`GAP_S`)
@@ -201,7 +202,7 @@ class SpecGovernor:
         return costs
 
     def _step_seconds(self, batch: int, speculate: bool) -> float:
-        """What a step of that mode takes at `batch`: its own recent mean, else the nearest size's scaled by rows."""
+        """What a step of that mode takes at `batch`: its own median, else the nearest size's scaled by rows."""
         def mode(costs: _BatchCosts) -> _ModeCost:
             return costs.speculate if speculate else costs.plain
 
@@ -250,6 +251,6 @@ class SpecGovernor:
         out = {}
         for batch, costs in sorted(self._batches.items()):
             spec, plain = costs.speculate.seconds_per_token(), costs.plain.seconds_per_token()
-            if spec is not None and plain is not None:
-                out[batch] = self._choose(costs, spec, plain)
+            if spec is not None and plain is not None:  # (the choice `drafts` made last, else the cheaper now)
+                out[batch] = costs.choice if costs.choice is not None else spec <= plain
         return out
