@@ -492,8 +492,8 @@ class Engine:
             self.drafter.flush()
 
     def _flush_draft_context(self) -> None:
-        """The drafter writes every draft context row it kept: before pages are shipped (a finish, an abort) or
-        written by a transfer."""
+        """The drafter writes every draft context row it kept: before a transfer writes pages (`reserve_transfer`; a
+        finish or abort goes through `_settle_draft_context`)."""
         if self.drafter is not None:
             self.drafter.flush()
 
