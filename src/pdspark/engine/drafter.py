@@ -60,10 +60,10 @@ class DSparkDrafter:
         """Keep the draft context rows of the first `n` committed tokens of a step for later (copies: the step's
         buffers are reused), with each row's request slot (`owners`, for `forget`). Written by the next `inject`,
         `propose` or `flush`, or here once the backlog is full; at once where the features are not fp32 CPU rows."""
-        width = features.shape[1]
-        if features.dtype is not torch.float32 or not features.is_cpu or not self.backlog.room(n, width):
-            self.flush()
-            if features.dtype is not torch.float32 or not features.is_cpu or not self.backlog.room(n, width):
+        keepable, width = features.dtype is torch.float32 and features.is_cpu, features.shape[1]
+        if not (keepable and self.backlog.room(n, width)):
+            self.flush()  # (the kept rows are older: written first)
+            if not (keepable and self.backlog.room(n, width)):
                 self._write(features[:n], positions[:n], swa_slots[:n])
                 return
         self.backlog.keep(features, positions, swa_slots, n, owners)
