@@ -2,8 +2,13 @@
 experts, random weights written by transformers' `DeepseekV4ForCausalLM` (so both systems load the same file),
 rounded to bf16 numbers as a real DSV4 checkpoint's are (stored as fp32: both systems compute in fp32).
 
-`big`: hidden 256, 16 routed experts (top-2) of intermediate 256, vocab 4,096, 6 layers. Built once into
-`~/.cache/pdspark-bench/<name>-bf16` (seeded: the same weights every time) and reused.
+`big`: hidden 256, 16 routed experts (top-2) of intermediate 256, vocab 4,096, 6 layers.
+`v4-shape`: a layer whose parts weigh what V4-Flash's do against each other, small enough for a CPU: hidden 1,024,
+8 heads of 128 (queries and outputs through ranks of 256), 8 routed experts (top-2 and a shared one) of
+intermediate 512, and the lightning indexer at 2 heads of 128, as V4's 64 heads of 128 are to its layers: ~256
+multiply-adds an entry against ~7.5M a CSA layer's token (V4-Flash: 8,192 against ~290M), positions to 128k for
+the long-context benchmark (dsv4-tiny's indexer is ~11x heavier against its layers: 128 against ~0.4M).
+Built once into `~/.cache/pdspark-bench/<name>-bf16` (seeded: the same weights every time) and reused.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ from pathlib import Path
 CONFIGS = {
     "big": {"hidden_size": 256, "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
             "vocab_size": 4096, "q_lora_rank": 192, "o_lora_rank": 96},
+    "v4-shape": {"hidden_size": 1024, "num_attention_heads": 8, "head_dim": 128, "q_lora_rank": 256,
+                 "o_lora_rank": 256, "o_groups": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 512, "index_n_heads": 2, "index_head_dim": 128, "vocab_size": 4096,
+                 "max_position_embeddings": 131072},
 }
 _CACHE = Path.home() / ".cache" / "pdspark-bench"
 
