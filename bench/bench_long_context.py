@@ -3,15 +3,16 @@ attending to the indexer's `index_topk` picked entries (`model.indexer.picked_en
 attending through a mask over every visible entry (the path before: same picks, same tokens).
 
 Two models, each with its position range at 128k: dsv4-tiny's weights, and `v4-shape` (`random_checkpoint.py`), a
-random DSV4 whose indexer weighs against its layers what V4-Flash's does (dsv4-tiny's is ~11x heavier). For each, a
-random prompt of each length is prefilled into an engine of its own; then the engines take turns, `--groups` groups
-of `--per-group` greedy decode steps each (the first `--settle` of a group not counted: the caches after another
-engine's turn), so a slow spell of the VM falls on every context alike; each step is timed (`Engine.step`,
-medians). Then the module path decodes the same prompt twice, through the picked rows and through the mask
-(`--module-steps`), for the same tokens. The same run times the lightning indexer's C pick alone at each length (its
-scoring is O(entries) by design, the one part that must grow) and reports its share of the step, the pools' bytes
-and the process's resident memory. Target (issue: performance against the peers): the 64k step <= 1.5x the 4k step,
-and the same tokens on all paths.
+random DSV4 whose indexer weighs against its layers what V4-Flash's does (dsv4-tiny's is ~11x heavier). Each
+context runs in a process of its own with one engine, as a serving process holds (engines sharing a process slowed
+one another unevenly: each holds its own weights), `--rounds` times, the contexts' order reversed every other round
+so that a slow spell of the VM falls on all alike: a random prompt of that length is prefilled, then `--steps`
+greedy decode steps are timed one by one (`Engine.step`; the first `--settle` not counted; medians over the
+rounds). In the first round's processes the module path then decodes the same prompt twice, through the picked rows
+and through the mask (`--module-steps`), for the same tokens, and the lightning indexer's C pick is timed alone at
+that length (its scoring is O(entries) by design, the one part that must grow), with its share of the step, the
+pools' bytes and the process's resident memory. Target (issue: performance against the peers): the 64k step <= 1.5x
+the 4k step, and the same tokens on all paths.
 
     python bench/bench_long_context.py [--models dsv4-tiny,v4-shape] [--contexts 1024,4096,16384,65536]
 """
@@ -23,6 +24,8 @@ import contextlib
 import json
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -99,23 +102,6 @@ def decode_steps(engine, prompt: list[int], steps: int) -> tuple[list[float], li
     return times, tokens, prefill_s
 
 
-def taking_turns(engines: dict[int, object], groups: int, per_group: int, settle: int) -> dict[int, list[float]]:
-    """The C step's times (s) of each engine (one prefilled request each), the engines taking turns a group of
-    `per_group` steps at a time, the first `settle` of each group not counted (each engine holds its own weights:
-    after another's turn a step runs 2-3x slower, and ~1.3x for the next ~10)."""
-    times: dict[int, list[float]] = {c: [] for c in engines}
-    for g in range(groups):
-        order = list(engines) if g % 2 == 0 else list(reversed(engines))
-        for context in order:
-            engine = engines[context]
-            for i in range(per_group):
-                s = time.perf_counter()
-                engine.step()
-                if i >= settle:
-                    times[context].append(time.perf_counter() - s)
-    return times
-
-
 def indexer_ms(engine, visible: int, page_size: int, repeats: int = 50) -> float:
     """The C indexer pick of one decode token over `visible` entries (scores and top-k), every CSA layer of the
     model (ms, median): read from the engine's own indexer-key pool, a page's entries together and the pages in a
@@ -146,48 +132,66 @@ def new_engine(model: Path, context: int, steps: int):
                          max_num_batched_tokens=2048, enable_prefix_cache=False)
 
 
-def measure_model(name: str, contexts: list[int], groups: int, per_group: int, settle: int, module_steps: int,
-                  seed: int) -> list[dict]:
-    """Every context's row for model `name`: the engines prefilled, the C steps taking turns, then per context the
-    module path's steps (picked rows, then the mask) for the same tokens, and the indexer's pick alone."""
+def measure_context(name: str, context: int, steps: int, settle: int, module_steps: int, seed: int) -> dict:
+    """One process's measurement (`--child`): its one engine prefills the prompt of `context` tokens, then times
+    `steps` C decode steps (the first `settle` not counted); with `module_steps`, the module path then decodes the same
+    prompt through the picked rows and through the mask for the same tokens, and the indexer's pick is timed alone."""
     model = long_model(name)
-    steps = groups * per_group
-    engines, prompts, rids, prefill = {}, {}, {}, {}
-    for context in contexts:
-        log(f"{name}, context {context}: prefilling")
-        engines[context] = engine = new_engine(model, context, steps)
-        g = torch.Generator().manual_seed(seed)
-        prompts[context] = torch.randint(3, engine.runner.model.cfg.vocab_size, (context,), generator=g).tolist()
-        rids[context], prefill[context] = prefilled(engine, prompts[context], steps + 2)  # (never done early)
-        log(f"  prefill {prefill[context]:.1f} s")
-    log(f"{name}: {groups} groups of {per_group} C steps, the {len(contexts)} contexts taking turns")
-    times = taking_turns(engines, groups, per_group, settle)
-    rows = []
-    for context in contexts:
-        engine = engines.pop(context)
-        tokens = list(engine.requests[rids[context]].output_token_ids)[: module_steps + 1]
-        while engine.has_unfinished:
-            engine.step()
-        engine.release(rids[context])
-        pools = sum(t.numel() * t.element_size() for t in vars(engine.kv.pools).values()
-                    if isinstance(t, torch.Tensor))
+    engine = new_engine(model, context, steps)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, engine.runner.model.cfg.vocab_size, (context,), generator=g).tolist()
+    rid, prefill_s = prefilled(engine, prompt, steps + 2)  # (never done early)
+    times = []
+    for i in range(steps):
+        s = time.perf_counter()
+        engine.step()
+        if i >= settle:
+            times.append(time.perf_counter() - s)
+    tokens = list(engine.requests[rid].output_token_ids)[: module_steps + 1]
+    while engine.has_unfinished:
+        engine.step()
+    engine.release(rid)
+    out = {"context": context, "prefill_s": prefill_s, "step_s": times, "rss_mb": rss_mb()}
+    if module_steps:
         model_obj = engine.runner.model
         saved, model_obj._decode_step = model_obj._decode_step, None  # the module path, gathered then masked
-        module_times, module_tokens, _ = decode_steps(engine, prompts[context], module_steps)
+        module_times, module_tokens, _ = decode_steps(engine, prompt, module_steps)
         with dense_mask():
-            mask_times, mask_tokens, _ = decode_steps(engine, prompts[context], module_steps)
+            mask_times, mask_tokens, _ = decode_steps(engine, prompt, module_steps)
         model_obj._decode_step = saved
-        step = statistics.median(times[context])
-        idx = indexer_ms(engine, context // model_obj.cfg.csa_ratio, PAGE_SIZE)
-        log(f"  {context:>6} tokens: C step {1e3 * step:.2f} ms, indexer alone {idx:.2f} ms")
-        rows.append({"model": name, "context": context, "prefill_s": prefill[context], "step_ms": 1e3 * step,
-                     "module_gathered_step_ms": 1e3 * statistics.median(module_times),
-                     "module_mask_step_ms": 1e3 * statistics.median(mask_times),
-                     "indexer_ms": idx, "indexer_share": idx / (1e3 * step),
-                     "visible_csa_entries": context // model_obj.cfg.csa_ratio, "pools_mb": pools / 2**20,
-                     "rss_mb": rss_mb(), "same_tokens": tokens == module_tokens == mask_tokens,
-                     "steps": len(times[context]), "module_steps": module_steps})
-        del engine, model_obj
+        out.update(module_gathered_step_ms=1e3 * statistics.median(module_times),
+                   module_mask_step_ms=1e3 * statistics.median(mask_times),
+                   same_tokens=tokens == module_tokens == mask_tokens,
+                   indexer_ms=indexer_ms(engine, context // model_obj.cfg.csa_ratio, PAGE_SIZE),
+                   visible_csa_entries=context // model_obj.cfg.csa_ratio,
+                   pools_mb=sum(t.numel() * t.element_size() for t in vars(engine.kv.pools).values()
+                                if isinstance(t, torch.Tensor)) / 2**20)
+    return out
+
+
+def measure_model(name: str, contexts: list[int], rounds: int, steps: int, settle: int, module_steps: int,
+                  seed: int) -> list[dict]:
+    """Every context's row for model `name`: `rounds` rounds of one process per context (one engine, as a serving
+    process holds), the contexts' order reversed every other round so that a slow spell of the VM falls on all
+    alike; the module path and the indexer alone in the first round's processes. The step is the median over the
+    rounds' steps; the prefill the first round's."""
+    runs: dict[int, list[dict]] = {c: [] for c in contexts}
+    for r in range(rounds):
+        for context in contexts if r % 2 == 0 else contexts[::-1]:
+            log(f"{name}, context {context}, round {r + 1}/{rounds}: prefill and {steps} steps")
+            cmd = [sys.executable, __file__, "--child", name, str(context), str(steps), str(settle),
+                   str(module_steps if r == 0 else 0), str(seed)]
+            run = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()[-1])
+            runs[context].append(run)
+            log(f"  prefill {run['prefill_s']:.1f} s, C step {1e3 * statistics.median(run['step_s']):.2f} ms")
+    rows = []
+    for context in contexts:
+        first = runs[context][0]
+        step = statistics.median([t for run in runs[context] for t in run["step_s"]])
+        rows.append({"model": name, **{k: v for k, v in first.items() if k != "step_s"}, "step_ms": 1e3 * step,
+                     "round_step_ms": [1e3 * statistics.median(run["step_s"]) for run in runs[context]],
+                     "indexer_share": first["indexer_ms"] / (1e3 * step), "steps": steps - settle,
+                     "rounds": rounds, "module_steps": module_steps})
     return rows
 
 
@@ -211,19 +215,24 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":  # one context's process (`measure_context`)
+        name, context, steps, settle, module_steps, seed = sys.argv[2], *map(int, sys.argv[3:8])
+        torch.set_num_threads(2)
+        print(json.dumps(measure_context(name, context, steps, settle, module_steps, seed)))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="dsv4-tiny,v4-shape")
     parser.add_argument("--contexts", default="1024,4096,16384,65536")
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--per-group", type=int, default=80)
-    parser.add_argument("--settle", type=int, default=16, help="steps of each group not counted")
+    parser.add_argument("--rounds", type=int, default=2, help="processes a context (its prefill each time)")
+    parser.add_argument("--steps", type=int, default=400, help="decode steps a process")
+    parser.add_argument("--settle", type=int, default=16, help="first steps of a process not counted")
     parser.add_argument("--module-steps", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(2)
     contexts = [int(c) for c in args.contexts.split(",")]
     models = args.models.split(",")
-    by_model = {name: measure_model(name, contexts, args.groups, args.per_group, args.settle, args.module_steps,
+    by_model = {name: measure_model(name, contexts, args.rounds, args.steps, args.settle, args.module_steps,
                                     args.seed) for name in models}
     for rows in by_model.values():
         print_table(rows)
