@@ -196,7 +196,7 @@ def measure_model(name: str, contexts: list[int], rounds: int, steps: int, settl
 
 
 def print_table(rows: list[dict]) -> None:
-    """One model's rows as a markdown table, each against the 4k row (`rest_vs_4k` added to the rows)."""
+    """One model's rows as a markdown table, each against the 4k row (`vs_4k` and `rest_vs_4k` added to the rows)."""
     base = next((r for r in rows if r["context"] == 4096), rows[0])
     # The step less the indexer: what must stay flat (the indexer scores every visible entry by design).
     rest = {r["context"]: r["step_ms"] - r["indexer_ms"] for r in rows}
