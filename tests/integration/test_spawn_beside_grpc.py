@@ -53,3 +53,30 @@ def test_children_spawned_beside_busy_grpc_threads_all_start_with_nothing_on_std
     finally:
         stop.set()
         busy.join(scaled(30))
+
+
+def test_a_child_that_exits_right_after_its_ready_line_is_ready(monkeypatch):
+    """`wait_ready` can see the child's exit before the reader thread has parsed its ready line (the flake this test
+    pins down: "child did not become ready" with the ready line in its own report). Here the readers wait until
+    `wait_ready` has seen the exit before they read: the readers are drained, the line found."""
+    import subprocess
+
+    from pdspark.launch.service_process import ServiceProcess
+
+    exit_seen = threading.Event()
+    poll, read = subprocess.Popen.poll, ServiceProcess._read
+
+    def poll_noting_the_exit(self):
+        code = poll(self)
+        if code is not None:
+            exit_seen.set()
+        return code
+
+    def read_once_the_exit_is_seen(self, stream, is_stdout):
+        exit_seen.wait(scaled(30))
+        read(self, stream, is_stdout)
+
+    monkeypatch.setattr(subprocess.Popen, "poll", poll_noting_the_exit)
+    monkeypatch.setattr(ServiceProcess, "_read", read_once_the_exit_is_seen)
+    child = wait_ready(spawn_process("child", [sys.executable, "-c", READY], dict(os.environ)), scaled(30))
+    assert child.ready and child.proc.returncode == 0

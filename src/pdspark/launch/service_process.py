@@ -162,10 +162,17 @@ def spawn_process(name: str, argv: list[str], env: dict[str, str], cwd: str | No
 
 
 def wait_ready(service: ServiceProcess, timeout: float = 180.0) -> ServiceProcess:
-    """Wait (bounded) for the ready line; raises RuntimeError (after stopping the child) otherwise."""
+    """Wait (bounded) for the ready line; raises RuntimeError (after stopping the child) otherwise. A child that
+    exits right after its ready line is ready: its readers are drained before deciding (the exit can be seen before
+    the reader thread has parsed the line)."""
     deadline = time.monotonic() + timeout
     while not service.ready_event.wait(0.1):
-        if service.proc.poll() is not None or time.monotonic() > deadline:
+        exited = service.proc.poll() is not None
+        if exited:
+            service.drain()
+        if service.ready_event.is_set():
+            break
+        if exited or time.monotonic() > deadline:
             service.stop()
             raise RuntimeError(f"{service.name} did not become ready:\n{service.tail()}")
     return service
