@@ -9,10 +9,15 @@ from helpers import make_llm
 from pdspark import SamplingParams
 
 
-@pytest.mark.parametrize("spec", [MIXED, HC4, SPARSE], ids=["mixed", "hc4", "sparse"])
-def test_c_decode_layers_give_the_module_paths_tokens_and_logprobs(checkpoints, spec):
+@pytest.mark.parametrize("spec,kv_cache_dtype", [(MIXED, "auto"), (HC4, "auto"), (SPARSE, "auto"),
+                                                 (SPARSE, "fp8_e4m3"), (HC4, "fp8_e4m3")],
+                         ids=["mixed", "hc4", "sparse", "sparse-fp8", "hc4-fp8"])
+def test_c_decode_layers_give_the_module_paths_tokens_and_logprobs(checkpoints, spec, kv_cache_dtype):
+    """Over fp32 pools and over the FP8 cache's packed rows (written and read by `packed_rows.c` as `quant.kv_fp8`
+    does: the same bytes, so the same tokens; a logprob may move by a rounding of a row's e4m3 encode where the two
+    paths' fp32 latents differ in their last bit)."""
     path, _ = checkpoints(spec)
-    llm = make_llm(path)
+    llm = make_llm(path, kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.runner.model
     assert model._decode_step is not None  # fp32 CPU weights: every layer has a table
     calls = []
@@ -28,15 +33,18 @@ def test_c_decode_layers_give_the_module_paths_tokens_and_logprobs(checkpoints, 
         setattr(model._decode_step, name, counted(getattr(model._decode_step, name)))
     # Batches of 1 and of 3 decode tokens; prompts long enough that the sparse indexer picks among more entries.
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    fallbacks = llm.engine.stats.fast_path_fallback_steps
     for prompts in (random_prompts(1, [90], seed=5), random_prompts(3, [70, 100, 53], seed=6)):
+        before = sum(fallbacks.values())
         fast = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert sum(fallbacks.values()) == before  # (every decode step of the fast run took the C path)
         saved, model._decode_step = model._decode_step, None
         slow = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         model._decode_step = saved
         for a, b in zip(fast, slow):
             assert a.token_ids == b.token_ids
             for la, lb in zip(a.logprobs, b.logprobs):
-                assert la.logprob == pytest.approx(lb.logprob, abs=1e-5)
+                assert la.logprob == pytest.approx(lb.logprob, abs=1e-5 if kv_cache_dtype == "auto" else 1e-4)
     assert len(calls) >= 11 * len(model.layers)  # the decode steps went through the C layers
 
 

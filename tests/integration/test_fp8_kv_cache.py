@@ -1,6 +1,6 @@
 """The FP8 KV cache (`kv_cache_dtype='fp8_e4m3'`) in the engine: the shipped model's logits stay within a cosine of
-0.999 of the unquantized cache's on held-out text; DSpark is lossless on it (greedy on and off agree); a prefix-cache
-hit reads the packed rows a cold prefill wrote (the same tokens); no page leaks."""
+0.999 of the unquantized cache's on held-out text; DSpark is lossless on it (greedy on and off agree), both on the C
+decode step; a prefix-cache hit reads the packed rows a cold prefill wrote (the same tokens); no page leaks."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def test_dspark_and_the_prefix_cache_work_on_the_packed_rows(draft_ckpt):
         want = greedy(plain, prompts, 24)
         assert greedy(spec, prompts, 24) == want
         assert spec.engine.spec.verify_steps > 0
+        # Decode and verify steps read and write the packed rows in C (`packed_rows.c`), not in the module path.
+        assert plain.engine.stats.fast_path_fallback_steps["pools"] == 0
+        assert spec.engine.stats.fast_path_fallback_steps["pools"] == 0
         # The same prompts again: their whole pages come from the prefix cache, written packed by the first run.
         again = spec.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=24, temperature=0,
                                                                                        ignore_eos=True))

@@ -25,7 +25,9 @@ from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.batch import CompressedIndex, ForwardBatch, Segment, gather_rows
 from pdspark.model.compressor import Compressor
 from pdspark.model.model_config import ModelConfig
+from pdspark.model.packed_rows import PackedRows
 from pdspark.model.rope import RopeAt, RotaryTable
+from pdspark.quant.kv_fp8 import IndexRowPack
 from pdspark.quant.quant_linear import linear
 
 
@@ -126,14 +128,19 @@ class Indexer(nn.Module):
         assert csa is not None
         q, w = self._queries(head_w, qr, rope_at)
         w, scale, k = w.contiguous(), self.dim**-0.5, self.topk
+        # The FP8 cache's key rows are read packed (decoded as the C pick reads them: the same floats).
+        packed = isinstance(index_kv, PackedRows) and isinstance(index_kv.pack, IndexRowPack)
+        keys = index_kv.storage if isinstance(index_kv, PackedRows) else index_kv
+        if packed and batch.segments:
+            return None  # (a prefill segment's shared pick reads fp32 keys only)
         if not batch.segments:
-            picked = cpu_kernels.index_pick(q, w, index_kv, csa.rows, csa.valid, scale, k)
+            picked = cpu_kernels.index_pick(q, w, keys, csa.rows, csa.valid, scale, k, packed)
             return None if picked is None else picked_entries(csa, picked, k)
         T = q.shape[0]
         rows, valid = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k, dtype=torch.bool)
         g = batch.gather_rows  # (with segments: the other tokens' rows)
         if g is not None and g.numel():
-            picked = cpu_kernels.index_pick(q[g], w[g], index_kv, csa.rows[g], csa.valid[g], scale, k)
+            picked = cpu_kernels.index_pick(q[g], w[g], keys, csa.rows[g], csa.valid[g], scale, k, packed)
             if picked is None:
                 return None
             few = picked_entries(CompressedIndex(csa.rows[g], csa.valid[g], csa.max_visible), picked, k)

@@ -10,7 +10,8 @@
 - **Indexer key rows** (C4), `IndexRowPack`: FP8 e4m3 in blocks of 128 with an fp32 scale each (`amax / 448`):
   128 + 4 = 132 bytes for DeepSeek-V4's 128 channels.
 
-Both encode `[n, dim]` fp32 rows into `[n, width]` uint8 rows and decode them back to fp32.
+Both encode `[n, dim]` fp32 rows into `[n, width]` uint8 rows and decode them back to fp32. The C decode step writes
+and reads the same bytes (`hardware/cpu/packed_rows.c`: the tests hold the two to each other).
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ _INDEX_BLOCK = 128
 
 def _blocks(n: int, block: int) -> int:
     return -(-n // block)
+
+
+def _ceil_log2(y: torch.Tensor) -> torch.Tensor:
+    """The least integer e with 2^e >= y (int32), exactly, from y's bits (`frexp`: y = m * 2^e, m in [0.5, 1));
+    0 where y is not finite. (A rounded log2 can land on an integer just past a power of two.) The C decode step
+    encodes with the same rule (`packed_rows.c`)."""
+    m, e = torch.frexp(y)
+    return torch.where(torch.isfinite(y), e - (m == 0.5).to(e.dtype), 0)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as fp32 for integer e in [-126, 127], built from its bits (exact); e <= -127 (scale byte 0): +0."""
+    return torch.where(e > -127, ((e + 127).clamp_min(0) << 23), 0).to(torch.int32).view(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -55,8 +69,8 @@ class KvRowPack:
         pad = self.scales * _MAIN_BLOCK - self.nope
         blocks = torch.nn.functional.pad(nope, (0, pad)).view(n, self.scales, _MAIN_BLOCK)
         amax = blocks.abs().amax(-1).clamp_min(1e-4)  # [n, blocks]
-        exps = torch.ceil(torch.log2(amax / _E4M3_MAX))  # a power-of-two scale: ue8m0
-        q = (blocks / torch.exp2(exps)[..., None]).view(n, -1)[:, : self.nope].to(torch.float8_e4m3fn)
+        exps = _ceil_log2(amax / _E4M3_MAX)  # a power-of-two scale: ue8m0
+        q = (blocks / _pow2(exps)[..., None]).view(n, -1)[:, : self.nope].to(torch.float8_e4m3fn)
         out = torch.zeros(n, self.width, dtype=torch.uint8, device=rows.device)
         out[:, : self.nope] = q.view(torch.uint8)
         out[:, self.nope : self.nope + 2 * self.rope] = rope.to(torch.bfloat16).contiguous().view(torch.uint8)
@@ -70,7 +84,7 @@ class KvRowPack:
         p = packed.reshape(-1, self.width)
         n = p.shape[0]
         start = self.nope + 2 * self.rope
-        scale = torch.exp2(p[:, start : start + self.scales].float() - 127.0)  # [n, blocks]
+        scale = _pow2(p[:, start : start + self.scales].int() - 127)  # [n, blocks]
         values = p[:, : self.nope].contiguous().view(torch.float8_e4m3fn).float()
         expanded = scale.repeat_interleave(_MAIN_BLOCK, dim=1)[:, : self.nope]
         rope = p[:, self.nope : start].contiguous().view(torch.bfloat16).float()

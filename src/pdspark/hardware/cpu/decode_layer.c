@@ -8,7 +8,16 @@
  * the takes of `decode_layer`. */
 static long r16(long n) { return (n + 15) & ~15L; }
 
-long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
+/* The widest row a layer writes to its pools (SWA latent, compressed entry, indexer key). */
+static int staged_width(int HD, int cdim, int Di) {
+    const int w = HD > cdim ? HD : cdim;
+    return w > Di ? w : Di;
+}
+
+/* Whether a layer's pools (`decode_layer`'s pp) hold any packed rows. */
+static int pools_packed(const long *pp) { return pp[P_KV_PACKED] != 0 || pp[P_IDX_PACKED] != 0; }
+
+long decode_layer_scratch_floats(const int *wi, int T, int V, int W, int packed) {
     const int kind = wi[I_KIND], hc = wi[I_HC], D = wi[I_D], QL = wi[I_QL], H = wi[I_H], HD = wi[I_HD];
     const int cdim = wi[I_C_DIM], cw = kind == KIND_CSA ? 2 * cdim : cdim;
     const int Hi = wi[I_I_HEADS], Di = wi[I_I_DIM], iw = 2 * Di;
@@ -27,6 +36,8 @@ long decode_layer_scratch_floats(const int *wi, int T, int V, int W) {
          + r16(t * (E + 2 * I));
     if (T == 1 && wi[I_E_HELD] == E) n += r16(3L * I + 2L * D + K);
     else n += r16(2 * t * K) + r16(t * K) + r16(moe_rows_scratch_floats(T, K, D, I));
+    if (packed) /* the FP8 cache's rows in fp32 before they are encoded (and their rows 0 .. T-1); attention's row */
+        n += r16(2 * t) + r16(t * staged_width(HD, cdim, Di)) + r16(ATTEND_MAX_PARTS * (H + HD));
     return n;
 }
 
@@ -50,6 +61,10 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
     const int M = (2 + hc) * hc;
     const float *cos = kind == KIND_SLIDING ? PTR(sp, S_COS_MAIN) : PTR(sp, S_COS_COMP);
     const float *sin = kind == KIND_SLIDING ? PTR(sp, S_SIN_MAIN) : PTR(sp, S_SIN_COMP);
+    /* The FP8 cache (`packed_rows.c`): rows are computed in fp32 into `staged` as for float pools, then encoded
+     * into their pool rows; attention reads its rows decoded into fp32 first. The indexer decodes its keys itself. */
+    const int kv_packed = (int)pp[P_KV_PACKED], idx_packed = (int)pp[P_IDX_PACKED];
+    const pool_rows swa_rows = {(void *)pp[P_SWA], pp[P_SWA_STRIDE], HD, kv_packed ? r : FLOAT_ROWS};
     float *at = scratch;
     float *x = take(&at, (long)T * D), *pre = take(&at, (long)T * hc), *post = take(&at, (long)T * hc);
     float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)T * (hc * D + M));
@@ -64,8 +79,20 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
     rms_norm(xp, NX, PTR(wp, W_Q_NORM), T, QL, wf[F_Q_EPS], qr);
     if (gemm_proj(LPTR(wp, W_Q_B), 0, qr, QL, T, H * HD, QL, qh, H * HD) != 0) return -3;
     norm_rope(qh, HD, 0, T * H, H, HD, wf[F_HEAD_EPS], cos, sin, r, q, 0, 0, small);
-    norm_rope(xp + QL, NX, PTR(wp, W_KV_NORM), T, 1, HD, wf[F_KV_EPS], cos, sin, r, (float *)pp[P_SWA],
-              LPTR(sp, S_SLOTS), pp[P_SWA_STRIDE], small);
+    long *ident = 0; /* 0 .. T-1: the staged rows */
+    float *staged = 0;
+    if (pools_packed(pp)) {
+        ident = (long *)take(&at, 2L * T);
+        staged = take(&at, (long)T * staged_width(HD, cdim, Di));
+        for (int t = 0; t < T; t++) ident[t] = t;
+    }
+    if (kv_packed) {
+        norm_rope(xp + QL, NX, PTR(wp, W_KV_NORM), T, 1, HD, wf[F_KV_EPS], cos, sin, r, staged, 0, 0, small);
+        for (int t = 0; t < T; t++) rows_write(&swa_rows, LPTR(sp, S_SLOTS)[t], staged + (long)t * HD);
+    } else {
+        norm_rope(xp + QL, NX, PTR(wp, W_KV_NORM), T, 1, HD, wf[F_KV_EPS], cos, sin, r, (float *)pp[P_SWA],
+                  LPTR(sp, S_SLOTS), pp[P_SWA_STRIDE], small);
+    }
     const float *comp = 0;
     const long *comp_rows = 0;
     const unsigned char *comp_valid = 0;
@@ -74,19 +101,27 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
         const int csa = kind == KIND_CSA;
         const int p0 = csa ? S_CP_OUT : S_HP_OUT;
         float *rows = take(&at, (long)T * 2 * (cw > iw ? cw : iw));
-        compressor_run(xp + QL + HD, NX, LPTR(sp, S_POS), T, PTR(wp, W_C_APE), wi[I_C_RATIO], cdim, csa,
-                       si[csa ? SI_G_CSA : SI_G_HCA], LPTR(sp, p0), LPTR(sp, p0 + 1), BPTR(sp, p0 + 2),
-                       LPTR(sp, p0 + 3), LPTR(sp, p0 + 4), si[csa ? SI_N_CSA : SI_N_HCA], LPTR(sp, p0 + 5),
-                       LPTR(sp, p0 + 6), PTR(wp, W_C_NORM), wf[F_C_EPS], PTR(sp, S_TAB_COS), PTR(sp, S_TAB_SIN), r,
-                       rows, (float *)pp[P_STATE], pp[P_STATE_STRIDE], (float *)pp[P_COMP], pp[P_COMP_STRIDE], small);
+        const int G = si[csa ? SI_G_CSA : SI_G_HCA];
+        const pool_rows comp_pool = {(void *)pp[P_COMP], pp[P_COMP_STRIDE], cdim, kv_packed ? r : FLOAT_ROWS};
+        compressor_run(xp + QL + HD, NX, LPTR(sp, S_POS), T, PTR(wp, W_C_APE), wi[I_C_RATIO], cdim, csa, G,
+                       kv_packed ? ident : LPTR(sp, p0), LPTR(sp, p0 + 1), BPTR(sp, p0 + 2), LPTR(sp, p0 + 3),
+                       LPTR(sp, p0 + 4), si[csa ? SI_N_CSA : SI_N_HCA], LPTR(sp, p0 + 5), LPTR(sp, p0 + 6),
+                       PTR(wp, W_C_NORM), wf[F_C_EPS], PTR(sp, S_TAB_COS), PTR(sp, S_TAB_SIN), r, rows,
+                       (float *)pp[P_STATE], pp[P_STATE_STRIDE], kv_packed ? staged : (float *)pp[P_COMP],
+                       kv_packed ? cdim : pp[P_COMP_STRIDE], small);
+        for (int g = 0; kv_packed && g < G; g++) rows_write(&comp_pool, LPTR(sp, p0)[g], staged + (long)g * cdim);
         comp = (const float *)pp[P_COMP];
         if (csa) {
+            const pool_rows idx_pool = {(void *)pp[P_IDX], pp[P_IDX_STRIDE], Di,
+                                        idx_packed ? INDEX_ROWS : FLOAT_ROWS};
             compressor_run(xp + QL + HD + 2 * cw, NX, LPTR(sp, S_POS), T, PTR(wp, W_I_APE), wi[I_C_RATIO], Di, 1,
-                           si[SI_G_CSA], LPTR(sp, S_CP_OUT), LPTR(sp, S_CP_POS), BPTR(sp, S_CP_USE),
+                           G, idx_packed ? ident : LPTR(sp, S_CP_OUT), LPTR(sp, S_CP_POS), BPTR(sp, S_CP_USE),
                            LPTR(sp, S_CP_CUR), LPTR(sp, S_CP_HIST), si[SI_N_CSA], LPTR(sp, S_CP_WTOK),
                            LPTR(sp, S_CP_WROW), PTR(wp, W_I_NORM), wf[F_I_EPS], PTR(sp, S_TAB_COS),
                            PTR(sp, S_TAB_SIN), r, rows, (float *)pp[P_IDX_STATE], pp[P_IDX_STATE_STRIDE],
-                           (float *)pp[P_IDX], pp[P_IDX_STRIDE], small);
+                           idx_packed ? staged : (float *)pp[P_IDX], idx_packed ? Di : pp[P_IDX_STRIDE], small);
+            for (int g = 0; idx_packed && g < G; g++)
+                rows_write(&idx_pool, LPTR(sp, S_CP_OUT)[g], staged + (long)g * Di);
             V = si[SI_V_CSA];
             comp_rows = LPTR(sp, S_CSA_ROWS);
             comp_valid = BPTR(sp, S_CSA_VALID);
@@ -100,8 +135,8 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
                     for (int j = 0; j < Hi; j++) iwt[t * Hi + j] = hw[j] * wf[F_I_WSCALE];
                 }
                 rope_rotate(iq, cos, sin, T, Hi, Di, r, 1.0f, iqr);
-                index_pick(iqr, iwt, (const float *)pp[P_IDX], pp[P_IDX_STRIDE], comp_rows, comp_valid, T, Hi, V,
-                           Di, wf[F_I_SCALE], wi[I_I_TOPK], isc, picked);
+                index_pick(iqr, iwt, (const void *)pp[P_IDX], pp[P_IDX_STRIDE], idx_packed, comp_rows, comp_valid, T,
+                           Hi, V, Di, wf[F_I_SCALE], wi[I_I_TOPK], isc, picked);
                 /* Attention reads the picked entries only: the window and topk rows whatever the context. */
                 const int k = wi[I_I_TOPK];
                 long *crows = (long *)take(&at, 2L * T * k);
@@ -118,11 +153,13 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
         }
         if (V == 0) comp = 0;
     }
-    const long ascr_n = (long)H * (W + V) + 16;
+    const pool_rows comp_pk = {(void *)pp[P_COMP], pp[P_COMP_STRIDE], HD, r};
+    const long ascr_n = (long)H * (W + V) + 16 + (kv_packed ? H + HD : 0);
     float *ascr = take(&at, ATTEND_MAX_PARTS * ascr_n); /* one for each part of the rows (`sink_attend_rows`) */
     sink_attend_rows((attend_job){q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS),
                                   BPTR(sp, S_WIN_VALID), W, comp, pp[P_COMP_STRIDE], comp_rows, comp_valid, V,
-                                  PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o},
+                                  PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o, kv_packed ? &swa_rows : 0,
+                                  kv_packed && comp != 0 ? &comp_pk : 0},
                      ascr_n);
     float *oscr = take(&at, (long)T * (H * HD + wi[I_G] * wi[I_L]));
     if (attn_out_rows_p(o, cos, sin, T, H, HD, r, LPTR(wp, W_O_A), wi[I_G], wi[I_L], LPTR(wp, W_O_B), D, oscr, y)
@@ -160,7 +197,7 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
 int decode_layer(const long *wp, const int *wi, const float *wf, const long *sp, const int *si, const long *pp,
                  const float *h, float *h_out, float *scratch, long scratch_n, long *ids_buf) {
     const int V = si[SI_V_CSA] > si[SI_V_HCA] ? si[SI_V_CSA] : si[SI_V_HCA];
-    if (decode_layer_scratch_floats(wi, si[SI_T], V, si[SI_W]) > scratch_n) return -1;
+    if (decode_layer_scratch_floats(wi, si[SI_T], V, si[SI_W], pools_packed(pp)) > scratch_n) return -1;
     const int rc = decode_layer_run(wp, wi, wf, sp, si, pp, h, h_out, scratch, ids_buf);
     return rc == 0 ? 0 : rc == -1 ? -2 : -3;
 }
@@ -180,7 +217,9 @@ int decode_layers(int n, const long *tables, const long *sp, const int *si, cons
     const int T = si[SI_T];
     const int V = si[SI_V_CSA] > si[SI_V_HCA] ? si[SI_V_CSA] : si[SI_V_HCA];
     for (int l = 0; l < n; l++) /* every layer's scratch fits, before anything is written */
-        if (decode_layer_scratch_floats((const int *)tables[4L * l + 1], T, V, si[SI_W]) > scratch_n) return -1;
+        if (decode_layer_scratch_floats((const int *)tables[4L * l + 1], T, V, si[SI_W],
+                                        pools_packed((const long *)tables[4L * l + 3])) > scratch_n)
+            return -1;
     const long *ids = (const long *)sp[S_IDS];
     for (int t = 0; t < T; t++)
         for (int i = 0; i < hc; i++) {

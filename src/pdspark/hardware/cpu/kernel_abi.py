@@ -22,8 +22,12 @@ DECODE_STEP = ("positions", "input_ids", "swa_slots", "win_rows", "win_valid", "
                *(f"hca_{n}" for n in ("out", "pos", "use", "cur", "hist", "wtok", "wrow")))
 DECODE_STEP_SIZES = ("tokens", "window", "rope_dim", "csa_visible", "hca_visible", "csa_groups", "csa_writes",
                      "hca_groups", "hca_writes")
+# Pools: pointer and row stride (floats; bytes for packed rows), then whether the main KV pools (SWA, compressed)
+# and the indexer's key pool hold the FP8 cache's packed rows (`quant.kv_fp8`: 1) or fp32 rows (0).
 DECODE_POOLS = ("swa", "swa_stride", "comp", "comp_stride", "state", "state_stride", "index", "index_stride",
-                "index_state", "index_state_stride")
+                "index_state", "index_state_stride", "kv_packed", "index_packed")
+# `pack_rows`' rope argument for indexer key rows (main KV rows pass their rope width).
+INDEX_ROWS = -2
 # Layer kinds (`kind` above).
 DECODE_SLIDING, DECODE_CSA, DECODE_HCA = 0, 1, 2
 # A projection's weights (the table's wx, wq_b, wo_a, wo_b, i_wq_b, moe_in, w13, w2 and w2s point to one): an int64

@@ -9,6 +9,7 @@
  *   pool.c          the helper thread that shares a step's big GEMMs
  *   compact.c       the GEMMs of compact weights (FP8 128x128 tiles, MXFP4 experts), decoded a block of rows at a time,
  *                   and of a projection whose rows are segments in any of the storages (`gemm_proj`)
+ *   packed_rows.c   the FP8 cache's rows (`--kv-cache-dtype fp8_e4m3`), encoded and decoded as PyTorch does
  *   ops.c           the per-op kernels (norms, rope, mHC, indexer, sink attention, compressor, output projection,
  *                   LM head)
  *   moe.c           MoE routing and experts
@@ -23,6 +24,7 @@
 #include "gemm.c"
 #include "pool.c"
 #include "compact.c"
+#include "packed_rows.c"
 #include "ops.c"
 #include "moe.c"
 #include "decode_layer.c"

@@ -58,9 +58,10 @@ enum { /* the step's indices (pointers, shared by every layer) */
     S_HP_OUT, S_HP_POS, S_HP_USE, S_HP_CUR, S_HP_HIST, S_HP_WTOK, S_HP_WROW, S_COUNT
 };
 enum { SI_T, SI_W, SI_R, SI_V_CSA, SI_V_HCA, SI_G_CSA, SI_N_CSA, SI_G_HCA, SI_N_HCA, SI_COUNT };
-enum { /* the layer's pools: pointer, row stride (floats) */
+enum { /* the layer's pools: pointer, row stride (floats; bytes for packed rows); then whether the main KV pools
+        * (SWA, compressed) and the indexer's key pool hold the FP8 cache's packed rows (`packed_rows.c`) */
     P_SWA, P_SWA_STRIDE, P_COMP, P_COMP_STRIDE, P_STATE, P_STATE_STRIDE, P_IDX, P_IDX_STRIDE, P_IDX_STATE,
-    P_IDX_STATE_STRIDE, P_COUNT
+    P_IDX_STATE_STRIDE, P_KV_PACKED, P_IDX_PACKED, P_COUNT
 };
 enum { KIND_SLIDING, KIND_CSA, KIND_HCA };
 
@@ -159,6 +160,7 @@ typedef struct {
     float scale;
     int T, H, d;
     float *scratch, *out;
+    const struct pool_rows *swa_pk, *comp_pk; /* the FP8 cache's packed rows in place of swa / comp, or NULL */
 } attend_job;
 
 /* The parts a verify step's attention rows split into at most (each its own scratch of H*(W+V) floats). */
@@ -179,7 +181,7 @@ void hc_expand(const float *y, const float *res, const float *post, const float 
                float *out);
 void index_scores(const float *q, const float *w, const float *k, long kstride, int T, int H, int V, int D,
                   float scale, float *out);
-void index_pick(const float *q, const float *w, const float *k, long row_stride, const long *rows,
+void index_pick(const float *q, const float *w, const void *k, long row_stride, int packed, const long *rows,
                 const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                 unsigned char *picked);
 void index_pick_shared(const float *q, const float *w, const float *k, long row_stride, const long *rows,
@@ -236,7 +238,9 @@ int moe_decode_rows(const float *x, const float *lgu, long lstride, const long *
 
 /* ---- decode_layer.c: a decode step's decoder layers -------------------------------------------------------------- */
 
-long decode_layer_scratch_floats(const int *wi, int T, int V, int W);
+long decode_layer_scratch_floats(const int *wi, int T, int V, int W, int packed);
+void pack_rows(const float *x, long n, int dim, int rope, uint8_t *out);
+void unpack_rows(const uint8_t *p, long n, int dim, int rope, float *out);
 int decode_layer(const long *wp, const int *wi, const float *wf, const long *sp, const int *si, const long *pp,
                  const float *h, float *h_out, float *scratch, long scratch_n, long *ids_buf);
 int decode_layers(int n, const long *tables, const long *sp, const int *si, const void *embed, int embed_bf16, int hc,

@@ -30,6 +30,7 @@ from pdspark.hardware.cpu.kernel_abi import (
     DECODE_STEP,
     DECODE_STEP_SIZES,
     INDEX_MAX_TOKENS,
+    INDEX_ROWS,
     abi_mismatches,
     library_abi,
 )
@@ -100,7 +101,7 @@ def load() -> ctypes.CDLL | None:
     lib.compressor_run.argtypes = [f, ctypes.c_long, f, i, f, i, i, i, i, f, f, f, f, f, i, f, f, f, fl, f, f, i,
                                    f, f, ctypes.c_long, f, ctypes.c_long, f]
     lib.compressor_run.restype = None
-    lib.index_pick.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, f]
+    lib.index_pick.argtypes = [f, f, f, ctypes.c_long, i, f, f, i, i, i, i, fl, i, f, f]
     lib.index_pick.restype = None
     lib.index_pick_shared.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, i, f, f]
     lib.index_pick_shared.restype = None
@@ -141,7 +142,11 @@ def load() -> ctypes.CDLL | None:
     lib.decode_index.argtypes = [f, f, f, f]
     lib.decode_index.restype = i
     lib.decode_layers.argtypes = [i, f, f, f, f, i, i, i, f, f, f, ctypes.c_long, f, f, f, i]
-    lib.decode_layer_scratch_floats.argtypes = [f, i, i, i]
+    lib.decode_layer_scratch_floats.argtypes = [f, i, i, i, i]
+    lib.pack_rows.argtypes = [f, ctypes.c_long, i, i, f]
+    lib.pack_rows.restype = None
+    lib.unpack_rows.argtypes = [f, ctypes.c_long, i, i, f]
+    lib.unpack_rows.restype = None
     lib.decode_layer_scratch_floats.restype = ctypes.c_long
     lib.decode_layers.restype = i
     return lib
@@ -436,25 +441,57 @@ def compressor_run(
 
 
 def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
-               scale: float, topk: int) -> torch.Tensor | None:
+               scale: float, topk: int, packed: bool = False) -> torch.Tensor | None:
     """The indexer's pick for decode/verify tokens in one call: `index_scores` of `q [T, H, D]`, `w [T, H]` against
     the pool rows `keys[rows]` (`rows/valid [T, V]`, read in place), then the top `topk` valid entries of each token
     under the tie rule (`model.indexer.select_topk`) -> the mask `[T, V]` bool. None when the C path does not
-    apply."""
+    apply. `packed`: `keys` is the FP8 cache's uint8 key rows `[R, D + 4 * ceil(D / 128)]` (`quant.kv_fp8.
+    IndexRowPack`), decoded as they are read: the scores of the decoded floats."""
     lib = _usable(q, w)
-    if lib is None or not _row_major(keys) or not (rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
-        return None
     T, H, D = q.shape
+    if packed:
+        width = D + 4 * -(-D // 128)
+        keys_ok = keys.is_cpu and keys.dtype is torch.uint8 and keys.dim() == 2 and keys.stride(1) == 1
+        if keys_ok and keys.shape[1] != width:
+            raise KernelArgumentError(f"index_pick: packed key rows of {width} bytes expected, not {keys.shape[1]}")
+    else:
+        keys_ok = _row_major(keys)
+    if lib is None or not keys_ok or not (rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
+        return None
     V = rows.shape[1]
     _check_index("index_pick", "rows", rows, (torch.int64,), (T, V), keys.shape[0])
     _check_index("index_pick", "valid", valid, _FLAGS, (T, V))
-    if keys.shape[1] < D or tuple(w.shape) != (T, H):
+    if (not packed and keys.shape[1] < D) or tuple(w.shape) != (T, H):
         raise KernelArgumentError(f"index_pick: keys of {D} channels and head weights [{T}, {H}] expected")
     picked = torch.empty(T, V, dtype=torch.bool)
     scratch = torch.empty(2 * V)
-    lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(), valid.data_ptr(),
-                   T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
+    lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), int(packed), rows.data_ptr(),
+                   valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
     return picked
+
+
+def pack_rows(rows: torch.Tensor, rope: int) -> torch.Tensor:
+    """fp32 `rows [n, dim]` -> the FP8 cache's packed rows `[n, width]` uint8, as the C decode step writes them:
+    main KV rows with `rope` trailing bf16 channels (`quant.kv_fp8.KvRowPack`), or indexer key rows with `rope =
+    kernel_abi.INDEX_ROWS` (`IndexRowPack`). For the tests that hold the two encoders to the same bytes."""
+    lib = load()
+    assert lib is not None
+    x = rows.float().contiguous()
+    n, dim = x.shape
+    width = dim + 4 * -(-dim // 128) if rope == INDEX_ROWS else -(-(dim + rope + -(-(dim - rope) // 64)) // 8) * 8
+    out = torch.empty(n, width, dtype=torch.uint8)
+    lib.pack_rows(x.data_ptr(), n, dim, rope, out.data_ptr())
+    return out
+
+
+def unpack_rows(packed: torch.Tensor, dim: int, rope: int) -> torch.Tensor:
+    """`pack_rows`' inverse, as the C decode step reads packed rows: `[n, width]` uint8 -> fp32 `[n, dim]`."""
+    lib = load()
+    assert lib is not None
+    p = packed.contiguous()
+    out = torch.empty(p.shape[0], dim)
+    lib.unpack_rows(p.data_ptr(), p.shape[0], dim, rope, out.data_ptr())
+    return out
 
 
 def index_pick_shared(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
@@ -597,14 +634,16 @@ def decode_layer(weights: torch.Tensor, sizes: torch.Tensor, scalars: torch.Tens
     return out
 
 
-def decode_layer_scratch_floats(sizes: torch.Tensor, tokens: int, visible: int, window: int) -> int:
+def decode_layer_scratch_floats(sizes: torch.Tensor, tokens: int, visible: int, window: int,
+                                packed: bool = False) -> int:
     """The floats `decode_layer` carves from its scratch for a layer of `sizes` (int32 `DECODE_SIZES`), `tokens`
-    tokens, at most `visible` compressed entries and a window of `window` (the C library's own formula)."""
+    tokens, at most `visible` compressed entries and a window of `window`, over pools of packed FP8 rows or not (the
+    C library's own formula)."""
     lib = load()
     assert lib is not None
     if not (sizes.dtype is torch.int32 and sizes.is_contiguous() and sizes.numel() == len(DECODE_SIZES)):
         raise KernelArgumentError(f"`sizes` must be {len(DECODE_SIZES)} contiguous int32 values")
-    return int(lib.decode_layer_scratch_floats(sizes.data_ptr(), tokens, visible, window))
+    return int(lib.decode_layer_scratch_floats(sizes.data_ptr(), tokens, visible, window, int(packed)))
 
 
 def lm_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,

@@ -195,20 +195,27 @@ static void transpose8(const float *const r[8], int d0, int NV, int i, v8f *kt) 
     }
 }
 
-/* Hint the cache lines of a row of n floats into the cache (no arithmetic: results are unchanged). */
+/* Hint the cache lines of a row of n floats (or n bytes) into the cache (no arithmetic: results are unchanged). */
 static inline void prefetch_row(const float *r, int n) {
     for (int o = 0; o < n; o += 16) __builtin_prefetch(r + o, 0, 3);
 }
 
+static inline void prefetch_bytes(const uint8_t *r, long n) {
+    for (long o = 0; o < n; o += 64) __builtin_prefetch(r + o, 0, 3);
+}
+
 static void index_scores_from(const float *q, const float *w, const float *k, long kstride, const long *rows,
                               long row_stride, long rows_tstride, int T, int H, int V, int D, float scale,
-                              float *out) {
+                              const pool_rows *packed, float *out) {
     /* Eight independent accumulators of 8 lanes (64 entries a block): each score is a chain of D dependent adds, so
      * four chains left the adder waiting on their latency (NV 4 -> 8: one thread's scores over 16,384 contiguous
      * keys 0.127 -> 0.117 ms on a Zen 4 core, a pick over pool rows 0.199 -> 0.193 ms; 16 lanes or 16 chains
      * measured no faster). */
     enum { NV = 8, NB = 8 * NV };
     v8f kt[D * NV]; /* [D, NB]: one block of keys, channel-major */
+    /* Packed key rows (`packed`, with `rows`: FP8 rows `packed->stride` bytes apart) are decoded a block at a time
+     * into kd [NB, D], then read as float rows: the same floats the PyTorch path decodes, so the same scores. */
+    float kd[packed != 0 ? NB * D : 1];
     const v8f zero = splat(0.0f), vscale = splat(scale);
     for (int g0 = 0; g0 < V; g0 += NB) {
         const int m = V - g0 < NB ? V - g0 : NB;
@@ -219,8 +226,17 @@ static void index_scores_from(const float *q, const float *w, const float *k, lo
                 const float *r[NB];
                 for (int l = 0; l < NB; l++)
                     r[l] = l >= m ? 0 : rows == 0 ? kb + (long)l * D : k + rt[g0 + l] * row_stride;
-                if (rows != 0) /* the next block's keys asked for now: pool rows lie apart (other layers, pages) */
+                if (packed != 0) {
+                    const uint8_t *base = (const uint8_t *)packed->base;
+                    for (int l = 0; l < m; l++) {
+                        index_unpack_row(base + rt[g0 + l] * packed->stride, D, kd + (long)l * D);
+                        r[l] = kd + (long)l * D;
+                    }
+                    for (int l = g0 + NB; l < g0 + 2 * NB && l < V; l++) /* the next block's rows, as below */
+                        prefetch_bytes(base + rt[l] * packed->stride, index_width(D));
+                } else if (rows != 0) { /* the next block's keys asked for now: pool rows lie apart (layers, pages) */
                     for (int l = g0 + NB; l < g0 + 2 * NB && l < V; l++) prefetch_row(k + rt[l] * row_stride, D);
+                }
                 if (D % 8 == 0) {
                     for (int i = 0; i < NV; i++)
                         for (int d0 = 0; d0 < D; d0 += 8) transpose8(r + 8 * i, d0, NV, i, kt);
@@ -253,7 +269,7 @@ static void index_scores_from(const float *q, const float *w, const float *k, lo
 
 void index_scores(const float *q, const float *w, const float *k, long kstride, int T, int H, int V, int D,
                   float scale, float *out) {
-    index_scores_from(q, w, k, kstride, 0, 0, 0, T, H, V, D, scale, out);
+    index_scores_from(q, w, k, kstride, 0, 0, 0, T, H, V, D, scale, 0, out);
 }
 
 /* A score's place in the order as an unsigned key: key(a) < key(b) exactly when a < b for numbers, -0 and +0 (equal
@@ -389,12 +405,14 @@ typedef struct {
     const long *rows;
     int H, V, D;
     float scale;
+    const pool_rows *packed; /* packed key rows (k unused), or NULL */
     float *out;
 } scores_job;
 
 static void scores_job_fn(void *arg) {
     const scores_job *j = (const scores_job *)arg;
-    index_scores_from(j->q, j->w, j->k, 0, j->rows, j->row_stride, 0, 1, j->H, j->V, j->D, j->scale, j->out);
+    index_scores_from(j->q, j->w, j->k, 0, j->rows, j->row_stride, 0, 1, j->H, j->V, j->D, j->scale, j->packed,
+                      j->out);
 }
 
 /* Entries of one token's scores per thread below which a helper is not worth waking (a few microseconds of work). */
@@ -426,17 +444,19 @@ static void index_scores_split(scores_job job) {
     pool_parts(scores_part, &job, parts);
 }
 
-/* The lightning indexer's pick for a few decode/verify tokens, keys read in place from the pool (rows `row_stride`
- * floats apart): the scores of `index_scores` (the same bits) against each token's rows [T, V], then the top `topk`
- * among its valid entries by the tie rule (higher score first, equal scores: lower entry first).
- * picked [T, V] (bytes) = valid and among the top. scratch holds 2 * V floats. */
-void index_pick(const float *q, const float *w, const float *k, long row_stride, const long *rows,
+/* The lightning indexer's pick for a few decode/verify tokens, keys read in place from the pool: fp32 rows
+ * `row_stride` floats apart, or (packed != 0) the FP8 cache's key rows `row_stride` bytes apart, decoded as they are
+ * read (`packed_rows.c`). The scores of `index_scores` (the same bits, over the decoded floats) against each token's
+ * rows [T, V], then the top `topk` among its valid entries by the tie rule (higher score first, equal scores: lower
+ * entry first). picked [T, V] (bytes) = valid and among the top. scratch holds 2 * V floats. */
+void index_pick(const float *q, const float *w, const void *k, long row_stride, int packed, const long *rows,
                 const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                 unsigned char *picked) {
     float *sc = scratch, *tmp = scratch + V;
+    const pool_rows keys = {(void *)k, row_stride, D, INDEX_ROWS};
     for (int t = 0; t < T; t++) {
-        index_scores_split((scores_job){q + (long)t * H * D, w + (long)t * H, k, row_stride, rows + (long)t * V, H,
-                                        V, D, scale, sc});
+        index_scores_split((scores_job){q + (long)t * H * D, w + (long)t * H, (const float *)k, row_stride,
+                                        rows + (long)t * V, H, V, D, scale, packed ? &keys : 0, sc});
         pick_top(sc, valid + (long)t * V, V, topk, tmp, picked + (long)t * V);
     }
 }
@@ -479,7 +499,7 @@ static void shared_pick_fn(void *arg) {
     for (int t0 = 0; t0 < j->T; t0 += SHARED_PICK_GROUP) {
         const int n = j->T - t0 < SHARED_PICK_GROUP ? j->T - t0 : SHARED_PICK_GROUP;
         index_scores_from(j->q + (long)t0 * j->H * j->D, j->w + (long)t0 * j->H, j->k, 0, j->rows, j->row_stride, 0,
-                          n, j->H, j->V, j->D, j->scale, sc);
+                          n, j->H, j->V, j->D, j->scale, 0, sc);
         for (int t = 0; t < n; t++) { /* the pick, then its rows in entry order (`compact_picks`) */
             pick_top(sc + t * V, j->valid + (t0 + t) * V, j->V, j->topk, tmp, pk);
             compact_picks(j->rows, pk, 1, j->V, j->topk, j->out_rows + (long)(t0 + t) * j->topk,
@@ -555,17 +575,26 @@ void compact_picks(const long *rows, const unsigned char *picked, int T, int V, 
 
 /* ---- decode-step kernels: a few tokens, many tiny ops in PyTorch ------------------------------------------------ */
 
-/* Sink attention of a few tokens straight from the pools (no gathered copies): token t's H query heads
- * q [T, H, d] attend to the K=V rows swa[win_rows[t, :W]] (where win_valid) and comp[comp_rows[t, :V]] (where
- * comp_valid; comp may be NULL with V = 0; pool rows `*_stride` floats apart), plus one sink logit per head that
- * takes mass but adds no value:
- *   s_k = (q . kv_k) * scale; p = softmax([s, sink[h]]); out[t, h] = sum_k p_k kv_k (keys in window-then-comp order).
- * scratch holds H * (W + V) floats. out [T, H, d]. */
-void sink_attend(const float *q, const float *swa, long swa_stride, const long *win_rows,
-                 const unsigned char *win_valid, int W, const float *comp, long comp_stride, const long *comp_rows,
-                 const unsigned char *comp_valid, int V, const float *sink, float scale, int T, int H, int d,
-                 float *scratch, float *out) {
-    const int K = W + V;
+/* Row r of one of `sink_attend_p`'s sources: in place (rows `stride` floats apart), or decoded into `row` where the
+ * source is packed (pk). */
+static inline const float *attend_row(const float *base, long stride, const pool_rows *pk, long r, float *row) {
+    if (pk == 0) return base + r * stride;
+    rows_read(pk, r, row);
+    return row;
+}
+
+/* `sink_attend`, where either source may be the FP8 cache's packed rows (swa_pk, comp_pk non-NULL; their
+ * base/stride then used instead of swa/comp and the *_stride floats): each row a token reads is decoded into fp32
+ * before its use (`packed_rows.c`, the floats the PyTorch path gathers), once for the scores and once for the
+ * values, whose pass then runs rows outer and heads inner (each output still sums its rows in key order: the same
+ * bits). scratch holds H * (W + V) floats, and H + d more where a source is packed. */
+static void sink_attend_p(const float *q, const float *swa, long swa_stride, const pool_rows *swa_pk,
+                          const long *win_rows, const unsigned char *win_valid, int W, const float *comp,
+                          long comp_stride, const pool_rows *comp_pk, const long *comp_rows,
+                          const unsigned char *comp_valid, int V, const float *sink, float scale, int T, int H, int d,
+                          float *scratch, float *out) {
+    const int K = W + V, packed = swa_pk != 0 || comp_pk != 0;
+    float *zs = scratch + (long)H * K, *row = zs + H; /* [H] each head's softmax sum; [d] a decoded row */
     for (int t = 0; t < T; t++) {
         const float *qt = q + (long)t * H * d;
         /* scores [H, K]: each key row read once for every head */
@@ -576,7 +605,8 @@ void sink_attend(const float *q, const float *swa, long swa_stride, const long *
                 for (int h = 0; h < H; h++) scratch[(long)h * K + j] = -INFINITY;
                 continue;
             }
-            const float *kv = win ? swa + win_rows[idx] * swa_stride : comp + comp_rows[idx] * comp_stride;
+            const float *kv = win ? attend_row(swa, swa_stride, swa_pk, win_rows[idx], row)
+                                  : attend_row(comp, comp_stride, comp_pk, comp_rows[idx], row);
             int h = 0;
             float s4[4];
             for (; h + 4 <= H; h += 4) {
@@ -597,6 +627,10 @@ void sink_attend(const float *q, const float *swa, long swa_stride, const long *
                 z += sc[j];
             }
             for (int c = 0; c < d; c++) oh[c] = 0.0f;
+            if (packed) { /* (the values below, rows outer) */
+                zs[h] = z;
+                continue;
+            }
             for (int j = 0; j < K; j++) {
                 if (sc[j] == 0.0f) continue;
                 const int win = j < W;
@@ -606,13 +640,43 @@ void sink_attend(const float *q, const float *swa, long swa_stride, const long *
                 for (int c = 0; c < d; c++) oh[c] += p * kv[c];
             }
         }
+        for (int j = 0; packed && j < K; j++) {
+            const int win = j < W;
+            const long idx = (long)t * (win ? W : V) + (win ? j : j - W);
+            const float *kv = 0;
+            for (int h = 0; h < H; h++) {
+                const float e = scratch[(long)h * K + j];
+                if (e == 0.0f) continue;
+                if (kv == 0)
+                    kv = win ? attend_row(swa, swa_stride, swa_pk, win_rows[idx], row)
+                             : attend_row(comp, comp_stride, comp_pk, comp_rows[idx], row);
+                float *oh = out + ((long)t * H + h) * d;
+                const float p = e / zs[h];
+                for (int c = 0; c < d; c++) oh[c] += p * kv[c];
+            }
+        }
     }
+}
+
+/* Sink attention of a few tokens straight from the pools (no gathered copies): token t's H query heads
+ * q [T, H, d] attend to the K=V rows swa[win_rows[t, :W]] (where win_valid) and comp[comp_rows[t, :V]] (where
+ * comp_valid; comp may be NULL with V = 0; pool rows `*_stride` floats apart), plus one sink logit per head that
+ * takes mass but adds no value:
+ *   s_k = (q . kv_k) * scale; p = softmax([s, sink[h]]); out[t, h] = sum_k p_k kv_k (keys in window-then-comp order).
+ * scratch holds H * (W + V) floats. out [T, H, d]. */
+void sink_attend(const float *q, const float *swa, long swa_stride, const long *win_rows,
+                 const unsigned char *win_valid, int W, const float *comp, long comp_stride, const long *comp_rows,
+                 const unsigned char *comp_valid, int V, const float *sink, float scale, int T, int H, int d,
+                 float *scratch, float *out) {
+    sink_attend_p(q, swa, swa_stride, 0, win_rows, win_valid, W, comp, comp_stride, 0, comp_rows, comp_valid, V, sink,
+                  scale, T, H, d, scratch, out);
 }
 
 static void attend_job_fn(void *arg) {
     const attend_job *a = (const attend_job *)arg;
-    sink_attend(a->q, a->swa, a->swa_stride, a->win_rows, a->win_valid, a->W, a->comp, a->comp_stride, a->comp_rows,
-                a->comp_valid, a->V, a->sink, a->scale, a->T, a->H, a->d, a->scratch, a->out);
+    sink_attend_p(a->q, a->swa, a->swa_stride, a->swa_pk, a->win_rows, a->win_valid, a->W, a->comp, a->comp_stride,
+                  a->comp_pk, a->comp_rows, a->comp_valid, a->V, a->sink, a->scale, a->T, a->H, a->d, a->scratch,
+                  a->out);
 }
 
 /* A part of `sink_attend_rows`: its rows, with its own scratch. */
@@ -642,7 +706,7 @@ static void attend_part(void *arg, int part, int parts) {
 
 /* `sink_attend` of a verify step's rows, split over the pool's threads (at most ATTEND_MAX_PARTS parts, each a range
  * of rows with its own scratch: each row's arithmetic unchanged); a.scratch holds ATTEND_MAX_PARTS * scratch_floats
- * floats, scratch_floats >= H*(W+V) each. */
+ * floats, scratch_floats >= H*(W+V) (+ H + d where a source is packed) each. */
 static void sink_attend_rows(attend_job a, long scratch_floats) {
     int parts = pool.threads < ATTEND_MAX_PARTS ? pool.threads : ATTEND_MAX_PARTS;
     parts = parts < a.T ? parts : a.T;

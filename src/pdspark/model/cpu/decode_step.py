@@ -27,9 +27,11 @@ from pdspark.model.cpu.projection_table import ProjectionTable, Segment, expert_
 from pdspark.model.decoder_layer import DecoderLayer
 from pdspark.model.model_config import CSA, HCA, ModelConfig
 from pdspark.model.moe import MoE
+from pdspark.model.packed_rows import PackedRows
 from pdspark.model.rope import RotaryTable
 from pdspark.parallel.slot_exchange import SlotExchange, exchange_errors
 from pdspark.parallel.token_exchange import TokenExchange
+from pdspark.quant.kv_fp8 import IndexRowPack, KvRowPack
 
 # Decode/verify steps up to this many tokens run through the C layer (the C index's limit, `INDEX_MAX_TOKENS`): a
 # DSpark verify step of 8 requests x 6 rows is 48. Its GEMMs share each weight read across a step's rows
@@ -269,7 +271,7 @@ class DecodeStep:
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
         # The rotation factors at the step's positions, held in locals: the step table points into them.
         main_at, comp_at = rope_main.at(batch.positions), rope_compress.at(batch.positions)
-        step = self.step_table(batch, rope_compress, main_at, comp_at)
+        step = self.step_table(batch, rope_compress, main_at, comp_at, self.pools_packed)
         captured: dict[int, torch.Tensor] = {}
         for i in range(len(self.tables)):
             h = self.run_layer(i, h, pool_tables[i], step)  # one C call
@@ -279,10 +281,11 @@ class DecodeStep:
         return StepOutput(h, features)
 
     def step_table(self, batch: ForwardBatch, rope_compress: RotaryTable,
-                   main_at: tuple[torch.Tensor, torch.Tensor], comp_at: tuple[torch.Tensor, torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   main_at: tuple[torch.Tensor, torch.Tensor], comp_at: tuple[torch.Tensor, torch.Tensor],
+                   packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's pointer and size arrays (`kernel_abi.DECODE_STEP/STEP_SIZES`), shared by every layer. They
-        point into `batch`, `main_at` and `comp_at`: the caller keeps those alive while the step runs."""
+        point into `batch`, `main_at` and `comp_at`: the caller keeps those alive while the step runs. `packed`: the
+        pools hold the FP8 cache's packed rows (the scratch is sized for their staging)."""
         csa, hca = batch.csa, batch.hca
         ptrs = [batch.positions.data_ptr(), batch.input_ids.data_ptr(), batch.swa_slots.data_ptr(),
                 batch.window.rows.data_ptr(), batch.window.valid.data_ptr(),
@@ -298,19 +301,26 @@ class DecodeStep:
                  0 if batch.hca_plan is None else batch.hca_plan.num_groups,
                  0 if batch.hca_plan is None else int(batch.hca_plan.write_tokens.shape[0])]
         V = max(0 if csa is None else csa.max_visible, 0 if hca is None else hca.max_visible)
-        need = self.scratch_floats(batch.num_tokens, V, batch.window.rows.shape[1])
+        need = self.scratch_floats(batch.num_tokens, V, batch.window.rows.shape[1], packed)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(2 * need)  # persistent: reused by every layer of every step
         return torch.tensor(ptrs, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int32)
 
-    def scratch_floats(self, T: int, V: int, W: int) -> int:
+    def scratch_floats(self, T: int, V: int, W: int, packed: bool = False) -> int:
         """What `decode_layer` carves from its scratch for `T` tokens, `V` visible compressed entries and a window
-        of `W`, at the most demanding layer (the C library's own formula: the two cannot drift apart)."""
-        return max(cpu_kernels.decode_layer_scratch_floats(t.sizes, T, V, W) for t in self.tables)
+        of `W` (over the FP8 cache's packed rows or not), at the most demanding layer (the C library's own formula:
+        the two cannot drift apart)."""
+        return max(cpu_kernels.decode_layer_scratch_floats(t.sizes, T, V, W, packed) for t in self.tables)
+
+    @property
+    def pools_packed(self) -> bool:
+        """Whether the pools `pool_tables` last accepted hold the FP8 cache's packed rows."""
+        return self._pools is not None and any(bool(t[-1]) or bool(t[-2]) for t in self._pools[1])
 
     def pool_tables(self, pools: LayerCaches) -> list[torch.Tensor] | None:
-        """Each layer's pool pointers and row strides (`kernel_abi.DECODE_POOLS`), or None where the pools are not fp32
-        row-major CPU tensors. Cached: the pools never move, and layer 0's views identify them."""
+        """Each layer's pool pointers and row strides (`kernel_abi.DECODE_POOLS`), or None where the pools are neither
+        fp32 row-major CPU tensors nor the FP8 cache's packed rows. Cached: the pools never move, and layer 0's views
+        identify them."""
         first = self._pool_pointers(pools, 0)
         if first is None:
             return None
@@ -321,18 +331,40 @@ class DecodeStep:
             self._pools = (first, [torch.tensor(t, dtype=torch.int64) for t in tables])
         return self._pools[1]
 
-    @staticmethod
-    def _pool_pointers(pools: LayerCaches, i: int) -> list[int] | None:
+    def _pool_pointers(self, pools: LayerCaches, i: int) -> list[int] | None:
+        """Layer `i`'s `kernel_abi.DECODE_POOLS`: fp32 row-major pools, or the FP8 cache's packed rows
+        (`PackedRows`: main KV rows of this model's head and rope widths, indexer key rows of its index width, each
+        pool kind all packed or all not); None otherwise."""
         cache = pools.layer(i)
         ptrs: list[int] = []
-        for v in (cache.swa_kv, cache.comp_kv, cache.comp_state, cache.index_kv, cache.index_state):
+        packed: dict[str, set[bool]] = {"kv": set(), "index": set()}
+        for kind, v in (("kv", cache.swa_kv), ("kv", cache.comp_kv), ("state", cache.comp_state),
+                        ("index", cache.index_kv), ("state", cache.index_state)):
             if v is None:
                 ptrs += [0, 0]
-            elif v.is_cpu and v.dtype is torch.float32 and v.dim() == 2 and v.stride(1) == 1:
+            elif isinstance(v, PackedRows) and kind != "state" and self._packs_as_c_reads(kind, v.pack):
+                rows = v.storage
+                if not (rows.is_cpu and rows.dim() == 2 and rows.stride(1) == 1 and v.rows_dtype is torch.float32):
+                    return None
+                ptrs += [rows.data_ptr(), rows.stride(0)]
+                packed[kind].add(True)
+            elif isinstance(v, torch.Tensor) and v.is_cpu and v.dtype is torch.float32 and v.dim() == 2 \
+                    and v.stride(1) == 1:
                 ptrs += [v.data_ptr(), v.stride(0)]
+                packed.get(kind, set()).add(False)
             else:
                 return None
-        return ptrs
+        if len(packed["kv"]) > 1 or len(packed["index"]) > 1:
+            return None  # (a layer's SWA and compressed pools differ in storage: not a cache this engine builds)
+        return [*ptrs, int(True in packed["kv"]), int(True in packed["index"])]
+
+    def _packs_as_c_reads(self, kind: str, pack: object) -> bool:
+        """The row format `packed_rows.c` reads for this model: main KV rows of `head_dim` with `rope_dim` bf16
+        channels, indexer key rows of `index_head_dim`."""
+        cfg = self.cfg
+        if kind == "kv":
+            return isinstance(pack, KvRowPack) and (pack.dim, pack.rope) == (cfg.head_dim, cfg.rope_dim)
+        return isinstance(pack, IndexRowPack) and pack.dim == cfg.index_head_dim
 
     def run_layer(self, i: int, h: torch.Tensor, pools: torch.Tensor, step: tuple[torch.Tensor, torch.Tensor]
                   ) -> torch.Tensor:
@@ -445,7 +477,7 @@ class _IndexedStep(NamedTuple):
         layers = torch.tensor([[t.weights.data_ptr(), t.sizes.data_ptr(), t.scalars.data_ptr(), p.data_ptr()]
                                for t, p in zip(ds.tables, tables)], dtype=torch.int64)
         h = (torch.empty(T, cfg.hc_mult, cfg.hidden_size), torch.empty(T, cfg.hc_mult, cfg.hidden_size))
-        scratch = torch.empty(ds.scratch_floats(T, max(Vc, Vh), W))
+        scratch = torch.empty(ds.scratch_floats(T, max(Vc, Vh), W, ds.pools_packed))
         positions, swa_slots = buffers[0], buffers[2]
         assert positions is not None and swa_slots is not None
         return cls(cache_layout, pools, torch.tensor(layout, dtype=torch.int64), step,
