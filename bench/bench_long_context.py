@@ -11,10 +11,14 @@ greedy decode steps are timed one by one (`Engine.step`; the first `--settle` no
 rounds). In the first round's processes the module path then decodes the same prompt twice, through the picked rows
 and through the mask (`--module-steps`), for the same tokens, and the lightning indexer's C pick is timed alone at
 that length (its scoring is O(entries) by design, the one part that must grow), with its share of the step, the
-pools' bytes and the process's resident memory. Target (issue: performance against the peers): the 64k step <= 1.5x
-the 4k step, and the same tokens on all paths.
+pools' bytes and the process's resident memory. Each model runs with each cache of `--kv-cache-dtypes`: the
+fp32 rows the reference computes (`auto`), and the FP8 cache (`fp8_e4m3`: main KV rows 448 e4m3 + 64 bf16 channels,
+indexer keys e4m3 with a scale, 132 bytes an entry where V4's fp32 keys take 512), as V4's deployments keep it; the
+C step reads and writes both. Target (issue: performance against the peers): the 64k step <= 1.5x the 4k step, and
+the same tokens on all paths.
 
     python bench/bench_long_context.py [--models dsv4-tiny,v4-shape] [--contexts 1024,4096,16384,65536]
+        [--kv-cache-dtypes auto,fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from pdspark.assets import resolve_model
 from pdspark.engine.factory import create_engine
 from pdspark.model import indexer as indexer_module
 from pdspark.model.batch import CompressedIndex
+from pdspark.model.packed_rows import PackedRows
 
 _CACHE = Path.home() / ".cache" / "pdspark-bench"
 POSITIONS = 131072
@@ -111,6 +116,8 @@ def indexer_ms(engine, visible: int, page_size: int, repeats: int = 50) -> float
     cfg = engine.runner.model.cfg
     csa = engine.kv.model.csa_layers
     keys = engine.kv.pools.layer(csa[0]).index_kv  # [rows, D]: a per-layer view of the page-major pool
+    packed = isinstance(keys, PackedRows)  # (the FP8 cache: uint8 rows, decoded as they are read)
+    keys = keys.storage if packed else keys
     H, D = cfg.index_n_heads, cfg.index_head_dim
     q, w = torch.randn(1, H, D), torch.rand(1, H)
     per_page = page_size // cfg.csa_ratio
@@ -121,23 +128,25 @@ def indexer_ms(engine, visible: int, page_size: int, repeats: int = 50) -> float
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        picked = kernels.index_pick(q, w, keys, rows, valid, D**-0.5, cfg.index_topk)
+        picked = kernels.index_pick(q, w, keys, rows, valid, D**-0.5, cfg.index_topk, packed)
         times.append(time.perf_counter() - t0)
         assert picked is not None
     return 1e3 * layers * statistics.median(times)
 
 
-def new_engine(model: Path, context: int, steps: int):
+def new_engine(model: Path, context: int, steps: int, kv_cache_dtype: str):
     return create_engine(str(model), page_size=PAGE_SIZE, max_model_len=context + steps + 8, max_num_seqs=1,
-                         max_num_batched_tokens=2048, enable_prefix_cache=False)
+                         max_num_batched_tokens=2048, enable_prefix_cache=False, kv_cache_dtype=kv_cache_dtype)
 
 
-def measure_context(name: str, context: int, steps: int, settle: int, module_steps: int, seed: int) -> dict:
+def measure_context(name: str, context: int, steps: int, settle: int, module_steps: int, probe: bool, seed: int,
+                    kv_cache_dtype: str) -> dict:
     """One process's measurement (`--child`): its one engine prefills the prompt of `context` tokens, then times
-    `steps` C decode steps (the first `settle` not counted); with `module_steps`, the module path then decodes the same
-    prompt through the picked rows and through the mask for the same tokens, and the indexer's pick is timed alone."""
+    `steps` C decode steps (the first `settle` not counted); with `probe`, the indexer's pick is timed alone, and with
+    `module_steps` too, the module path then decodes the same prompt through the picked rows and through the mask for
+    the same tokens."""
     model = long_model(name)
-    engine = new_engine(model, context, steps)
+    engine = new_engine(model, context, steps, kv_cache_dtype)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, engine.runner.model.cfg.vocab_size, (context,), generator=g).tolist()
     rid, prefill_s = prefilled(engine, prompt, steps + 2)  # (never done early)
@@ -151,9 +160,16 @@ def measure_context(name: str, context: int, steps: int, settle: int, module_ste
     while engine.has_unfinished:
         engine.step()
     engine.release(rid)
-    out = {"context": context, "prefill_s": prefill_s, "step_s": times, "rss_mb": rss_mb()}
-    if module_steps:
-        model_obj = engine.runner.model
+    out = {"context": context, "prefill_s": prefill_s, "step_s": times, "rss_mb": rss_mb(),
+           "c_path_steps_missed": sum(engine.stats.fast_path_fallback_steps.values())}
+    model_obj = engine.runner.model
+    if probe:
+        out.update(indexer_ms=indexer_ms(engine, context // model_obj.cfg.csa_ratio, PAGE_SIZE),
+                   visible_csa_entries=context // model_obj.cfg.csa_ratio,
+                   pools_mb=sum(t.numel() * t.element_size() for t in vars(engine.kv.pools).values()
+                                if isinstance(t, torch.Tensor)) / 2**20,
+                   module_gathered_step_ms=None, module_mask_step_ms=None, same_tokens=None)
+    if probe and module_steps:
         saved, model_obj._decode_step = model_obj._decode_step, None  # the module path, gathered then masked
         module_times, module_tokens, _ = decode_steps(engine, prompt, module_steps)
         with dense_mask():
@@ -161,26 +177,23 @@ def measure_context(name: str, context: int, steps: int, settle: int, module_ste
         model_obj._decode_step = saved
         out.update(module_gathered_step_ms=1e3 * statistics.median(module_times),
                    module_mask_step_ms=1e3 * statistics.median(mask_times),
-                   same_tokens=tokens == module_tokens == mask_tokens,
-                   indexer_ms=indexer_ms(engine, context // model_obj.cfg.csa_ratio, PAGE_SIZE),
-                   visible_csa_entries=context // model_obj.cfg.csa_ratio,
-                   pools_mb=sum(t.numel() * t.element_size() for t in vars(engine.kv.pools).values()
-                                if isinstance(t, torch.Tensor)) / 2**20)
+                   same_tokens=tokens == module_tokens == mask_tokens)
     return out
 
 
-def measure_model(name: str, contexts: list[int], rounds: int, steps: int, settle: int, module_steps: int,
-                  seed: int) -> list[dict]:
-    """Every context's row for model `name`: `rounds` rounds of one process per context (one engine, as a serving
-    process holds), the contexts' order reversed every other round so that a slow spell of the VM falls on all
-    alike; the module path and the indexer alone in the first round's processes. The step is the median over the
-    rounds' steps; the prefill the first round's."""
+def measure_model(name: str, kv_cache_dtype: str, contexts: list[int], rounds: int, steps: int, settle: int,
+                  module_steps: int, seed: int) -> list[dict]:
+    """Every context's row for model `name` over a `kv_cache_dtype` cache: `rounds` rounds of one process per context
+    (one engine, as a serving process holds), the contexts' order reversed every other round so that a slow spell of
+    the VM falls on all alike; the module path and the indexer alone in the first round's processes. The step is the
+    median over the rounds' steps; the prefill the first round's."""
     runs: dict[int, list[dict]] = {c: [] for c in contexts}
     for r in range(rounds):
         for context in contexts if r % 2 == 0 else contexts[::-1]:
-            log(f"{name}, context {context}, round {r + 1}/{rounds}: prefill and {steps} steps")
+            log(f"{name} ({kv_cache_dtype} cache), context {context}, round {r + 1}/{rounds}: prefill and {steps} "
+                "steps")
             cmd = [sys.executable, __file__, "--child", name, str(context), str(steps), str(settle),
-                   str(module_steps if r == 0 else 0), str(seed)]
+                   str(module_steps), str(int(r == 0)), str(seed), kv_cache_dtype]
             run = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()[-1])
             runs[context].append(run)
             log(f"  prefill {run['prefill_s']:.1f} s, C step {1e3 * statistics.median(run['step_s']):.2f} ms")
@@ -188,7 +201,9 @@ def measure_model(name: str, contexts: list[int], rounds: int, steps: int, settl
     for context in contexts:
         first = runs[context][0]
         step = statistics.median([t for run in runs[context] for t in run["step_s"]])
-        rows.append({"model": name, **{k: v for k, v in first.items() if k != "step_s"}, "step_ms": 1e3 * step,
+        rows.append({"model": name, "kv_cache_dtype": kv_cache_dtype,
+                     **{k: v for k, v in first.items() if k != "step_s"}, "step_ms": 1e3 * step,
+                     "c_path_steps_missed": sum(run["c_path_steps_missed"] for run in runs[context]),
                      "round_step_ms": [1e3 * statistics.median(run["step_s"]) for run in runs[context]],
                      "indexer_share": first["indexer_ms"] / (1e3 * step), "steps": steps - settle,
                      "rounds": rounds, "module_steps": module_steps})
@@ -200,25 +215,32 @@ def print_table(rows: list[dict]) -> None:
     base = next((r for r in rows if r["context"] == 4096), rows[0])
     # The step less the indexer: what must stay flat (the indexer scores every visible entry by design).
     rest = {r["context"]: r["step_ms"] - r["indexer_ms"] for r in rows}
-    print(f"\n{rows[0]['model']}\n")
-    print("| context | C step ms | vs 4k | step less indexer, vs 4k | module step ms (picked rows) | module step ms "
-          "(mask) | indexer ms (share) | CSA entries | pools MB | RSS MB | prefill s | same tokens |")
+    print(f"\n{rows[0]['model']}, {rows[0]['kv_cache_dtype']} cache\n")
+    print("| context | C step ms (per round) | vs 4k | step less indexer, vs 4k | module step ms (picked rows) | "
+          "module step ms (mask) | indexer ms (share) | CSA entries | pools MB | RSS MB | prefill s | same tokens |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
     for r in rows:
         r["vs_4k"] = r["step_ms"] / base["step_ms"]
         r["rest_vs_4k"] = rest[r["context"]] / rest[base["context"]]
-        print(f"| {r['context']} | {r['step_ms']:.2f} | {r['vs_4k']:.2f}x | "
+        per_round = ", ".join(f"{v:.2f}" for v in r["round_step_ms"])
+        print(f"| {r['context']} | {r['step_ms']:.2f} ({per_round}) | {r['vs_4k']:.2f}x | "
               f"{rest[r['context']]:.2f} ms, {r['rest_vs_4k']:.2f}x | "
-              f"{r['module_gathered_step_ms']:.2f} | {r['module_mask_step_ms']:.2f} | "
+              f"{ms(r['module_gathered_step_ms'])} | {ms(r['module_mask_step_ms'])} | "
               f"{r['indexer_ms']:.2f} ({100 * r['indexer_share']:.0f}%) | {r['visible_csa_entries']} | "
-              f"{r['pools_mb']:.1f} | {r['rss_mb']:.0f} | {r['prefill_s']:.1f} | {r['same_tokens']} |")
+              f"{r['pools_mb']:.1f} | {r['rss_mb']:.0f} | {r['prefill_s']:.1f} | "
+              f"{'-' if r['same_tokens'] is None else r['same_tokens']} |")
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":  # one context's process (`measure_context`)
-        name, context, steps, settle, module_steps, seed = sys.argv[2], *map(int, sys.argv[3:8])
+        name, (context, steps, settle, module_steps, probe, seed), dtype = sys.argv[2], map(int, sys.argv[3:9]), \
+            sys.argv[9]
         torch.set_num_threads(2)
-        print(json.dumps(measure_context(name, context, steps, settle, module_steps, seed)))
+        print(json.dumps(measure_context(name, context, steps, settle, module_steps, bool(probe), seed, dtype)))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="dsv4-tiny,v4-shape")
@@ -228,25 +250,29 @@ def main() -> None:
     parser.add_argument("--settle", type=int, default=16, help="first steps of a process not counted")
     parser.add_argument("--module-steps", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3", help="caches each model runs with")
     args = parser.parse_args()
     torch.set_num_threads(2)
     contexts = [int(c) for c in args.contexts.split(",")]
     models = args.models.split(",")
-    by_model = {name: measure_model(name, contexts, args.rounds, args.steps, args.settle, args.module_steps,
-                                    args.seed) for name in models}
-    for rows in by_model.values():
+    runs = [(name, dtype) for name in models for dtype in args.kv_cache_dtypes.split(",")]
+    by_run = {(name, dtype): measure_model(name, dtype, contexts, args.rounds, args.steps, args.settle,
+                                           args.module_steps, args.seed) for name, dtype in runs}
+    for rows in by_run.values():
         print_table(rows)
-    write_json("long_context", {"models": models, "rows": [r for rows in by_model.values() for r in rows]})
-    fig, axes = figure(ncols=len(models), width=5.0 * len(models))
-    for ax, (name, rows) in zip(axes if len(models) > 1 else [axes], by_model.items()):
+    write_json("long_context", {"models": models, "kv_cache_dtypes": args.kv_cache_dtypes.split(","),
+                                "rows": [r for rows in by_run.values() for r in rows]})
+    fig, axes = figure(ncols=len(runs), width=4.0 * len(runs))
+    for ax, ((name, dtype), rows) in zip(axes if len(runs) > 1 else [axes], by_run.items()):
         xs = [r["context"] for r in rows]
         ax.plot(xs, [r["step_ms"] for r in rows], "o-", label="C step (picked rows)")
-        ax.plot(xs, [r["module_gathered_step_ms"] for r in rows], "s-", label="module step (picked rows)")
-        ax.plot(xs, [r["module_mask_step_ms"] for r in rows], "^--", label="module step (mask over all entries)")
+        if all(r["module_gathered_step_ms"] is not None for r in rows):
+            ax.plot(xs, [r["module_gathered_step_ms"] for r in rows], "s-", label="module step (picked rows)")
+            ax.plot(xs, [r["module_mask_step_ms"] for r in rows], "^--", label="module step (mask over all entries)")
         ax.plot(xs, [r["indexer_ms"] for r in rows], "x:", label="indexer (C) alone, all CSA layers")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(name, fontsize=8)
+        ax.set_title(f"{name}, {dtype} cache", fontsize=8)
         ax.set_xlabel("context tokens")
         ax.set_ylabel("ms per decode step (median)")
         ax.legend(fontsize=6)

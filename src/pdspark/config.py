@@ -74,8 +74,8 @@ class CacheConfig:
     num_c128_pages: int | None = option(None, "C128 pages (default: sized from the scheduler limits)", minimum=1)
     kv_cache_dtype: KvCacheDtype = option(
         "auto", "KV cache rows: auto (the compute dtype) or fp8_e4m3 (SWA/C4/C128 rows as FP8 e4m3 + ue8m0 scales "
-        "with bf16 rope channels, C4 indexer keys as FP8 + fp32 scales: ~1/3.5 of fp32's bytes; the PyTorch "
-        "attention path)")
+        "with bf16 rope channels, C4 indexer keys as FP8 + fp32 scales: ~1/3.5 of fp32's bytes; read and written "
+        "in place by the C decode step)")
     # Set by the engine from the draft (not an option): draft tokens a verify step may write past the committed
     # length, which sizes the compressor-state rings.
     max_draft_tokens: int = option(0, "draft tokens a verify step may write ahead (set by the engine)", cli=False,

@@ -51,4 +51,4 @@ def test_packed_rows_read_and_write_a_strided_pool_view_as_fp32_rows():
     got = rows.index_select(0, torch.tensor([5, 2, 0]))
     assert torch.equal(got[:2], pack.decode(pack.encode(values))[[1, 0]]) and not got[2].any()
     assert not storage[0].any()  # the other layer's rows are untouched
-    assert rows.shape == (10, 64) and rows.dtype is torch.uint8  # (the C kernels take fp32 pools only)
+    assert rows.shape == (10, 64) and rows.dtype is torch.uint8  # (the C step reads the storage itself)

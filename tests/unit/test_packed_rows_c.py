@@ -109,3 +109,21 @@ def test_the_c_pick_over_packed_keys_is_the_pick_over_their_decoded_floats():
             assert torch.equal(packed, plain) and int(packed.sum()) == T * k
     finally:
         cpu_kernels.set_threads(1)
+
+
+def test_a_prefill_segments_shared_pick_over_packed_keys_is_its_pick_over_the_decoded_floats():
+    """`index_pick_shared` (the queries of a prefill segment sharing their entries, each block of keys decoded once
+    for a group of 16 queries) picks over the FP8 cache's key rows what it picks over the same keys decoded first."""
+    g = torch.Generator().manual_seed(4)
+    T, H, D, R, V, k = 40, 2, 128, 5000, 3000, 64
+    pack = IndexRowPack(D)
+    storage = pack.encode(torch.randn(R, D, generator=g))
+    floats = pack.decode(storage)
+    q, w = torch.randn(T, H, D, generator=g), torch.randn(T, H, generator=g)
+    rows = torch.randperm(R, generator=g)[:V].contiguous()
+    visible = torch.linspace(V // 2, V, T).long()  # (each query its causal count)
+    valid = (torch.arange(V)[None, :] < visible[:, None]).contiguous()
+    packed = cpu_kernels.index_pick_shared(q, w, storage, rows, valid, D**-0.5, k, packed=True)
+    plain = cpu_kernels.index_pick_shared(q, w, floats, rows, valid, D**-0.5, k)
+    assert packed is not None and plain is not None
+    assert torch.equal(packed[0], plain[0]) and torch.equal(packed[1], plain[1]) and bool(plain[1].all())

@@ -1,7 +1,8 @@
 """`FastPathFallbacks`: decode and verify steps the C fast path did not run, by reason, each reason logged once.
 
 The C step (`model.cpu.decode_step`) serves small decode/verify steps of fp32 CPU models and of released checkpoints
-held compact (their FP8/MXFP4 and bf16 matrices as stored); anything else takes the PyTorch module path, which gives
+held compact (their FP8/MXFP4 and bf16 matrices as stored), over fp32 pools or the FP8 cache's packed rows; anything
+else takes the PyTorch module path, which gives
 the same tokens, slower. That must never happen silently: the first step of each reason writes one log line saying
 why, and every such step counts (`pdspark_engine_fast_path_fallback_steps_total`).
 Prefill chunks are not counted: they take the module path by design (BLAS matmuls share each weight read).

@@ -131,8 +131,6 @@ class Indexer(nn.Module):
         # The FP8 cache's key rows are read packed (decoded as the C pick reads them: the same floats).
         packed = isinstance(index_kv, PackedRows) and isinstance(index_kv.pack, IndexRowPack)
         keys = index_kv.storage if isinstance(index_kv, PackedRows) else index_kv
-        if packed and batch.segments:
-            return None  # (a prefill segment's shared pick reads fp32 keys only)
         if not batch.segments:
             picked = cpu_kernels.index_pick(q, w, keys, csa.rows, csa.valid, scale, k, packed)
             return None if picked is None else picked_entries(csa, picked, k)
@@ -147,8 +145,8 @@ class Indexer(nn.Module):
             rows[g], valid[g] = few.rows, few.valid
         for seg in batch.segments:
             sl, last, V = self._segment_entries(csa, seg)
-            part = cpu_kernels.index_pick_shared(q[sl], w[sl], index_kv, csa.rows[last, :V].contiguous(),
-                                                 csa.valid[sl, :V].contiguous(), scale, k)
+            part = cpu_kernels.index_pick_shared(q[sl], w[sl], keys, csa.rows[last, :V].contiguous(),
+                                                 csa.valid[sl, :V].contiguous(), scale, k, packed)
             if part is None:
                 return None
             rows[sl], valid[sl] = part

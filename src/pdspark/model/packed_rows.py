@@ -3,7 +3,8 @@
 The pool stores each row packed (`quant/kv_fp8.py`: `[R, width]` uint8); the attention, compressor and indexer code
 index it as it indexes a float pool `[R, dim]` of the model's dtype: `index_select(0, rows)` (what
 `batch.gather_rows` calls) decodes the rows it gathers, `pool[rows] = values` encodes. Its `dtype` is the storage's
-(uint8), so the C kernels, which check for fp32 pools, leave it to the PyTorch path.
+(uint8), so the C kernels that take fp32 rows leave it to the PyTorch path; the C decode step and the indexer's C
+pick read and write `storage` in place instead (`hardware/cpu/packed_rows.c`, the same bytes).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@
 #define PDSPARK_KERNELS_H
 
 #include <math.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <pthread.h>
 #include <string.h>
 #include <stdatomic.h>
@@ -184,7 +187,7 @@ void index_scores(const float *q, const float *w, const float *k, long kstride, 
 void index_pick(const float *q, const float *w, const void *k, long row_stride, int packed, const long *rows,
                 const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                 unsigned char *picked);
-void index_pick_shared(const float *q, const float *w, const float *k, long row_stride, const long *rows,
+void index_pick_shared(const float *q, const float *w, const void *k, long row_stride, int packed, const long *rows,
                        const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                        int scratch_parts, long *out_rows, unsigned char *out_valid);
 long index_pick_shared_scratch_floats(int V);

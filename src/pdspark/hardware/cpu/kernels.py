@@ -103,7 +103,7 @@ def load() -> ctypes.CDLL | None:
     lib.compressor_run.restype = None
     lib.index_pick.argtypes = [f, f, f, ctypes.c_long, i, f, f, i, i, i, i, fl, i, f, f]
     lib.index_pick.restype = None
-    lib.index_pick_shared.argtypes = [f, f, f, ctypes.c_long, f, f, i, i, i, i, fl, i, f, i, f, f]
+    lib.index_pick_shared.argtypes = [f, f, f, ctypes.c_long, i, f, f, i, i, i, i, fl, i, f, i, f, f]
     lib.index_pick_shared.restype = None
     lib.index_pick_shared_scratch_floats.argtypes = [i]
     lib.index_pick_shared_scratch_floats.restype = ctypes.c_long
@@ -440,29 +440,38 @@ def compressor_run(
     return True
 
 
+def _index_keys(kernel: str, keys: torch.Tensor, D: int, packed: bool) -> bool:
+    """Whether `keys` is what the indexer's C picks read: an fp32 row-major pool of at least `D` channels, or with
+    `packed` the FP8 cache's uint8 key rows `[R, D + 4 * ceil(D / 128)]` (`quant.kv_fp8.IndexRowPack`)."""
+    if not packed:
+        if _row_major(keys) and keys.shape[1] < D:
+            raise KernelArgumentError(f"{kernel}: keys of {D} channels expected")
+        return _row_major(keys)
+    if not (keys.is_cpu and keys.dtype is torch.uint8 and keys.dim() == 2 and keys.stride(1) == 1):
+        return False
+    width = D + 4 * -(-D // 128)
+    if keys.shape[1] != width:
+        raise KernelArgumentError(f"{kernel}: packed key rows of {width} bytes expected, not {keys.shape[1]}")
+    return True
+
+
 def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
                scale: float, topk: int, packed: bool = False) -> torch.Tensor | None:
     """The indexer's pick for decode/verify tokens in one call: `index_scores` of `q [T, H, D]`, `w [T, H]` against
     the pool rows `keys[rows]` (`rows/valid [T, V]`, read in place), then the top `topk` valid entries of each token
     under the tie rule (`model.indexer.select_topk`) -> the mask `[T, V]` bool. None when the C path does not
-    apply. `packed`: `keys` is the FP8 cache's uint8 key rows `[R, D + 4 * ceil(D / 128)]` (`quant.kv_fp8.
-    IndexRowPack`), decoded as they are read: the scores of the decoded floats."""
+    apply. `packed`: `keys` is the FP8 cache's uint8 key rows (`_index_keys`), decoded as they are read: the scores
+    of the decoded floats."""
     lib = _usable(q, w)
     T, H, D = q.shape
-    if packed:
-        width = D + 4 * -(-D // 128)
-        keys_ok = keys.is_cpu and keys.dtype is torch.uint8 and keys.dim() == 2 and keys.stride(1) == 1
-        if keys_ok and keys.shape[1] != width:
-            raise KernelArgumentError(f"index_pick: packed key rows of {width} bytes expected, not {keys.shape[1]}")
-    else:
-        keys_ok = _row_major(keys)
-    if lib is None or not keys_ok or not (rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
+    if lib is None or not _index_keys("index_pick", keys, D, packed) or not (
+            rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
         return None
     V = rows.shape[1]
     _check_index("index_pick", "rows", rows, (torch.int64,), (T, V), keys.shape[0])
     _check_index("index_pick", "valid", valid, _FLAGS, (T, V))
-    if (not packed and keys.shape[1] < D) or tuple(w.shape) != (T, H):
-        raise KernelArgumentError(f"index_pick: keys of {D} channels and head weights [{T}, {H}] expected")
+    if tuple(w.shape) != (T, H):
+        raise KernelArgumentError(f"index_pick: head weights [{T}, {H}] expected")
     picked = torch.empty(T, V, dtype=torch.bool)
     scratch = torch.empty(2 * V)
     lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), int(packed), rows.data_ptr(),
@@ -495,27 +504,29 @@ def unpack_rows(packed: torch.Tensor, dim: int, rope: int) -> torch.Tensor:
 
 
 def index_pick_shared(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
-                      valid: torch.Tensor, scale: float, topk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      valid: torch.Tensor, scale: float, topk: int, packed: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`index_pick` for the queries of a prefill segment, which share their candidate entries: one row list
     `rows [V]` for all of `q [T, H, D]`, each query's own `valid [T, V]` -> each query's picks as rows of their own,
     `(rows [T, topk] int64, valid [T, topk] bool)` in entry order then invalid padding (row 0), as `picked_rows` of
     `index_pick`'s mask with the rows repeated per query gives them; with no `[T, V]` array of scores or mask, on the
-    kernel threads. None when the C path does not apply."""
+    kernel threads. None when the C path does not apply. `packed`: as `index_pick`'s."""
     lib = _usable(q, w)
-    if lib is None or not _row_major(keys) or not (rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
-        return None
     T, H, D = q.shape
+    if lib is None or not _index_keys("index_pick_shared", keys, D, packed) or not (
+            rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
+        return None
     V = rows.shape[0]
     _check_index("index_pick_shared", "rows", rows, (torch.int64,), (V,), keys.shape[0])
     _check_index("index_pick_shared", "valid", valid, _FLAGS, (T, V))
-    if keys.shape[1] < D or tuple(w.shape) != (T, H):
-        raise KernelArgumentError(f"index_pick_shared: keys of {D} channels and head weights [{T}, {H}] expected")
+    if tuple(w.shape) != (T, H):
+        raise KernelArgumentError(f"index_pick_shared: head weights [{T}, {H}] expected")
     out_rows, out_valid = torch.empty(T, topk, dtype=torch.int64), torch.empty(T, topk, dtype=torch.bool)
     parts = min(_threads, max(T, 1))  # the parts the C call may split the queries into, each with its scratch
     scratch = torch.empty(parts * lib.index_pick_shared_scratch_floats(V))
     if T and topk:
-        lib.index_pick_shared(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), rows.data_ptr(),
-                              valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), parts,
+        lib.index_pick_shared(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), int(packed),
+                              rows.data_ptr(), valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), parts,
                               out_rows.data_ptr(), out_valid.data_ptr())
     return out_rows, out_valid
 

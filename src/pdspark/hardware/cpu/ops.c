@@ -489,6 +489,8 @@ typedef struct {
     float *scratch; /* SHARED_PICK_SCRATCH(V) floats a part */
     long *out_rows;
     unsigned char *out_valid;
+    pool_rows keys; /* the FP8 cache's packed key rows where packed (k unused), as `index_pick` reads them */
+    int packed;
 } shared_pick_job;
 
 static void shared_pick_fn(void *arg) {
@@ -499,7 +501,7 @@ static void shared_pick_fn(void *arg) {
     for (int t0 = 0; t0 < j->T; t0 += SHARED_PICK_GROUP) {
         const int n = j->T - t0 < SHARED_PICK_GROUP ? j->T - t0 : SHARED_PICK_GROUP;
         index_scores_from(j->q + (long)t0 * j->H * j->D, j->w + (long)t0 * j->H, j->k, 0, j->rows, j->row_stride, 0,
-                          n, j->H, j->V, j->D, j->scale, 0, sc);
+                          n, j->H, j->V, j->D, j->scale, j->packed ? &j->keys : 0, sc);
         for (int t = 0; t < n; t++) { /* the pick, then its rows in entry order (`compact_picks`) */
             pick_top(sc + t * V, j->valid + (t0 + t) * V, j->V, j->topk, tmp, pk);
             compact_picks(j->rows, pk, 1, j->V, j->topk, j->out_rows + (long)(t0 + t) * j->topk,
@@ -526,16 +528,18 @@ static void shared_pick_part(void *arg, int part, int parts) {
 }
 
 /* The indexer's pick for the queries of one prefill segment, which share their candidate entries: `index_pick` with
- * one row list rows [V] (read in place from the pool, rows `row_stride` floats apart) for all T queries, each with
- * its own valid [T, V] (the causal visible count), and the picks as rows of their own (`compact_picks`: out_rows /
+ * one row list rows [V] (read in place from the pool, rows `row_stride` floats apart, or with `packed` the FP8
+ * cache's key rows `row_stride` bytes apart, each block decoded once for a group of queries) for all T queries, each
+ * with its own valid [T, V] (the causal visible count), and the picks as rows of their own (`compact_picks`: out_rows /
  * out_valid [T, topk], in entry order, then invalid padding), with no [T, V] array of scores or mask: the queries go
  * in groups of SHARED_PICK_GROUP, split over the pool's threads (at most `scratch_parts`). Every score and pick is
  * computed whole by one thread with `index_pick`'s code: the same picks. scratch holds scratch_parts *
  * SHARED_PICK_SCRATCH(V) floats (`index_pick_shared_scratch_floats`). */
-void index_pick_shared(const float *q, const float *w, const float *k, long row_stride, const long *rows,
+void index_pick_shared(const float *q, const float *w, const void *k, long row_stride, int packed, const long *rows,
                        const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                        int scratch_parts, long *out_rows, unsigned char *out_valid) {
-    shared_pick_job job = {q, w, k, row_stride, rows, valid, T, H, V, D, scale, topk, scratch, out_rows, out_valid};
+    shared_pick_job job = {q,        w,       (const float *)k, row_stride, rows, valid, T, H, V, D, scale, topk,
+                           scratch,  out_rows, out_valid, {(void *)k, row_stride, D, INDEX_ROWS}, packed};
     long parts = (long)T * V / SCORES_SPLIT_MIN;
     parts = parts < T ? parts : T;
     parts = parts < pool.threads ? parts : pool.threads;

@@ -62,7 +62,24 @@ static inline float e4m3_value(uint8_t b) {
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int v16i __attribute__((vector_size(64)));
-typedef unsigned char v16b __attribute__((vector_size(16)));
+
+/* 16 bytes widened to 16 int lanes. (GCC 12 turns a `__builtin_convertvector` of bytes into one insert a lane.) */
+static inline v16i widen16(const uint8_t *b) {
+#if defined(__AVX512F__)
+    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+#elif defined(__AVX2__)
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
+    v16i x;
+    memcpy(&x, &lo, 32);
+    memcpy((char *)&x + 32, &hi, 32);
+    return x;
+#else
+    v16i x;
+    for (int i = 0; i < 16; i++) x[i] = b[i];
+    return x;
+#endif
+}
 
 /* out[i] = value(b[i]) * scale for i < n: `e4m3_value` 16 lanes at a time (integer ops and one convert; no
  * subnormal float arithmetic), then the rest one by one. */
@@ -71,9 +88,7 @@ static void e4m3_decode(const uint8_t *b, int n, float scale, float *out) {
     const v16f vs = (v16f){scale, scale, scale, scale, scale, scale, scale, scale,
                            scale, scale, scale, scale, scale, scale, scale, scale};
     for (; i + 16 <= n; i += 16) {
-        v16b raw;
-        memcpy(&raw, b + i, 16);
-        const v16i x = __builtin_convertvector(raw, v16i);
+        const v16i x = widen16(b + i);
         const v16i mag = x & 0x7F;
         const v16i normal = (mag << 20) + (120 << 23);
         const v16i sub = (v16i)(__builtin_convertvector(mag, v16f) * 0x1p-9f);

@@ -259,7 +259,8 @@ class DecodeStep:
                 ropes: tuple[RotaryTable, RotaryTable], capture: tuple[int, ...] = ()) -> StepOutput | None:
         """Every layer of a small step (one C call each) -> its final streams and the features of the `capture`
         layers, as `DSV4Model.forward`'s; None where the step or the pools are not what the C loops read (a
-        long or multi-stream step, grad mode, indices or pools off the CPU or not fp32 row-major).
+        long or multi-stream step, grad mode, indices or pools off the CPU, pools neither fp32 row-major nor the FP8
+        cache's packed rows).
         `ropes`: the sliding and compressed rotary tables."""
         if not self._applies(batch):
             return None
