@@ -85,7 +85,8 @@ def test_sparse_indexer_selection_matches_reference(checkpoints, monkeypatch):
             picked.append((scores, [set(torch.nonzero(row).flatten().tolist()) for row in mask]))
         return mask
 
-    def recording_shared(q, w, keys, rows, valid, scale, k):  # (a prefill segment's pick in C, without scores)
+    def recording_shared(q, w, keys, rows, valid, scale, k, packed=False):  # (a prefill segment's pick in C)
+        assert not packed  # (fp32 pools here: the scores below read the keys as floats)
         out = original_shared(q, w, keys, rows, valid, scale, k)
         if out is not None:  # its scores: the same bits from the one scoring routine (a unit test checks)
             scores = indexer_module.index_scores(q, w, keys[rows][:, : q.shape[-1]].contiguous(), scale)

@@ -89,6 +89,19 @@ def test_index_key_rows_pack_and_unpack_as_the_python_rows_do(dim):
     assert _same_bits(back_c.nan_to_num(), back_py.nan_to_num())
 
 
+def test_every_e4m3_byte_decodes_to_torchs_value():
+    """Two key rows holding the 256 bytes, scale 1 and then 3 (the decode's multiply rounds where the value needs it):
+    the C decode (16 at a time with AVX-512, else a byte at a time) gives torch's values, NaN where torch's is."""
+    pack = IndexRowPack(128)
+    values = torch.arange(256, dtype=torch.uint8).view(2, 128)
+    for scale in (1.0, 3.0):
+        scales = torch.tensor([[scale], [scale]], dtype=torch.float32).view(torch.uint8)
+        rows = torch.cat([values, scales], dim=1)
+        c, py = cpu_kernels.unpack_rows(rows, 128, INDEX_ROWS), pack.decode(rows)
+        assert torch.equal(c.isnan(), py.isnan()) and int(py.isnan().sum()) == 2
+        assert _same_bits(c.nan_to_num(), py.nan_to_num())
+
+
 def test_the_c_pick_over_packed_keys_is_the_pick_over_their_decoded_floats():
     """`index_pick` reading the FP8 cache's key rows in place (decoded block by block, on several threads) picks what
     it picks over the same keys decoded to an fp32 pool first."""

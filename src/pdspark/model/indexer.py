@@ -132,13 +132,13 @@ class Indexer(nn.Module):
         packed = isinstance(index_kv, PackedRows) and isinstance(index_kv.pack, IndexRowPack)
         keys = index_kv.storage if isinstance(index_kv, PackedRows) else index_kv
         if not batch.segments:
-            picked = cpu_kernels.index_pick(q, w, keys, csa.rows, csa.valid, scale, k, packed)
+            picked = cpu_kernels.index_pick(q, w, keys, csa.rows, csa.valid, scale, k, packed=packed)
             return None if picked is None else picked_entries(csa, picked, k)
         T = q.shape[0]
         rows, valid = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k, dtype=torch.bool)
         g = batch.gather_rows  # (with segments: the other tokens' rows)
         if g is not None and g.numel():
-            picked = cpu_kernels.index_pick(q[g], w[g], keys, csa.rows[g], csa.valid[g], scale, k, packed)
+            picked = cpu_kernels.index_pick(q[g], w[g], keys, csa.rows[g], csa.valid[g], scale, k, packed=packed)
             if picked is None:
                 return None
             few = picked_entries(CompressedIndex(csa.rows[g], csa.valid[g], csa.max_visible), picked, k)
@@ -146,7 +146,7 @@ class Indexer(nn.Module):
         for seg in batch.segments:
             sl, last, V = self._segment_entries(csa, seg)
             part = cpu_kernels.index_pick_shared(q[sl], w[sl], keys, csa.rows[last, :V].contiguous(),
-                                                 csa.valid[sl, :V].contiguous(), scale, k, packed)
+                                                 csa.valid[sl, :V].contiguous(), scale, k, packed=packed)
             if part is None:
                 return None
             rows[sl], valid[sl] = part

@@ -7,9 +7,6 @@
 #define PDSPARK_KERNELS_H
 
 #include <math.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <pthread.h>
 #include <string.h>
 #include <stdatomic.h>

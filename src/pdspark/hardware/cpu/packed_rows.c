@@ -8,8 +8,8 @@
  *
  * Encoding rounds as torch's casts do (float -> e4m3fn and float -> bf16: nearest, ties to even; e4m3 saturates at
  * +-448, infinities included). Decoding is exact (e4m3 and bf16 are subsets of fp32) but for the one rounding of
- * value * scale, done in fp32 as torch does. The decode of a row runs 16 lanes at a time: at long context the
- * indexer decodes every visible key row of a step. */
+ * value * scale, done in fp32 as torch does; 16 bytes at a time where the CPU has AVX-512 (compact.c's decode of
+ * FP8 weights): at long context the indexer decodes every visible key row of a step. */
 
 #define E4M3_MAX 448.0f
 #define KV_BLOCK 64
@@ -60,46 +60,23 @@ static inline float e4m3_value(uint8_t b) {
     return f32_of(sign | ((mag << 20) + (120u << 23)));
 }
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int v16i __attribute__((vector_size(64)));
+/* Each e4m3 byte's value (`e4m3_value`), filled when the library loads: what a packed row decodes to, a byte at a
+ * time, or 16 at a time through compact.c's `e4m3_values16` (AVX-512: the half-to-single conversion) where the CPU has
+ * it, as the FP8 weights decode. */
+static float e4m3_table[256];
 
-/* 16 bytes widened to 16 int lanes. (GCC 12 turns a `__builtin_convertvector` of bytes into one insert a lane.) */
-static inline v16i widen16(const uint8_t *b) {
-#if defined(__AVX512F__)
-    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-#elif defined(__AVX2__)
-    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
-    v16i x;
-    memcpy(&x, &lo, 32);
-    memcpy((char *)&x + 32, &hi, 32);
-    return x;
-#else
-    v16i x;
-    for (int i = 0; i < 16; i++) x[i] = b[i];
-    return x;
-#endif
+__attribute__((constructor)) static void fill_e4m3_table(void) {
+    for (int b = 0; b < 256; b++) e4m3_table[b] = e4m3_value((uint8_t)b);
 }
 
-/* out[i] = value(b[i]) * scale for i < n: `e4m3_value` 16 lanes at a time (integer ops and one convert; no
- * subnormal float arithmetic), then the rest one by one. */
+/* out[i] = value(b[i]) * scale for i < n (one fp32 multiply: torch's `values * scale`). */
 static void e4m3_decode(const uint8_t *b, int n, float scale, float *out) {
     int i = 0;
-    const v16f vs = (v16f){scale, scale, scale, scale, scale, scale, scale, scale,
-                           scale, scale, scale, scale, scale, scale, scale, scale};
-    for (; i + 16 <= n; i += 16) {
-        const v16i x = widen16(b + i);
-        const v16i mag = x & 0x7F;
-        const v16i normal = (mag << 20) + (120 << 23);
-        const v16i sub = (v16i)(__builtin_convertvector(mag, v16f) * 0x1p-9f);
-        const v16i is_normal = mag > 7, is_nan = mag == 0x7F;
-        v16i bits = (normal & is_normal) | (sub & ~is_normal);
-        bits = (bits & ~is_nan) | (0x7FC00000 & is_nan);
-        bits |= (x & 0x80) << 24;
-        const v16f v = (v16f)bits * vs;
-        memcpy(out + i, &v, sizeof v);
-    }
-    for (; i < n; i++) out[i] = e4m3_value(b[i]) * scale;
+#ifdef COMPACT_AVX512
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(e4m3_values16(b + i, e4m3_table), _mm512_set1_ps(scale)));
+#endif
+    for (; i < n; i++) out[i] = e4m3_table[b[i]] * scale;
 }
 
 /* A main KV row's layout: nope = dim - rope e4m3 bytes, then rope bf16 values, then one scale byte per block of
