@@ -20,7 +20,7 @@ run, different lengths so some finish early), run these ways:
 writes the packed rows in place, against the PyTorch path, which decodes and encodes them in PyTorch; no transformers
 reference (it has no such cache). The two encode the same bytes from the same floats, but their floats before the
 encode differ in the last bits (their sums' orders), and an e4m3 rounding that flips there moves a value by up to
-1/16 of its size: so the two paths may part at a close call ("parted", counted with its top-2 logit gap, not a
+1/8 of its size: so the two paths may part at a close call ("parted", counted with its top-2 logit gap, not a
 failure). DSpark must still give the plain tokens exactly (a verify step encodes each row as a decode step does).
 """
 

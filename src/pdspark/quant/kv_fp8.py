@@ -30,11 +30,13 @@ def _blocks(n: int, block: int) -> int:
 
 
 def _ceil_log2(y: torch.Tensor) -> torch.Tensor:
-    """The least integer e with 2^e >= y (int32), exactly, from y's bits (`frexp`: y = m * 2^e, m in [0.5, 1));
-    0 where y is not finite. (A rounded log2 can land on an integer just past a power of two.) The C decode step
-    encodes with the same rule (`packed_rows.c`)."""
-    m, e = torch.frexp(y)
-    return torch.where(torch.isfinite(y), e - (m == 0.5).to(e.dtype), 0)
+    """The least integer e with 2^e >= y (int32) for normal fp32 y, exactly, from y's bits: its exponent, plus one
+    unless its mantissa is zero (y a power of two); 0 where y is not finite. (A rounded log2 can land on an integer
+    just past a power of two.) Integer ops only, on any device. The C decode step encodes with the same rule
+    (`packed_rows.c`)."""
+    bits = y.float().contiguous().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return torch.where(torch.isfinite(y), e, 0)
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:

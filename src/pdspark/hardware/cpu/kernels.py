@@ -143,12 +143,12 @@ def load() -> ctypes.CDLL | None:
     lib.decode_index.restype = i
     lib.decode_layers.argtypes = [i, f, f, f, f, i, i, i, f, f, f, ctypes.c_long, f, f, f, i]
     lib.decode_layer_scratch_floats.argtypes = [f, i, i, i, i]
+    lib.decode_layer_scratch_floats.restype = ctypes.c_long
+    lib.decode_layers.restype = i
     lib.pack_rows.argtypes = [f, ctypes.c_long, i, i, f]
     lib.pack_rows.restype = None
     lib.unpack_rows.argtypes = [f, ctypes.c_long, i, i, f]
     lib.unpack_rows.restype = None
-    lib.decode_layer_scratch_floats.restype = ctypes.c_long
-    lib.decode_layers.restype = i
     return lib
 
 
