@@ -356,6 +356,22 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def _dspark_difference(path: Path, case: FuzzCase, plain: list) -> str:
+    """With the case's random DSpark draft (none: ""), the first prompt whose C-path DSpark tokens are not `plain`'s
+    (the C path's plain outputs), described; "" when all agree. DSpark verifies every draft with the target: a
+    near-tie cannot excuse a difference."""
+    if not case.draft_gamma:
+        return ""
+    from draft_reference import write_random_draft
+
+    write_random_draft(path, gamma=case.draft_gamma, seed=case.seed)
+    spec = _engine_outputs(path, case, c_path=True, speculative=True, logprobs=1)
+    for i, (out, (spec_tokens, _)) in enumerate(zip(plain, spec)):
+        if spec_tokens != out[0]:
+            return f"DSpark vs plain: prompt {i}: {spec_tokens} != {out[0]}"
+    return ""
+
+
 def run_case(case: FuzzCase, workdir: Path) -> CaseResult:
     from pdspark.errors import ConfigError
 
@@ -370,17 +386,11 @@ def run_case(case: FuzzCase, workdir: Path) -> CaseResult:
         result.seconds = time.monotonic() - start
         return result
     slow = _engine_outputs(path, case, c_path=False)
-    if case.draft_gamma:
-        from draft_reference import write_random_draft
-
-        write_random_draft(path, gamma=case.draft_gamma, seed=case.seed)
-        spec = _engine_outputs(path, case, c_path=True, speculative=True)
-        for i, ((tokens, _), (spec_tokens, _)) in enumerate(zip(fast, spec)):
-            if spec_tokens != tokens:  # (DSpark verifies every draft with the target: a near-tie cannot excuse it)
-                result.outcome = "differ"
-                result.detail = f"DSpark vs plain: prompt {i}: {spec_tokens} != {tokens}"
-                result.seconds = time.monotonic() - start
-                return result
+    spec_differs = _dspark_difference(path, case, fast)
+    if spec_differs:
+        result.outcome, result.detail = "differ", spec_differs
+        result.seconds = time.monotonic() - start
+        return result
     result.logprob_gap = max((abs(a - b) for f, w in zip(fast, slow) for a, b in zip(f[1], w[1])), default=0.0)
     for i, (prompt, m) in enumerate(zip(case.prompts, case.max_tokens)):
         at = _parting_step(fast[i], slow[i])
@@ -454,15 +464,9 @@ def run_packed_case(case: FuzzCase, workdir: Path) -> CaseResult:
             result.outcome = "parted"
             result.detail += (f"prompt {i} step {at}: top-2 logprob gap {min(f[2][at], w[2][at]):.2g} "
                               f"(C {f[0][at]}, PyTorch {w[0][at]}); ")
-    if case.draft_gamma:
-        from draft_reference import write_random_draft
-
-        write_random_draft(path, gamma=case.draft_gamma, seed=case.seed)
-        spec = _engine_outputs(path, case, c_path=True, speculative=True)
-        for i, ((tokens, *_), (spec_tokens, _)) in enumerate(zip(fast, spec)):
-            if spec_tokens != tokens:
-                result.outcome = "differ"
-                result.detail = f"DSpark vs plain: prompt {i}: {spec_tokens} != {tokens}"
+    spec_differs = _dspark_difference(path, case, fast)
+    if spec_differs:
+        result.outcome, result.detail = "differ", spec_differs
     result.seconds = time.monotonic() - start
     return result
 

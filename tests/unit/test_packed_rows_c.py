@@ -102,15 +102,21 @@ def test_every_e4m3_byte_decodes_to_torchs_value():
         assert _same_bits(c.nan_to_num(), py.nan_to_num())
 
 
+def _keys_and_queries(g: torch.Generator, T: int, H: int, D: int, R: int):
+    """R random key rows packed as the FP8 cache holds them, the same rows decoded to fp32, and T queries of H heads
+    with their head weights."""
+    pack = IndexRowPack(D)
+    storage = pack.encode(torch.randn(R, D, generator=g))
+    q, w = torch.randn(T, H, D, generator=g), torch.randn(T, H, generator=g)
+    return storage, pack.decode(storage), q, w
+
+
 def test_the_c_pick_over_packed_keys_is_the_pick_over_their_decoded_floats():
     """`index_pick` reading the FP8 cache's key rows in place (decoded block by block, on several threads) picks what
     it picks over the same keys decoded to an fp32 pool first."""
     g = torch.Generator().manual_seed(3)
     T, H, D, R, V, k = 2, 4, 128, 9000, 6000, 64
-    pack = IndexRowPack(D)
-    storage = pack.encode(torch.randn(R, D, generator=g))
-    floats = pack.decode(storage)
-    q, w = torch.randn(T, H, D, generator=g), torch.randn(T, H, generator=g)
+    storage, floats, q, w = _keys_and_queries(g, T, H, D, R)
     rows = torch.stack([torch.randperm(R, generator=g)[:V] for _ in range(T)])
     valid = torch.rand(T, V, generator=g) > 0.05
     try:
@@ -129,10 +135,7 @@ def test_a_prefill_segments_shared_pick_over_packed_keys_is_its_pick_over_the_de
     for a group of 16 queries) picks over the FP8 cache's key rows what it picks over the same keys decoded first."""
     g = torch.Generator().manual_seed(4)
     T, H, D, R, V, k = 40, 2, 128, 5000, 3000, 64
-    pack = IndexRowPack(D)
-    storage = pack.encode(torch.randn(R, D, generator=g))
-    floats = pack.decode(storage)
-    q, w = torch.randn(T, H, D, generator=g), torch.randn(T, H, generator=g)
+    storage, floats, q, w = _keys_and_queries(g, T, H, D, R)
     rows = torch.randperm(R, generator=g)[:V].contiguous()
     visible = torch.linspace(V // 2, V, T).long()  # (each query its causal count)
     valid = (torch.arange(V)[None, :] < visible[:, None]).contiguous()

@@ -65,6 +65,7 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
      * into their pool rows; attention reads its rows decoded into fp32 first. The indexer decodes its keys itself. */
     const int kv_packed = (int)pp[P_KV_PACKED], idx_packed = (int)pp[P_IDX_PACKED];
     const pool_rows swa_rows = {(void *)pp[P_SWA], pp[P_SWA_STRIDE], HD, kv_packed ? r : FLOAT_ROWS};
+    const pool_rows comp_pool = {(void *)pp[P_COMP], pp[P_COMP_STRIDE], HD, kv_packed ? r : FLOAT_ROWS};
     float *at = scratch;
     float *x = take(&at, (long)T * D), *pre = take(&at, (long)T * hc), *post = take(&at, (long)T * hc);
     float *comb = take(&at, (long)T * hc * hc), *cscr = take(&at, (long)T * (hc * D + M));
@@ -102,14 +103,13 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
         const int p0 = csa ? S_CP_OUT : S_HP_OUT;
         float *rows = take(&at, (long)T * 2 * (cw > iw ? cw : iw));
         const int G = si[csa ? SI_G_CSA : SI_G_HCA];
-        const pool_rows comp_pool = {(void *)pp[P_COMP], pp[P_COMP_STRIDE], cdim, kv_packed ? r : FLOAT_ROWS};
         compressor_run(xp + QL + HD, NX, LPTR(sp, S_POS), T, PTR(wp, W_C_APE), wi[I_C_RATIO], cdim, csa, G,
                        kv_packed ? ident : LPTR(sp, p0), LPTR(sp, p0 + 1), BPTR(sp, p0 + 2), LPTR(sp, p0 + 3),
                        LPTR(sp, p0 + 4), si[csa ? SI_N_CSA : SI_N_HCA], LPTR(sp, p0 + 5), LPTR(sp, p0 + 6),
                        PTR(wp, W_C_NORM), wf[F_C_EPS], PTR(sp, S_TAB_COS), PTR(sp, S_TAB_SIN), r, rows,
                        (float *)pp[P_STATE], pp[P_STATE_STRIDE], kv_packed ? staged : (float *)pp[P_COMP],
-                       kv_packed ? cdim : pp[P_COMP_STRIDE], small);
-        for (int g = 0; kv_packed && g < G; g++) rows_write(&comp_pool, LPTR(sp, p0)[g], staged + (long)g * cdim);
+                       kv_packed ? HD : pp[P_COMP_STRIDE], small);
+        for (int g = 0; kv_packed && g < G; g++) rows_write(&comp_pool, LPTR(sp, p0)[g], staged + (long)g * HD);
         comp = (const float *)pp[P_COMP];
         if (csa) {
             const pool_rows idx_pool = {(void *)pp[P_IDX], pp[P_IDX_STRIDE], Di,
@@ -153,13 +153,12 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
         }
         if (V == 0) comp = 0;
     }
-    const pool_rows comp_pk = {(void *)pp[P_COMP], pp[P_COMP_STRIDE], HD, r};
     const long ascr_n = (long)H * (W + V) + 16 + (kv_packed ? H + HD : 0);
     float *ascr = take(&at, ATTEND_MAX_PARTS * ascr_n); /* one for each part of the rows (`sink_attend_rows`) */
     sink_attend_rows((attend_job){q, (const float *)pp[P_SWA], pp[P_SWA_STRIDE], LPTR(sp, S_WIN_ROWS),
                                   BPTR(sp, S_WIN_VALID), W, comp, pp[P_COMP_STRIDE], comp_rows, comp_valid, V,
                                   PTR(wp, W_SINK), wf[F_SCALE], T, H, HD, ascr, o, kv_packed ? &swa_rows : 0,
-                                  kv_packed && comp != 0 ? &comp_pk : 0},
+                                  kv_packed && comp != 0 ? &comp_pool : 0},
                      ascr_n);
     float *oscr = take(&at, (long)T * (H * HD + wi[I_G] * wi[I_L]));
     if (attn_out_rows_p(o, cos, sin, T, H, HD, r, LPTR(wp, W_O_A), wi[I_G], wi[I_L], LPTR(wp, W_O_B), D, oscr, y)

@@ -444,9 +444,10 @@ def _index_keys(kernel: str, keys: torch.Tensor, D: int, packed: bool) -> bool:
     """Whether `keys` is what the indexer's C picks read: an fp32 row-major pool of at least `D` channels, or with
     `packed` the FP8 cache's uint8 key rows `[R, D + 4 * ceil(D / 128)]` (`quant.kv_fp8.IndexRowPack`)."""
     if not packed:
-        if _row_major(keys) and keys.shape[1] < D:
+        usable = _row_major(keys)
+        if usable and keys.shape[1] < D:
             raise KernelArgumentError(f"{kernel}: keys of {D} channels expected")
-        return _row_major(keys)
+        return usable
     if not (keys.is_cpu and keys.dtype is torch.uint8 and keys.dim() == 2 and keys.stride(1) == 1):
         return False
     width = D + 4 * -(-D // 128)

@@ -334,30 +334,34 @@ class DecodeStep:
 
     def _pool_pointers(self, pools: LayerCaches, i: int) -> list[int] | None:
         """Layer `i`'s `kernel_abi.DECODE_POOLS`: fp32 row-major pools, or the FP8 cache's packed rows
-        (`PackedRows`: main KV rows of this model's head and rope widths, indexer key rows of its index width, each
-        pool kind all packed or all not); None otherwise."""
+        (`PackedRows`: main KV rows of this model's head and rope widths, indexer key rows of its index width; the
+        SWA and compressed pools both packed or both not); None otherwise."""
         cache = pools.layer(i)
         ptrs: list[int] = []
-        packed: dict[str, set[bool]] = {"kv": set(), "index": set()}
         for kind, v in (("kv", cache.swa_kv), ("kv", cache.comp_kv), ("state", cache.comp_state),
                         ("index", cache.index_kv), ("state", cache.index_state)):
             if v is None:
                 ptrs += [0, 0]
-            elif isinstance(v, PackedRows) and kind != "state" and self._packs_as_c_reads(kind, v.pack):
-                rows = v.storage
-                if not (rows.is_cpu and rows.dim() == 2 and rows.stride(1) == 1 and v.rows_dtype is torch.float32):
-                    return None
-                ptrs += [rows.data_ptr(), rows.stride(0)]
-                packed[kind].add(True)
-            elif isinstance(v, torch.Tensor) and v.is_cpu and v.dtype is torch.float32 and v.dim() == 2 \
-                    and v.stride(1) == 1:
-                ptrs += [v.data_ptr(), v.stride(0)]
-                packed.get(kind, set()).add(False)
-            else:
+                continue
+            rows = self._c_rows(kind, v)
+            if rows is None:
                 return None
-        if len(packed["kv"]) > 1 or len(packed["index"]) > 1:
-            return None  # (a layer's SWA and compressed pools differ in storage: not a cache this engine builds)
-        return [*ptrs, int(True in packed["kv"]), int(True in packed["index"])]
+            ptrs += [rows.data_ptr(), rows.stride(0)]
+        kv_packed = isinstance(cache.swa_kv, PackedRows)
+        if cache.comp_kv is not None and isinstance(cache.comp_kv, PackedRows) != kv_packed:
+            return None  # (not a cache this engine builds)
+        return [*ptrs, int(kv_packed), int(isinstance(cache.index_kv, PackedRows))]
+
+    def _c_rows(self, kind: str, v: torch.Tensor | PackedRows) -> torch.Tensor | None:
+        """What the C step reads of a pool of `kind` (kv, index, state): an fp32 row-major CPU tensor as it is, or a
+        `PackedRows`' uint8 storage in a format `packed_rows.c` reads (states are never packed); None otherwise."""
+        if isinstance(v, PackedRows):
+            if kind == "state" or v.rows_dtype is not torch.float32 or not self._packs_as_c_reads(kind, v.pack):
+                return None
+            rows, dtype = v.storage, torch.uint8
+        else:
+            rows, dtype = v, torch.float32
+        return rows if rows.is_cpu and rows.dtype is dtype and rows.dim() == 2 and rows.stride(1) == 1 else None
 
     def _packs_as_c_reads(self, kind: str, pack: object) -> bool:
         """The row format `packed_rows.c` reads for this model: main KV rows of `head_dim` with `rope_dim` bf16
