@@ -41,7 +41,7 @@ import grpc
 from cpu_time import cpu_s, tree_cpu_s
 from report import figure, save_figure, write_json
 
-from pdspark.launch.plan import free_ports
+from pdspark.launch.free_ports import free_ports
 from pdspark.launch.service_process import ServiceProcess
 from pdspark.rpc import convert
 from pdspark.rpc.multiplexed_client import MultiplexedClient

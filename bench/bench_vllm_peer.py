@@ -341,7 +341,7 @@ def wait_http(service, url: str, timeout: float) -> None:
 def spawn_server(engine: str, path: Path, python: str, eager: bool):
     """`pdspark up` (the router, one prefill and one decode worker) or vLLM's API server, on free loopback ports;
     returns (service, base url or None until `pdspark up` says it)."""
-    from pdspark.launch.plan import free_ports
+    from pdspark.launch.free_ports import free_ports
     from pdspark.launch.service_process import spawn_process, spawn_service
 
     if engine == "pdspark":

@@ -37,18 +37,6 @@ def assert_no_leaks(llm: LLM) -> None:
 
 def two_free_ports() -> int:
     """A port P with P + 1 free too (a worker group's rendezvous and its control channel), on loopback."""
-    import socket
+    from pdspark.launch.free_ports import free_ports
 
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise AssertionError("no two consecutive free ports on loopback")
+    return free_ports("127.0.0.1", 2, consecutive=True)[0]

@@ -16,12 +16,13 @@ port); clients trust the CA whose path the plan keeps (`ca_path`).
 from __future__ import annotations
 
 import dataclasses
-import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pdspark.assets import resolve_model
 from pdspark.config import RouterConfig, TLSConfig, UpConfig, WorkerConfig
 from pdspark.errors import ConfigError
+from pdspark.launch.free_ports import free_ports
 from pdspark.model.model_config import ModelConfig
 from pdspark.options import replace_options, secret_env, to_argv
 from pdspark.rpc.throwaway_ca import ThrowawayCA
@@ -84,38 +85,23 @@ def router_config(cfg: UpConfig, prefill: list[str], decode: list[str]) -> Route
                         transfer_timeout_s=cfg.transfer_timeout_s, processes=cfg.router_processes)
 
 
-def free_ports(host: str, n: int) -> list[int]:
-    """`n` distinct ports free on `host` now (all held while picking, so they differ). Another process may still
-    take one before its service binds it: that start fails and is retried like any failure."""
-    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(family, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind(address)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def plan_cluster(cfg: UpConfig, tls_dir: str | None = None) -> ClusterPlan:
     """The cluster `cfg` asks for. `tls_dir`: with `cfg.tls`, the private directory the certificates go to."""
     assert not cfg.tls or tls_dir is not None, "--tls needs a directory for the certificates"
     ca = ThrowawayCA(tls_dir) if cfg.tls and tls_dir is not None else None
     has_draft = "dspark" in ModelConfig.from_dir(resolve_model(cfg.model)).raw
     base = worker_configs(cfg, has_draft)
-    workers, addresses = _workers(cfg, base, ca)
-    router = _router(cfg, addresses, ca)
+    # gRPC and metrics for each worker; the router's are picked apart from them (both sets held only while picking).
+    worker_ports = free_ports(base["prefill"].host, 2 * (cfg.prefill + cfg.decode))
+    workers, addresses = _workers(cfg, base, ca, iter(worker_ports))
+    router = _router(cfg, addresses, ca, frozenset(worker_ports))
     return ClusterPlan(workers, router, base["decode"].engine.speculative, ca.ca_path if ca is not None else None)
 
 
-def _workers(cfg: UpConfig, base: dict[str, WorkerConfig],
-             ca: ThrowawayCA | None) -> tuple[list[Service], dict[str, list[str]]]:
+def _workers(cfg: UpConfig, base: dict[str, WorkerConfig], ca: ThrowawayCA | None,
+             ports: Iterator[int]) -> tuple[list[Service], dict[str, list[str]]]:
     """The workers, numbered across roles (prefill-0, prefill-1, decode-2, ...), and their addresses by role."""
     roles = ["prefill"] * cfg.prefill + ["decode"] * cfg.decode
-    ports = iter(free_ports(base["prefill"].host, 2 * len(roles)))
     # The workers need no key: blank any the launcher's own environment holds.
     no_keys = {name: "" for name in secret_env(router_config(cfg, [], []))}
     workers: list[Service] = []
@@ -130,8 +116,8 @@ def _workers(cfg: UpConfig, base: dict[str, WorkerConfig],
     return workers, addresses
 
 
-def _router(cfg: UpConfig, addresses: dict[str, list[str]], ca: ThrowawayCA | None) -> Service:
-    ports = iter(free_ports(cfg.host, [cfg.port, cfg.grpc_port, cfg.admin_port].count(0)))
+def _router(cfg: UpConfig, addresses: dict[str, list[str]], ca: ThrowawayCA | None, taken: frozenset[int]) -> Service:
+    ports = iter(free_ports(cfg.host, [cfg.port, cfg.grpc_port, cfg.admin_port].count(0), avoid=taken))
     router = dataclasses.replace(router_config(cfg, addresses["prefill"], addresses["decode"]),
                                  port=cfg.port or next(ports), grpc_port=cfg.grpc_port or next(ports),
                                  admin_port=next(ports) if cfg.admin_port == 0 else cfg.admin_port)

@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdspark.launch.plan import free_ports
+from pdspark.launch.free_ports import free_ports
 from pdspark.testing.time_scale import scaled
 
 
