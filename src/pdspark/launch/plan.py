@@ -91,8 +91,10 @@ def plan_cluster(cfg: UpConfig, tls_dir: str | None = None) -> ClusterPlan:
     ca = ThrowawayCA(tls_dir) if cfg.tls and tls_dir is not None else None
     has_draft = "dspark" in ModelConfig.from_dir(resolve_model(cfg.model)).raw
     base = worker_configs(cfg, has_draft)
-    # gRPC and metrics for each worker; the router's are picked apart from them (both sets held only while picking).
-    worker_ports = free_ports(base["prefill"].host, 2 * (cfg.prefill + cfg.decode))
+    # gRPC and metrics for each worker, none of them a port the user gave the router; the router's other ports are
+    # picked apart from them (each set is held only while it is picked).
+    chosen = frozenset({cfg.port, cfg.grpc_port, cfg.admin_port or 0} - {0})
+    worker_ports = free_ports(base["prefill"].host, 2 * (cfg.prefill + cfg.decode), avoid=chosen)
     workers, addresses = _workers(cfg, base, ca, iter(worker_ports))
     router = _router(cfg, addresses, ca, frozenset(worker_ports))
     return ClusterPlan(workers, router, base["decode"].engine.speculative, ca.ca_path if ca is not None else None)
