@@ -19,10 +19,10 @@ from cluster_pool import (  # noqa: F401 (fixtures)
     keys_tls,
     one_by_one,
 )
-from draft_reference import add_random_draft
 from hf_reference import CSA, HCA, SLIDING, TinySpec, save_hf_checkpoint, write_byte_tokenizer
 from pdspark.config import EngineConfig
 from pdspark.testing.offline_reference import OfflineReference
+from pdspark.testing.random_draft import add_random_draft
 from pdspark.testing.script_module import load_script
 from pdspark.testing.time_scale import scaled
 

@@ -362,7 +362,7 @@ def _dspark_difference(path: Path, case: FuzzCase, plain: list) -> str:
     near-tie cannot excuse a difference."""
     if not case.draft_gamma:
         return ""
-    from draft_reference import write_random_draft
+    from pdspark.testing.random_draft import write_random_draft
 
     write_random_draft(path, gamma=case.draft_gamma, seed=case.seed)
     spec = _engine_outputs(path, case, c_path=True, speculative=True, logprobs=1)

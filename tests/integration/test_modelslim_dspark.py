@@ -16,7 +16,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draft_reference import write_random_draft
 from helpers import GREEDY, assert_no_leaks, greedy, make_llm
 from pdspark import SamplingParams
 from pdspark.errors import CheckpointError, ConfigError
@@ -26,6 +25,7 @@ from pdspark.model.loader import load_checkpoint, load_draft
 from pdspark.model.moe import MoE, SharedExpert
 from pdspark.quant.quant_experts import QuantExperts
 from pdspark.quant.quant_linear import QuantLinear
+from pdspark.testing.random_draft import write_random_draft
 
 DESCRIPTION = "quant_model_description.json"
 DRAFT_FILE = "dspark.safetensors"

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from conftest import MIXED, random_prompts
-from draft_reference import add_random_draft
 from pdspark import SamplingParams
 from pdspark.engine.factory import create_engine
+from pdspark.testing.random_draft import add_random_draft
 
 BASE = dict(page_size=16, max_model_len=256, c128_page_size=2)
 SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, max_tokens=24, ignore_eos=True)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from conftest import HC4, MIXED, random_prompts
-from draft_reference import add_random_draft
 from helpers import GREEDY, assert_no_leaks, make_llm
 from pdspark import SamplingParams
 from pdspark.engine import drafter as drafter_module
@@ -20,6 +19,7 @@ from pdspark.engine.spec_verifier import accept
 from pdspark.errors import CheckpointError, ConfigError
 from pdspark.model.dspark_weights import draft_state_dict, load_draft_weights
 from pdspark.model.loader import load_checkpoint, load_draft
+from pdspark.testing.random_draft import add_random_draft
 
 OPTS = dict(c128_page_size=2, max_model_len=512)
 SEEDED = dict(temperature=0.8, top_k=40, top_p=0.95, seed=17, ignore_eos=True)

@@ -21,3 +21,21 @@ def test_head_rows_equal_one_row_calls_bit_for_bit():
                   for i in range(8)]
     assert rows is not None and rows.shape == (8, V)
     assert torch.equal(rows, torch.cat(one_by_one))  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="C kernels off here: the C head cannot exist")
+@pytest.mark.parametrize("rows", [6, 48, 64])
+def test_the_models_logits_of_every_c_step_size_are_each_rows_alone(rows):
+    """`DSV4Model.logits` takes the C head for every row count the C decode step runs (a batch-8 verify is 48 rows):
+    a verify row's logits are then a plain decode step's bit for bit at every batch (BLAS gives a row other bits by
+    the rows beside it)."""
+    from pdspark import LLM
+    from pdspark.llm import resolve_model
+
+    model = LLM(resolve_model("dsv4-tiny"), max_model_len=128, enable_prefix_cache=False).engine.runner.model
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, model.cfg.hc_mult, model.cfg.hidden_size, generator=g)
+    with torch.inference_mode():
+        together = model.logits(h)
+        alone = torch.cat([model.logits(h[i : i + 1]) for i in range(rows)])
+    assert torch.equal(together, alone)

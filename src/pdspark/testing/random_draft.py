@@ -1,4 +1,6 @@
-"""Random DSpark drafts written beside a tiny checkpoint (config `dspark` entry + `mtp.*` tensors)."""
+"""Random DSpark drafts written beside a checkpoint (config `dspark` entry + `mtp.*` tensors): for tests, and for the
+benchmarks that time verify steps on a model without a trained draft (what a verify costs does not depend on what
+its drafts are)."""
 
 from __future__ import annotations
 
