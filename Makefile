@@ -96,6 +96,7 @@ bench: setup
 	$(PY) bench/bench_engine_vs_transformers.py
 	$(PY) bench/bench_prefix_cache.py
 	$(PY) bench/bench_dspark.py
+	$(PY) bench/bench_verify_rows.py
 	$(PY) bench/bench_pd_transfer.py
 	$(PY) bench/bench_pd_vs_colocated.py
 	$(MAKE) bench-router

@@ -1,18 +1,22 @@
 """A DSpark verify step's forward against its rows: batch 1 (gamma + 1 rows) and batch 8 (8 x (gamma + 1) rows), beside
-plain decode steps (1 and 8 rows), with the bound this machine puts on each.
+plain decode steps (1 and 8 rows), each with what PyTorch's own kernels take for its work on this machine.
 
 Two models: dsv4-tiny with its trained draft (its weights sit in a Zen 4's L3), and `v4-shape` (`random_checkpoint.py`:
 a V4-Flash-proportioned layer, 409 MB of fp32 weights: a decode step reads them from memory) with a random draft
 (`pdspark.testing.random_draft`: a verify step runs its gamma + 1 rows a request whatever its drafts are, so what the
-drafts are does not change what this measures). Each model's plain and DSpark engines take turns prompt group by group,
+drafts are does not change what this measures). Each model runs in a process of its own (after dsv4-tiny in the same
+process, v4-shape's steps ran 1.7x slower than alone), its plain and DSpark engines taking turns prompt group by group,
 `--rounds` times; the forward (`ModelRunner.run`) of every decode step is timed and keyed by its rows.
 
-The bound of a step of R rows: the larger of reading its weights (`roofline.work_per_token`: the dense ones and the
-experts R rows are expected to touch, at the bytes the C path reads) at the GEMV rate over that many bytes, and its
-matmul FLOPs (R x `prefill_flops_per_token`) at the fp32 GEMM rate; both rates measured in this run with PyTorch's
-kernels (`roofline.machine_limits`). Where the bound of 8 x (gamma + 1) rows is more than 3x that of gamma + 1 rows,
-no kernel makes a batch-8 verify cost within 3x of a batch-1 one on this machine: the rows are arithmetic, not reads.
-Attention over the context is left out of the bound (at these lengths it is small beside the weights).
+The reference of a step of R rows: the larger of what PyTorch's fp32 GEMV takes to read its weights
+(`roofline.work_per_token`: the dense ones and the experts R rows are expected to touch, at the bytes the C path
+reads; the GEMV over a matrix of as many bytes, out of the caches where they fit as the step's weights then are) and
+what PyTorch's fp32 GEMM takes for its matmul FLOPs (R x `prefill_flops_per_token`), both measured in this run
+(`roofline.machine_limits`). Not a bound: the C path's own GEMV (prefetching) reads faster than PyTorch's. What it
+tells is the shape: where the reference of 8 x (gamma + 1) rows is several times that of gamma + 1 rows, the rows are
+arithmetic on this machine and a batch-8 verify costs about that many times a batch-1 one with any kernel of that
+speed; where it stays near 1-2x, the rows share the weight reads and a kernel could keep the batch-8 verify within a
+few times the batch-1 one. Attention over the context is left out (at these lengths it is small beside the weights).
 
     python bench/bench_verify_rows.py [--models dsv4-tiny,v4-shape] [--rounds 3] [--threads 2]
 """
@@ -20,8 +24,10 @@ Attention over the context is left out of the bound (at these lengths it is smal
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -56,16 +62,15 @@ def with_draft(name: str) -> Path:
     return out
 
 
-def step_bound(path: Path, rows: int, requests: int, threads: int) -> dict:
-    """The larger of the weight reads and the matmul FLOPs of a step of `rows` rows over `requests` requests: the
-    reads at the rate of a GEMV over as many bytes (out of the caches where they fit, as the step's weights then
-    are), the FLOPs at the fp32 GEMM rate, both measured now."""
+def step_reference(path: Path, rows: int, requests: int, threads: int) -> dict:
+    """What PyTorch's kernels take for the weight reads and for the matmul FLOPs of a step of `rows` rows over
+    `requests` requests (the module docstring), and the larger of the two, measured now."""
     work = work_per_token(path, rows)
     limits = machine_limits(threads, working_set_bytes=int(work["decode_step_bytes_read"]))
     read_s = work["decode_step_bytes_read"] / (limits["working_set_gemv_gb_s"] * 1e9)
     flops_s = rows * work["prefill_flops_per_token"] / (limits["gemm_gflops"] * 1e9)
     return {"rows": rows, "requests": requests, "read_ms": 1e3 * read_s, "flops_ms": 1e3 * flops_s,
-            "bound_ms": 1e3 * max(read_s, flops_s), "bound_by": "flops" if flops_s > read_s else "reads",
+            "reference_ms": 1e3 * max(read_s, flops_s), "larger": "flops" if flops_s > read_s else "reads",
             "limits": limits}
 
 
@@ -92,7 +97,7 @@ def measure(name: str, rounds: int, threads: int) -> dict:
     for (kind, b), ts in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         rows = b * (gamma + 1 if kind == "verify" else 1)
         steps.append({"kind": kind, "batch": b, "steps": len(ts), "forward_ms": 1e3 * statistics.median(ts),
-                      **step_bound(path, rows, b, threads)})
+                      **step_reference(path, rows, b, threads)})
     return {"model": name, "gamma": gamma, "steps": steps}
 
 
@@ -103,13 +108,13 @@ def table(result: dict) -> list[str]:
     lines = [f"\n{result['model']} (gamma {result['gamma']}): fp32 GEMM {limits['gemm_gflops']:.0f} GFLOP/s, DRAM "
              f"GEMV {limits['gemv_gb_s']:.1f} GB/s, GEMV over the batch-1 verify's "
              f"{limits['working_set_bytes'] / 1e6:.1f} MB {limits['working_set_gemv_gb_s']:.1f} GB/s (in this run)\n",
-             "| step | rows | forward ms (median) | / batch-1 verify | bound ms (reads, FLOPs) "
-             "| bound / batch-1 verify's |",
+             "| step | rows | forward ms (median) | / batch-1 verify | PyTorch reference ms (reads, FLOPs) "
+             "| reference / batch-1 verify's |",
              "|---|---:|---:|---:|---:|---:|"]
     for s in result["steps"]:
         lines.append(f"| {s['kind']} batch {s['batch']} | {s['rows']} | {s['forward_ms']:.2f} | "
-                     f"{s['forward_ms'] / v1['forward_ms']:.2f}x | {s['bound_ms']:.2f} ({s['read_ms']:.2f}, "
-                     f"{s['flops_ms']:.2f}) | {s['bound_ms'] / v1['bound_ms']:.2f}x |")
+                     f"{s['forward_ms'] / v1['forward_ms']:.2f}x | {s['reference_ms']:.2f} ({s['read_ms']:.2f}, "
+                     f"{s['flops_ms']:.2f}) | {s['reference_ms'] / v1['reference_ms']:.2f}x |")
     return lines
 
 
@@ -118,9 +123,10 @@ def plot(results: list[dict]) -> None:
     for ax, result in zip(axes if len(results) > 1 else [axes], results, strict=True):
         labels = [f"{s['kind']}\nb{s['batch']} ({s['rows']} rows)" for s in result["steps"]]
         grouped_bars(ax, labels, {"measured": [s["forward_ms"] for s in result["steps"]],
-                                  "bound": [s["bound_ms"] for s in result["steps"]]}, "forward ms")
+                                  "PyTorch reference": [s["reference_ms"] for s in result["steps"]]},
+                     "forward ms")
         ax.set_title(result["model"], fontsize=9)
-    save_figure(fig, "verify_rows", "Verify step forward against its rows, with this machine's bound")
+    save_figure(fig, "verify_rows", "Verify step forward against its rows, with PyTorch kernels' time for its work")
 
 
 def main() -> None:
@@ -128,9 +134,18 @@ def main() -> None:
     parser.add_argument("--models", default="dsv4-tiny,v4-shape")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # measure this model, print its JSON
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = [measure(name, args.rounds, args.threads) for name in args.models.split(",")]
+    if args.child:
+        print(json.dumps(measure(args.child, args.rounds, args.threads)))
+        return
+    results = []
+    for name in args.models.split(","):
+        child = [sys.executable, __file__, "--child", name, "--rounds", str(args.rounds), "--threads",
+                 str(args.threads)]
+        out = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
+        results.append(json.loads(out.strip().splitlines()[-1]))
     for result in results:
         print("\n".join(table(result)))
     write_json("verify_rows", {"args": vars(args), "results": results})
