@@ -4,10 +4,12 @@ row reads as zeros, and `PackedRows` reads and writes them as fp32 rows."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdspark.hardware.cpu import kernels
 from pdspark.model.packed_rows import PackedRows
 from pdspark.quant.kv_fp8 import IndexRowPack, KvRowPack
 
@@ -52,3 +54,42 @@ def test_packed_rows_read_and_write_a_strided_pool_view_as_fp32_rows():
     assert torch.equal(got[:2], pack.decode(pack.encode(values))[[1, 0]]) and not got[2].any()
     assert not storage[0].any()  # the other layer's rows are untouched
     assert rows.shape == (10, 64) and rows.dtype is torch.uint8  # (the C step reads the storage itself)
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="C kernels off here: nothing to route through")
+def test_packed_rows_code_through_the_c_kernels_with_the_torch_codecs_bits(monkeypatch):
+    """On the CPU a `PackedRows` view encodes and decodes through `kernels.pack_rows`/`unpack_rows` (16-25x faster
+    than the torch ops), giving the bytes and floats of the pack's own `encode`/`decode`, for both kinds of rows,
+    multi-dimensional indexes included; without the C kernels it falls back to the torch ops."""
+    calls = {"pack": 0, "unpack": 0}
+    pack_rows, unpack_rows = kernels.pack_rows, kernels.unpack_rows
+
+    def counted_pack(*a):
+        calls["pack"] += 1
+        return pack_rows(*a)
+
+    def counted_unpack(*a):
+        calls["unpack"] += 1
+        return unpack_rows(*a)
+
+    monkeypatch.setattr(kernels, "pack_rows", counted_pack)
+    monkeypatch.setattr(kernels, "unpack_rows", counted_unpack)
+    g = torch.Generator().manual_seed(3)
+    for pack in (KvRowPack(192, 64), IndexRowPack(128)):
+        storage = torch.zeros(12, 2, pack.width, dtype=torch.uint8).permute(1, 0, 2)
+        view = PackedRows(storage[0], pack)
+        values = 3 * torch.randn(4, pack.dim, generator=g)
+        at = torch.tensor([1, 4, 6, 9])
+        view[at] = values
+        assert torch.equal(storage[0][at], pack.encode(values))
+        want = pack.decode(pack.encode(values))
+        assert torch.equal(view.index_select(0, at), want)
+        assert torch.equal(view[at.view(2, 2)], want.view(2, 2, pack.dim))
+    assert calls == {"pack": 2, "unpack": 4}
+    monkeypatch.setattr(kernels, "pack_rows", lambda *a: None)
+    monkeypatch.setattr(kernels, "unpack_rows", lambda *a: None)
+    pack = KvRowPack(64, 16)
+    view = PackedRows(torch.zeros(4, pack.width, dtype=torch.uint8), pack)
+    values = torch.randn(2, 64, generator=g)
+    view[torch.tensor([0, 3])] = values
+    assert torch.equal(view[torch.tensor([3])], pack.decode(pack.encode(values))[1:])

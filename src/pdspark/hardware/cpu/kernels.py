@@ -480,27 +480,33 @@ def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch
     return picked
 
 
-def pack_rows(rows: torch.Tensor, rope: int) -> torch.Tensor:
-    """fp32 `rows [n, dim]` -> the FP8 cache's packed rows `[n, width]` uint8, as the C decode step writes them:
-    main KV rows with `rope` trailing bf16 channels (`quant.kv_fp8.KvRowPack`), or indexer key rows with `rope =
-    kernel_abi.INDEX_ROWS` (`IndexRowPack`). For the tests that hold the two encoders to the same bytes."""
+def pack_rows(rows: torch.Tensor, rope: int) -> torch.Tensor | None:
+    """`rows [n, dim]` (fp32, or any float dtype: taken as fp32) -> the FP8 cache's packed rows `[n, width]` uint8,
+    as the C decode step writes them: main KV rows with `rope` trailing bf16 channels (`quant.kv_fp8.KvRowPack`), or
+    indexer key rows with `rope = kernel_abi.INDEX_ROWS` (`IndexRowPack`); the same bytes as those classes' `encode`
+    (`tests/unit/test_packed_rows_c.py`). None without the C kernels or off the CPU."""
     lib = load()
-    assert lib is not None
+    if lib is None or not rows.is_cpu or rows.dim() != 2:
+        return None
     x = rows.float().contiguous()
     n, dim = x.shape
     width = dim + 4 * -(-dim // 128) if rope == INDEX_ROWS else -(-(dim + rope + -(-(dim - rope) // 64)) // 8) * 8
     out = torch.empty(n, width, dtype=torch.uint8)
-    lib.pack_rows(x.data_ptr(), n, dim, rope, out.data_ptr())
+    if n:
+        lib.pack_rows(x.data_ptr(), n, dim, rope, out.data_ptr())
     return out
 
 
-def unpack_rows(packed: torch.Tensor, dim: int, rope: int) -> torch.Tensor:
-    """`pack_rows`' inverse, as the C decode step reads packed rows: `[n, width]` uint8 -> fp32 `[n, dim]`."""
+def unpack_rows(packed: torch.Tensor, dim: int, rope: int) -> torch.Tensor | None:
+    """`pack_rows`' inverse, as the C decode step reads packed rows: `[n, width]` uint8 -> fp32 `[n, dim]` (the
+    floats of the `quant.kv_fp8` classes' `decode`). None without the C kernels or off the CPU."""
     lib = load()
-    assert lib is not None
+    if lib is None or not packed.is_cpu or packed.dim() != 2 or packed.dtype is not torch.uint8:
+        return None
     p = packed.contiguous()
     out = torch.empty(p.shape[0], dim)
-    lib.unpack_rows(p.data_ptr(), p.shape[0], dim, rope, out.data_ptr())
+    if p.shape[0]:
+        lib.unpack_rows(p.data_ptr(), p.shape[0], dim, rope, out.data_ptr())
     return out
 
 
