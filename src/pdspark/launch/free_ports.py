@@ -19,6 +19,9 @@ from pathlib import Path
 _LOWEST = 20000  # see the note: the fixed ports of Ray and Mooncake lie below
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _TRIES = 200  # candidates tried per port before giving up: each is taken with odds of (ports in use)/(range)
+# The OS's randomness, not the `random` module's state: processes forked from one parent (which share that state)
+# must not try the same ports in the same order.
+_RANDOM = random.SystemRandom()
 
 
 def free_ports(host: str, n: int, *, consecutive: bool = False, avoid: frozenset[int] = frozenset()) -> list[int]:
@@ -68,8 +71,8 @@ def _candidate(ranges: list[range], run: int) -> int:
     fits = [r for r in ranges if len(r) >= run]
     if not fits:
         return 0
-    r = random.choices(fits, weights=[len(r) - run + 1 for r in fits])[0]
-    return random.randrange(r.start, r.stop - run + 1)
+    r = _RANDOM.choices(fits, weights=[len(r) - run + 1 for r in fits])[0]
+    return _RANDOM.randrange(r.start, r.stop - run + 1)
 
 
 def _bind(family: socket.AddressFamily, address: tuple, port: int, avoid: frozenset[int]) -> socket.socket | None:
