@@ -240,16 +240,18 @@ def test_a_failed_first_start_stops_the_cluster():
 
 def test_worker_ports_never_take_a_port_the_user_gave_the_router(monkeypatch):
     """The workers' ports are picked free, and a router port the user chose is free too until the router binds it:
-    the pick must leave it alone. Candidates are narrowed to the two chosen ports and the four the workers need."""
+    the pick must leave it alone. Candidates are narrowed to six ports free now: the two chosen ports and the four
+    the workers need."""
     from pdspark.launch import free_ports as fp
 
-    monkeypatch.setattr(fp, "outside_ephemeral", lambda: [range(24100, 24106)])
-    plan = plan_cluster(parse_args(UpConfig, ["--prefill", "1", "--decode", "1", "--port", "24100",
-                                              "--grpc-port", "24101", "--max-model-len", "256"], {}))
+    base = fp.free_ports("127.0.0.1", 6, consecutive=True)[0]
+    monkeypatch.setattr(fp, "outside_ephemeral", lambda: [range(base, base + 6)])
+    plan = plan_cluster(parse_args(UpConfig, ["--prefill", "1", "--decode", "1", "--port", str(base),
+                                              "--grpc-port", str(base + 1), "--max-model-len", "256"], {}))
     parser = build_parser()
     ports = set()
     for s in plan.workers:
         args = parser.parse_args(s.argv)
         w = parse_options(WorkerConfig, args, {}, fixed={"role": args.role})
         ports |= {w.port, w.metrics_port}
-    assert len(ports) == 4 and not ports & {24100, 24101}
+    assert ports == set(range(base + 2, base + 6))

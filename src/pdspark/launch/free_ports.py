@@ -18,7 +18,7 @@ from pathlib import Path
 
 _LOWEST = 20000  # see the note: the fixed ports of Ray and Mooncake lie below
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_TRIES = 200  # candidates tried per port before giving up: each is taken with odds of (ports in use)/(range)
+_TRIES = 200  # candidates tried per port wanted before giving up: each is taken with odds of (ports in use)/(range)
 # The OS's randomness, not the `random` module's state: processes forked from one parent (which share that state)
 # must not try the same ports in the same order.
 _RANDOM = random.SystemRandom()
@@ -35,23 +35,26 @@ def free_ports(host: str, n: int, *, consecutive: bool = False, avoid: frozenset
     ranges = outside_ephemeral()
     held: list[socket.socket] = []
     try:
-        for _ in range(_TRIES):
-            for s in held:
-                s.close()
-            held = []
-            first = _bind(family, address, _candidate(ranges, n if consecutive else 1), avoid)
-            if first is None:
-                continue
-            held.append(first)
-            for i in range(1, n):
-                nxt = _bind(family, address, first.getsockname()[1] + i if consecutive else _candidate(ranges, 1),
-                            avoid)
-                if nxt is None:
-                    break
-                held.append(nxt)
+        for _ in range(_TRIES * n):
+            if consecutive:  # a whole run from one candidate, or none of it
+                for s in held:
+                    s.close()
+                held = []
+                first = _bind(family, address, _candidate(ranges, n), avoid)
+                if first is not None:
+                    held.append(first)
+                    for port in range(first.getsockname()[1] + 1, first.getsockname()[1] + n):
+                        nxt = _bind(family, address, port, avoid)
+                        if nxt is None:
+                            break
+                        held.append(nxt)
+            else:  # one port more (a candidate taken, or one of these, is just tried again)
+                one = _bind(family, address, _candidate(ranges, 1), avoid)
+                if one is not None:
+                    held.append(one)
             if len(held) == n:
                 return [s.getsockname()[1] for s in held]
-        raise OSError(f"no {n} free ports on {host} after {_TRIES} tries")
+        raise OSError(f"no {n} free ports on {host} after {_TRIES * n} tries")
     finally:
         for s in held:
             s.close()
