@@ -9,6 +9,7 @@ authenticate with API keys); with `--tls-*` the calls to the workers use mutual 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -278,6 +279,10 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event, member: GroupMember | No
     ready = {"role": "router", "http": f"{scheme}://{cfg.host}:{http_port}", "grpc": f"{cfg.host}:{grpc_port}",
              "http_port": http_port, "grpc_port": grpc_port, **admin, "model": core.served_name, "tls": public_tls,
              "worker_tls": cfg.tls.enabled}
+    # What start-up made (the app, its routes, the tokenizer, the gRPC stack) lives as long as the process: out of the
+    # collector's generations, so the full collections that requests trigger do not walk it again and again.
+    gc.collect()
+    gc.freeze()
     if member is None:
         print(json.dumps({"event": "ready", **ready}), flush=True)
     else:  # the supervisor prints the group's one line
