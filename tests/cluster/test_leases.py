@@ -288,7 +288,10 @@ def test_a_vanished_router_s_requests_are_aborted_on_the_workers(pair, draft_ckp
         counts = {k: n - ended_before.get(k, 0) for k, n in ended(decode).items() if n > ended_before.get(k, 0)}
         return counts if sum(counts.values()) >= streams else None
 
-    endings = wait_until(since_before, 5, "the Generate streams ended", describe=lambda: (
+    # Within a lease of the router's death: its calls' connection breaks at once (a dead process's sockets close), at
+    # the latest when the pings go unanswered (LEASE_S), and every call on it is cancelled then. What this rules out
+    # is a Generate handler that outlives its caller; the decode worker's log says which calls its stream cancelled.
+    endings = wait_until(since_before, LEASE_S + SLACK_S, "the Generate streams ended", describe=lambda: (
         f"(ended before: {ended_before}, now: {ended(decode)}; the decode worker's load: {load_of(decode)}; its "
         f"last lines:\n{decode.tail(20)})"))
     print(f"\nrouter {signal.Signals(sig).name}: its running requests aborted and their pages freed "

@@ -104,6 +104,7 @@ class _Calls:
         self.wake = asyncio.Event()
         self.drained = asyncio.Event()  # set whenever the writer takes the pending frames
         self.reading = True  # the caller may still send frames
+        self.closed = False  # `close` ran (the stream is over)
 
     def reply(self, frame: worker_pb2.ReplyFrame) -> None:
         self.pending.append(frame)
@@ -184,6 +185,12 @@ class _Calls:
             self.wake.set()  # the writer may be waiting for the last call to end
 
     def close(self) -> None:
+        """Cancel every running call (the stream is over); said once in the log when there were any, with their ids."""
+        running = [call_id for call_id, task in self.tasks.items() if not task.done()]
+        if running and not self.closed:
+            logger.info("a calls stream ended with %d calls running (ids %s): cancelling them", len(running),
+                        ", ".join(map(str, running)))
+        self.closed = True
         for task in list(self.tasks.values()):
             task.cancel()
 
