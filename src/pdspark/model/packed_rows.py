@@ -72,17 +72,15 @@ class PackedRows:
         return self._decode(self.storage[rows])
 
     def __setitem__(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Encode `values [n, dim]` into rows `rows [n]`."""
+        """Encode `values [n, dim]` into rows `rows [n]` (the C codec where it runs: the CPU; else the torch ops)."""
         flat = values.reshape(-1, self.pack.dim)
-        packed = (cpu_kernels.pack_rows(flat, self._c_layout) if self._c_layout is not None and flat.is_cpu
-                  else None)
+        packed = cpu_kernels.pack_rows(flat, self._c_layout) if self._c_layout is not None else None
         self.storage[rows] = packed if packed is not None else self.pack.encode(flat)
 
     def _decode(self, packed: torch.Tensor) -> torch.Tensor:
         """Packed rows `[..., width]` -> `[..., dim]` in `rows_dtype`."""
         flat = packed.reshape(-1, self.pack.width)
-        rows = (cpu_kernels.unpack_rows(flat, self.pack.dim, self._c_layout)
-                if self._c_layout is not None and flat.is_cpu else None)
+        rows = cpu_kernels.unpack_rows(flat, self.pack.dim, self._c_layout) if self._c_layout is not None else None
         if rows is None:
             rows = self.pack.decode(flat)
         return rows.view(*packed.shape[:-1], self.pack.dim).to(self.rows_dtype)

@@ -186,11 +186,12 @@ class _Calls:
 
     def close(self) -> None:
         """Cancel every running call (the stream is over); said once in the log when there were any, with their ids."""
-        running = [call_id for call_id, task in self.tasks.items() if not task.done()]
-        if running and not self.closed:
-            logger.info("a calls stream ended with %d calls running (ids %s): cancelling them", len(running),
-                        ", ".join(map(str, running)))
-        self.closed = True
+        if not self.closed:
+            self.closed = True
+            running = [call_id for call_id, task in self.tasks.items() if not task.done()]
+            if running:
+                logger.info("a calls stream ended with %d calls running (ids %s): cancelling them", len(running),
+                            ", ".join(map(str, running)))
         for task in list(self.tasks.values()):
             task.cancel()
 
