@@ -183,15 +183,61 @@ static inline __m512 load16_h(const bf16_t *p) { /* 16 bf16 bits widened: the sa
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* The next block of weight rows, asked for into L2 a few cache lines at a time from inside the tiles' loops
+ * (`ahead_step` at every 16 columns) rather than into L1 all at once when a block begins: a burst of a block's 512
+ * (bf16, K = 1,024) to 1,024 (fp32) requests filled the core's miss queue, and the tiles then waited for the lines
+ * they needed behind it, so a verify step's GEMM read DRAM and computed in turn; and a block asked for into L1
+ * pushed the one being computed out of it (a block is 32-64 KiB, an L1 32-48). Measured on one Zen 4 core
+ * (bench/bench_weight_gemm.py builds both), each output's bits unchanged: fp32 [1,024, 1,024] matrices from DRAM
+ * 40 -> 55 GFLOP/s at 12 rows (a batch-8 verify's rows for one expert), 29 -> 35 at 6, 62 -> 64 at 48; bf16 41 ->
+ * 69 at 6 rows and GEMVs 13.5 -> 19 GB/s; a bf16 GEMV over [16,384, 192] out of L3 (dsv4-tiny's decode) 33 -> 41
+ * GB/s. `-DPDSPARK_GEMM_BURST` builds the burst into L1 instead (what the benchmark compares against). */
+#ifdef PDSPARK_GEMM_BURST
+#define GEMM_SPREAD 0
+#else
+#define GEMM_SPREAD 1
+#endif
+typedef struct {
+    const char *w;       /* the matrix */
+    long next, end, per; /* its bytes [next, end) not asked for yet, and how many to ask for at each step */
+} ahead_t;
+
+static inline __attribute__((always_inline)) void ahead_step(ahead_t *a) {
+    const long to = a->next + a->per < a->end ? a->next + a->per : a->end;
+    for (; a->next < to; a->next += 64) __builtin_prefetch(a->w + a->next, 0, 2); /* into L2 (prefetcht1) */
+}
+
+/* Tile calls a block of 16 weight rows takes for T input rows (`gemm_exact` below: 8 rows a tile, then 4, then 3,
+ * 2 or 1), each `K16 / 16` steps long. */
+static int block_tiles(int T) {
+    static const int last[4] = {0, 1, 2, 4}; /* T % 4 rows left: none, one 16x1 tile, two 8x2, four 4x3 */
+    return (T / 8) * 8 + ((T % 8) / 4) * 4 + last[T % 4];
+}
+
+/* Ask for bytes [from, to) of the weights w: an even share at each step of a block of T rows, or (not `spread`)
+ * all now, into L1. */
+static inline ahead_t ahead_plan(const void *w, long from, long to, int T, int K16, int spread) {
+    const long bytes = to > from ? to - from : 0;
+    if (!spread) {
+        prefetch(w, from, from + bytes);
+        return (ahead_t){(const char *)w, from + bytes, from + bytes, 0};
+    }
+    const long steps = (long)block_tiles(T) * (K16 / 16);
+    const long per = steps > 0 ? (bytes / steps + 63) & ~63L : bytes;
+    return (ahead_t){(const char *)w, from, from + bytes, per};
+}
+
 /* Lane tt * R + i of the result: `dot` of weight row i of r (rows K apart) with input row tt of x (rows xs apart),
  * over the first K16 = K - K % 16 columns. */
-#define GEMM_TILE(SUFFIX, W, LOAD, R, TB)                                                                          \
+#define GEMM_TILE(SUFFIX, W, LOAD, R, TB)                                                                           \
     static inline __attribute__((always_inline)) __m512 tile##SUFFIX##_##R##x##TB(const W *r, long K, int K16,     \
-                                                                                   const float *x, long xs) {      \
+                                                                                   const float *x, long xs,        \
+                                                                                   ahead_t *ah) {                  \
         __m512 acc[16];                                                                                            \
         for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();                                                 \
         for (int k = 0; k < K16; k += 16) {                                                                        \
             __m512 wv[R];                                                                                          \
+            if (GEMM_SPREAD) ahead_step(ah);                                                                       \
             for (int i = 0; i < R; i++) wv[i] = LOAD(r + i * K + k);                                               \
             for (int tt = 0; tt < TB; tt++) {                                                                      \
                 const __m512 xv = _mm512_loadu_ps(x + tt * xs + k);                                                \
@@ -230,27 +276,27 @@ static inline __m512 load16_h(const bf16_t *p) { /* 16 bf16 bits widened: the sa
         for (; n + 16 <= N; n += 16) {                                                                              \
             const W *r = w + (long)n * K;                                                                           \
             const int lo = n + 16, hi = lo + 16 < N ? lo + 16 : N;                                                  \
-            if (lo < hi) prefetch(w, lo * row, hi * row);                                                           \
+            ahead_t ah = ahead_plan(w, lo * row, hi * row, T, K16, GEMM_SPREAD);                                    \
             float *o = out + n;                                                                                     \
             int t = 0;                                                                                              \
             for (; t + 8 <= T; t += 8) /* 8 input rows a tile: each weight widened once for all 8 */                \
                 for (int b = 0; b < 16; b += 2)                                                                     \
-                    put##SUFFIX(tile##SUFFIX##_2x8(r + (long)b * K, K, K16, x + t * xs, xs), 2, 8, o + t * os + b,  \
-                                os);                                                                                \
+                    put##SUFFIX(tile##SUFFIX##_2x8(r + (long)b * K, K, K16, x + t * xs, xs, &ah), 2, 8,             \
+                                o + t * os + b, os);                                                                \
             for (; t + 4 <= T; t += 4)                                                                              \
                 for (int b = 0; b < 16; b += 4)                                                                     \
-                    put##SUFFIX(tile##SUFFIX##_4x4(r + (long)b * K, K, K16, x + t * xs, xs), 4, 4, o + t * os + b,  \
-                                os);                                                                                \
+                    put##SUFFIX(tile##SUFFIX##_4x4(r + (long)b * K, K, K16, x + t * xs, xs, &ah), 4, 4,             \
+                                o + t * os + b, os);                                                                \
             if (T - t == 3)                                                                                         \
                 for (int b = 0; b < 16; b += 4)                                                                     \
-                    put##SUFFIX(tile##SUFFIX##_4x3(r + (long)b * K, K, K16, x + t * xs, xs), 4, 3, o + t * os + b,  \
-                                os);                                                                                \
+                    put##SUFFIX(tile##SUFFIX##_4x3(r + (long)b * K, K, K16, x + t * xs, xs, &ah), 4, 3,             \
+                                o + t * os + b, os);                                                                \
             else if (T - t == 2)                                                                                    \
                 for (int b = 0; b < 16; b += 8)                                                                     \
-                    put##SUFFIX(tile##SUFFIX##_8x2(r + (long)b * K, K, K16, x + t * xs, xs), 8, 2, o + t * os + b,  \
-                                os);                                                                                \
+                    put##SUFFIX(tile##SUFFIX##_8x2(r + (long)b * K, K, K16, x + t * xs, xs, &ah), 8, 2,             \
+                                o + t * os + b, os);                                                                \
             else if (T - t == 1)                                                                                    \
-                put##SUFFIX(tile##SUFFIX##_16x1(r, K, K16, x + t * xs, xs), 16, 1, o + t * os, os);                 \
+                put##SUFFIX(tile##SUFFIX##_16x1(r, K, K16, x + t * xs, xs, &ah), 16, 1, o + t * os, os);            \
             for (int k = K16; k < K; k++) /* `dot`'s tail, after its partial sums */                                \
                 for (int t2 = 0; t2 < T; t2++)                                                                      \
                     for (int i = 0; i < 16; i++) o[t2 * os + i] += VALUE(r[(long)i * K + k]) * x[t2 * xs + k];      \

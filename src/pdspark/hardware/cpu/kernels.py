@@ -37,7 +37,7 @@ from pdspark.hardware.cpu.kernel_abi import (
 from pdspark.hardware.cpu.kernel_build import build_library
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("kernels.c")
+SOURCE = Path(__file__).with_name("kernels.c")  # the library's one translation unit (benchmarks build variants of it)
 
 
 class CompressPlanLike(Protocol):
@@ -64,7 +64,7 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be built here."""
     if os.environ.get("PDSPARK_NO_C_KERNELS") == "1":
         return None
-    built = build_library(_SOURCE)
+    built = build_library(SOURCE)
     if built is None:
         return None
     lib = built.lib
