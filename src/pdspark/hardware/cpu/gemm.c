@@ -13,6 +13,40 @@ static void prefetch(const void *w, long from, long to) {
     for (long o = from; o < to; o += 64) __builtin_prefetch((const char *)w + o, 0, 0);
 }
 
+/* The same into L2 only (prefetcht1): for bytes wanted after the next few thousand cycles, which asked into L1 would
+ * push out what the core is working on. */
+static void prefetch_l2(const void *w, long from, long to) {
+    for (long o = from; o < to; o += 64) __builtin_prefetch((const char *)w + o, 0, 2);
+}
+
+/* 0 with `-DPDSPARK_NO_WEIGHT_AHEAD`: the weights asked for as before the spread requests below (`gemm_exact`'s next
+ * block all at once into L1, the compact GEMMs' not at all), which bench/bench_weight_gemm.py measures against. */
+#ifdef PDSPARK_NO_WEIGHT_AHEAD
+#define WEIGHT_AHEAD 0
+#else
+#define WEIGHT_AHEAD 1
+#endif
+
+/* Bytes [next, end) of w to ask for into L2 `per` at a time, at each step of a loop that computes meanwhile
+ * (`ahead_step`): spread out, the requests never fill the core's miss queue ahead of the loads the loop itself waits
+ * for, as a burst of hundreds does. `ahead_over` plans `steps` steps; `gemm_exact` (below) and the compact GEMMs
+ * (compact.c) ask so for the weights they will read next. */
+typedef struct {
+    const char *w;       /* the matrix */
+    long next, end, per; /* its bytes [next, end) not asked for yet, and how many to ask for at each step */
+} ahead_t;
+
+static inline __attribute__((always_inline)) void ahead_step(ahead_t *a) {
+    const long to = a->next + a->per < a->end ? a->next + a->per : a->end;
+    for (; a->next < to; a->next += 64) __builtin_prefetch(a->w + a->next, 0, 2); /* into L2 (prefetcht1) */
+}
+
+static inline ahead_t ahead_over(const void *w, long from, long to, long steps) {
+    const long bytes = to > from ? to - from : 0;
+    const long per = steps > 0 ? (bytes / steps + 63) & ~63L : bytes;
+    return (ahead_t){(const char *)w, from, from + bytes, per};
+}
+
 /* For weights of type W whose value is VALUE(w[k]) (SUFFIX names the instance):
  *   dot:        sum of a[k] * b[k] over 16 interleaved partial sums (the compiler maps them onto vector lanes);
  *   dot4:       four `dot`s of a[j] with the same b, each with the very same arithmetic as `dot` (the four chains of
@@ -191,21 +225,7 @@ static inline __m512 load16_h(const bf16_t *p) { /* 16 bf16 bits widened: the sa
  * (bench/bench_weight_gemm.py builds both), each output's bits unchanged: fp32 [1,024, 1,024] matrices from DRAM
  * 40 -> 55 GFLOP/s at 12 rows (a batch-8 verify's rows for one expert), 29 -> 35 at 6, 62 -> 64 at 48; bf16 41 ->
  * 69 at 6 rows and GEMVs 13.5 -> 19 GB/s; a bf16 GEMV over [16,384, 192] out of L3 (dsv4-tiny's decode) 33 -> 41
- * GB/s. `-DPDSPARK_GEMM_BURST` builds the burst into L1 instead (what the benchmark compares against). */
-#ifdef PDSPARK_GEMM_BURST
-#define GEMM_SPREAD 0
-#else
-#define GEMM_SPREAD 1
-#endif
-typedef struct {
-    const char *w;       /* the matrix */
-    long next, end, per; /* its bytes [next, end) not asked for yet, and how many to ask for at each step */
-} ahead_t;
-
-static inline __attribute__((always_inline)) void ahead_step(ahead_t *a) {
-    const long to = a->next + a->per < a->end ? a->next + a->per : a->end;
-    for (; a->next < to; a->next += 64) __builtin_prefetch(a->w + a->next, 0, 2); /* into L2 (prefetcht1) */
-}
+ * GB/s. (`WEIGHT_AHEAD` 0: the burst into L1, as before.) */
 
 /* Tile calls a block of 16 weight rows takes for T input rows (`gemm_exact` below: 8 rows a tile, then 4, then 3,
  * 2 or 1), each `K16 / 16` steps long. */
@@ -217,14 +237,11 @@ static int block_tiles(int T) {
 /* Ask for bytes [from, to) of the weights w: an even share at each step of a block of T rows, or (not `spread`)
  * all now, into L1. */
 static inline ahead_t ahead_plan(const void *w, long from, long to, int T, int K16, int spread) {
-    const long bytes = to > from ? to - from : 0;
     if (!spread) {
-        prefetch(w, from, from + bytes);
-        return (ahead_t){(const char *)w, from + bytes, from + bytes, 0};
+        prefetch(w, from, to);
+        return ahead_over(w, to, to, 0);
     }
-    const long steps = (long)block_tiles(T) * (K16 / 16);
-    const long per = steps > 0 ? (bytes / steps + 63) & ~63L : bytes;
-    return (ahead_t){(const char *)w, from, from + bytes, per};
+    return ahead_over(w, from, to, (long)block_tiles(T) * (K16 / 16));
 }
 
 /* Lane tt * R + i of the result: `dot` of weight row i of r (rows K apart) with input row tt of x (rows xs apart),
@@ -237,7 +254,7 @@ static inline ahead_t ahead_plan(const void *w, long from, long to, int T, int K
         for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();                                                 \
         for (int k = 0; k < K16; k += 16) {                                                                        \
             __m512 wv[R];                                                                                          \
-            if (GEMM_SPREAD) ahead_step(ah);                                                                       \
+            if (WEIGHT_AHEAD) ahead_step(ah);                                                                      \
             for (int i = 0; i < R; i++) wv[i] = LOAD(r + i * K + k);                                               \
             for (int tt = 0; tt < TB; tt++) {                                                                      \
                 const __m512 xv = _mm512_loadu_ps(x + tt * xs + k);                                                \
@@ -276,7 +293,7 @@ static inline ahead_t ahead_plan(const void *w, long from, long to, int T, int K
         for (; n + 16 <= N; n += 16) {                                                                              \
             const W *r = w + (long)n * K;                                                                           \
             const int lo = n + 16, hi = lo + 16 < N ? lo + 16 : N;                                                  \
-            ahead_t ah = ahead_plan(w, lo * row, hi * row, T, K16, GEMM_SPREAD);                                    \
+            ahead_t ah = ahead_plan(w, lo * row, hi * row, T, K16, WEIGHT_AHEAD);                                   \
             float *o = out + n;                                                                                     \
             int t = 0;                                                                                              \
             for (; t + 8 <= T; t += 8) /* 8 input rows a tile: each weight widened once for all 8 */                \
