@@ -2,7 +2,8 @@
 
 The C decode step's weight GEMMs (every output exactly a `dot`, the same bits whatever rows share the call):
 `linear_rows` over fp32 and bf16 weights, `linear_fp8` (V4's FP8 128x128-tile weights) and `linear_mxfp4` (its
-MXFP4 experts), one call over a stack of weight rows a measurement, one core. The library as built (`ahead`: the
+MXFP4 experts), and the DSpark draft's own GEMM (`linear_rows_draft`, bf16: fused multiply-adds, its own order), one
+call over a stack of weight rows a measurement, one core. The library as built (`ahead`: the
 weights read next asked for into L2 a few cache lines at every step, gemm.c's `ahead_step`) against the same source
 built with `-DPDSPARK_NO_WEIGHT_AHEAD` (`before`: `gemm_exact`'s next 16-row block asked for into L1 all at once when
 a block begins, the compact GEMMs' not at all), alternating call by call, and PyTorch's fp32 GEMM (MKL/oneDNN, one
@@ -33,7 +34,7 @@ from pdspark.hardware.cpu.kernel_build import build_library
 from pdspark.quant.release_formats import E2M1
 
 BUILDS = {"ahead": (), "before": ("-DPDSPARK_NO_WEIGHT_AHEAD",)}
-BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "mxfp4": 0.5}  # (MXFP4's ue8m0 bytes left out: 1/32)
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "bf16-draft": 2.0, "fp8": 1.0, "mxfp4": 0.5}  # (MXFP4: +1/32 of scales)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Point:
 
 
 def open_builds() -> dict[str, ctypes.CDLL]:
-    """The library as built (`ahead`) and with `-DPDSPARK_NO_WEIGHT_AHEAD` (`before`), its four GEMMs typed."""
+    """The library as built (`ahead`) and with `-DPDSPARK_NO_WEIGHT_AHEAD` (`before`), its five GEMMs typed."""
     f, i = ctypes.c_void_p, ctypes.c_int
     builds = {}
     for name, flags in BUILDS.items():
@@ -78,6 +79,7 @@ def open_builds() -> dict[str, ctypes.CDLL]:
             fn.argtypes, fn.restype = [f, f, i, i, i, f], None
         lib.linear_fp8.argtypes, lib.linear_fp8.restype = [f, f, f, i, i, f, i, i, i, f], i
         lib.linear_mxfp4.argtypes, lib.linear_mxfp4.restype = [f, f, f, f, f, i, i, i, f], i
+        lib.linear_rows_draft.argtypes, lib.linear_rows_draft.restype = [f, f, i, i, i, i, f], None
         builds[name] = lib
     return builds
 
@@ -87,12 +89,15 @@ def gemm_of(stack: Stack, g: torch.Generator) -> tuple[Callable[[ctypes.CDLL, to
     """`call(lib, x [T, K], out [T, N])` running the stack's GEMM in `lib`, and fp32 weights [N, K] of its shape for
     PyTorch (the stack's values for fp32 and bf16; any values for the compact formats: only the time is wanted)."""
     N, K = stack.rows, stack.K
-    if stack.dtype in ("fp32", "bf16"):
-        w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16 if stack.dtype == "bf16" else torch.float32)
+    if stack.dtype in ("fp32", "bf16", "bf16-draft"):
+        w = (torch.randn(N, K, generator=g) * 0.05).to(torch.float32 if stack.dtype == "fp32" else torch.bfloat16)
 
         def call(lib, x, out):
-            fn = lib.linear_rows_h if stack.dtype == "bf16" else lib.linear_rows
-            fn(x.data_ptr(), w.data_ptr(), x.shape[0], N, K, out.data_ptr())
+            if stack.dtype == "bf16-draft":
+                lib.linear_rows_draft(x.data_ptr(), w.data_ptr(), 1, x.shape[0], N, K, out.data_ptr())
+            else:
+                fn = lib.linear_rows_h if stack.dtype == "bf16" else lib.linear_rows
+                fn(x.data_ptr(), w.data_ptr(), x.shape[0], N, K, out.data_ptr())
 
         return call, w.float()
     if stack.dtype == "fp8":  # e4m3 bytes but the two NaNs, one scale per 128x128 tile
@@ -185,7 +190,7 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     builds = open_builds()
     stacks = [Stack("L3", "bf16", 192, args.l3_mib), Stack("L3", "fp32", 192, args.l3_mib),
-              *(Stack("DRAM", dtype, 1024, args.dram_mib) for dtype in ("bf16", "fp32", "fp8", "mxfp4")),
+              *(Stack("DRAM", dtype, 1024, args.dram_mib) for dtype in ("bf16", "fp32", "fp8", "mxfp4", "bf16-draft")),
               Stack("DRAM", "mxfp4", 4096, args.dram_mib)]
     points = [p for stack in stacks for p in measure(stack, rows, args.repeats, builds)]
     print("\n".join(table(points)))

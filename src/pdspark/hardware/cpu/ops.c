@@ -15,6 +15,12 @@ void linear_rows_h(const float *x, const void *w, int T, int N, int K, float *ou
     gemm_exact_w(w, 0, 1, x, K, T, N, K, out, N);
 }
 
+/* out [T, N] = x [T, K] @ w [N, K]^T with the DSpark draft's GEMM (`gemm_rows`: fused multiply-adds, its own
+ * order), w fp32 (bf = 0) or bf16 bits (bf = 1): for benchmarks (the draft block calls `gemm_rows_w` itself). */
+void linear_rows_draft(const float *x, const void *w, int bf, int T, int N, int K, float *out) {
+    gemm_rows_w(w, 0, bf, x, K, T, N, K, out, N);
+}
+
 /* RMS normalisation of each row: out [N, D] = x * (1 / sqrt(mean(x^2) + eps)) (* w when w is not NULL); input
  * rows start `stride` floats apart (a column slice of a wider matrix), output rows are packed. */
 void rms_norm(const float *x, long stride, const float *w, int N, int D, float eps, float *out) {
