@@ -19,16 +19,23 @@ speed; where it stays near 1-2x, the rows share the weight reads and a kernel co
 few times the batch-1 one. Attention over the context is left out (at these lengths it is small beside the weights).
 
     python bench/bench_verify_rows.py [--models dsv4-tiny,v4-shape] [--rounds 3] [--threads 2]
+    python bench/bench_verify_rows.py --baseline REV [--runs 3]   # the forwards at a git revision and now
+
+With `--baseline`, each model's process runs `--runs` times at each of two revisions of `src/` (REV exported with
+`git archive`, and the working tree), alternating, and the table gives each step's median forward at both: what a
+change did to these steps, measured in the same hour of a VM whose speed moves from hour to hour.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -129,23 +136,67 @@ def plot(results: list[dict]) -> None:
     save_figure(fig, "verify_rows", "Verify step forward against its rows, with PyTorch kernels' time for its work")
 
 
+def child(name: str, args, src: Path | None = None) -> dict:
+    """`measure(name)` in a process of its own, with `src` (a revision's `src/`) first on its path."""
+    cmd = [sys.executable, __file__, "--child", name, "--rounds", str(args.rounds), "--threads", str(args.threads)]
+    env = dict(os.environ, PYTHONPATH=str(src)) if src is not None else None
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def compare_revisions(args) -> None:
+    """Each model's steps at `args.baseline` and at the working tree, `args.runs` processes each, alternating."""
+    root = Path(__file__).resolve().parents[1]
+    rev = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=root, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    forwards: dict[tuple[str, str, str], list[float]] = {}  # (model, step, revision) -> forward ms of each run
+    rows: dict[tuple[str, str], int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", rev, "src"], cwd=root, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        trees = {rev: Path(tmp) / "src", "current": root / "src"}
+        for name in args.models.split(","):
+            for run in range(args.runs):
+                for label in (rev, "current") if run % 2 == 0 else ("current", rev):
+                    for s in child(name, args, trees[label])["steps"]:
+                        step = f"{s['kind']} batch {s['batch']}"
+                        forwards.setdefault((name, step, label), []).append(s["forward_ms"])
+                        rows[(name, step)] = s["rows"]
+                    print(f"{name}: run {run + 1}/{args.runs} at {label} done", file=sys.stderr, flush=True)
+    lines = [f"| model | step | rows | {rev} forward ms | current forward ms | current / {rev} |",
+             "|---|---|---:|---:|---:|---:|"]
+    summary = []
+    for (name, step), n in rows.items():
+        base, cur = (statistics.median(forwards[(name, step, label)]) for label in (rev, "current"))
+        lines.append(f"| {name} | {step} | {n} | {base:.2f} | {cur:.2f} | **{cur / base:.2f}x** |")
+        summary.append({"model": name, "step": step, "rows": n, "baseline_ms": base, "current_ms": cur})
+    for name in args.models.split(","):
+        v = {label: [statistics.median(forwards[(name, f"verify batch {b}", label)]) for b in BATCHES]
+             for label in (rev, "current")}
+        lines.append(f"\n{name}: batch-8 verify / batch-1 verify: {rev} {v[rev][1] / v[rev][0]:.2f}x, current "
+                     f"{v['current'][1] / v['current'][0]:.2f}x")
+    print("\n".join(lines))
+    write_json("verify_rows_revisions", {"args": vars(args), "baseline": rev, "summary": summary,
+                                         "runs": {"/".join(k): v for k, v in forwards.items()}})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="dsv4-tiny,v4-shape")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline", default=None, help="a git revision: run each model at it and now, alternating")
+    parser.add_argument("--runs", type=int, default=3, help="with --baseline: processes per model and revision")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # measure this model, print its JSON
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
         print(json.dumps(measure(args.child, args.rounds, args.threads)))
         return
-    results = []
-    for name in args.models.split(","):
-        child = [sys.executable, __file__, "--child", name, "--rounds", str(args.rounds), "--threads",
-                 str(args.threads)]
-        out = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    if args.baseline:
+        compare_revisions(args)
+        return
+    results = [child(name, args) for name in args.models.split(",")]
     for result in results:
         print("\n".join(table(result)))
     write_json("verify_rows", {"args": vars(args), "results": results})
