@@ -22,8 +22,9 @@
 /* The compact bytes read next are asked for into L2 this many blocks (or, for a few input rows, groups of rows)
  * ahead of the ones being computed (`ahead_step`, gemm.c): read from DRAM without it, an FP8 GEMV took its bytes at
  * ~4 GB/s on a Zen 4 core, its decode waiting on each line. Measured there over [1,024, 1,024] matrices (256 MiB of
- * them), the same bits: FP8 8.7 -> 12 GFLOP/s at 1 row, 29 -> 37 at 6, 43 -> 47 at 12, 63 -> 68 at 48; MXFP4 13 ->
- * 20 at 1 row, 23 -> 32 at 2, 55 -> 59 at 16. One block or group ahead did about as well as two, four or eight.
+ * them; bench/bench_weight_gemm.py), the same bits: FP8 8.6 -> 12.8 GFLOP/s at 1 row, 29 -> 37 at 6, 38 -> 41 at
+ * 12, 58 -> 61 at 48; MXFP4 12.7 -> 18.6 at 1 row, 52 -> 58 at 16. One block or group ahead did about as well as
+ * two, four or eight.
  * (Not with `PDSPARK_NO_WEIGHT_AHEAD`, gemm.c.) */
 #define COMPACT_AHEAD 2
 

@@ -223,8 +223,8 @@ static inline __m512 load16_h(const bf16_t *p) { /* 16 bf16 bits widened: the sa
  * they needed behind it, so a verify step's GEMM read DRAM and computed in turn; and a block asked for into L1
  * pushed the one being computed out of it (a block is 32-64 KiB, an L1 32-48). Measured on one Zen 4 core
  * (bench/bench_weight_gemm.py builds both), each output's bits unchanged: fp32 [1,024, 1,024] matrices from DRAM
- * 40 -> 55 GFLOP/s at 12 rows (a batch-8 verify's rows for one expert), 29 -> 35 at 6, 62 -> 64 at 48; bf16 41 ->
- * 69 at 6 rows and GEMVs 13.5 -> 19 GB/s; a bf16 GEMV over [16,384, 192] out of L3 (dsv4-tiny's decode) 33 -> 41
+ * 39 -> 52 GFLOP/s at 12 rows (a batch-8 verify's rows for one expert), 30 -> 43 at 6, 60 -> 65 at 48; bf16 37 ->
+ * 66 at 6 rows and GEMVs 12 -> 20 GB/s; a bf16 GEMV over [16,384, 192] out of L3 (dsv4-tiny's decode) 32 -> 39
  * GB/s. (`WEIGHT_AHEAD` 0: the burst into L1, as before.) */
 
 /* Tile calls a block of 16 weight rows takes for T input rows (`gemm_exact` below: 8 rows a tile, then 4, then 3,
@@ -357,7 +357,7 @@ static inline float hsum8(__m256 v) {
  * Instantiated for fp32 weights (`gemm_rows`) and bf16 bits (`gemm_rows_h`: each 8-lane load widens 8 values
  * exactly, so every multiply-add is the fp32 instance's on the same numbers). The rows two groups on are asked for
  * into L2 as it goes (`ahead_step`): a draft's head and layers read from DRAM where its model is big, and without
- * it one Zen 4 core read bf16 [1,024, 1,024] matrices at 7 GB/s at 1 row (13.5 with it) and 27 GFLOP/s at 6 (45). */
+ * it one Zen 4 core read bf16 [1,024, 1,024] matrices at 7.6 GB/s at 1 row (18 with it) and 26 GFLOP/s at 6 (41). */
 #define LOAD8_F32(p) _mm256_loadu_ps(p)
 #define LOAD8_BF16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
