@@ -97,6 +97,7 @@ bench: setup
 	$(PY) bench/bench_prefix_cache.py
 	$(PY) bench/bench_dspark.py
 	$(PY) bench/bench_verify_rows.py
+	$(PY) bench/bench_weight_gemm.py
 	$(PY) bench/bench_pd_transfer.py
 	$(PY) bench/bench_pd_vs_colocated.py
 	$(MAKE) bench-router
