@@ -73,6 +73,15 @@ def _worker(case: Case, model: str, threads: int) -> dict:
             "token_ids": [list(o.token_ids) for o in outs]}
 
 
+def export_src(revision: str, into: Path) -> tuple[str, Path]:
+    """`revision`'s `src/` exported (`git archive`) under `into`: its short hash and the exported `src/`."""
+    rev = subprocess.run(["git", "rev-parse", "--short", revision], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", rev, "src"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return rev, into / "src"
+
+
 def _measure(src: Path, case: Case, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", json.dumps(asdict(case)), "--model", args.model,
            "--threads", str(args.threads)]
@@ -95,13 +104,10 @@ def main() -> None:
         print(json.dumps(_worker(Case(**json.loads(args.worker)), args.model, args.threads)))
         return
 
-    rev = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.strip()
     runs: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "archive", rev, "src"], cwd=ROOT, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        trees = {"baseline": Path(tmp) / "src", "current": ROOT / "src"}
+        rev, src = export_src(args.baseline, Path(tmp))
+        trees = {"baseline": src, "current": ROOT / "src"}
         for rep in range(args.repeats):
             for case in CASES:
                 for name in (("baseline", "current") if rep % 2 == 0 else ("current", "baseline")):

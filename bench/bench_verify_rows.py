@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 from bench_dspark import DecodeMeter
+from bench_revisions import ROOT, export_src
 from random_checkpoint import random_checkpoint
 from report import figure, grouped_bars, save_figure, write_json
 from roofline import machine_limits, work_per_token
@@ -146,15 +147,11 @@ def child(name: str, args, src: Path | None = None) -> dict:
 
 def compare_revisions(args) -> None:
     """Each model's steps at `args.baseline` and at the working tree, `args.runs` processes each, alternating."""
-    root = Path(__file__).resolve().parents[1]
-    rev = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=root, capture_output=True, text=True,
-                         check=True).stdout.strip()
     forwards: dict[tuple[str, str, str], list[float]] = {}  # (model, step, revision) -> forward ms of each run
     rows: dict[tuple[str, str], int] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "archive", rev, "src"], cwd=root, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        trees = {rev: Path(tmp) / "src", "current": root / "src"}
+        rev, src = export_src(args.baseline, Path(tmp))
+        trees = {rev: src, "current": ROOT / "src"}
         for name in args.models.split(","):
             for run in range(args.runs):
                 for label in (rev, "current") if run % 2 == 0 else ("current", rev):
