@@ -543,9 +543,9 @@ def test_callers_on_several_threads_at_once_keep_their_bits():
 
 def test_the_mhc_collapse_of_a_few_rows_gives_each_row_its_own_bits():
     """A verify step's rows get their mixes from one row-exact GEMM (in pairs, shared with the helper thread at 2
-    threads): every row's collapse has the bits it has alone."""
+    threads) and their Sinkhorn rounds eight tokens to a vector: every row's collapse has the bits it has alone."""
     torch.manual_seed(13)
-    T, hc, D = 7, 4, 128  # 7 x 24 x 512 multiply-adds: enough for the helper
+    T, hc, D = 11, 4, 128  # 11 x 24 x 512 multiply-adds: enough for the helper; a full vector of 8 tokens, then 3
     M = (2 + hc) * hc
     h, fn = torch.randn(T, hc, D), torch.randn(M, hc * D) * 0.05
     scale, base, norm_w = torch.rand(3), torch.randn(M) * 0.1, torch.rand(D) + 0.5
