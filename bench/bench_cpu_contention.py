@@ -40,11 +40,11 @@ def child(args: argparse.Namespace) -> None:
     """One variant: decode tok/s and CPU s per token for every mode and batch, as one JSON line."""
     import resource
 
-    import torch
-    from bench_dspark import heldout_prompts, run
-
     from pdspark import LLM
     from pdspark.llm import resolve_model
+
+    import torch
+    from bench_dspark import heldout_prompts, run
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)

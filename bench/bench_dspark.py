@@ -25,12 +25,12 @@ import sys
 import time
 from pathlib import Path
 
+from pdspark import LLM, SamplingParams
+from pdspark.llm import resolve_model
+
 import torch
 from report import figure, grouped_bars, save_figure, write_json
 from roofline import machine_limits, work_per_token
-
-from pdspark import LLM, SamplingParams
-from pdspark.llm import resolve_model
 
 
 class StepTimer:
@@ -119,6 +119,15 @@ class DecodeMeter:
         return {"decode_tok_s": self.tokens / self.decode_s, "verify_steps": verify_steps,
                 "decode_steps": self.decode_steps, "drafted_steps": self.drafted_steps, "tokens": self.tokens,
                 **medians}
+
+
+def run(llm: LLM, prompts: list[list[int]], batch: int, output_len: int) -> dict:
+    """One engine alone (`bench_kernel_threads`, `bench_cpu_contention`): `prompts` decoded in groups of `batch`,
+    `DecodeMeter.result`'s figures over them."""
+    meter = DecodeMeter(llm, output_len)
+    for i in range(0, len(prompts), batch):
+        meter.group(prompts[i : i + batch])
+    return meter.result()
 
 
 RECIPE = Path(__file__).resolve().parents[1] / "scripts" / "train_dspark_draft.py"

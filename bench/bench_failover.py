@@ -38,14 +38,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pdspark import LLM, SamplingParams
+from pdspark.launch.service_process import ServiceProcess, spawn_service, wait_ready
+from pdspark.v1 import worker_pb2, worker_pb2_grpc
+
 import grpc
 import torch
 from console import Stopped, log, stop_on_signals
 from report import RESULTS, figure, save_figure, write_json
-
-from pdspark import LLM, SamplingParams
-from pdspark.launch.service_process import ServiceProcess, spawn_service, wait_ready
-from pdspark.v1 import worker_pb2, worker_pb2_grpc
 
 POLL_S = 0.05  # /workers polling while a fault is watched
 REQUEST_TIMEOUT_S = 120.0  # a request not over by then counts as lost (and the trial goes on)

@@ -22,14 +22,14 @@ import subprocess
 import sys
 import time
 
+from pdspark import LLM
+from pdspark.hardware.cpu import kernels
+from pdspark.hardware.cpu.cpu_budget import usable_cpus
+
 import torch
 from bench_dspark import run
 from console import log
 from report import figure, save_figure, write_json
-
-from pdspark import LLM
-from pdspark.hardware.cpu import kernels
-from pdspark.hardware.cpu.cpu_budget import usable_cpus
 
 PROMPT_LEN = 128
 

@@ -19,15 +19,15 @@ import statistics
 import urllib.request
 from pathlib import Path
 
-import torch
-from bench_dspark import heldout_prompts
-from console import log
-from report import figure, save_figure, write_json
-
 from pdspark import LLM, SamplingParams
 from pdspark.assets import resolve_model
 from pdspark.launch.service_process import start_service
 from pdspark.testing.prompt_logits import prompt_logits
+
+import torch
+from bench_dspark import heldout_prompts
+from console import log
+from report import figure, save_figure, write_json
 
 OPTS = dict(page_size=16, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=512)
 

@@ -33,18 +33,18 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from console import log
-from random_checkpoint import CONFIGS, random_checkpoint
-from report import figure, save_figure, write_json
-from resident_memory import rss_mb
-
 from pdspark import SamplingParams
 from pdspark.assets import resolve_model
 from pdspark.engine.factory import create_engine
 from pdspark.model import indexer as indexer_module
 from pdspark.model.batch import CompressedIndex
 from pdspark.model.packed_rows import PackedRows
+
+import torch
+from console import log
+from random_checkpoint import CONFIGS, random_checkpoint
+from report import figure, save_figure, write_json
+from resident_memory import rss_mb
 
 _CACHE = Path.home() / ".cache" / "pdspark-bench"
 POSITIONS = 131072

@@ -15,13 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from report import figure, paired_bars, save_figure, write_json
-
 from pdspark import LLM, SamplingParams
 from pdspark.assets import resolve_model
 from pdspark.engine.output_text import OutputText
 from pdspark.model.tokenizer import Tokenizer
+
+import torch
+from report import figure, paired_bars, save_figure, write_json
 
 LENGTHS = (128, 1024, 4096)
 MODES = ("whole", "incremental")

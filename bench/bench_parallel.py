@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import pdspark  # noqa: F401  (before torch: its OpenMP workers sleep, see tests/unit/test_bench_imports.py)
+
 import torch
 from random_checkpoint import CONFIGS, random_checkpoint
 from report import figure, grouped_bars, save_figure, write_json

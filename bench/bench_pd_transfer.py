@@ -28,17 +28,17 @@ import threading
 import time
 import uuid
 
-import grpc
-import torch
-from colocated import ColocatedWorker
-from report import figure, paired_bars, save_figure, write_json
-
 from pdspark import SamplingParams
 from pdspark.llm import resolve_model
 from pdspark.model.model_config import ModelConfig
 from pdspark.rpc import convert
 from pdspark.testing.services import start_worker  # (worker processes started and stopped by PID)
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
+
+import grpc
+import torch
+from colocated import ColocatedWorker
+from report import figure, paired_bars, save_figure, write_json
 
 
 def _receiver(port_q: mp.Queue, nbytes: int, rounds: int) -> None:

@@ -23,17 +23,17 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
-import grpc
-import torch
-from colocated import ColocatedWorker
-from report import figure, paired_bars, save_figure, write_json
-
 from pdspark import SamplingParams
 from pdspark.llm import resolve_model
 from pdspark.model.model_config import ModelConfig
 from pdspark.rpc import convert
 from pdspark.testing.services import start_worker  # (worker processes started and stopped by PID)
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
+
+import grpc
+import torch
+from colocated import ColocatedWorker
+from report import figure, paired_bars, save_figure, write_json
 
 # (arrival time, tokens in this output) per output of one request
 Generate = Callable[[list[int], SamplingParams], Iterator[tuple[float, int]]]

@@ -13,12 +13,12 @@ import statistics
 import sys
 import time
 
-import torch
-from report import figure, save_figure, write_json
-
 from pdspark import LLM, SamplingParams
 from pdspark.llm import resolve_model
 from pdspark.model.model_config import ModelConfig
+
+import torch
+from report import figure, save_figure, write_json
 
 
 def run_once(args, prompts: list[list[int]], cache_on: bool) -> dict:

@@ -18,11 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+from pdspark.testing.script_module import load_script
+
 import torch
 from report import figure, paired_bars, save_figure, write_json
 from resident_memory import rss_mb
-
-from pdspark.testing.script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 

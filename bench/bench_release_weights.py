@@ -61,9 +61,9 @@ def child_load(path: Path, weight_format: str) -> dict:
 
 def child_decode(path: Path, tokens: int, repeats: int) -> dict:
     """Batch-1 greedy decode: tokens/s after the first token, median over `repeats` (after one warm-up)."""
-    import torch
-
     from pdspark import LLM, SamplingParams
+
+    import torch
 
     llm = LLM(str(path), page_size=16, max_model_len=256, max_num_seqs=1, max_num_batched_tokens=256)
     engine = llm.engine

@@ -37,10 +37,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import grpc
-from cpu_time import cpu_s, tree_cpu_s
-from report import figure, save_figure, write_json
-
 from pdspark.launch.free_ports import free_ports
 from pdspark.launch.service_process import ServiceProcess
 from pdspark.rpc import convert
@@ -48,6 +44,10 @@ from pdspark.rpc.multiplexed_client import MultiplexedClient
 from pdspark.testing.services import start_router, start_worker
 from pdspark.types import SamplingParams
 from pdspark.v1 import worker_pb2, worker_pb2_grpc
+
+import grpc
+from cpu_time import cpu_s, tree_cpu_s
+from report import figure, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "stub"  # both routers serve it under this name: one request body for both

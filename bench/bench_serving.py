@@ -34,11 +34,11 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from console import Stopped, log, stop_on_signals
-from report import RESULTS, figure, paired_bars, save_figure, write_json
-
 from pdspark.assets import resolve_model
 from pdspark.launch.service_process import ServiceProcess, spawn_service, wait_ready
+
+from console import Stopped, log, stop_on_signals
+from report import RESULTS, figure, paired_bars, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = RESULTS / "serving"  # guidellm's own JSON and console log per run (large; git-ignored)

@@ -16,13 +16,13 @@ import argparse
 import statistics
 import time
 
-from console import log
-from report import figure, grouped_bars, save_figure, write_json
-
 from pdspark import LLM, SamplingParams
 from pdspark.engine.grammar import GrammarCursor
 from pdspark.testing.json_schemas import varied_schemas
 from pdspark.types import StructuredOutputs
+
+from console import log
+from report import figure, grouped_bars, save_figure, write_json
 
 PROMPT = "<|user|>\nDescribe the object as JSON.<|end|>\n<|assistant|>\n"
 MAX_TOKENS = 256

@@ -38,16 +38,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pdspark import LLM
+from pdspark.llm import resolve_model
+from pdspark.testing.random_draft import write_random_draft
+
 import torch
 from bench_dspark import DecodeMeter
 from bench_revisions import ROOT, export_src
 from random_checkpoint import random_checkpoint
 from report import figure, grouped_bars, save_figure, write_json
 from roofline import machine_limits, work_per_token
-
-from pdspark import LLM
-from pdspark.llm import resolve_model
-from pdspark.testing.random_draft import write_random_draft
 
 BATCHES = (1, 8)
 PROMPT_LEN, OUTPUT_LEN = 64, 32

@@ -25,13 +25,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import torch
-from console import log
-from report import figure, save_figure, write_json
-
 from pdspark.hardware.cpu import kernels
 from pdspark.hardware.cpu.kernel_build import build_library
 from pdspark.quant.release_formats import E2M1
+
+import torch
+from console import log
+from report import figure, save_figure, write_json
 
 BUILDS = {"ahead": (), "before": ("-DPDSPARK_NO_WEIGHT_AHEAD",)}
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "bf16-draft": 2.0, "fp8": 1.0, "mxfp4": 0.5}  # (MXFP4: +1/32 of scales)

@@ -42,18 +42,18 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
-import uvloop
-from cpu_time import cpu_s, self_cpu_s
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from report import figure, save_figure, write_json
-
 from pdspark.rpc import convert
 from pdspark.rpc.keepalive import CHANNEL_OPTIONS, SERVER_OPTIONS
 from pdspark.rpc.multiplexed_client import MultiplexedClient
 from pdspark.rpc.multiplexed_server import CallHandler, MultiplexedServer
 from pdspark.types import SamplingParams
 from pdspark.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+import grpc
+import uvloop
+from cpu_time import cpu_s, self_cpu_s
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from report import figure, save_figure, write_json
 
 MUX_STREAM = "/pdspark.bench.Mux/Stream"
 UNARY_GENERATE = "/pdspark.bench.Mux/GenerateUnary"

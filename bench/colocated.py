@@ -94,10 +94,10 @@ def _serve(model: str, options: dict, threads: int, cpus: set[int] | None, reque
     """Child process: an engine loop; requests in, `(request id, tokens so far, finished)` out."""
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
-    import torch
-
     from pdspark.engine.factory import create_engine
     from pdspark.serving.engine_loop import EngineLoop
+
+    import torch
 
     torch.set_num_threads(threads)
     engine = create_engine(model, **options)

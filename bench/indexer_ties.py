@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from pdspark import LLM
 from pdspark.model import indexer as indexer_module
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,12 +23,12 @@ import threading
 import time
 from pathlib import Path
 
-from console import log
-from report import RESULTS, write_json
-
 from pdspark.launch.service_process import ServiceProcess, start_service
 from pdspark.testing.prometheus_server import PrometheusServer
 from pdspark.testing.router_http import drop_a_stream, post
+
+from console import log
+from report import RESULTS, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))  # the alert rules the dashboards show

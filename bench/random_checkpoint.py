@@ -32,10 +32,10 @@ def random_checkpoint(name: str, seed: int = 0) -> Path:
     out = _CACHE / f"{name}-bf16"  # (an earlier build kept full fp32 values under `name`)
     if (out / "model.safetensors").exists():
         return out
+    from pdspark.assets import resolve_model
+
     import torch
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    from pdspark.assets import resolve_model
 
     base = json.loads((Path(resolve_model("dsv4-tiny")) / "config.json").read_text())
     base.pop("dspark", None)

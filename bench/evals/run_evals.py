@@ -39,11 +39,11 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BENCH))  # the benches' shared helpers (console, report) live in bench/
 
-from console import Stopped, log, stop_on_signals  # noqa: E402
-from report import RESULTS, figure, paired_bars, save_figure, write_json  # noqa: E402
-
 from pdspark.assets import resolve_model  # noqa: E402
 from pdspark.launch.service_process import ServiceProcess, spawn_service, wait_ready  # noqa: E402
+
+from console import Stopped, log, stop_on_signals  # noqa: E402
+from report import RESULTS, figure, paired_bars, save_figure, write_json  # noqa: E402
 
 ROOT = BENCH.parent
 RAW = RESULTS / "evals"  # lm-eval's output directories and console logs (large; git-ignored)
