@@ -9,6 +9,7 @@ from conftest import HC4, MIXED, SPARSE, TIED, random_prompts
 from helpers import assert_no_leaks, greedy, make_llm, prompt_logits
 from hf_reference import hf_generate, hf_greedy
 from pdspark import SamplingParams
+from pdspark.hardware.cpu.kernel_abi import ROW_BLOCK
 from pdspark.model import indexer as indexer_module
 
 # Longer than three HCA groups (ratio 16) plus a partial one, and crossing more groups while decoding.
@@ -85,11 +86,12 @@ def test_sparse_indexer_selection_matches_reference(checkpoints, monkeypatch):
             picked.append((scores, [set(torch.nonzero(row).flatten().tolist()) for row in mask]))
         return mask
 
-    def recording_shared(q, w, keys, rows, valid, scale, k, packed=False):  # (a prefill segment's pick in C)
-        assert not packed  # (fp32 pools here: the scores below read the keys as floats)
-        out = original_shared(q, w, keys, rows, valid, scale, k)
+    def recording_shared(q, w, keys, rows, valid, scale, k, layout="rows"):  # (a prefill segment's pick in C)
+        assert layout in ("rows", "blocked")  # (fp32 pools here: the scores below read the keys as floats)
+        out = original_shared(q, w, keys, rows, valid, scale, k, layout=layout)
         if out is not None:  # its scores: the same bits from the one scoring routine (a unit test checks)
-            scores = indexer_module.index_scores(q, w, keys[rows][:, : q.shape[-1]].contiguous(), scale)
+            floats = keys[rows] if layout == "rows" else keys[rows // ROW_BLOCK, :, rows % ROW_BLOCK]
+            scores = indexer_module.index_scores(q, w, floats[:, : q.shape[-1]].contiguous(), scale)
             entry = {int(r): g for g, r in enumerate(rows)}  # (the picks come as pool rows: each entry's own)
             picked.append((scores, [{entry[int(r)] for r, ok in zip(rs, oks) if ok} for rs, oks in zip(*out)]))
         return out

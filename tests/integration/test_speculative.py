@@ -463,7 +463,7 @@ def snapshot(kv, req) -> dict:
     return {
         "computed": L,
         "c4_kv": pools.c4_kv[:, c4_rows],
-        "c4_index": pools.c4_index[:, c4_rows],
+        "c4_index": pools.index_rows(c4_rows),
         "c128_kv": pools.c128_kv[:, c128_rows],
         "c4_state": pools.c4_state[:, kv.c4_state_rows(full[open_c4], open_c4)],
         "c4_index_state": pools.c4_index_state[:, kv.c4_state_rows(full[open_c4], open_c4)],

@@ -596,7 +596,7 @@ _W, _LIMIT = len(kernel_abi.DECODE_WEIGHTS), kernel_abi.INDEX_MAX_TOKENS
     (_abi_with("W_COUNT", _W + 1), f"len(DECODE_WEIGHTS) is {_W} in kernel_abi.py but W_COUNT is {_W + 1}"),
     (_abi_with("INDEX_MAX_TOKENS", 32), f"INDEX_MAX_TOKENS is {_LIMIT} in kernel_abi.py but INDEX_MAX_TOKENS is 32"),
     (_abi_with("KIND_CSA", 2), f"DECODE_CSA is {kernel_abi.DECODE_CSA} in kernel_abi.py but KIND_CSA is 2"),
-    (kernel_abi.ABI[:-1], "no WF_MXFP4"),
+    (kernel_abi.ABI[:-1], "no ROW_BLOCK"),
     ((*kernel_abi.ABI, 7), "1 more than kernel_abi.py mirrors"),
 ])
 def test_a_library_whose_enums_differ_is_refused_naming_the_enum(monkeypatch, caplog, abi, named):

@@ -122,7 +122,7 @@ def test_the_c_pick_over_packed_keys_is_the_pick_over_their_decoded_floats():
     try:
         for threads in (1, 2):
             cpu_kernels.set_threads(threads)
-            packed = cpu_kernels.index_pick(q, w, storage, rows, valid, D**-0.5, k, packed=True)
+            packed = cpu_kernels.index_pick(q, w, storage, rows, valid, D**-0.5, k, layout="packed")
             plain = cpu_kernels.index_pick(q, w, floats, rows, valid, D**-0.5, k)
             assert packed is not None and plain is not None
             assert torch.equal(packed, plain) and int(packed.sum()) == T * k
@@ -139,7 +139,7 @@ def test_a_prefill_segments_shared_pick_over_packed_keys_is_its_pick_over_the_de
     rows = torch.randperm(R, generator=g)[:V].contiguous()
     visible = torch.linspace(V // 2, V, T).long()  # (each query its causal count)
     valid = (torch.arange(V)[None, :] < visible[:, None]).contiguous()
-    packed = cpu_kernels.index_pick_shared(q, w, storage, rows, valid, D**-0.5, k, packed=True)
+    packed = cpu_kernels.index_pick_shared(q, w, storage, rows, valid, D**-0.5, k, layout="packed")
     plain = cpu_kernels.index_pick_shared(q, w, floats, rows, valid, D**-0.5, k)
     assert packed is not None and plain is not None
     assert torch.equal(packed[0], plain[0]) and torch.equal(packed[1], plain[1]) and bool(plain[1].all())

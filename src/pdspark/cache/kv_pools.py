@@ -11,6 +11,9 @@
 | c128_state   | `req_slot * hca_ring + pos % hca_ring`              | fp32 `[kv | score]`, request-scoped |
 | draft_kv     | SWA slot (same geometry as swa_kv)                  | DSpark stage K=V rows (injected)    |
 
+An fp32 cache keeps c4_index's rows in blocks of 8, channel-major within a block, where every page holds whole
+blocks (`model/blocked_rows.py`: what the indexer's C pick reads in place); a page is one span of bytes either way.
+
 Every pool ends with a dummy row (the SWA pool with a dummy page) that padded or invalid positions map to, so
 gathers never see a negative index. State dummy rows hold `kv = 0, score = -inf`, which gives them zero weight in
 the compressor softmax.
@@ -29,7 +32,9 @@ import torch
 
 from pdspark.cache.pool_sizes import PoolSizes
 from pdspark.errors import ConfigError
+from pdspark.hardware.cpu.kernel_abi import ROW_BLOCK
 from pdspark.model.batch import LayerCache
+from pdspark.model.blocked_rows import BlockedRows, blocks_fit
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.packed_rows import PackedRows, RowPack
 from pdspark.quant.kv_fp8 import IndexRowPack, KvRowPack
@@ -72,7 +77,14 @@ class KVPools:
         self.draft_kv = _page_major(draft_stages, (sizes.num_swa_pages + 1) * P, d, dtype, device)
         # [csa layers, c4 rows + 1, head_dim] and [csa layers, c4 rows + 1, index_head_dim]
         self.c4_kv = _page_major(n_csa, c4_rows + 1, row, row_dtype, device)
-        self.c4_index = _page_major(n_csa, c4_rows + 1, index_row, row_dtype, device)
+        # The indexer's float keys in blocks of ROW_BLOCK rows (its C pick reads them in place: `BlockedRows`) where
+        # every page holds whole blocks; the dummy row then has a block of its own (7 rows unused). `c4_index` stays
+        # the storage's `[layers, rows, width]` view, which transfers and the dummy check read as bytes: a page's
+        # rows are its span of bytes in either layout.
+        rows_per_page = P // model.csa_ratio if n_csa else 0
+        self.index_blocked = kv_cache_dtype == "auto" and n_csa > 0 and blocks_fit(rows_per_page)
+        index_rows = c4_rows + (ROW_BLOCK if self.index_blocked else 1)
+        self.c4_index = _page_major(n_csa, index_rows, index_row, row_dtype, device)
         # [hca layers, c128 rows + 1, head_dim]
         self.c128_kv = _page_major(n_hca, c128_rows + 1, row, row_dtype, device)
         # Compressor states: [layers, rows + 1, 2 * coff * dim]; CSA overlaps (coff 2), HCA does not (coff 1).
@@ -111,8 +123,9 @@ class KVPools:
         swa = self._rows(self.swa_kv[layer_id])
         if layer_id in self._csa_pos:
             i = self._csa_pos[layer_id]
-            return LayerCache(swa, self._rows(self.c4_kv[i]), self.c4_state[i],
-                              self._rows(self.c4_index[i], self.index_pack), self.c4_index_state[i])
+            index = self._index_blocks(i) if self.index_blocked else self._rows(self.c4_index[i], self.index_pack)
+            return LayerCache(swa, self._rows(self.c4_kv[i]), self.c4_state[i], index,  # type: ignore[arg-type]
+                              self.c4_index_state[i])
         if layer_id in self._hca_pos:
             i = self._hca_pos[layer_id]
             return LayerCache(swa, self._rows(self.c128_kv[i]), self.c128_state[i], None, None)
@@ -124,6 +137,20 @@ class KVPools:
         chosen: RowPack | None = pack if pack is not None else self.kv_pack
         return view if chosen is None else PackedRows(view, chosen, self.rows_dtype)  # type: ignore[return-value]
 
+    def _index_blocks(self, i: int) -> BlockedRows:
+        """CSA layer `i`'s indexer keys as blocks `[B, width, ROW_BLOCK]` of the storage `[B * ROW_BLOCK, layers,
+        width]`: block b of layer i is the `width * ROW_BLOCK` elements at `(b * layers + i) * width * ROW_BLOCK`."""
+        layers, rows, width = self.c4_index.shape
+        blocks = self.c4_index.as_strided((rows // ROW_BLOCK, width, ROW_BLOCK),
+                                          (layers * width * ROW_BLOCK, ROW_BLOCK, 1), i * width * ROW_BLOCK)
+        return BlockedRows(blocks)
+
+    def index_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every CSA layer's indexer keys of `rows [n]` -> `[csa layers, n, width]` (fp32 rows, decoded where packed),
+        whatever the pool's layout."""
+        views = [v for v in (self.layer(layer).index_kv for layer in self.model.csa_layers) if v is not None]
+        return torch.stack([v.index_select(0, rows) for v in views]) if views else self.c4_index[:, rows]
+
     def clear_c128_state_rows(self, rows: torch.Tensor) -> None:
         """Reset request-ring rows to the empty state (kv = 0, score = -inf)."""
         if self.c128_state.shape[0] and rows.numel():
@@ -134,7 +161,8 @@ class KVPools:
         P = self.sizes.page_size
         assert not self.swa_kv[:, self.swa_dummy_slot : self.swa_dummy_slot + P].any(), "SWA dummy page written"
         assert not self.draft_kv[:, self.swa_dummy_slot : self.swa_dummy_slot + P].any(), "draft dummy page written"
-        assert not self.c4_kv[:, -1].any() and not self.c4_index[:, -1].any(), "C4 dummy row written"
+        dummy = self.c4_dummy_row  # (and, where the keys are in blocks, the 7 unused rows of its block)
+        assert not self.c4_kv[:, -1].any() and not self.c4_index[:, dummy:].any(), "C4 dummy row written"
         assert not self.c128_kv[:, -1].any(), "C128 dummy row written"
         for state in (self.c4_state, self.c4_index_state, self.c128_state):
             if state.shape[0]:

@@ -10,11 +10,14 @@ The pooled entry is RMS-normalised and rotated at the group's first position.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.batch import CompressPlan
+from pdspark.model.blocked_rows import BlockedRows
 from pdspark.model.norm import RMSNorm
 from pdspark.model.rope import RotaryTable
 
@@ -63,6 +66,16 @@ class Compressor(nn.Module):
         table = self.rope.cos
         if table.device.type != "cpu":
             return False
+        if isinstance(pool, BlockedRows):  # (its rows are not rows of floats: written through a staging matrix)
+            staged = torch.empty(plan.num_groups, self.dim)
+            local = replace(plan, out_rows=torch.arange(plan.num_groups))
+            if not cpu_kernels.compressor_run(projected, positions, self.ape, self.ratio, self.dim, self.overlap,
+                                              local, self.norm.weight, self.norm.eps, table, self.rope.sin, state,
+                                              staged):
+                return False
+            if plan.num_groups:
+                pool[plan.out_rows] = staged
+            return True
         return cpu_kernels.compressor_run(projected, positions, self.ape, self.ratio, self.dim, self.overlap, plan,
                                           self.norm.weight, self.norm.eps, table, self.rope.sin, state, pool)
 

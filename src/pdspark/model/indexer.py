@@ -23,6 +23,7 @@ from torch import nn
 
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.batch import CompressedIndex, ForwardBatch, Segment, gather_rows
+from pdspark.model.blocked_rows import BlockedRows
 from pdspark.model.compressor import Compressor
 from pdspark.model.model_config import ModelConfig
 from pdspark.model.packed_rows import PackedRows
@@ -128,17 +129,15 @@ class Indexer(nn.Module):
         assert csa is not None
         q, w = self._queries(head_w, qr, rope_at)
         w, scale, k = w.contiguous(), self.dim**-0.5, self.topk
-        # The FP8 cache's key rows are read packed (decoded as the C pick reads them: the same floats).
-        packed = isinstance(index_kv, PackedRows) and isinstance(index_kv.pack, IndexRowPack)
-        keys = index_kv.storage if isinstance(index_kv, PackedRows) else index_kv
+        keys, layout = _pool_keys(index_kv)
         if not batch.segments:
-            picked = cpu_kernels.index_pick(q, w, keys, csa.rows, csa.valid, scale, k, packed=packed)
+            picked = cpu_kernels.index_pick(q, w, keys, csa.rows, csa.valid, scale, k, layout=layout)
             return None if picked is None else picked_entries(csa, picked, k)
         T = q.shape[0]
         rows, valid = torch.zeros(T, k, dtype=torch.int64), torch.zeros(T, k, dtype=torch.bool)
         g = batch.gather_rows  # (with segments: the other tokens' rows)
         if g is not None and g.numel():
-            picked = cpu_kernels.index_pick(q[g], w[g], keys, csa.rows[g], csa.valid[g], scale, k, packed=packed)
+            picked = cpu_kernels.index_pick(q[g], w[g], keys, csa.rows[g], csa.valid[g], scale, k, layout=layout)
             if picked is None:
                 return None
             few = picked_entries(CompressedIndex(csa.rows[g], csa.valid[g], csa.max_visible), picked, k)
@@ -146,7 +145,7 @@ class Indexer(nn.Module):
         for seg in batch.segments:
             sl, last, V = self._segment_entries(csa, seg)
             part = cpu_kernels.index_pick_shared(q[sl], w[sl], keys, csa.rows[last, :V].contiguous(),
-                                                 csa.valid[sl, :V].contiguous(), scale, k, packed=packed)
+                                                 csa.valid[sl, :V].contiguous(), scale, k, layout=layout)
             if part is None:
                 return None
             rows[sl], valid[sl] = part
@@ -173,6 +172,17 @@ class Indexer(nn.Module):
             top = select_topk(scores, csa.valid, self.topk)
             picked = torch.zeros_like(csa.valid).scatter_(1, top.columns, top.valid)
         return picked_entries(csa, picked, self.topk)
+
+
+def _pool_keys(index_kv: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """What the C picks read of a layer's key pool, and how it holds its rows (`kernels.index_pick`'s layout): the
+    FP8 cache's packed rows (decoded as the C pick reads them: the same floats), fp32 rows in blocks (`BlockedRows`),
+    or the rows themselves."""
+    if isinstance(index_kv, PackedRows) and isinstance(index_kv.pack, IndexRowPack):
+        return index_kv.storage, "packed"
+    if isinstance(index_kv, BlockedRows):
+        return index_kv.blocks, "blocked"
+    return index_kv, "rows"
 
 
 def picked_entries(csa: CompressedIndex, picked: torch.Tensor, k: int) -> CompressedIndex:

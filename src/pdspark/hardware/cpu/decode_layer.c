@@ -14,8 +14,8 @@ static int staged_width(int HD, int cdim, int Di) {
     return w > Di ? w : Di;
 }
 
-/* Whether a layer's pools (`decode_layer`'s pp) hold any packed rows. */
-static int pools_packed(const long *pp) { return pp[P_KV_PACKED] != 0 || pp[P_IDX_PACKED] != 0; }
+/* Whether a layer's pools (`decode_layer`'s pp) hold any rows written through a staging row (packed or blocked). */
+static int pools_packed(const long *pp) { return pp[P_KV_PACKED] != 0 || pp[P_IDX_KEYS] != KEYS_ROWS; }
 
 long decode_layer_scratch_floats(const int *wi, int T, int V, int W, int packed) {
     const int kind = wi[I_KIND], hc = wi[I_HC], D = wi[I_D], QL = wi[I_QL], H = wi[I_H], HD = wi[I_HD];
@@ -62,8 +62,9 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
     const float *cos = kind == KIND_SLIDING ? PTR(sp, S_COS_MAIN) : PTR(sp, S_COS_COMP);
     const float *sin = kind == KIND_SLIDING ? PTR(sp, S_SIN_MAIN) : PTR(sp, S_SIN_COMP);
     /* The FP8 cache (`packed_rows.c`): rows are computed in fp32 into `staged` as for float pools, then encoded
-     * into their pool rows; attention reads its rows decoded into fp32 first. The indexer decodes its keys itself. */
-    const int kv_packed = (int)pp[P_KV_PACKED], idx_packed = (int)pp[P_IDX_PACKED];
+     * into their pool rows; attention reads its rows decoded into fp32 first. The indexer decodes its keys itself.
+     * Its keys may also be fp32 rows in blocks (KEYS_BLOCKED), written through the staging row the same way. */
+    const int kv_packed = (int)pp[P_KV_PACKED], idx_keys = (int)pp[P_IDX_KEYS];
     const pool_rows swa_rows = {(void *)pp[P_SWA], pp[P_SWA_STRIDE], HD, kv_packed ? r : FLOAT_ROWS};
     const pool_rows comp_pool = {(void *)pp[P_COMP], pp[P_COMP_STRIDE], HD, kv_packed ? r : FLOAT_ROWS};
     float *at = scratch;
@@ -113,14 +114,17 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
         comp = (const float *)pp[P_COMP];
         if (csa) {
             const pool_rows idx_pool = {(void *)pp[P_IDX], pp[P_IDX_STRIDE], Di,
-                                        idx_packed ? INDEX_ROWS : FLOAT_ROWS};
+                                        idx_keys == KEYS_PACKED    ? INDEX_ROWS
+                                        : idx_keys == KEYS_BLOCKED ? BLOCKED_ROWS
+                                                                   : FLOAT_ROWS};
+            const int idx_staged = rows_packed(&idx_pool); /* (written row by row through `rows_write`) */
             compressor_run(xp + QL + HD + 2 * cw, NX, LPTR(sp, S_POS), T, PTR(wp, W_I_APE), wi[I_C_RATIO], Di, 1,
-                           G, idx_packed ? ident : LPTR(sp, S_CP_OUT), LPTR(sp, S_CP_POS), BPTR(sp, S_CP_USE),
+                           G, idx_staged ? ident : LPTR(sp, S_CP_OUT), LPTR(sp, S_CP_POS), BPTR(sp, S_CP_USE),
                            LPTR(sp, S_CP_CUR), LPTR(sp, S_CP_HIST), si[SI_N_CSA], LPTR(sp, S_CP_WTOK),
                            LPTR(sp, S_CP_WROW), PTR(wp, W_I_NORM), wf[F_I_EPS], PTR(sp, S_TAB_COS),
                            PTR(sp, S_TAB_SIN), r, rows, (float *)pp[P_IDX_STATE], pp[P_IDX_STATE_STRIDE],
-                           idx_packed ? staged : (float *)pp[P_IDX], idx_packed ? Di : pp[P_IDX_STRIDE], small);
-            for (int g = 0; idx_packed && g < G; g++)
+                           idx_staged ? staged : (float *)pp[P_IDX], idx_staged ? Di : pp[P_IDX_STRIDE], small);
+            for (int g = 0; idx_staged && g < G; g++)
                 rows_write(&idx_pool, LPTR(sp, S_CP_OUT)[g], staged + (long)g * Di);
             V = si[SI_V_CSA];
             comp_rows = LPTR(sp, S_CSA_ROWS);
@@ -135,7 +139,7 @@ static int decode_layer_run(const long *wp, const int *wi, const float *wf, cons
                     for (int j = 0; j < Hi; j++) iwt[t * Hi + j] = hw[j] * wf[F_I_WSCALE];
                 }
                 rope_rotate(iq, cos, sin, T, Hi, Di, r, 1.0f, iqr);
-                index_pick(iqr, iwt, (const void *)pp[P_IDX], pp[P_IDX_STRIDE], idx_packed, comp_rows, comp_valid, T,
+                index_pick(iqr, iwt, (const void *)pp[P_IDX], pp[P_IDX_STRIDE], idx_keys, comp_rows, comp_valid, T,
                            Hi, V, Di, wf[F_I_SCALE], wi[I_I_TOPK], isc, picked);
                 /* Attention reads the picked entries only: the window and topk rows whatever the context. */
                 const int k = wi[I_I_TOPK];

@@ -22,10 +22,16 @@ DECODE_STEP = ("positions", "input_ids", "swa_slots", "win_rows", "win_valid", "
                *(f"hca_{n}" for n in ("out", "pos", "use", "cur", "hist", "wtok", "wrow")))
 DECODE_STEP_SIZES = ("tokens", "window", "rope_dim", "csa_visible", "hca_visible", "csa_groups", "csa_writes",
                      "hca_groups", "hca_writes")
-# Pools: pointer and row stride (floats; bytes for packed rows), then whether the main KV pools (SWA, compressed)
-# and the indexer's key pool hold the FP8 cache's packed rows (`quant.kv_fp8`: 1) or fp32 rows (0).
+# Pools: pointer and row stride (floats; bytes for packed rows; floats from block to block for blocked rows), then
+# whether the main KV pools (SWA, compressed) hold the FP8 cache's packed rows (`quant.kv_fp8`: 1) or fp32 rows (0),
+# and how the indexer's key pool holds its rows (`INDEX_KEYS`).
 DECODE_POOLS = ("swa", "swa_stride", "comp", "comp_stride", "state", "state_stride", "index", "index_stride",
-                "index_state", "index_state_stride", "kv_packed", "index_packed")
+                "index_state", "index_state_stride", "kv_packed", "index_keys")
+# How the indexer's key pool holds its rows (the C picks' `keys` argument, the table's index_keys): fp32 rows, the FP8
+# cache's packed rows (`quant.kv_fp8.IndexRowPack`), or fp32 rows in blocks of `ROW_BLOCK` rows, channel-major
+# within a block (`model.blocked_rows.BlockedRows`).
+INDEX_KEYS = ("rows", "packed", "blocked")
+ROW_BLOCK = 8
 # `pack_rows`' rope argument for indexer key rows (main KV rows pass their rope width).
 INDEX_ROWS = -2
 # Layer kinds (`kind` above).
@@ -79,6 +85,9 @@ ABI_MIRRORS: tuple[tuple[str, str, int], ...] = (
     ("DECODE_HCA", "KIND_HCA", DECODE_HCA),
     ("len(PROJ_SEGMENT)", "PS_COUNT", len(PROJ_SEGMENT)),
     *((f"PROJ_FORMATS.index({f!r})", f"WF_{f.upper()}", i) for i, f in enumerate(PROJ_FORMATS)),
+    ("len(INDEX_KEYS)", "KEYS_COUNT", len(INDEX_KEYS)),
+    ("INDEX_KEYS.index('blocked')", "KEYS_BLOCKED", INDEX_KEYS.index("blocked")),
+    ("ROW_BLOCK", "ROW_BLOCK", ROW_BLOCK),
 )
 # `pdspark_abi` of a library that matches this file.
 ABI = tuple(value for _, _, value in ABI_MIRRORS)

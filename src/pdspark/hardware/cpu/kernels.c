@@ -40,7 +40,8 @@
 int pdspark_abi(long *out, int n) {
     const long abi[] = {W_COUNT,  I_COUNT,  F_COUNT,   S_COUNT,  SI_COUNT,     P_COUNT,  L_COUNT,
                         DW_COUNT, DH_COUNT, DI_COUNT,  DF_COUNT, INDEX_MAX_TOKENS,
-                        KIND_SLIDING, KIND_CSA, KIND_HCA, PS_COUNT, WF_F32, WF_BF16, WF_FP8, WF_MXFP4};
+                        KIND_SLIDING, KIND_CSA, KIND_HCA, PS_COUNT, WF_F32, WF_BF16, WF_FP8, WF_MXFP4,
+                        KEYS_COUNT, KEYS_BLOCKED, ROW_BLOCK};
     const int count = (int)(sizeof(abi) / sizeof(abi[0]));
     for (int i = 0; i < count && i < n; i++) out[i] = abi[i];
     return count;

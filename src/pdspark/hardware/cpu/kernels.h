@@ -58,12 +58,18 @@ enum { /* the step's indices (pointers, shared by every layer) */
     S_HP_OUT, S_HP_POS, S_HP_USE, S_HP_CUR, S_HP_HIST, S_HP_WTOK, S_HP_WROW, S_COUNT
 };
 enum { SI_T, SI_W, SI_R, SI_V_CSA, SI_V_HCA, SI_G_CSA, SI_N_CSA, SI_G_HCA, SI_N_HCA, SI_COUNT };
-enum { /* the layer's pools: pointer, row stride (floats; bytes for packed rows); then whether the main KV pools
-        * (SWA, compressed) and the indexer's key pool hold the FP8 cache's packed rows (`packed_rows.c`) */
+enum { /* the layer's pools: pointer, row stride (floats; bytes for packed rows; floats from block to block for
+        * blocked rows); then whether the main KV pools (SWA, compressed) hold the FP8 cache's packed rows
+        * (`packed_rows.c`), and how the indexer's key pool holds its rows (KEYS_*) */
     P_SWA, P_SWA_STRIDE, P_COMP, P_COMP_STRIDE, P_STATE, P_STATE_STRIDE, P_IDX, P_IDX_STRIDE, P_IDX_STATE,
-    P_IDX_STATE_STRIDE, P_KV_PACKED, P_IDX_PACKED, P_COUNT
+    P_IDX_STATE_STRIDE, P_KV_PACKED, P_IDX_KEYS, P_COUNT
 };
 enum { KIND_SLIDING, KIND_CSA, KIND_HCA };
+/* How the indexer's key pool holds its rows: fp32 rows; the FP8 cache's packed rows; fp32 rows in blocks of
+ * ROW_BLOCK, channel-major within a block (`packed_rows.c`'s BLOCKED_ROWS: the pick reads 8 entries' channel as one
+ * vector, with no transposition). */
+enum { KEYS_ROWS, KEYS_PACKED, KEYS_BLOCKED, KEYS_COUNT };
+#define ROW_BLOCK 8
 
 /* A projection's weights (the W_X, W_Q_B, W_O_A, W_O_B, W_I_Q_B, W_MOE_IN, W_13, W_2 and W_2S slots point to one):
  * word 0 the number of row segments, then PS_COUNT words per segment, its rows following the previous segment's.
@@ -181,10 +187,10 @@ void hc_expand(const float *y, const float *res, const float *post, const float 
                float *out);
 void index_scores(const float *q, const float *w, const float *k, long kstride, int T, int H, int V, int D,
                   float scale, float *out);
-void index_pick(const float *q, const float *w, const void *k, long row_stride, int packed, const long *rows,
+void index_pick(const float *q, const float *w, const void *k, long row_stride, int keys, const long *rows,
                 const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                 unsigned char *picked);
-void index_pick_shared(const float *q, const float *w, const void *k, long row_stride, int packed, const long *rows,
+void index_pick_shared(const float *q, const float *w, const void *k, long row_stride, int keys, const long *rows,
                        const unsigned char *valid, int T, int H, int V, int D, float scale, int topk, float *scratch,
                        int scratch_parts, long *out_rows, unsigned char *out_valid);
 long index_pick_shared_scratch_floats(int V);

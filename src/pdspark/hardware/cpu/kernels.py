@@ -29,8 +29,10 @@ from pdspark.hardware.cpu.kernel_abi import (
     DECODE_SIZES,
     DECODE_STEP,
     DECODE_STEP_SIZES,
+    INDEX_KEYS,
     INDEX_MAX_TOKENS,
     INDEX_ROWS,
+    ROW_BLOCK,
     abi_mismatches,
     library_abi,
 )
@@ -440,42 +442,55 @@ def compressor_run(
     return True
 
 
-def _index_keys(kernel: str, keys: torch.Tensor, D: int, packed: bool) -> bool:
-    """Whether `keys` is what the indexer's C picks read: an fp32 row-major pool of at least `D` channels, or with
-    `packed` the FP8 cache's uint8 key rows `[R, D + 4 * ceil(D / 128)]` (`quant.kv_fp8.IndexRowPack`)."""
-    if not packed:
+def _index_keys(kernel: str, keys: torch.Tensor, D: int, layout: str) -> int | None:
+    """The pool rows `keys` holds if it is what the indexer's C picks read in `layout` (`kernel_abi.INDEX_KEYS`),
+    else None: "rows", an fp32 row-major pool of at least `D` channels; "packed", the FP8 cache's uint8 key rows
+    `[R, D + 4 * ceil(D / 128)]` (`quant.kv_fp8.IndexRowPack`); "blocked", fp32 blocks `[B, D, ROW_BLOCK]` of
+    `ROW_BLOCK` rows each, channel-major (`model.blocked_rows.BlockedRows.blocks`)."""
+    if layout not in INDEX_KEYS:
+        raise KernelArgumentError(f"{kernel}: `layout` is {layout!r}; allowed: {list(INDEX_KEYS)}")
+    if layout == "rows":
         usable = _row_major(keys)
         if usable and keys.shape[1] < D:
             raise KernelArgumentError(f"{kernel}: keys of {D} channels expected")
-        return usable
+        return keys.shape[0] if usable else None
+    if layout == "blocked":
+        if not (keys.is_cpu and keys.dtype is torch.float32 and keys.dim() == 3 and keys.shape[2] == ROW_BLOCK
+                and keys.stride(2) == 1 and keys.stride(1) == ROW_BLOCK):
+            return None
+        if keys.shape[1] != D:
+            raise KernelArgumentError(f"{kernel}: key blocks of {D} channels expected, not {keys.shape[1]}")
+        return keys.shape[0] * ROW_BLOCK
     if not (keys.is_cpu and keys.dtype is torch.uint8 and keys.dim() == 2 and keys.stride(1) == 1):
-        return False
+        return None
     width = D + 4 * -(-D // 128)
     if keys.shape[1] != width:
         raise KernelArgumentError(f"{kernel}: packed key rows of {width} bytes expected, not {keys.shape[1]}")
-    return True
+    return keys.shape[0]
 
 
 def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
-               scale: float, topk: int, packed: bool = False) -> torch.Tensor | None:
+               scale: float, topk: int, layout: str = "rows") -> torch.Tensor | None:
     """The indexer's pick for decode/verify tokens in one call: `index_scores` of `q [T, H, D]`, `w [T, H]` against
     the pool rows `keys[rows]` (`rows/valid [T, V]`, read in place), then the top `topk` valid entries of each token
     under the tie rule (`model.indexer.select_topk`) -> the mask `[T, V]` bool. None when the C path does not
-    apply. `packed`: `keys` is the FP8 cache's uint8 key rows (`_index_keys`), decoded as they are read: the scores
-    of the decoded floats."""
+    apply. `layout`: how `keys` holds the pool's rows (`_index_keys`): fp32 rows, the FP8 cache's packed rows
+    (decoded as they are read: the scores of the decoded floats) or fp32 rows in blocks; the same scores for the
+    same floats in any."""
     lib = _usable(q, w)
     T, H, D = q.shape
-    if lib is None or not _index_keys("index_pick", keys, D, packed) or not (
-            rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
+    held = None if lib is None else _index_keys("index_pick", keys, D, layout)
+    if lib is None or held is None or not (rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
         return None
     V = rows.shape[1]
-    _check_index("index_pick", "rows", rows, (torch.int64,), (T, V), keys.shape[0])
+    _check_index("index_pick", "rows", rows, (torch.int64,), (T, V), held)
     _check_index("index_pick", "valid", valid, _FLAGS, (T, V))
     if tuple(w.shape) != (T, H):
         raise KernelArgumentError(f"index_pick: head weights [{T}, {H}] expected")
     picked = torch.empty(T, V, dtype=torch.bool)
     scratch = torch.empty(2 * V)
-    lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), int(packed), rows.data_ptr(),
+    lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), INDEX_KEYS.index(layout),
+                   rows.data_ptr(),
                    valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
     return picked
 
@@ -511,20 +526,20 @@ def unpack_rows(packed: torch.Tensor, dim: int, rope: int) -> torch.Tensor | Non
 
 
 def index_pick_shared(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
-                      valid: torch.Tensor, scale: float, topk: int, packed: bool = False
+                      valid: torch.Tensor, scale: float, topk: int, layout: str = "rows"
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`index_pick` for the queries of a prefill segment, which share their candidate entries: one row list
     `rows [V]` for all of `q [T, H, D]`, each query's own `valid [T, V]` -> each query's picks as rows of their own,
     `(rows [T, topk] int64, valid [T, topk] bool)` in entry order then invalid padding (row 0), as `picked_rows` of
     `index_pick`'s mask with the rows repeated per query gives them; with no `[T, V]` array of scores or mask, on the
-    kernel threads. None when the C path does not apply. `packed`: as `index_pick`'s."""
+    kernel threads. None when the C path does not apply. `layout`: as `index_pick`'s."""
     lib = _usable(q, w)
     T, H, D = q.shape
-    if lib is None or not _index_keys("index_pick_shared", keys, D, packed) or not (
-            rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
+    held = None if lib is None else _index_keys("index_pick_shared", keys, D, layout)
+    if lib is None or held is None or not (rows.is_contiguous() and valid.is_contiguous() and rows.is_cpu):
         return None
     V = rows.shape[0]
-    _check_index("index_pick_shared", "rows", rows, (torch.int64,), (V,), keys.shape[0])
+    _check_index("index_pick_shared", "rows", rows, (torch.int64,), (V,), held)
     _check_index("index_pick_shared", "valid", valid, _FLAGS, (T, V))
     if tuple(w.shape) != (T, H):
         raise KernelArgumentError(f"index_pick_shared: head weights [{T}, {H}] expected")
@@ -532,7 +547,7 @@ def index_pick_shared(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows
     parts = min(_threads, max(T, 1))  # the parts the C call may split the queries into, each with its scratch
     scratch = torch.empty(parts * lib.index_pick_shared_scratch_floats(V))
     if T and topk:
-        lib.index_pick_shared(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), int(packed),
+        lib.index_pick_shared(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), INDEX_KEYS.index(layout),
                               rows.data_ptr(), valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), parts,
                               out_rows.data_ptr(), out_valid.data_ptr())
     return out_rows, out_valid

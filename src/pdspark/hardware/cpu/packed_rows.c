@@ -164,29 +164,40 @@ static void index_unpack_row(const uint8_t *p, int dim, float *out) {
     }
 }
 
-/* A pool's rows as the decode step reads and writes them: fp32 rows `stride` floats apart (rope < 0), or packed
- * rows `stride` bytes apart, main KV rows (rope >= 0, dim = nope + rope) or indexer key rows (rope = INDEX_ROWS). */
+/* A pool's rows as the decode step reads and writes them: fp32 rows `stride` floats apart (rope = FLOAT_ROWS);
+ * packed rows `stride` bytes apart, main KV rows (rope >= 0, dim = nope + rope) or indexer key rows (rope =
+ * INDEX_ROWS); or fp32 rows in blocks of ROW_BLOCK (rope = BLOCKED_ROWS: the indexer's keys of an fp32 cache,
+ * `model/blocked_rows.py`), channel-major within a block: row r's channel d at base[(r / ROW_BLOCK) * stride + d *
+ * ROW_BLOCK + r % ROW_BLOCK], `stride` floats from one block to the next. */
 #define INDEX_ROWS (-2)
 #define FLOAT_ROWS (-1)
+#define BLOCKED_ROWS (-3)
 typedef struct pool_rows {
     void *base;
     long stride;
     int dim, rope;
 } pool_rows;
 
+/* Whether a row is not `dim` contiguous floats (written through `rows_write`, read through `rows_read`). */
 static inline int rows_packed(const pool_rows *r) { return r->rope != FLOAT_ROWS; }
 
 /* Row `row` of the pool into out [dim] (fp32, decoded where packed). */
 static void rows_read(const pool_rows *r, long row, float *out) {
     if (r->rope == FLOAT_ROWS) memcpy(out, (const float *)r->base + row * r->stride, sizeof(float) * r->dim);
-    else if (r->rope == INDEX_ROWS) index_unpack_row((const uint8_t *)r->base + row * r->stride, r->dim, out);
+    else if (r->rope == BLOCKED_ROWS) {
+        const float *b = (const float *)r->base + (row / ROW_BLOCK) * r->stride + row % ROW_BLOCK;
+        for (int d = 0; d < r->dim; d++) out[d] = b[d * ROW_BLOCK];
+    } else if (r->rope == INDEX_ROWS) index_unpack_row((const uint8_t *)r->base + row * r->stride, r->dim, out);
     else kv_unpack_row((const uint8_t *)r->base + row * r->stride, r->dim, r->rope, out);
 }
 
 /* x [dim] into row `row` of the pool (encoded where packed). */
 static void rows_write(const pool_rows *r, long row, const float *x) {
     if (r->rope == FLOAT_ROWS) memcpy((float *)r->base + row * r->stride, x, sizeof(float) * r->dim);
-    else if (r->rope == INDEX_ROWS) index_pack_row(x, r->dim, (uint8_t *)r->base + row * r->stride);
+    else if (r->rope == BLOCKED_ROWS) {
+        float *b = (float *)r->base + (row / ROW_BLOCK) * r->stride + row % ROW_BLOCK;
+        for (int d = 0; d < r->dim; d++) b[d * ROW_BLOCK] = x[d];
+    } else if (r->rope == INDEX_ROWS) index_pack_row(x, r->dim, (uint8_t *)r->base + row * r->stride);
     else kv_pack_row(x, r->dim, r->rope, (uint8_t *)r->base + row * r->stride);
 }
 

@@ -22,6 +22,7 @@ from pdspark.hardware.cpu import kernel_abi
 from pdspark.hardware.cpu import kernels as cpu_kernels
 from pdspark.model.attention import Attention
 from pdspark.model.batch import CompressPlan, ForwardBatch, LayerCaches
+from pdspark.model.blocked_rows import BlockedRows
 from pdspark.model.compact_experts import CompactExperts
 from pdspark.model.cpu.projection_table import ProjectionTable, Segment, expert_segment, projection_table, segment_of
 from pdspark.model.decoder_layer import DecoderLayer
@@ -335,13 +336,19 @@ class DecodeStep:
     def _pool_pointers(self, pools: LayerCaches, i: int) -> list[int] | None:
         """Layer `i`'s `kernel_abi.DECODE_POOLS`: fp32 row-major pools, or the FP8 cache's packed rows
         (`PackedRows`: main KV rows of this model's head and rope widths, indexer key rows of its index width; the
-        SWA and compressed pools both packed or both not); None otherwise."""
+        SWA and compressed pools both packed or both not), and the indexer's fp32 keys in blocks (`BlockedRows`);
+        None otherwise."""
         cache = pools.layer(i)
         ptrs: list[int] = []
         for kind, v in (("kv", cache.swa_kv), ("kv", cache.comp_kv), ("state", cache.comp_state),
                         ("index", cache.index_kv), ("state", cache.index_state)):
             if v is None:
                 ptrs += [0, 0]
+                continue
+            if isinstance(v, BlockedRows):
+                if not (v.is_cpu and v.dtype is torch.float32 and v.blocks.shape[1] == self.cfg.index_head_dim):
+                    return None
+                ptrs += [v.data_ptr(), v.block_stride()]
                 continue
             rows = self._c_rows(kind, v)
             if rows is None:
@@ -350,7 +357,9 @@ class DecodeStep:
         kv_packed = isinstance(cache.swa_kv, PackedRows)
         if cache.comp_kv is not None and isinstance(cache.comp_kv, PackedRows) != kv_packed:
             return None  # (not a cache this engine builds)
-        return [*ptrs, int(kv_packed), int(isinstance(cache.index_kv, PackedRows))]
+        keys = "packed" if isinstance(cache.index_kv, PackedRows) else "blocked" if isinstance(
+            cache.index_kv, BlockedRows) else "rows"
+        return [*ptrs, int(kv_packed), kernel_abi.INDEX_KEYS.index(keys)]
 
     def _c_rows(self, kind: str, v: torch.Tensor | PackedRows) -> torch.Tensor | None:
         """What the C step reads of a pool of `kind` (kv, index, state): an fp32 row-major CPU tensor as it is, or a
