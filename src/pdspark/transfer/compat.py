@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 # 2: relative timeouts instead of wall-clock deadlines on the wire; the prefix-cache setting in the descriptor.
 # 3: page-major pools: one buffer per pool kind (layer 0) whose items hold every layer, not one buffer per layer.
-SCHEMA_VERSION = 3
+# 4: an fp32 cache's indexer keys in blocks of 8 rows, channel-major, where pages hold whole blocks
+#    (`model/blocked_rows.py`): a page's C4_INDEX bytes are laid out otherwise than version 3's rows.
+SCHEMA_VERSION = 4
 
 
 @dataclass(frozen=True)
