@@ -18,18 +18,25 @@ C step reads and writes both. Target (issue: performance against the peers): the
 the same tokens on all paths.
 
     python bench/bench_long_context.py [--models dsv4-tiny,v4-shape] [--contexts 1024,4096,16384,65536]
-        [--kv-cache-dtypes auto,fp8_e4m3]
+        [--kv-cache-dtypes auto,fp8_e4m3] [--baseline REV]
+
+With `--baseline REV`, every round runs each context's process at REV's `src/` (exported with `git archive`) and at
+the working tree's, the revisions' order alternating from round to round, and a table compares them context by
+context (medians of the rounds' medians; each revision's first round checks its own tokens and times its indexer).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +48,7 @@ from pdspark.model.batch import CompressedIndex
 from pdspark.model.packed_rows import PackedRows
 
 import torch
+from bench_revisions import export_src
 from console import log
 from random_checkpoint import CONFIGS, random_checkpoint
 from report import figure, save_figure, write_json
@@ -115,20 +123,25 @@ def indexer_ms(engine, visible: int, page_size: int, repeats: int = 50) -> float
 
     cfg = engine.runner.model.cfg
     csa = engine.kv.model.csa_layers
-    keys = engine.kv.pools.layer(csa[0]).index_kv  # [rows, D]: a per-layer view of the page-major pool
-    packed = isinstance(keys, PackedRows)  # (the FP8 cache: uint8 rows, decoded as they are read)
-    keys = keys.storage if packed else keys
+    view = engine.kv.pools.layer(csa[0]).index_kv  # [rows, D]: a per-layer view of the page-major pool
+    pool_keys = getattr(indexer_module, "pool_keys", None)
+    if pool_keys is not None:
+        keys, layout = pool_keys(view)  # what the C pick reads of it (fp32 rows, FP8 rows, blocks)
+        pick = functools.partial(kernels.index_pick, layout=layout)
+    else:  # (a --baseline revision before `pool_keys`: index_pick took the FP8 cache's rows as `packed`)
+        keys = view.storage if isinstance(view, PackedRows) else view
+        pick = functools.partial(kernels.index_pick, packed=isinstance(view, PackedRows))
     H, D = cfg.index_n_heads, cfg.index_head_dim
     q, w = torch.randn(1, H, D), torch.rand(1, H)
     per_page = page_size // cfg.csa_ratio
-    pages = torch.randperm(keys.shape[0] // per_page)[: -(-visible // per_page)]
+    pages = torch.randperm(view.shape[0] // per_page)[: -(-visible // per_page)]
     rows = (pages[:, None] * per_page + torch.arange(per_page)).flatten()[None, :visible].contiguous()
     valid = torch.ones(1, visible, dtype=torch.bool)
     layers = len(csa)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        picked = kernels.index_pick(q, w, keys, rows, valid, D**-0.5, cfg.index_topk, packed)
+        picked = pick(q, w, keys, rows, valid, D**-0.5, cfg.index_topk)
         times.append(time.perf_counter() - t0)
         assert picked is not None
     return 1e3 * layers * statistics.median(times)
@@ -182,19 +195,22 @@ def measure_context(name: str, context: int, steps: int, settle: int, module_ste
 
 
 def measure_model(name: str, kv_cache_dtype: str, contexts: list[int], rounds: int, steps: int, settle: int,
-                  module_steps: int, seed: int) -> list[dict]:
+                  module_steps: int, seed: int, src: Path | None = None, first_round: int = 0) -> list[dict]:
     """Every context's row for model `name` over a `kv_cache_dtype` cache: `rounds` rounds of one process per context
     (one engine, as a serving process holds), the contexts' order reversed every other round so that a slow spell of
     the VM falls on all alike; the module path and the indexer alone in the first round's processes. The step is the
-    median over the rounds' steps; the prefill the first round's."""
+    median over the rounds' steps; the prefill the first round's. `src`: the `src/` the processes import (None: the
+    installed package); `first_round`: the number of the first of these rounds (its order; the probes in round 0)."""
     runs: dict[int, list[dict]] = {c: [] for c in contexts}
-    for r in range(rounds):
+    env = dict(os.environ, PYTHONPATH=str(src)) if src is not None else None
+    for r in range(first_round, first_round + rounds):
         for context in contexts if r % 2 == 0 else contexts[::-1]:
-            log(f"{name} ({kv_cache_dtype} cache), context {context}, round {r + 1}/{rounds}: prefill and {steps} "
-                "steps")
+            log(f"{name} ({kv_cache_dtype} cache), context {context}, round {r + 1}: prefill and {steps} steps"
+                + (f" ({src})" if src is not None else ""))
             cmd = [sys.executable, __file__, "--child", name, str(context), str(steps), str(settle),
                    str(module_steps), str(int(r == 0)), str(seed), kv_cache_dtype]
-            run = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()[-1])
+            run = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True,
+                                            env=env).stdout.splitlines()[-1])
             runs[context].append(run)
             log(f"  prefill {run['prefill_s']:.1f} s, C step {1e3 * statistics.median(run['step_s']):.2f} ms")
     rows = []
@@ -205,7 +221,8 @@ def measure_model(name: str, kv_cache_dtype: str, contexts: list[int], rounds: i
                      **{k: v for k, v in first.items() if k != "step_s"}, "step_ms": 1e3 * step,
                      "c_path_steps_missed": sum(run["c_path_steps_missed"] for run in runs[context]),
                      "round_step_ms": [1e3 * statistics.median(run["step_s"]) for run in runs[context]],
-                     "indexer_share": first["indexer_ms"] / (1e3 * step), "steps": steps - settle,
+                     "indexer_share": first["indexer_ms"] / (1e3 * step) if "indexer_ms" in first else None,
+                     "steps": steps - settle,
                      "rounds": rounds, "module_steps": module_steps})
     return rows
 
@@ -235,6 +252,75 @@ def print_table(rows: list[dict]) -> None:
               f"{'-' if r['same_tokens'] is None else r['same_tokens']} |")
 
 
+def compare_revisions(args, runs: list[tuple[str, str]], contexts: list[int]) -> None:
+    """`--baseline`: every (model, cache)'s contexts at `args.baseline`'s `src/` and at the working tree's, round by
+    round, the revisions' order alternating; per revision `print_table`'s table, then one comparing them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rev, src = export_src(args.baseline, Path(tmp))
+        revisions: list[tuple[str, Path | None]] = [(rev, src), ("now", None)]
+        rounds: dict[tuple[str, str, str], list[list[dict]]] = {}
+        for r in range(args.rounds):
+            for name, dtype in runs:
+                for label, path in revisions if r % 2 == 0 else revisions[::-1]:
+                    rows = measure_model(name, dtype, contexts, 1, args.steps, args.settle, args.module_steps,
+                                         args.seed, src=path, first_round=r)
+                    rounds.setdefault((label, name, dtype), []).append(rows)
+    merged = {key: _merged_rounds(per_round) for key, per_round in rounds.items()}
+    for rows in merged.values():
+        print_table(rows)
+    print(f"\n{rev} against now (medians of the rounds' medians, ms)\n")
+    print(f"| model | cache | context | {rev} step (rounds) | now step (rounds) | now / {rev} | {rev} vs 4k | "
+          f"now vs 4k | indexer alone ({rev}, now) | same tokens ({rev}, now) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    summary = []
+    for name, dtype in runs:
+        before, after = merged[(rev, name, dtype)], merged[("now", name, dtype)]
+        for b, a in zip(before, after):
+            row = {"model": name, "kv_cache_dtype": dtype, "context": b["context"], "baseline_ms": b["step_ms"],
+                   "current_ms": a["step_ms"], "baseline_rounds_ms": b["round_step_ms"],
+                   "current_rounds_ms": a["round_step_ms"], "baseline_vs_4k": b["vs_4k"], "current_vs_4k": a["vs_4k"],
+                   "baseline_indexer_ms": b["indexer_ms"], "current_indexer_ms": a["indexer_ms"],
+                   "same_tokens": [b["same_tokens"], a["same_tokens"]]}
+            summary.append(row)
+
+            def rounds_text(ms: list[float]) -> str:
+                return ", ".join(f"{v:.2f}" for v in ms)
+
+            print(f"| {name} | {dtype} | {b['context']} | {b['step_ms']:.2f} ({rounds_text(b['round_step_ms'])}) | "
+                  f"{a['step_ms']:.2f} ({rounds_text(a['round_step_ms'])}) | {a['step_ms'] / b['step_ms']:.2f}x | "
+                  f"{b['vs_4k']:.2f}x | {a['vs_4k']:.2f}x | {b['indexer_ms']:.2f}, {a['indexer_ms']:.2f} | "
+                  f"{b['same_tokens']}, {a['same_tokens']} |")
+    write_json("long_context_revisions", {"args": vars(args), "baseline": rev, "summary": summary,
+                                          "rows": {f"{k[0]} {k[1]} {k[2]}": v for k, v in merged.items()}})
+    fig, axes = figure(ncols=len(runs), width=4.0 * len(runs))
+    for ax, (name, dtype) in zip(axes if len(runs) > 1 else [axes], runs):
+        for (label, _), style in zip(revisions, ("o--", "o-")):
+            rows = merged[(label, name, dtype)]
+            xs = [r["context"] for r in rows]
+            ax.plot(xs, [r["step_ms"] for r in rows], style, label=f"C step, {label}")
+            ax.plot(xs, [r["indexer_ms"] for r in rows], style.replace("o", "x"), label=f"indexer alone, {label}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{name}, {dtype} cache", fontsize=8)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("ms per decode step (median)")
+        ax.legend(fontsize=6)
+    save_figure(fig, "long_context_revisions", f"decode step vs context: {rev} and now")
+
+
+def _merged_rounds(per_round: list[list[dict]]) -> list[dict]:
+    """One revision's rows of several one-round `measure_model` calls as one: the first round's (its probes), with
+    every round's step median and their median as the step."""
+    rows = [dict(row) for row in per_round[0]]
+    for i, row in enumerate(rows):
+        row["round_step_ms"] = [rounds[i]["round_step_ms"][0] for rounds in per_round]
+        row["step_ms"] = statistics.median(row["round_step_ms"])
+        row["indexer_share"] = row["indexer_ms"] / row["step_ms"]
+        row["c_path_steps_missed"] = sum(rounds[i]["c_path_steps_missed"] for rounds in per_round)
+        row["rounds"] = len(per_round)
+    return rows
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":  # one context's process (`measure_context`)
         name, (context, steps, settle, module_steps, probe, seed), dtype = sys.argv[2], map(int, sys.argv[3:9]), \
@@ -251,11 +337,15 @@ def main() -> None:
     parser.add_argument("--module-steps", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3", help="caches each model runs with")
+    parser.add_argument("--baseline", default=None, help="a git revision: each context at it and now, alternating")
     args = parser.parse_args()
     torch.set_num_threads(2)
     contexts = [int(c) for c in args.contexts.split(",")]
     models = args.models.split(",")
     runs = [(name, dtype) for name in models for dtype in args.kv_cache_dtypes.split(",")]
+    if args.baseline:
+        compare_revisions(args, runs, contexts)
+        return
     by_run = {(name, dtype): measure_model(name, dtype, contexts, args.rounds, args.steps, args.settle,
                                            args.module_steps, args.seed) for name, dtype in runs}
     for rows in by_run.values():

@@ -92,8 +92,8 @@ class ModelRunner:
         return {
             "model": f"the model has no C decode step: {self.model.decode_step_off}",
             "step_tokens": f"a step of {tokens} token rows (the C step takes at most {MAX_TOKENS})",
-            "pools": "the KV pools are neither fp32 row-major CPU tensors nor the FP8 cache's packed rows, or the "
-                     "drafter captures a layer twice",
+            "pools": "the KV pools are neither fp32 CPU rows (the indexer's keys in blocks or not) nor the FP8 "
+                     "cache's packed rows, or the drafter captures a layer twice",
             "device": f"the engine runs on {self.kv.pools.swa_kv.device.type}, not the CPU",
             "multi_stream": f"the multi-stream prepare takes steps of at most {self.stream_rows} rows",
         }[reason]

@@ -129,7 +129,7 @@ class Indexer(nn.Module):
         assert csa is not None
         q, w = self._queries(head_w, qr, rope_at)
         w, scale, k = w.contiguous(), self.dim**-0.5, self.topk
-        keys, layout = _pool_keys(index_kv)
+        keys, layout = pool_keys(index_kv)
         if not batch.segments:
             picked = cpu_kernels.index_pick(q, w, keys, csa.rows, csa.valid, scale, k, layout=layout)
             return None if picked is None else picked_entries(csa, picked, k)
@@ -174,7 +174,7 @@ class Indexer(nn.Module):
         return picked_entries(csa, picked, self.topk)
 
 
-def _pool_keys(index_kv: torch.Tensor) -> tuple[torch.Tensor, str]:
+def pool_keys(index_kv: torch.Tensor) -> tuple[torch.Tensor, str]:
     """What the C picks read of a layer's key pool, and how it holds its rows (`kernels.index_pick`'s layout): the
     FP8 cache's packed rows (decoded as the C pick reads them: the same floats), fp32 rows in blocks (`BlockedRows`),
     or the rows themselves."""

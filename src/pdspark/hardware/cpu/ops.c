@@ -194,12 +194,13 @@ void hc_expand(const float *y, const float *res, const float *post, const float 
 
 /* Lightning-indexer scores: out[t, g] = sum_h relu(q[t, h, :] . k_t[g, :]) * scale * w[t, h], for T queries of
  * H heads (q [T, H, D], w [T, H]) against V keys each (k_t = k + t * kstride, [V, D]; kstride 0: the queries share
- * their keys; or, with `rows`, the pool rows k + rows[t * rows_tstride + g] * row_stride, read in place;
- * rows_tstride 0: the queries share their rows). Every dot product is a plain sum in channel order (no partial
- * sums) and the heads are summed in order, so a score does not depend on T, V, kstride or the vector width: the
- * prefill and decode paths pick the same entries. Vector lanes run over entries (64 at a time, eight independent
- * accumulators), not channels, with each block of keys transposed channel-major once per block (once for all
- * queries when they share the keys). relu is `x > 0 ? x : +0`. out [T, V]. */
+ * their keys; or, with `rows`, the pool rows k + rows[t * rows_tstride + g] * row_stride, read in place, or of
+ * `pool`: the FP8 cache's packed rows or rows in blocks, `packed_rows.c`; rows_tstride 0: the queries share their
+ * rows). Every dot product is a plain sum in channel order (no partial sums) and the heads are summed in order, so a
+ * score does not depend on T, V, kstride, the vector width or the pool's layout: the prefill and decode paths pick
+ * the same entries. Vector lanes run over entries (64 at a time, eight independent accumulators), not channels, with
+ * each block of keys transposed channel-major once per block (once for all queries when they share the keys), or,
+ * from a pool in blocks, read in place where each 8 entries are a whole block. relu is `x > 0 ? x : +0`. out [T, V]. */
 /* kt[d * NV + i] (lanes l = 0..7) = row[8 i + l][d0 + d] for d < 8: eight rows' channels d0 .. d0+7 transposed
  * with shuffles (a scalar transpose stores one lane at a time, and each vector load of kt then waits on eight
  * stores); NULL rows are zeros. Data movement only: the scores' arithmetic is unchanged. */
