@@ -316,8 +316,7 @@ static void index_scores_from(const float *q, const float *w, const float *k, lo
                 } else if (rows != 0 && D % 8 != 0) { /* the next block's keys asked for now: pool rows lie apart */
                     for (int l = g0 + NB; l < g0 + 2 * NB && l < V; l++) prefetch_row(k + rt[l] * row_stride, D);
                 }
-                if (in_place) {
-                } else if (D % 8 == 0) {
+                if (!in_place && D % 8 == 0) {
                     for (int i = 0; i < NV; i++) {
                         if (blocked && kb8[i] != 0) continue; /* (copied into kt above) */
                         /* fp32 pool rows lie apart (layers, pages): the block after next's rows of this group of 8
@@ -328,7 +327,7 @@ static void index_scores_from(const float *q, const float *w, const float *k, lo
                                 prefetch_l2(k + rt[l] * row_stride, 0, (long)D * (long)sizeof(float));
                         for (int d0 = 0; d0 < D; d0 += 8) transpose8(r + 8 * i, d0, NV, i, kt);
                     }
-                } else {
+                } else if (!in_place) {
                     for (int l = 0; l < NB; l++) {
                         if (blocked && kb8[l / 8] != 0) continue;
                         for (int d = 0; d < D; d++) kt[d * NV + l / 8][l % 8] = r[l] != 0 ? r[l][d] : 0.0f;
