@@ -490,8 +490,7 @@ def index_pick(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch
     picked = torch.empty(T, V, dtype=torch.bool)
     scratch = torch.empty(2 * V)
     lib.index_pick(q.data_ptr(), w.data_ptr(), keys.data_ptr(), keys.stride(0), INDEX_KEYS.index(layout),
-                   rows.data_ptr(),
-                   valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
+                   rows.data_ptr(), valid.data_ptr(), T, H, V, D, scale, topk, scratch.data_ptr(), picked.data_ptr())
     return picked
 
 
