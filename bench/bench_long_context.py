@@ -299,13 +299,18 @@ def compare_revisions(args, runs: list[tuple[str, str]], contexts: list[int]) ->
             xs = [r["context"] for r in rows]
             ax.plot(xs, [r["step_ms"] for r in rows], style, label=f"C step, {label}")
             ax.plot(xs, [r["indexer_ms"] for r in rows], style.replace("o", "x"), label=f"indexer alone, {label}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{name}, {dtype} cache", fontsize=8)
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel("ms per decode step (median)")
-        ax.legend(fontsize=6)
+        _context_axes(ax, name, dtype)
     save_figure(fig, "long_context_revisions", f"decode step vs context: {rev} and now")
+
+
+def _context_axes(ax, name: str, dtype: str) -> None:
+    """One (model, cache) plot's axes: context and step time on log scales, its title and legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(f"{name}, {dtype} cache", fontsize=8)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("ms per decode step (median)")
+    ax.legend(fontsize=6)
 
 
 def _merged_rounds(per_round: list[list[dict]]) -> list[dict]:
@@ -360,12 +365,7 @@ def main() -> None:
             ax.plot(xs, [r["module_gathered_step_ms"] for r in rows], "s-", label="module step (picked rows)")
             ax.plot(xs, [r["module_mask_step_ms"] for r in rows], "^--", label="module step (mask over all entries)")
         ax.plot(xs, [r["indexer_ms"] for r in rows], "x:", label="indexer (C) alone, all CSA layers")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{name}, {dtype} cache", fontsize=8)
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel("ms per decode step (median)")
-        ax.legend(fontsize=6)
+        _context_axes(ax, name, dtype)
     save_figure(fig, "long_context", f"decode step vs context (positions to {POSITIONS})")
 
 
